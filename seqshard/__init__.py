@@ -1,0 +1,33 @@
+"""seqshard: pack Kaldi-style speech datasets into indexed tar shards and stream them into
+PyTorch training at disk speed (see README.md).
+
+Importing the package is cheap; torch and the other heavy modules load on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "pack_data": "seqshard.prep.pack",
+    "UTTS_PER_FILE": "seqshard.prep.plan",
+    "PackReport": "seqshard.prep.report",
+    "ShardIndex": "seqshard.formats.index",
+    "SeqshardError": "seqshard.errors",
+    "InputError": "seqshard.errors",
+    "ShardError": "seqshard.errors",
+    "ConfigError": "seqshard.errors",
+    "StateMismatchError": "seqshard.errors",
+}
+
+__all__ = [*_EXPORTS, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'seqshard' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,0 +1,152 @@
+"""The ``seqshard`` command: pack, inspect, verify, index, demo."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+from .errors import SeqshardError
+
+
+def _pack(args: argparse.Namespace) -> int:
+    from .prep.pack import pack_data
+
+    report = pack_data(
+        args.scp,
+        args.text,
+        args.out,
+        fmt=args.fmt,
+        filter_group=args.filter_group,
+        utts_per_file=args.utts_per_file,
+        shuffle=not args.no_shuffle,
+        seed=args.seed,
+        dtype=args.dtype,
+        jobs=args.jobs,
+        num_parts=args.num_parts,
+        part=args.part,
+        skip_bad=args.skip_bad,
+        escape_keys=args.escape_keys,
+        allow_pipes=args.allow_pipes,
+        path_map=args.path_map,
+        path_root=args.path_root,
+        num_frames_files=args.num_frames,
+        max_open=args.max_open,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
+    return 0
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from .tools.summary import format_text, plot_lengths, summarize, to_json
+
+    summary = to_json(summarize(args.patterns, jobs=args.jobs, progress=not args.quiet))
+    print(json.dumps(summary, indent=1) if args.json else format_text(summary))
+    if args.plot:
+        plot_lengths(summary, args.plot)
+        print(f"length histogram written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from .tools.verify import format_result, verify
+
+    result = verify(args.patterns, jobs=args.jobs, progress=not args.quiet)
+    print(format_result(result))
+    return 0 if result.ok else 1
+
+
+def _index(args: argparse.Namespace) -> int:
+    from .tools.reindex import rebuild_index
+
+    for path in rebuild_index(args.folder, jobs=args.jobs, progress=not args.quiet):
+        print(f"wrote {path}")
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    run_demo(args.out, num_utts=args.utts, num_workers=args.workers)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="seqshard", description="Pack Kaldi-style speech data into indexed tar shards and stream them into PyTorch training.")
+    parser.add_argument("--version", action="version", version=f"seqshard {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log more (skips, resumed shards, planning)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    pack = commands.add_parser("pack", help="pack feats.scp + text into shuffled, indexed tar shards")
+    pack.add_argument("--scp", nargs="+", action="extend", required=True, help="Kaldi feats.scp file(s); repeat or list several")
+    pack.add_argument("--text", nargs="+", action="extend", required=True, help="Kaldi text file(s): 'UTT-ID label words'")
+    pack.add_argument("--out", required=True, help="output folder")
+    pack.add_argument("--fmt", default="data-%05d.tar", help="shard file name pattern (default: %(default)s)")
+    pack.add_argument("--filter-group", action="append", metavar="LOW:HIGH", help="length group in frames, [LOW, HIGH); repeat for several sub-folders LOW_HIGH/")
+    pack.add_argument("--utts-per-file", type=int, default=2000, help="utterances per shard (default: %(default)s)")
+    pack.add_argument("--seed", type=int, default=0, help="seed of the global shuffle (default: %(default)s)")
+    pack.add_argument("--no-shuffle", action="store_true", help="keep input order (shards then follow the scp's order)")
+    pack.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="stored feature type; float16 halves the IO (default: %(default)s, lossless)")
+    pack.add_argument("--jobs", type=int, default=1, help="writer processes on this machine (default: %(default)s)")
+    pack.add_argument("--num-parts", type=int, default=1, help="split the pack into this many parts (e.g. a Slurm array)")
+    pack.add_argument("--part", type=int, default=0, help="which part this run packs, 0-based")
+    pack.add_argument("--skip-bad", action="store_true", help="skip and count bad utterances instead of stopping at the first")
+    pack.add_argument("--escape-keys", action="store_true", help="percent-encode '.', '/' and '%%' in keys instead of refusing them")
+    pack.add_argument("--allow-pipes", action="store_true", help="run shell commands found in the scp ('cmd |' entries)")
+    pack.add_argument("--path-map", action="append", metavar="OLD=NEW", help="rewrite ark path prefix OLD to NEW (data dirs made on another machine)")
+    pack.add_argument("--path-root", help="take relative ark paths from this folder (default: the current folder, as Kaldi does)")
+    pack.add_argument("--num-frames", action="append", metavar="FILE", help="utt2num_frames file(s); default: utt2num_frames next to each scp, else matrix headers")
+    pack.add_argument("--max-open", type=int, default=256, help="shards written at once per job (default: %(default)s)")
+    pack.add_argument("--overwrite", action="store_true", help="replace a pack made in --out from other inputs or options")
+    pack.add_argument("--json", action="store_true", help="print the report as JSON")
+    pack.add_argument("--quiet", action="store_true", help="no progress bars")
+    pack.set_defaults(run=_pack)
+
+    inspect = commands.add_parser("inspect", help="counts, hours and length percentiles of shards")
+    inspect.add_argument("patterns", nargs="+", help="shard patterns, e.g. 'data/{10_1000,1000_2000}/data-*.tar' or a folder")
+    inspect.add_argument("--json", action="store_true", help="print JSON (num_utts, num_frames, num_shards, hours, ...)")
+    inspect.add_argument("--plot", metavar="PNG", help="write a histogram of utterance lengths")
+    inspect.add_argument("--jobs", type=int, default=1, help="processes for reading unindexed shards")
+    inspect.add_argument("--quiet", action="store_true", help="no progress bars")
+    inspect.set_defaults(run=_inspect)
+
+    verify = commands.add_parser("verify", help="read shards fully and check them against their index; exit 1 if any is damaged")
+    verify.add_argument("patterns", nargs="+", help="shard patterns or folders")
+    verify.add_argument("--jobs", type=int, default=1, help="processes reading shards")
+    verify.add_argument("--quiet", action="store_true", help="no progress bars")
+    verify.set_defaults(run=_verify)
+
+    index = commands.add_parser("index", help="build index.json for a folder of shards (merges a pack's parts; reads foreign shards)")
+    index.add_argument("folder", help="the folder (its sub-folders with shards are indexed too)")
+    index.add_argument("--jobs", type=int, default=1, help="processes reading shards")
+    index.add_argument("--quiet", action="store_true", help="no progress bars")
+    index.set_defaults(run=_index)
+
+    demo = commands.add_parser("demo", help="make a small Kaldi dataset, pack it, stream it, and say what happened")
+    demo.add_argument("--out", default="seqshard-demo", help="working folder (default: %(default)s)")
+    demo.add_argument("--utts", type=int, default=1200, help="utterances in the demo dataset")
+    demo.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    demo.set_defaults(run=_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except SeqshardError as error:
+        print(f"seqshard {args.command}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"seqshard {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

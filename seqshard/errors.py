@@ -1,0 +1,92 @@
+"""Exceptions that name the file, line, key or shard at fault and say what to do."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+_LOG = logging.getLogger("seqshard")
+
+
+class SeqshardError(Exception):
+    """Base class of every error seqshard raises on purpose."""
+
+
+@dataclass(frozen=True)
+class Where:
+    """A place in an input: a file, optionally a 1-based line and a key."""
+
+    path: str | Path
+    line: int | None = None
+    key: str | None = None
+
+    def __str__(self) -> str:
+        text = str(self.path)
+        if self.line is not None:
+            text += f":{self.line}"
+        if self.key is not None:
+            text += f" (key {self.key!r})"
+        return text
+
+
+class InputError(SeqshardError):
+    """Bad input data. ``reason`` is a short machine-readable tag used to count skips."""
+
+    def __init__(self, where: Where, reason: str, problem: str, fix: str | None = None):
+        self.where = where
+        self.reason = reason
+        self.problem = problem
+        self.fix = fix
+        message = f"{where}: {problem}"
+        if fix:
+            message += f" Fix: {fix}"
+        super().__init__(message)
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.where, self.reason, self.problem, self.fix))
+
+
+class ShardError(SeqshardError):
+    """A shard file that cannot be read as a tar of samples."""
+
+    def __init__(self, path: str | Path, offset: int | None, problem: str):
+        self.path = str(path)
+        self.offset = offset
+        self.problem = problem
+        where = f"{path}" if offset is None else f"{path} at byte {offset}"
+        super().__init__(f"{where}: {problem}")
+
+    def __reduce__(self) -> tuple:
+        return (type(self), (self.path, self.offset, self.problem))
+
+
+class ConfigError(SeqshardError, ValueError):
+    """An impossible or inconsistent option; the message names the option."""
+
+
+class StateMismatchError(SeqshardError):
+    """A saved loader state does not fit the loader it is being loaded into."""
+
+
+class SkipCounter:
+    """Raises each bad-input error, or, when the user asked to skip, counts it by reason.
+
+    The first few skips of each reason are logged with their file, line and key, so that a
+    skip is never silent.
+    """
+
+    def __init__(self, skip: bool, log_limit: int = 5):
+        self.skip = skip
+        self.counts: dict[str, int] = {}
+        self._log_limit = log_limit
+
+    def __call__(self, error: InputError) -> None:
+        if not self.skip:
+            raise error
+        seen = self.counts.get(error.reason, 0)
+        self.counts[error.reason] = seen + 1
+        if seen < self._log_limit:
+            _LOG.warning("skipped (%s): %s", error.reason, error)
+        elif seen == self._log_limit:
+            _LOG.warning("further '%s' skips are counted but not logged", error.reason)

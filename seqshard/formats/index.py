@@ -1,0 +1,167 @@
+"""The per-folder shard index (``index.json``): what each shard holds and how to check it.
+
+Per shard: name, utterance count, total frames, byte size, CRC-32 and a histogram of
+utterance lengths (8 log-spaced bins per octave, so percentiles are known to about 4% without
+storing every length). Dataset facts: feature field, dim, dtype, frame shift, and how and when
+the folder was made. The loader plans from it (balanced assignment, epoch length); ``verify``
+checks shards against it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import SeqshardError
+
+INDEX_NAME = "index.json"
+FORMAT = "seqshard-index"
+VERSION = 1
+BINS_PER_OCTAVE = 8
+
+
+def length_bin(frames: int) -> int:
+    """Histogram bin of an utterance of ``frames`` frames (frames >= 1)."""
+    return int(math.floor(math.log2(max(frames, 1)) * BINS_PER_OCTAVE + 1e-9))
+
+
+def bin_bounds(index: int) -> tuple[float, float]:
+    """Lengths covered by a bin: ``[low, high)``."""
+    return 2 ** (index / BINS_PER_OCTAVE), 2 ** ((index + 1) / BINS_PER_OCTAVE)
+
+
+def merge_histograms(histograms: Iterable[dict[int, int]]) -> dict[int, int]:
+    total: dict[int, int] = {}
+    for histogram in histograms:
+        for index, count in histogram.items():
+            total[index] = total.get(index, 0) + count
+    return dict(sorted(total.items()))
+
+
+def histogram_percentile(histogram: dict[int, int], q: float) -> float:
+    """Length at percentile ``q`` (0-100), interpolated geometrically inside its bin."""
+    total = sum(histogram.values())
+    if total == 0:
+        return 0.0
+    target = q / 100 * total
+    seen = 0
+    for index in sorted(histogram):
+        count = histogram[index]
+        if seen + count >= target:
+            low, high = bin_bounds(index)
+            fraction = (target - seen) / count if count else 0.0
+            return low * (high / low) ** fraction
+        seen += count
+    return bin_bounds(max(histogram))[1]
+
+
+@dataclass
+class ShardEntry:
+    """One shard of a folder."""
+
+    name: str
+    num_utts: int
+    num_frames: int
+    bytes: int
+    checksum: str
+    length_hist: dict[int, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        entry = asdict(self)
+        entry["length_hist"] = {str(k): v for k, v in sorted(self.length_hist.items())}
+        return entry
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> ShardEntry:
+        return cls(
+            name=entry["name"],
+            num_utts=int(entry["num_utts"]),
+            num_frames=int(entry["num_frames"]),
+            bytes=int(entry["bytes"]),
+            checksum=str(entry["checksum"]),
+            length_hist={int(k): int(v) for k, v in entry.get("length_hist", {}).items()},
+        )
+
+
+@dataclass
+class ShardIndex:
+    """Everything ``index.json`` says about one folder of shards."""
+
+    shards: list[ShardEntry]
+    feature: dict[str, Any] = field(default_factory=dict)  # field, dim, dtype, frame_shift_ms
+    created: str = ""
+    created_by: str = ""
+    source: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_utts(self) -> int:
+        return sum(s.num_utts for s in self.shards)
+
+    @property
+    def num_frames(self) -> int:
+        return sum(s.num_frames for s in self.shards)
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.shards)
+
+    def entry(self, name: str) -> ShardEntry | None:
+        for shard in self.shards:
+            if shard.name == name:
+                return shard
+        return None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "created": self.created,
+            "created_by": self.created_by,
+            "feature": self.feature,
+            "totals": {"num_shards": len(self.shards), "num_utts": self.num_utts, "num_frames": self.num_frames, "bytes": self.bytes},
+            "source": self.source,
+            "shards": [s.to_json() for s in self.shards],
+        }
+
+    def save(self, folder: str | Path) -> Path:
+        """Write ``folder/index.json`` atomically (temporary name, then rename)."""
+        path = Path(folder) / INDEX_NAME
+        write_json_atomic(path, self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, folder: str | Path) -> ShardIndex | None:
+        """The index of ``folder``, or None when it has none."""
+        path = Path(folder) / INDEX_NAME
+        try:
+            with open(path, encoding="utf-8") as stream:
+                data = json.load(stream)
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError) as error:
+            raise SeqshardError(f"{path}: unreadable index ({error}). Rebuild it with `seqshard index {folder}`.") from None
+        if data.get("format") != FORMAT or int(data.get("version", 0)) > VERSION:
+            raise SeqshardError(f"{path}: not a seqshard index of version <= {VERSION}. Rebuild it with `seqshard index {folder}`.")
+        return cls(
+            shards=[ShardEntry.from_json(s) for s in data["shards"]],
+            feature=data.get("feature", {}),
+            created=data.get("created", ""),
+            created_by=data.get("created_by", ""),
+            source=data.get("source", {}),
+        )
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` so that a reader sees the old file or the new one, never half."""
+    temporary = path.with_name(f".{path.name}.partial")
+    with open(temporary, "w", encoding="utf-8") as stream:
+        json.dump(data, stream, indent=1, ensure_ascii=False)
+        stream.write("\n")
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, path)

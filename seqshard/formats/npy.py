@@ -1,0 +1,75 @@
+"""``.npy`` members: header encoding for writing and zero-copy decoding for reading."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+
+_MAGIC = b"\x93NUMPY"
+# The header numpy itself writes. Parsing it with this regex takes ~2 us against ~25 us for
+# numpy's ast-based reader (measured on 800x80 float32), which matters at thousands of
+# utterances per second; any other header goes through numpy's reader.
+_PLAIN_HEADER = re.compile(
+    rb"\{'descr': '([<>|=]?[a-zA-Z]\d*)', 'fortran_order': (True|False), 'shape': \(([\d, ]*)\), *\}"
+)
+
+
+def npy_header(array: np.ndarray) -> bytes:
+    """The ``.npy`` header that precedes ``array``'s raw C-order bytes."""
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, np.lib.format.header_data_from_array_1_0(array))
+    return buffer.getvalue()
+
+
+def npy_parts(array: np.ndarray) -> tuple[bytes, memoryview]:
+    """Header and payload of ``array`` as ``.npy``, without copying the payload."""
+    array = np.ascontiguousarray(array)
+    return npy_header(array), memoryview(array).cast("B")
+
+
+def decode_npy(data: bytes | memoryview) -> np.ndarray:
+    """Read an ``.npy`` member as an array viewing ``data`` (no copy, no pickle).
+
+    Raises ValueError on anything that is not a plain numeric ``.npy``.
+    """
+    view = memoryview(data)
+    if bytes(view[:6]) != _MAGIC:
+        raise ValueError("not an .npy array (bad magic bytes)")
+    major = view[6]
+    if major == 1:
+        header_len = int.from_bytes(view[8:10], "little")
+        start = 10
+    elif major in (2, 3):
+        header_len = int.from_bytes(view[8:12], "little")
+        start = 12
+    else:
+        raise ValueError(f"unsupported .npy format version {major}")
+    shape, fortran_order, dtype = _parse_header(bytes(view[: start + header_len]), start, major)
+    if dtype.hasobject:
+        raise ValueError("the .npy holds Python objects; seqshard never unpickles data")
+    count = int(np.prod(shape, dtype=np.int64))
+    payload = start + header_len
+    if len(view) - payload < count * dtype.itemsize:
+        raise ValueError(
+            f".npy is truncated: header says {shape} {dtype}, "
+            f"{count * dtype.itemsize} bytes, found {len(view) - payload}"
+        )
+    array = np.frombuffer(view, dtype=dtype, count=count, offset=payload)
+    if fortran_order:
+        return array.reshape(shape[::-1]).T
+    return array.reshape(shape)
+
+
+def _parse_header(header: bytes, start: int, major: int) -> tuple[tuple[int, ...], bool, np.dtype]:
+    match = _PLAIN_HEADER.match(header, start)
+    if match:
+        dims = match.group(3).replace(b" ", b"").split(b",")
+        shape = tuple(int(d) for d in dims if d)
+        return shape, match.group(2) == b"True", np.dtype(match.group(1).decode())
+    stream = io.BytesIO(header)
+    stream.seek(8)
+    if major == 1:
+        return np.lib.format.read_array_header_1_0(stream)
+    return np.lib.format.read_array_header_2_0(stream)

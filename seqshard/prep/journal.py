@@ -1,0 +1,51 @@
+"""The pack journal: which shards are finished, kept in ``OUT/.seqshard-pack/``.
+
+Each writer process appends one JSON line per shard after the shard has been renamed to its
+final name. A rerun of the same command trusts a shard only when it has both its file (of the
+recorded size) and its journal line, and writes every other shard again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+STATE_DIR = ".seqshard-pack"
+
+
+class Journal:
+    """Append-only journal file of one writer process."""
+
+    def __init__(self, d_out: Path, name: str):
+        folder = Path(d_out) / STATE_DIR
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f"journal-{name}.jsonl"
+
+    def append(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a", encoding="utf-8") as stream:
+            stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+
+
+def finished_shards(d_out: Path) -> dict[str, dict[str, Any]]:
+    """Records of shards that are complete on disk, keyed by path relative to ``d_out``."""
+    records: dict[str, dict[str, Any]] = {}
+    for journal in sorted((Path(d_out) / STATE_DIR).glob("journal-*.jsonl")):
+        with open(journal, encoding="utf-8") as stream:
+            for line in stream:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a line cut short by a crash: its shard is redone
+                relative = record_path(record)
+                path = Path(d_out) / relative
+                if path.is_file() and path.stat().st_size == record["bytes"]:
+                    records[relative] = record
+    return records
+
+
+def record_path(record: dict[str, Any]) -> str:
+    return f"{record['group']}/{record['name']}" if record["group"] else record["name"]

@@ -1,0 +1,316 @@
+"""``pack_data``: Kaldi features + labels -> indexed, globally shuffled tar shards.
+
+The work is split into shards: ``--num-parts P --part I`` takes every P-th shard (for a Slurm
+array or any scheduler, all parts writing into one shared folder) and ``jobs`` processes
+share a part's shards. A rerun of the same command after a crash skips finished shards. The
+part that finds every shard finished writes each folder's ``index.json`` and the report.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import __version__
+from ..errors import ConfigError, InputError, SeqshardError, Where
+from ..formats.index import ShardEntry, ShardIndex, write_json_atomic
+from ..formats.kaldi import MatrixReader
+from ..progress import Progress
+from .journal import STATE_DIR, Journal, finished_shards, record_path
+from .plan import UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
+from .report import REPORT_NAME, GroupTotals, PackReport, summarize_records
+from .write import DEFAULT_MAX_OPEN, remove_partials, write_shards
+
+_LOG = logging.getLogger("seqshard")
+RUN_FILE = "run.json"
+FRAME_SHIFT_FILE = "frame_shift"
+
+
+def pack_data(
+    f_scps: str | Path | Sequence[str | Path],
+    f_labels: str | Path | Sequence[str | Path],
+    d_out: str | Path,
+    fmt: str = "data-%05d.tar",
+    filter_group: Sequence[str] | str | None = None,
+    *,
+    utts_per_file: int = UTTS_PER_FILE,
+    shuffle: bool = True,
+    seed: int = 0,
+    dtype: str = "float32",
+    jobs: int = 1,
+    num_parts: int = 1,
+    part: int = 0,
+    skip_bad: bool = False,
+    escape_keys: bool = False,
+    allow_pipes: bool = False,
+    path_map: Mapping[str, str] | Sequence[str] | None = None,
+    path_root: str | Path | None = None,
+    num_frames_files: Sequence[str | Path] | None = None,
+    max_open: int = DEFAULT_MAX_OPEN,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> PackReport:
+    """Pack ``feats.scp`` file(s) and ``text`` file(s) into tar shards under ``d_out``.
+
+    ``filter_group=["10:1000", "1000:2000"]`` writes utterances of ``[10, 1000)`` frames to
+    ``d_out/10_1000/`` and so on (others are dropped and counted); without it all go to
+    ``d_out``. Each folder gets ``index.json``; ``d_out/pack_report.json`` says what happened.
+    Bad input raises InputError naming file, line and key, unless ``skip_bad`` (then it is
+    counted in the report). See README for every option.
+    """
+    started = time.perf_counter()
+    scp_files = _as_paths(f_scps, "f_scps")
+    text_files = _as_paths(f_labels, "f_labels")
+    if jobs < 1 or num_parts < 1 or not 0 <= part < num_parts or max_open < 1:
+        raise ConfigError(f"need jobs >= 1, max_open >= 1 and 0 <= part < num_parts (got jobs={jobs}, part={part}, num_parts={num_parts}, max_open={max_open}).")
+    options = PackOptions(
+        fmt=fmt,
+        groups=parse_groups(filter_group),
+        utts_per_file=utts_per_file,
+        shuffle=shuffle,
+        seed=seed,
+        dtype=dtype,
+        skip_bad=skip_bad,
+        escape_keys=escape_keys,
+        allow_pipes=allow_pipes,
+        path_map=_parse_path_map(path_map),
+        path_root=str(path_root) if path_root else None,
+        num_frames_files=tuple(str(p) for p in num_frames_files or ()),
+    )
+    d_out = Path(d_out)
+    d_out.mkdir(parents=True, exist_ok=True)
+    _claim_output(d_out, options, scp_files, text_files, overwrite)
+
+    with Progress(progress) as bars:
+        plan = build_plan(scp_files, text_files, d_out, options, bars.bar)
+        dim = _feature_dim(plan, options)
+        if overwrite:
+            for task in plan.tasks:
+                task.path.unlink(missing_ok=True)
+        mine = [t for t in plan.tasks if t.ordinal % num_parts == part]
+        done = finished_shards(d_out)
+        todo = [t for t in mine if _relative(t) not in done]
+        remove_partials(todo)
+        if len(todo) < len(mine):
+            _LOG.info("%d of this part's %d shards are already finished; writing %d", len(mine) - len(todo), len(mine), len(todo))
+        _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars)
+
+    records = finished_shards(d_out)
+    complete = _write_indexes(plan, records, options, dim, d_out, scp_files, text_files)
+    report = _report(plan, records, todo, d_out, complete, time.perf_counter() - started, dim, options)
+    if complete:
+        write_json_atomic(d_out / REPORT_NAME, report.to_json())
+    else:
+        write_json_atomic(d_out / STATE_DIR / f"report-part{part}.json", report.to_json())
+    return report
+
+
+def _as_paths(value: str | Path | Sequence[str | Path], name: str) -> list[Path]:
+    paths = [Path(value)] if isinstance(value, (str, Path)) else [Path(v) for v in value]
+    if not paths:
+        raise ConfigError(f"{name}: give at least one file.")
+    for path in paths:
+        if not path.is_file():
+            raise InputError(Where(path), "missing_input", "the file does not exist.", f"check the {name} argument.")
+    return paths
+
+
+def _parse_path_map(path_map: Mapping[str, str] | Sequence[str] | None) -> tuple[tuple[str, str], ...]:
+    if not path_map:
+        return ()
+    if isinstance(path_map, Mapping):
+        return tuple(path_map.items())
+    pairs = []
+    for item in path_map:
+        old, sep, new = str(item).partition("=")
+        if not sep or not old:
+            raise ConfigError(f"path_map {item!r}: expected 'OLD_PREFIX=NEW_PREFIX'.")
+        pairs.append((old, new))
+    return tuple(pairs)
+
+
+def _fingerprint(options: PackOptions, scp_files: Sequence[Path], text_files: Sequence[Path]) -> dict[str, Any]:
+    inputs = []
+    for path in [*scp_files, *text_files]:
+        stat = path.stat()
+        inputs.append({"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
+    described = {"options": json.loads(json.dumps(asdict(options))), "inputs": inputs}
+    described["fingerprint"] = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
+    return described
+
+
+def _claim_output(d_out: Path, options: PackOptions, scp_files: Sequence[Path], text_files: Sequence[Path], overwrite: bool) -> None:
+    """Record what this folder is being packed from; refuse a folder packed from other inputs."""
+    state = d_out / STATE_DIR
+    described = _fingerprint(options, scp_files, text_files)
+    run_file = state / RUN_FILE
+    if overwrite and state.exists():
+        shutil.rmtree(state)
+    if run_file.exists():
+        previous = json.loads(run_file.read_text(encoding="utf-8"))
+        if previous.get("fingerprint") != described["fingerprint"]:
+            raise ConfigError(
+                f"{d_out} holds a pack (or part of one) made from other inputs or options (see {run_file}). "
+                "Use a new output folder, or pass --overwrite (overwrite=True) to replace it."
+            )
+        return
+    state.mkdir(parents=True, exist_ok=True)
+    described["created"] = _now()
+    write_json_atomic(run_file, described)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _relative(task: ShardTask) -> str:
+    return f"{task.group}/{task.path.name}" if task.group else task.path.name
+
+
+def _feature_dim(plan: PackPlan, options: PackOptions) -> int:
+    """The dataset's feature dimension: that of the first planned utterance that reads."""
+    with MatrixReader(allow_pipes=options.allow_pipes) as reader:
+        for row in np.flatnonzero(plan.shard_of_row >= 0)[:1000]:
+            key, value = plan.scp.record(int(row))
+            where = plan.scp.where(int(row), key)
+            try:
+                return int(reader.shape(options.location(value, where), where)[1])
+            except InputError:
+                continue  # reported when the utterance itself is written
+    if plan.num_planned == 0:
+        return 0
+    raise SeqshardError("none of the first 1000 planned utterances could be read; check the arks (run without --skip-bad to see why).")
+
+
+def _write_all(plan: PackPlan, todo: list[ShardTask], options: PackOptions, dim: int, d_out: Path, name: str, jobs: int, max_open: int, bars: Progress) -> None:
+    total = sum(t.num_planned for t in todo)
+    if not todo:
+        return
+    jobs = min(jobs, len(todo))
+    if jobs == 1:
+        advance = bars.bar("pack", total, unit="utt")
+        write_shards(plan, todo, options, dim, Journal(d_out, f"{name}-{os.getpid()}"), advance, max_open)
+        return
+    context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
+    counters = context.Array("q", jobs, lock=False)
+    errors = context.SimpleQueue()
+    processes = [
+        context.Process(target=_job_main, args=(plan, todo[j::jobs], options, dim, d_out, f"{name}-{j}-{os.getpid()}", max_open, counters, j, errors), name=f"seqshard-pack-{j}")
+        for j in range(jobs)
+    ]
+    for process in processes:
+        process.start()
+    advance = bars.bar(f"pack ({jobs} jobs)", total, unit="utt")
+    shown = 0
+    try:
+        while any(p.is_alive() for p in processes) or any(p.exitcode is None for p in processes):
+            time.sleep(0.2)
+            now = sum(counters)
+            advance(now - shown)
+            shown = now
+            if any(p.exitcode not in (None, 0) for p in processes):
+                break
+        for process in processes:
+            process.join(timeout=0.1 if any(p.exitcode for p in processes) else None)
+        failed = [p for p in processes if p.exitcode not in (None, 0)]
+        if failed:
+            error = errors.get() if not errors.empty() else SeqshardError(f"pack job {failed[0].name} died with exit code {failed[0].exitcode}")
+            raise error
+        advance(sum(counters) - shown)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+                process.join()
+
+
+def _job_main(plan: PackPlan, tasks: list[ShardTask], options: PackOptions, dim: int, d_out: Path, name: str, max_open: int, counters: Any, slot: int, errors: Any) -> None:
+    def advance(count: int) -> None:
+        counters[slot] += count
+
+    try:
+        write_shards(plan, tasks, options, dim, Journal(d_out, name), advance, max_open)
+    except BaseException as error:  # report any failure to the parent, then exit non-zero
+        errors.put(error if isinstance(error, SeqshardError) else SeqshardError(f"{type(error).__name__}: {error}"))
+        raise SystemExit(1) from None
+
+
+def _write_indexes(plan: PackPlan, records: dict[str, dict[str, Any]], options: PackOptions, dim: int, d_out: Path, scp_files: Sequence[Path], text_files: Sequence[Path]) -> bool:
+    """Write ``index.json`` in every group folder whose shards are all finished."""
+    complete = True
+    frame_shift_ms = _frame_shift_ms(scp_files)
+    for name in plan.group_names:
+        tasks = [t for t in plan.tasks if t.group == name]
+        if any(_relative(t) not in records for t in tasks):
+            complete = False
+            continue
+        folder = d_out / name if name else d_out
+        folder.mkdir(parents=True, exist_ok=True)
+        entries = [ShardEntry.from_json(records[_relative(t)]) for t in tasks]
+        index = ShardIndex(
+            shards=entries,
+            feature={"field": "feats.npy", "label_field": "txt", "dim": dim, "dtype": options.dtype, "frame_shift_ms": frame_shift_ms},
+            created=_now(),
+            created_by=f"seqshard {__version__} pack",
+            source={
+                "scp": [str(p) for p in scp_files],
+                "text": [str(p) for p in text_files],
+                "group": name,
+                "shuffle": options.shuffle,
+                "seed": options.seed,
+                "utts_per_file": options.utts_per_file,
+            },
+        )
+        index.save(folder)
+    return complete
+
+
+def _frame_shift_ms(scp_files: Sequence[Path]) -> float:
+    """Kaldi's ``frame_shift`` file (seconds) next to the first scp, else 10 ms."""
+    candidate = Path(scp_files[0]).parent / FRAME_SHIFT_FILE
+    try:
+        return float(candidate.read_text().split()[0]) * 1000
+    except (OSError, ValueError, IndexError):
+        return 10.0
+
+
+def _report(plan: PackPlan, records: dict[str, dict[str, Any]], written: list[ShardTask], d_out: Path, complete: bool, wall: float, dim: int, options: PackOptions) -> PackReport:
+    mine = [records[_relative(t)] for t in plan.tasks if _relative(t) in records]
+    groups, skipped, histogram = summarize_records(mine)
+    dropped = dict(plan.dropped)
+    for reason, count in skipped.items():
+        dropped[reason] = dropped.get(reason, 0) + count
+    written_now = [records[_relative(t)] for t in written if _relative(t) in records]
+    packed = sum(g.utts for g in groups.values())
+    frames = sum(g.frames for g in groups.values())
+    return PackReport(
+        output=str(d_out),
+        complete=complete,
+        input_utts=plan.input_lines,
+        packed=packed,
+        dropped=dict(sorted(dropped.items())),
+        label_issues=dict(sorted(plan.label_issues.items())),
+        num_labels=plan.num_labels,
+        groups={name: groups.get(name) or GroupTotals() for name in plan.group_names},
+        shards_total=len(plan.tasks),
+        shards_done=len(mine),
+        shards_written_now=len(written_now),
+        bytes_written_now=sum(r["bytes"] for r in written_now),
+        wall_seconds=wall,
+        dim=dim,
+        dtype=options.dtype,
+        float16_saved_bytes=frames * dim * 2 if options.dtype == "float16" else 0,
+        length_hist=histogram,
+    )

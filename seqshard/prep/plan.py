@@ -1,0 +1,253 @@
+"""Planning a pack: which utterance goes into which shard, decided before any feature is read.
+
+The plan joins the scp entries with their labels, drops (or refuses) bad entries, sorts
+utterances into length groups and gives each kept utterance a shard. With shuffling on, the
+shard of an utterance comes from a seeded permutation of its group, so every shard is a
+uniform random sample of the group however the scp is sorted, and shards have exactly
+``utts_per_file`` utterances (the last one of a group fewer). The plan is a pure function of
+the inputs and options: a crashed or distributed pack recomputes the same one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, InputError, SkipCounter, Where
+from ..formats.kaldi import ArkLocation, MatrixReader, parse_location
+from ..formats.keys import escape_key, key_problem
+from .tables import KeyTable
+
+_LOG = logging.getLogger("seqshard")
+
+UTTS_PER_FILE = 2000
+NUM_FRAMES_FILE = "utt2num_frames"
+
+
+@dataclass(frozen=True, order=True)
+class LengthGroup:
+    """Utterances of ``low <= frames < high``; written to the sub-folder ``low_high``."""
+
+    low: int
+    high: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.low}_{self.high}"
+
+    @classmethod
+    def parse(cls, spec: str) -> LengthGroup:
+        low, sep, high = str(spec).partition(":")
+        try:
+            group = cls(int(low), int(high))
+        except ValueError:
+            raise ConfigError(f"filter_group {spec!r}: expected 'LOW:HIGH' in frames, e.g. '10:1000'.") from None
+        if not sep or group.low < 0 or group.high <= group.low:
+            raise ConfigError(f"filter_group {spec!r}: expected 'LOW:HIGH' with 0 <= LOW < HIGH.")
+        return group
+
+
+def parse_groups(specs: Sequence[str] | str | None) -> tuple[LengthGroup, ...]:
+    """Parse and check ``filter_group``; an empty tuple means one folder, no length filter."""
+    if specs is None:
+        return ()
+    if isinstance(specs, str):
+        specs = [specs]
+    groups = sorted(LengthGroup.parse(s) for s in specs)
+    for before, after in zip(groups, groups[1:]):
+        if after.low < before.high:
+            raise ConfigError(f"filter_group {before.low}:{before.high} and {after.low}:{after.high} overlap; an utterance would be packed twice.")
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    """Every option that changes what a pack writes (and so its fingerprint)."""
+
+    fmt: str = "data-%05d.tar"
+    groups: tuple[LengthGroup, ...] = ()
+    utts_per_file: int = UTTS_PER_FILE
+    shuffle: bool = True
+    seed: int = 0
+    dtype: str = "float32"
+    skip_bad: bool = False
+    escape_keys: bool = False
+    allow_pipes: bool = False
+    path_map: tuple[tuple[str, str], ...] = ()
+    path_root: str | None = None
+    num_frames_files: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.utts_per_file < 1:
+            raise ConfigError(f"utts_per_file must be >= 1, got {self.utts_per_file}.")
+        if self.dtype not in ("float32", "float16"):
+            raise ConfigError(f"dtype must be 'float32' or 'float16', got {self.dtype!r}.")
+        try:
+            first, second = self.fmt % 0, self.fmt % 1
+        except (TypeError, ValueError):
+            raise ConfigError(f"fmt {self.fmt!r} must hold one integer field, e.g. 'data-%05d.tar'.") from None
+        if first == second or not first.endswith(".tar") or "/" in first:
+            raise ConfigError(f"fmt {self.fmt!r} must number the shards and end in '.tar', e.g. 'data-%05d.tar'.")
+
+    def location(self, value: str, where: Where) -> ArkLocation:
+        root = Path(self.path_root) if self.path_root else None
+        return parse_location(value, where, self.path_map, root)
+
+    def shard_key(self, key: str) -> str:
+        return escape_key(key) if self.escape_keys else key
+
+
+@dataclass
+class ShardTask:
+    """One output shard: where it goes and how many planned utterances it holds."""
+
+    ordinal: int  # position among all shards of the pack
+    group: str  # sub-folder name, "" without length groups
+    index: int  # shard number inside its group
+    path: Path
+    num_planned: int
+
+
+@dataclass
+class PackPlan:
+    """Per scp row: its label row, frames (-1 unknown) and shard ordinal (-1 dropped)."""
+
+    scp: KeyTable
+    labels: KeyTable
+    label_rows: np.ndarray
+    frames: np.ndarray
+    shard_of_row: np.ndarray
+    tasks: list[ShardTask]
+    group_names: list[str]
+    input_lines: int
+    dropped: dict[str, int] = field(default_factory=dict)  # utterance drops by reason
+    label_issues: dict[str, int] = field(default_factory=dict)  # text-side problems by reason
+    num_labels: int = 0
+
+    @property
+    def num_planned(self) -> int:
+        return int((self.shard_of_row >= 0).sum())
+
+
+def build_plan(
+    scp_files: Sequence[Path],
+    text_files: Sequence[Path],
+    d_out: Path,
+    options: PackOptions,
+    progress: Callable[[str, int], Callable[[int], None]] | None = None,
+) -> PackPlan:
+    """Scan the inputs and decide every utterance's fate (see the module docstring)."""
+    drops = SkipCounter(options.skip_bad)
+    label_issues = SkipCounter(options.skip_bad)
+    scan_progress = progress("scan inputs", sum(Path(f).stat().st_size for f in [*scp_files, *text_files])) if progress else None
+
+    def check_scp(key: str, value: str, where: Where) -> None:
+        problem = key_problem(key)
+        if problem and not (options.escape_keys and key):
+            raise InputError(where, "bad_key", f"{problem}.", "rename the utterance, or pass --escape-keys (escape_keys=True) to store it percent-encoded.")
+        options.location(value, where)
+
+    scp = KeyTable.scan(scp_files, drops, needs_value=True, check=check_scp, progress=scan_progress)
+    labels = KeyTable.scan(text_files, label_issues, needs_value=False, progress=scan_progress)
+    if len(scp) + scp.bad_lines == 0:
+        raise InputError(Where(", ".join(map(str, scp_files))), "empty_input", "the scp files hold no entries.", "check that you gave the right feats.scp.")
+    keep = np.ones(len(scp), dtype=bool)
+
+    for row, first in scp.repeated_rows():
+        key = scp.record(row)[0]
+        drops(InputError(scp.where(row, key), "duplicate_key", f"the key was already given at {scp.where(first)}.", "remove duplicate entries (utils/fix_data_dir.sh), or pass --skip-bad to keep the first."))
+        keep[row] = False
+    duplicate_labels = np.zeros(len(labels), dtype=bool)
+    for row, first in labels.repeated_rows():
+        key = labels.record(row)[0]
+        label_issues(InputError(labels.where(row, key), "duplicate_label", f"the key already has a label at {labels.where(first)}.", "remove duplicate lines from the text files, or pass --skip-bad to keep the first."))
+        duplicate_labels[row] = True
+
+    label_rows = labels.lookup(scp.hashes)
+    for row in np.flatnonzero(keep & (label_rows < 0)):
+        key = scp.record(int(row))[0]
+        drops(InputError(scp.where(int(row), key), "no_label", "the utterance has features but no label in the text files.", "add its label, or pass --skip-bad to leave it out."))
+        keep[row] = False
+
+    used = np.zeros(len(labels), dtype=bool)
+    used[label_rows[keep]] = True
+    unused = np.flatnonzero(~used & ~duplicate_labels)
+    for row in unused:
+        key = labels.record(int(row))[0]
+        label_issues(InputError(labels.where(int(row), key), "no_features", f"the label has no features in the scp files{_and_more(len(unused))}.", "add its features to the scp, or pass --skip-bad to ignore such labels."))
+
+    frames = np.full(len(scp), -1, dtype=np.int64)
+    group_of_row = np.zeros(len(scp), dtype=np.int64)
+    outside = 0
+    if options.groups:
+        frames = _frames_of(scp, scp_files, keep, options, drops, progress)
+        keep &= frames >= 0
+        zero = keep & (frames == 0)
+        for row in np.flatnonzero(zero):
+            drops(InputError(scp.where(int(row), scp.record(int(row))[0]), "zero_length", "the matrix has no frames.", "remove it, or pass --skip-bad."))
+        keep &= ~zero
+        group_of_row = np.full(len(scp), -1, dtype=np.int64)
+        for number, group in enumerate(options.groups):
+            group_of_row[(frames >= group.low) & (frames < group.high)] = number
+        outside = int((keep & (group_of_row < 0)).sum())
+        keep &= group_of_row >= 0
+
+    shard_of_row = np.full(len(scp), -1, dtype=np.int64)
+    tasks: list[ShardTask] = []
+    group_names = [g.name for g in options.groups] or [""]
+    for number, name in enumerate(group_names):
+        rows = np.flatnonzero(keep & (group_of_row == number))
+        positions = np.arange(len(rows))
+        if options.shuffle:
+            group = options.groups[number] if options.groups else None
+            entropy = [options.seed, group.low, group.high] if group else [options.seed]
+            positions = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy))).permutation(len(rows))
+        shard_in_group = positions // options.utts_per_file
+        num_shards = math.ceil(len(rows) / options.utts_per_file)
+        counts = np.bincount(shard_in_group, minlength=num_shards)
+        folder = d_out / name if name else d_out
+        first_ordinal = len(tasks)
+        for index in range(num_shards):
+            tasks.append(ShardTask(first_ordinal + index, name, index, folder / (options.fmt % index), int(counts[index])))
+        shard_of_row[rows] = first_ordinal + shard_in_group
+
+    dropped = dict(drops.counts)
+    if outside:
+        dropped["outside_groups"] = outside
+    return PackPlan(scp, labels, label_rows, frames, shard_of_row, tasks, group_names, len(scp) + scp.bad_lines, dropped, dict(label_issues.counts), len(labels) + labels.bad_lines)
+
+
+def _and_more(count: int) -> str:
+    return f" ({count - 1} more labels have the same problem)" if count > 1 else ""
+
+
+def _frames_of(scp: KeyTable, scp_files: Sequence[Path], keep: np.ndarray, options: PackOptions, drops: SkipCounter, progress: Callable[[str, int], Callable[[int], None]] | None) -> np.ndarray:
+    """Frames per scp row (-1 for rows that could not be read), from ``utt2num_frames``
+    files when present (next to each scp, or given) and from matrix headers otherwise."""
+    frames = np.full(len(scp), -1, dtype=np.int64)
+    count_files = [Path(f) for f in options.num_frames_files] or [Path(f).parent / NUM_FRAMES_FILE for f in scp_files if (Path(f).parent / NUM_FRAMES_FILE).is_file()]
+    if count_files:
+        counts = KeyTable.scan(sorted(set(count_files)), SkipCounter(False), number=True)
+        found = counts.lookup(scp.hashes)
+        assert counts.values is not None
+        frames[found >= 0] = counts.values[found[found >= 0]]
+        _LOG.info("frame counts from %s", ", ".join(map(str, sorted(set(count_files)))))
+    missing = np.flatnonzero(keep & (frames < 0))
+    if len(missing):
+        advance = progress("read matrix headers", len(missing)) if progress else None
+        with MatrixReader(allow_pipes=options.allow_pipes) as reader:
+            for row in missing:
+                key, value = scp.record(int(row))
+                where = scp.where(int(row), key)
+                try:
+                    frames[row] = reader.shape(options.location(value, where), where)[0]
+                except InputError as error:
+                    drops(error)
+                if advance:
+                    advance(1)
+    return frames

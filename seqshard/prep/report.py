@@ -1,0 +1,87 @@
+"""What a pack did: utterances packed per group, dropped by reason, shards, bytes, speed."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..formats.index import merge_histograms
+
+REPORT_NAME = "pack_report.json"
+
+
+@dataclass
+class GroupTotals:
+    utts: int = 0
+    shards: int = 0
+    frames: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class PackReport:
+    """The outcome of ``pack_data``; ``complete`` is False while parts are still missing.
+
+    ``input_utts`` counts every scp line. When ``complete``, ``packed + sum(dropped) ==
+    input_utts``: each entry either went into exactly one shard or is counted under a reason.
+    """
+
+    output: str
+    complete: bool
+    input_utts: int
+    packed: int
+    dropped: dict[str, int]
+    label_issues: dict[str, int]
+    num_labels: int
+    groups: dict[str, GroupTotals]
+    shards_total: int
+    shards_done: int
+    shards_written_now: int
+    bytes_written_now: int
+    wall_seconds: float
+    dim: int
+    dtype: str
+    float16_saved_bytes: int = 0
+    length_hist: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes_written_now / 1e6 / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["mb_per_s"] = round(self.mb_per_s, 1)
+        data["length_hist"] = {str(k): v for k, v in self.length_hist.items()}
+        return data
+
+    def format_text(self) -> str:
+        lines = [f"seqshard pack -> {self.output}" + ("" if self.complete else "  (INCOMPLETE: other parts still to run)")]
+        lines.append(f"  input utterances : {self.input_utts}")
+        lines.append(f"  packed           : {self.packed}")
+        for reason, count in sorted(self.dropped.items()):
+            lines.append(f"  dropped          : {count:>8}  {reason}")
+        for reason, count in sorted(self.label_issues.items()):
+            lines.append(f"  label issue      : {count:>8}  {reason} (of {self.num_labels} label lines)")
+        for name, group in self.groups.items():
+            lines.append(f"  group {name or '(all)':<11}: {group.utts} utts in {group.shards} shards, {group.frames} frames, {group.bytes / 1e6:.1f} MB")
+        lines.append(f"  shards           : {self.shards_done}/{self.shards_total} done, {self.shards_written_now} written by this run")
+        lines.append(f"  this run         : {self.bytes_written_now / 1e6:.1f} MB in {self.wall_seconds:.1f} s = {self.mb_per_s:.1f} MB/s")
+        if self.dtype == "float16":
+            lines.append(f"  float16 saved    : {self.float16_saved_bytes / 1e6:.1f} MB against float32")
+        return "\n".join(lines)
+
+
+def summarize_records(records: list[dict[str, Any]]) -> tuple[dict[str, GroupTotals], dict[str, int], dict[int, int]]:
+    """Per-group totals, write-time skips by reason and the length histogram of journal records."""
+    groups: dict[str, GroupTotals] = {}
+    skipped: dict[str, int] = {}
+    for record in records:
+        totals = groups.setdefault(record["group"], GroupTotals())
+        totals.utts += record["num_utts"]
+        totals.shards += 1
+        totals.frames += record["num_frames"]
+        totals.bytes += record["bytes"]
+        for reason, count in record.get("skipped", {}).items():
+            skipped[reason] = skipped.get(reason, 0) + count
+    histogram = merge_histograms({int(k): v for k, v in r["length_hist"].items()} for r in records)
+    return groups, skipped, histogram

@@ -1,0 +1,149 @@
+"""Kaldi table files (scp, text, utt2num_frames) held as compact arrays.
+
+A corpus of 15 million utterances is 15 million lines in ``feats.scp`` and in ``text``; as
+Python dicts of strings they would take several GB in every packing process. Here a line is
+a row of four numbers (key hash, file, line number, byte offset), about 28 bytes, shared by
+forked workers without copying; a line's text is re-read from the file when it is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+from array import array
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InputError, SkipCounter, Where
+from ..formats.kaldi import iter_lines, parse_line
+
+
+def key_hash(key: str) -> int:
+    """A stable 64-bit hash of a key (the same in every process and run)."""
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little")
+
+
+class KeyTable:
+    """One row per kept line of a set of Kaldi table files, in input order.
+
+    ``values`` holds a number per row when the table was scanned with ``number=True``
+    (``utt2num_frames``). Lines that fail to parse go to ``bad`` (raised or counted) and get
+    no row; ``bad_lines`` counts them.
+    """
+
+    def __init__(self, files: Sequence[Path], hashes: np.ndarray, file_ids: np.ndarray, lines: np.ndarray, offsets: np.ndarray, values: np.ndarray | None = None, bad_lines: int = 0):
+        self.files = [Path(f) for f in files]
+        self.hashes = hashes
+        self.file_ids = file_ids
+        self.lines = lines
+        self.offsets = offsets
+        self.values = values
+        self.bad_lines = bad_lines
+        self._order = np.argsort(hashes, kind="stable")
+        self._sorted = hashes[self._order]
+        self._maps: dict[int, mmap.mmap] = {}
+
+    @classmethod
+    def scan(
+        cls,
+        files: Sequence[Path],
+        bad: SkipCounter,
+        needs_value: bool = True,
+        check: Callable[[str, str, Where], None] | None = None,
+        number: bool = False,
+        progress: Callable[[int], None] | None = None,
+    ) -> KeyTable:
+        """Read ``files`` line by line; ``check(key, value, where)`` may raise InputError."""
+        hashes, file_ids, lines, offsets = array("Q"), array("i"), array("q"), array("q")
+        values = array("q")
+        bad_lines = 0
+        for file_id, path in enumerate(files):
+            for line_no, offset, raw in iter_lines(Path(path)):
+                if progress is not None:
+                    progress(len(raw))
+                where = Where(path, line_no)
+                try:
+                    key, value = parse_line(raw, where, needs_value)
+                    where = Where(path, line_no, key)
+                    count = _parse_count(value, where) if number else 0
+                    if check is not None:
+                        check(key, value, where)
+                except InputError as error:
+                    bad(error)
+                    bad_lines += 1
+                    continue
+                if number:
+                    values.append(count)
+                hashes.append(key_hash(key))
+                file_ids.append(file_id)
+                lines.append(line_no)
+                offsets.append(offset)
+        return cls(
+            files,
+            np.frombuffer(hashes, dtype=np.uint64).copy(),
+            np.frombuffer(file_ids, dtype=np.int32).copy(),
+            np.frombuffer(lines, dtype=np.int64).copy(),
+            np.frombuffer(offsets, dtype=np.int64).copy(),
+            np.frombuffer(values, dtype=np.int64).copy() if number else None,
+            bad_lines,
+        )
+
+    def __len__(self) -> int:
+        return len(self.hashes)
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_maps"] = {}
+        return state
+
+    def where(self, row: int, key: str | None = None) -> Where:
+        return Where(self.files[self.file_ids[row]], int(self.lines[row]), key)
+
+    def record(self, row: int) -> tuple[str, str]:
+        """``(key, value)`` of a row, re-read from its file."""
+        file_id = int(self.file_ids[row])
+        data = self._maps.get(file_id)
+        if data is None:
+            with open(self.files[file_id], "rb") as stream:
+                data = self._maps[file_id] = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+        start = int(self.offsets[row])
+        end = data.find(b"\n", start)
+        raw = data[start : end if end >= 0 else len(data)]
+        return parse_line(raw, self.where(row), needs_value=False)
+
+    def lookup(self, hashes: np.ndarray) -> np.ndarray:
+        """For each hash, the first row (in input order) with that key hash, else -1."""
+        position = np.searchsorted(self._sorted, hashes)
+        position = np.minimum(position, max(len(self._sorted) - 1, 0))
+        if len(self._sorted) == 0:
+            return np.full(len(hashes), -1, dtype=np.int64)
+        found = self._sorted[position] == hashes
+        return np.where(found, self._order[position], -1).astype(np.int64)
+
+    def repeated_rows(self) -> list[tuple[int, int]]:
+        """``(row, first_row)`` for every row whose key appeared on an earlier row."""
+        same = np.flatnonzero(self._sorted[1:] == self._sorted[:-1]) + 1
+        firsts = np.searchsorted(self._sorted, self._sorted[same], side="left")
+        pairs = []
+        for position, first_position in zip(same, firsts):
+            row, first = int(self._order[position]), int(self._order[first_position])
+            if self.record(row)[0] == self.record(first)[0]:  # not a 64-bit hash collision
+                pairs.append((row, first))
+        return pairs
+
+    def close(self) -> None:
+        for data in self._maps.values():
+            data.close()
+        self._maps.clear()
+
+
+def _parse_count(value: str, where: Where) -> int:
+    try:
+        count = int(value.strip())
+    except ValueError:
+        raise InputError(where, "malformed_line", f"expected a whole number, found {value!r}.") from None
+    if count < 0:
+        raise InputError(where, "malformed_line", f"negative count {count}.")
+    return count

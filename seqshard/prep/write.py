@@ -1,0 +1,122 @@
+"""Writing planned shards: one forward pass over the scp per sweep of open shards.
+
+A sweep keeps up to ``max_open`` shards open and reads, in scp order (so the arks are read
+front to back), only the utterances planned for them, appending each to its shard. Reads are
+forward-only; writes go to many files, each written sequentially. A shard is committed (fsync,
+renamed to its final name, journaled) as soon as its last planned utterance is handled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import InputError, SkipCounter
+from ..formats.index import length_bin
+from ..formats.kaldi import MatrixReader
+from ..formats.npy import npy_parts
+from ..formats.tar import ShardWriter, temporary_path
+from .journal import Journal
+from .plan import PackOptions, PackPlan, ShardTask
+
+DEFAULT_MAX_OPEN = 256
+
+
+@dataclass
+class _OpenShard:
+    task: ShardTask
+    writer: ShardWriter
+    remaining: int
+    num_frames: int = 0
+    length_hist: dict[int, int] = field(default_factory=dict)
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def record(self, dim: int, dtype: str) -> dict:
+        return {
+            "group": self.task.group,
+            "name": self.task.path.name,
+            "num_utts": self.writer.num_samples,
+            "num_frames": self.num_frames,
+            "bytes": self.writer.size,
+            "checksum": f"crc32:{self.writer.crc32:08x}",
+            "length_hist": {str(k): v for k, v in sorted(self.length_hist.items())},
+            "dim": dim,
+            "dtype": dtype,
+            "skipped": self.skipped,
+        }
+
+
+def remove_partials(tasks: Sequence[ShardTask]) -> None:
+    """Delete what a killed run left of these shards (hidden ``.NAME.partial`` files)."""
+    for task in tasks:
+        temporary_path(task.path).unlink(missing_ok=True)
+
+
+def write_shards(plan: PackPlan, tasks: Sequence[ShardTask], options: PackOptions, dim: int, journal: Journal, advance: Callable[[int], None], max_open: int = DEFAULT_MAX_OPEN) -> None:
+    """Write ``tasks`` (shards of ``plan``), ``max_open`` at a time."""
+    todo = sorted(tasks, key=lambda t: t.ordinal)
+    for start in range(0, len(todo), max_open):
+        _write_sweep(plan, todo[start : start + max_open], options, dim, journal, advance)
+
+
+def _write_sweep(plan: PackPlan, sweep: Sequence[ShardTask], options: PackOptions, dim: int, journal: Journal, advance: Callable[[int], None]) -> None:
+    by_ordinal = {task.ordinal: task for task in sweep}
+    rows = np.flatnonzero(np.isin(plan.shard_of_row, np.fromiter(by_ordinal, dtype=np.int64)))
+    skip = SkipCounter(options.skip_bad)
+    open_shards: dict[int, _OpenShard] = {}
+    try:
+        with MatrixReader(allow_pipes=options.allow_pipes) as reader:
+            for row in rows:
+                ordinal = int(plan.shard_of_row[row])
+                shard = open_shards.get(ordinal)
+                if shard is None:
+                    task = by_ordinal[ordinal]
+                    shard = open_shards[ordinal] = _OpenShard(task, ShardWriter(task.path), task.num_planned)
+                try:
+                    key, array, label = _load_utterance(plan, int(row), reader, options, dim)
+                except InputError as error:
+                    skip(error)
+                    shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
+                else:
+                    header, payload = npy_parts(array)
+                    shard.writer.add(options.shard_key(key), [("feats.npy", [header, payload]), ("txt", [label.encode("utf-8")])])
+                    frames = array.shape[0]
+                    shard.num_frames += frames
+                    bin_ = length_bin(frames)
+                    shard.length_hist[bin_] = shard.length_hist.get(bin_, 0) + 1
+                shard.remaining -= 1
+                if shard.remaining == 0:
+                    shard.writer.commit()
+                    journal.append(shard.record(dim, options.dtype))
+                    del open_shards[ordinal]
+                advance(1)
+    finally:
+        for shard in open_shards.values():
+            shard.writer.abort()
+
+
+def _load_utterance(plan: PackPlan, row: int, reader: MatrixReader, options: PackOptions, dim: int) -> tuple[str, np.ndarray, str]:
+    key, value = plan.scp.record(row)
+    where = plan.scp.where(row, key)
+    array = reader.read(options.location(value, where), where)
+    frames = array.shape[0]
+    if frames == 0:
+        raise InputError(where, "zero_length", "the matrix has no frames.", "remove it, or pass --skip-bad.")
+    planned = int(plan.frames[row])
+    if planned >= 0 and planned != frames:
+        raise InputError(where, "frames_mismatch", f"utt2num_frames says {planned} frames but the ark holds {frames}.", "regenerate utt2num_frames (or delete it to read lengths from the arks).")
+    if array.shape[1] != dim:
+        raise InputError(where, "dim_mismatch", f"the matrix has {array.shape[1]} columns where the dataset has {dim}.", "pack features of one kind together.")
+    # A float64 sum is one pass without a temporary; NaN/Inf propagate and cannot overflow.
+    if not np.isfinite(array.sum(dtype=np.float64)):
+        bad_frame = int(np.flatnonzero(~np.isfinite(array).all(axis=1))[0])
+        raise InputError(where, "non_finite", f"the matrix holds NaN or Inf (first at frame {bad_frame}).", "recompute the features, or pass --skip-bad.")
+    array = array.astype(options.dtype, copy=False)
+    if options.dtype == "float16" and not np.isfinite(array.sum(dtype=np.float64)):
+        raise InputError(where, "float16_overflow", "a value is beyond float16's range (65504).", "pack with --dtype float32.")
+    label_key, label = plan.labels.record(int(plan.label_rows[row]))
+    if label_key != key:
+        raise RuntimeError(f"64-bit key hash collision between {key!r} and {label_key!r}; please report this.")
+    return key, array, label

@@ -1,0 +1,79 @@
+"""``seqshard index``: build or rebuild ``index.json`` for folders of shards.
+
+For a folder written by ``seqshard pack`` (also one packed in parts on several machines) the
+pack journal already describes each finished shard; shards it does not describe, and shards
+made by other tools, are read in full.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+
+from .. import __version__
+from ..errors import ConfigError
+from ..formats.index import ShardEntry, ShardIndex
+from ..formats.patterns import SHARD_SUFFIXES, shards_in_folder
+from ..prep.journal import STATE_DIR, finished_shards
+from .parallel import map_shards
+from .scan import scan_shard
+
+
+def shard_folders(root: Path) -> list[Path]:
+    """``root`` and its direct sub-folders that hold shard files."""
+    folders = [root, *sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))]
+    return [f for f in folders if shards_in_folder(f)]
+
+
+def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> list[Path]:
+    """Write ``index.json`` in ``root`` and in each sub-folder of it that holds shards."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a folder.")
+    folders = shard_folders(root)
+    if not folders:
+        raise ConfigError(f"{root} holds no shard files ({', '.join(SHARD_SUFFIXES)}), nor do its sub-folders.")
+    journal = finished_shards(root) if (root / STATE_DIR).is_dir() else {}
+    run = _pack_run(root)
+    written = []
+    for folder in folders:
+        prefix = "" if folder == root else f"{folder.name}/"
+        shards = shards_in_folder(folder)
+        entries: dict[str, ShardEntry] = {}
+        feature: dict = {}
+        to_scan = []
+        for shard in shards:
+            record = journal.get(prefix + shard.name)
+            if record is not None:
+                entries[shard.name] = ShardEntry.from_json(record)
+                feature.setdefault("dim", record.get("dim"))
+                feature.setdefault("dtype", record.get("dtype"))
+            else:
+                to_scan.append(shard)
+        for shard, scan in zip(to_scan, map_shards(scan_shard, to_scan, jobs, f"index {folder}", progress)):
+            if scan.problems:
+                raise ConfigError(f"{shard} is damaged, not indexing it: {'; '.join(scan.problems)}")
+            entries[shard.name] = scan.entry
+            if scan.feature_field:
+                feature.setdefault("field", scan.feature_field)
+                feature.setdefault("dim", scan.dim)
+                feature.setdefault("dtype", scan.dtype)
+        feature.setdefault("field", "feats.npy" if journal else None)
+        feature.setdefault("frame_shift_ms", 10.0)
+        index = ShardIndex(
+            shards=[entries[s.name] for s in shards],
+            feature=feature,
+            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            created_by=f"seqshard {__version__} index",
+            source={"rebuilt_from": "pack journal and shards" if journal else "shards", **({"pack": run} if run else {})},
+        )
+        written.append(index.save(folder))
+    return written
+
+
+def _pack_run(root: Path) -> dict | None:
+    run_file = root / STATE_DIR / "run.json"
+    if not run_file.is_file():
+        return None
+    return json.loads(run_file.read_text(encoding="utf-8")).get("options")

@@ -1,0 +1,81 @@
+"""Reading a whole shard to describe it: counts, frames, checksum, damage."""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ShardError
+from ..formats.index import ShardEntry, length_bin
+from ..formats.npy import decode_npy
+from ..formats.tar import SampleStream
+
+CHUNK = 8 << 20
+
+
+@dataclass
+class ShardScan:
+    """A shard as found on disk; ``problems`` is empty when it reads cleanly."""
+
+    entry: ShardEntry
+    feature_field: str | None = None
+    dim: int | None = None
+    dtype: str | None = None
+    problems: list[str] = field(default_factory=list)
+
+
+def file_crc32(path: Path) -> tuple[int, int]:
+    """``(crc32, size)`` of a file, read sequentially in large chunks."""
+    crc = 0
+    size = 0
+    with open(path, "rb", buffering=0) as stream:
+        while chunk := stream.read(CHUNK):
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+    return crc, size
+
+
+def scan_shard(path: Path, feature_field: str | None = None) -> ShardScan:
+    """Read every member of ``path``; frames come from the first ``.npy`` field found (or
+    ``feature_field``). Damage is reported in ``problems``, never raised."""
+    crc, size = file_crc32(path)
+    scan = ShardScan(ShardEntry(path.name, 0, 0, size, f"crc32:{crc:08x}"), feature_field)
+    keys_seen: set[str] = set()
+    try:
+        with SampleStream(path) as stream:
+            for sample in stream:
+                scan.entry.num_utts += 1
+                if sample.key in keys_seen:
+                    scan.problems.append(f"key {sample.key!r} appears in two separate runs of members")
+                keys_seen.add(sample.key)
+                _describe_sample(scan, sample.key, sample.fields)
+            if not stream.ended_cleanly:
+                scan.problems.append("the tar end marker is missing (shard cut short?)")
+    except ShardError as error:
+        scan.problems.append(str(error))
+    return scan
+
+
+def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes]) -> None:
+    if scan.feature_field is None:
+        scan.feature_field = next((name for name in fields if name.endswith("npy")), None)
+    data = fields.get(scan.feature_field) if scan.feature_field else None
+    if data is not None:
+        try:
+            array = decode_npy(data)
+        except ValueError as error:
+            scan.problems.append(f"{key}.{scan.feature_field}: {error}")
+            return
+        if array.ndim >= 1:
+            frames = int(array.shape[0])
+            scan.entry.num_frames += frames
+            bin_ = length_bin(frames)
+            scan.entry.length_hist[bin_] = scan.entry.length_hist.get(bin_, 0) + 1
+            if array.ndim == 2 and scan.dim is None:
+                scan.dim, scan.dtype = int(array.shape[1]), str(array.dtype)
+    if "txt" in fields:
+        try:
+            fields["txt"].decode("utf-8")
+        except UnicodeDecodeError:
+            scan.problems.append(f"{key}.txt: not valid UTF-8")
