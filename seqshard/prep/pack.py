@@ -237,8 +237,12 @@ def _write_all(plan: PackPlan, todo: list[ShardTask], options: PackOptions, dim:
 
 
 def _job_main(plan: PackPlan, tasks: list[ShardTask], options: PackOptions, dim: int, d_out: Path, name: str, max_open: int, counters: Any, slot: int, errors: Any) -> None:
+    parent = os.getppid()
+
     def advance(count: int) -> None:
         counters[slot] += count
+        if os.getppid() != parent:  # the parent was killed: stop rather than run on orphaned
+            raise SystemExit(1)
 
     try:
         write_shards(plan, tasks, options, dim, Journal(d_out, name), advance, max_open)

@@ -8,7 +8,9 @@ renamed to its final name, journaled) as soon as its last planned utterance is h
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -61,11 +63,43 @@ def write_shards(plan: PackPlan, tasks: Sequence[ShardTask], options: PackOption
         _write_sweep(plan, todo[start : start + max_open], options, dim, journal, advance)
 
 
+class _Committer:
+    """Commits finished shards on a background thread: fsync waits for the disk, and reading
+    the next utterances should not wait with it. Journal lines follow their commits."""
+
+    def __init__(self, journal: Journal, dim: int, dtype: str):
+        self._journal = journal
+        self._dim = dim
+        self._dtype = dtype
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="seqshard-commit")
+        self._lock = threading.Lock()
+        self._pending: list[Future] = []
+
+    def submit(self, shard: _OpenShard) -> None:
+        for future in self._pending:
+            if future.done():
+                future.result()  # a failed commit stops the pack now
+        self._pending = [f for f in self._pending if not f.done()]
+        self._pending.append(self._pool.submit(self._commit, shard))
+
+    def _commit(self, shard: _OpenShard) -> None:
+        shard.writer.commit()
+        with self._lock:
+            self._journal.append(shard.record(self._dim, self._dtype))
+
+    def finish(self) -> None:
+        """Wait for every commit; raise the first failure."""
+        self._pool.shutdown(wait=True)
+        for future in self._pending:
+            future.result()
+
+
 def _write_sweep(plan: PackPlan, sweep: Sequence[ShardTask], options: PackOptions, dim: int, journal: Journal, advance: Callable[[int], None]) -> None:
     by_ordinal = {task.ordinal: task for task in sweep}
     rows = np.flatnonzero(np.isin(plan.shard_of_row, np.fromiter(by_ordinal, dtype=np.int64)))
     skip = SkipCounter(options.skip_bad)
     open_shards: dict[int, _OpenShard] = {}
+    committer = _Committer(journal, dim, options.dtype)
     try:
         with MatrixReader(allow_pipes=options.allow_pipes) as reader:
             for row in rows:
@@ -88,13 +122,12 @@ def _write_sweep(plan: PackPlan, sweep: Sequence[ShardTask], options: PackOption
                     shard.length_hist[bin_] = shard.length_hist.get(bin_, 0) + 1
                 shard.remaining -= 1
                 if shard.remaining == 0:
-                    shard.writer.commit()
-                    journal.append(shard.record(dim, options.dtype))
-                    del open_shards[ordinal]
+                    committer.submit(open_shards.pop(ordinal))
                 advance(1)
     finally:
         for shard in open_shards.values():
             shard.writer.abort()
+        committer.finish()
 
 
 def _load_utterance(plan: PackPlan, row: int, reader: MatrixReader, options: PackOptions, dim: int) -> tuple[str, np.ndarray, str]:

@@ -1,0 +1,95 @@
+"""Pack throughput against a raw copy of the same arks and against WebDataset, one run.
+
+    python bench/pack.py [--gb 2.2] [--work bench/out]
+
+Makes (once) a speaker-sorted 80-dim float32 corpus of ``--gb`` GB over 8 arks, then, in
+``--rounds`` rounds of shuffled order, each step from a cold page cache after a pause: copies the ark bytes (read + write + fsync: the limit), packs with
+seqshard (shuffled, 1 and 2 jobs; and --no-shuffle), and packs with WebDataset's ShardWriter
+fed by kaldiio. Peak RSS of a 1-job pack is shown at two corpus sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import evict, make_corpus, python, run_measured  # noqa: E402
+
+HERE = Path(__file__).parent
+
+
+def half_corpus(corpus, root: Path) -> tuple[Path, Path]:
+    """The first half of the scp (still speaker-sorted) and its labels."""
+    lines = corpus.scp.read_text().splitlines(keepends=True)
+    half = lines[: len(lines) // 2]
+    keys = {line.split()[0] for line in half}
+    scp, text = root / "half.scp", root / "half.text"
+    scp.write_text("".join(half))
+    text.write_text("".join(line for line in corpus.text.read_text().splitlines(keepends=True) if line.split()[0] in keys))
+    return scp, text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=2.2)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
+    parser.add_argument("--pause", type=float, default=5.0, help="seconds of quiet before each step (lets the host flush earlier writes)")
+    parser.add_argument("--work", type=Path, default=HERE / "out")
+    args = parser.parse_args()
+    corpus = make_corpus(args.work / "corpus", int(args.gb * 1e9))
+    print(f"corpus: {corpus.num_utts} utterances, {corpus.hours:.1f} h, {corpus.bytes / 1e9:.2f} GB of float32 80-dim features in {len(corpus.arks)} arks (speaker-sorted)")
+    out = args.work / "pack-out"
+    half_scp, half_text = half_corpus(corpus, args.work)
+    seqshard = python("-m", "seqshard", "pack", "--scp", str(corpus.scp), "--text", str(corpus.text), "--out", str(out), "--quiet")
+    methods = {
+        "copy": ("raw copy of the arks + sync", python(str(HERE / "baselines.py"), "copy", str(out), *map(str, corpus.arks))),
+        "seqshard_1job": ("seqshard pack, 1 job", seqshard),
+        "seqshard_2jobs": ("seqshard pack, 2 jobs", seqshard + ["--jobs", "2"]),
+        "seqshard_noshuffle": ("seqshard pack --no-shuffle, 1 job", seqshard + ["--no-shuffle"]),
+        "webdataset": ("webdataset ShardWriter + kaldiio", python(str(HERE / "baselines.py"), "wds-pack", str(corpus.scp), str(corpus.text), str(out))),
+        "seqshard_half_corpus": ("seqshard pack, 1 job, half corpus", python("-m", "seqshard", "pack", "--scp", str(half_scp), "--text", str(half_text), "--out", str(out), "--quiet")),
+    }
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
+    order = list(methods)
+    for round_ in range(args.rounds):
+        random.Random(round_).shuffle(order)  # no method always follows the same one
+        for name in order:
+            shutil.rmtree(out, ignore_errors=True)
+            evict(corpus.arks)
+            time.sleep(args.pause)
+            runs[name].append(run_measured(methods[name][1]))
+            shutil.rmtree(out, ignore_errors=True)
+        print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{n} {r[-1][0]:.1f}s" for n, r in runs.items()))
+
+    results = {}
+    for name, (label, _) in methods.items():
+        seconds = statistics.median(r[0] for r in runs[name])
+        rss = max(r[1] for r in runs[name])
+        size = corpus.bytes / (2 if name == "seqshard_half_corpus" else 1)
+        results[name] = {"label": label, "median_seconds": round(seconds, 2), "all_seconds": [round(r[0], 2) for r in runs[name]], "mb_per_s": round(size / 1e6 / seconds, 1), "peak_rss_mb": round(rss, 1)}
+        print(f"  {label:<36} {seconds:7.2f} s  {results[name]['mb_per_s']:7.1f} MB/s  peak rss {rss:6.0f} MB")
+
+    def t(name: str) -> float:
+        return results[name]["median_seconds"]
+
+    ratios = {
+        "pack_1job_vs_copy": round(t("copy") / t("seqshard_1job"), 2),
+        "pack_2jobs_vs_copy": round(t("copy") / t("seqshard_2jobs"), 2),
+        "pack_1job_vs_webdataset": round(t("webdataset") / t("seqshard_1job"), 2),
+        "pack_2jobs_vs_webdataset": round(t("webdataset") / t("seqshard_2jobs"), 2),
+        "shuffle_time_over_noshuffle": round(t("seqshard_1job") / t("seqshard_noshuffle"), 2),
+        "rss_full_over_half_corpus": round(results["seqshard_1job"]["peak_rss_mb"] / results["seqshard_half_corpus"]["peak_rss_mb"], 2),
+    }
+    print("ratios (medians of the same run): " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
+    (args.work / "pack.json").write_text(json.dumps({"corpus": {"utts": corpus.num_utts, "gb": corpus.bytes / 1e9, "hours": corpus.hours}, "results": results, "ratios": ratios}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

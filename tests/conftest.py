@@ -1,0 +1,90 @@
+"""Shared helpers: tiny Kaldi data dirs written with kaldiio inside each test."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import kaldiio
+import numpy as np
+import pytest
+
+REALDATA = Path(__file__).parent / "realdata"
+
+
+@dataclass
+class KaldiDir:
+    """A data dir made by :func:`write_kaldi_dir`; ``arrays`` are what kaldiio reads back."""
+
+    root: Path
+    scp: Path
+    text: Path
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+    speaker_of: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.arrays)
+
+
+def write_kaldi_dir(
+    root: Path,
+    speakers: int = 6,
+    per_speaker: int = 8,
+    dim: int = 8,
+    frames: tuple[int, int] = (5, 60),
+    compression_method: int | None = None,
+    seed: int = 0,
+    arks: int = 2,
+    prefix: str = "spk",
+) -> KaldiDir:
+    """A speaker-sorted feats.scp over ``arks`` arks plus a ``text`` file, like make_fbank.sh."""
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    data = KaldiDir(root, root / "feats.scp", root / "text")
+    items = []
+    for speaker in range(speakers):
+        for utt in range(per_speaker):
+            key = f"{prefix}{speaker:03d}-utt{utt:03d}"
+            length = int(rng.integers(frames[0], frames[1]))
+            items.append((key, speaker, (rng.standard_normal((length, dim)) * 3 + speaker).astype(np.float32)))
+    per_ark = -(-len(items) // arks)
+    scp_lines = []
+    for ark_index in range(arks):
+        chunk = items[ark_index * per_ark : (ark_index + 1) * per_ark]
+        ark = root / f"raw_feats.{ark_index + 1}.ark"
+        part_scp = root / f"raw_feats.{ark_index + 1}.scp"
+        with kaldiio.WriteHelper(f"ark,scp:{ark},{part_scp}", compression_method=compression_method) as writer:
+            for key, _, array in chunk:
+                writer(key, array)
+        scp_lines.append(part_scp.read_text())
+    data.scp.write_text("".join(scp_lines))
+    with open(data.text, "w", encoding="utf-8") as stream:
+        for key, speaker, _ in items:
+            label = f"word{speaker} token{len(key) % 5} {key.upper()}"
+            stream.write(f"{key} {label}\n")
+            data.labels[key] = label
+            data.speaker_of[key] = speaker
+    for key, array in kaldiio.load_scp_sequential(str(data.scp)):
+        data.arrays[key] = np.asarray(array)
+    return data
+
+
+@pytest.fixture
+def kaldi_dir(tmp_path: Path) -> KaldiDir:
+    return write_kaldi_dir(tmp_path / "data")
+
+
+def read_shards(paths) -> dict[str, tuple[np.ndarray, str, str]]:
+    """key -> (features, label, shard name) for every sample of the given shards."""
+    from seqshard.formats.npy import decode_npy
+    from seqshard.formats.tar import SampleStream
+
+    found: dict[str, tuple[np.ndarray, str, str]] = {}
+    for path in paths:
+        with SampleStream(path) as stream:
+            for sample in stream:
+                assert sample.key not in found, f"{sample.key} in two shards"
+                found[sample.key] = (decode_npy(sample.fields["feats.npy"]), sample.fields["txt"].decode("utf-8"), Path(path).name)
+    return found

@@ -1,0 +1,141 @@
+"""Each kind of bad input: a clear error naming file, line and key by default; with
+``skip_bad`` a counted skip, and packed + dropped always equals the input."""
+
+from pathlib import Path
+
+import kaldiio
+import numpy as np
+import pytest
+
+from conftest import read_shards, write_kaldi_dir
+from seqshard import pack_data
+from seqshard.errors import InputError
+from seqshard.formats.keys import unescape_key
+
+
+def pack_both_ways(data, out: Path, scp=None, text=None, **kwargs):
+    """Pack once strictly (returns the error) and once with skip_bad (returns the report)."""
+    scp, text = scp or data.scp, text or data.text
+    with pytest.raises(InputError) as error:
+        pack_data(scp, text, out / "strict", progress=False, **kwargs)
+    report = pack_data(scp, text, out / "skip", skip_bad=True, progress=False, **kwargs)
+    assert report.packed + sum(report.dropped.values()) == report.input_utts
+    assert report.packed == len(read_shards(sorted((out / "skip").rglob("data-*.tar"))))
+    return error.value, report
+
+
+def edit_line(path: Path, number: int, new: str | bytes | None) -> None:
+    lines = path.read_bytes().splitlines(keepends=True)
+    if new is None:
+        del lines[number - 1]
+    else:
+        lines[number - 1] = new if isinstance(new, bytes) else new.encode() + b"\n"
+    path.write_bytes(b"".join(lines))
+
+
+def test_utterance_without_label(tmp_path, kaldi_dir):
+    edit_line(kaldi_dir.text, 5, None)
+    error, report = pack_both_ways(kaldi_dir, tmp_path)
+    assert error.reason == "no_label" and "feats.scp:5 (key 'spk000-utt004')" in str(error)
+    assert report.dropped == {"no_label": 1}
+
+
+def test_label_without_features(tmp_path, kaldi_dir):
+    with open(kaldi_dir.text, "a") as stream:
+        stream.write("ghost-utt some words\n")
+    error, report = pack_both_ways(kaldi_dir, tmp_path)
+    assert error.reason == "no_features" and "text:49 (key 'ghost-utt')" in str(error)
+    assert report.label_issues == {"no_features": 1} and report.packed == 48
+
+
+def test_duplicate_keys_across_scp_files_and_in_text(tmp_path, kaldi_dir):
+    extra = tmp_path / "extra.scp"
+    extra.write_text(kaldi_dir.scp.read_text().splitlines()[2] + "\n")
+    error, report = pack_both_ways(kaldi_dir, tmp_path / "a", scp=[kaldi_dir.scp, extra])
+    assert error.reason == "duplicate_key" and "extra.scp:1" in str(error) and "feats.scp:3" in str(error)
+    assert report.dropped == {"duplicate_key": 1} and report.input_utts == 49
+    with open(kaldi_dir.text, "a") as stream:
+        stream.write("spk001-utt001 another label\n")
+    error, report = pack_both_ways(kaldi_dir, tmp_path / "b")
+    assert error.reason == "duplicate_label" and "text:49" in str(error)
+    found = read_shards(sorted((tmp_path / "b" / "skip").rglob("*.tar")))
+    assert found["spk001-utt001"][1] == kaldi_dir.labels["spk001-utt001"]  # the first label wins
+
+
+def test_malformed_lines_name_their_line(tmp_path, kaldi_dir):
+    edit_line(kaldi_dir.scp, 7, "spk000-utt006")
+    error, report = pack_both_ways(kaldi_dir, tmp_path / "a")
+    assert error.reason == "malformed_line" and "feats.scp:7" in str(error)
+    assert report.dropped == {"malformed_line": 1} and report.input_utts == 48
+    # the text line of the utterance that lost its scp entry now has no features
+    assert report.label_issues == {"no_features": 1}
+
+
+def test_missing_ark_and_bad_offset(tmp_path, kaldi_dir):
+    lines = kaldi_dir.scp.read_text().splitlines()
+    key, location = lines[3].split()
+    ark, offset = location.rsplit(":", 1)
+    lines[3] = f"{key} {ark}:{int(offset) + 3}"
+    lines[10] = f"{lines[10].split()[0]} /nonexistent/raw.ark:10"
+    kaldi_dir.scp.write_text("\n".join(lines) + "\n")
+    error, report = pack_both_ways(kaldi_dir, tmp_path)
+    assert error.reason == "bad_offset" and "feats.scp:4" in str(error)
+    assert report.dropped == {"bad_offset": 1, "missing_ark": 1}
+
+
+def test_nan_inf_and_zero_length_matrices(tmp_path):
+    root = tmp_path / "d"
+    root.mkdir()
+    arrays = {f"u{i}": np.ones((4, 3), np.float32) * i for i in range(6)}
+    arrays["u1"][2, 1] = np.nan
+    arrays["u3"][0, 0] = np.inf
+    arrays["u4"] = np.zeros((0, 3), np.float32)
+    kaldiio.save_ark(str(root / "a.ark"), arrays, scp=str(root / "feats.scp"))
+    (root / "text").write_text("".join(f"{k} label {k}\n" for k in arrays))
+
+    class Dir:
+        scp, text = root / "feats.scp", root / "text"
+
+    error, report = pack_both_ways(Dir, tmp_path / "out")
+    assert error.reason == "non_finite" and "(key 'u1')" in str(error) and "frame 2" in str(error)
+    assert report.dropped == {"non_finite": 2, "zero_length": 1} and report.packed == 3
+    # with length groups the zero-length matrix is found while planning, from its header
+    _, grouped = pack_both_ways(Dir, tmp_path / "grouped", filter_group=["1:10"])
+    assert grouped.dropped == {"non_finite": 2, "zero_length": 1}
+
+
+def test_non_utf8_text(tmp_path, kaldi_dir):
+    edit_line(kaldi_dir.text, 2, "spk000-utt001 caf".encode() + b"\xe9\n")  # latin-1
+    error, report = pack_both_ways(kaldi_dir, tmp_path)
+    assert error.reason == "non_utf8" and "text:2" in str(error) and "iconv" in str(error)
+    assert report.label_issues == {"non_utf8": 1} and report.dropped == {"no_label": 1}
+
+
+def test_empty_inputs(tmp_path, kaldi_dir):
+    empty = tmp_path / "empty.scp"
+    empty.write_text("")
+    with pytest.raises(InputError, match="no entries") as error:
+        pack_data(empty, kaldi_dir.text, tmp_path / "out", progress=False)
+    assert error.value.reason == "empty_input"
+    with pytest.raises(InputError, match="does not exist"):
+        pack_data(tmp_path / "nope.scp", kaldi_dir.text, tmp_path / "out2", progress=False)
+
+
+def test_keys_that_break_the_member_convention(tmp_path, kaldi_dir):
+    for path in (kaldi_dir.scp, kaldi_dir.text):
+        path.write_text(path.read_text().replace("spk002-utt003", "spk002.utt/003"))
+    error, report = pack_both_ways(kaldi_dir, tmp_path)
+    assert error.reason == "bad_key" and "'.'" in str(error) and "--escape-keys" in str(error)
+    assert report.dropped == {"bad_key": 1}
+    escaped = pack_data(kaldi_dir.scp, kaldi_dir.text, tmp_path / "esc", escape_keys=True, progress=False)
+    found = read_shards(sorted((tmp_path / "esc").glob("*.tar")))
+    assert escaped.packed == 48 and "spk002.utt/003" in {unescape_key(k) for k in found}
+
+
+def test_stale_utt2num_frames_is_caught_when_writing(tmp_path, kaldi_dir):
+    lengths = {k: a.shape[0] for k, a in kaldi_dir.arrays.items()}
+    lengths["spk001-utt002"] += 1
+    (kaldi_dir.root / "utt2num_frames").write_text("".join(f"{k} {n}\n" for k, n in lengths.items()))
+    error, report = pack_both_ways(kaldi_dir, tmp_path, filter_group=["1:1000"])
+    assert error.reason == "frames_mismatch" and "utt2num_frames says" in str(error)
+    assert report.dropped == {"frames_mismatch": 1}

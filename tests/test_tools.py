@@ -1,0 +1,85 @@
+"""inspect, verify and index, through the command line as users run them."""
+
+import json
+import shutil
+
+import pytest
+
+from conftest import REALDATA, write_kaldi_dir
+from seqshard import ShardIndex, pack_data
+from seqshard.cli import main
+
+
+@pytest.fixture
+def packed(tmp_path):
+    data = write_kaldi_dir(tmp_path / "d", speakers=6, per_speaker=10, frames=(5, 80))
+    pack_data(data.scp, data.text, tmp_path / "out", filter_group=["5:40", "40:80"], utts_per_file=8, progress=False)
+    return data, tmp_path / "out"
+
+
+def test_inspect_json_counts_hours_and_groups(packed, capsys, tmp_path):
+    data, out = packed
+    assert main(["inspect", "--json", "--quiet", f"{out}/{{5_40,40_80}}/data-*.tar", "--plot", str(tmp_path / "len.png")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    frames = sum(a.shape[0] for a in data.arrays.values())
+    assert summary["num_utts"] == 60 and summary["num_frames"] == frames
+    assert summary["num_shards"] == len(list(out.rglob("data-*.tar")))
+    assert summary["hours"] == pytest.approx(frames * 0.01 / 3600, abs=1e-4)
+    assert [g["folder"].rsplit("/", 1)[1] for g in summary["groups"]] == ["5_40", "40_80"]
+    lengths = sorted(a.shape[0] for a in data.arrays.values())
+    assert summary["length_percentiles_frames"]["p50"] == pytest.approx(lengths[30], rel=0.1)
+    assert (tmp_path / "len.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_inspect_selects_shards_with_brace_ranges(packed, capsys):
+    _, out = packed
+    assert main(["inspect", "--json", "--quiet", f"{out}/5_40/data-0000{{0..1}}.tar"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_shards"] == 2
+    assert main(["inspect", "--quiet", f"{out}/nothing-*.tar"]) == 1
+    assert "matches no file" in capsys.readouterr().err
+
+
+def test_verify_names_each_damaged_shard_and_exits_non_zero(packed, capsys):
+    _, out = packed
+    assert main(["verify", "--quiet", str(out)]) == 0
+    assert "0 damaged" in capsys.readouterr().out
+    flipped, cut = out / "5_40" / "data-00000.tar", out / "40_80" / "data-00001.tar"
+    data = bytearray(flipped.read_bytes())
+    data[3000] ^= 0x40
+    flipped.write_bytes(bytes(data))
+    cut.write_bytes(cut.read_bytes()[:2048])
+    (out / "40_80" / "data-00002.tar").unlink()
+    assert main(["verify", "--quiet", str(out)]) == 1
+    report = capsys.readouterr().out
+    assert "3 damaged" in report
+    assert f"DAMAGED {flipped}" in report and "checksum" in report
+    assert f"DAMAGED {cut}" in report and "utterances, index says" in report
+    assert "data-00002.tar" in report and "file is missing" in report
+
+
+def test_index_rebuilds_a_pack_and_indexes_foreign_shards(packed, tmp_path, capsys):
+    _, out = packed
+    before = ShardIndex.load(out / "5_40")
+    (out / "5_40" / "index.json").unlink()
+    assert main(["index", "--quiet", str(out)]) == 0
+    after = ShardIndex.load(out / "5_40")
+    assert [s.to_json() for s in after.shards] == [s.to_json() for s in before.shards]
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    shutil.copy(REALDATA / "webdataset/wenet-shard/shards_000000000.tar", foreign)
+    assert main(["index", "--quiet", str(foreign)]) == 0
+    index = ShardIndex.load(foreign)
+    assert index.num_utts == 2 and index.shards[0].checksum.startswith("crc32:")
+    assert main(["verify", "--quiet", str(foreign)]) == 0
+
+
+def test_pack_command_line_reports_and_fails_cleanly(tmp_path, capsys):
+    data = write_kaldi_dir(tmp_path / "d")
+    assert main(["pack", "--scp", str(data.scp), "--text", str(data.text), "--out", str(tmp_path / "o"), "--utts-per-file", "20", "--quiet", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["packed"] == 48 and report["shards_total"] == 3
+    data.text.write_text("\n".join(data.text.read_text().splitlines()[1:]) + "\n")
+    assert main(["pack", "--scp", str(data.scp), "--text", str(data.text), "--out", str(tmp_path / "o2"), "--quiet"]) == 1
+    error = capsys.readouterr().err
+    assert "feats.scp:1 (key 'spk000-utt000')" in error and "Traceback" not in error
