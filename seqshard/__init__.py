@@ -13,6 +13,10 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "pack_data": "seqshard.prep.pack",
+    "make_loader": "seqshard.loader",
+    "ShardLoader": "seqshard.loader",
+    "plan_epoch": "seqshard.pipeline.shards",
+    "ShardTable": "seqshard.pipeline.shards",
     "UTTS_PER_FILE": "seqshard.prep.plan",
     "PackReport": "seqshard.prep.report",
     "ShardIndex": "seqshard.formats.index",

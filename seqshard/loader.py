@@ -1,0 +1,293 @@
+"""``make_loader``: stream shards into padded training batches, on one GPU or many.
+
+The loader runs a reader pipeline in each DataLoader worker (see ``pipeline/worker.py``) and,
+in the training process, merges the workers' batches into one deterministic stream, ends the
+epoch together on every rank (``uneven``), and keeps a small position that
+``state_dict()``/``load_state_dict()`` save and restore exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .dist import Collectives, DistContext, discover
+from .errors import ConfigError, StateMismatchError
+from .pipeline.config import LoaderConfig
+from .pipeline.labels import LabelOverride, Tokenizer, make_tokenizer
+from .pipeline.merge import Item, MergedStream, RankPosition
+from .pipeline.shards import ShardTable, planned_utts
+from .pipeline.worker import IterationChannel, WorkerSetup, bucket_bounds, make_dataset
+
+_LOG = logging.getLogger("seqshard")
+STATE_VERSION = 1
+
+
+def make_loader(
+    patterns: str | Path | Sequence[str | Path],
+    tokenizer: str | Path | Tokenizer | None = None,
+    *,
+    labels: str | Path | Sequence[str | Path] | None = None,
+    rank: int | None = None,
+    world_size: int | None = None,
+    **options: Any,
+) -> ShardLoader:
+    """A loader over the shards named by ``patterns`` (brace + glob, str or list).
+
+    Batches are dicts: ``feats`` (B x T x D float tensor, zero padded), ``feat_lens``,
+    ``labels`` (B x L, padded with ``pad_label``; when a tokenizer is given), ``label_lens``,
+    ``keys``, ``texts``.
+
+    ``tokenizer``: a SentencePiece ``.model`` or a units file (``token id`` per line,
+    ``split="char"`` or ``"word"``). ``labels``: Kaldi ``text`` file(s) whose labels replace
+    the shards' by key. ``rank``/``world_size`` override what ``torch.distributed`` or
+    torchrun's environment say. Other options (defaults in ``LoaderConfig``): batching
+    (``batch_size`` or ``batch_frames``, ``quadratic_frames``, ``sort_window``,
+    ``oversize``), randomness (``shuffle``, ``seed``, ``shuffle_window``, ``interleave``),
+    filters (``min_frames``, ``max_frames``, ``max_tokens``, ``min_frames_per_token``,
+    ``max_frames_per_token``), labels (``split``, ``strip_spaces``, ``pad_label``), workers
+    (``num_workers``, ``prefetch_factor``, ``persistent_workers``, ``pin_memory``), bad data
+    (``skip_bad``), and the end of epochs across ranks (``uneven`` = ``"stop"``,
+    ``"repeat"`` with ``epoch_steps``/``epoch_hours``, or ``"join"``; ``bucket_sync``).
+    """
+    unknown = set(options) - set(LoaderConfig.option_names())
+    if unknown:
+        raise ConfigError(f"unknown loader option(s): {', '.join(sorted(unknown))}.")
+    if "batch_size" not in options and "batch_frames" not in options:
+        options["batch_frames"] = 20000
+    config = LoaderConfig(**options)
+    table = ShardTable.from_patterns(patterns)
+    context = discover(rank, world_size)
+    override = LabelOverride(labels) if labels is not None else None
+    return ShardLoader(table, config, context, make_tokenizer(tokenizer, config.split), override, [str(p) for p in ([patterns] if isinstance(patterns, (str, Path)) else patterns)])
+
+
+class ShardLoader:
+    """Iterate it once per epoch (after ``set_epoch``); see :func:`make_loader`."""
+
+    def __init__(self, table: ShardTable, config: LoaderConfig, context: DistContext, tokenizer: Tokenizer | None, override: LabelOverride | None, patterns: list[str]):
+        self.table = table
+        self.config = config
+        self.context = context
+        self.patterns = patterns
+        self.collectives = Collectives(context)
+        bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
+        self._buckets = len(bounds) + 1 if config.bucket_sync else 0
+        self._setup = WorkerSetup(table, config, context.rank, context.world_size, tokenizer, override, bounds)
+        self._channel = IterationChannel(_mp_context(config.multiprocessing_context))
+        self._dataloader: Any = None
+        self._epoch = 0
+        self._position = RankPosition.fresh(0, self._setup.readers_per_rank, self._buckets)
+        self._resume: RankPosition | None = None
+        self._timing = {"started": 0.0, "seconds": 0.0}
+        self.last_summary: dict[str, Any] | None = None
+
+    # -- epochs ------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next ``iter()`` runs (its shard order and shuffles)."""
+        if self._resume is not None and self._resume.epoch != epoch and self.config.uneven != "repeat":
+            _LOG.warning("the loaded state is for epoch %d; set_epoch(%d) starts epoch %d from its beginning", self._resume.epoch, epoch, epoch)
+            self._resume = None
+        self._epoch = epoch
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _start_position(self) -> RankPosition:
+        """A loaded position for this epoch, else a fresh epoch; a repeating stream goes on."""
+        resumed, self._resume = self._resume, None
+        if self.config.uneven == "repeat":
+            base = resumed if resumed is not None else self._position
+            return base if resumed is not None and resumed.epoch == self._epoch else base.continuing(self._epoch)
+        if resumed is not None and resumed.epoch == self._epoch:
+            return resumed
+        return RankPosition.fresh(self._epoch, self._setup.readers_per_rank, self._buckets)
+
+    # -- iteration ---------------------------------------------------------------------------
+    def _loader(self):
+        if self._dataloader is None:
+            import torch.utils.data
+
+            workers = self.config.num_workers
+            self._dataloader = torch.utils.data.DataLoader(
+                make_dataset(self._setup, self._channel),
+                batch_size=None,
+                num_workers=workers,
+                collate_fn=_unchanged,
+                pin_memory=self.config.pin_memory,
+                persistent_workers=self.config.persistent_workers and workers > 0,
+                prefetch_factor=self.config.prefetch_factor if workers > 0 else None,
+                multiprocessing_context=self.config.multiprocessing_context if workers > 0 else None,
+                timeout=self.config.timeout,
+            )
+        return self._dataloader
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        position = self._start_position()
+        self._position = position
+        if position.completed:  # a state saved at the end of this epoch: nothing is left
+            return
+        self._channel.publish({"epoch": position.epoch, "workers": position.worker_request()})
+        stream = MergedStream(iter(self._loader()), position)
+        self._timing = {"started": time.perf_counter(), "seconds": 0.0}
+        while True:
+            item = self._next_item(stream)
+            if item is None:
+                break
+            stream.emit(item)
+            self._timing["seconds"] = time.perf_counter() - self._timing["started"]
+            yield item["batch"]
+        del stream  # stops non-persistent workers now, not at garbage collection
+        if self.config.uneven != "repeat":
+            position.completed = True
+        self._finish_epoch(position)
+
+    def _next_item(self, stream: MergedStream) -> Item | None:
+        """The batch for this step, or None when the epoch ends (on every rank at once,
+        except with ``uneven='join'``)."""
+        config = self.config
+        if config.uneven == "repeat" and self._repeat_epoch_over(stream.position):
+            return None
+        if config.bucket_sync:
+            return self._bucket_step(stream)
+        item = stream.pull()
+        if config.uneven == "stop" and self.context.distributed:
+            (everyone,) = self.collectives.all_min([0 if item is None else 1])
+            return item if everyone else None
+        if item is None and config.uneven == "repeat":
+            raise ConfigError("the data ran out in uneven='repeat' mode (no reader has any data?).")
+        return item
+
+    def _repeat_epoch_over(self, position: RankPosition) -> bool:
+        if self.config.epoch_steps is not None:
+            return position.step >= self.config.epoch_steps
+        target = self.config.epoch_hours * 3.6e6 / self.table.frame_shift_ms  # type: ignore[operator]
+        (frames,) = self.collectives.all_sum([position.frames])
+        return frames >= target
+
+    def _bucket_step(self, stream: MergedStream) -> Item | None:
+        """All ranks take a batch of the same length bucket: the one whose smallest queue
+        over ranks is longest; when none is common to all, every rank pulls one more."""
+        while True:
+            mins = self.collectives.all_min(stream.reservoir_counts() + [0 if stream.exhausted else 1])
+            common = [b for b in range(self._buckets) if mins[b] > 0]
+            if common:
+                return stream.take_from_reservoir(max(common, key=lambda b: (mins[b], -b)))
+            if mins[-1] == 0:
+                if self.config.uneven == "repeat":
+                    raise ConfigError("the data ran out in uneven='repeat' mode.")
+                return None
+            stream.pull_into_reservoir()
+
+    # -- end of epoch -------------------------------------------------------------------------
+    def _finish_epoch(self, position: RankPosition) -> None:
+        local = self._rank_summary(position)
+        if self.config.uneven == "join":
+            self.last_summary = {"ranks": [local]}
+            _LOG.info("seqshard epoch %d rank %d: %s", position.epoch, self.context.rank, _describe(local))
+            return
+        ranks = self.collectives.all_gather(local)
+        self.last_summary = {"epoch": position.epoch, "ranks": ranks}
+        if self.context.rank == 0:
+            _LOG.info("seqshard epoch %d: %s", position.epoch, "; ".join(f"rank {r['rank']}: {_describe(r)}" for r in ranks))
+
+    def _rank_summary(self, position: RankPosition) -> dict[str, Any]:
+        stats = self.stats(position)
+        summary = {"rank": self.context.rank, "steps": position.step, "utts": position.utts, "dropped": stats["dropped"], "filtered": stats["filtered"]}
+        if self.config.uneven != "repeat":
+            planned = [planned_utts(self.table, self._setup.units(position.epoch, w)) for w in range(len(position.workers))]
+            if all(p is not None for p in planned):
+                total = sum(planned)  # type: ignore[arg-type]
+                summary["planned"] = total
+                summary["left"] = total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
+        return summary
+
+    # -- stats -------------------------------------------------------------------------------
+    def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
+        """This rank's progress in the current epoch: utterances (and per second), steps,
+        shard units finished, dropped and filtered by reason, padding fraction."""
+        position = position or self._position
+        counters: dict[str, int] = {}
+        for worker in position.workers:
+            for name, value in worker.stats.items():
+                counters[name] = counters.get(name, 0) + value
+        seconds = self._timing["seconds"]
+        return {
+            "epoch": position.epoch,
+            "steps": position.step,
+            "utts": position.utts,
+            "utts_per_second": position.utts / seconds if seconds > 0 else 0.0,
+            "units_done": counters.get("units_done", 0),
+            "dropped": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("dropped.") and v},
+            "filtered": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("filtered.") and v},
+            "padding_fraction": 1 - position.frames / position.padded_frames if position.padded_frames else 0.0,
+        }
+
+    # -- checkpointing ------------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        return {"shards": self.table.fingerprint(), "num_shards": len(self.table.shards), "world_size": self.context.world_size, "num_workers": self.config.num_workers, "options": self.config.batch_defining()}
+
+    def state_dict(self, gather: bool = True) -> dict[str, Any]:
+        """The loader's position: a small JSON-safe dict (no sample data).
+
+        With several ranks and ``gather=True`` (the default) this is a collective: call it on
+        every rank at the same step; every rank gets every rank's position, so rank 0 can save
+        one dict for all. ``gather=False`` returns this rank's alone.
+        """
+        local = self._position.to_json()
+        ranks = self.collectives.all_gather(local) if gather else [local]
+        numbered = {str(self.context.rank): local} if not gather else {str(r): s for r, s in enumerate(ranks)}
+        return {"seqshard_loader_state": STATE_VERSION, "identity": self._identity(), "epoch": self._position.epoch, "ranks": numbered}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` at the next ``iter()`` (after ``set_epoch`` of its epoch).
+
+        A state saved with other shards, world size, workers or batch-defining options is
+        refused with StateMismatchError naming what differs.
+        """
+        if state.get("seqshard_loader_state") != STATE_VERSION:
+            raise StateMismatchError("not a seqshard loader state (or from an incompatible version).")
+        differences = _differences(state["identity"], self._identity())
+        if differences:
+            raise StateMismatchError("the saved loader state does not fit this loader: " + "; ".join(differences) + ". Resume with the same shards and settings (or start the epoch afresh).")
+        mine = state["ranks"].get(str(self.context.rank))
+        if mine is None:
+            raise StateMismatchError(f"the saved state has no position for rank {self.context.rank} (saved with gather=False on another rank?).")
+        self._resume = RankPosition.from_json(mine)
+        self._position = RankPosition.from_json(mine)
+        self._epoch = self._resume.epoch
+
+
+def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    found = []
+    for key in ("shards", "num_shards", "world_size", "num_workers"):
+        if saved.get(key) != current.get(key):
+            found.append(f"{key} was {saved.get(key)!r}, now {current.get(key)!r}")
+    for key, value in current["options"].items():
+        if saved.get("options", {}).get(key) != value:
+            found.append(f"option {key} was {saved.get('options', {}).get(key)!r}, now {value!r}")
+    return found
+
+
+def _describe(summary: dict[str, Any]) -> str:
+    text = f"{summary['steps']} steps, {summary['utts']} utts"
+    if "left" in summary:
+        text += f" of {summary['planned']} planned, {summary['left']} left unread"
+    for kind in ("dropped", "filtered"):
+        if summary[kind]:
+            text += f", {kind} " + ", ".join(f"{k}={v}" for k, v in summary[kind].items())
+    return text
+
+
+def _unchanged(item: Any) -> Any:
+    return item
+
+
+def _mp_context(name: str | None):
+    import multiprocessing
+
+    return multiprocessing.get_context(name) if name else None

@@ -1,0 +1,135 @@
+"""The stage contract: an iterator that can say where it is and go back there.
+
+A stage implements three methods:
+
+- ``reset(state=None)``: start over (``None``) or continue from a state it returned before;
+  the one method serves both "new epoch" and "restore";
+- ``next()``: the next item, or ``StopIteration``;
+- ``get_state()``: a small JSON-safe dict: its own counters and its source's state nested
+  under ``"source"``; never sample data.
+
+The base class owns ``__next__`` (with lazy set-up), ``state_dict``/``load_state_dict`` and
+the fluent spellings (``stage.map(fn).shuffle(5000)...``). Every random choice comes from
+:func:`stage_rng`, a pure function of (seed, stage, epoch, rank, worker, position), so the same
+seed gives the same items on any machine and a restored stage needs no RNG state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, Generic, TypeVar
+
+import numpy as np
+
+from ..errors import InputError, SkipCounter
+
+T = TypeVar("T")
+U = TypeVar("U")
+State = dict[str, Any]
+
+# Stage identifiers mixed into seeds: stable numbers, never reused for another purpose.
+SEED_PLAN = 1
+SEED_SHUFFLE = 2
+SEED_BATCH_ORDER = 3
+
+
+def stage_rng(seed: int, stage: int, *position: int) -> np.random.Generator:
+    """A generator keyed by (seed, stage, *position); seeds are derived, never added."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, stage, *position])))
+
+
+class Stage(Generic[T]):
+    """Base of every pipeline stage (see the module docstring for the contract)."""
+
+    def __init__(self, source: Stage | None = None):
+        self.source = source
+        self._started = False
+
+    # -- the contract -------------------------------------------------------------------
+    def reset(self, state: State | None = None) -> None:
+        """Start over, or continue from ``state``. Subclasses call ``super().reset(state)``."""
+        self._started = True
+        if self.source is not None:
+            self.source.reset(None if state is None else state.get("source"))
+
+    def next(self) -> T:
+        raise NotImplementedError
+
+    def get_state(self) -> State:
+        return {"source": self.source.get_state()} if self.source is not None else {}
+
+    # -- provided -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[T]:
+        return self
+
+    def __next__(self) -> T:
+        try:
+            started = self._started
+        except AttributeError:
+            raise TypeError(f"{type(self).__name__}.__init__ must call super().__init__(source)") from None
+        if not started:
+            self.reset()
+        return self.next()
+
+    def state_dict(self) -> State:
+        return self.get_state()
+
+    def load_state_dict(self, state: State) -> None:
+        self.reset(state)
+
+    def stats(self) -> dict[str, int]:
+        """Counters of this stage and its sources (utterances read, dropped by reason, ...)."""
+        return self.source.stats() if self.source is not None else {}
+
+    # -- fluent spellings -----------------------------------------------------------------
+    def map(self, function: Callable[[T], U], skip: SkipCounter | None = None) -> Map[U]:
+        return Map(self, function, skip)
+
+    def shuffle(self, window: int, seed: int, *position: int) -> Stage[T]:
+        from .shuffle import WindowShuffle
+
+        return WindowShuffle(self, window, seed, *position)
+
+
+def merge_counts(*counters: dict[str, int]) -> dict[str, int]:
+    total: dict[str, int] = {}
+    for counter in counters:
+        for name, value in counter.items():
+            total[name] = total.get(name, 0) + value
+    return total
+
+
+class Map(Stage[U]):
+    """Applies ``function`` to each item.
+
+    A bad item makes ``function`` raise InputError; with ``skip`` the item is counted under
+    ``dropped.<reason>`` and the next one is taken, otherwise the error stops the stream.
+    Nothing is dropped silently.
+    """
+
+    def __init__(self, source: Stage, function: Callable[[Any], U], skip: SkipCounter | None = None):
+        super().__init__(source)
+        self.function = function
+        self.skip = skip
+        self.dropped: dict[str, int] = {}
+
+    def reset(self, state: State | None = None) -> None:
+        super().reset(state)
+        self.dropped = dict(state.get("dropped", {})) if state else {}
+
+    def next(self) -> U:
+        while True:
+            item = self.source.next()
+            try:
+                return self.function(item)
+            except InputError as error:
+                if self.skip is None:
+                    raise
+                self.skip(error)
+                self.dropped[error.reason] = self.dropped.get(error.reason, 0) + 1
+
+    def get_state(self) -> State:
+        return {**super().get_state(), "dropped": dict(self.dropped)}
+
+    def stats(self) -> dict[str, int]:
+        return merge_counts(super().stats(), {f"dropped.{k}": v for k, v in self.dropped.items()})

@@ -1,0 +1,144 @@
+"""Labels at load time: an optional override file, and tokenization on the fly.
+
+Shards store labels as text, so changing the tokenizer never needs a repack; a Kaldi
+``text`` file given at load time replaces the shards' labels by key (relabel without
+repacking). Tokenizers: a SentencePiece ``.model``, or a units file (``token id`` per line,
+as WeNet and ESPnet write) splitting into characters or words, unknowns to ``<unk>``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, InputError, SkipCounter, Where
+from ..prep.tables import KeyTable, key_hash
+from .decode import Utterance
+
+SPACE_UNITS = ("▁", "<space>")
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model, loaded lazily (in each DataLoader worker, not pickled)."""
+
+    def __init__(self, model: str | Path):
+        self.model = str(model)
+        if not Path(self.model).is_file():
+            raise ConfigError(f"tokenizer model {self.model!r} does not exist.")
+        self._processor = None
+
+    def __getstate__(self) -> dict:
+        return {"model": self.model, "_processor": None}
+
+    def _load(self):
+        if self._processor is None:
+            import sentencepiece
+
+            self._processor = sentencepiece.SentencePieceProcessor(model_file=self.model)
+        return self._processor
+
+    def encode(self, text: str) -> list[int]:
+        return self._load().encode(text, out_type=int)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._load().get_piece_size())
+
+
+class UnitsTokenizer:
+    """A units file (``token id`` per line). ``split="char"`` maps each character (spaces to
+    ``▁`` or ``<space>`` when the units have one, else to ``<unk>``); ``"word"`` maps each
+    whitespace-separated word."""
+
+    def __init__(self, units: str | Path, split: str = "char", unk: str = "<unk>"):
+        if split not in ("char", "word"):
+            raise ConfigError(f"split must be 'char' or 'word', got {split!r}.")
+        self.split = split
+        self.ids: dict[str, int] = {}
+        for number, line in enumerate(Path(units).read_text(encoding="utf-8").splitlines(), start=1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+                raise ConfigError(f"{units}:{number}: expected 'TOKEN ID', found {line!r}.")
+            self.ids[parts[0]] = int(parts[1])
+        if unk not in self.ids:
+            raise ConfigError(f"{units} has no {unk!r} unit for unknown tokens.")
+        self.unk = self.ids[unk]
+        self.space = next((self.ids[u] for u in SPACE_UNITS if u in self.ids), self.unk)
+
+    def encode(self, text: str) -> list[int]:
+        if self.split == "word":
+            return [self.ids.get(word, self.unk) for word in text.split()]
+        return [self.space if ch.isspace() else self.ids.get(ch, self.unk) for ch in text]
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.ids.values()) + 1
+
+
+Tokenizer = SentencePieceTokenizer | UnitsTokenizer
+
+
+def make_tokenizer(spec: str | Path | Tokenizer | None, split: str = "char") -> Tokenizer | None:
+    """A tokenizer from a SentencePiece ``.model`` path, a units file path, or as given."""
+    if spec is None or hasattr(spec, "encode"):
+        return spec  # type: ignore[return-value]
+    path = Path(spec)
+    if not path.is_file():
+        raise ConfigError(f"tokenizer {str(spec)!r}: no such file (give a SentencePiece .model or a units file).")
+    with open(path, "rb") as stream:
+        head = stream.read(64)
+    if path.suffix in (".model", ".bpemodel") or b"\0" in head:
+        return SentencePieceTokenizer(path)
+    return UnitsTokenizer(path, split=split)
+
+
+class LabelOverride:
+    """Labels from Kaldi ``text`` files, looked up by key (compact: no per-key Python objects)."""
+
+    def __init__(self, files: str | Path | Sequence[str | Path]):
+        paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+        for path in paths:
+            if not path.is_file():
+                raise ConfigError(f"label file {str(path)!r} does not exist.")
+        self.table = KeyTable.scan(paths, SkipCounter(False), needs_value=False)
+        repeated = self.table.repeated_rows()
+        if repeated:
+            row, first = repeated[0]
+            key = self.table.record(row)[0]
+            raise InputError(self.table.where(row, key), "duplicate_label", f"the key already has a label at {self.table.where(first)}.", "remove duplicate lines.")
+
+    def get(self, key: str) -> str | None:
+        row = int(self.table.lookup(np.array([key_hash(key)], dtype=np.uint64))[0])
+        if row < 0:
+            return None
+        found, label = self.table.record(row)
+        return label if found == key else None
+
+
+class Labeler:
+    """Utterance -> Utterance with the override label (if any) and tokens (if a tokenizer)."""
+
+    def __init__(self, tokenizer: Tokenizer | None, override: LabelOverride | None = None, strip_spaces: bool = False, transform: Callable[[str], str] | None = None):
+        self.tokenizer = tokenizer
+        self.override = override
+        self.strip_spaces = strip_spaces
+        self.transform = transform
+
+    def __call__(self, utt: Utterance) -> Utterance:
+        text = utt.text
+        if self.override is not None:
+            label = self.override.get(utt.key)
+            if label is None:
+                raise InputError(Where(", ".join(map(str, self.override.table.files)), None, utt.key), "no_label", "the label file given at load time has no line for this key.", "add it, or pass skip_bad=True to leave such utterances out.")
+            text = label
+        if self.strip_spaces:
+            text = "".join(text.split())
+        if self.transform is not None:
+            text = self.transform(text)
+        tokens = self.tokenizer.encode(text) if self.tokenizer is not None else None
+        return replace(utt, text=text, tokens=tokens)

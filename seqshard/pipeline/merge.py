@@ -1,0 +1,174 @@
+"""The training process's side of the workers: one deterministic stream, and its position.
+
+Workers' items are taken in turn (worker 0, 1, ..., skipping finished workers), whatever
+order the DataLoader delivers them in, so the stream is a pure function of the workers'
+streams. The position records, per worker, the state after its last batch such that every
+earlier one was handed out (``low``), how many batches were taken from it (``pulled``) and
+which of those beyond ``low`` were handed out. With bucket sync, batches wait in per-bucket
+queues (the reservoir) and leave out of order; a restore regenerates batches ``low+1 ..
+pulled`` of each worker (only what was in flight), drops those already handed out and puts
+the rest back in their queues.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import SeqshardError
+
+Item = dict[str, Any]
+
+
+@dataclass
+class WorkerPosition:
+    state: dict[str, Any] | None = None
+    low: int = 0
+    pulled: int = 0
+    emitted_above: list[int] = field(default_factory=list)
+    done: bool = False
+    stats: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class RankPosition:
+    """Where one rank's stream stands (JSON-safe, no sample data)."""
+
+    epoch: int
+    workers: list[WorkerPosition]
+    turn: int = 0
+    step: int = 0
+    queues: list[list[list[int]]] = field(default_factory=list)  # bucket -> [[worker, seq], ...]
+    utts: int = 0
+    frames: int = 0
+    padded_frames: int = 0
+    completed: bool = False
+
+    @classmethod
+    def fresh(cls, epoch: int, workers: int, buckets: int) -> RankPosition:
+        return cls(epoch, [WorkerPosition() for _ in range(workers)], queues=[[] for _ in range(buckets)])
+
+    def to_json(self) -> dict[str, Any]:
+        return copy.deepcopy(asdict(self))
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RankPosition:
+        data = copy.deepcopy(data)
+        data["workers"] = [WorkerPosition(**w) for w in data["workers"]]
+        return cls(**data)
+
+    def continuing(self, epoch: int) -> RankPosition:
+        """This position relabelled as the start of ``epoch`` (repeat mode: streams go on)."""
+        moved = RankPosition.from_json(self.to_json())
+        moved.epoch, moved.step, moved.utts, moved.frames, moved.padded_frames, moved.completed = epoch, 0, 0, 0, 0, False
+        return moved
+
+    def worker_request(self) -> list[dict[str, Any]]:
+        return [{"state": w.state, "seq": w.low} for w in self.workers]
+
+
+class MergedStream:
+    """Takes workers' items in turn and keeps ``position`` up to date."""
+
+    def __init__(self, items: Iterator[Item], position: RankPosition):
+        self._items = items
+        self.position = position
+        self._buffers: list[deque[Item]] = [deque() for _ in position.workers]
+        self._reservoir: list[deque[Item]] = [deque() for _ in position.queues]
+        self._states_above: dict[tuple[int, int], dict[str, Any]] = {}  # emitted beyond low
+        self._replay()
+
+    # -- taking items from the DataLoader ----------------------------------------------------
+    def _take(self, worker: int) -> Item:
+        """The next item of ``worker`` (a batch or its end marker)."""
+        buffer = self._buffers[worker]
+        while not buffer:
+            try:
+                item = next(self._items)
+            except StopIteration:
+                raise SeqshardError(f"DataLoader ended before worker {worker} sent its end marker") from None
+            self._buffers[item["worker"]].append(item)
+        return buffer.popleft()
+
+    def _replay(self) -> None:
+        """Regenerate what was in flight at the saved position and rebuild the reservoir."""
+        stash: dict[tuple[int, int], Item] = {}
+        for worker, spot in enumerate(self.position.workers):
+            emitted = set(spot.emitted_above)
+            for seq in range(spot.low + 1, spot.pulled + 1):
+                item = self._take(worker)
+                if item.get("end") or item["seq"] != seq:
+                    raise SeqshardError(f"worker {worker} did not regenerate batch {seq} on resume (got {item['seq']}); the shards changed since the state was saved?")
+                if seq in emitted:
+                    self._states_above[(worker, seq)] = item["state"]
+                else:
+                    stash[(worker, seq)] = item
+        for bucket, entries in enumerate(self.position.queues):
+            self._reservoir[bucket].extend(stash.pop((w, s)) for w, s in entries)
+        if stash:
+            raise SeqshardError(f"saved loader position is inconsistent: {sorted(stash)} pulled but neither emitted nor queued")
+
+    @property
+    def exhausted(self) -> bool:
+        return all(w.done for w in self.position.workers)
+
+    def pull(self) -> Item | None:
+        """The next batch in turn, or None when every worker is finished."""
+        workers = self.position.workers
+        while not self.exhausted:
+            turn = self.position.turn % len(workers)
+            self.position.turn = turn + 1
+            spot = workers[turn]
+            if spot.done:
+                continue
+            item = self._take(turn)
+            spot.stats = item["stats"]
+            if item.get("end"):
+                spot.done = True
+                if spot.low == spot.pulled:
+                    spot.state = item["state"]
+                continue
+            spot.pulled = item["seq"]
+            return item
+        return None
+
+    # -- handing items out -----------------------------------------------------------------
+    def emit(self, item: Item) -> None:
+        """Record that ``item`` was handed to training."""
+        worker, seq = item["worker"], item["seq"]
+        spot = self.position.workers[worker]
+        if seq == spot.low + 1:
+            spot.low, spot.state = seq, item["state"]
+            while spot.low + 1 in spot.emitted_above:  # batches handed out earlier, out of order
+                spot.low += 1
+                spot.emitted_above.remove(spot.low)
+                spot.state = self._states_above.pop((worker, spot.low))
+        else:
+            spot.emitted_above.append(seq)
+            self._states_above[(worker, seq)] = item["state"]
+        batch = item["batch"]
+        self.position.step += 1
+        self.position.utts += len(batch["keys"])
+        self.position.frames += int(batch["feat_lens"].sum())
+        self.position.padded_frames += int(batch["feats"].shape[0] * batch["feats"].shape[1])
+
+    # -- the reservoir (bucket sync) -----------------------------------------------------------
+    def reservoir_counts(self) -> list[int]:
+        return [len(queue) for queue in self._reservoir]
+
+    def pull_into_reservoir(self) -> bool:
+        """Pull one batch into its bucket's queue; False when nothing is left to pull."""
+        item = self.pull()
+        if item is None:
+            return False
+        self._reservoir[item["bucket"]].append(item)
+        self.position.queues[item["bucket"]].append([item["worker"], item["seq"]])
+        return True
+
+    def take_from_reservoir(self, bucket: int) -> Item:
+        item = self._reservoir[bucket].popleft()
+        self.position.queues[bucket].pop(0)
+        return item

@@ -1,0 +1,197 @@
+"""The shard list and each epoch's plan: which reader reads which part of which shard.
+
+A reader is one (rank, DataLoader worker). Each epoch the shards are put in a seeded random
+order and cut into equal-work pieces, first across ranks, then across each rank's workers.
+Work is frames when every shard's index gives them (bytes otherwise). A shard that straddles
+a cut is split at an utterance boundary (one reader takes utterances ``[0, k)``, the next
+``[k, n)``), so the ranks' loads differ by at most about one utterance and no reader is idle
+when there are fewer shards than readers. Shards without an index (their utterance count
+unknown) cannot be cut by count: they are dealt whole to the least-loaded reader, or, when
+there are fewer shards than readers, read by several readers that each keep every k-th
+utterance.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+from ..formats.index import ShardIndex, merge_histograms
+from ..formats.patterns import expand_patterns, group_by_folder
+from .base import SEED_PLAN, stage_rng
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """A shard file and what its folder's index says of it (None when not indexed)."""
+
+    path: str
+    bytes: int
+    num_utts: int | None = None
+    num_frames: int | None = None
+
+
+@dataclass(frozen=True)
+class ShardTable:
+    """The shards a loader reads, with dataset facts gathered from their indexes."""
+
+    shards: tuple[ShardInfo, ...]
+    dim: int | None = None
+    frame_shift_ms: float = 10.0
+    length_hist: tuple[tuple[int, int], ...] = ()
+
+    @classmethod
+    def from_patterns(cls, patterns: str | Path | Sequence[str | Path]) -> ShardTable:
+        """Expand brace/glob ``patterns`` and read the ``index.json`` of each folder."""
+        shards: list[ShardInfo] = []
+        dims: dict[int, str] = {}
+        histograms = []
+        shift = 10.0
+        for folder, paths in group_by_folder(expand_patterns(patterns)).items():
+            index = ShardIndex.load(folder)
+            if index is not None and index.feature.get("dim"):
+                dims.setdefault(int(index.feature["dim"]), str(folder))
+                shift = float(index.feature.get("frame_shift_ms") or shift)
+            for path in paths:
+                entry = index.entry(path.name) if index else None
+                if entry is None:
+                    shards.append(ShardInfo(str(path), path.stat().st_size))
+                else:
+                    shards.append(ShardInfo(str(path), entry.bytes, entry.num_utts, entry.num_frames))
+                    histograms.append(entry.length_hist)
+        if len(dims) > 1:
+            raise ConfigError(f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in dims.items())}.")
+        histogram = merge_histograms(histograms)
+        return cls(tuple(shards), next(iter(dims), None), shift, tuple(histogram.items()))
+
+    @property
+    def indexed(self) -> bool:
+        return all(s.num_utts is not None for s in self.shards)
+
+    @property
+    def num_utts(self) -> int | None:
+        return sum(s.num_utts for s in self.shards) if self.indexed else None  # type: ignore[misc]
+
+    def fingerprint(self) -> str:
+        """Identifies the shard list (names and sizes) for checking a saved loader state."""
+        digest = hashlib.sha256()
+        for shard in self.shards:
+            digest.update(f"{shard.path}\0{shard.bytes}\n".encode())
+        return digest.hexdigest()[:16]
+
+    def weights(self) -> list[float]:
+        """Work per shard: frames when every shard's are known, bytes otherwise."""
+        if self.indexed and all(s.num_frames for s in self.shards):
+            return [float(s.num_frames) for s in self.shards]  # type: ignore[arg-type]
+        return [float(s.bytes) for s in self.shards]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Samples ``start, start+step, ... < stop`` (by position in the shard) of one shard."""
+
+    shard: int
+    start: int = 0
+    stop: int | None = None
+    step: int = 1
+
+    def count(self, num_utts: int | None) -> int | None:
+        """How many samples the unit yields, when the shard's size is known."""
+        stop = num_utts if self.stop is None else min(self.stop, num_utts) if num_utts is not None else self.stop
+        if stop is None:
+            return None
+        return max(0, math.ceil((stop - self.start) / self.step))
+
+    def to_json(self) -> list[Any]:
+        return [self.shard, self.start, self.stop, self.step]
+
+    @classmethod
+    def from_json(cls, data: Sequence[Any]) -> Unit:
+        return cls(int(data[0]), int(data[1]), None if data[2] is None else int(data[2]), int(data[3]))
+
+
+@dataclass(frozen=True)
+class _Piece:
+    unit: Unit
+    count: int | None
+    weight: float
+
+    def split(self, head_count: int) -> tuple[_Piece, _Piece]:
+        assert self.count is not None and 0 < head_count < self.count
+        cut = self.unit.start + head_count * self.unit.step
+        share = head_count / self.count
+        return (
+            _Piece(replace(self.unit, stop=cut), head_count, self.weight * share),
+            _Piece(replace(self.unit, start=cut), self.count - head_count, self.weight * (1 - share)),
+        )
+
+
+Plan = list[list[list[Unit]]]  # [rank][worker] -> units, in reading order
+
+
+def plan_epoch(table: ShardTable, epoch: int, seed: int, world_size: int, num_workers: int, shuffle: bool = True) -> Plan:
+    """Units for every (rank, worker) reader of ``epoch``; a pure function of its arguments."""
+    if world_size < 1 or num_workers < 1:
+        raise ConfigError(f"world_size and num_workers must be >= 1 (got {world_size}, {num_workers}).")
+    order = list(range(len(table.shards)))
+    if shuffle:
+        order = [int(i) for i in stage_rng(seed, SEED_PLAN, epoch).permutation(len(order))]
+    weights = table.weights()
+    pieces = [_Piece(Unit(i), table.shards[i].num_utts, weights[i]) for i in order]
+    if table.indexed:
+        ranks = _cut(pieces, world_size)
+        return [[[p.unit for p in worker] for worker in _cut(rank, num_workers)] for rank in ranks]
+    ranks = _deal(pieces, world_size, world_size * num_workers)
+    return [[[p.unit for p in worker] for worker in _deal(rank, num_workers, num_workers)] for rank in ranks]
+
+
+def _cut(pieces: Sequence[_Piece], parts: int) -> list[list[_Piece]]:
+    """Cut a sequence into ``parts`` runs of equal weight, splitting pieces at utterances."""
+    out: list[list[_Piece]] = [[] for _ in range(parts)]
+    total = sum(p.weight for p in pieces)
+    part, done = 0, 0.0
+    for piece in pieces:
+        while True:
+            boundary = total * (part + 1) / parts
+            if part == parts - 1 or done + piece.weight <= boundary + 1e-9:
+                out[part].append(piece)
+                done += piece.weight
+                break
+            assert piece.count is not None
+            head_count = round((boundary - done) / piece.weight * piece.count) if piece.weight else 0
+            if head_count >= piece.count:
+                out[part].append(piece)
+                done += piece.weight
+                break
+            if head_count > 0:
+                head, piece = piece.split(head_count)
+                out[part].append(head)
+                done += head.weight
+            part += 1
+    return out
+
+
+def _deal(pieces: Sequence[_Piece], parts: int, readers: int) -> list[list[_Piece]]:
+    """Whole shards to the least-loaded part, in order; with fewer shards than ``readers``
+    each shard becomes k strided units (each reader keeps every k-th utterance)."""
+    if pieces and len(pieces) < readers:
+        ways = math.ceil(readers / len(pieces))
+        pieces = [_Piece(replace(p.unit, start=r, step=ways), None, p.weight / ways) for p in pieces for r in range(ways)]
+    out: list[list[_Piece]] = [[] for _ in range(parts)]
+    loads = [0.0] * parts
+    for piece in pieces:
+        target = min(range(parts), key=lambda k: (loads[k], k))
+        out[target].append(piece)
+        loads[target] += piece.weight
+    return out
+
+
+def planned_utts(table: ShardTable, units: Sequence[Unit]) -> int | None:
+    """Utterances a reader's units hold, when every shard's size is known."""
+    counts = [u.count(table.shards[u.shard].num_utts) for u in units]
+    return None if any(c is None for c in counts) else sum(counts)  # type: ignore[arg-type]

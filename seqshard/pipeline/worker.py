@@ -1,0 +1,143 @@
+"""What runs in each DataLoader worker: its reader pipeline, from shards to padded batches.
+
+Each batch leaves the worker as an item carrying the worker's number, the batch's sequence
+number, and the pipeline's state right after it: the training process keeps the state of the
+last batch it handed out, which is all it needs to resume. The worker learns where to start
+(epoch, state) from an :class:`IterationChannel`, shared memory the training process writes
+before each ``iter()`` (it also reaches workers that persist across epochs).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from ..errors import ConfigError, SkipCounter
+from ..formats.index import bin_bounds, histogram_percentile
+from .base import Map, Stage
+from .batching import SortBatch
+from .collate import collate
+from .config import LoaderConfig
+from .decode import Decoder
+from .filters import LengthFilter
+from .labels import Labeler, LabelOverride, Tokenizer
+from .shards import ShardTable, Unit, plan_epoch
+from .shuffle import WindowShuffle
+
+CHANNEL_BYTES = 4 << 20
+
+
+class IterationChannel:
+    """Shared memory holding the JSON request of the current ``iter()``."""
+
+    def __init__(self, context: Any = None, capacity: int = CHANNEL_BYTES):
+        context = context or mp.get_context()
+        self._length = context.Value("q", 0, lock=False)
+        self._data = context.Array("c", capacity, lock=False)
+        self._capacity = capacity
+
+    def publish(self, request: dict[str, Any]) -> None:
+        data = json.dumps(request).encode()
+        if len(data) > self._capacity:
+            raise ConfigError(f"the loader's per-iteration request is {len(data)} bytes, over {self._capacity}; please report this.")
+        self._data[: len(data)] = data
+        self._length.value = len(data)
+
+    def read(self) -> dict[str, Any]:
+        return json.loads(bytes(self._data[: self._length.value]))
+
+
+@dataclass
+class WorkerSetup:
+    """Everything a worker needs to build its pipeline (pickled to spawned workers)."""
+
+    table: ShardTable
+    config: LoaderConfig
+    rank: int
+    world_size: int
+    tokenizer: Tokenizer | None
+    override: LabelOverride | None
+    bucket_bounds: tuple[int, ...]
+
+    @property
+    def readers_per_rank(self) -> int:
+        return max(1, self.config.num_workers)
+
+    def units(self, plan_epoch_number: int, worker: int) -> list[Unit]:
+        return _cached_plan(self.table, plan_epoch_number, self.config.seed, self.world_size, self.readers_per_rank, self.config.shuffle)[self.rank][worker]
+
+
+@lru_cache(maxsize=2)
+def _cached_plan(table: ShardTable, epoch: int, seed: int, world_size: int, workers: int, shuffle: bool):
+    return plan_epoch(table, epoch, seed, world_size, workers, shuffle)
+
+
+def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
+    """Frame counts cutting the dataset's lengths into ``count`` buckets of equal mass."""
+    histogram = dict(table.length_hist)
+    if not histogram:
+        raise ConfigError("bucket_sync needs length histograms from the shards' index.json (run `seqshard index` on foreign shards).")
+    bounds = sorted({int(round(histogram_percentile(histogram, 100 * k / count))) for k in range(1, count)})
+    return tuple(b for b in bounds if b > bin_bounds(min(histogram))[0])
+
+
+def build_pipeline(setup: WorkerSetup, worker: int, epoch: int) -> SortBatch:
+    """The stages of one reader: read -> decode -> label -> filter -> shuffle -> sort/batch."""
+    from .reader import ShardReader
+
+    config = setup.config
+    repeat = config.uneven == "repeat"
+    # a repeating stream is one stream across epochs: its plan advances by passes and its
+    # windows keep counting, so its seeds must not change with the epoch label
+    stream_epoch = 0 if repeat else epoch
+    skip = SkipCounter(True) if config.skip_bad else None
+
+    def units_of_pass(number: int) -> list[Unit]:
+        return setup.units(number if repeat else epoch, worker)
+
+    stage: Stage = ShardReader(setup.table, units_of_pass, config.interleave, repeat, skip)
+    stage = Map(stage, Decoder(setup.table, config.feature_field), skip)
+    if setup.tokenizer is not None or setup.override is not None or config.strip_spaces:
+        stage = Map(stage, Labeler(setup.tokenizer, setup.override, config.strip_spaces), skip)
+    if config.limits().active:
+        stage = LengthFilter(stage, config.limits())
+    if config.shuffle:
+        stage = WindowShuffle(stage, config.shuffle_window, config.seed, stream_epoch, setup.rank, worker)
+    return SortBatch(stage, config.sort_window, config.cost(), config.seed, stream_epoch, setup.rank, worker, shuffle=config.shuffle, oversize=config.oversize, bucket_bounds=setup.bucket_bounds)
+
+
+def make_dataset(setup: WorkerSetup, channel: IterationChannel):
+    """The torch IterableDataset run by the DataLoader (imported lazily: torch is heavy)."""
+    import torch.utils.data
+
+    class ReaderDataset(torch.utils.data.IterableDataset):
+        def __init__(self) -> None:
+            self.setup = setup
+            self.channel = channel
+
+        def __iter__(self):
+            info = torch.utils.data.get_worker_info()
+            worker = info.id if info is not None else 0
+            return iterate_worker(self.setup, worker, self.channel.read())
+
+    return ReaderDataset()
+
+
+def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any]):
+    """Items for the training process: batches, then one end marker."""
+    spec = request["workers"][worker]
+    pipeline = build_pipeline(setup, worker, request["epoch"])
+    pipeline.reset(spec["state"])
+    seq = spec["seq"]
+    while True:
+        try:
+            batch = pipeline.next()
+        except StopIteration:
+            break
+        seq += 1
+        tensors = collate(batch, setup.config.pad_label, setup.config.dtype)
+        yield {"worker": worker, "seq": seq, "batch": tensors, "bucket": pipeline.bucket_of(batch), "state": pipeline.get_state(), "stats": pipeline.stats()}
+    yield {"worker": worker, "seq": seq, "batch": None, "end": True, "state": pipeline.get_state(), "stats": pipeline.stats()}
