@@ -16,6 +16,8 @@ _EXPORTS = {
     "make_loader": "seqshard.loader",
     "ShardLoader": "seqshard.loader",
     "plan_epoch": "seqshard.pipeline.shards",
+    "ScpDataset": "seqshard.scp_dataset",
+    "make_scp_loader": "seqshard.scp_dataset",
     "ShardTable": "seqshard.pipeline.shards",
     "UTTS_PER_FILE": "seqshard.prep.plan",
     "PackReport": "seqshard.prep.report",

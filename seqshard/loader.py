@@ -243,7 +243,7 @@ class ShardLoader:
         numbered = {str(self.context.rank): local} if not gather else {str(r): s for r, s in enumerate(ranks)}
         return {"seqshard_loader_state": STATE_VERSION, "identity": self._identity(), "epoch": self._position.epoch, "ranks": numbered}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Continue from ``state`` at the next ``iter()`` (after ``set_epoch`` of its epoch).
 
         A state saved with other shards, world size, workers or batch-defining options is

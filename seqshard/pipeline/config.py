@@ -28,6 +28,7 @@ class LoaderConfig:
     shuffle_window: int = 3000
     sort_window: int = 2000
     interleave: int = 4
+    split_shards: bool = True
     min_frames: int | None = None
     max_frames: int | None = None
     max_tokens: int | None = None

@@ -134,8 +134,12 @@ class _Piece:
 Plan = list[list[list[Unit]]]  # [rank][worker] -> units, in reading order
 
 
-def plan_epoch(table: ShardTable, epoch: int, seed: int, world_size: int, num_workers: int, shuffle: bool = True) -> Plan:
-    """Units for every (rank, worker) reader of ``epoch``; a pure function of its arguments."""
+def plan_epoch(table: ShardTable, epoch: int, seed: int, world_size: int, num_workers: int, shuffle: bool = True, split_shards: bool = True) -> Plan:
+    """Units for every (rank, worker) reader of ``epoch``; a pure function of its arguments.
+
+    ``split_shards=False`` deals whole shards (as CAT and WebDataset do): no shard is read
+    by two readers, at the price of ranks ending up to a shard apart.
+    """
     if world_size < 1 or num_workers < 1:
         raise ConfigError(f"world_size and num_workers must be >= 1 (got {world_size}, {num_workers}).")
     order = list(range(len(table.shards)))
@@ -143,7 +147,7 @@ def plan_epoch(table: ShardTable, epoch: int, seed: int, world_size: int, num_wo
         order = [int(i) for i in stage_rng(seed, SEED_PLAN, epoch).permutation(len(order))]
     weights = table.weights()
     pieces = [_Piece(Unit(i), table.shards[i].num_utts, weights[i]) for i in order]
-    if table.indexed:
+    if table.indexed and split_shards:
         ranks = _cut(pieces, world_size)
         return [[[p.unit for p in worker] for worker in _cut(rank, num_workers)] for rank in ranks]
     ranks = _deal(pieces, world_size, world_size * num_workers)
@@ -181,7 +185,7 @@ def _deal(pieces: Sequence[_Piece], parts: int, readers: int) -> list[list[_Piec
     each shard becomes k strided units (each reader keeps every k-th utterance)."""
     if pieces and len(pieces) < readers:
         ways = math.ceil(readers / len(pieces))
-        pieces = [_Piece(replace(p.unit, start=r, step=ways), None, p.weight / ways) for p in pieces for r in range(ways)]
+        pieces = [_Piece(replace(p.unit, start=p.unit.start + r * p.unit.step, step=p.unit.step * ways), None, p.weight / ways) for p in pieces for r in range(ways)]
     out: list[list[_Piece]] = [[] for _ in range(parts)]
     loads = [0.0] * parts
     for piece in pieces:

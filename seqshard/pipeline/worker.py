@@ -67,12 +67,13 @@ class WorkerSetup:
         return max(1, self.config.num_workers)
 
     def units(self, plan_epoch_number: int, worker: int) -> list[Unit]:
-        return _cached_plan(self.table, plan_epoch_number, self.config.seed, self.world_size, self.readers_per_rank, self.config.shuffle)[self.rank][worker]
+        config = self.config
+        return _cached_plan(self.table, plan_epoch_number, config.seed, self.world_size, self.readers_per_rank, config.shuffle, config.split_shards)[self.rank][worker]
 
 
 @lru_cache(maxsize=2)
-def _cached_plan(table: ShardTable, epoch: int, seed: int, world_size: int, workers: int, shuffle: bool):
-    return plan_epoch(table, epoch, seed, world_size, workers, shuffle)
+def _cached_plan(table: ShardTable, epoch: int, seed: int, world_size: int, workers: int, shuffle: bool, split_shards: bool):
+    return plan_epoch(table, epoch, seed, world_size, workers, shuffle, split_shards)
 
 
 def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:

@@ -1,0 +1,220 @@
+"""make_loader with real DataLoader worker processes."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import REALDATA, pack_small
+from seqshard import make_loader
+from seqshard.errors import ConfigError, InputError
+
+SMALL = dict(shuffle_window=12, sort_window=8, interleave=2)
+
+
+def epoch_keys(loader, epoch=0):
+    loader.set_epoch(epoch)
+    return [b["keys"] for b in loader]
+
+
+@pytest.mark.parametrize("num_workers", [0, 1, 3])
+def test_every_utterance_exactly_once_per_epoch(packed, num_workers):
+    loader = make_loader(packed.pattern, batch_size=4, num_workers=num_workers, **SMALL)
+    for epoch in range(2):
+        keys = [k for batch in epoch_keys(loader, epoch) for k in batch]
+        assert sorted(keys) == sorted(packed.data.keys)
+
+
+def test_batches_hold_the_packed_arrays_padded(packed):
+    loader = make_loader(packed.pattern, batch_size=5, num_workers=2, **SMALL)
+    for batch in loader:
+        assert str(batch["feats"].dtype) == "torch.float32" and str(batch["feat_lens"].dtype) == "torch.int64"
+        for row, key in enumerate(batch["keys"]):
+            length = int(batch["feat_lens"][row])
+            np.testing.assert_array_equal(batch["feats"][row, :length].numpy(), packed.data.arrays[key])
+            assert not batch["feats"][row, length:].any()
+            assert batch["texts"][row] == packed.data.labels[key]
+
+
+def test_same_seed_same_batches_new_epoch_new_order(packed):
+    def run(seed, epoch, workers):
+        return epoch_keys(make_loader(packed.pattern, batch_frames=120, seed=seed, num_workers=workers, **SMALL), epoch)
+
+    assert run(7, 0, 2) == run(7, 0, 2)
+    assert run(7, 0, 2) != run(7, 1, 2)
+    assert run(7, 0, 2) != run(8, 0, 2)
+    loader = make_loader(packed.pattern, batch_frames=120, seed=7, num_workers=2, **SMALL)
+    assert epoch_keys(loader, 0) == run(7, 0, 2)  # a loader reused across epochs is the same
+
+
+def test_shuffle_false_is_a_fixed_order_for_dev_sets(packed):
+    first = epoch_keys(make_loader(packed.pattern, batch_size=4, shuffle=False, num_workers=0), 0)
+    assert first == epoch_keys(make_loader(packed.pattern, batch_size=4, shuffle=False, num_workers=0), 3)
+
+
+def test_dynamic_batches_stay_within_the_padded_frame_budget(packed):
+    budget = 150
+    loader = make_loader(packed.pattern, batch_frames=budget, num_workers=2, **SMALL)
+    batches = list(loader)
+    assert all(b["feats"].shape[0] * b["feats"].shape[1] <= budget or b["feats"].shape[0] == 1 for b in batches)
+    assert sum(len(b["keys"]) for b in batches) == 48
+    quadratic = list(make_loader(packed.pattern, batch_frames=budget, quadratic_frames=50, num_workers=0, **SMALL))
+    for b in quadratic:
+        longest = b["feats"].shape[1]
+        assert b["feats"].shape[0] * (longest + longest**2 / 50) <= budget or b["feats"].shape[0] == 1
+    assert len(quadratic) > len(batches)
+
+
+def test_stats_report_padding_drops_and_speed(packed):
+    loader = make_loader(packed.pattern, batch_frames=150, num_workers=2, min_frames=20, **SMALL)
+    list(loader)
+    stats = loader.stats()
+    too_short = sum(1 for a in packed.data.arrays.values() if a.shape[0] < 20)
+    assert stats["filtered"] == {"too_few_frames": too_short} and stats["utts"] == 48 - too_short
+    assert 0 <= stats["padding_fraction"] < 0.5 and stats["utts_per_second"] > 0
+    assert stats["units_done"] >= 5  # a shard split between the two workers counts twice
+    assert loader.last_summary["ranks"][0]["left"] == 0
+
+
+def test_sentencepiece_tokenization_on_the_fly(tmp_path):
+    packed = pack_small(tmp_path, speakers=1, per_speaker=3)
+    model = REALDATA / "tokenizers" / "librispeech.train_960_unigram5000.bpemodel"
+    text = tmp_path / "relabel"
+    keys = packed.data.keys
+    text.write_text(f"{keys[0]} IT WAS THE FIRST GREAT SORROW OF HIS LIFE\n{keys[1]} IT WAS\n{keys[2]} LIFE\n")
+    loader = make_loader(packed.pattern, model, labels=text, batch_size=3, shuffle=False, num_workers=0)
+    (batch,) = list(loader)
+    row = batch["keys"].index(keys[0])
+    assert batch["labels"][row].tolist() == [15, 14, 3, 138, 119, 1506, 6, 17, 170]
+    assert batch["texts"][row] == "IT WAS THE FIRST GREAT SORROW OF HIS LIFE"
+    expected = {keys[0]: [15, 14, 3, 138, 119, 1506, 6, 17, 170], keys[1]: [15, 14], keys[2]: [170]}
+    for row, key in enumerate(batch["keys"]):
+        length = int(batch["label_lens"][row])
+        assert batch["labels"][row, :length].tolist() == expected[key]
+        assert (batch["labels"][row, length:] == -1).all()
+
+
+def test_units_file_chars_words_unknowns_and_stripped_spaces(tmp_path):
+    packed = pack_small(tmp_path, speakers=1, per_speaker=2)
+    units = tmp_path / "units.txt"
+    units.write_text("<blank> 0\n<unk> 1\n甚 2\n至 3\n出 4\n现 5\n▁ 6\nhello 7\n")
+    text = tmp_path / "text"
+    k0, k1 = packed.data.keys
+    text.write_text(f"{k0} 甚至 出现\n{k1} hello world\n")
+    chars = list(make_loader(packed.pattern, units, labels=text, batch_size=2, shuffle=False, num_workers=0))[0]
+    labels = {k: [t for t in row.tolist() if t != -1] for k, row in zip(chars["keys"], chars["labels"])}
+    assert labels[k0] == [2, 3, 6, 4, 5]
+    stripped = list(make_loader(packed.pattern, units, labels=text, strip_spaces=True, batch_size=2, shuffle=False, num_workers=0))[0]
+    assert [t for t in stripped["labels"][stripped["keys"].index(k0)].tolist() if t != -1] == [2, 3, 4, 5]
+    words = list(make_loader(packed.pattern, units, labels=text, split="word", batch_size=2, shuffle=False, pad_label=0, num_workers=0))[0]
+    assert words["labels"][words["keys"].index(k1)].tolist() == [7, 1]
+
+
+def test_label_override_replaces_by_key_and_missing_keys_are_errors_or_counted(packed, tmp_path):
+    text = tmp_path / "relabel"
+    keys = packed.data.keys
+    text.write_text("".join(f"{k} NEW {i}\n" for i, k in enumerate(keys[:-3])))
+    with pytest.raises(InputError, match="no line for this key"):
+        list(make_loader(packed.pattern, labels=text, batch_size=4, num_workers=0, **SMALL))
+    loader = make_loader(packed.pattern, labels=text, batch_size=4, skip_bad=True, num_workers=2, **SMALL)
+    texts = {k: t for b in loader for k, t in zip(b["keys"], b["texts"])}
+    assert len(texts) == 45 and all(t.startswith("NEW ") for t in texts.values())
+    assert loader.stats()["dropped"] == {"no_label": 3}
+
+
+def test_a_shard_from_webdatasets_own_writer_loads(tmp_path):
+    import webdataset as wds
+
+    rng = np.random.default_rng(0)
+    arrays = {f"sample{i:04d}": rng.standard_normal((int(rng.integers(3, 30)), 6)).astype(np.float32) for i in range(25)}
+    with wds.TarWriter(str(tmp_path / "wds-000000.tar")) as sink:
+        for key, array in arrays.items():
+            sink.write({"__key__": key, "feats.npy": array, "txt": f"text of {key}"})
+    loader = make_loader(str(tmp_path / "wds-*.tar"), batch_size=4, num_workers=2, **SMALL)
+    seen = {}
+    for batch in loader:
+        for row, key in enumerate(batch["keys"]):
+            seen[key] = batch["feats"][row, : int(batch["feat_lens"][row])].numpy()
+            assert batch["texts"][row] == f"text of {key}"
+    assert sorted(seen) == sorted(arrays)
+    for key, array in arrays.items():
+        np.testing.assert_array_equal(seen[key], array)
+
+
+def test_fewer_shards_than_readers_leaves_no_reader_idle(tmp_path):
+    packed = pack_small(tmp_path, utts_per_file=100, speakers=2, per_speaker=9)
+    loader = make_loader(packed.pattern, batch_size=2, num_workers=3, **SMALL)
+    keys = [k for b in loader for k in b["keys"]]
+    assert sorted(keys) == sorted(packed.data.keys)
+    assert all(w.pulled > 0 for w in loader._position.workers)  # each worker read a third
+    (packed.out / "index.json").unlink()  # unindexed: readers take every 3rd utterance
+    keys = [k for b in make_loader(packed.pattern, batch_size=2, num_workers=3, **SMALL) for k in b["keys"]]
+    assert sorted(keys) == sorted(packed.data.keys)
+
+
+def test_persistent_workers_and_pinned_memory_across_epochs(packed):
+    loader = make_loader(packed.pattern, batch_size=4, num_workers=2, persistent_workers=True, pin_memory=False, **SMALL)
+    first, second = epoch_keys(loader, 0), epoch_keys(loader, 1)
+    assert sorted(sum(first, [])) == sorted(sum(second, [])) == sorted(packed.data.keys)
+    assert first != second
+    assert first == epoch_keys(make_loader(packed.pattern, batch_size=4, num_workers=2, **SMALL), 0)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_state_round_trip_mid_epoch_gives_the_same_next_batches(packed, num_workers):
+    options = dict(batch_frames=100, num_workers=num_workers, seed=3, **SMALL)
+    full = epoch_keys(make_loader(packed.pattern, **options), 2)
+    for cut in (0, 1, len(full) // 2, len(full) - 1, len(full)):
+        loader = make_loader(packed.pattern, **options)
+        loader.set_epoch(2)
+        iterator = iter(loader)
+        head = [next(iterator)["keys"] for _ in range(cut)]
+        state = json.loads(json.dumps(loader.state_dict()))
+        del iterator
+        resumed = make_loader(packed.pattern, **options)
+        resumed.load_state_dict(state)
+        assert head + epoch_keys(resumed, 2) == full, cut
+        assert len(json.dumps(state)) < 20000
+
+
+def test_states_from_other_settings_are_refused(packed):
+    loader = make_loader(packed.pattern, batch_size=4, num_workers=2, **SMALL)
+    state = loader.state_dict()
+    from seqshard.errors import StateMismatchError
+
+    with pytest.raises(StateMismatchError, match="num_workers was 2, now 1"):
+        make_loader(packed.pattern, batch_size=4, num_workers=1, **SMALL).load_state_dict(state)
+    with pytest.raises(StateMismatchError, match="option batch_size was 4, now 5"):
+        make_loader(packed.pattern, batch_size=5, num_workers=2, **SMALL).load_state_dict(state)
+    with pytest.raises(StateMismatchError, match="num_shards"):
+        make_loader(f"{packed.out}/data-0000[0-3].tar", batch_size=4, num_workers=2, **SMALL).load_state_dict(state)
+
+
+def test_options_are_checked_at_the_boundary(packed):
+    with pytest.raises(ConfigError, match="unknown loader option"):
+        make_loader(packed.pattern, batch_sise=3)
+    with pytest.raises(ConfigError, match="exactly one of batch_size"):
+        make_loader(packed.pattern, batch_size=3, batch_frames=100)
+    with pytest.raises(ConfigError, match="matches no file"):
+        make_loader(f"{packed.out}/nope-*.tar")
+    with pytest.raises(ConfigError, match="epoch_steps or epoch_hours"):
+        make_loader(packed.pattern, uneven="repeat")
+
+
+def test_samples_without_features_get_a_clear_error(tmp_path):
+    with pytest.raises(Exception, match="no feats.npy or npy field.*txt, wav"):
+        list(make_loader(str(REALDATA / "webdataset/wenet-shard/shards_000000000.tar"), batch_size=2, num_workers=0))
+
+
+def test_map_style_reader_for_unpacked_dev_sets(tmp_path):
+    from seqshard import ScpDataset, make_scp_loader
+
+    from conftest import write_kaldi_dir
+
+    data = write_kaldi_dir(tmp_path / "dev", speakers=2, per_speaker=5, compression_method=2)
+    dataset = ScpDataset(data.scp, data.text)
+    assert len(dataset) == 10 and dataset[3].key == data.keys[3]
+    np.testing.assert_array_equal(dataset[3].feats, data.arrays[data.keys[3]])
+    batches = list(make_scp_loader(data.scp, data.text, batch_size=4, num_workers=2))
+    assert [k for b in batches for k in b["keys"]] == data.keys
+    assert batches[0]["feats"].shape[0] == 4 and batches[0]["texts"][0] == data.labels[data.keys[0]]

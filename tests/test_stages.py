@@ -1,0 +1,181 @@
+"""Each stage alone: the resume contract at every position, determinism, and its own job."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import assert_resumes_everywhere
+from seqshard.errors import SkipCounter
+from seqshard.pipeline.base import Map, Stage
+from seqshard.pipeline.batching import FixedSize, FrameBudget, SortBatch, cut_batches
+from seqshard.pipeline.decode import Decoder, Utterance
+from seqshard.pipeline.filters import LengthFilter, LengthLimits
+from seqshard.pipeline.reader import ShardReader
+from seqshard.pipeline.shards import ShardTable, Unit
+from seqshard.pipeline.shuffle import WindowShuffle
+
+
+class ListSource(Stage):
+    """A resumable list of utterances, for testing the stages above a reader."""
+
+    def __init__(self, utts):
+        super().__init__(None)
+        self.utts = utts
+        self.position = 0
+
+    def reset(self, state=None):
+        super().reset(state)
+        self.position = state["position"] if state else 0
+
+    def next(self):
+        if self.position >= len(self.utts):
+            raise StopIteration
+        self.position += 1
+        return self.utts[self.position - 1]
+
+    def get_state(self):
+        return {"position": self.position}
+
+
+def utterances(count=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return [Utterance(f"u{i:03d}", np.zeros((int(rng.integers(1, 50)), 2), np.float32), "x", tokens=[1] * int(rng.integers(0, 9))) for i in range(count)]
+
+
+def test_reader_resumes_anywhere_with_interleaving_and_split_units(packed):
+    table = ShardTable.from_patterns(packed.pattern)
+    units = [Unit(3), Unit(0, 2, 7), Unit(4, 5), Unit(1, 1, None, 3)]
+    for interleave in (1, 3):
+        keys = assert_resumes_everywhere(lambda: ShardReader(table, lambda p: units, interleave))
+        assert len(keys) == len(set(keys)) == 10 + 5 + 3 + 3
+    one_at_a_time = [s.key for s in ShardReader(table, lambda p: units, 1)]
+    interleaved = [s.key for s in ShardReader(table, lambda p: units, 3)]
+    assert sorted(one_at_a_time) == sorted(interleaved) and one_at_a_time != interleaved
+
+
+def test_repeating_reader_moves_to_the_next_pass(packed):
+    table = ShardTable.from_patterns(packed.pattern)
+    reader = ShardReader(table, lambda p: [Unit(p % 5, 0, 2)], 2, repeat=True)
+    keys = [next(reader).key for _ in range(6)]
+    assert len(set(keys)) == 6  # passes 0, 1, 2 read shards 0, 1, 2
+    assert_resumes_everywhere(lambda: _take(ShardReader(table, lambda p: [Unit(p % 5, 0, 3)], 2, repeat=True), 11))
+
+
+def _take(stage, count):
+    class Head(Stage):
+        def __init__(self):
+            super().__init__(stage)
+            self.n = 0
+
+        def reset(self, state=None):
+            super().reset(state)
+            self.n = state["n"] if state else 0
+
+        def next(self):
+            if self.n >= count:
+                raise StopIteration
+            self.n += 1
+            return self.source.next()
+
+        def get_state(self):
+            return {**super().get_state(), "n": self.n}
+
+    return Head()
+
+
+def test_decode_shuffle_filter_and_batch_resume_anywhere(packed):
+    table = ShardTable.from_patterns(packed.pattern)
+
+    def chain():
+        stage = ShardReader(table, lambda p: [Unit(i) for i in range(5)], 2)
+        stage = Map(stage, Decoder(table))
+        stage = LengthFilter(stage, LengthLimits(min_frames=10))
+        stage = WindowShuffle(stage, 7, 0, 1, 2)
+        return SortBatch(stage, 9, FrameBudget(200), 0, 1, 2)
+
+    batches = assert_resumes_everywhere(chain)
+    keys = [k for batch in batches for k in batch]
+    expected = [k for k, a in packed.data.arrays.items() if a.shape[0] >= 10]
+    assert sorted(keys) == sorted(expected)
+
+
+def test_window_shuffle_is_a_seeded_permutation_within_windows():
+    utts = utterances(30)
+    first = [u.key for u in WindowShuffle(ListSource(utts), 10, 5)]
+    again = [u.key for u in WindowShuffle(ListSource(utts), 10, 5)]
+    other = [u.key for u in WindowShuffle(ListSource(utts), 10, 6)]
+    assert first == again != other
+    for window in range(3):
+        assert sorted(first[window * 10 : window * 10 + 10]) == [u.key for u in utts[window * 10 : window * 10 + 10]]
+    assert first[:10] != [u.key for u in utts[:10]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 500), max_size=60), st.integers(1, 3000), st.sampled_from([None, 100.0, 1000.0]))
+def test_dynamic_batches_never_exceed_the_budget(lengths, budget, quadratic):
+    cost = FrameBudget(budget, quadratic)
+    lengths = sorted(lengths)
+    batches, oversize = cut_batches(lengths, cost)
+    assert sorted([i for b in batches for i in b] + oversize) == list(range(len(lengths)))
+    for batch in batches:
+        assert cost.cost(len(batch), max(lengths[i] for i in batch)) <= budget
+    for index in oversize:
+        assert cost.cost(1, lengths[index]) > budget
+
+
+def test_oversize_utterances_go_alone_or_are_counted():
+    utts = utterances(20) + [Utterance("long", np.zeros((500, 2), np.float32), "x")]
+    alone = list(SortBatch(ListSource(utts), 50, FrameBudget(100), 0))
+    assert [["long"]] == [[u.key for u in b] for b in alone if any(u.key == "long" for u in b)]
+    dropping = SortBatch(ListSource(utts), 50, FrameBudget(100), 0, oversize="drop")
+    kept = [u.key for b in dropping for u in b]
+    assert "long" not in kept and len(kept) == 20 and dropping.stats()["dropped.oversize"] == 1
+
+
+def test_sorting_keeps_padding_small_and_fixed_batches_have_their_size():
+    rng = np.random.default_rng(1)
+    utts = [Utterance(f"u{i}", np.zeros((int(rng.integers(100, 2000)), 1), np.float32), "") for i in range(2000)]
+    stage = SortBatch(ListSource(utts), 2000, FrameBudget(20000), 0)
+    batches = list(stage)
+    stats = stage.stats()
+    assert 1 - stats["frames"] / stats["padded_frames"] < 0.03
+    fixed = list(SortBatch(ListSource(utts), 500, FixedSize(32), 0))
+    assert all(len(b) == 32 for b in fixed if len(b) != 500 % 32)
+
+
+def test_filters_count_each_reason():
+    utts = utterances(40)
+    stage = LengthFilter(ListSource(utts), LengthLimits(min_frames=5, max_frames=40, max_tokens=6, min_frames_per_token=2.0))
+    kept = list(stage)
+    limits = stage.limits
+    assert all(limits.violation(u) is None for u in kept)
+    assert sum(stage.filtered.values()) + len(kept) == 40 and stage.stats()["filtered.too_few_frames"] > 0
+
+
+def test_map_counts_skipped_bad_items_and_raises_without_skip(packed):
+    from seqshard.errors import InputError, Where
+
+    def picky(utt):
+        if utt.key.endswith("3"):
+            raise InputError(Where("x"), "odd", "bad")
+        return utt
+
+    skipped = Map(ListSource(utterances(20)), picky, SkipCounter(True))
+    assert len(list(skipped)) == 18 and skipped.stats() == {"dropped.odd": 2}
+    with pytest.raises(InputError):
+        list(Map(ListSource(utterances(20)), picky))
+
+
+def test_a_stage_that_forgets_super_init_gets_a_clear_error():
+    class Broken(Stage):
+        def __init__(self):
+            pass
+
+        def next(self):
+            return 1
+
+    with pytest.raises(TypeError, match="must call super"):
+        next(Broken())
