@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -199,7 +200,7 @@ class ShardLoader:
         stats = self.stats(position)
         summary = {"rank": self.context.rank, "steps": position.step, "utts": position.utts, "dropped": stats["dropped"], "filtered": stats["filtered"]}
         if self.config.uneven != "repeat":
-            planned = [planned_utts(self.table, self._setup.units(position.epoch, w)) for w in range(len(position.workers))]
+            planned = [planned_utts(self.table, position.units_of(w) or self._setup.units(position.epoch, w)) for w in range(len(position.workers))]
             if all(p is not None for p in planned):
                 total = sum(planned)  # type: ignore[arg-type]
                 summary["planned"] = total
@@ -247,19 +248,46 @@ class ShardLoader:
         """Continue from ``state`` at the next ``iter()`` (after ``set_epoch`` of its epoch).
 
         A state saved with other shards, world size, workers or batch-defining options is
-        refused with StateMismatchError naming what differs.
+        refused with StateMismatchError naming what differs. With ``strict=False`` a state
+        saved with another world size, worker count or options (same shards) is resumed
+        elastically: the utterances that epoch had not yet handed out are spread over the
+        new ranks and workers, each read exactly once (other batches than an uninterrupted
+        run would give). That needs the state of every rank (``state_dict(gather=True)``).
         """
         if state.get("seqshard_loader_state") != STATE_VERSION:
             raise StateMismatchError("not a seqshard loader state (or from an incompatible version).")
         differences = _differences(state["identity"], self._identity())
+        if differences and (strict or state["identity"]["shards"] != self.table.fingerprint()):
+            raise StateMismatchError("the saved loader state does not fit this loader: " + "; ".join(differences) + ". Resume with the same shards and settings, pass strict=False to resume the epoch elastically (same shards, other ranks/workers/options), or start the epoch afresh.")
         if differences:
-            raise StateMismatchError("the saved loader state does not fit this loader: " + "; ".join(differences) + ". Resume with the same shards and settings (or start the epoch afresh).")
+            self._resume = self._elastic_position(state)
+            self._position = RankPosition.from_json(self._resume.to_json())
+            self._epoch = self._resume.epoch
+            return
         mine = state["ranks"].get(str(self.context.rank))
         if mine is None:
             raise StateMismatchError(f"the saved state has no position for rank {self.context.rank} (saved with gather=False on another rank?).")
         self._resume = RankPosition.from_json(mine)
         self._position = RankPosition.from_json(mine)
         self._epoch = self._resume.epoch
+
+
+    def _elastic_position(self, state: dict[str, Any]) -> RankPosition:
+        from .pipeline.elastic import planned_setups, remainder_plan
+
+        identity = state["identity"]
+        old_config = LoaderConfig(**identity["options"])
+        if "repeat" in (old_config.uneven, self.config.uneven):
+            raise StateMismatchError("elastic resume is for epochs that end (uneven='stop' or 'join'), not for uneven='repeat' streams.")
+        if sorted(state["ranks"], key=int) != [str(r) for r in range(identity["world_size"])]:
+            raise StateMismatchError("elastic resume needs the position of every saved rank: save with state_dict(gather=True).")
+        positions = [RankPosition.from_json(state["ranks"][str(r)]) for r in range(identity["world_size"])]
+        epoch = positions[0].epoch
+        if all(p.completed for p in positions):
+            return replace(RankPosition.fresh(epoch, self._setup.readers_per_rank, self._buckets), completed=True)
+        plan = remainder_plan(self.table, planned_setups(self._setup, identity["world_size"], old_config), positions, self.context.world_size, self._setup.readers_per_rank)
+        _LOG.info("elastic resume of epoch %d: %d saved readers' remainder spread over %d ranks x %d workers", epoch, sum(len(p.workers) for p in positions), self.context.world_size, self._setup.readers_per_rank)
+        return RankPosition.fresh(epoch, self._setup.readers_per_rank, self._buckets, plan[self.context.rank])
 
 
 def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

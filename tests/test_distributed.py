@@ -74,9 +74,10 @@ def test_balanced_plans_leave_almost_nothing_behind(tmp_path):
     assert len(ranks[0]["epochs"][0]["steps"]) == len(ranks[1]["epochs"][0]["steps"])
 
 
-def test_sigkill_mid_epoch_then_resume_gives_the_uninterrupted_batches(tmp_path):
+@pytest.mark.parametrize("bucket_sync", [False, True])
+def test_sigkill_mid_epoch_then_resume_gives_the_uninterrupted_batches(tmp_path, bucket_sync):
     pattern = write_shards(tmp_path / "shards", [30, 22, 17, 25, 11])
-    options = dict(batch_frames=90, num_workers=2, shuffle_window=10, sort_window=7, seed=5)
+    options = dict(batch_frames=90, num_workers=2, shuffle_window=10, sort_window=7, seed=5, bucket_sync=bucket_sync, num_buckets=3)
     job = {"pattern": pattern, "options": options, "epochs": [0, 1]}
     full = run_ranks(2, job, tmp_path / "full")
 
@@ -94,6 +95,23 @@ def test_sigkill_mid_epoch_then_resume_gives_the_uninterrupted_batches(tmp_path)
     for rank in range(2):
         before = json.loads((out / f"before-rank{rank}.json").read_text())
         assert [s["keys"] for s in before[-1]["steps"]] + [s["keys"] for s in resumed[rank]["epochs"][0]["steps"]] == [s["keys"] for s in full[rank]["epochs"][1]["steps"]]
+
+
+def test_elastic_resume_from_two_ranks_to_three_loses_and_repeats_nothing(tmp_path):
+    pattern = write_shards(tmp_path / "shards", [30, 22, 17, 25, 11])
+    options = dict(batch_size=3, num_workers=2, shuffle_window=10, sort_window=7, seed=5)
+    out = tmp_path / "two"
+    processes = start_ranks(2, {"pattern": pattern, "options": options, "epochs": [0], "save_at": [0, 5], "sleep": 0.05}, out)
+    deadline = time.monotonic() + 90
+    while not (out / "state.json").exists() and time.monotonic() < deadline and all(p.poll() is None for p in processes):
+        time.sleep(0.01)
+    time.sleep(0.1)
+    kill(processes)
+    before = [k for rank in range(2) for step in json.loads((out / f"before-rank{rank}.json").read_text())[-1]["steps"] for k in step["keys"]]
+    assert len(before) >= 2 * 5  # 5 steps on each rank before the save
+    resumed = run_ranks(3, {"pattern": pattern, "options": {**options, "uneven": "join"}, "epochs": [0], "resume": str(out / "state.json"), "elastic": True}, tmp_path / "three")
+    after = [k for r in resumed for k in keys_of(r["epochs"][0])]
+    assert sorted(before + after) == sorted(f"s{s}u{i:03d}" for s, n in enumerate([30, 22, 17, 25, 11]) for i in range(n))
 
 
 def test_repeat_mode_gives_every_rank_the_same_number_of_steps(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import REALDATA, pack_small
 from seqshard import make_loader
-from seqshard.errors import ConfigError, InputError
+from seqshard.errors import ConfigError, InputError, StateMismatchError
 
 SMALL = dict(shuffle_window=12, sort_window=8, interleave=2)
 
@@ -180,8 +180,6 @@ def test_state_round_trip_mid_epoch_gives_the_same_next_batches(packed, num_work
 def test_states_from_other_settings_are_refused(packed):
     loader = make_loader(packed.pattern, batch_size=4, num_workers=2, **SMALL)
     state = loader.state_dict()
-    from seqshard.errors import StateMismatchError
-
     with pytest.raises(StateMismatchError, match="num_workers was 2, now 1"):
         make_loader(packed.pattern, batch_size=4, num_workers=1, **SMALL).load_state_dict(state)
     with pytest.raises(StateMismatchError, match="option batch_size was 4, now 5"):
@@ -218,3 +216,35 @@ def test_map_style_reader_for_unpacked_dev_sets(tmp_path):
     batches = list(make_scp_loader(data.scp, data.text, batch_size=4, num_workers=2))
     assert [k for b in batches for k in b["keys"]] == data.keys
     assert batches[0]["feats"].shape[0] == 4 and batches[0]["texts"][0] == data.labels[data.keys[0]]
+
+
+@pytest.mark.parametrize("num_workers,bucket", [(2, False), (0, False), (2, True)])
+def test_elastic_resume_to_another_world_size_reads_the_rest_exactly_once(packed, num_workers, bucket):
+    """Ranks simulated in one process (uneven='join' needs no collectives)."""
+    options = dict(batch_size=3, num_workers=num_workers, uneven="join", seed=4, **SMALL)
+    if bucket:
+        options = {**options, "uneven": "stop", "bucket_sync": True, "num_buckets": 3}
+    old = []
+    seen_before = []
+    for rank in range(2):
+        loader = make_loader(packed.pattern, rank=rank, world_size=2 if not bucket else 1, **options)
+        loader.set_epoch(1)
+        iterator = iter(loader)
+        for _ in range(3 + rank):
+            seen_before.extend(next(iterator)["keys"])
+        old.append(loader.state_dict(gather=False))
+        del iterator
+        if bucket:
+            break
+    state = {**old[0], "ranks": {k: v for s in old for k, v in s["ranks"].items()}}
+    after = []
+    new_world = 3
+    for rank in range(new_world):
+        loader = make_loader(packed.pattern, rank=rank, world_size=new_world, **{**options, "num_workers": 1, "batch_size": 2, "uneven": "join", "bucket_sync": False})
+        with pytest.raises(StateMismatchError):
+            loader.load_state_dict(state)
+        loader.load_state_dict(state, strict=False)
+        loader.set_epoch(1)
+        after.extend(k for b in loader for k in b["keys"])
+    assert len(seen_before) + len(after) == 48
+    assert sorted(seen_before + after) == sorted(packed.data.keys)

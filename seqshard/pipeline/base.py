@@ -81,6 +81,10 @@ class Stage(Generic[T]):
         """Counters of this stage and its sources (utterances read, dropped by reason, ...)."""
         return self.source.stats() if self.source is not None else {}
 
+    def pending(self) -> list[Any]:
+        """Items this stage and its sources hold but have not passed on (buffered windows)."""
+        return self.source.pending() if self.source is not None else []
+
     # -- fluent spellings -----------------------------------------------------------------
     def map(self, function: Callable[[T], U], skip: SkipCounter | None = None) -> Map[U]:
         return Map(self, function, skip)

@@ -166,6 +166,9 @@ class SortBatch(Stage[list[Utterance]]):
             self._counts[name] = self._counts.get(name, 0) + value
         return batch
 
+    def pending(self) -> list[Utterance]:
+        return [utt for batch in self._batches[self._emitted :] for utt in batch] + self.source.pending()
+
     def bucket_of(self, batch: Sequence[Utterance]) -> int:
         """Length bucket of a batch: how many bounds its longest utterance reaches."""
         return bisect.bisect_right(self.bucket_bounds, max(u.num_frames for u in batch))

@@ -23,6 +23,7 @@ class Utterance:
     text: str
     shard: int = -1
     offset: int = -1
+    ordinal: int = -1
     tokens: list[int] | None = None
     extra: dict = field(default_factory=dict)
 
@@ -63,7 +64,7 @@ class Decoder:
                 text = raw.fields[self.label_field].decode("utf-8").strip()
             except UnicodeDecodeError:
                 raise InputError(self._where(raw), "non_utf8", "the label is not valid UTF-8.") from None
-        return Utterance(raw.key, feats, text, raw.shard, raw.offset)
+        return Utterance(raw.key, feats, text, raw.shard, raw.offset, raw.ordinal)
 
 
 def _decode_features(data: bytes) -> np.ndarray:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import SeqshardError
+from .shards import Unit
 
 Item = dict[str, Any]
 
@@ -46,10 +47,15 @@ class RankPosition:
     frames: int = 0
     padded_frames: int = 0
     completed: bool = False
+    plan: list[list[list]] | None = None  # per worker, units replacing the epoch's plan (elastic resume)
 
     @classmethod
-    def fresh(cls, epoch: int, workers: int, buckets: int) -> RankPosition:
-        return cls(epoch, [WorkerPosition() for _ in range(workers)], queues=[[] for _ in range(buckets)])
+    def fresh(cls, epoch: int, workers: int, buckets: int, plan: list[list[Unit]] | None = None) -> RankPosition:
+        return cls(epoch, [WorkerPosition() for _ in range(workers)], queues=[[] for _ in range(buckets)], plan=None if plan is None else [[u.to_json() for u in units] for units in plan])
+
+    def units_of(self, worker: int) -> list[Unit] | None:
+        """The units replacing ``worker``'s planned ones this epoch, if any."""
+        return None if self.plan is None else [Unit.from_json(u) for u in self.plan[worker]]
 
     def to_json(self) -> dict[str, Any]:
         return copy.deepcopy(asdict(self))
@@ -67,7 +73,7 @@ class RankPosition:
         return moved
 
     def worker_request(self) -> list[dict[str, Any]]:
-        return [{"state": w.state, "seq": w.low} for w in self.workers]
+        return [{"state": w.state, "seq": w.low, "units": None if self.plan is None else self.plan[i]} for i, w in enumerate(self.workers)]
 
 
 class MergedStream:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..errors import ConfigError, ShardError, SkipCounter
 from ..formats.tar import SampleStream, skip_samples
@@ -28,6 +28,7 @@ class RawSample:
     fields: dict[str, bytes]
     shard: int
     offset: int
+    ordinal: int
 
 
 class _OpenUnit:
@@ -51,6 +52,10 @@ class _OpenUnit:
 
     def position(self) -> list[int]:
         return [self.pass_, self.index, self.stream.resume_offset, self.stream.ordinal]
+
+    def rest(self) -> Unit:
+        """What is left of this unit, as a unit that starts reading where this one stands."""
+        return replace(self.unit, offset=self.stream.resume_offset, at=self.stream.ordinal)
 
 
 class ShardReader(Stage[RawSample]):
@@ -109,7 +114,12 @@ class ShardReader(Stage[RawSample]):
         self._next_unit += 1
         unit = self._units[index]
         path = self.table.shards[unit.shard].path
-        offset, ordinal = skip_samples(path, unit.start) if unit.start and unit.step == 1 else (0, 0)
+        if unit.offset is not None:
+            offset, ordinal = unit.offset, unit.at
+        elif unit.start and unit.step == 1:
+            offset, ordinal = skip_samples(path, unit.start)
+        else:
+            offset, ordinal = 0, 0
         return _OpenUnit(self._pass, index, unit, path, offset, ordinal)
 
     def next(self) -> RawSample:
@@ -142,7 +152,7 @@ class ShardReader(Stage[RawSample]):
                 continue
             self._turn += 1
             self._counts["utts_read"] += 1
-            return RawSample(sample.key, sample.fields, slot.unit.shard, sample.offset)
+            return RawSample(sample.key, sample.fields, slot.unit.shard, sample.offset, sample.ordinal)
 
     def get_state(self) -> State:
         return {
@@ -155,3 +165,7 @@ class ShardReader(Stage[RawSample]):
 
     def stats(self) -> dict[str, int]:
         return dict(self._counts)
+
+    def remaining_units(self) -> list[Unit]:
+        """Everything this reader has not yet read (of the current pass), as units."""
+        return [slot.rest() for slot in self._slots] + self._units[self._next_unit :]

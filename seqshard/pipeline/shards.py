@@ -93,26 +93,39 @@ class ShardTable:
 
 @dataclass(frozen=True)
 class Unit:
-    """Samples ``start, start+step, ... < stop`` (by position in the shard) of one shard."""
+    """Samples ``start, start+step, ... < stop`` (by position in the shard) of one shard.
+
+    ``offset``, when known, is the byte offset of sample number ``at`` (<= the first sample
+    kept): reading starts there instead of walking the shard's headers from its beginning.
+    """
 
     shard: int
     start: int = 0
     stop: int | None = None
     step: int = 1
+    offset: int | None = None
+    at: int = 0
+
+    def first(self) -> int:
+        """Position of the first sample kept at or after ``at``."""
+        if self.at <= self.start:
+            return self.start
+        return self.start + math.ceil((self.at - self.start) / self.step) * self.step
 
     def count(self, num_utts: int | None) -> int | None:
         """How many samples the unit yields, when the shard's size is known."""
         stop = num_utts if self.stop is None else min(self.stop, num_utts) if num_utts is not None else self.stop
         if stop is None:
             return None
-        return max(0, math.ceil((stop - self.start) / self.step))
+        return max(0, math.ceil((stop - self.first()) / self.step))
 
     def to_json(self) -> list[Any]:
-        return [self.shard, self.start, self.stop, self.step]
+        return [self.shard, self.start, self.stop, self.step, self.offset, self.at]
 
     @classmethod
     def from_json(cls, data: Sequence[Any]) -> Unit:
-        return cls(int(data[0]), int(data[1]), None if data[2] is None else int(data[2]), int(data[3]))
+        stop, offset = data[2], data[4]
+        return cls(int(data[0]), int(data[1]), None if stop is None else int(stop), int(data[3]), None if offset is None else int(offset), int(data[5]))
 
 
 @dataclass(frozen=True)
@@ -123,11 +136,11 @@ class _Piece:
 
     def split(self, head_count: int) -> tuple[_Piece, _Piece]:
         assert self.count is not None and 0 < head_count < self.count
-        cut = self.unit.start + head_count * self.unit.step
         share = head_count / self.count
+        cut = self.unit.first() + head_count * self.unit.step
         return (
             _Piece(replace(self.unit, stop=cut), head_count, self.weight * share),
-            _Piece(replace(self.unit, start=cut), self.count - head_count, self.weight * (1 - share)),
+            _Piece(replace(self.unit, start=cut, offset=None, at=0), self.count - head_count, self.weight * (1 - share)),
         )
 
 
@@ -185,7 +198,7 @@ def _deal(pieces: Sequence[_Piece], parts: int, readers: int) -> list[list[_Piec
     each shard becomes k strided units (each reader keeps every k-th utterance)."""
     if pieces and len(pieces) < readers:
         ways = math.ceil(readers / len(pieces))
-        pieces = [_Piece(replace(p.unit, start=p.unit.start + r * p.unit.step, step=p.unit.step * ways), None, p.weight / ways) for p in pieces for r in range(ways)]
+        pieces = [_Piece(replace(p.unit, start=p.unit.first() + r * p.unit.step, step=p.unit.step * ways), None, p.weight / ways) for p in pieces for r in range(ways)]
     out: list[list[_Piece]] = [[] for _ in range(parts)]
     loads = [0.0] * parts
     for piece in pieces:

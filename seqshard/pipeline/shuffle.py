@@ -64,6 +64,9 @@ class WindowShuffle(Stage[T]):
         self._emitted += 1
         return item  # type: ignore[return-value]
 
+    def pending(self) -> list[T]:
+        return [item for item in self._items[self._emitted :] if item is not None] + self.source.pending()
+
     def get_state(self) -> State:
         if self._window_start is None:
             return {"source": self.source.get_state(), "window": -1, "emitted": 0}

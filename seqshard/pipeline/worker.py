@@ -85,8 +85,11 @@ def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
     return tuple(b for b in bounds if b > bin_bounds(min(histogram))[0])
 
 
-def build_pipeline(setup: WorkerSetup, worker: int, epoch: int) -> SortBatch:
-    """The stages of one reader: read -> decode -> label -> filter -> shuffle -> sort/batch."""
+def build_pipeline(setup: WorkerSetup, worker: int, epoch: int, units: list[Unit] | None = None) -> SortBatch:
+    """The stages of one reader: read -> decode -> label -> filter -> shuffle -> sort/batch.
+
+    ``units`` replaces the reader's planned units for this epoch (an elastic resume).
+    """
     from .reader import ShardReader
 
     config = setup.config
@@ -97,6 +100,8 @@ def build_pipeline(setup: WorkerSetup, worker: int, epoch: int) -> SortBatch:
     skip = SkipCounter(True) if config.skip_bad else None
 
     def units_of_pass(number: int) -> list[Unit]:
+        if units is not None:
+            return units
         return setup.units(number if repeat else epoch, worker)
 
     stage: Stage = ShardReader(setup.table, units_of_pass, config.interleave, repeat, skip)
@@ -130,7 +135,8 @@ def make_dataset(setup: WorkerSetup, channel: IterationChannel):
 def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any]):
     """Items for the training process: batches, then one end marker."""
     spec = request["workers"][worker]
-    pipeline = build_pipeline(setup, worker, request["epoch"])
+    units = None if spec.get("units") is None else [Unit.from_json(u) for u in spec["units"]]
+    pipeline = build_pipeline(setup, worker, request["epoch"], units)
     pipeline.reset(spec["state"])
     seq = spec["seq"]
     while True:
