@@ -17,10 +17,12 @@ from typing import Any
 
 from .dist import Collectives, DistContext, discover
 from .errors import ConfigError, StateMismatchError
+from .pipeline.collate import to_tensors
 from .pipeline.config import LoaderConfig
 from .pipeline.labels import LabelOverride, Tokenizer, make_tokenizer
 from .pipeline.merge import Item, MergedStream, RankPosition
 from .pipeline.shards import ShardTable, planned_utts
+from .pipeline.transfer import BatchSlots
 from .pipeline.worker import IterationChannel, WorkerSetup, bucket_bounds, make_dataset
 
 _LOG = logging.getLogger("seqshard")
@@ -77,8 +79,10 @@ class ShardLoader:
         self.collectives = Collectives(context)
         bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
         self._buckets = len(bounds) + 1 if config.bucket_sync else 0
-        self._setup = WorkerSetup(table, config, context.rank, context.world_size, tokenizer, override, bounds)
-        self._channel = IterationChannel(_mp_context(config.multiprocessing_context))
+        mp_context = _mp_context(config.multiprocessing_context)
+        self._setup = WorkerSetup(table, config, context.rank, context.world_size, tokenizer, override, bounds, _make_slots(table, config, mp_context))
+        self._channel = IterationChannel(mp_context)
+        self._iteration = 0
         self._dataloader: Any = None
         self._epoch = 0
         self._position = RankPosition.fresh(0, self._setup.readers_per_rank, self._buckets)
@@ -119,7 +123,7 @@ class ShardLoader:
                 batch_size=None,
                 num_workers=workers,
                 collate_fn=_unchanged,
-                pin_memory=self.config.pin_memory,
+                pin_memory=False,  # batches are pinned as they are received (see _receive)
                 persistent_workers=self.config.persistent_workers and workers > 0,
                 prefetch_factor=self.config.prefetch_factor if workers > 0 else None,
                 multiprocessing_context=self.config.multiprocessing_context if workers > 0 else None,
@@ -132,8 +136,9 @@ class ShardLoader:
         self._position = position
         if position.completed:  # a state saved at the end of this epoch: nothing is left
             return
-        self._channel.publish({"epoch": position.epoch, "workers": position.worker_request()})
-        stream = MergedStream(iter(self._loader()), position)
+        self._iteration += 1
+        self._channel.publish({"epoch": position.epoch, "iteration": self._iteration, "workers": position.worker_request()})
+        stream = MergedStream(iter(self._loader()), position, self._receive)
         self._timing = {"started": time.perf_counter(), "seconds": 0.0}
         while True:
             item = self._next_item(stream)
@@ -183,6 +188,22 @@ class ShardLoader:
                     raise ConfigError("the data ran out in uneven='repeat' mode.")
                 return None
             stream.pull_into_reservoir()
+
+    def _receive(self, item: Item) -> Item:
+        """Turn a worker's arrays into tensors (copying features out of their shared slot)."""
+        arrays = item["batch"]
+        if arrays is None:
+            return item
+        pin = self.config.pin_memory and _cuda_available()
+        feats = arrays["feats"]
+        if isinstance(feats, tuple):
+            _, slot, shape = feats
+            arrays["feats"] = self._setup.slots.take(slot, shape, pin)  # type: ignore[union-attr]
+        batch = to_tensors(arrays)
+        if pin:
+            batch = {k: v.pin_memory() if hasattr(v, "pin_memory") and not v.is_pinned() else v for k, v in batch.items()}
+        item["batch"] = batch
+        return item
 
     # -- end of epoch -------------------------------------------------------------------------
     def _finish_epoch(self, position: RankPosition) -> None:
@@ -318,4 +339,26 @@ def _unchanged(item: Any) -> Any:
 def _mp_context(name: str | None):
     import multiprocessing
 
-    return multiprocessing.get_context(name) if name else None
+    return multiprocessing.get_context(name) if name else multiprocessing.get_context()
+
+
+MAX_SLOT_BYTES = 64 << 20
+
+
+def _make_slots(table: ShardTable, config: LoaderConfig, context) -> BatchSlots | None:
+    """Shared slots for workers' batches, sized for the largest batch the options allow."""
+    if config.num_workers == 0 or not table.dim:
+        return None
+    if config.batch_frames is not None:
+        frames = config.batch_frames
+    else:
+        longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=0)
+        frames = int(config.batch_size * longest) + 1  # type: ignore[operator]
+    values = min(frames * table.dim, MAX_SLOT_BYTES // 4)
+    return BatchSlots(config.num_workers, config.prefetch_factor + 2, values, config.dtype, context)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

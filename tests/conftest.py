@@ -86,7 +86,7 @@ def read_shards(paths) -> dict[str, tuple[np.ndarray, str, str]]:
         with SampleStream(path) as stream:
             for sample in stream:
                 assert sample.key not in found, f"{sample.key} in two shards"
-                found[sample.key] = (decode_npy(sample.fields["feats.npy"]), sample.fields["txt"].decode("utf-8"), Path(path).name)
+                found[sample.key] = (decode_npy(sample.fields["feats.npy"]), str(sample.fields["txt"], "utf-8"), Path(path).name)
     return found
 
 

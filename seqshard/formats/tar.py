@@ -4,11 +4,19 @@ A shard holds samples; a sample is a run of members ``KEY.FIELD`` sharing one ke
 tool and WebDataset read these files. The reader is hand-written rather than built on
 ``tarfile``: on 3 GB of 80-dim features ``tarfile`` streamed 202 MB/s where a minimal reader
 reached 674 MB/s (0.78x ``cat``), and the loader's throughput is bounded by this loop.
+
+Plain shards are memory-mapped: a member's bytes are a view of the page cache, never copied
+into new Python objects. Measured on 2.2 GB of shards with the loader's windows holding 5000
+samples, per-member ``bytes`` objects read at 1.1-2.0 GB/s (every new object faults in fresh
+pages) where views read at 8-9 GB/s. The kernel is told to read ahead (``WILLNEED``) 64 MB
+before the cursor, so that cold reads are large, sequential and overlap the decoding (16 MB
+of read-ahead gave 0.5x the raw read speed cold, 64 MB 0.75x).
 """
 
 from __future__ import annotations
 
 import gzip
+import mmap
 import os
 import tarfile
 import zlib
@@ -24,6 +32,8 @@ BLOCK = 512
 RECORD = 20 * BLOCK
 _ZERO_BLOCK = bytes(BLOCK)
 READ_BUFFER = 4 << 20
+READ_AHEAD = 64 << 20  # how far ahead of the cursor the kernel is asked to read
+MAP_CHUNK = 64 << 20  # bytes mapped at once
 
 BytesLike = bytes | bytearray | memoryview
 
@@ -116,11 +126,12 @@ def _fsync_directory(directory: Path) -> None:
 
 @dataclass
 class Member:
-    """A regular file in a tar: its name, where its first header starts, and its bytes."""
+    """A regular file in a tar: its name, where its first header starts, and its bytes
+    (a memoryview of the mapped file for plain shards, bytes for gzip'd ones)."""
 
     name: str
     offset: int
-    data: bytes
+    data: bytes | memoryview
 
 
 def _octal(field_bytes: bytes, path: str | Path, offset: int) -> int:
@@ -150,25 +161,92 @@ def _parse_pax(data: bytes) -> dict[str, str]:
     return records
 
 
+class _MappedBytes:
+    """A file read through read-only memory maps of ``MAP_CHUNK`` bytes: reads are views,
+    not copies. A chunk is unmapped when the last view into it is gone, so the mapped pages
+    a reader keeps are those its buffered samples use."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "rb")
+        self.size = os.fstat(self._file.fileno()).st_size
+        self._chunk = memoryview(b"")
+        self._chunk_start = self._chunk_end = 0
+        self._pos = 0
+        self._advised = 0
+
+    def _map(self, start: int, end: int) -> None:
+        base = start - start % mmap.ALLOCATIONGRANULARITY
+        length = min(self.size, max(end, base + MAP_CHUNK)) - base
+        chunk = mmap.mmap(self._file.fileno(), length, access=mmap.ACCESS_READ, offset=base)
+        if hasattr(mmap, "MADV_SEQUENTIAL"):
+            chunk.madvise(mmap.MADV_SEQUENTIAL)
+        self._chunk, self._chunk_start, self._chunk_end = memoryview(chunk), base, base + length
+
+    def seek(self, position: int) -> None:
+        self._pos = position
+        self._advised = max(self._advised, position)
+
+    def read(self, size: int) -> memoryview:
+        end = min(self._pos + size, self.size)
+        if end <= self._pos:
+            return memoryview(b"")
+        if self._pos < self._chunk_start or end > self._chunk_end:
+            self._map(self._pos, end)
+        view = self._chunk[self._pos - self._chunk_start : end - self._chunk_start]
+        self._pos = end
+        if self._pos + READ_AHEAD // 2 > self._advised and self._advised < self.size:
+            os.posix_fadvise(self._file.fileno(), self._advised, READ_AHEAD, os.POSIX_FADV_WILLNEED)
+            self._advised += READ_AHEAD
+        return view
+
+    def skip(self, size: int) -> None:
+        self._pos += size
+
+    def close(self) -> None:
+        self._chunk = memoryview(b"")
+        self._file.close()
+
+
+class _StreamedBytes:
+    """A file read through a buffered (or gzip) stream: reads are new bytes objects."""
+
+    def __init__(self, stream: BinaryIO):
+        self._stream = stream
+
+    def seek(self, position: int) -> None:
+        self._stream.seek(position)
+
+    def read(self, size: int) -> bytes:
+        return self._stream.read(size)
+
+    def skip(self, size: int) -> None:
+        self._stream.seek(size, 1)
+
+    def close(self) -> None:
+        self._stream.close()
+
+
 class TarStream:
     """Reads a tar file front to back from ``start`` (a header offset), member by member.
 
     ``position`` is always the offset of the next header to be read, so a reader can save
     it and come back to the same place. ``.gz``/``.tgz`` files are decompressed on the fly
     (offsets then count decompressed bytes and restarting mid-file re-reads its prefix).
+    ``buffer_size`` applies to those; plain shards are memory-mapped.
     """
 
     def __init__(self, path: str | Path, start: int = 0, buffer_size: int = READ_BUFFER):
         self.path = str(path)
-        self._file: BinaryIO = _open_for_reading(self.path, buffer_size)
+        self._source = _open_for_reading(self.path, buffer_size)
         self.position = 0
         self.ended_cleanly = False  # True once the end-of-archive block has been read
         if start:
-            self._file.seek(start)
+            self._source.seek(start)
             self.position = start
 
     def close(self) -> None:
-        self._file.close()
+        self._source.close()
 
     def __enter__(self) -> TarStream:
         return self
@@ -180,8 +258,8 @@ class TarStream:
         while (member := self.next_member()) is not None:
             yield member
 
-    def _read_exact(self, size: int, what: str) -> bytes:
-        data = self._file.read(size)
+    def _read_exact(self, size: int, what: str) -> bytes | memoryview:
+        data = self._source.read(size)
         if len(data) != size:
             raise ShardError(self.path, self.position, f"file ends inside {what} (truncated shard?)")
         self.position += size
@@ -197,7 +275,7 @@ class TarStream:
         pax: dict[str, str] = {}
         while True:
             header_at = self.position
-            header = self._file.read(BLOCK)
+            header = bytes(self._source.read(BLOCK))
             if header == _ZERO_BLOCK:
                 self.ended_cleanly = True
                 return None
@@ -212,7 +290,7 @@ class TarStream:
             if "size" in pax:
                 size = int(pax["size"])
             if kind in (b"x", b"g", b"L", b"K"):
-                data = self._read_exact(size, "a tar extension header")
+                data = bytes(self._read_exact(size, "a tar extension header"))
                 self._skip(-size % BLOCK)
                 if kind == b"x":
                     pax.update(_parse_pax(data))
@@ -234,7 +312,7 @@ class TarStream:
 
     def _skip(self, size: int) -> None:
         if size:
-            self._file.seek(size, 1)
+            self._source.skip(size)
             self.position += size
 
 
@@ -256,26 +334,21 @@ def _check_header(header: bytes, path: str, offset: int) -> None:
             raise ShardError(path, offset, "tar header checksum mismatch (damaged shard?)")
 
 
-def _open_for_reading(path: str, buffer_size: int) -> BinaryIO:
+def _open_for_reading(path: str, buffer_size: int) -> _MappedBytes | _StreamedBytes:
     try:
-        raw = open(path, "rb", buffering=buffer_size)
+        if path.endswith((".gz", ".tgz")):
+            return _StreamedBytes(gzip.GzipFile(fileobj=open(path, "rb", buffering=buffer_size), mode="rb"))  # type: ignore[arg-type]
+        return _MappedBytes(path)
     except OSError as error:
         raise ShardError(path, None, f"cannot open shard: {error.strerror}") from error
-    if path.endswith((".gz", ".tgz")):
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
-    try:
-        os.posix_fadvise(raw.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    except (AttributeError, OSError):
-        pass
-    return raw
 
 
 @dataclass
 class Sample:
-    """Members sharing one key, in file order: ``fields`` maps ``FIELD`` to bytes."""
+    """Members sharing one key, in file order: ``fields`` maps ``FIELD`` to its bytes."""
 
     key: str
-    fields: dict[str, bytes] = field(default_factory=dict)
+    fields: dict[str, bytes | memoryview] = field(default_factory=dict)
     offset: int = 0
     ordinal: int = 0
 

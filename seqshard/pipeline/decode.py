@@ -61,7 +61,7 @@ class Decoder:
         text = ""
         if self.label_field in raw.fields:
             try:
-                text = raw.fields[self.label_field].decode("utf-8").strip()
+                text = str(raw.fields[self.label_field], "utf-8").strip()
             except UnicodeDecodeError:
                 raise InputError(self._where(raw), "non_utf8", "the label is not valid UTF-8.") from None
         return Utterance(raw.key, feats, text, raw.shard, raw.offset, raw.ordinal)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -79,8 +79,9 @@ class RankPosition:
 class MergedStream:
     """Takes workers' items in turn and keeps ``position`` up to date."""
 
-    def __init__(self, items: Iterator[Item], position: RankPosition):
+    def __init__(self, items: Iterator[Item], position: RankPosition, receive: Callable[[Item], Item] = lambda item: item):
         self._items = items
+        self._receive = receive
         self.position = position
         self._buffers: list[deque[Item]] = [deque() for _ in position.workers]
         self._reservoir: list[deque[Item]] = [deque() for _ in position.queues]
@@ -96,7 +97,7 @@ class MergedStream:
                 item = next(self._items)
             except StopIteration:
                 raise SeqshardError(f"DataLoader ended before worker {worker} sent its end marker") from None
-            self._buffers[item["worker"]].append(item)
+            self._buffers[item["worker"]].append(self._receive(item))
         return buffer.popleft()
 
     def _replay(self) -> None:
@@ -155,11 +156,10 @@ class MergedStream:
         else:
             spot.emitted_above.append(seq)
             self._states_above[(worker, seq)] = item["state"]
-        batch = item["batch"]
         self.position.step += 1
-        self.position.utts += len(batch["keys"])
-        self.position.frames += int(batch["feat_lens"].sum())
-        self.position.padded_frames += int(batch["feats"].shape[0] * batch["feats"].shape[1])
+        self.position.utts += len(item["batch"]["keys"])
+        self.position.frames += item["frames"]
+        self.position.padded_frames += item["padded"]
 
     # -- the reservoir (bucket sync) -----------------------------------------------------------
     def reservoir_counts(self) -> list[int]:

@@ -25,7 +25,7 @@ class RawSample:
     """A sample as read: its key, raw fields and where it is (shard number, byte offset)."""
 
     key: str
-    fields: dict[str, bytes]
+    fields: dict[str, bytes | memoryview]
     shard: int
     offset: int
     ordinal: int

@@ -19,13 +19,14 @@ from ..errors import ConfigError, SkipCounter
 from ..formats.index import bin_bounds, histogram_percentile
 from .base import Map, Stage
 from .batching import SortBatch
-from .collate import collate
+from .collate import collate_arrays, padded_shape
 from .config import LoaderConfig
 from .decode import Decoder
 from .filters import LengthFilter
 from .labels import Labeler, LabelOverride, Tokenizer
 from .shards import ShardTable, Unit, plan_epoch
 from .shuffle import WindowShuffle
+from .transfer import BatchSlots
 
 CHANNEL_BYTES = 4 << 20
 
@@ -61,6 +62,7 @@ class WorkerSetup:
     tokenizer: Tokenizer | None
     override: LabelOverride | None
     bucket_bounds: tuple[int, ...]
+    slots: BatchSlots | None = None
 
     @property
     def readers_per_rank(self) -> int:
@@ -127,12 +129,12 @@ def make_dataset(setup: WorkerSetup, channel: IterationChannel):
         def __iter__(self):
             info = torch.utils.data.get_worker_info()
             worker = info.id if info is not None else 0
-            return iterate_worker(self.setup, worker, self.channel.read())
+            return iterate_worker(self.setup, worker, self.channel.read(), in_worker_process=info is not None)
 
     return ReaderDataset()
 
 
-def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any]):
+def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any], in_worker_process: bool = False):
     """Items for the training process: batches, then one end marker."""
     spec = request["workers"][worker]
     units = None if spec.get("units") is None else [Unit.from_json(u) for u in spec["units"]]
@@ -145,6 +147,35 @@ def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any]):
         except StopIteration:
             break
         seq += 1
-        tensors = collate(batch, setup.config.pad_label, setup.config.dtype)
-        yield {"worker": worker, "seq": seq, "batch": tensors, "bucket": pipeline.bucket_of(batch), "state": pipeline.get_state(), "stats": pipeline.stats()}
+        payload = _payload(batch, setup, worker, request["iteration"], in_worker_process)
+        yield {
+            "worker": worker,
+            "seq": seq,
+            "batch": payload,
+            "frames": int(payload["feat_lens"].sum()),
+            "padded": len(batch) * int(payload["feat_lens"].max()),
+            "bucket": pipeline.bucket_of(batch),
+            "state": pipeline.get_state(),
+            "stats": pipeline.stats(),
+        }
     yield {"worker": worker, "seq": seq, "batch": None, "end": True, "state": pipeline.get_state(), "stats": pipeline.stats()}
+
+
+def _payload(batch, setup: WorkerSetup, worker: int, iteration: int, in_worker_process: bool) -> dict[str, Any]:
+    """Padded arrays; in a worker process the features go into a shared slot when one fits,
+    else into a torch tensor (which the DataLoader moves through shared memory)."""
+    config = setup.config
+    if not in_worker_process:
+        return collate_arrays(batch, config.pad_label, config.dtype)
+    shape = padded_shape(batch)
+    taken = setup.slots.acquire(worker, shape[0] * shape[1] * shape[2], iteration) if setup.slots is not None else None
+    if taken is None:
+        import torch
+
+        payload = collate_arrays(batch, config.pad_label, config.dtype)
+        payload["feats"] = torch.from_numpy(payload["feats"])
+        return payload
+    slot, flat = taken
+    payload = collate_arrays(batch, config.pad_label, config.dtype, flat.reshape(shape))
+    payload["feats"] = ("slot", slot, shape)
+    return payload

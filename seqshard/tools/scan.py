@@ -57,7 +57,7 @@ def scan_shard(path: Path, feature_field: str | None = None) -> ShardScan:
     return scan
 
 
-def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes]) -> None:
+def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes | memoryview]) -> None:
     if scan.feature_field is None:
         scan.feature_field = next((name for name in fields if name.endswith("npy")), None)
     data = fields.get(scan.feature_field) if scan.feature_field else None
@@ -76,6 +76,6 @@ def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes]) -> Non
                 scan.dim, scan.dtype = int(array.shape[1]), str(array.dtype)
     if "txt" in fields:
         try:
-            fields["txt"].decode("utf-8")
+            str(fields["txt"], "utf-8")
         except UnicodeDecodeError:
             scan.problems.append(f"{key}.txt: not valid UTF-8")

@@ -1,0 +1,393 @@
+"""One epoch of loading, against the limit and the usual alternatives, in one run.
+
+    python bench/loader.py [--gb 2.2] [--rounds 2] [--work bench/out]
+
+Reuses (or makes) the pack benchmark's speaker-sorted corpus and packs it. Then, for
+num_workers 0 and 2, with a cold page cache (every file evicted) and a warm one, one epoch of:
+
+- raw: sequential read of the shard files (the limit);
+- seqshard: make_loader, dynamic batches of 20000 padded frames, default windows;
+- webdataset: WebDataset over the same shards: shard shuffle, 1000-sample shuffle buffer,
+  .npy decode, batches of 32 padded inside the workers;
+- mapstyle: kaldiio random access over feats.scp in shuffled order (``load_scp``), batches
+  of 32 padded inside the workers.
+
+Each runs in a fresh process (peak RSS is its own). Also: a simulated seek-bound disk (8 ms
+per non-contiguous read, 150 MB/s; IO time charged by a file wrapper and added to the CPU
+time of the warm run), the padding and speaker diversity of seqshard's batches against
+random batches, and seqshard's peak RSS on the corpus listed once and four times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import evict, make_corpus, peak_rss_mb  # noqa: E402
+
+HERE = Path(__file__).parent
+SEEK_SECONDS = 0.008
+DISK_BYTES_PER_SECOND = 150e6
+
+
+# ----------------------------------------------------------------------------------------
+# a simulated seek-bound disk
+
+
+class _Disk:
+    """Charges time as a spinning disk would: a seek for each read that does not continue
+    the previous one (any file), then transfer at a capped bandwidth."""
+
+    seconds = 0.0
+    seeks = 0
+    last: tuple[str, int] | None = None
+
+    @classmethod
+    def charge(cls, path: str, start: int, count: int) -> None:
+        if cls.last != (path, start):
+            cls.seconds += SEEK_SECONDS
+            cls.seeks += 1
+        cls.seconds += count / DISK_BYTES_PER_SECOND
+        cls.last = (path, start + count)
+
+
+class _ChargedFile(io.RawIOBase):
+    """A file whose reads are charged to the simulated disk (for buffered readers: kaldiio)."""
+
+    def __init__(self, path: str):
+        self._raw = io.FileIO(path, "rb")
+        self._path = path
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self._raw.seek(offset, whence)
+
+    def tell(self) -> int:
+        return self._raw.tell()
+
+    def fileno(self) -> int:
+        return self._raw.fileno()
+
+    def readinto(self, buffer) -> int:
+        start = self._raw.tell()
+        count = self._raw.readinto(buffer)
+        _Disk.charge(self._path, start, count)
+        return count
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def charged_open(path, mode="rb", buffering=-1, *args, **kwargs):
+    if "r" not in mode or "b" not in mode or not str(path).endswith((".tar", ".ark")):
+        return open(path, mode, buffering, *args, **kwargs)
+    return io.BufferedReader(_ChargedFile(str(path)), buffer_size=buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE)
+
+
+def install_seek_bound_disk() -> None:
+    """kaldiio's reads go through charged files; seqshard maps shards and has the kernel read
+    ahead READ_AHEAD bytes at a time, so each read-ahead chunk it enters is one disk request."""
+    import kaldiio.matio
+    import kaldiio.utils
+
+    from seqshard.formats import tar
+
+    def open_like_kaldi(name, mode="r"):
+        return charged_open(name, mode)
+
+    kaldiio.utils.open_like_kaldi = open_like_kaldi
+    kaldiio.matio.open_like_kaldi = open_like_kaldi
+
+    original_read = tar._MappedBytes.read
+    charged: set[tuple[str, int]] = set()
+
+    def read(self, size):
+        before = self._pos
+        view = original_read(self, size)
+        for chunk in range(before // tar.READ_AHEAD, max(before, self._pos - 1) // tar.READ_AHEAD + 1):
+            if (self.path, chunk) not in charged:
+                charged.add((self.path, chunk))
+                start = chunk * tar.READ_AHEAD
+                _Disk.charge(self.path, start, min(tar.READ_AHEAD, self.size - start))
+        return view
+
+    tar._MappedBytes.read = read
+
+
+# ----------------------------------------------------------------------------------------
+# the methods (run inside a fresh process)
+
+
+def pad_batch(arrays, keys):
+    import numpy as np
+    import torch
+
+    lengths = [a.shape[0] for a in arrays]
+    out = np.zeros((len(arrays), max(lengths), arrays[0].shape[1]), dtype=np.float32)
+    for row, array in enumerate(arrays):
+        out[row, : array.shape[0]] = array
+    return {"feats": torch.from_numpy(out), "feat_lens": torch.tensor(lengths), "keys": list(keys)}
+
+
+def run_seqshard(args):
+    import seqshard
+
+    loader = seqshard.make_loader(args.pattern, batch_frames=20000, num_workers=args.workers, seed=0)
+    loader.set_epoch(0)
+    return loader
+
+
+def _wds_collate(samples):
+    return pad_batch([s[0] for s in samples], [s[1] for s in samples])
+
+
+def run_webdataset(args):
+    import torch
+    import webdataset as wds
+
+    urls = sorted(str(p) for p in Path(args.pattern).parent.glob("data-*.tar"))
+    dataset = wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker, seed=0).shuffle(1000).decode().to_tuple("feats.npy", "__key__").batched(32, collation_fn=_wds_collate)
+    return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=args.workers)
+
+
+class _MapStyle:
+    def __init__(self, scp):
+        import kaldiio
+
+        self.table = kaldiio.load_scp(scp, max_cache_fd=32)
+        self.keys = list(self.table.keys())
+
+    def __len__(self):
+        return len(self.keys)
+
+    def __getitem__(self, index):
+        return self.table[self.keys[index]], self.keys[index]
+
+
+def _map_collate(samples):
+    return pad_batch([s[0] for s in samples], [s[1] for s in samples])
+
+
+def run_mapstyle(args):
+    import torch
+
+    dataset = _MapStyle(args.scp)
+    generator = torch.Generator().manual_seed(0)
+    return torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True, generator=generator, num_workers=args.workers, collate_fn=_map_collate)
+
+
+def run_raw(args):
+    total = 0
+    for path in sorted(Path(args.pattern).parent.glob("data-*.tar")):
+        with open(path, "rb", buffering=0) as stream:
+            while chunk := stream.read(8 << 20):
+                total += len(chunk)
+    return total
+
+
+def run_one(args) -> dict:
+    import torch  # noqa: F401  imported before timing: every method pays it once, outside the clock
+
+    if args.seek_bound:
+        install_seek_bound_disk()
+    started = time.perf_counter()
+    cpu_started = time.process_time()
+    if args.method == "raw":
+        run_raw(args)
+        return {"seconds": time.perf_counter() - started, "utts": 0}
+    loader = {"seqshard": run_seqshard, "webdataset": run_webdataset, "mapstyle": run_mapstyle}[args.method](args)
+    utts, frames, padded, speakers_per_batch, sizes = 0, 0, 0, [], []
+    for batch in loader:
+        sizes.append(len(batch["keys"]))
+        utts += len(batch["keys"])
+        frames += int(batch["feat_lens"].sum())
+        padded += batch["feats"].shape[0] * batch["feats"].shape[1]
+        speakers_per_batch.append(len({k.split("-")[0] for k in batch["keys"]}))
+    result = {"seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu_started, "utts": utts, "batches": len(sizes), "padding": 1 - frames / padded, "speakers_per_batch": statistics.mean(speakers_per_batch), "speakers": speakers_per_batch, "sizes": sizes, "peak_rss_mb": peak_rss_mb()}
+    if args.seek_bound:
+        result.update(simulated_io_seconds=_Disk.seconds, seeks=_Disk.seeks)
+    return result
+
+
+# ----------------------------------------------------------------------------------------
+# orchestration
+
+
+def pack_once(corpus, shards: Path) -> None:
+    if (shards / "index.json").exists():
+        return
+    subprocess.run([sys.executable, "-m", "seqshard", "pack", "--scp", str(corpus.scp), "--text", str(corpus.text), "--out", str(shards), "--quiet", "--jobs", "2"], check=True, stdout=subprocess.DEVNULL)
+
+
+def four_times(shards: Path, target: Path) -> str:
+    """The same shards listed four times (symlinks with their index entries): a 4x corpus."""
+    from seqshard.formats.index import ShardIndex
+
+    target.mkdir(parents=True, exist_ok=True)
+    index = ShardIndex.load(shards)
+    entries = []
+    for copy in range(4):
+        for entry in index.shards:
+            name = f"data-{copy}{entry.name[5:]}"
+            link = target / name
+            if not link.exists():
+                link.symlink_to((shards / entry.name).resolve())
+            entries.append(type(entry)(**{**entry.__dict__, "name": name}))
+    ShardIndex(entries, index.feature, index.created, "bench four_times", index.source).save(target)
+    return f"{target}/data-*.tar"
+
+
+def measure(method: str, workers: int, pattern: str, scp: str, cold: bool, files: list[Path], seek_bound: bool = False) -> dict:
+    if cold:
+        evict(files)
+    command = [sys.executable, __file__, "run", "--method", method, "--workers", str(workers), "--pattern", pattern, "--scp", scp] + (["--seek-bound"] if seek_bound else [])
+    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command")
+    one = sub.add_parser("run")
+    one.add_argument("--method", required=True)
+    one.add_argument("--workers", type=int, default=0)
+    one.add_argument("--pattern", required=True)
+    one.add_argument("--scp", required=True)
+    one.add_argument("--seek-bound", action="store_true")
+    parser.add_argument("--gb", type=float, default=2.2)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--work", type=Path, default=HERE / "out")
+    args = parser.parse_args()
+    if args.command == "run":
+        print(json.dumps(run_one(args)))
+        return
+
+    corpus = make_corpus(args.work / "corpus", int(args.gb * 1e9))
+    shards = args.work / "loader-shards"
+    pack_once(corpus, shards)
+    pattern = f"{shards}/data-*.tar"
+    shard_files = sorted(shards.glob("data-*.tar"))
+    shard_bytes = sum(p.stat().st_size for p in shard_files)
+    scp = str(corpus.scp)
+    print(f"corpus: {corpus.num_utts} utterances, {corpus.hours:.1f} h, shards {shard_bytes / 1e9:.2f} GB ({len(shard_files)} files), arks {corpus.bytes / 1e9:.2f} GB")
+
+    files = {"raw": shard_files, "seqshard": shard_files, "webdataset": shard_files, "mapstyle": corpus.arks}
+    results: dict[str, list[dict]] = {}
+    plan = [(m, w, c) for m in ("raw", "seqshard", "webdataset", "mapstyle") for w in (0, 2) for c in (True, False) if not (m == "raw" and w == 2)]
+    for round_ in range(args.rounds):
+        random.Random(round_).shuffle(plan)
+        for method, workers, cold in plan:
+            result = measure(method, workers, pattern, scp, cold, files[method])
+            results.setdefault(f"{method}/w{workers}/{'cold' if cold else 'warm'}", []).append(result)
+        print(f"round {round_ + 1}/{args.rounds} done")
+
+    table = {}
+    for name, runs in sorted(results.items()):
+        seconds = statistics.median(r["seconds"] for r in runs)
+        method = name.split("/")[0]
+        size = corpus.bytes if method == "mapstyle" else shard_bytes
+        table[name] = {**runs[0], "seconds": round(seconds, 2), "mb_per_s": round(size / 1e6 / seconds, 1), "all_seconds": [round(r["seconds"], 2) for r in runs]}
+        extra = f"  padding {table[name]['padding']:.1%}  speakers/batch {table[name]['speakers_per_batch']:.1f}  rss {table[name]['peak_rss_mb']:.0f} MB" if method != "raw" else ""
+        print(f"  {name:<24} {seconds:7.2f} s  {table[name]['mb_per_s']:7.1f} MB/s{extra}")
+
+    def mbps(name: str) -> float:
+        return table[name]["mb_per_s"]
+
+    ratios = {}
+    for workers in (0, 2):
+        w = f"w{workers}"
+        ratios[f"seqshard_cold_vs_raw_{w}"] = round(mbps(f"seqshard/{w}/cold") / mbps("raw/w0/cold"), 2)
+        ratios[f"seqshard_cold_vs_webdataset_{w}"] = round(mbps(f"seqshard/{w}/cold") / mbps(f"webdataset/{w}/cold"), 2)
+        ratios[f"seqshard_warm_vs_webdataset_{w}"] = round(mbps(f"seqshard/{w}/warm") / mbps(f"webdataset/{w}/warm"), 2)
+        ratios[f"seqshard_warm_vs_mapstyle_{w}"] = round(mbps(f"seqshard/{w}/warm") / mbps(f"mapstyle/{w}/warm"), 2)
+        ratios[f"seqshard_cold_vs_mapstyle_{w}"] = round(mbps(f"seqshard/{w}/cold") / mbps(f"mapstyle/{w}/cold"), 2)
+    ratios["seqshard_w2_over_w0_cold"] = round(mbps("seqshard/w2/cold") / mbps("seqshard/w0/cold"), 2)
+    ratios["seqshard_w2_over_w0_warm"] = round(mbps("seqshard/w2/warm") / mbps("seqshard/w0/warm"), 2)
+
+    print("seek-bound disk simulation (8 ms per non-contiguous read, 150 MB/s; IO time + CPU time of a warm run):")
+    simulated = {}
+    for method in ("seqshard", "mapstyle"):
+        result = measure(method, 0, pattern, scp, False, [], seek_bound=True)
+        simulated[method] = {"io_seconds": round(result["simulated_io_seconds"], 1), "seeks": result["seeks"], "total_seconds": round(result["simulated_io_seconds"] + result["cpu_seconds"], 1)}
+        print(f"  {method:<10} {simulated[method]['seeks']:>8} seeks, {simulated[method]['io_seconds']:7.1f} s of IO, {simulated[method]['total_seconds']:7.1f} s in all")
+    ratios["seqshard_vs_mapstyle_seek_bound"] = round(simulated["mapstyle"]["total_seconds"] / simulated["seqshard"]["total_seconds"], 2)
+
+    random_batches = measure_random_batching(corpus)
+    ratios["padding_seqshard"] = round(table["seqshard/w2/warm"]["padding"], 4)
+    ratios["padding_random_batches"] = round(random_batches["padding"], 4)
+    expected = expected_speakers(corpus)
+    for workers in (0, 2):
+        run = table[f"seqshard/w{workers}/warm"]
+        ratios[f"diversity_vs_random_w{workers}"] = round(sum(run["speakers"]) / sum(expected(b) for b in run["sizes"]), 3)
+
+    quadruple = four_times(shards, args.work / "loader-shards-x4")
+    rss_1x = measure("seqshard", 2, pattern, scp, False, [])["peak_rss_mb"]
+    rss_4x = measure("seqshard", 2, quadruple, scp, False, [])["peak_rss_mb"]
+    ratios["rss_main_process_4x_over_1x"] = round(rss_4x / rss_1x, 3)
+    print(f"peak RSS of the training process, corpus x1: {rss_1x:.0f} MB, x4: {rss_4x:.0f} MB")
+    print("ratios (same run): " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
+    for row in table.values():
+        row.pop("speakers", None)
+        row.pop("sizes", None)
+    (args.work / "loader.json").write_text(json.dumps({"results": table, "simulated": simulated, "random_batches": random_batches, "ratios": ratios, "rss": {"x1": rss_1x, "x4": rss_4x}}, indent=1))
+
+
+def expected_speakers(corpus):
+    """E[distinct speakers] among b utterances drawn at random from the corpus, as a function."""
+    from collections import Counter
+    from math import exp, lgamma
+
+    counts = Counter(line.split("-")[0] for line in (corpus.root / "utt2num_frames").read_text().splitlines())
+    total = sum(counts.values())
+
+    def expected(b: int) -> float:
+        def none_of(n: int) -> float:  # P(none of a speaker's n utterances among the b drawn)
+            if total - n < b:
+                return 0.0
+            return exp(lgamma(total - n + 1) - lgamma(total - n - b + 1) - lgamma(total + 1) + lgamma(total - b + 1))
+
+        return sum(1 - none_of(n) for n in counts.values())
+
+    return expected
+
+
+def measure_random_batching(corpus) -> dict:
+    """Padding and speaker diversity of fully random batching: the corpus in a random order,
+    cut greedily under the same budget of 20000 padded frames."""
+    lengths = {}
+    for line in (corpus.root / "utt2num_frames").read_text().splitlines():
+        key, frames = line.split()
+        lengths[key] = int(frames)
+    keys = list(lengths)
+    random.Random(0).shuffle(keys)
+    batches, current, longest = [], [], 0
+    for key in keys:
+        if current and (len(current) + 1) * max(longest, lengths[key]) > 20000:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(key)
+        longest = max(longest, lengths[key])
+    batches.append(current)
+    frames = sum(lengths.values())
+    padded = sum(len(b) * max(lengths[k] for k in b) for b in batches)
+    return {"padding": 1 - frames / padded, "speakers_per_batch": statistics.mean(len({k.split("-")[0] for k in b}) for b in batches)}
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    main()
