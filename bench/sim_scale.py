@@ -9,7 +9,7 @@ epoch, and the share of the epoch that uneven='stop' leaves unread when ranks en
 - naive: shards shuffled then dealt round-robin, shard i to rank i mod R (CAT, WebDataset);
 - balanced: seqshard's plan (cut by frames, shards split at utterance boundaries).
 
-"plan" counts the utterances beyond the poorest rank's; "batches" simulates dynamic batching
+"plan" counts the frames beyond the poorest rank's; "batches" simulates dynamic batching
 (sort windows of 2,000, 20,000 padded frames) on every worker, merges each rank's workers in
 turn and counts what lies beyond the step where the first rank runs out.
 """
@@ -47,7 +47,8 @@ def unit_lengths(lengths: np.ndarray, unit: Unit) -> np.ndarray:
 
 
 def plan_loss(plan: Plan, lengths: np.ndarray) -> float:
-    per_rank = [sum(len(unit_lengths(lengths, u)) for w in rank for u in w) for rank in plan]
+    """Frames beyond the poorest rank's, as a share of all frames (what a frame budget sees)."""
+    per_rank = [sum(int(unit_lengths(lengths, u).sum()) for w in rank for u in w) for rank in plan]
     return sum(n - min(per_rank) for n in per_rank) / sum(per_rank)
 
 

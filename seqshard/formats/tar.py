@@ -8,9 +8,9 @@ reached 674 MB/s (0.78x ``cat``), and the loader's throughput is bounded by this
 Plain shards are memory-mapped: a member's bytes are a view of the page cache, never copied
 into new Python objects. Measured on 2.2 GB of shards with the loader's windows holding 5000
 samples, per-member ``bytes`` objects read at 1.1-2.0 GB/s (every new object faults in fresh
-pages) where views read at 8-9 GB/s. The kernel is told to read ahead (``WILLNEED``) 64 MB
-before the cursor, so that cold reads are large, sequential and overlap the decoding (16 MB
-of read-ahead gave 0.5x the raw read speed cold, 64 MB 0.75x).
+pages) where views read at 8-9 GB/s. The next 64 MB of each shard are read ahead on a
+background thread (``prefetch.py``), so that cold reads are large, sequential and overlap the
+decoding.
 """
 
 from __future__ import annotations
@@ -27,12 +27,13 @@ from typing import BinaryIO
 
 from ..errors import ShardError
 from .keys import split_member_name
+from .prefetch import read_ahead
 
 BLOCK = 512
 RECORD = 20 * BLOCK
 _ZERO_BLOCK = bytes(BLOCK)
 READ_BUFFER = 4 << 20
-READ_AHEAD = 64 << 20  # how far ahead of the cursor the kernel is asked to read
+READ_AHEAD = 64 << 20  # bytes read ahead of the cursor (prefetch thread)
 MAP_CHUNK = 64 << 20  # bytes mapped at once
 
 BytesLike = bytes | bytearray | memoryview
@@ -196,7 +197,7 @@ class _MappedBytes:
         view = self._chunk[self._pos - self._chunk_start : end - self._chunk_start]
         self._pos = end
         if self._pos + READ_AHEAD // 2 > self._advised and self._advised < self.size:
-            os.posix_fadvise(self._file.fileno(), self._advised, READ_AHEAD, os.POSIX_FADV_WILLNEED)
+            read_ahead(self._file.fileno(), self._advised, min(READ_AHEAD, self.size - self._advised))
             self._advised += READ_AHEAD
         return view
 
