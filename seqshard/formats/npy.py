@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import io
+import math
 import re
+from functools import lru_cache
 
 import numpy as np
 
@@ -49,7 +51,7 @@ def decode_npy(data: bytes | memoryview) -> np.ndarray:
     shape, fortran_order, dtype = _parse_header(bytes(view[: start + header_len]), start, major)
     if dtype.hasobject:
         raise ValueError("the .npy holds Python objects; seqshard never unpickles data")
-    count = int(np.prod(shape, dtype=np.int64))
+    count = math.prod(shape)
     payload = start + header_len
     if len(view) - payload < count * dtype.itemsize:
         raise ValueError(
@@ -62,6 +64,7 @@ def decode_npy(data: bytes | memoryview) -> np.ndarray:
     return array.reshape(shape)
 
 
+@lru_cache(maxsize=4096)  # utterance lengths repeat: most headers have been seen before
 def _parse_header(header: bytes, start: int, major: int) -> tuple[tuple[int, ...], bool, np.dtype]:
     match = _PLAIN_HEADER.match(header, start)
     if match:
