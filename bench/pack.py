@@ -15,6 +15,7 @@ import json
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -88,7 +89,36 @@ def main() -> None:
         "rss_full_over_half_corpus": round(results["seqshard_1job"]["peak_rss_mb"] / results["seqshard_half_corpus"]["peak_rss_mb"], 2),
     }
     print("ratios (medians of the same run): " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
-    (args.work / "pack.json").write_text(json.dumps({"corpus": {"utts": corpus.num_utts, "gb": corpus.bytes / 1e9, "hours": corpus.hours}, "results": results, "ratios": ratios}, indent=1))
+    scale = plan_memory(args.work / "plan-scale", corpus)
+    (args.work / "pack.json").write_text(json.dumps({"corpus": {"utts": corpus.num_utts, "gb": corpus.bytes / 1e9, "hours": corpus.hours}, "results": results, "ratios": ratios, "plan_memory": scale}, indent=1))
+
+
+PLAN_PROBE = """
+import resource, sys
+from pathlib import Path
+from seqshard.prep.plan import PackOptions, build_plan
+build_plan([Path(sys.argv[1])], [Path(sys.argv[2])], Path(sys.argv[3]), PackOptions())
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+def plan_memory(folder: Path, corpus, sizes=(250_000, 1_000_000)) -> dict:
+    """Peak RSS of planning a pack of N utterances (scp lines all naming one real matrix;
+    planning reads only lines), at two sizes: the metadata cost per utterance."""
+    folder.mkdir(parents=True, exist_ok=True)
+    location = corpus.scp.read_text().split("\n", 1)[0].split()[1]
+    peaks = {}
+    for count in sizes:
+        scp, text = folder / f"feats-{count}.scp", folder / f"text-{count}"
+        if not scp.exists():
+            scp.write_text("".join(f"spk{i // 40:06d}-utt{i:08d} {location}\n" for i in range(count)))
+            text.write_text("".join(f"spk{i // 40:06d}-utt{i:08d} SOME WORDS OF A TRANSCRIPT {i % 977}\n" for i in range(count)))
+        output = subprocess.run([sys.executable, "-c", PLAN_PROBE, str(scp), str(text), str(folder / "out")], check=True, capture_output=True, text=True).stdout
+        peaks[count] = float(output.strip().splitlines()[-1])
+    small, large = sizes
+    per_utt = (peaks[large] - peaks[small]) * 1e6 / (large - small)
+    print(f"planning memory: peak RSS {peaks[small]:.0f} MB at {small} utterances, {peaks[large]:.0f} MB at {large}: {per_utt:.0f} bytes per utterance")
+    return {"peak_rss_mb": peaks, "bytes_per_utt": round(per_utt)}
 
 
 if __name__ == "__main__":

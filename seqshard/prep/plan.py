@@ -168,7 +168,7 @@ def build_plan(
         label_issues(InputError(labels.where(row, key), "duplicate_label", f"the key already has a label at {labels.where(first)}.", "remove duplicate lines from the text files, or pass --skip-bad to keep the first."))
         duplicate_labels[row] = True
 
-    label_rows = labels.lookup(scp.hashes)
+    label_rows = labels.lookup(scp.hashes).astype(np.int32 if len(labels) < 2**31 else np.int64)
     for row in np.flatnonzero(keep & (label_rows < 0)):
         key = scp.record(int(row))[0]
         drops(InputError(scp.where(int(row), key), "no_label", "the utterance has features but no label in the text files.", "add its label, or pass --skip-bad to leave it out."))
@@ -181,8 +181,8 @@ def build_plan(
         key = labels.record(int(row))[0]
         label_issues(InputError(labels.where(int(row), key), "no_features", f"the label has no features in the scp files{_and_more(len(unused))}.", "add its features to the scp, or pass --skip-bad to ignore such labels."))
 
-    frames = np.full(len(scp), -1, dtype=np.int64)
-    group_of_row = np.zeros(len(scp), dtype=np.int64)
+    frames = np.full(len(scp), -1, dtype=np.int32)
+    group_of_row = np.zeros(len(scp), dtype=np.int16)
     outside = 0
     if options.groups:
         frames = _frames_of(scp, scp_files, keep, options, drops, progress)
@@ -191,13 +191,13 @@ def build_plan(
         for row in np.flatnonzero(zero):
             drops(InputError(scp.where(int(row), scp.record(int(row))[0]), "zero_length", "the matrix has no frames.", "remove it, or pass --skip-bad."))
         keep &= ~zero
-        group_of_row = np.full(len(scp), -1, dtype=np.int64)
+        group_of_row = np.full(len(scp), -1, dtype=np.int16)
         for number, group in enumerate(options.groups):
             group_of_row[(frames >= group.low) & (frames < group.high)] = number
         outside = int((keep & (group_of_row < 0)).sum())
         keep &= group_of_row >= 0
 
-    shard_of_row = np.full(len(scp), -1, dtype=np.int64)
+    shard_of_row = np.full(len(scp), -1, dtype=np.int32)
     tasks: list[ShardTask] = []
     group_names = [g.name for g in options.groups] or [""]
     for number, name in enumerate(group_names):
@@ -229,7 +229,7 @@ def _and_more(count: int) -> str:
 def _frames_of(scp: KeyTable, scp_files: Sequence[Path], keep: np.ndarray, options: PackOptions, drops: SkipCounter, progress: Callable[[str, int], Callable[[int], None]] | None) -> np.ndarray:
     """Frames per scp row (-1 for rows that could not be read), from ``utt2num_frames``
     files when present (next to each scp, or given) and from matrix headers otherwise."""
-    frames = np.full(len(scp), -1, dtype=np.int64)
+    frames = np.full(len(scp), -1, dtype=np.int32)
     count_files = [Path(f) for f in options.num_frames_files] or [Path(f).parent / NUM_FRAMES_FILE for f in scp_files if (Path(f).parent / NUM_FRAMES_FILE).is_file()]
     if count_files:
         counts = KeyTable.scan(sorted(set(count_files)), SkipCounter(False), number=True)

@@ -2,8 +2,9 @@
 
 A corpus of 15 million utterances is 15 million lines in ``feats.scp`` and in ``text``; as
 Python dicts of strings they would take several GB in every packing process. Here a line is
-a row of four numbers (key hash, file, line number, byte offset), about 28 bytes, shared by
-forked workers without copying; a line's text is re-read from the file when it is needed.
+a row of numbers (key hash, file, line number, byte offset, and a sorted index for lookups),
+36 bytes, shared by forked workers without copying; a line's text is re-read from the file
+when it is needed.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class KeyTable:
         self.offsets = offsets
         self.values = values
         self.bad_lines = bad_lines
-        self._order = np.argsort(hashes, kind="stable")
+        self._order = np.argsort(hashes, kind="stable").astype(np.int32 if len(hashes) < 2**31 else np.int64)
         self._sorted = hashes[self._order]
         self._maps: dict[int, mmap.mmap] = {}
 
@@ -56,8 +57,10 @@ class KeyTable:
         progress: Callable[[int], None] | None = None,
     ) -> KeyTable:
         """Read ``files`` line by line; ``check(key, value, where)`` may raise InputError."""
-        hashes, file_ids, lines, offsets = array("Q"), array("i"), array("q"), array("q")
-        values = array("q")
+        if len(files) > 65535:
+            raise ValueError("at most 65535 table files")
+        capacity = sum(_count_lines(Path(f)) for f in files)  # exact-size arrays: no regrowth
+        columns = _Columns(capacity, number)
         bad_lines = 0
         for file_id, path in enumerate(files):
             for line_no, offset, raw in iter_lines(Path(path)):
@@ -74,21 +77,8 @@ class KeyTable:
                     bad(error)
                     bad_lines += 1
                     continue
-                if number:
-                    values.append(count)
-                hashes.append(key_hash(key))
-                file_ids.append(file_id)
-                lines.append(line_no)
-                offsets.append(offset)
-        return cls(
-            files,
-            np.frombuffer(hashes, dtype=np.uint64).copy(),
-            np.frombuffer(file_ids, dtype=np.int32).copy(),
-            np.frombuffer(lines, dtype=np.int64).copy(),
-            np.frombuffer(offsets, dtype=np.int64).copy(),
-            np.frombuffer(values, dtype=np.int64).copy() if number else None,
-            bad_lines,
-        )
+                columns.add(key_hash(key), file_id, line_no, offset, count)
+        return cls(files, *columns.finish(), bad_lines=bad_lines)
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -137,6 +127,56 @@ class KeyTable:
         for data in self._maps.values():
             data.close()
         self._maps.clear()
+
+
+class _Columns:
+    """Rows gathered in small Python arrays and moved into exact-size numpy arrays."""
+
+    BATCH = 1 << 16
+
+    def __init__(self, capacity: int, number: bool):
+        self.hashes = np.empty(capacity, dtype=np.uint64)
+        self.file_ids = np.empty(capacity, dtype=np.uint16)
+        self.lines = np.empty(capacity, dtype=np.uint32)
+        self.offsets = np.empty(capacity, dtype=np.int64)
+        self.values = np.empty(capacity, dtype=np.int64) if number else None
+        self.size = 0
+        self._pending: tuple[array, ...] = self._empty()
+
+    @staticmethod
+    def _empty() -> tuple[array, ...]:
+        return array("Q"), array("H"), array("I"), array("q"), array("q")
+
+    def add(self, key_hash_: int, file_id: int, line: int, offset: int, value: int) -> None:
+        for column, item in zip(self._pending, (key_hash_, file_id, line, offset, value)):
+            column.append(item)
+        if len(self._pending[0]) >= self.BATCH:
+            self._flush()
+
+    def _flush(self) -> None:
+        count = len(self._pending[0])
+        targets = (self.hashes, self.file_ids, self.lines, self.offsets, self.values)
+        for target, column in zip(targets, self._pending):
+            if target is not None:
+                target[self.size : self.size + count] = np.frombuffer(column, dtype=target.dtype)
+        self.size += count
+        self._pending = self._empty()
+
+    def finish(self) -> tuple[np.ndarray, ...]:
+        self._flush()
+        columns = (self.hashes, self.file_ids, self.lines, self.offsets)
+        values = self.values[: self.size] if self.values is not None else None
+        return (*(c[: self.size] for c in columns), values)
+
+
+def _count_lines(path: Path) -> int:
+    lines = 0
+    last = b"\n"
+    with open(path, "rb", buffering=0) as stream:
+        while chunk := stream.read(8 << 20):
+            lines += chunk.count(b"\n")
+            last = chunk[-1:]
+    return lines + (last != b"\n")
 
 
 def _parse_count(value: str, where: Where) -> int:
