@@ -1,7 +1,7 @@
 """Other tools doing the same job, run as separate processes by the benchmarks.
 
-    python bench/baselines.py wds-pack SCP TEXT OUT        WebDataset ShardWriter fed by kaldiio
-    python bench/baselines.py copy OUT ARK...              raw sequential copy of the ark bytes
+python bench/baselines.py wds-pack SCP TEXT OUT        WebDataset ShardWriter fed by kaldiio
+python bench/baselines.py copy OUT ARK...              raw sequential copy of the ark bytes
 """
 
 from __future__ import annotations
@@ -12,14 +12,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import fsync_tree  # noqa: E402
+from common import fsync_tree
 
 
 def wds_pack(scp: str, text: str, out: str) -> None:
     import kaldiio
     import webdataset as wds
 
-    labels = dict(line.rstrip("\n").split(" ", 1) for line in open(text, encoding="utf-8"))
+    with open(text, encoding="utf-8") as lines:
+        labels = dict(line.rstrip("\n").split(" ", 1) for line in lines)
     Path(out).mkdir(parents=True, exist_ok=True)
     with wds.ShardWriter(f"{out}/wds-%05d.tar", maxcount=2000, verbose=0) as sink:
         for key, array in kaldiio.load_scp_sequential(scp):

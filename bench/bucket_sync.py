@@ -66,7 +66,9 @@ def main() -> None:
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     results = {name: run(args.ranks, pattern, sync) for name, sync in (("unsynced", False), ("bucket_sync", True))}
     for name, row in results.items():
-        print(f"{name:<12} {row['steps']} steps: length spread across ranks {row['length_spread']:.1%}, time waiting for the slowest rank {row['waiting_share']:.1%}")
+        print(
+            f"{name:<12} {row['steps']} steps: length spread across ranks {row['length_spread']:.1%}, time waiting for the slowest rank {row['waiting_share']:.1%}"
+        )
     (args.work / "bucket_sync.json").write_text(json.dumps(results, indent=1))
 
 

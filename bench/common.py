@@ -31,7 +31,9 @@ class Corpus:
     hours: float
 
 
-def make_corpus(root: Path, target_bytes: int, dim: int = 80, num_arks: int = 8, seed: int = 0, utts_per_speaker: int = 40) -> Corpus:
+def make_corpus(
+    root: Path, target_bytes: int, dim: int = 80, num_arks: int = 8, seed: int = 0, utts_per_speaker: int = 40
+) -> Corpus:
     """A Kaldi data dir of float32 features, speaker-sorted like make_fbank.sh output.
 
     Lengths follow a log-normal spread clipped to 1-20 s (median about 7 s), the shape of
@@ -40,7 +42,13 @@ def make_corpus(root: Path, target_bytes: int, dim: int = 80, num_arks: int = 8,
     import kaldiio
 
     root.mkdir(parents=True, exist_ok=True)
-    params = {"target_bytes": target_bytes, "dim": dim, "num_arks": num_arks, "seed": seed, "utts_per_speaker": utts_per_speaker}
+    params = {
+        "target_bytes": target_bytes,
+        "dim": dim,
+        "num_arks": num_arks,
+        "seed": seed,
+        "utts_per_speaker": utts_per_speaker,
+    }
     done = root / "corpus.json"
     if done.exists() and json.loads(done.read_text())["params"] == params:
         return _corpus_from(root, json.loads(done.read_text()))
@@ -69,13 +77,27 @@ def make_corpus(root: Path, target_bytes: int, dim: int = 80, num_arks: int = 8,
     (root / "feats.scp").write_text("".join(scp_lines))
     (root / "text").write_text("".join(text_lines))
     (root / "utt2num_frames").write_text("".join(f"{line.split()[0]} {n}\n" for line, n in zip(text_lines, lengths)))
-    info = {"params": params, "num_utts": len(lengths), "bytes": sum(a.stat().st_size for a in arks), "frames": int(sum(lengths)), "arks": [a.name for a in arks]}
+    info = {
+        "params": params,
+        "num_utts": len(lengths),
+        "bytes": sum(a.stat().st_size for a in arks),
+        "frames": int(sum(lengths)),
+        "arks": [a.name for a in arks],
+    }
     done.write_text(json.dumps(info))
     return _corpus_from(root, info)
 
 
 def _corpus_from(root: Path, info: dict) -> Corpus:
-    return Corpus(root, root / "feats.scp", root / "text", [root / a for a in info["arks"]], info["num_utts"], info["bytes"], info["frames"] * FRAME_SHIFT_S / 3600)
+    return Corpus(
+        root,
+        root / "feats.scp",
+        root / "text",
+        [root / a for a in info["arks"]],
+        info["num_utts"],
+        info["bytes"],
+        info["frames"] * FRAME_SHIFT_S / 3600,
+    )
 
 
 def evict(paths) -> None:

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import evict, make_corpus, peak_rss_mb  # noqa: E402
+from common import evict, make_corpus, peak_rss_mb
 
 HERE = Path(__file__).parent
 SEEK_SECONDS = 0.008
@@ -96,7 +96,9 @@ class _ChargedFile(io.RawIOBase):
 def charged_open(path, mode="rb", buffering=-1, *args, **kwargs):
     if "r" not in mode or "b" not in mode or not str(path).endswith((".tar", ".ark")):
         return open(path, mode, buffering, *args, **kwargs)
-    return io.BufferedReader(_ChargedFile(str(path)), buffer_size=buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE)
+    return io.BufferedReader(
+        _ChargedFile(str(path)), buffer_size=buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE
+    )
 
 
 def install_seek_bound_disk() -> None:
@@ -161,7 +163,15 @@ def run_webdataset(args):
     import webdataset as wds
 
     urls = sorted(str(p) for p in Path(args.pattern).parent.glob("data-*.tar"))
-    dataset = wds.WebDataset(urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker, seed=0).shuffle(1000).decode().to_tuple("feats.npy", "__key__").batched(32, collation_fn=_wds_collate)
+    dataset = (
+        wds.WebDataset(
+            urls, shardshuffle=len(urls), nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker, seed=0
+        )
+        .shuffle(1000)
+        .decode()
+        .to_tuple("feats.npy", "__key__")
+        .batched(32, collation_fn=_wds_collate)
+    )
     return torch.utils.data.DataLoader(dataset, batch_size=None, num_workers=args.workers)
 
 
@@ -188,7 +198,9 @@ def run_mapstyle(args):
 
     dataset = _MapStyle(args.scp)
     generator = torch.Generator().manual_seed(0)
-    return torch.utils.data.DataLoader(dataset, batch_size=32, shuffle=True, generator=generator, num_workers=args.workers, collate_fn=_map_collate)
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=32, shuffle=True, generator=generator, num_workers=args.workers, collate_fn=_map_collate
+    )
 
 
 def run_raw(args):
@@ -218,7 +230,17 @@ def run_one(args) -> dict:
         frames += int(batch["feat_lens"].sum())
         padded += batch["feats"].shape[0] * batch["feats"].shape[1]
         speakers_per_batch.append(len({k.split("-")[0] for k in batch["keys"]}))
-    result = {"seconds": time.perf_counter() - started, "cpu_seconds": time.process_time() - cpu_started, "utts": utts, "batches": len(sizes), "padding": 1 - frames / padded, "speakers_per_batch": statistics.mean(speakers_per_batch), "speakers": speakers_per_batch, "sizes": sizes, "peak_rss_mb": peak_rss_mb()}
+    result = {
+        "seconds": time.perf_counter() - started,
+        "cpu_seconds": time.process_time() - cpu_started,
+        "utts": utts,
+        "batches": len(sizes),
+        "padding": 1 - frames / padded,
+        "speakers_per_batch": statistics.mean(speakers_per_batch),
+        "speakers": speakers_per_batch,
+        "sizes": sizes,
+        "peak_rss_mb": peak_rss_mb(),
+    }
     if args.seek_bound:
         result.update(simulated_io_seconds=_Disk.seconds, seeks=_Disk.seeks)
     return result
@@ -231,7 +253,25 @@ def run_one(args) -> dict:
 def pack_once(corpus, shards: Path) -> None:
     if (shards / "index.json").exists():
         return
-    subprocess.run([sys.executable, "-m", "seqshard", "pack", "--scp", str(corpus.scp), "--text", str(corpus.text), "--out", str(shards), "--quiet", "--jobs", "2"], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "seqshard",
+            "pack",
+            "--scp",
+            str(corpus.scp),
+            "--text",
+            str(corpus.text),
+            "--out",
+            str(shards),
+            "--quiet",
+            "--jobs",
+            "2",
+        ],
+        check=True,
+        stdout=subprocess.DEVNULL,
+    )
 
 
 def four_times(shards: Path, target: Path) -> str:
@@ -252,10 +292,24 @@ def four_times(shards: Path, target: Path) -> str:
     return f"{target}/data-*.tar"
 
 
-def measure(method: str, workers: int, pattern: str, scp: str, cold: bool, files: list[Path], seek_bound: bool = False) -> dict:
+def measure(
+    method: str, workers: int, pattern: str, scp: str, cold: bool, files: list[Path], seek_bound: bool = False
+) -> dict:
     if cold:
         evict(files)
-    command = [sys.executable, __file__, "run", "--method", method, "--workers", str(workers), "--pattern", pattern, "--scp", scp] + (["--seek-bound"] if seek_bound else [])
+    command = [
+        sys.executable,
+        __file__,
+        "run",
+        "--method",
+        method,
+        "--workers",
+        str(workers),
+        "--pattern",
+        pattern,
+        "--scp",
+        scp,
+    ] + (["--seek-bound"] if seek_bound else [])
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -284,11 +338,19 @@ def main() -> None:
     shard_files = sorted(shards.glob("data-*.tar"))
     shard_bytes = sum(p.stat().st_size for p in shard_files)
     scp = str(corpus.scp)
-    print(f"corpus: {corpus.num_utts} utterances, {corpus.hours:.1f} h, shards {shard_bytes / 1e9:.2f} GB ({len(shard_files)} files), arks {corpus.bytes / 1e9:.2f} GB")
+    print(
+        f"corpus: {corpus.num_utts} utterances, {corpus.hours:.1f} h, shards {shard_bytes / 1e9:.2f} GB ({len(shard_files)} files), arks {corpus.bytes / 1e9:.2f} GB"
+    )
 
     files = {"raw": shard_files, "seqshard": shard_files, "webdataset": shard_files, "mapstyle": corpus.arks}
     results: dict[str, list[dict]] = {}
-    plan = [(m, w, c) for m in ("raw", "seqshard", "webdataset", "mapstyle") for w in (0, 2) for c in (True, False) if not (m == "raw" and w == 2)]
+    plan = [
+        (m, w, c)
+        for m in ("raw", "seqshard", "webdataset", "mapstyle")
+        for w in (0, 2)
+        for c in (True, False)
+        if not (m == "raw" and w == 2)
+    ]
     for round_ in range(args.rounds):
         random.Random(round_).shuffle(plan)
         for method, workers, cold in plan:
@@ -301,8 +363,17 @@ def main() -> None:
         seconds = statistics.median(r["seconds"] for r in runs)
         method = name.split("/")[0]
         size = corpus.bytes if method == "mapstyle" else shard_bytes
-        table[name] = {**runs[0], "seconds": round(seconds, 2), "mb_per_s": round(size / 1e6 / seconds, 1), "all_seconds": [round(r["seconds"], 2) for r in runs]}
-        extra = f"  padding {table[name]['padding']:.1%}  speakers/batch {table[name]['speakers_per_batch']:.1f}  rss {table[name]['peak_rss_mb']:.0f} MB" if method != "raw" else ""
+        table[name] = {
+            **runs[0],
+            "seconds": round(seconds, 2),
+            "mb_per_s": round(size / 1e6 / seconds, 1),
+            "all_seconds": [round(r["seconds"], 2) for r in runs],
+        }
+        extra = (
+            f"  padding {table[name]['padding']:.1%}  speakers/batch {table[name]['speakers_per_batch']:.1f}  rss {table[name]['peak_rss_mb']:.0f} MB"
+            if method != "raw"
+            else ""
+        )
         print(f"  {name:<24} {seconds:7.2f} s  {table[name]['mb_per_s']:7.1f} MB/s{extra}")
 
     def mbps(name: str) -> float:
@@ -323,9 +394,17 @@ def main() -> None:
     simulated = {}
     for method in ("seqshard", "mapstyle"):
         result = measure(method, 0, pattern, scp, False, [], seek_bound=True)
-        simulated[method] = {"io_seconds": round(result["simulated_io_seconds"], 1), "seeks": result["seeks"], "total_seconds": round(result["simulated_io_seconds"] + result["cpu_seconds"], 1)}
-        print(f"  {method:<10} {simulated[method]['seeks']:>8} seeks, {simulated[method]['io_seconds']:7.1f} s of IO, {simulated[method]['total_seconds']:7.1f} s in all")
-    ratios["seqshard_vs_mapstyle_seek_bound"] = round(simulated["mapstyle"]["total_seconds"] / simulated["seqshard"]["total_seconds"], 2)
+        simulated[method] = {
+            "io_seconds": round(result["simulated_io_seconds"], 1),
+            "seeks": result["seeks"],
+            "total_seconds": round(result["simulated_io_seconds"] + result["cpu_seconds"], 1),
+        }
+        print(
+            f"  {method:<10} {simulated[method]['seeks']:>8} seeks, {simulated[method]['io_seconds']:7.1f} s of IO, {simulated[method]['total_seconds']:7.1f} s in all"
+        )
+    ratios["seqshard_vs_mapstyle_seek_bound"] = round(
+        simulated["mapstyle"]["total_seconds"] / simulated["seqshard"]["total_seconds"], 2
+    )
 
     random_batches = measure_random_batching(corpus)
     ratios["padding_seqshard"] = round(table["seqshard/w2/warm"]["padding"], 4)
@@ -333,7 +412,9 @@ def main() -> None:
     expected = expected_speakers(corpus)
     for workers in (0, 2):
         run = table[f"seqshard/w{workers}/warm"]
-        ratios[f"diversity_vs_random_w{workers}"] = round(sum(run["speakers"]) / sum(expected(b) for b in run["sizes"]), 3)
+        ratios[f"diversity_vs_random_w{workers}"] = round(
+            sum(run["speakers"]) / sum(expected(b) for b in run["sizes"]), 3
+        )
 
     quadruple = four_times(shards, args.work / "loader-shards-x4")
     rss_1x = measure("seqshard", 2, pattern, scp, False, [])["peak_rss_mb"]
@@ -344,7 +425,18 @@ def main() -> None:
     for row in table.values():
         row.pop("speakers", None)
         row.pop("sizes", None)
-    (args.work / "loader.json").write_text(json.dumps({"results": table, "simulated": simulated, "random_batches": random_batches, "ratios": ratios, "rss": {"x1": rss_1x, "x4": rss_4x}}, indent=1))
+    (args.work / "loader.json").write_text(
+        json.dumps(
+            {
+                "results": table,
+                "simulated": simulated,
+                "random_batches": random_batches,
+                "ratios": ratios,
+                "rss": {"x1": rss_1x, "x4": rss_4x},
+            },
+            indent=1,
+        )
+    )
 
 
 def expected_speakers(corpus):
@@ -385,7 +477,10 @@ def measure_random_batching(corpus) -> dict:
     batches.append(current)
     frames = sum(lengths.values())
     padded = sum(len(b) * max(lengths[k] for k in b) for b in batches)
-    return {"padding": 1 - frames / padded, "speakers_per_batch": statistics.mean(len({k.split("-")[0] for k in b}) for b in batches)}
+    return {
+        "padding": 1 - frames / padded,
+        "speakers_per_batch": statistics.mean(len({k.split("-")[0] for k in b}) for b in batches),
+    }
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import evict, make_corpus, python, run_measured  # noqa: E402
+from common import evict, make_corpus, python, run_measured
 
 HERE = Path(__file__).parent
 
@@ -33,7 +33,9 @@ def half_corpus(corpus, root: Path) -> tuple[Path, Path]:
     keys = {line.split()[0] for line in half}
     scp, text = root / "half.scp", root / "half.text"
     scp.write_text("".join(half))
-    text.write_text("".join(line for line in corpus.text.read_text().splitlines(keepends=True) if line.split()[0] in keys))
+    text.write_text(
+        "".join(line for line in corpus.text.read_text().splitlines(keepends=True) if line.split()[0] in keys)
+    )
     return scp, text
 
 
@@ -41,21 +43,41 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=2.2)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved repetitions; medians are reported")
-    parser.add_argument("--pause", type=float, default=5.0, help="seconds of quiet before each step (lets the host flush earlier writes)")
+    parser.add_argument(
+        "--pause",
+        type=float,
+        default=5.0,
+        help="seconds of quiet before each step (lets the host flush earlier writes)",
+    )
     parser.add_argument("--work", type=Path, default=HERE / "out")
     args = parser.parse_args()
     corpus = make_corpus(args.work / "corpus", int(args.gb * 1e9))
-    print(f"corpus: {corpus.num_utts} utterances, {corpus.hours:.1f} h, {corpus.bytes / 1e9:.2f} GB of float32 80-dim features in {len(corpus.arks)} arks (speaker-sorted)")
+    print(
+        f"corpus: {corpus.num_utts} utterances, {corpus.hours:.1f} h, {corpus.bytes / 1e9:.2f} GB of float32 80-dim features in {len(corpus.arks)} arks (speaker-sorted)"
+    )
     out = args.work / "pack-out"
     half_scp, half_text = half_corpus(corpus, args.work)
-    seqshard = python("-m", "seqshard", "pack", "--scp", str(corpus.scp), "--text", str(corpus.text), "--out", str(out), "--quiet")
+    seqshard = python(
+        "-m", "seqshard", "pack", "--scp", str(corpus.scp), "--text", str(corpus.text), "--out", str(out), "--quiet"
+    )
     methods = {
-        "copy": ("raw copy of the arks + sync", python(str(HERE / "baselines.py"), "copy", str(out), *map(str, corpus.arks))),
+        "copy": (
+            "raw copy of the arks + sync",
+            python(str(HERE / "baselines.py"), "copy", str(out), *map(str, corpus.arks)),
+        ),
         "seqshard_1job": ("seqshard pack, 1 job", seqshard),
         "seqshard_2jobs": ("seqshard pack, 2 jobs", seqshard + ["--jobs", "2"]),
         "seqshard_noshuffle": ("seqshard pack --no-shuffle, 1 job", seqshard + ["--no-shuffle"]),
-        "webdataset": ("webdataset ShardWriter + kaldiio", python(str(HERE / "baselines.py"), "wds-pack", str(corpus.scp), str(corpus.text), str(out))),
-        "seqshard_half_corpus": ("seqshard pack, 1 job, half corpus", python("-m", "seqshard", "pack", "--scp", str(half_scp), "--text", str(half_text), "--out", str(out), "--quiet")),
+        "webdataset": (
+            "webdataset ShardWriter + kaldiio",
+            python(str(HERE / "baselines.py"), "wds-pack", str(corpus.scp), str(corpus.text), str(out)),
+        ),
+        "seqshard_half_corpus": (
+            "seqshard pack, 1 job, half corpus",
+            python(
+                "-m", "seqshard", "pack", "--scp", str(half_scp), "--text", str(half_text), "--out", str(out), "--quiet"
+            ),
+        ),
     }
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
     order = list(methods)
@@ -74,7 +96,13 @@ def main() -> None:
         seconds = statistics.median(r[0] for r in runs[name])
         rss = max(r[1] for r in runs[name])
         size = corpus.bytes / (2 if name == "seqshard_half_corpus" else 1)
-        results[name] = {"label": label, "median_seconds": round(seconds, 2), "all_seconds": [round(r[0], 2) for r in runs[name]], "mb_per_s": round(size / 1e6 / seconds, 1), "peak_rss_mb": round(rss, 1)}
+        results[name] = {
+            "label": label,
+            "median_seconds": round(seconds, 2),
+            "all_seconds": [round(r[0], 2) for r in runs[name]],
+            "mb_per_s": round(size / 1e6 / seconds, 1),
+            "peak_rss_mb": round(rss, 1),
+        }
         print(f"  {label:<36} {seconds:7.2f} s  {results[name]['mb_per_s']:7.1f} MB/s  peak rss {rss:6.0f} MB")
 
     def t(name: str) -> float:
@@ -86,11 +114,23 @@ def main() -> None:
         "pack_1job_vs_webdataset": round(t("webdataset") / t("seqshard_1job"), 2),
         "pack_2jobs_vs_webdataset": round(t("webdataset") / t("seqshard_2jobs"), 2),
         "shuffle_time_over_noshuffle": round(t("seqshard_1job") / t("seqshard_noshuffle"), 2),
-        "rss_full_over_half_corpus": round(results["seqshard_1job"]["peak_rss_mb"] / results["seqshard_half_corpus"]["peak_rss_mb"], 2),
+        "rss_full_over_half_corpus": round(
+            results["seqshard_1job"]["peak_rss_mb"] / results["seqshard_half_corpus"]["peak_rss_mb"], 2
+        ),
     }
     print("ratios (medians of the same run): " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
     scale = plan_memory(args.work / "plan-scale", corpus)
-    (args.work / "pack.json").write_text(json.dumps({"corpus": {"utts": corpus.num_utts, "gb": corpus.bytes / 1e9, "hours": corpus.hours}, "results": results, "ratios": ratios, "plan_memory": scale}, indent=1))
+    (args.work / "pack.json").write_text(
+        json.dumps(
+            {
+                "corpus": {"utts": corpus.num_utts, "gb": corpus.bytes / 1e9, "hours": corpus.hours},
+                "results": results,
+                "ratios": ratios,
+                "plan_memory": scale,
+            },
+            indent=1,
+        )
+    )
 
 
 PLAN_PROBE = """
@@ -112,12 +152,21 @@ def plan_memory(folder: Path, corpus, sizes=(250_000, 1_000_000)) -> dict:
         scp, text = folder / f"feats-{count}.scp", folder / f"text-{count}"
         if not scp.exists():
             scp.write_text("".join(f"spk{i // 40:06d}-utt{i:08d} {location}\n" for i in range(count)))
-            text.write_text("".join(f"spk{i // 40:06d}-utt{i:08d} SOME WORDS OF A TRANSCRIPT {i % 977}\n" for i in range(count)))
-        output = subprocess.run([sys.executable, "-c", PLAN_PROBE, str(scp), str(text), str(folder / "out")], check=True, capture_output=True, text=True).stdout
+            text.write_text(
+                "".join(f"spk{i // 40:06d}-utt{i:08d} SOME WORDS OF A TRANSCRIPT {i % 977}\n" for i in range(count))
+            )
+        output = subprocess.run(
+            [sys.executable, "-c", PLAN_PROBE, str(scp), str(text), str(folder / "out")],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         peaks[count] = float(output.strip().splitlines()[-1])
     small, large = sizes
     per_utt = (peaks[large] - peaks[small]) * 1e6 / (large - small)
-    print(f"planning memory: peak RSS {peaks[small]:.0f} MB at {small} utterances, {peaks[large]:.0f} MB at {large}: {per_utt:.0f} bytes per utterance")
+    print(
+        f"planning memory: peak RSS {peaks[small]:.0f} MB at {small} utterances, {peaks[large]:.0f} MB at {large}: {per_utt:.0f} bytes per utterance"
+    )
     return {"peak_rss_mb": peaks, "bytes_per_utt": round(per_utt)}
 
 

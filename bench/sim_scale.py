@@ -26,20 +26,28 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from seqshard.pipeline.batching import FrameBudget, cut_batches  # noqa: E402
-from seqshard.pipeline.shards import Plan, ShardInfo, ShardTable, Unit, plan_epoch  # noqa: E402
+from seqshard.pipeline.batching import FrameBudget, cut_batches
+from seqshard.pipeline.shards import Plan, ShardInfo, ShardTable, Unit, plan_epoch
 
 
 def synthetic(shards: int, per_shard: int, seed: int = 0) -> tuple[ShardTable, np.ndarray]:
     rng = np.random.default_rng(seed)
     lengths = np.clip(rng.lognormal(np.log(700), 0.55, size=(shards, per_shard)), 100, 2000).astype(np.int32)
-    table = ShardTable(tuple(ShardInfo(f"data-{i:05d}.tar", int(lengths[i].sum()) * 320, per_shard, int(lengths[i].sum())) for i in range(shards)))
+    table = ShardTable(
+        tuple(
+            ShardInfo(f"data-{i:05d}.tar", int(lengths[i].sum()) * 320, per_shard, int(lengths[i].sum()))
+            for i in range(shards)
+        )
+    )
     return table, lengths
 
 
 def naive_plan(table: ShardTable, epoch: int, seed: int, world_size: int, workers: int) -> Plan:
     order = np.random.default_rng([seed, epoch]).permutation(len(table.shards))
-    return [[[Unit(int(s)) for s in order[rank::world_size][worker::workers]] for worker in range(workers)] for rank in range(world_size)]
+    return [
+        [[Unit(int(s)) for s in order[rank::world_size][worker::workers]] for worker in range(workers)]
+        for rank in range(world_size)
+    ]
 
 
 def unit_lengths(lengths: np.ndarray, unit: Unit) -> np.ndarray:
@@ -83,7 +91,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "sim_scale.json")
     args = parser.parse_args()
     table, lengths = synthetic(args.shards, args.utts_per_shard)
-    print(f"synthetic index: {len(table.shards)} shards, {lengths.size / 1e6:.1f} M utterances, {lengths.sum() * 0.01 / 3600:.0f} hours")
+    print(
+        f"synthetic index: {len(table.shards)} shards, {lengths.size / 1e6:.1f} M utterances, {lengths.sum() * 0.01 / 3600:.0f} hours"
+    )
     results = {}
     for world_size, workers in ((8, 4), (64, 4)):
         tracemalloc.start()
@@ -98,9 +108,11 @@ def main() -> None:
             row[f"{name}_plan_loss"] = float(np.mean([plan_loss(p, lengths) for p in plans]))
             row[f"{name}_batch_loss"] = float(np.mean([batch_loss(p, lengths) for p in plans]))
         results[f"{world_size}x{workers}"] = row
-        print(f"{world_size} ranks x {workers} workers: plan {seconds * 1000:.0f} ms, {peak_mb:.1f} MB peak; unread under 'stop': "
-              f"naive {row['naive_plan_loss']:.4%} (plan) {row['naive_batch_loss']:.4%} (batches), "
-              f"balanced {row['balanced_plan_loss']:.5%} (plan) {row['balanced_batch_loss']:.4%} (batches)")
+        print(
+            f"{world_size} ranks x {workers} workers: plan {seconds * 1000:.0f} ms, {peak_mb:.1f} MB peak; unread under 'stop': "
+            f"naive {row['naive_plan_loss']:.4%} (plan) {row['naive_batch_loss']:.4%} (batches), "
+            f"balanced {row['balanced_plan_loss']:.5%} (plan) {row['balanced_batch_loss']:.4%} (batches)"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
 

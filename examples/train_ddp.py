@@ -26,7 +26,12 @@ import seqshard
 class TinyCTC(nn.Module):
     def __init__(self, dim: int, vocab: int, hidden: int = 128):
         super().__init__()
-        self.encoder = nn.Sequential(nn.Conv1d(dim, hidden, 3, stride=2, padding=1), nn.ReLU(), nn.Conv1d(hidden, hidden, 3, stride=2, padding=1), nn.ReLU())
+        self.encoder = nn.Sequential(
+            nn.Conv1d(dim, hidden, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv1d(hidden, hidden, 3, stride=2, padding=1),
+            nn.ReLU(),
+        )
         self.output = nn.Linear(hidden, vocab)
 
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,8 +54,10 @@ def main() -> None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
 
     loader = seqshard.make_loader(args.shards, args.units, batch_frames=20000, num_workers=2, pin_memory=cuda, seed=0)
-    vocab = loader._setup.tokenizer.vocab_size  # noqa: SLF001 (example: size the output layer)
-    model = nn.parallel.DistributedDataParallel(TinyCTC(loader.table.dim, vocab).to(device), device_ids=[device.index] if cuda else None)
+    vocab = loader.tokenizer.vocab_size
+    model = nn.parallel.DistributedDataParallel(
+        TinyCTC(loader.table.dim, vocab).to(device), device_ids=[device.index] if cuda else None
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     ctc = nn.CTCLoss(zero_infinity=True)
 
@@ -68,7 +75,10 @@ def main() -> None:
         loader_state = loader.state_dict()  # a collective: every rank calls it at the same step
         if rank == 0:
             temporary = args.checkpoint.with_suffix(".partial")
-            torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader_state}, temporary)
+            torch.save(
+                {"model": model.module.state_dict(), "optimizer": optimizer.state_dict(), "loader": loader_state},
+                temporary,
+            )
             temporary.replace(args.checkpoint)
 
     for epoch in range(start_epoch, args.epochs):
@@ -82,7 +92,9 @@ def main() -> None:
             if step % args.save_every == 0:
                 save()
                 if rank == 0:
-                    print(f"epoch {epoch} step {step} loss {loss.item():.3f} {loader.stats()['utts_per_second']:.0f} utts/s")
+                    print(
+                        f"epoch {epoch} step {step} loss {loss.item():.3f} {loader.stats()['utts_per_second']:.0f} utts/s"
+                    )
         save()  # the epoch is done: a resume starts the next one
     dist.destroy_process_group()
 

@@ -77,51 +77,98 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="seqshard", description="Pack Kaldi-style speech data into indexed tar shards and stream them into PyTorch training.")
+    parser = argparse.ArgumentParser(
+        prog="seqshard",
+        description="Pack Kaldi-style speech data into indexed tar shards and stream them into PyTorch training.",
+    )
     parser.add_argument("--version", action="version", version=f"seqshard {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (skips, resumed shards, planning)")
     commands = parser.add_subparsers(dest="command", required=True)
 
     pack = commands.add_parser("pack", help="pack feats.scp + text into shuffled, indexed tar shards")
-    pack.add_argument("--scp", nargs="+", action="extend", required=True, help="Kaldi feats.scp file(s); repeat or list several")
-    pack.add_argument("--text", nargs="+", action="extend", required=True, help="Kaldi text file(s): 'UTT-ID label words'")
+    pack.add_argument(
+        "--scp", nargs="+", action="extend", required=True, help="Kaldi feats.scp file(s); repeat or list several"
+    )
+    pack.add_argument(
+        "--text", nargs="+", action="extend", required=True, help="Kaldi text file(s): 'UTT-ID label words'"
+    )
     pack.add_argument("--out", required=True, help="output folder")
     pack.add_argument("--fmt", default="data-%05d.tar", help="shard file name pattern (default: %(default)s)")
-    pack.add_argument("--filter-group", action="append", metavar="LOW:HIGH", help="length group in frames, [LOW, HIGH); repeat for several sub-folders LOW_HIGH/")
+    pack.add_argument(
+        "--filter-group",
+        action="append",
+        metavar="LOW:HIGH",
+        help="length group in frames, [LOW, HIGH); repeat for several sub-folders LOW_HIGH/",
+    )
     pack.add_argument("--utts-per-file", type=int, default=2000, help="utterances per shard (default: %(default)s)")
     pack.add_argument("--seed", type=int, default=0, help="seed of the global shuffle (default: %(default)s)")
     pack.add_argument("--no-shuffle", action="store_true", help="keep input order (shards then follow the scp's order)")
-    pack.add_argument("--dtype", choices=["float32", "float16"], default="float32", help="stored feature type; float16 halves the IO (default: %(default)s, lossless)")
+    pack.add_argument(
+        "--dtype",
+        choices=["float32", "float16"],
+        default="float32",
+        help="stored feature type; float16 halves the IO (default: %(default)s, lossless)",
+    )
     pack.add_argument("--jobs", type=int, default=1, help="writer processes on this machine (default: %(default)s)")
-    pack.add_argument("--num-parts", type=int, default=1, help="split the pack into this many parts (e.g. a Slurm array)")
+    pack.add_argument(
+        "--num-parts", type=int, default=1, help="split the pack into this many parts (e.g. a Slurm array)"
+    )
     pack.add_argument("--part", type=int, default=0, help="which part this run packs, 0-based")
-    pack.add_argument("--skip-bad", action="store_true", help="skip and count bad utterances instead of stopping at the first")
-    pack.add_argument("--escape-keys", action="store_true", help="percent-encode '.', '/' and '%%' in keys instead of refusing them")
-    pack.add_argument("--allow-pipes", action="store_true", help="run shell commands found in the scp ('cmd |' entries)")
-    pack.add_argument("--path-map", action="append", metavar="OLD=NEW", help="rewrite ark path prefix OLD to NEW (data dirs made on another machine)")
-    pack.add_argument("--path-root", help="take relative ark paths from this folder (default: the current folder, as Kaldi does)")
-    pack.add_argument("--num-frames", action="append", metavar="FILE", help="utt2num_frames file(s); default: utt2num_frames next to each scp, else matrix headers")
+    pack.add_argument(
+        "--skip-bad", action="store_true", help="skip and count bad utterances instead of stopping at the first"
+    )
+    pack.add_argument(
+        "--escape-keys", action="store_true", help="percent-encode '.', '/' and '%%' in keys instead of refusing them"
+    )
+    pack.add_argument(
+        "--allow-pipes", action="store_true", help="run shell commands found in the scp ('cmd |' entries)"
+    )
+    pack.add_argument(
+        "--path-map",
+        action="append",
+        metavar="OLD=NEW",
+        help="rewrite ark path prefix OLD to NEW (data dirs made on another machine)",
+    )
+    pack.add_argument(
+        "--path-root", help="take relative ark paths from this folder (default: the current folder, as Kaldi does)"
+    )
+    pack.add_argument(
+        "--num-frames",
+        action="append",
+        metavar="FILE",
+        help="utt2num_frames file(s); default: utt2num_frames next to each scp, else matrix headers",
+    )
     pack.add_argument("--max-open", type=int, default=256, help="shards written at once per job (default: %(default)s)")
-    pack.add_argument("--overwrite", action="store_true", help="replace a pack made in --out from other inputs or options")
+    pack.add_argument(
+        "--overwrite", action="store_true", help="replace a pack made in --out from other inputs or options"
+    )
     pack.add_argument("--json", action="store_true", help="print the report as JSON")
     pack.add_argument("--quiet", action="store_true", help="no progress bars")
     pack.set_defaults(run=_pack)
 
     inspect = commands.add_parser("inspect", help="counts, hours and length percentiles of shards")
-    inspect.add_argument("patterns", nargs="+", help="shard patterns, e.g. 'data/{10_1000,1000_2000}/data-*.tar' or a folder")
-    inspect.add_argument("--json", action="store_true", help="print JSON (num_utts, num_frames, num_shards, hours, ...)")
+    inspect.add_argument(
+        "patterns", nargs="+", help="shard patterns, e.g. 'data/{10_1000,1000_2000}/data-*.tar' or a folder"
+    )
+    inspect.add_argument(
+        "--json", action="store_true", help="print JSON (num_utts, num_frames, num_shards, hours, ...)"
+    )
     inspect.add_argument("--plot", metavar="PNG", help="write a histogram of utterance lengths")
     inspect.add_argument("--jobs", type=int, default=1, help="processes for reading unindexed shards")
     inspect.add_argument("--quiet", action="store_true", help="no progress bars")
     inspect.set_defaults(run=_inspect)
 
-    verify = commands.add_parser("verify", help="read shards fully and check them against their index; exit 1 if any is damaged")
+    verify = commands.add_parser(
+        "verify", help="read shards fully and check them against their index; exit 1 if any is damaged"
+    )
     verify.add_argument("patterns", nargs="+", help="shard patterns or folders")
     verify.add_argument("--jobs", type=int, default=1, help="processes reading shards")
     verify.add_argument("--quiet", action="store_true", help="no progress bars")
     verify.set_defaults(run=_verify)
 
-    index = commands.add_parser("index", help="build index.json for a folder of shards (merges a pack's parts; reads foreign shards)")
+    index = commands.add_parser(
+        "index", help="build index.json for a folder of shards (merges a pack's parts; reads foreign shards)"
+    )
     index.add_argument("folder", help="the folder (its sub-folders with shards are indexed too)")
     index.add_argument("--jobs", type=int, default=1, help="processes reading shards")
     index.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -137,7 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
     try:
         return args.run(args)
     except SeqshardError as error:

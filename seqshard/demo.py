@@ -19,7 +19,24 @@ from pathlib import Path
 
 import numpy as np
 
-WORDS = "the a of speech data shard stream batch epoch model train sound word voice loud quiet".split()
+WORDS = [
+    "the",
+    "a",
+    "of",
+    "speech",
+    "data",
+    "shard",
+    "stream",
+    "batch",
+    "epoch",
+    "model",
+    "train",
+    "sound",
+    "word",
+    "voice",
+    "loud",
+    "quiet",
+]
 
 
 def make_corpus(root: Path, num_utts: int, seed: int = 0) -> dict[str, int]:
@@ -34,7 +51,9 @@ def make_corpus(root: Path, num_utts: int, seed: int = 0) -> dict[str, int]:
     arks = 4
     per_ark = -(-num_utts // arks)
     for ark in range(arks):
-        with kaldiio.WriteHelper(f"ark,scp:{root}/raw_fbank.{ark + 1}.ark,{root}/raw_fbank.{ark + 1}.scp", compression_method=2) as writer:
+        with kaldiio.WriteHelper(
+            f"ark,scp:{root}/raw_fbank.{ark + 1}.ark,{root}/raw_fbank.{ark + 1}.scp", compression_method=2
+        ) as writer:
             for utt in range(ark * per_ark, min(num_utts, (ark + 1) * per_ark)):
                 speaker = utt * speakers // num_utts
                 key = f"spk{speaker:03d}-utt{utt:05d}"
@@ -66,7 +85,15 @@ def run_demo(out: str | Path, num_utts: int = 1200, num_workers: int = 2) -> Non
     speaker_of = make_corpus(out / "kaldi", num_utts)
 
     print("\n== 2. pack: two length groups, globally shuffled, 2 jobs")
-    report = pack_data(out / "kaldi/feats.scp", out / "kaldi/text", out / "shards", filter_group=["0:400", "400:2000"], utts_per_file=200, jobs=2, progress=False)
+    report = pack_data(
+        out / "kaldi/feats.scp",
+        out / "kaldi/text",
+        out / "shards",
+        filter_group=["0:400", "400:2000"],
+        utts_per_file=200,
+        jobs=2,
+        progress=False,
+    )
     print(report.format_text())
 
     pattern = f"{out}/shards/{{0_400,400_2000}}/data-*.tar"
@@ -74,7 +101,9 @@ def run_demo(out: str | Path, num_utts: int = 1200, num_workers: int = 2) -> Non
     print(format_text(to_json(summarize(pattern, progress=False))))
     print(format_result(verify(pattern, progress=False)))
 
-    print(f"\n== 4. stream one epoch: {num_workers} DataLoader workers, dynamic batches of <= 20000 padded frames, chars tokenized on the fly")
+    print(
+        f"\n== 4. stream one epoch: {num_workers} DataLoader workers, dynamic batches of <= 20000 padded frames, chars tokenized on the fly"
+    )
     options = dict(tokenizer=out / "kaldi/units.txt", batch_frames=20000, num_workers=num_workers, seed=0)
     loader = make_loader(pattern, **options)
     loader.set_epoch(0)
@@ -82,9 +111,13 @@ def run_demo(out: str | Path, num_utts: int = 1200, num_workers: int = 2) -> Non
     keys = [k for batch, _, _ in batches for k in batch]
     stats = loader.stats()
     speakers = np.mean([len({speaker_of[k] for k in batch}) for batch, _, _ in batches])
-    print(f"{len(batches)} batches, {len(keys)} utterances ({len(set(keys))} distinct of {report.packed} packed), {stats['utts_per_second']:.0f} utts/s")
+    print(
+        f"{len(batches)} batches, {len(keys)} utterances ({len(set(keys))} distinct of {report.packed} packed), {stats['utts_per_second']:.0f} utts/s"
+    )
     print(f"first batches (feats B x T x D, label length): {[shape + (labels,) for _, shape, labels in batches[:4]]}")
-    print(f"padding {stats['padding_fraction']:.1%} of batch frames; {speakers:.1f} distinct speakers per batch on average")
+    print(
+        f"padding {stats['padding_fraction']:.1%} of batch frames; {speakers:.1f} distinct speakers per batch on average"
+    )
 
     print("\n== 5. stop half way, save the loader state, resume in a new loader")
     half = len(batches) // 2
@@ -99,7 +132,9 @@ def run_demo(out: str | Path, num_utts: int = 1200, num_workers: int = 2) -> Non
     resumed.set_epoch(0)
     rest = [b["keys"] for b in resumed]
     same = head + rest == [batch for batch, _, _ in batches]
-    print(f"saved after {half} batches ({len(state)} bytes of JSON); resumed run gave {len(rest)} more batches, identical to the uninterrupted run: {same}")
+    print(
+        f"saved after {half} batches ({len(state)} bytes of JSON); resumed run gave {len(rest)} more batches, identical to the uninterrupted run: {same}"
+    )
 
     ok = report.complete and sorted(keys) == sorted(speaker_of) and same
     print(f"\ndemo {'OK' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")

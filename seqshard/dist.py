@@ -40,13 +40,25 @@ def discover(rank: int | None = None, world_size: int | None = None) -> DistCont
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            found = DistContext(dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), "torch.distributed")
+            found = DistContext(
+                dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", 0)), "torch.distributed"
+            )
     except ImportError:  # pragma: no cover - torch is a dependency
         pass
     if found.source == "single process" and "WORLD_SIZE" in os.environ:
-        found = DistContext(int(os.environ.get("RANK", 0)), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0)), "environment (RANK/WORLD_SIZE)")
+        found = DistContext(
+            int(os.environ.get("RANK", 0)),
+            int(os.environ["WORLD_SIZE"]),
+            int(os.environ.get("LOCAL_RANK", 0)),
+            "environment (RANK/WORLD_SIZE)",
+        )
     if rank is not None or world_size is not None:
-        found = DistContext(found.rank if rank is None else rank, found.world_size if world_size is None else world_size, found.local_rank, "arguments")
+        found = DistContext(
+            found.rank if rank is None else rank,
+            found.world_size if world_size is None else world_size,
+            found.local_rank,
+            "arguments",
+        )
     if not 0 <= found.rank < found.world_size:
         raise ConfigError(f"rank {found.rank} is not within world_size {found.world_size} (from {found.source}).")
     return found
@@ -71,7 +83,9 @@ class Collectives:
                 "initialised (init_process_group) before iterating; or use uneven='join' / uneven='repeat' with epoch_steps."
             )
         if dist.get_world_size() != self.context.world_size:
-            raise ConfigError(f"the loader was made for world_size {self.context.world_size} but torch.distributed has {dist.get_world_size()}.")
+            raise ConfigError(
+                f"the loader was made for world_size {self.context.world_size} but torch.distributed has {dist.get_world_size()}."
+            )
         self._group = None if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
         self._ready = True
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import replace
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -65,13 +65,28 @@ def make_loader(
     table = ShardTable.from_patterns(patterns)
     context = discover(rank, world_size)
     override = LabelOverride(labels) if labels is not None else None
-    return ShardLoader(table, config, context, make_tokenizer(tokenizer, config.split), override, [str(p) for p in ([patterns] if isinstance(patterns, (str, Path)) else patterns)])
+    return ShardLoader(
+        table,
+        config,
+        context,
+        make_tokenizer(tokenizer, config.split),
+        override,
+        [str(p) for p in ([patterns] if isinstance(patterns, (str, Path)) else patterns)],
+    )
 
 
 class ShardLoader:
     """Iterate it once per epoch (after ``set_epoch``); see :func:`make_loader`."""
 
-    def __init__(self, table: ShardTable, config: LoaderConfig, context: DistContext, tokenizer: Tokenizer | None, override: LabelOverride | None, patterns: list[str]):
+    def __init__(
+        self,
+        table: ShardTable,
+        config: LoaderConfig,
+        context: DistContext,
+        tokenizer: Tokenizer | None,
+        override: LabelOverride | None,
+        patterns: list[str],
+    ):
         self.table = table
         self.config = config
         self.context = context
@@ -80,7 +95,16 @@ class ShardLoader:
         bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
         self._buckets = len(bounds) + 1 if config.bucket_sync else 0
         mp_context = _mp_context(config.multiprocessing_context)
-        self._setup = WorkerSetup(table, config, context.rank, context.world_size, tokenizer, override, bounds, _make_slots(table, config, mp_context))
+        self._setup = WorkerSetup(
+            table,
+            config,
+            context.rank,
+            context.world_size,
+            tokenizer,
+            override,
+            bounds,
+            _make_slots(table, config, mp_context),
+        )
         self._channel = IterationChannel(mp_context)
         self._iteration = 0
         self._dataloader: Any = None
@@ -94,13 +118,23 @@ class ShardLoader:
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next ``iter()`` runs (its shard order and shuffles)."""
         if self._resume is not None and self._resume.epoch != epoch and self.config.uneven != "repeat":
-            _LOG.warning("the loaded state is for epoch %d; set_epoch(%d) starts epoch %d from its beginning", self._resume.epoch, epoch, epoch)
+            _LOG.warning(
+                "the loaded state is for epoch %d; set_epoch(%d) starts epoch %d from its beginning",
+                self._resume.epoch,
+                epoch,
+                epoch,
+            )
             self._resume = None
         self._epoch = epoch
 
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer labels go through (its ``vocab_size`` sizes an output layer)."""
+        return self._setup.tokenizer
 
     def _start_position(self) -> RankPosition:
         """A loaded position for this epoch, else a fresh epoch; a repeating stream goes on."""
@@ -137,7 +171,9 @@ class ShardLoader:
         if position.completed:  # a state saved at the end of this epoch: nothing is left
             return
         self._iteration += 1
-        self._channel.publish({"epoch": position.epoch, "iteration": self._iteration, "workers": position.worker_request()})
+        self._channel.publish(
+            {"epoch": position.epoch, "iteration": self._iteration, "workers": position.worker_request()}
+        )
         stream = MergedStream(iter(self._loader()), position, self._receive)
         self._timing = {"started": time.perf_counter(), "seconds": 0.0}
         while True:
@@ -201,7 +237,9 @@ class ShardLoader:
             arrays["feats"] = self._setup.slots.take(slot, shape, pin)  # type: ignore[union-attr]
         batch = to_tensors(arrays)
         if pin:
-            batch = {k: v.pin_memory() if hasattr(v, "pin_memory") and not v.is_pinned() else v for k, v in batch.items()}
+            batch = {
+                k: v.pin_memory() if hasattr(v, "pin_memory") and not v.is_pinned() else v for k, v in batch.items()
+            }
         item["batch"] = batch
         return item
 
@@ -215,17 +253,30 @@ class ShardLoader:
         ranks = self.collectives.all_gather(local)
         self.last_summary = {"epoch": position.epoch, "ranks": ranks}
         if self.context.rank == 0:
-            _LOG.info("seqshard epoch %d: %s", position.epoch, "; ".join(f"rank {r['rank']}: {_describe(r)}" for r in ranks))
+            _LOG.info(
+                "seqshard epoch %d: %s", position.epoch, "; ".join(f"rank {r['rank']}: {_describe(r)}" for r in ranks)
+            )
 
     def _rank_summary(self, position: RankPosition) -> dict[str, Any]:
         stats = self.stats(position)
-        summary = {"rank": self.context.rank, "steps": position.step, "utts": position.utts, "dropped": stats["dropped"], "filtered": stats["filtered"]}
+        summary = {
+            "rank": self.context.rank,
+            "steps": position.step,
+            "utts": position.utts,
+            "dropped": stats["dropped"],
+            "filtered": stats["filtered"],
+        }
         if self.config.uneven != "repeat":
-            planned = [planned_utts(self.table, position.units_of(w) or self._setup.units(position.epoch, w)) for w in range(len(position.workers))]
+            planned = [
+                planned_utts(self.table, position.units_of(w) or self._setup.units(position.epoch, w))
+                for w in range(len(position.workers))
+            ]
             if all(p is not None for p in planned):
                 total = sum(planned)  # type: ignore[arg-type]
                 summary["planned"] = total
-                summary["left"] = total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
+                summary["left"] = (
+                    total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
+                )
         return summary
 
     # -- stats -------------------------------------------------------------------------------
@@ -251,7 +302,13 @@ class ShardLoader:
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
-        return {"shards": self.table.fingerprint(), "num_shards": len(self.table.shards), "world_size": self.context.world_size, "num_workers": self.config.num_workers, "options": self.config.batch_defining()}
+        return {
+            "shards": self.table.fingerprint(),
+            "num_shards": len(self.table.shards),
+            "world_size": self.context.world_size,
+            "num_workers": self.config.num_workers,
+            "options": self.config.batch_defining(),
+        }
 
     def state_dict(self, gather: bool = True) -> dict[str, Any]:
         """The loader's position: a small JSON-safe dict (no sample data).
@@ -263,7 +320,12 @@ class ShardLoader:
         local = self._position.to_json()
         ranks = self.collectives.all_gather(local) if gather else [local]
         numbered = {str(self.context.rank): local} if not gather else {str(r): s for r, s in enumerate(ranks)}
-        return {"seqshard_loader_state": STATE_VERSION, "identity": self._identity(), "epoch": self._position.epoch, "ranks": numbered}
+        return {
+            "seqshard_loader_state": STATE_VERSION,
+            "identity": self._identity(),
+            "epoch": self._position.epoch,
+            "ranks": numbered,
+        }
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         """Continue from ``state`` at the next ``iter()`` (after ``set_epoch`` of its epoch).
@@ -279,7 +341,11 @@ class ShardLoader:
             raise StateMismatchError("not a seqshard loader state (or from an incompatible version).")
         differences = _differences(state["identity"], self._identity())
         if differences and (strict or state["identity"]["shards"] != self.table.fingerprint()):
-            raise StateMismatchError("the saved loader state does not fit this loader: " + "; ".join(differences) + ". Resume with the same shards and settings, pass strict=False to resume the epoch elastically (same shards, other ranks/workers/options), or start the epoch afresh.")
+            raise StateMismatchError(
+                "the saved loader state does not fit this loader: "
+                + "; ".join(differences)
+                + ". Resume with the same shards and settings, pass strict=False to resume the epoch elastically (same shards, other ranks/workers/options), or start the epoch afresh."
+            )
         if differences:
             self._resume = self._elastic_position(state)
             self._position = RankPosition.from_json(self._resume.to_json())
@@ -287,11 +353,12 @@ class ShardLoader:
             return
         mine = state["ranks"].get(str(self.context.rank))
         if mine is None:
-            raise StateMismatchError(f"the saved state has no position for rank {self.context.rank} (saved with gather=False on another rank?).")
+            raise StateMismatchError(
+                f"the saved state has no position for rank {self.context.rank} (saved with gather=False on another rank?)."
+            )
         self._resume = RankPosition.from_json(mine)
         self._position = RankPosition.from_json(mine)
         self._epoch = self._resume.epoch
-
 
     def _elastic_position(self, state: dict[str, Any]) -> RankPosition:
         from .pipeline.elastic import planned_setups, remainder_plan
@@ -299,15 +366,31 @@ class ShardLoader:
         identity = state["identity"]
         old_config = LoaderConfig(**identity["options"])
         if "repeat" in (old_config.uneven, self.config.uneven):
-            raise StateMismatchError("elastic resume is for epochs that end (uneven='stop' or 'join'), not for uneven='repeat' streams.")
+            raise StateMismatchError(
+                "elastic resume is for epochs that end (uneven='stop' or 'join'), not for uneven='repeat' streams."
+            )
         if sorted(state["ranks"], key=int) != [str(r) for r in range(identity["world_size"])]:
-            raise StateMismatchError("elastic resume needs the position of every saved rank: save with state_dict(gather=True).")
+            raise StateMismatchError(
+                "elastic resume needs the position of every saved rank: save with state_dict(gather=True)."
+            )
         positions = [RankPosition.from_json(state["ranks"][str(r)]) for r in range(identity["world_size"])]
         epoch = positions[0].epoch
         if all(p.completed for p in positions):
             return replace(RankPosition.fresh(epoch, self._setup.readers_per_rank, self._buckets), completed=True)
-        plan = remainder_plan(self.table, planned_setups(self._setup, identity["world_size"], old_config), positions, self.context.world_size, self._setup.readers_per_rank)
-        _LOG.info("elastic resume of epoch %d: %d saved readers' remainder spread over %d ranks x %d workers", epoch, sum(len(p.workers) for p in positions), self.context.world_size, self._setup.readers_per_rank)
+        plan = remainder_plan(
+            self.table,
+            planned_setups(self._setup, identity["world_size"], old_config),
+            positions,
+            self.context.world_size,
+            self._setup.readers_per_rank,
+        )
+        _LOG.info(
+            "elastic resume of epoch %d: %d saved readers' remainder spread over %d ranks x %d workers",
+            epoch,
+            sum(len(p.workers) for p in positions),
+            self.context.world_size,
+            self._setup.readers_per_rank,
+        )
         return RankPosition.fresh(epoch, self._setup.readers_per_rank, self._buckets, plan[self.context.rank])
 
 

@@ -20,7 +20,15 @@ class Progress:
 
         tqdm.monitor_interval = 0  # no monitor thread: pack forks writer processes
         scale = unit == "B"
-        bar = tqdm(total=total, desc=description, unit=unit, unit_scale=scale, unit_divisor=1024 if scale else 1000, dynamic_ncols=True, leave=True)
+        bar = tqdm(
+            total=total,
+            desc=description,
+            unit=unit,
+            unit_scale=scale,
+            unit_divisor=1024 if scale else 1000,
+            dynamic_ncols=True,
+            leave=True,
+        )
         self._bars.append(bar)
         return bar.update
 

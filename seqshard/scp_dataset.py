@@ -23,10 +23,22 @@ class ScpDataset:
     """``dataset[i]`` is the i-th utterance of the scp file(s), with its label from ``text``
     (tokenized when a tokenizer is given). A torch map-style dataset (``__len__``/``__getitem__``)."""
 
-    def __init__(self, feats_scp: str | Path | Sequence[str | Path], text: str | Path | Sequence[str | Path] | None = None, tokenizer: str | Path | Tokenizer | None = None, *, split: str = "char", strip_spaces: bool = False, path_root: str | Path | None = None, path_map: Sequence[tuple[str, str]] = ()):
+    def __init__(
+        self,
+        feats_scp: str | Path | Sequence[str | Path],
+        text: str | Path | Sequence[str | Path] | None = None,
+        tokenizer: str | Path | Tokenizer | None = None,
+        *,
+        split: str = "char",
+        strip_spaces: bool = False,
+        path_root: str | Path | None = None,
+        path_map: Sequence[tuple[str, str]] = (),
+    ):
         files = [Path(feats_scp)] if isinstance(feats_scp, (str, Path)) else [Path(f) for f in feats_scp]
         self.scp = KeyTable.scan(files, SkipCounter(False))
-        self.labeler = Labeler(make_tokenizer(tokenizer, split), LabelOverride(text) if text is not None else None, strip_spaces)
+        self.labeler = Labeler(
+            make_tokenizer(tokenizer, split), LabelOverride(text) if text is not None else None, strip_spaces
+        )
         self.path_root = Path(path_root) if path_root else None
         self.path_map = tuple(path_map)
         self._reader: MatrixReader | None = None
@@ -46,9 +58,24 @@ class ScpDataset:
         return self.labeler(Utterance(key, feats, ""))
 
 
-def make_scp_loader(feats_scp, text=None, tokenizer=None, *, batch_size: int = 16, num_workers: int = 0, pad_label: int = -1, **dataset_options: Any):
+def make_scp_loader(
+    feats_scp,
+    text=None,
+    tokenizer=None,
+    *,
+    batch_size: int = 16,
+    num_workers: int = 0,
+    pad_label: int = -1,
+    **dataset_options: Any,
+):
     """A torch DataLoader over :class:`ScpDataset` in file order, batches as ``make_loader``'s."""
     import torch.utils.data
 
     dataset = ScpDataset(feats_scp, text, tokenizer, **dataset_options)
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=num_workers, collate_fn=partial(collate, pad_label=pad_label))
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
+        num_workers=num_workers,
+        collate_fn=partial(collate, pad_label=pad_label),
+    )

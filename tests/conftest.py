@@ -86,7 +86,11 @@ def read_shards(paths) -> dict[str, tuple[np.ndarray, str, str]]:
         with SampleStream(path) as stream:
             for sample in stream:
                 assert sample.key not in found, f"{sample.key} in two shards"
-                found[sample.key] = (decode_npy(sample.fields["feats.npy"]), str(sample.fields["txt"], "utf-8"), Path(path).name)
+                found[sample.key] = (
+                    decode_npy(sample.fields["feats.npy"]),
+                    str(sample.fields["txt"], "utf-8"),
+                    Path(path).name,
+                )
     return found
 
 
@@ -125,7 +129,11 @@ def assert_resumes_everywhere(make_stage, limit: int | None = None) -> list:
         return getattr(item, "key", item)
 
     full = [ident(x) for x in make_stage()]
-    positions = range(len(full) + 1) if limit is None else sorted({*range(0, len(full) + 1, max(1, len(full) // limit)), len(full)})
+    positions = (
+        range(len(full) + 1)
+        if limit is None
+        else sorted({*range(0, len(full) + 1, max(1, len(full) // limit)), len(full)})
+    )
     for k in positions:
         stage = make_stage()
         head = [ident(next(stage)) for _ in range(k)]

@@ -47,12 +47,22 @@ def main() -> None:
                 steps.append({"keys": batch["keys"], "frames": int(batch["feats"].shape[1])})
                 if config.get("save_at") == [epoch, len(steps)]:
                     state = loader.state_dict()  # a collective: every rank calls it
-                    (out / f"before-rank{rank}.json").write_text(json.dumps(record["epochs"] + [{"epoch": epoch, "steps": steps}]))
+                    (out / f"before-rank{rank}.json").write_text(
+                        json.dumps(record["epochs"] + [{"epoch": epoch, "steps": steps}])
+                    )
                     if rank == 0:
                         (out / "state.json.partial").write_text(json.dumps(state))
                         os.replace(out / "state.json.partial", out / "state.json")
                 time.sleep(config.get("sleep", 0))
-        record["epochs"].append({"epoch": epoch, "steps": steps, "summary": loader.last_summary, "stats": loader.stats(), "seconds": time.perf_counter() - started})
+        record["epochs"].append(
+            {
+                "epoch": epoch,
+                "steps": steps,
+                "summary": loader.last_summary,
+                "stats": loader.stats(),
+                "seconds": time.perf_counter() - started,
+            }
+        )
     if config.get("measure_collective"):
         calls = 2000
         started = time.perf_counter()

@@ -30,8 +30,24 @@ def start_ranks(world_size: int, config: dict, out: Path) -> list[subprocess.Pop
     port = free_port()
     processes = []
     for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(Path(__file__).parent.parent)}
-        processes.append(subprocess.Popen([sys.executable, str(HARNESS), str(config_file)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "PYTHONPATH": str(Path(__file__).parent.parent),
+        }
+        processes.append(
+            subprocess.Popen(
+                [sys.executable, str(HARNESS), str(config_file)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     return processes
 
 
@@ -55,5 +71,7 @@ def run_ranks(world_size: int, config: dict, out: Path, timeout: float = 120) ->
         pytest.fail(f"distributed job hung (still running after {timeout} s):\n{logs}")
     for rank, process in enumerate(processes):
         if process.returncode != 0:
-            pytest.fail(f"rank {rank} failed with {process.returncode}:\n{process.stdout.read().decode(errors='replace')[-4000:]}")
+            pytest.fail(
+                f"rank {rank} failed with {process.returncode}:\n{process.stdout.read().decode(errors='replace')[-4000:]}"
+            )
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -77,14 +77,18 @@ def test_balanced_plans_leave_almost_nothing_behind(tmp_path):
 @pytest.mark.parametrize("bucket_sync", [False, True])
 def test_sigkill_mid_epoch_then_resume_gives_the_uninterrupted_batches(tmp_path, bucket_sync):
     pattern = write_shards(tmp_path / "shards", [30, 22, 17, 25, 11])
-    options = dict(batch_frames=90, num_workers=2, shuffle_window=10, sort_window=7, seed=5, bucket_sync=bucket_sync, num_buckets=3)
+    options = dict(
+        batch_frames=90, num_workers=2, shuffle_window=10, sort_window=7, seed=5, bucket_sync=bucket_sync, num_buckets=3
+    )
     job = {"pattern": pattern, "options": options, "epochs": [0, 1]}
     full = run_ranks(2, job, tmp_path / "full")
 
     out = tmp_path / "killed"
     processes = start_ranks(2, {**job, "save_at": [1, 6], "sleep": 0.05}, out)
     deadline = time.monotonic() + 90
-    while not (out / "state.json").exists() and time.monotonic() < deadline and all(p.poll() is None for p in processes):
+    while (
+        not (out / "state.json").exists() and time.monotonic() < deadline and all(p.poll() is None for p in processes)
+    ):
         time.sleep(0.01)
     time.sleep(0.2)  # a few more steps run after the save, as in real training
     kill(processes)  # SIGKILL, mid-epoch
@@ -94,29 +98,60 @@ def test_sigkill_mid_epoch_then_resume_gives_the_uninterrupted_batches(tmp_path,
     resumed = run_ranks(2, {**job, "epochs": [1], "resume": str(out / "state.json")}, tmp_path / "resumed")
     for rank in range(2):
         before = json.loads((out / f"before-rank{rank}.json").read_text())
-        assert [s["keys"] for s in before[-1]["steps"]] + [s["keys"] for s in resumed[rank]["epochs"][0]["steps"]] == [s["keys"] for s in full[rank]["epochs"][1]["steps"]]
+        assert [s["keys"] for s in before[-1]["steps"]] + [s["keys"] for s in resumed[rank]["epochs"][0]["steps"]] == [
+            s["keys"] for s in full[rank]["epochs"][1]["steps"]
+        ]
 
 
 def test_elastic_resume_from_two_ranks_to_three_loses_and_repeats_nothing(tmp_path):
     pattern = write_shards(tmp_path / "shards", [30, 22, 17, 25, 11])
     options = dict(batch_size=3, num_workers=2, shuffle_window=10, sort_window=7, seed=5)
     out = tmp_path / "two"
-    processes = start_ranks(2, {"pattern": pattern, "options": options, "epochs": [0], "save_at": [0, 5], "sleep": 0.05}, out)
+    processes = start_ranks(
+        2, {"pattern": pattern, "options": options, "epochs": [0], "save_at": [0, 5], "sleep": 0.05}, out
+    )
     deadline = time.monotonic() + 90
-    while not (out / "state.json").exists() and time.monotonic() < deadline and all(p.poll() is None for p in processes):
+    while (
+        not (out / "state.json").exists() and time.monotonic() < deadline and all(p.poll() is None for p in processes)
+    ):
         time.sleep(0.01)
     time.sleep(0.1)
     kill(processes)
-    before = [k for rank in range(2) for step in json.loads((out / f"before-rank{rank}.json").read_text())[-1]["steps"] for k in step["keys"]]
+    before = [
+        k
+        for rank in range(2)
+        for step in json.loads((out / f"before-rank{rank}.json").read_text())[-1]["steps"]
+        for k in step["keys"]
+    ]
     assert len(before) >= 2 * 5  # 5 steps on each rank before the save
-    resumed = run_ranks(3, {"pattern": pattern, "options": {**options, "uneven": "join"}, "epochs": [0], "resume": str(out / "state.json"), "elastic": True}, tmp_path / "three")
+    resumed = run_ranks(
+        3,
+        {
+            "pattern": pattern,
+            "options": {**options, "uneven": "join"},
+            "epochs": [0],
+            "resume": str(out / "state.json"),
+            "elastic": True,
+        },
+        tmp_path / "three",
+    )
     after = [k for r in resumed for k in keys_of(r["epochs"][0])]
-    assert sorted(before + after) == sorted(f"s{s}u{i:03d}" for s, n in enumerate([30, 22, 17, 25, 11]) for i in range(n))
+    assert sorted(before + after) == sorted(
+        f"s{s}u{i:03d}" for s, n in enumerate([30, 22, 17, 25, 11]) for i in range(n)
+    )
 
 
 def test_repeat_mode_gives_every_rank_the_same_number_of_steps(tmp_path):
     pattern = write_shards(tmp_path / "shards", [30, 4, 4])
-    options = dict(batch_size=2, num_workers=2, split_shards=False, uneven="repeat", epoch_steps=25, shuffle_window=8, sort_window=8)
+    options = dict(
+        batch_size=2,
+        num_workers=2,
+        split_shards=False,
+        uneven="repeat",
+        epoch_steps=25,
+        shuffle_window=8,
+        sort_window=8,
+    )
     ranks = run_ranks(2, {"pattern": pattern, "options": options, "epochs": [0, 1]}, tmp_path / "run")
     for rank in ranks:
         assert [len(e["steps"]) for e in rank["epochs"]] == [25, 25]
@@ -138,10 +173,15 @@ def test_repeat_mode_by_hours_stops_all_ranks_at_the_same_step(tmp_path):
 def test_join_mode_lets_ranks_run_out_unevenly_under_torch_join(tmp_path):
     pattern = write_shards(tmp_path / "shards", [50, 2, 2, 2])
     options = dict(batch_size=3, num_workers=2, split_shards=False, uneven="join")
-    ranks = run_ranks(2, {"pattern": pattern, "options": options, "epochs": [0, 1], "join": True, "dim": DIM}, tmp_path / "run")
+    ranks = run_ranks(
+        2, {"pattern": pattern, "options": options, "epochs": [0, 1], "join": True, "dim": DIM}, tmp_path / "run"
+    )
     table = ShardTable.from_patterns(pattern)
     for epoch in range(2):
-        planned = [sum(planned_utts(table, w) for w in rank) for rank in plan_epoch(table, epoch, 0, 2, 2, True, split_shards=False)]
+        planned = [
+            sum(planned_utts(table, w) for w in rank)
+            for rank in plan_epoch(table, epoch, 0, 2, 2, True, split_shards=False)
+        ]
         assert max(planned) > 5 * min(planned)
         # every rank read all of its data (no early stop), and none waited forever
         assert [len(keys_of(r["epochs"][epoch])) for r in ranks] == planned
@@ -149,7 +189,9 @@ def test_join_mode_lets_ranks_run_out_unevenly_under_torch_join(tmp_path):
 
 def test_bucket_sync_gives_all_ranks_the_same_length_bucket_each_step(tmp_path):
     pattern = write_shards(tmp_path / "shards", [40, 40, 40, 40], seed=3)
-    options = dict(batch_size=4, num_workers=2, bucket_sync=True, num_buckets=3, shuffle_window=16, sort_window=16, seed=2)
+    options = dict(
+        batch_size=4, num_workers=2, bucket_sync=True, num_buckets=3, shuffle_window=16, sort_window=16, seed=2
+    )
     ranks = run_ranks(2, {"pattern": pattern, "options": options, "epochs": [0]}, tmp_path / "run")
     from seqshard.pipeline.worker import bucket_bounds
 
@@ -157,13 +199,19 @@ def test_bucket_sync_gives_all_ranks_the_same_length_bucket_each_step(tmp_path):
     steps = [r["epochs"][0]["steps"] for r in ranks]
     assert len(steps[0]) == len(steps[1]) > 10
     for left, right in zip(*steps):
-        assert np.searchsorted(bounds, left["frames"], side="right") == np.searchsorted(bounds, right["frames"], side="right")
+        assert np.searchsorted(bounds, left["frames"], side="right") == np.searchsorted(
+            bounds, right["frames"], side="right"
+        )
     flat = [k for s in steps for step in s for k in step["keys"]]
     assert len(flat) == len(set(flat))
 
 
 def test_loader_collective_is_cheap(tmp_path):
     pattern = write_shards(tmp_path / "shards", [8, 8])
-    ranks = run_ranks(2, {"pattern": pattern, "options": dict(batch_size=2, num_workers=0), "epochs": [0], "measure_collective": True}, tmp_path / "run")
+    ranks = run_ranks(
+        2,
+        {"pattern": pattern, "options": dict(batch_size=2, num_workers=0), "epochs": [0], "measure_collective": True},
+        tmp_path / "run",
+    )
     print(f"\nloader all-reduce on loopback gloo: {[round(r['collective_ms'], 3) for r in ranks]} ms per step")
     assert all(r["collective_ms"] > 0 for r in ranks)

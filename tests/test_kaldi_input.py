@@ -42,7 +42,7 @@ def test_every_kaldi_compression_method_decodes_as_kaldi_does(method):
 
 def test_short_matrix_written_as_cm2_by_kaldi_default_reads():
     got = read_scp(GENERATED / "feats/short_segment_auto.scp", GENERATED)
-    (array, shape), = got.values()
+    ((array, shape),) = got.values()
     assert array.shape == shape == (7, 80)
 
 
@@ -81,7 +81,7 @@ def test_scp_offsets_damaged_by_git_are_detected_not_decoded():
     with MatrixReader() as reader:
         for number, _, raw in iter_lines(scp):
             where = Where(scp, number)
-            key, value = parse_line(raw, where, True)
+            _, value = parse_line(raw, where, True)
             try:
                 reader.read(parse_location(value, where, path_map, root), where)
                 good += 1
@@ -94,20 +94,24 @@ def test_scp_offsets_damaged_by_git_are_detected_not_decoded():
 
 def test_absolute_paths_from_another_machine_are_remapped():
     root = REALDATA / "kaldi" / "kaldi-pr1626-fsdd-digits"
-    got = read_scp(root / "data/test/feats.scp", root, path_map=(("/home/abhilash/kaldi/egs/0_MP_Digits/mfcc/", "mfcc/"),))
+    got = read_scp(
+        root / "data/test/feats.scp", root, path_map=(("/home/abhilash/kaldi/egs/0_MP_Digits/mfcc/", "mfcc/"),)
+    )
     assert len(got) == 10 and all(a.shape[1] == 13 for a, _ in got.values())
 
 
 def test_vectors_pickles_and_pipes_are_refused(tmp_path):
     conf = REALDATA / "kaldi" / "kaldi-io-for-python"
     with MatrixReader() as reader:
-        number, _, raw = next(iter_lines(conf / "tests/data/conf.scp"))
+        _, _, raw = next(iter_lines(conf / "tests/data/conf.scp"))
         key, value = parse_line(raw, Where("conf.scp", 1), True)
         with pytest.raises(InputError) as error:
             reader.read(parse_location(value, Where("conf.scp", 1), root=conf), Where("conf.scp", 1, key))
         assert error.value.reason == "not_a_matrix"
 
-        kaldiio.save_ark(str(tmp_path / "p.ark"), {"k": np.zeros((2, 2))}, scp=str(tmp_path / "p.scp"), write_function="pickle")
+        kaldiio.save_ark(
+            str(tmp_path / "p.ark"), {"k": np.zeros((2, 2))}, scp=str(tmp_path / "p.scp"), write_function="pickle"
+        )
         value = (tmp_path / "p.scp").read_text().split()[1]
         with pytest.raises(InputError, match="never unpickles") as error:
             reader.read(parse_location(value, Where("p.scp", 1)), Where("p.scp", 1, "k"))

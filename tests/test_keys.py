@@ -22,6 +22,9 @@ def test_escaping_is_reversible_and_fits_the_member_convention(key):
 
 def test_member_names_split_like_webdataset():
     assert split_member_name("a/b/key.feats.npy") == ("a/b/key", "feats.npy")
-    assert split_member_name("test/resources/dataset/aishell-BAC009S0724W0121.wav") == ("test/resources/dataset/aishell-BAC009S0724W0121", "wav")
+    assert split_member_name("test/resources/dataset/aishell-BAC009S0724W0121.wav") == (
+        "test/resources/dataset/aishell-BAC009S0724W0121",
+        "wav",
+    )
     assert split_member_name("README") is None
     assert split_member_name("dir/.hidden") is None

@@ -101,12 +101,31 @@ def test_units_file_chars_words_unknowns_and_stripped_spaces(tmp_path):
     text = tmp_path / "text"
     k0, k1 = packed.data.keys
     text.write_text(f"{k0} 甚至 出现\n{k1} hello world\n")
-    chars = list(make_loader(packed.pattern, units, labels=text, batch_size=2, shuffle=False, num_workers=0))[0]
+    chars = next(iter(make_loader(packed.pattern, units, labels=text, batch_size=2, shuffle=False, num_workers=0)))
     labels = {k: [t for t in row.tolist() if t != -1] for k, row in zip(chars["keys"], chars["labels"])}
     assert labels[k0] == [2, 3, 6, 4, 5]
-    stripped = list(make_loader(packed.pattern, units, labels=text, strip_spaces=True, batch_size=2, shuffle=False, num_workers=0))[0]
+    stripped = next(
+        iter(
+            make_loader(
+                packed.pattern, units, labels=text, strip_spaces=True, batch_size=2, shuffle=False, num_workers=0
+            )
+        )
+    )
     assert [t for t in stripped["labels"][stripped["keys"].index(k0)].tolist() if t != -1] == [2, 3, 4, 5]
-    words = list(make_loader(packed.pattern, units, labels=text, split="word", batch_size=2, shuffle=False, pad_label=0, num_workers=0))[0]
+    words = next(
+        iter(
+            make_loader(
+                packed.pattern,
+                units,
+                labels=text,
+                split="word",
+                batch_size=2,
+                shuffle=False,
+                pad_label=0,
+                num_workers=0,
+            )
+        )
+    )
     assert words["labels"][words["keys"].index(k1)].tolist() == [7, 1]
 
 
@@ -126,7 +145,9 @@ def test_a_shard_from_webdatasets_own_writer_loads(tmp_path):
     import webdataset as wds
 
     rng = np.random.default_rng(0)
-    arrays = {f"sample{i:04d}": rng.standard_normal((int(rng.integers(3, 30)), 6)).astype(np.float32) for i in range(25)}
+    arrays = {
+        f"sample{i:04d}": rng.standard_normal((int(rng.integers(3, 30)), 6)).astype(np.float32) for i in range(25)
+    }
     with wds.TarWriter(str(tmp_path / "wds-000000.tar")) as sink:
         for key, array in arrays.items():
             sink.write({"__key__": key, "feats.npy": array, "txt": f"text of {key}"})
@@ -153,9 +174,11 @@ def test_fewer_shards_than_readers_leaves_no_reader_idle(tmp_path):
 
 
 def test_persistent_workers_and_pinned_memory_across_epochs(packed):
-    loader = make_loader(packed.pattern, batch_size=4, num_workers=2, persistent_workers=True, pin_memory=False, **SMALL)
+    loader = make_loader(
+        packed.pattern, batch_size=4, num_workers=2, persistent_workers=True, pin_memory=False, **SMALL
+    )
     first, second = epoch_keys(loader, 0), epoch_keys(loader, 1)
-    assert sorted(sum(first, [])) == sorted(sum(second, [])) == sorted(packed.data.keys)
+    assert sorted(k for b in first for k in b) == sorted(k for b in second for k in b) == sorted(packed.data.keys)
     assert first != second
     assert first == epoch_keys(make_loader(packed.pattern, batch_size=4, num_workers=2, **SMALL), 0)
 
@@ -200,14 +223,13 @@ def test_options_are_checked_at_the_boundary(packed):
 
 
 def test_samples_without_features_get_a_clear_error(tmp_path):
-    with pytest.raises(Exception, match="no feats.npy or npy field.*txt, wav"):
+    with pytest.raises(Exception, match=r"no feats\.npy or npy field.*txt, wav"):
         list(make_loader(str(REALDATA / "webdataset/wenet-shard/shards_000000000.tar"), batch_size=2, num_workers=0))
 
 
 def test_map_style_reader_for_unpacked_dev_sets(tmp_path):
-    from seqshard import ScpDataset, make_scp_loader
-
     from conftest import write_kaldi_dir
+    from seqshard import ScpDataset, make_scp_loader
 
     data = write_kaldi_dir(tmp_path / "dev", speakers=2, per_speaker=5, compression_method=2)
     dataset = ScpDataset(data.scp, data.text)
@@ -240,7 +262,12 @@ def test_elastic_resume_to_another_world_size_reads_the_rest_exactly_once(packed
     after = []
     new_world = 3
     for rank in range(new_world):
-        loader = make_loader(packed.pattern, rank=rank, world_size=new_world, **{**options, "num_workers": 1, "batch_size": 2, "uneven": "join", "bucket_sync": False})
+        loader = make_loader(
+            packed.pattern,
+            rank=rank,
+            world_size=new_world,
+            **{**options, "num_workers": 1, "batch_size": 2, "uneven": "join", "bucket_sync": False},
+        )
         with pytest.raises(StateMismatchError):
             loader.load_state_dict(state)
         loader.load_state_dict(state, strict=False)

@@ -73,7 +73,9 @@ def test_same_seed_same_bytes_other_seed_other_shards(tmp_path):
 
 def test_length_groups_are_half_open_subfolders_and_the_rest_is_counted(tmp_path):
     data = write_kaldi_dir(tmp_path / "d", speakers=4, per_speaker=20, frames=(5, 60))
-    report = pack_data(data.scp, data.text, tmp_path / "out", filter_group=["10:30", "30:50"], utts_per_file=7, progress=False)
+    report = pack_data(
+        data.scp, data.text, tmp_path / "out", filter_group=["10:30", "30:50"], utts_per_file=7, progress=False
+    )
     lengths = {k: a.shape[0] for k, a in data.arrays.items()}
     for name, low, high in (("10_30", 10, 30), ("30_50", 30, 50)):
         found = read_shards(shards_under(tmp_path / "out" / name))
@@ -103,7 +105,9 @@ def test_float16_halves_the_payload_and_reports_the_saving(tmp_path):
         np.testing.assert_allclose(array, data.arrays[key], rtol=1e-3, atol=1e-2)
     frames = sum(a.shape[0] for a in data.arrays.values())
     assert half.float16_saved_bytes == frames * 40 * 2
-    saved = sum(p.stat().st_size for p in shards_under(tmp_path / "f32")) - sum(p.stat().st_size for p in shards_under(tmp_path / "f16"))
+    saved = sum(p.stat().st_size for p in shards_under(tmp_path / "f32")) - sum(
+        p.stat().st_size for p in shards_under(tmp_path / "f16")
+    )
     assert abs(saved - half.float16_saved_bytes) < 20 * 1024  # the rest is tar padding
     assert ShardIndex.load(tmp_path / "f16").feature["dtype"] == "float16"
     assert full.float16_saved_bytes == 0
@@ -123,10 +127,28 @@ def test_parts_and_jobs_write_the_same_bytes_as_one_process(tmp_path):
     data = write_kaldi_dir(tmp_path / "d", speakers=6, per_speaker=10)
     pack_data(data.scp, data.text, tmp_path / "one", utts_per_file=6, filter_group=["5:30", "30:60"], progress=False)
     for part in range(3):
-        report = pack_data(data.scp, data.text, tmp_path / "parts", utts_per_file=6, filter_group=["5:30", "30:60"], num_parts=3, part=part, progress=False)
+        report = pack_data(
+            data.scp,
+            data.text,
+            tmp_path / "parts",
+            utts_per_file=6,
+            filter_group=["5:30", "30:60"],
+            num_parts=3,
+            part=part,
+            progress=False,
+        )
         assert report.complete == (part == 2)
         assert (tmp_path / "parts" / "pack_report.json").exists() == (part == 2)
-    pack_data(data.scp, data.text, tmp_path / "jobs", utts_per_file=6, filter_group=["5:30", "30:60"], jobs=3, max_open=2, progress=False)
+    pack_data(
+        data.scp,
+        data.text,
+        tmp_path / "jobs",
+        utts_per_file=6,
+        filter_group=["5:30", "30:60"],
+        jobs=3,
+        max_open=2,
+        progress=False,
+    )
     reference = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in shards_under(tmp_path / "one")}
     for name in ("parts", "jobs"):
         got = {p.relative_to(tmp_path / name): p.read_bytes() for p in shards_under(tmp_path / name)}

@@ -7,7 +7,7 @@ import kaldiio
 import numpy as np
 import pytest
 
-from conftest import read_shards, write_kaldi_dir
+from conftest import read_shards
 from seqshard import pack_data
 from seqshard.errors import InputError
 from seqshard.formats.keys import unescape_key
@@ -105,7 +105,7 @@ def test_nan_inf_and_zero_length_matrices(tmp_path):
 
 
 def test_non_utf8_text(tmp_path, kaldi_dir):
-    edit_line(kaldi_dir.text, 2, "spk000-utt001 caf".encode() + b"\xe9\n")  # latin-1
+    edit_line(kaldi_dir.text, 2, b"spk000-utt001 caf" + b"\xe9\n")  # latin-1
     error, report = pack_both_ways(kaldi_dir, tmp_path)
     assert error.reason == "non_utf8" and "text:2" in str(error) and "iconv" in str(error)
     assert report.label_issues == {"non_utf8": 1} and report.dropped == {"no_label": 1}

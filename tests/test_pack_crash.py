@@ -17,8 +17,25 @@ from seqshard.formats.tar import SampleStream
 def test_sigkill_then_rerun_finishes_with_nothing_lost_or_doubled(tmp_path, jobs):
     data = write_kaldi_dir(tmp_path / "d", speakers=20, per_speaker=40, dim=40, frames=(80, 240), compression_method=1)
     out = tmp_path / "out"
-    command = [sys.executable, "-m", "seqshard", "pack", "--scp", str(data.scp), "--text", str(data.text), "--out", str(out),
-               "--utts-per-file", "10", "--max-open", "3", "--jobs", str(jobs), "--quiet"]
+    command = [
+        sys.executable,
+        "-m",
+        "seqshard",
+        "pack",
+        "--scp",
+        str(data.scp),
+        "--text",
+        str(data.text),
+        "--out",
+        str(out),
+        "--utts-per-file",
+        "10",
+        "--max-open",
+        "3",
+        "--jobs",
+        str(jobs),
+        "--quiet",
+    ]
     process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 60
     while len(list(out.glob("data-*.tar"))) < 4 and process.poll() is None and time.monotonic() < deadline:

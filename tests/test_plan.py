@@ -18,11 +18,23 @@ def coverage(sizes, plan):
 
 
 def table_of(sizes, indexed):
-    return ShardTable(tuple(ShardInfo(f"s{i}", 1000 * n + 1, n if indexed else None, 7 * n if indexed else None) for i, n in enumerate(sizes)))
+    return ShardTable(
+        tuple(
+            ShardInfo(f"s{i}", 1000 * n + 1, n if indexed else None, 7 * n if indexed else None)
+            for i, n in enumerate(sizes)
+        )
+    )
 
 
 @settings(max_examples=150, deadline=None)
-@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 5), st.integers(1, 4), st.booleans(), st.booleans(), st.integers(0, 3))
+@given(
+    st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    st.integers(1, 5),
+    st.integers(1, 4),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 3),
+)
 def test_every_utterance_is_planned_exactly_once(sizes, world_size, workers, indexed, split, epoch):
     table = table_of(sizes, indexed)
     plan = plan_epoch(table, epoch, 7, world_size, workers, True, split)

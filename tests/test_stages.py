@@ -1,7 +1,5 @@
 """Each stage alone: the resume contract at every position, determinism, and its own job."""
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -42,14 +40,19 @@ class ListSource(Stage):
 
 def utterances(count=40, seed=0):
     rng = np.random.default_rng(seed)
-    return [Utterance(f"u{i:03d}", np.zeros((int(rng.integers(1, 50)), 2), np.float32), "x", tokens=[1] * int(rng.integers(0, 9))) for i in range(count)]
+    return [
+        Utterance(
+            f"u{i:03d}", np.zeros((int(rng.integers(1, 50)), 2), np.float32), "x", tokens=[1] * int(rng.integers(0, 9))
+        )
+        for i in range(count)
+    ]
 
 
 def test_reader_resumes_anywhere_with_interleaving_and_split_units(packed):
     table = ShardTable.from_patterns(packed.pattern)
     units = [Unit(3), Unit(0, 2, 7), Unit(4, 5), Unit(1, 1, None, 3)]
     for interleave in (1, 3):
-        keys = assert_resumes_everywhere(lambda: ShardReader(table, lambda p: units, interleave))
+        keys = assert_resumes_everywhere(lambda interleave=interleave: ShardReader(table, lambda p: units, interleave))
         assert len(keys) == len(set(keys)) == 10 + 5 + 3 + 3
     one_at_a_time = [s.key for s in ShardReader(table, lambda p: units, 1)]
     interleaved = [s.key for s in ShardReader(table, lambda p: units, 3)]
@@ -129,7 +132,7 @@ def test_dynamic_batches_never_exceed_the_budget(lengths, budget, quadratic):
 def test_oversize_utterances_go_alone_or_are_counted():
     utts = utterances(20) + [Utterance("long", np.zeros((500, 2), np.float32), "x")]
     alone = list(SortBatch(ListSource(utts), 50, FrameBudget(100), 0))
-    assert [["long"]] == [[u.key for u in b] for b in alone if any(u.key == "long" for u in b)]
+    assert [[u.key for u in b] for b in alone if any(u.key == "long" for u in b)] == [["long"]]
     dropping = SortBatch(ListSource(utts), 50, FrameBudget(100), 0, oversize="drop")
     kept = [u.key for b in dropping for u in b]
     assert "long" not in kept and len(kept) == 20 and dropping.stats()["dropped.oversize"] == 1
@@ -139,7 +142,7 @@ def test_sorting_keeps_padding_small_and_fixed_batches_have_their_size():
     rng = np.random.default_rng(1)
     utts = [Utterance(f"u{i}", np.zeros((int(rng.integers(100, 2000)), 1), np.float32), "") for i in range(2000)]
     stage = SortBatch(ListSource(utts), 2000, FrameBudget(20000), 0)
-    batches = list(stage)
+    list(stage)
     stats = stage.stats()
     assert 1 - stats["frames"] / stats["padded_frames"] < 0.03
     fixed = list(SortBatch(ListSource(utts), 500, FixedSize(32), 0))
@@ -148,7 +151,9 @@ def test_sorting_keeps_padding_small_and_fixed_batches_have_their_size():
 
 def test_filters_count_each_reason():
     utts = utterances(40)
-    stage = LengthFilter(ListSource(utts), LengthLimits(min_frames=5, max_frames=40, max_tokens=6, min_frames_per_token=2.0))
+    stage = LengthFilter(
+        ListSource(utts), LengthLimits(min_frames=5, max_frames=40, max_tokens=6, min_frames_per_token=2.0)
+    )
     kept = list(stage)
     limits = stage.limits
     assert all(limits.violation(u) is None for u in kept)

@@ -81,7 +81,10 @@ def test_every_sample_position_can_be_resumed(tmp_path):
 
 def test_foreign_shards_wenet_slash_keys_directories_and_gzip():
     wenet = list(SampleStream(REALDATA / "webdataset/wenet-shard/shards_000000000.tar"))
-    assert [s.key for s in wenet] == ["test/resources/dataset/aishell-BAC009S0724W0121", "test/resources/dataset/librispeech-1995-1837-0001"]
+    assert [s.key for s in wenet] == [
+        "test/resources/dataset/aishell-BAC009S0724W0121",
+        "test/resources/dataset/librispeech-1995-1837-0001",
+    ]
     assert set(wenet[0].fields) == {"txt", "wav"} and str(wenet[0].fields["txt"], "utf-8") == "广州市房地产中介协会分析"
     compressed = list(SampleStream(REALDATA / "webdataset/webdataset-testdata/compressed.tar"))
     assert [s.key for s in compressed] == ["compressed/0001", "compressed/0002", "compressed/0003"]

@@ -19,7 +19,10 @@ def packed(tmp_path):
 
 def test_inspect_json_counts_hours_and_groups(packed, capsys, tmp_path):
     data, out = packed
-    assert main(["inspect", "--json", "--quiet", f"{out}/{{5_40,40_80}}/data-*.tar", "--plot", str(tmp_path / "len.png")]) == 0
+    assert (
+        main(["inspect", "--json", "--quiet", f"{out}/{{5_40,40_80}}/data-*.tar", "--plot", str(tmp_path / "len.png")])
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out)
     frames = sum(a.shape[0] for a in data.arrays.values())
     assert summary["num_utts"] == 60 and summary["num_frames"] == frames
@@ -76,10 +79,29 @@ def test_index_rebuilds_a_pack_and_indexes_foreign_shards(packed, tmp_path, caps
 
 def test_pack_command_line_reports_and_fails_cleanly(tmp_path, capsys):
     data = write_kaldi_dir(tmp_path / "d")
-    assert main(["pack", "--scp", str(data.scp), "--text", str(data.text), "--out", str(tmp_path / "o"), "--utts-per-file", "20", "--quiet", "--json"]) == 0
+    assert (
+        main(
+            [
+                "pack",
+                "--scp",
+                str(data.scp),
+                "--text",
+                str(data.text),
+                "--out",
+                str(tmp_path / "o"),
+                "--utts-per-file",
+                "20",
+                "--quiet",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out)
     assert report["packed"] == 48 and report["shards_total"] == 3
     data.text.write_text("\n".join(data.text.read_text().splitlines()[1:]) + "\n")
-    assert main(["pack", "--scp", str(data.scp), "--text", str(data.text), "--out", str(tmp_path / "o2"), "--quiet"]) == 1
+    assert (
+        main(["pack", "--scp", str(data.scp), "--text", str(data.text), "--out", str(tmp_path / "o2"), "--quiet"]) == 1
+    )
     error = capsys.readouterr().err
     assert "feats.scp:1 (key 'spk000-utt000')" in error and "Traceback" not in error

@@ -27,7 +27,7 @@ BINS_PER_OCTAVE = 8
 
 def length_bin(frames: int) -> int:
     """Histogram bin of an utterance of ``frames`` frames (frames >= 1)."""
-    return int(math.floor(math.log2(max(frames, 1)) * BINS_PER_OCTAVE + 1e-9))
+    return math.floor(math.log2(max(frames, 1)) * BINS_PER_OCTAVE + 1e-9)
 
 
 def bin_bounds(index: int) -> tuple[float, float]:
@@ -123,7 +123,12 @@ class ShardIndex:
             "created": self.created,
             "created_by": self.created_by,
             "feature": self.feature,
-            "totals": {"num_shards": len(self.shards), "num_utts": self.num_utts, "num_frames": self.num_frames, "bytes": self.bytes},
+            "totals": {
+                "num_shards": len(self.shards),
+                "num_utts": self.num_utts,
+                "num_frames": self.num_frames,
+                "bytes": self.bytes,
+            },
             "source": self.source,
             "shards": [s.to_json() for s in self.shards],
         }
@@ -144,9 +149,13 @@ class ShardIndex:
         except FileNotFoundError:
             return None
         except (OSError, json.JSONDecodeError) as error:
-            raise SeqshardError(f"{path}: unreadable index ({error}). Rebuild it with `seqshard index {folder}`.") from None
+            raise SeqshardError(
+                f"{path}: unreadable index ({error}). Rebuild it with `seqshard index {folder}`."
+            ) from None
         if data.get("format") != FORMAT or int(data.get("version", 0)) > VERSION:
-            raise SeqshardError(f"{path}: not a seqshard index of version <= {VERSION}. Rebuild it with `seqshard index {folder}`.")
+            raise SeqshardError(
+                f"{path}: not a seqshard index of version <= {VERSION}. Rebuild it with `seqshard index {folder}`."
+            )
         return cls(
             shards=[ShardEntry.from_json(s) for s in data["shards"]],
             feature=data.get("feature", {}),

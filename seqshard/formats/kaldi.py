@@ -95,7 +95,9 @@ def _parse_range(text: str, where: Where) -> tuple[int, int] | None:
     return bounds
 
 
-def parse_location(value: str, where: Where, path_map: tuple[tuple[str, str], ...] = (), root: Path | None = None) -> ArkLocation:
+def parse_location(
+    value: str, where: Where, path_map: tuple[tuple[str, str], ...] = (), root: Path | None = None
+) -> ArkLocation:
     """Parse an scp value such as ``feats/raw.1.ark:1234[0:99,0:39]``.
 
     ``path_map`` rewrites path prefixes (``/old/mfcc`` -> ``/new/mfcc``) for data dirs moved
@@ -156,7 +158,7 @@ class MatrixReader:
         stream = self._files.pop(path, None)
         if stream is None:
             try:
-                stream = open(path, "rb", buffering=1 << 20)
+                stream = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 (kept open in the cache)
             except OSError as error:
                 raise InputError(
                     where,
@@ -179,7 +181,9 @@ class MatrixReader:
             stream.seek(offset - 1)
             before = stream.read(1)
             if before != b" ":
-                raise self._bad_offset(location, where, "it does not follow a key (`KEY ` precedes every value in an ark)")
+                raise self._bad_offset(
+                    location, where, "it does not follow a key (`KEY ` precedes every value in an ark)"
+                )
         else:
             stream.seek(0)
         head = stream.read(8)
@@ -191,11 +195,27 @@ class MatrixReader:
             if token in _MATRIX_TOKENS:
                 return stream, head
             if token in _VECTOR_TOKENS or head[2:3] == b"\4":
-                raise InputError(where, "not_a_matrix", "the entry is a vector, not a feature matrix.", "give the feats.scp of a feature matrix ark.")
+                raise InputError(
+                    where,
+                    "not_a_matrix",
+                    "the entry is a vector, not a feature matrix.",
+                    "give the feats.scp of a feature matrix ark.",
+                )
             raise self._bad_offset(location, where, f"unknown binary type {token!r}")
-        for marker, what in ((b"PKL", "a pickled Python object (kaldiio extension); seqshard never unpickles data"), (b"NPY", "a kaldiio NPY entry"), (b"AUDIO", "audio"), (b"RIFF", "a wav file"), (b"fLaC", "a flac file")):
+        for marker, what in (
+            (b"PKL", "a pickled Python object (kaldiio extension); seqshard never unpickles data"),
+            (b"NPY", "a kaldiio NPY entry"),
+            (b"AUDIO", "audio"),
+            (b"RIFF", "a wav file"),
+            (b"fLaC", "a flac file"),
+        ):
             if head.startswith(marker):
-                raise InputError(where, "not_a_matrix", f"the entry is {what}, not a Kaldi feature matrix.", "give the feats.scp of a Kaldi matrix ark.")
+                raise InputError(
+                    where,
+                    "not_a_matrix",
+                    f"the entry is {what}, not a Kaldi feature matrix.",
+                    "give the feats.scp of a Kaldi matrix ark.",
+                )
         if head.lstrip(b" ").startswith(b"["):
             return stream, head
         raise self._bad_offset(location, where, "it points at neither a binary nor a text matrix")
@@ -219,7 +239,12 @@ class MatrixReader:
         try:
             array = read_kaldi(stream)
         except Exception as error:  # kaldiio raises assorted types on damaged values
-            raise InputError(where, "unreadable", f"the matrix at {location.path}:{location.offset} cannot be decoded ({type(error).__name__}: {error}).", "the ark is damaged; regenerate it.") from None
+            raise InputError(
+                where,
+                "unreadable",
+                f"the matrix at {location.path}:{location.offset} cannot be decoded ({type(error).__name__}: {error}).",
+                "the ark is damaged; regenerate it.",
+            ) from None
         if not isinstance(array, np.ndarray) or array.ndim != 2:
             raise InputError(where, "not_a_matrix", "the entry is not a 2-D matrix.")
         return _apply_ranges(array, location, where)

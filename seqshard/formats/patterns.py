@@ -42,7 +42,9 @@ def expand_patterns(patterns: str | Path | Sequence[str | Path]) -> list[Path]:
             elif path.is_file():
                 matched.append(path)
         if not matched:
-            raise ConfigError(f"shard pattern {str(pattern)!r} matches no file (from {Path.cwd()}). Check the path, the braces and the wildcard.")
+            raise ConfigError(
+                f"shard pattern {str(pattern)!r} matches no file (from {Path.cwd()}). Check the path, the braces and the wildcard."
+            )
         for path in matched:
             found.setdefault(path, None)
     return list(found)
@@ -50,7 +52,9 @@ def expand_patterns(patterns: str | Path | Sequence[str | Path]) -> list[Path]:
 
 def shards_in_folder(folder: Path) -> list[Path]:
     """Shard files directly inside ``folder`` (hidden partial files excluded), sorted."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and p.name.endswith(SHARD_SUFFIXES) and not p.name.startswith("."))
+    return sorted(
+        p for p in folder.iterdir() if p.is_file() and p.name.endswith(SHARD_SUFFIXES) and not p.name.startswith(".")
+    )
 
 
 def group_by_folder(paths: Sequence[Path]) -> dict[Path, list[Path]]:

@@ -169,7 +169,7 @@ class _MappedBytes:
 
     def __init__(self, path: str):
         self.path = path
-        self._file = open(path, "rb")
+        self._file = open(path, "rb")  # noqa: SIM115 (open until close(): chunks are mapped from it)
         self.size = os.fstat(self._file.fileno()).st_size
         self._chunk = memoryview(b"")
         self._chunk_start = self._chunk_end = 0

@@ -101,7 +101,17 @@ class SortBatch(Stage[list[Utterance]]):
     counts) tag each batch with the length bucket of its longest utterance.
     """
 
-    def __init__(self, source: Stage[Utterance], window: int, cost: BatchCost, seed: int, *position: int, shuffle: bool = True, oversize: str = "alone", bucket_bounds: Sequence[int] = ()):
+    def __init__(
+        self,
+        source: Stage[Utterance],
+        window: int,
+        cost: BatchCost,
+        seed: int,
+        *position: int,
+        shuffle: bool = True,
+        oversize: str = "alone",
+        bucket_bounds: Sequence[int] = (),
+    ):
         super().__init__(source)
         if window < 1:
             raise ConfigError(f"sort window must be >= 1, got {window}.")
@@ -162,7 +172,12 @@ class SortBatch(Stage[list[Utterance]]):
         self._emitted += 1
         longest = max(u.num_frames for u in batch)
         frames = sum(u.num_frames for u in batch)
-        for name, value in (("batches", 1), ("utts_batched", len(batch)), ("frames", frames), ("padded_frames", longest * len(batch))):
+        for name, value in (
+            ("batches", 1),
+            ("utts_batched", len(batch)),
+            ("frames", frames),
+            ("padded_frames", longest * len(batch)),
+        ):
             self._counts[name] = self._counts.get(name, 0) + value
         return batch
 

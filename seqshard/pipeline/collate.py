@@ -26,7 +26,9 @@ def pad_features(batch: Sequence[Utterance], out: np.ndarray) -> np.ndarray:
     return out
 
 
-def collate_arrays(batch: Sequence[Utterance], pad_label: int = -1, dtype: str = "float32", feats_out: np.ndarray | None = None) -> dict[str, Any]:
+def collate_arrays(
+    batch: Sequence[Utterance], pad_label: int = -1, dtype: str = "float32", feats_out: np.ndarray | None = None
+) -> dict[str, Any]:
     """``feats`` B x T x D (zero padded; written into ``feats_out`` when given), ``feat_lens``,
     ``labels`` B x L (``pad_label`` padded; when the utterances were tokenized),
     ``label_lens``, ``keys``, ``texts``, all numpy or lists."""

@@ -55,7 +55,9 @@ class LoaderConfig:
 
     def __post_init__(self) -> None:
         if (self.batch_size is None) == (self.batch_frames is None):
-            raise ConfigError("give exactly one of batch_size (fixed) or batch_frames (dynamic, padded frames per batch).")
+            raise ConfigError(
+                "give exactly one of batch_size (fixed) or batch_frames (dynamic, padded frames per batch)."
+            )
         self.cost()  # checks the batch sizes
         for name in ("shuffle_window", "sort_window", "interleave", "num_buckets"):
             if getattr(self, name) < 1:
@@ -65,7 +67,9 @@ class LoaderConfig:
         if self.uneven not in UNEVEN_MODES:
             raise ConfigError(f"uneven must be one of {UNEVEN_MODES}, got {self.uneven!r}.")
         if self.uneven == "repeat" and (self.epoch_steps is None) == (self.epoch_hours is None):
-            raise ConfigError("uneven='repeat' needs exactly one of epoch_steps or epoch_hours (the epoch length, the same on every rank).")
+            raise ConfigError(
+                "uneven='repeat' needs exactly one of epoch_steps or epoch_hours (the epoch length, the same on every rank)."
+            )
         if self.uneven != "repeat" and (self.epoch_steps is not None or self.epoch_hours is not None):
             raise ConfigError("epoch_steps/epoch_hours only apply with uneven='repeat'.")
         if self.bucket_sync and self.uneven == "join":
@@ -81,7 +85,9 @@ class LoaderConfig:
         return FrameBudget(int(self.batch_frames), self.quadratic_frames)  # type: ignore[arg-type]
 
     def limits(self) -> LengthLimits:
-        return LengthLimits(self.min_frames, self.max_frames, self.max_tokens, self.min_frames_per_token, self.max_frames_per_token)
+        return LengthLimits(
+            self.min_frames, self.max_frames, self.max_tokens, self.min_frames_per_token, self.max_frames_per_token
+        )
 
     def batch_defining(self) -> dict[str, Any]:
         """The options a saved state must agree with (see RUNTIME_ONLY)."""

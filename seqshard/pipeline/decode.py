@@ -53,7 +53,12 @@ class Decoder:
         names = (self.feature_field,) if self.feature_field else FEATURE_FIELDS
         data = next((raw.fields[n] for n in names if n in raw.fields), None)
         if data is None:
-            raise InputError(self._where(raw), "no_features", f"the sample has no {' or '.join(names)} field (it has: {', '.join(sorted(raw.fields)) or 'nothing'}).", "pass feature_field= to name the field holding a T x D .npy array.")
+            raise InputError(
+                self._where(raw),
+                "no_features",
+                f"the sample has no {' or '.join(names)} field (it has: {', '.join(sorted(raw.fields)) or 'nothing'}).",
+                "pass feature_field= to name the field holding a T x D .npy array.",
+            )
         try:
             feats = _decode_features(data)
         except ValueError as error:

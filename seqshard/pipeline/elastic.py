@@ -35,11 +35,16 @@ def reader_remainder(setup: WorkerSetup, worker: int, position: RankPosition, sp
     stage = pipeline
     while not isinstance(stage, ShardReader):
         stage = stage.source
-    singles = [Unit(u.shard, u.ordinal, u.ordinal + 1, 1, u.offset, u.ordinal) for u in sorted(held, key=lambda u: (u.shard, u.offset))]
+    singles = [
+        Unit(u.shard, u.ordinal, u.ordinal + 1, 1, u.offset, u.ordinal)
+        for u in sorted(held, key=lambda u: (u.shard, u.offset))
+    ]
     return singles + stage.remaining_units()
 
 
-def remainder_plan(table: ShardTable, old_setups: list[WorkerSetup], positions: list[RankPosition], world_size: int, workers: int) -> Plan:
+def remainder_plan(
+    table: ShardTable, old_setups: list[WorkerSetup], positions: list[RankPosition], world_size: int, workers: int
+) -> Plan:
     """The unread rest of the saved epoch, cut across ``world_size`` x ``workers`` readers."""
     if any(p.completed for p in positions) and not all(p.completed for p in positions):
         raise StateMismatchError("the saved ranks disagree on whether the epoch ended.")
@@ -56,7 +61,10 @@ def remainder_plan(table: ShardTable, old_setups: list[WorkerSetup], positions: 
         pieces.append(_Piece(unit, count, weights[unit.shard] * share))
     if table.indexed:
         return [[[p.unit for p in w] for w in _cut(rank, workers)] for rank in _cut(pieces, world_size)]
-    return [[[p.unit for p in w] for w in _deal(rank, workers, workers)] for rank in _deal(pieces, world_size, world_size * workers)]
+    return [
+        [[p.unit for p in w] for w in _deal(rank, workers, workers)]
+        for rank in _deal(pieces, world_size, world_size * workers)
+    ]
 
 
 def planned_setups(setup: WorkerSetup, world_size: int, config) -> list[WorkerSetup]:

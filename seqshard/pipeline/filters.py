@@ -37,7 +37,16 @@ class LengthLimits:
 
     @property
     def active(self) -> bool:
-        return any(v is not None for v in (self.min_frames, self.max_frames, self.max_tokens, self.min_frames_per_token, self.max_frames_per_token))
+        return any(
+            v is not None
+            for v in (
+                self.min_frames,
+                self.max_frames,
+                self.max_tokens,
+                self.min_frames_per_token,
+                self.max_frames_per_token,
+            )
+        )
 
 
 class LengthFilter(Stage[Utterance]):

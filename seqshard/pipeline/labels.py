@@ -110,7 +110,12 @@ class LabelOverride:
         if repeated:
             row, first = repeated[0]
             key = self.table.record(row)[0]
-            raise InputError(self.table.where(row, key), "duplicate_label", f"the key already has a label at {self.table.where(first)}.", "remove duplicate lines.")
+            raise InputError(
+                self.table.where(row, key),
+                "duplicate_label",
+                f"the key already has a label at {self.table.where(first)}.",
+                "remove duplicate lines.",
+            )
 
     def get(self, key: str) -> str | None:
         row = int(self.table.lookup(np.array([key_hash(key)], dtype=np.uint64))[0])
@@ -123,7 +128,13 @@ class LabelOverride:
 class Labeler:
     """Utterance -> Utterance with the override label (if any) and tokens (if a tokenizer)."""
 
-    def __init__(self, tokenizer: Tokenizer | None, override: LabelOverride | None = None, strip_spaces: bool = False, transform: Callable[[str], str] | None = None):
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        override: LabelOverride | None = None,
+        strip_spaces: bool = False,
+        transform: Callable[[str], str] | None = None,
+    ):
         self.tokenizer = tokenizer
         self.override = override
         self.strip_spaces = strip_spaces
@@ -134,7 +145,12 @@ class Labeler:
         if self.override is not None:
             label = self.override.get(utt.key)
             if label is None:
-                raise InputError(Where(", ".join(map(str, self.override.table.files)), None, utt.key), "no_label", "the label file given at load time has no line for this key.", "add it, or pass skip_bad=True to leave such utterances out.")
+                raise InputError(
+                    Where(", ".join(map(str, self.override.table.files)), None, utt.key),
+                    "no_label",
+                    "the label file given at load time has no line for this key.",
+                    "add it, or pass skip_bad=True to leave such utterances out.",
+                )
             text = label
         if self.strip_spaces:
             text = "".join(text.split())

@@ -51,7 +51,12 @@ class RankPosition:
 
     @classmethod
     def fresh(cls, epoch: int, workers: int, buckets: int, plan: list[list[Unit]] | None = None) -> RankPosition:
-        return cls(epoch, [WorkerPosition() for _ in range(workers)], queues=[[] for _ in range(buckets)], plan=None if plan is None else [[u.to_json() for u in units] for units in plan])
+        return cls(
+            epoch,
+            [WorkerPosition() for _ in range(workers)],
+            queues=[[] for _ in range(buckets)],
+            plan=None if plan is None else [[u.to_json() for u in units] for units in plan],
+        )
 
     def units_of(self, worker: int) -> list[Unit] | None:
         """The units replacing ``worker``'s planned ones this epoch, if any."""
@@ -69,17 +74,29 @@ class RankPosition:
     def continuing(self, epoch: int) -> RankPosition:
         """This position relabelled as the start of ``epoch`` (repeat mode: streams go on)."""
         moved = RankPosition.from_json(self.to_json())
-        moved.epoch, moved.step, moved.utts, moved.frames, moved.padded_frames, moved.completed = epoch, 0, 0, 0, 0, False
+        moved.epoch, moved.step, moved.utts, moved.frames, moved.padded_frames, moved.completed = (
+            epoch,
+            0,
+            0,
+            0,
+            0,
+            False,
+        )
         return moved
 
     def worker_request(self) -> list[dict[str, Any]]:
-        return [{"state": w.state, "seq": w.low, "units": None if self.plan is None else self.plan[i]} for i, w in enumerate(self.workers)]
+        return [
+            {"state": w.state, "seq": w.low, "units": None if self.plan is None else self.plan[i]}
+            for i, w in enumerate(self.workers)
+        ]
 
 
 class MergedStream:
     """Takes workers' items in turn and keeps ``position`` up to date."""
 
-    def __init__(self, items: Iterator[Item], position: RankPosition, receive: Callable[[Item], Item] = lambda item: item):
+    def __init__(
+        self, items: Iterator[Item], position: RankPosition, receive: Callable[[Item], Item] = lambda item: item
+    ):
         self._items = items
         self._receive = receive
         self.position = position
@@ -108,7 +125,9 @@ class MergedStream:
             for seq in range(spot.low + 1, spot.pulled + 1):
                 item = self._take(worker)
                 if item.get("end") or item["seq"] != seq:
-                    raise SeqshardError(f"worker {worker} did not regenerate batch {seq} on resume (got {item['seq']}); the shards changed since the state was saved?")
+                    raise SeqshardError(
+                        f"worker {worker} did not regenerate batch {seq} on resume (got {item['seq']}); the shards changed since the state was saved?"
+                    )
                 if seq in emitted:
                     self._states_above[(worker, seq)] = item["state"]
                 else:
@@ -116,7 +135,9 @@ class MergedStream:
         for bucket, entries in enumerate(self.position.queues):
             self._reservoir[bucket].extend(stash.pop((w, s)) for w, s in entries)
         if stash:
-            raise SeqshardError(f"saved loader position is inconsistent: {sorted(stash)} pulled but neither emitted nor queued")
+            raise SeqshardError(
+                f"saved loader position is inconsistent: {sorted(stash)} pulled but neither emitted nor queued"
+            )
 
     @property
     def exhausted(self) -> bool:

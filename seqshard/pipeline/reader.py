@@ -65,7 +65,14 @@ class ShardReader(Stage[RawSample]):
     is counted under ``dropped.damaged_shard``.
     """
 
-    def __init__(self, table: ShardTable, units_of_pass: Callable[[int], list[Unit]], interleave: int = 4, repeat: bool = False, skip: SkipCounter | None = None):
+    def __init__(
+        self,
+        table: ShardTable,
+        units_of_pass: Callable[[int], list[Unit]],
+        interleave: int = 4,
+        repeat: bool = False,
+        skip: SkipCounter | None = None,
+    ):
         super().__init__(None)
         if interleave < 1:
             raise ValueError("interleave must be >= 1")
@@ -109,7 +116,9 @@ class ShardReader(Stage[RawSample]):
             self._next_unit = 0
             empty_passes = 0 if self._units else empty_passes + 1
             if empty_passes > MAX_EMPTY_PASSES:
-                raise ConfigError("a reader got no data in 16 passes: the dataset has fewer utterances than readers (ranks x workers); use fewer workers.")
+                raise ConfigError(
+                    "a reader got no data in 16 passes: the dataset has fewer utterances than readers (ranks x workers); use fewer workers."
+                )
         index = self._next_unit
         self._next_unit += 1
         unit = self._units[index]

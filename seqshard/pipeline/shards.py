@@ -65,7 +65,9 @@ class ShardTable:
                     shards.append(ShardInfo(str(path), entry.bytes, entry.num_utts, entry.num_frames))
                     histograms.append(entry.length_hist)
         if len(dims) > 1:
-            raise ConfigError(f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in dims.items())}.")
+            raise ConfigError(
+                f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in dims.items())}."
+            )
         histogram = merge_histograms(histograms)
         return cls(tuple(shards), next(iter(dims), None), shift, tuple(histogram.items()))
 
@@ -125,7 +127,14 @@ class Unit:
     @classmethod
     def from_json(cls, data: Sequence[Any]) -> Unit:
         stop, offset = data[2], data[4]
-        return cls(int(data[0]), int(data[1]), None if stop is None else int(stop), int(data[3]), None if offset is None else int(offset), int(data[5]))
+        return cls(
+            int(data[0]),
+            int(data[1]),
+            None if stop is None else int(stop),
+            int(data[3]),
+            None if offset is None else int(offset),
+            int(data[5]),
+        )
 
 
 @dataclass(frozen=True)
@@ -140,14 +149,24 @@ class _Piece:
         cut = self.unit.first() + head_count * self.unit.step
         return (
             _Piece(replace(self.unit, stop=cut), head_count, self.weight * share),
-            _Piece(replace(self.unit, start=cut, offset=None, at=0), self.count - head_count, self.weight * (1 - share)),
+            _Piece(
+                replace(self.unit, start=cut, offset=None, at=0), self.count - head_count, self.weight * (1 - share)
+            ),
         )
 
 
 Plan = list[list[list[Unit]]]  # [rank][worker] -> units, in reading order
 
 
-def plan_epoch(table: ShardTable, epoch: int, seed: int, world_size: int, num_workers: int, shuffle: bool = True, split_shards: bool = True) -> Plan:
+def plan_epoch(
+    table: ShardTable,
+    epoch: int,
+    seed: int,
+    world_size: int,
+    num_workers: int,
+    shuffle: bool = True,
+    split_shards: bool = True,
+) -> Plan:
     """Units for every (rank, worker) reader of ``epoch``; a pure function of its arguments.
 
     ``split_shards=False`` deals whole shards (as CAT and WebDataset do): no shard is read
@@ -198,7 +217,13 @@ def _deal(pieces: Sequence[_Piece], parts: int, readers: int) -> list[list[_Piec
     each shard becomes k strided units (each reader keeps every k-th utterance)."""
     if pieces and len(pieces) < readers:
         ways = math.ceil(readers / len(pieces))
-        pieces = [_Piece(replace(p.unit, start=p.unit.first() + r * p.unit.step, step=p.unit.step * ways), None, p.weight / ways) for p in pieces for r in range(ways)]
+        pieces = [
+            _Piece(
+                replace(p.unit, start=p.unit.first() + r * p.unit.step, step=p.unit.step * ways), None, p.weight / ways
+            )
+            for p in pieces
+            for r in range(ways)
+        ]
     out: list[list[_Piece]] = [[] for _ in range(parts)]
     loads = [0.0] * parts
     for piece in pieces:

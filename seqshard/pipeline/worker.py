@@ -43,7 +43,9 @@ class IterationChannel:
     def publish(self, request: dict[str, Any]) -> None:
         data = json.dumps(request).encode()
         if len(data) > self._capacity:
-            raise ConfigError(f"the loader's per-iteration request is {len(data)} bytes, over {self._capacity}; please report this.")
+            raise ConfigError(
+                f"the loader's per-iteration request is {len(data)} bytes, over {self._capacity}; please report this."
+            )
         self._data[: len(data)] = data
         self._length.value = len(data)
 
@@ -70,11 +72,21 @@ class WorkerSetup:
 
     def units(self, plan_epoch_number: int, worker: int) -> list[Unit]:
         config = self.config
-        return _cached_plan(self.table, plan_epoch_number, config.seed, self.world_size, self.readers_per_rank, config.shuffle, config.split_shards)[self.rank][worker]
+        return _cached_plan(
+            self.table,
+            plan_epoch_number,
+            config.seed,
+            self.world_size,
+            self.readers_per_rank,
+            config.shuffle,
+            config.split_shards,
+        )[self.rank][worker]
 
 
 @lru_cache(maxsize=2)
-def _cached_plan(table: ShardTable, epoch: int, seed: int, world_size: int, workers: int, shuffle: bool, split_shards: bool):
+def _cached_plan(
+    table: ShardTable, epoch: int, seed: int, world_size: int, workers: int, shuffle: bool, split_shards: bool
+):
     return plan_epoch(table, epoch, seed, world_size, workers, shuffle, split_shards)
 
 
@@ -82,8 +94,10 @@ def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
     """Frame counts cutting the dataset's lengths into ``count`` buckets of equal mass."""
     histogram = dict(table.length_hist)
     if not histogram:
-        raise ConfigError("bucket_sync needs length histograms from the shards' index.json (run `seqshard index` on foreign shards).")
-    bounds = sorted({int(round(histogram_percentile(histogram, 100 * k / count))) for k in range(1, count)})
+        raise ConfigError(
+            "bucket_sync needs length histograms from the shards' index.json (run `seqshard index` on foreign shards)."
+        )
+    bounds = sorted({round(histogram_percentile(histogram, 100 * k / count)) for k in range(1, count)})
     return tuple(b for b in bounds if b > bin_bounds(min(histogram))[0])
 
 
@@ -114,7 +128,18 @@ def build_pipeline(setup: WorkerSetup, worker: int, epoch: int, units: list[Unit
         stage = LengthFilter(stage, config.limits())
     if config.shuffle:
         stage = WindowShuffle(stage, config.shuffle_window, config.seed, stream_epoch, setup.rank, worker)
-    return SortBatch(stage, config.sort_window, config.cost(), config.seed, stream_epoch, setup.rank, worker, shuffle=config.shuffle, oversize=config.oversize, bucket_bounds=setup.bucket_bounds)
+    return SortBatch(
+        stage,
+        config.sort_window,
+        config.cost(),
+        config.seed,
+        stream_epoch,
+        setup.rank,
+        worker,
+        shuffle=config.shuffle,
+        oversize=config.oversize,
+        bucket_bounds=setup.bucket_bounds,
+    )
 
 
 def make_dataset(setup: WorkerSetup, channel: IterationChannel):
@@ -158,7 +183,14 @@ def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any], in_
             "state": pipeline.get_state(),
             "stats": pipeline.stats(),
         }
-    yield {"worker": worker, "seq": seq, "batch": None, "end": True, "state": pipeline.get_state(), "stats": pipeline.stats()}
+    yield {
+        "worker": worker,
+        "seq": seq,
+        "batch": None,
+        "end": True,
+        "state": pipeline.get_state(),
+        "stats": pipeline.stats(),
+    }
 
 
 def _payload(batch, setup: WorkerSetup, worker: int, iteration: int, in_worker_process: bool) -> dict[str, Any]:

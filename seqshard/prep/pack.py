@@ -28,7 +28,7 @@ from ..errors import ConfigError, InputError, SeqshardError, Where
 from ..formats.index import ShardEntry, ShardIndex, write_json_atomic
 from ..formats.kaldi import MatrixReader
 from ..progress import Progress
-from .journal import STATE_DIR, Journal, finished_shards, record_path
+from .journal import STATE_DIR, Journal, finished_shards
 from .plan import UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
 from .report import REPORT_NAME, GroupTotals, PackReport, summarize_records
 from .write import DEFAULT_MAX_OPEN, remove_partials, write_shards
@@ -74,7 +74,9 @@ def pack_data(
     scp_files = _as_paths(f_scps, "f_scps")
     text_files = _as_paths(f_labels, "f_labels")
     if jobs < 1 or num_parts < 1 or not 0 <= part < num_parts or max_open < 1:
-        raise ConfigError(f"need jobs >= 1, max_open >= 1 and 0 <= part < num_parts (got jobs={jobs}, part={part}, num_parts={num_parts}, max_open={max_open}).")
+        raise ConfigError(
+            f"need jobs >= 1, max_open >= 1 and 0 <= part < num_parts (got jobs={jobs}, part={part}, num_parts={num_parts}, max_open={max_open})."
+        )
     options = PackOptions(
         fmt=fmt,
         groups=parse_groups(filter_group),
@@ -104,7 +106,12 @@ def pack_data(
         todo = [t for t in mine if _relative(t) not in done]
         remove_partials(todo)
         if len(todo) < len(mine):
-            _LOG.info("%d of this part's %d shards are already finished; writing %d", len(mine) - len(todo), len(mine), len(todo))
+            _LOG.info(
+                "%d of this part's %d shards are already finished; writing %d",
+                len(mine) - len(todo),
+                len(mine),
+                len(todo),
+            )
         _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars)
 
     records = finished_shards(d_out)
@@ -151,7 +158,9 @@ def _fingerprint(options: PackOptions, scp_files: Sequence[Path], text_files: Se
     return described
 
 
-def _claim_output(d_out: Path, options: PackOptions, scp_files: Sequence[Path], text_files: Sequence[Path], overwrite: bool) -> None:
+def _claim_output(
+    d_out: Path, options: PackOptions, scp_files: Sequence[Path], text_files: Sequence[Path], overwrite: bool
+) -> None:
     """Record what this folder is being packed from; refuse a folder packed from other inputs."""
     state = d_out / STATE_DIR
     described = _fingerprint(options, scp_files, text_files)
@@ -191,10 +200,22 @@ def _feature_dim(plan: PackPlan, options: PackOptions) -> int:
                 continue  # reported when the utterance itself is written
     if plan.num_planned == 0:
         return 0
-    raise SeqshardError("none of the first 1000 planned utterances could be read; check the arks (run without --skip-bad to see why).")
+    raise SeqshardError(
+        "none of the first 1000 planned utterances could be read; check the arks (run without --skip-bad to see why)."
+    )
 
 
-def _write_all(plan: PackPlan, todo: list[ShardTask], options: PackOptions, dim: int, d_out: Path, name: str, jobs: int, max_open: int, bars: Progress) -> None:
+def _write_all(
+    plan: PackPlan,
+    todo: list[ShardTask],
+    options: PackOptions,
+    dim: int,
+    d_out: Path,
+    name: str,
+    jobs: int,
+    max_open: int,
+    bars: Progress,
+) -> None:
     total = sum(t.num_planned for t in todo)
     if not todo:
         return
@@ -207,7 +228,11 @@ def _write_all(plan: PackPlan, todo: list[ShardTask], options: PackOptions, dim:
     counters = context.Array("q", jobs, lock=False)
     errors = context.SimpleQueue()
     processes = [
-        context.Process(target=_job_main, args=(plan, todo[j::jobs], options, dim, d_out, f"{name}-{j}-{os.getpid()}", max_open, counters, j, errors), name=f"seqshard-pack-{j}")
+        context.Process(
+            target=_job_main,
+            args=(plan, todo[j::jobs], options, dim, d_out, f"{name}-{j}-{os.getpid()}", max_open, counters, j, errors),
+            name=f"seqshard-pack-{j}",
+        )
         for j in range(jobs)
     ]
     for process in processes:
@@ -226,7 +251,11 @@ def _write_all(plan: PackPlan, todo: list[ShardTask], options: PackOptions, dim:
             process.join(timeout=0.1 if any(p.exitcode for p in processes) else None)
         failed = [p for p in processes if p.exitcode not in (None, 0)]
         if failed:
-            error = errors.get() if not errors.empty() else SeqshardError(f"pack job {failed[0].name} died with exit code {failed[0].exitcode}")
+            error = (
+                errors.get()
+                if not errors.empty()
+                else SeqshardError(f"pack job {failed[0].name} died with exit code {failed[0].exitcode}")
+            )
             raise error
         advance(sum(counters) - shown)
     finally:
@@ -236,7 +265,18 @@ def _write_all(plan: PackPlan, todo: list[ShardTask], options: PackOptions, dim:
                 process.join()
 
 
-def _job_main(plan: PackPlan, tasks: list[ShardTask], options: PackOptions, dim: int, d_out: Path, name: str, max_open: int, counters: Any, slot: int, errors: Any) -> None:
+def _job_main(
+    plan: PackPlan,
+    tasks: list[ShardTask],
+    options: PackOptions,
+    dim: int,
+    d_out: Path,
+    name: str,
+    max_open: int,
+    counters: Any,
+    slot: int,
+    errors: Any,
+) -> None:
     parent = os.getppid()
 
     def advance(count: int) -> None:
@@ -251,7 +291,15 @@ def _job_main(plan: PackPlan, tasks: list[ShardTask], options: PackOptions, dim:
         raise SystemExit(1) from None
 
 
-def _write_indexes(plan: PackPlan, records: dict[str, dict[str, Any]], options: PackOptions, dim: int, d_out: Path, scp_files: Sequence[Path], text_files: Sequence[Path]) -> bool:
+def _write_indexes(
+    plan: PackPlan,
+    records: dict[str, dict[str, Any]],
+    options: PackOptions,
+    dim: int,
+    d_out: Path,
+    scp_files: Sequence[Path],
+    text_files: Sequence[Path],
+) -> bool:
     """Write ``index.json`` in every group folder whose shards are all finished."""
     complete = True
     frame_shift_ms = _frame_shift_ms(scp_files)
@@ -265,7 +313,13 @@ def _write_indexes(plan: PackPlan, records: dict[str, dict[str, Any]], options: 
         entries = [ShardEntry.from_json(records[_relative(t)]) for t in tasks]
         index = ShardIndex(
             shards=entries,
-            feature={"field": "feats.npy", "label_field": "txt", "dim": dim, "dtype": options.dtype, "frame_shift_ms": frame_shift_ms},
+            feature={
+                "field": "feats.npy",
+                "label_field": "txt",
+                "dim": dim,
+                "dtype": options.dtype,
+                "frame_shift_ms": frame_shift_ms,
+            },
             created=_now(),
             created_by=f"seqshard {__version__} pack",
             source={
@@ -290,7 +344,16 @@ def _frame_shift_ms(scp_files: Sequence[Path]) -> float:
         return 10.0
 
 
-def _report(plan: PackPlan, records: dict[str, dict[str, Any]], written: list[ShardTask], d_out: Path, complete: bool, wall: float, dim: int, options: PackOptions) -> PackReport:
+def _report(
+    plan: PackPlan,
+    records: dict[str, dict[str, Any]],
+    written: list[ShardTask],
+    d_out: Path,
+    complete: bool,
+    wall: float,
+    dim: int,
+    options: PackOptions,
+) -> PackReport:
     mine = [records[_relative(t)] for t in plan.tasks if _relative(t) in records]
     groups, skipped, histogram = summarize_records(mine)
     dropped = dict(plan.dropped)

@@ -10,6 +10,7 @@ the inputs and options: a crashed or distributed pack recomputes the same one.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -59,9 +60,11 @@ def parse_groups(specs: Sequence[str] | str | None) -> tuple[LengthGroup, ...]:
     if isinstance(specs, str):
         specs = [specs]
     groups = sorted(LengthGroup.parse(s) for s in specs)
-    for before, after in zip(groups, groups[1:]):
+    for before, after in itertools.pairwise(groups):
         if after.low < before.high:
-            raise ConfigError(f"filter_group {before.low}:{before.high} and {after.low}:{after.high} overlap; an utterance would be packed twice.")
+            raise ConfigError(
+                f"filter_group {before.low}:{before.high} and {after.low}:{after.high} overlap; an utterance would be packed twice."
+            )
     return tuple(groups)
 
 
@@ -144,34 +147,67 @@ def build_plan(
     """Scan the inputs and decide every utterance's fate (see the module docstring)."""
     drops = SkipCounter(options.skip_bad)
     label_issues = SkipCounter(options.skip_bad)
-    scan_progress = progress("scan inputs", sum(Path(f).stat().st_size for f in [*scp_files, *text_files])) if progress else None
+    scan_progress = (
+        progress("scan inputs", sum(Path(f).stat().st_size for f in [*scp_files, *text_files])) if progress else None
+    )
 
     def check_scp(key: str, value: str, where: Where) -> None:
         problem = key_problem(key)
         if problem and not (options.escape_keys and key):
-            raise InputError(where, "bad_key", f"{problem}.", "rename the utterance, or pass --escape-keys (escape_keys=True) to store it percent-encoded.")
+            raise InputError(
+                where,
+                "bad_key",
+                f"{problem}.",
+                "rename the utterance, or pass --escape-keys (escape_keys=True) to store it percent-encoded.",
+            )
         options.location(value, where)
 
     scp = KeyTable.scan(scp_files, drops, needs_value=True, check=check_scp, progress=scan_progress)
     labels = KeyTable.scan(text_files, label_issues, needs_value=False, progress=scan_progress)
     if len(scp) + scp.bad_lines == 0:
-        raise InputError(Where(", ".join(map(str, scp_files))), "empty_input", "the scp files hold no entries.", "check that you gave the right feats.scp.")
+        raise InputError(
+            Where(", ".join(map(str, scp_files))),
+            "empty_input",
+            "the scp files hold no entries.",
+            "check that you gave the right feats.scp.",
+        )
     keep = np.ones(len(scp), dtype=bool)
 
     for row, first in scp.repeated_rows():
         key = scp.record(row)[0]
-        drops(InputError(scp.where(row, key), "duplicate_key", f"the key was already given at {scp.where(first)}.", "remove duplicate entries (utils/fix_data_dir.sh), or pass --skip-bad to keep the first."))
+        drops(
+            InputError(
+                scp.where(row, key),
+                "duplicate_key",
+                f"the key was already given at {scp.where(first)}.",
+                "remove duplicate entries (utils/fix_data_dir.sh), or pass --skip-bad to keep the first.",
+            )
+        )
         keep[row] = False
     duplicate_labels = np.zeros(len(labels), dtype=bool)
     for row, first in labels.repeated_rows():
         key = labels.record(row)[0]
-        label_issues(InputError(labels.where(row, key), "duplicate_label", f"the key already has a label at {labels.where(first)}.", "remove duplicate lines from the text files, or pass --skip-bad to keep the first."))
+        label_issues(
+            InputError(
+                labels.where(row, key),
+                "duplicate_label",
+                f"the key already has a label at {labels.where(first)}.",
+                "remove duplicate lines from the text files, or pass --skip-bad to keep the first.",
+            )
+        )
         duplicate_labels[row] = True
 
     label_rows = labels.lookup(scp.hashes).astype(np.int32 if len(labels) < 2**31 else np.int64)
     for row in np.flatnonzero(keep & (label_rows < 0)):
         key = scp.record(int(row))[0]
-        drops(InputError(scp.where(int(row), key), "no_label", "the utterance has features but no label in the text files.", "add its label, or pass --skip-bad to leave it out."))
+        drops(
+            InputError(
+                scp.where(int(row), key),
+                "no_label",
+                "the utterance has features but no label in the text files.",
+                "add its label, or pass --skip-bad to leave it out.",
+            )
+        )
         keep[row] = False
 
     used = np.zeros(len(labels), dtype=bool)
@@ -179,7 +215,14 @@ def build_plan(
     unused = np.flatnonzero(~used & ~duplicate_labels)
     for row in unused:
         key = labels.record(int(row))[0]
-        label_issues(InputError(labels.where(int(row), key), "no_features", f"the label has no features in the scp files{_and_more(len(unused))}.", "add its features to the scp, or pass --skip-bad to ignore such labels."))
+        label_issues(
+            InputError(
+                labels.where(int(row), key),
+                "no_features",
+                f"the label has no features in the scp files{_and_more(len(unused))}.",
+                "add its features to the scp, or pass --skip-bad to ignore such labels.",
+            )
+        )
 
     frames = np.full(len(scp), -1, dtype=np.int32)
     group_of_row = np.zeros(len(scp), dtype=np.int16)
@@ -189,7 +232,14 @@ def build_plan(
         keep &= frames >= 0
         zero = keep & (frames == 0)
         for row in np.flatnonzero(zero):
-            drops(InputError(scp.where(int(row), scp.record(int(row))[0]), "zero_length", "the matrix has no frames.", "remove it, or pass --skip-bad."))
+            drops(
+                InputError(
+                    scp.where(int(row), scp.record(int(row))[0]),
+                    "zero_length",
+                    "the matrix has no frames.",
+                    "remove it, or pass --skip-bad.",
+                )
+            )
         keep &= ~zero
         group_of_row = np.full(len(scp), -1, dtype=np.int16)
         for number, group in enumerate(options.groups):
@@ -213,24 +263,47 @@ def build_plan(
         folder = d_out / name if name else d_out
         first_ordinal = len(tasks)
         for index in range(num_shards):
-            tasks.append(ShardTask(first_ordinal + index, name, index, folder / (options.fmt % index), int(counts[index])))
+            tasks.append(
+                ShardTask(first_ordinal + index, name, index, folder / (options.fmt % index), int(counts[index]))
+            )
         shard_of_row[rows] = first_ordinal + shard_in_group
 
     dropped = dict(drops.counts)
     if outside:
         dropped["outside_groups"] = outside
-    return PackPlan(scp, labels, label_rows, frames, shard_of_row, tasks, group_names, len(scp) + scp.bad_lines, dropped, dict(label_issues.counts), len(labels) + labels.bad_lines)
+    return PackPlan(
+        scp,
+        labels,
+        label_rows,
+        frames,
+        shard_of_row,
+        tasks,
+        group_names,
+        len(scp) + scp.bad_lines,
+        dropped,
+        dict(label_issues.counts),
+        len(labels) + labels.bad_lines,
+    )
 
 
 def _and_more(count: int) -> str:
     return f" ({count - 1} more labels have the same problem)" if count > 1 else ""
 
 
-def _frames_of(scp: KeyTable, scp_files: Sequence[Path], keep: np.ndarray, options: PackOptions, drops: SkipCounter, progress: Callable[[str, int], Callable[[int], None]] | None) -> np.ndarray:
+def _frames_of(
+    scp: KeyTable,
+    scp_files: Sequence[Path],
+    keep: np.ndarray,
+    options: PackOptions,
+    drops: SkipCounter,
+    progress: Callable[[str, int], Callable[[int], None]] | None,
+) -> np.ndarray:
     """Frames per scp row (-1 for rows that could not be read), from ``utt2num_frames``
     files when present (next to each scp, or given) and from matrix headers otherwise."""
     frames = np.full(len(scp), -1, dtype=np.int32)
-    count_files = [Path(f) for f in options.num_frames_files] or [Path(f).parent / NUM_FRAMES_FILE for f in scp_files if (Path(f).parent / NUM_FRAMES_FILE).is_file()]
+    count_files = [Path(f) for f in options.num_frames_files] or [
+        Path(f).parent / NUM_FRAMES_FILE for f in scp_files if (Path(f).parent / NUM_FRAMES_FILE).is_file()
+    ]
     if count_files:
         counts = KeyTable.scan(sorted(set(count_files)), SkipCounter(False), number=True)
         found = counts.lookup(scp.hashes)

@@ -55,7 +55,9 @@ class PackReport:
         return data
 
     def format_text(self) -> str:
-        lines = [f"seqshard pack -> {self.output}" + ("" if self.complete else "  (INCOMPLETE: other parts still to run)")]
+        lines = [
+            f"seqshard pack -> {self.output}" + ("" if self.complete else "  (INCOMPLETE: other parts still to run)")
+        ]
         lines.append(f"  input utterances : {self.input_utts}")
         lines.append(f"  packed           : {self.packed}")
         for reason, count in sorted(self.dropped.items()):
@@ -63,9 +65,15 @@ class PackReport:
         for reason, count in sorted(self.label_issues.items()):
             lines.append(f"  label issue      : {count:>8}  {reason} (of {self.num_labels} label lines)")
         for name, group in self.groups.items():
-            lines.append(f"  group {name or '(all)':<11}: {group.utts} utts in {group.shards} shards, {group.frames} frames, {group.bytes / 1e6:.1f} MB")
-        lines.append(f"  shards           : {self.shards_done}/{self.shards_total} done, {self.shards_written_now} written by this run")
-        lines.append(f"  this run         : {self.bytes_written_now / 1e6:.1f} MB in {self.wall_seconds:.1f} s = {self.mb_per_s:.1f} MB/s")
+            lines.append(
+                f"  group {name or '(all)':<11}: {group.utts} utts in {group.shards} shards, {group.frames} frames, {group.bytes / 1e6:.1f} MB"
+            )
+        lines.append(
+            f"  shards           : {self.shards_done}/{self.shards_total} done, {self.shards_written_now} written by this run"
+        )
+        lines.append(
+            f"  this run         : {self.bytes_written_now / 1e6:.1f} MB in {self.wall_seconds:.1f} s = {self.mb_per_s:.1f} MB/s"
+        )
         if self.dtype == "float16":
             lines.append(f"  float16 saved    : {self.float16_saved_bytes / 1e6:.1f} MB against float32")
         return "\n".join(lines)

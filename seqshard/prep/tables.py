@@ -34,7 +34,16 @@ class KeyTable:
     no row; ``bad_lines`` counts them.
     """
 
-    def __init__(self, files: Sequence[Path], hashes: np.ndarray, file_ids: np.ndarray, lines: np.ndarray, offsets: np.ndarray, values: np.ndarray | None = None, bad_lines: int = 0):
+    def __init__(
+        self,
+        files: Sequence[Path],
+        hashes: np.ndarray,
+        file_ids: np.ndarray,
+        lines: np.ndarray,
+        offsets: np.ndarray,
+        values: np.ndarray | None = None,
+        bad_lines: int = 0,
+    ):
         self.files = [Path(f) for f in files]
         self.hashes = hashes
         self.file_ids = file_ids

@@ -56,7 +56,15 @@ def remove_partials(tasks: Sequence[ShardTask]) -> None:
         temporary_path(task.path).unlink(missing_ok=True)
 
 
-def write_shards(plan: PackPlan, tasks: Sequence[ShardTask], options: PackOptions, dim: int, journal: Journal, advance: Callable[[int], None], max_open: int = DEFAULT_MAX_OPEN) -> None:
+def write_shards(
+    plan: PackPlan,
+    tasks: Sequence[ShardTask],
+    options: PackOptions,
+    dim: int,
+    journal: Journal,
+    advance: Callable[[int], None],
+    max_open: int = DEFAULT_MAX_OPEN,
+) -> None:
     """Write ``tasks`` (shards of ``plan``), ``max_open`` at a time."""
     todo = sorted(tasks, key=lambda t: t.ordinal)
     for start in range(0, len(todo), max_open):
@@ -94,7 +102,14 @@ class _Committer:
             future.result()
 
 
-def _write_sweep(plan: PackPlan, sweep: Sequence[ShardTask], options: PackOptions, dim: int, journal: Journal, advance: Callable[[int], None]) -> None:
+def _write_sweep(
+    plan: PackPlan,
+    sweep: Sequence[ShardTask],
+    options: PackOptions,
+    dim: int,
+    journal: Journal,
+    advance: Callable[[int], None],
+) -> None:
     by_ordinal = {task.ordinal: task for task in sweep}
     rows = np.flatnonzero(np.isin(plan.shard_of_row, np.fromiter(by_ordinal, dtype=np.int64)))
     skip = SkipCounter(options.skip_bad)
@@ -115,7 +130,9 @@ def _write_sweep(plan: PackPlan, sweep: Sequence[ShardTask], options: PackOption
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
                 else:
                     header, payload = npy_parts(array)
-                    shard.writer.add(options.shard_key(key), [("feats.npy", [header, payload]), ("txt", [label.encode("utf-8")])])
+                    shard.writer.add(
+                        options.shard_key(key), [("feats.npy", [header, payload]), ("txt", [label.encode("utf-8")])]
+                    )
                     frames = array.shape[0]
                     shard.num_frames += frames
                     bin_ = length_bin(frames)
@@ -130,7 +147,9 @@ def _write_sweep(plan: PackPlan, sweep: Sequence[ShardTask], options: PackOption
         committer.finish()
 
 
-def _load_utterance(plan: PackPlan, row: int, reader: MatrixReader, options: PackOptions, dim: int) -> tuple[str, np.ndarray, str]:
+def _load_utterance(
+    plan: PackPlan, row: int, reader: MatrixReader, options: PackOptions, dim: int
+) -> tuple[str, np.ndarray, str]:
     key, value = plan.scp.record(row)
     where = plan.scp.where(row, key)
     array = reader.read(options.location(value, where), where)
@@ -139,16 +158,33 @@ def _load_utterance(plan: PackPlan, row: int, reader: MatrixReader, options: Pac
         raise InputError(where, "zero_length", "the matrix has no frames.", "remove it, or pass --skip-bad.")
     planned = int(plan.frames[row])
     if planned >= 0 and planned != frames:
-        raise InputError(where, "frames_mismatch", f"utt2num_frames says {planned} frames but the ark holds {frames}.", "regenerate utt2num_frames (or delete it to read lengths from the arks).")
+        raise InputError(
+            where,
+            "frames_mismatch",
+            f"utt2num_frames says {planned} frames but the ark holds {frames}.",
+            "regenerate utt2num_frames (or delete it to read lengths from the arks).",
+        )
     if array.shape[1] != dim:
-        raise InputError(where, "dim_mismatch", f"the matrix has {array.shape[1]} columns where the dataset has {dim}.", "pack features of one kind together.")
+        raise InputError(
+            where,
+            "dim_mismatch",
+            f"the matrix has {array.shape[1]} columns where the dataset has {dim}.",
+            "pack features of one kind together.",
+        )
     # A float64 sum is one pass without a temporary; NaN/Inf propagate and cannot overflow.
     if not np.isfinite(array.sum(dtype=np.float64)):
         bad_frame = int(np.flatnonzero(~np.isfinite(array).all(axis=1))[0])
-        raise InputError(where, "non_finite", f"the matrix holds NaN or Inf (first at frame {bad_frame}).", "recompute the features, or pass --skip-bad.")
+        raise InputError(
+            where,
+            "non_finite",
+            f"the matrix holds NaN or Inf (first at frame {bad_frame}).",
+            "recompute the features, or pass --skip-bad.",
+        )
     array = array.astype(options.dtype, copy=False)
     if options.dtype == "float16" and not np.isfinite(array.sum(dtype=np.float64)):
-        raise InputError(where, "float16_overflow", "a value is beyond float16's range (65504).", "pack with --dtype float32.")
+        raise InputError(
+            where, "float16_overflow", "a value is beyond float16's range (65504).", "pack with --dtype float32."
+        )
     label_key, label = plan.labels.record(int(plan.label_rows[row]))
     if label_key != key:
         raise RuntimeError(f"64-bit key hash collision between {key!r} and {label_key!r}; please report this.")

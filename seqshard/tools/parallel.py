@@ -12,7 +12,9 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
-def map_shards(function: Callable[[T], R], items: Sequence[T], jobs: int, description: str, progress: bool) -> Iterator[R]:
+def map_shards(
+    function: Callable[[T], R], items: Sequence[T], jobs: int, description: str, progress: bool
+) -> Iterator[R]:
     """``function`` over ``items`` in order, in ``jobs`` processes when jobs > 1."""
     if not items:
         return

@@ -66,7 +66,10 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
             feature=feature,
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             created_by=f"seqshard {__version__} index",
-            source={"rebuilt_from": "pack journal and shards" if journal else "shards", **({"pack": run} if run else {})},
+            source={
+                "rebuilt_from": "pack journal and shards" if journal else "shards",
+                **({"pack": run} if run else {}),
+            },
         )
         written.append(index.save(folder))
     return written

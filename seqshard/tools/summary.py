@@ -43,7 +43,9 @@ def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -
     folders = []
     for folder, shards in group_by_folder(expand_patterns(patterns)).items():
         index = ShardIndex.load(folder)
-        summary = FolderSummary(str(folder), index is not None, float((index.feature if index else {}).get("frame_shift_ms") or 10.0))
+        summary = FolderSummary(
+            str(folder), index is not None, float((index.feature if index else {}).get("frame_shift_ms") or 10.0)
+        )
         missing = []
         for shard in shards:
             entry = index.entry(shard.name) if index else None
@@ -51,7 +53,9 @@ def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -
                 missing.append(shard)
             else:
                 summary.entries.append(entry)
-        summary.entries.extend(scan.entry for scan in map_shards(scan_shard, missing, jobs, f"read unindexed shards in {folder}", progress))
+        summary.entries.extend(
+            scan.entry for scan in map_shards(scan_shard, missing, jobs, f"read unindexed shards in {folder}", progress)
+        )
         folders.append(summary)
     return folders
 
@@ -87,11 +91,14 @@ def format_text(summary: dict[str, Any]) -> str:
     lines = [
         f"{summary['num_shards']} shards, {summary['num_utts']} utterances, {summary['num_frames']} frames = "
         f"{summary['hours']:.2f} hours at {summary['frame_shift_ms']:g} ms/frame, {summary['bytes'] / 1e9:.2f} GB",
-        "length percentiles (frames): " + "  ".join(f"{k}={v:g}" for k, v in summary["length_percentiles_frames"].items()),
+        "length percentiles (frames): "
+        + "  ".join(f"{k}={v:g}" for k, v in summary["length_percentiles_frames"].items()),
         f"{'folder':<40} {'shards':>7} {'utts':>10} {'hours':>9} {'median':>7}  index",
     ]
     for group in summary["groups"]:
-        lines.append(f"{group['folder']:<40} {group['num_shards']:>7} {group['num_utts']:>10} {group['hours']:>9.2f} {group['median_frames']:>7g}  {'yes' if group['indexed'] else 'no'}")
+        lines.append(
+            f"{group['folder']:<40} {group['num_shards']:>7} {group['num_utts']:>10} {group['hours']:>9.2f} {group['median_frames']:>7g}  {'yes' if group['indexed'] else 'no'}"
+        )
     return "\n".join(lines)
 
 

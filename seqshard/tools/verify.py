@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..formats.index import ShardIndex
 from ..formats.patterns import expand_patterns, group_by_folder
