@@ -82,7 +82,8 @@ def test_sentencepiece_tokenization_on_the_fly(tmp_path):
     text = tmp_path / "relabel"
     keys = packed.data.keys
     text.write_text(f"{keys[0]} IT WAS THE FIRST GREAT SORROW OF HIS LIFE\n{keys[1]} IT WAS\n{keys[2]} LIFE\n")
-    loader = make_loader(packed.pattern, model, labels=text, batch_size=3, shuffle=False, num_workers=0)
+    loader = make_loader(packed.pattern, str(model), labels=str(text), batch_size=3, shuffle=False, num_workers=0)
+    assert loader.tokenizer.vocab_size == 5000
     (batch,) = list(loader)
     row = batch["keys"].index(keys[0])
     assert batch["labels"][row].tolist() == [15, 14, 3, 138, 119, 1506, 6, 17, 170]

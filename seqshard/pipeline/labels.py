@@ -85,8 +85,8 @@ Tokenizer = SentencePieceTokenizer | UnitsTokenizer
 
 def make_tokenizer(spec: str | Path | Tokenizer | None, split: str = "char") -> Tokenizer | None:
     """A tokenizer from a SentencePiece ``.model`` path, a units file path, or as given."""
-    if spec is None or hasattr(spec, "encode"):
-        return spec  # type: ignore[return-value]
+    if spec is None or not isinstance(spec, (str, Path)):
+        return spec  # a tokenizer object (anything with encode(text) -> list[int])
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(f"tokenizer {str(spec)!r}: no such file (give a SentencePiece .model or a units file).")
