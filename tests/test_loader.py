@@ -140,6 +140,9 @@ def test_label_override_replaces_by_key_and_missing_keys_are_errors_or_counted(p
     texts = {k: t for b in loader for k, t in zip(b["keys"], b["texts"])}
     assert len(texts) == 45 and all(t.startswith("NEW ") for t in texts.values())
     assert loader.stats()["dropped"] == {"no_label": 3}
+    text.write_text(text.read_text() + f"{keys[0]} AGAIN\n")
+    with pytest.raises(InputError, match=r"relabel:46 \(key '.*'\): the key already has a label at .*relabel:1"):
+        make_loader(packed.pattern, labels=text, batch_size=4)
 
 
 def test_a_shard_from_webdatasets_own_writer_loads(tmp_path):

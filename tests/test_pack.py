@@ -125,30 +125,13 @@ def test_report_is_saved_next_to_the_shards(tmp_path):
 
 def test_parts_and_jobs_write_the_same_bytes_as_one_process(tmp_path):
     data = write_kaldi_dir(tmp_path / "d", speakers=6, per_speaker=10)
-    pack_data(data.scp, data.text, tmp_path / "one", utts_per_file=6, filter_group=["5:30", "30:60"], progress=False)
+    common = dict(utts_per_file=6, filter_group=["5:30", "30:60"], progress=False)
+    pack_data(data.scp, data.text, tmp_path / "one", **common)
     for part in range(3):
-        report = pack_data(
-            data.scp,
-            data.text,
-            tmp_path / "parts",
-            utts_per_file=6,
-            filter_group=["5:30", "30:60"],
-            num_parts=3,
-            part=part,
-            progress=False,
-        )
+        report = pack_data(data.scp, data.text, tmp_path / "parts", num_parts=3, part=part, **common)
         assert report.complete == (part == 2)
         assert (tmp_path / "parts" / "pack_report.json").exists() == (part == 2)
-    pack_data(
-        data.scp,
-        data.text,
-        tmp_path / "jobs",
-        utts_per_file=6,
-        filter_group=["5:30", "30:60"],
-        jobs=3,
-        max_open=2,
-        progress=False,
-    )
+    pack_data(data.scp, data.text, tmp_path / "jobs", jobs=3, max_open=2, **common)
     reference = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in shards_under(tmp_path / "one")}
     for name in ("parts", "jobs"):
         got = {p.relative_to(tmp_path / name): p.read_bytes() for p in shards_under(tmp_path / name)}

@@ -106,16 +106,9 @@ class LabelOverride:
             if not path.is_file():
                 raise ConfigError(f"label file {str(path)!r} does not exist.")
         self.table = KeyTable.scan(paths, SkipCounter(False), needs_value=False)
-        repeated = self.table.repeated_rows()
-        if repeated:
-            row, first = repeated[0]
-            key = self.table.record(row)[0]
-            raise InputError(
-                self.table.where(row, key),
-                "duplicate_label",
-                f"the key already has a label at {self.table.where(first)}.",
-                "remove duplicate lines.",
-            )
+        self.table.report_repeats(
+            SkipCounter(False), "duplicate_label", "the key already has a label at {first}.", "remove duplicate lines."
+        )
 
     def get(self, key: str) -> str | None:
         row = int(self.table.lookup(np.array([key_hash(key)], dtype=np.uint64))[0])

@@ -173,29 +173,18 @@ def build_plan(
         )
     keep = np.ones(len(scp), dtype=bool)
 
-    for row, first in scp.repeated_rows():
-        key = scp.record(row)[0]
-        drops(
-            InputError(
-                scp.where(row, key),
-                "duplicate_key",
-                f"the key was already given at {scp.where(first)}.",
-                "remove duplicate entries (utils/fix_data_dir.sh), or pass --skip-bad to keep the first.",
-            )
-        )
-        keep[row] = False
-    duplicate_labels = np.zeros(len(labels), dtype=bool)
-    for row, first in labels.repeated_rows():
-        key = labels.record(row)[0]
-        label_issues(
-            InputError(
-                labels.where(row, key),
-                "duplicate_label",
-                f"the key already has a label at {labels.where(first)}.",
-                "remove duplicate lines from the text files, or pass --skip-bad to keep the first.",
-            )
-        )
-        duplicate_labels[row] = True
+    keep &= ~scp.report_repeats(
+        drops,
+        "duplicate_key",
+        "the key was already given at {first}.",
+        "remove duplicate entries (utils/fix_data_dir.sh), or pass --skip-bad to keep the first.",
+    )
+    duplicate_labels = labels.report_repeats(
+        label_issues,
+        "duplicate_label",
+        "the key already has a label at {first}.",
+        "remove duplicate lines from the text files, or pass --skip-bad to keep the first.",
+    )
 
     label_rows = labels.lookup(scp.hashes).astype(np.int32 if len(labels) < 2**31 else np.int64)
     for row in np.flatnonzero(keep & (label_rows < 0)):

@@ -132,6 +132,17 @@ class KeyTable:
                 pairs.append((row, first))
         return pairs
 
+    def report_repeats(self, report: SkipCounter, reason: str, problem: str, fix: str) -> np.ndarray:
+        """Report (raise or count) each row repeating an earlier key; ``problem`` may name the
+        earlier row as ``{first}``. Returns a mask of the repeating rows."""
+        repeated = np.zeros(len(self), dtype=bool)
+        for row, first in self.repeated_rows():
+            report(
+                InputError(self.where(row, self.record(row)[0]), reason, problem.format(first=self.where(first)), fix)
+            )
+            repeated[row] = True
+        return repeated
+
     def close(self) -> None:
         for data in self._maps.values():
             data.close()
