@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -107,6 +108,7 @@ class ShardLoader:
         )
         self._channel = IterationChannel(mp_context)
         self._iteration = 0
+        self._active: weakref.ref | None = None
         self._dataloader: Any = None
         self._epoch = 0
         self._position = RankPosition.fresh(0, self._setup.readers_per_rank, self._buckets)
@@ -166,6 +168,14 @@ class ShardLoader:
         return self._dataloader
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
+        previous = self._active() if self._active is not None else None
+        if previous is not None:
+            previous.close()  # an abandoned iteration: stop its workers before slots are reused
+        iteration = self._iterate()
+        self._active = weakref.ref(iteration)
+        return iteration
+
+    def _iterate(self) -> Iterator[dict[str, Any]]:
         position = self._start_position()
         self._position = position
         if position.completed:  # a state saved at the end of this epoch: nothing is left
@@ -267,10 +277,7 @@ class ShardLoader:
             "filtered": stats["filtered"],
         }
         if self.config.uneven != "repeat":
-            planned = [
-                planned_utts(self.table, position.units_of(w) or self._setup.units(position.epoch, w))
-                for w in range(len(position.workers))
-            ]
+            planned = [planned_utts(self.table, self._units_of(position, w)) for w in range(len(position.workers))]
             if all(p is not None for p in planned):
                 total = sum(planned)  # type: ignore[arg-type]
                 summary["planned"] = total
@@ -278,6 +285,10 @@ class ShardLoader:
                     total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
                 )
         return summary
+
+    def _units_of(self, position: RankPosition, worker: int) -> list:
+        units = position.units_of(worker)
+        return units if units is not None else self._setup.units(position.epoch, worker)
 
     # -- stats -------------------------------------------------------------------------------
     def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
@@ -306,7 +317,6 @@ class ShardLoader:
             "shards": self.table.fingerprint(),
             "num_shards": len(self.table.shards),
             "world_size": self.context.world_size,
-            "num_workers": self.config.num_workers,
             "options": self.config.batch_defining(),
         }
 
@@ -377,12 +387,15 @@ class ShardLoader:
         epoch = positions[0].epoch
         if all(p.completed for p in positions):
             return replace(RankPosition.fresh(epoch, self._setup.readers_per_rank, self._buckets), completed=True)
+        gather = self.collectives.all_gather if self.context.distributed and _dist_ready() else None
         plan = remainder_plan(
             self.table,
             planned_setups(self._setup, identity["world_size"], old_config),
             positions,
             self.context.world_size,
             self._setup.readers_per_rank,
+            self.context.rank,
+            gather,
         )
         _LOG.info(
             "elastic resume of epoch %d: %d saved readers' remainder spread over %d ranks x %d workers",
@@ -396,7 +409,7 @@ class ShardLoader:
 
 def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     found = []
-    for key in ("shards", "num_shards", "world_size", "num_workers"):
+    for key in ("shards", "num_shards", "world_size"):
         if saved.get(key) != current.get(key):
             found.append(f"{key} was {saved.get(key)!r}, now {current.get(key)!r}")
     for key, value in current["options"].items():
@@ -437,8 +450,14 @@ def _make_slots(table: ShardTable, config: LoaderConfig, context) -> BatchSlots 
     else:
         longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=0)
         frames = int(config.batch_size * longest) + 1  # type: ignore[operator]
-    values = min(frames * table.dim, MAX_SLOT_BYTES // 4)
+    values = min(frames * table.dim, MAX_SLOT_BYTES // (2 if config.dtype == "float16" else 4))
     return BatchSlots(config.num_workers, config.prefetch_factor + 2, values, config.dtype, context)
+
+
+def _dist_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 def _cuda_available() -> bool:

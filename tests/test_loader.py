@@ -279,3 +279,27 @@ def test_elastic_resume_to_another_world_size_reads_the_rest_exactly_once(packed
         after.extend(k for b in loader for k in b["keys"])
     assert len(seen_before) + len(after) == 48
     assert sorted(seen_before + after) == sorted(packed.data.keys)
+
+
+def test_damage_and_missing_files_are_named_or_counted(tmp_path):
+    packed = pack_small(tmp_path, utts_per_file=10)
+    with pytest.raises(ConfigError, match=r"names files that do not exist: .*data-00009\.tar"):
+        make_loader(f"{packed.out}/data-0000{{0..9}}.tar")
+    from seqshard.formats.tar import SampleStream
+
+    shard = packed.out / "data-00001.tar"
+    with SampleStream(shard) as stream:
+        for _ in range(4):
+            stream.next_sample()
+        cut = stream.resume_offset
+    shard.write_bytes(shard.read_bytes()[:cut])  # cut at a member boundary: still a valid tar prefix
+    with pytest.raises(Exception, match=r"data-00001\.tar.*without the tar end marker"):
+        list(make_loader(packed.pattern, batch_size=4, num_workers=0, **SMALL))
+    loader = make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True, **SMALL)
+    keys = [k for b in loader for k in b["keys"]]
+    # 6 of shard 1's 10 utterances are gone; the shard may be split between the two workers
+    assert len(keys) == len(set(keys)) == 42 and loader.stats()["dropped"]["damaged_shard"] in (1, 2)
+    (packed.out / "data-00003.tar").unlink()
+    (packed.out / "data-00003.tar").write_bytes(b"")  # unreadable when opened
+    loader = make_loader(packed.pattern, batch_size=4, num_workers=0, skip_bad=True, **SMALL)
+    assert len([k for b in loader for k in b["keys"]]) == 32 and loader.stats()["dropped"] == {"damaged_shard": 2}

@@ -145,13 +145,16 @@ def test_parts_and_jobs_write_the_same_bytes_as_one_process(tmp_path):
 def test_a_folder_packed_from_other_inputs_is_refused_unless_overwritten(tmp_path):
     first = write_kaldi_dir(tmp_path / "a", seed=1)
     second = write_kaldi_dir(tmp_path / "b", seed=2, speakers=2)
-    pack_data(first.scp, first.text, tmp_path / "out", progress=False)
+    pack_data(first.scp, first.text, tmp_path / "out", utts_per_file=5, progress=False)
     with pytest.raises(ConfigError, match="other inputs or options"):
         pack_data(second.scp, second.text, tmp_path / "out", progress=False)
     with pytest.raises(ConfigError, match="other inputs or options"):
         pack_data(first.scp, first.text, tmp_path / "out", seed=5, progress=False)
+    with pytest.raises(ConfigError, match="num_parts"):
+        pack_data(second.scp, second.text, tmp_path / "out", overwrite=True, num_parts=2, progress=False)
     report = pack_data(second.scp, second.text, tmp_path / "out", overwrite=True, progress=False)
-    assert report.packed == 16 and sorted(read_shards(shards_under(tmp_path / "out"))) == sorted(second.keys)
+    assert report.packed == 16 and [p.name for p in shards_under(tmp_path / "out")] == ["data-00000.tar"]
+    assert sorted(read_shards(shards_under(tmp_path / "out"))) == sorted(second.keys)
 
 
 def test_bad_fmt_and_options_are_refused_naming_the_option(tmp_path):

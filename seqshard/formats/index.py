@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -97,6 +98,7 @@ class ShardIndex:
     created: str = ""
     created_by: str = ""
     source: dict[str, Any] = field(default_factory=dict)
+    _by_name: dict[str, ShardEntry] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_utts(self) -> int:
@@ -111,10 +113,10 @@ class ShardIndex:
         return sum(s.bytes for s in self.shards)
 
     def entry(self, name: str) -> ShardEntry | None:
-        for shard in self.shards:
-            if shard.name == name:
-                return shard
-        return None
+        """The entry of shard ``name``, or None."""
+        if len(self._by_name) != len(self.shards):
+            self._by_name = {shard.name: shard for shard in self.shards}
+        return self._by_name.get(name)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,11 +168,19 @@ class ShardIndex:
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` so that a reader sees the old file or the new one, never half."""
-    temporary = path.with_name(f".{path.name}.partial")
-    with open(temporary, "w", encoding="utf-8") as stream:
-        json.dump(data, stream, indent=1, ensure_ascii=False)
-        stream.write("\n")
-        stream.flush()
-        os.fsync(stream.fileno())
-    os.replace(temporary, path)
+    """Write JSON to ``path`` so that a reader sees the old file or the new one, never half.
+
+    The temporary file has a unique name: parts of a pack running at once may write the same
+    file (they write the same content).
+    """
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            json.dump(data, stream, indent=1, ensure_ascii=False)
+            stream.write("\n")
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise

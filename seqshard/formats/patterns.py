@@ -31,6 +31,7 @@ def expand_patterns(patterns: str | Path | Sequence[str | Path]) -> list[Path]:
     found: dict[Path, None] = {}
     for pattern in patterns:
         matched: list[Path] = []
+        missing: list[str] = []
         for expanded in braceexpand(str(pattern)):
             path = Path(expanded)
             if path.is_dir():
@@ -41,6 +42,11 @@ def expand_patterns(patterns: str | Path | Sequence[str | Path]) -> list[Path]:
                 matched.extend(Path(p) for p in sorted(glob.glob(expanded)) if Path(p).is_file())
             elif path.is_file():
                 matched.append(path)
+            else:
+                missing.append(expanded)
+        if missing:
+            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            raise ConfigError(f"shard pattern {str(pattern)!r} names files that do not exist: {shown}.")
         if not matched:
             raise ConfigError(
                 f"shard pattern {str(pattern)!r} matches no file (from {Path.cwd()}). Check the path, the braces and the wildcard."

@@ -32,7 +32,6 @@ from .prefetch import read_ahead
 BLOCK = 512
 RECORD = 20 * BLOCK
 _ZERO_BLOCK = bytes(BLOCK)
-READ_BUFFER = 4 << 20
 READ_AHEAD = 64 << 20  # bytes read ahead of the cursor (prefetch thread)
 MAP_CHUNK = 64 << 20  # bytes mapped at once
 
@@ -150,15 +149,22 @@ def _cstring(field_bytes: bytes) -> str:
     return field_bytes.split(b"\0", 1)[0].decode("utf-8", "surrogateescape")
 
 
-def _parse_pax(data: bytes) -> dict[str, str]:
+def _parse_pax(data: bytes, path: str, offset: int) -> dict[str, str]:
     records: dict[str, str] = {}
     pos = 0
-    while pos < len(data):
-        space = data.index(b" ", pos)
-        length = int(data[pos:space])
-        key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
-        records[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
-        pos += length
+    try:
+        while pos < len(data):
+            space = data.index(b" ", pos)
+            length = int(data[pos:space])
+            if length <= space - pos:
+                raise ValueError(f"record length {length}")
+            key, _, value = data[space + 1 : pos + length - 1].partition(b"=")
+            records[key.decode("utf-8")] = value.decode("utf-8", "surrogateescape")
+            pos += length
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ShardError(path, offset, f"malformed pax extended header ({error})") from None
+    if "size" in records and not records["size"].isdigit():
+        raise ShardError(path, offset, f"malformed pax size {records['size']!r}")
     return records
 
 
@@ -167,8 +173,9 @@ class _MappedBytes:
     not copies. A chunk is unmapped when the last view into it is gone, so the mapped pages
     a reader keeps are those its buffered samples use."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, read_ahead: bool = True):
         self.path = path
+        self._read_ahead = read_ahead
         self._file = open(path, "rb")  # noqa: SIM115 (open until close(): chunks are mapped from it)
         self.size = os.fstat(self._file.fileno()).st_size
         self._chunk = memoryview(b"")
@@ -196,7 +203,7 @@ class _MappedBytes:
             self._map(self._pos, end)
         view = self._chunk[self._pos - self._chunk_start : end - self._chunk_start]
         self._pos = end
-        if self._pos + READ_AHEAD // 2 > self._advised and self._advised < self.size:
+        if self._read_ahead and self._pos + READ_AHEAD // 2 > self._advised and self._advised < self.size:
             read_ahead(self._file.fileno(), self._advised, min(READ_AHEAD, self.size - self._advised))
             self._advised += READ_AHEAD
         return view
@@ -234,12 +241,13 @@ class TarStream:
     ``position`` is always the offset of the next header to be read, so a reader can save
     it and come back to the same place. ``.gz``/``.tgz`` files are decompressed on the fly
     (offsets then count decompressed bytes and restarting mid-file re-reads its prefix).
-    ``buffer_size`` applies to those; plain shards are memory-mapped.
+    Plain shards are memory-mapped and read ahead on a background thread unless
+    ``read_ahead=False`` (for walks over headers only).
     """
 
-    def __init__(self, path: str | Path, start: int = 0, buffer_size: int = READ_BUFFER):
+    def __init__(self, path: str | Path, start: int = 0, read_ahead: bool = True):
         self.path = str(path)
-        self._source = _open_for_reading(self.path, buffer_size)
+        self._source = _open_for_reading(self.path, read_ahead)
         self.position = 0
         self.ended_cleanly = False  # True once the end-of-archive block has been read
         if start:
@@ -294,7 +302,7 @@ class TarStream:
                 data = bytes(self._read_exact(size, "a tar extension header"))
                 self._skip(-size % BLOCK)
                 if kind == b"x":
-                    pax.update(_parse_pax(data))
+                    pax.update(_parse_pax(data, self.path, header_at))
                 elif kind == b"L":
                     long_name = data.rstrip(b"\0").decode("utf-8", "surrogateescape")
                 continue
@@ -335,11 +343,11 @@ def _check_header(header: bytes, path: str, offset: int) -> None:
             raise ShardError(path, offset, "tar header checksum mismatch (damaged shard?)")
 
 
-def _open_for_reading(path: str, buffer_size: int) -> _MappedBytes | _StreamedBytes:
+def _open_for_reading(path: str, read_ahead: bool) -> _MappedBytes | _StreamedBytes:
     try:
         if path.endswith((".gz", ".tgz")):
-            return _StreamedBytes(gzip.GzipFile(fileobj=open(path, "rb", buffering=buffer_size), mode="rb"))  # type: ignore[arg-type]
-        return _MappedBytes(path)
+            return _StreamedBytes(gzip.open(path, "rb"))  # type: ignore[arg-type]
+        return _MappedBytes(path, read_ahead)
     except OSError as error:
         raise ShardError(path, None, f"cannot open shard: {error.strerror}") from error
 
@@ -359,22 +367,17 @@ class SampleStream:
 
     ``resume_offset`` is where the next sample's first member starts and ``ordinal`` its
     index in the shard; passing both back as ``start``/``ordinal`` continues from there.
-    Members whose names have no ``KEY.FIELD`` form (e.g. ``README``) are skipped and counted.
+    Members whose names have no ``KEY.FIELD`` form (e.g. a ``README``) are passed over.
+    ``read_data=False`` walks the headers only (the samples' fields are empty).
     """
 
     def __init__(
-        self,
-        path: str | Path,
-        start: int = 0,
-        ordinal: int = 0,
-        buffer_size: int = READ_BUFFER,
-        read_data: bool = True,
+        self, path: str | Path, start: int = 0, ordinal: int = 0, read_data: bool = True, read_ahead: bool = True
     ):
-        self._tar = TarStream(path, start, buffer_size)
+        self._tar = TarStream(path, start, read_ahead=read_ahead and read_data)
         self._read_data = read_data
         self._pending: Member | None = None
         self.ordinal = ordinal
-        self.skipped_members = 0
 
     @property
     def path(self) -> str:
@@ -411,7 +414,6 @@ class SampleStream:
             split = split_member_name(member.name)
             if split is not None:
                 return member, split[0], split[1]
-            self.skipped_members += 1
 
     def next_sample(self) -> Sample | None:
         """The next sample, or None at the end of the shard."""
@@ -426,7 +428,6 @@ class SampleStream:
                 break
             split = split_member_name(following.name)
             if split is None:
-                self.skipped_members += 1
                 continue
             if split[0] != key:
                 self._pending = following
@@ -444,7 +445,7 @@ def skip_samples(path: str | Path, count: int) -> tuple[int, int]:
     """
     if count == 0:
         return 0, 0
-    with SampleStream(path, buffer_size=BLOCK, read_data=False) as stream:
+    with SampleStream(path, read_data=False) as stream:
         for _ in range(count):
             if stream.next_sample() is None:
                 break

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from ..errors import InputError, SkipCounter
+from ..errors import ConfigError, InputError, SkipCounter
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -137,3 +137,69 @@ class Map(Stage[U]):
 
     def stats(self) -> dict[str, int]:
         return merge_counts(super().stats(), {f"dropped.{k}": v for k, v in self.dropped.items()})
+
+
+class WindowStage(Stage[U]):
+    """Reads its source in windows of ``window`` items and emits what :meth:`arrange` makes
+    of each window (the items shuffled, or cut into batches).
+
+    State: the source's state where the current window began, the window's number and how
+    many of its outputs were emitted; a restore re-reads that one window (what was in
+    flight) and skips the emitted outputs.
+    """
+
+    def __init__(self, source: Stage, window: int, what: str):
+        super().__init__(source)
+        if window < 1:
+            raise ConfigError(f"{what} must be >= 1, got {window}.")
+        self.window = window
+        self._outputs: list[U | None] = []
+        self._window_start: State | None = None
+        self._window_number = -1
+        self._emitted = 0
+
+    def arrange(self, items: list[Any], number: int, fresh: bool) -> list[U]:
+        """The outputs of window ``number``; ``fresh`` is False when a restore re-reads it."""
+        raise NotImplementedError
+
+    def held(self, output: U) -> list[Any]:
+        """The source items inside an output (for :meth:`pending`)."""
+        return [output]
+
+    def reset(self, state: State | None = None) -> None:
+        self._started = True
+        self._outputs, self._emitted = [], 0
+        self._window_number, self._window_start = -1, None
+        self.source.reset(None if state is None else state.get("source"))
+        if state is not None and state.get("window", -1) >= 0:
+            self._fill(int(state["window"]), fresh=False)
+            self._emitted = int(state["emitted"])
+
+    def _fill(self, number: int, fresh: bool = True) -> None:
+        self._window_start = self.source.get_state()
+        self._window_number = number
+        items: list[Any] = []
+        try:
+            while len(items) < self.window:
+                items.append(self.source.next())
+        except StopIteration:
+            pass
+        self._outputs = list(self.arrange(items, number, fresh))
+        self._emitted = 0
+
+    def next(self) -> U:
+        if self._emitted >= len(self._outputs):
+            self._fill(self._window_number + 1)
+            if not self._outputs:
+                raise StopIteration
+        output = self._outputs[self._emitted]
+        self._outputs[self._emitted] = None  # the consumer holds it now
+        self._emitted += 1
+        return output  # type: ignore[return-value]
+
+    def pending(self) -> list[Any]:
+        return [item for output in self._outputs[self._emitted :] for item in self.held(output)] + self.source.pending()  # type: ignore[arg-type]
+
+    def get_state(self) -> State:
+        start = self._window_start if self._window_start is not None else self.source.get_state()
+        return {"source": start, "window": self._window_number, "emitted": self._emitted}

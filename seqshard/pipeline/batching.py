@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .base import SEED_BATCH_ORDER, Stage, State, merge_counts, stage_rng
+from .base import SEED_BATCH_ORDER, Stage, State, WindowStage, merge_counts, stage_rng
 from .decode import Utterance
 
 
@@ -93,7 +93,7 @@ def cut_batches(lengths: Sequence[int], cost: BatchCost) -> tuple[list[list[int]
     return batches, oversize
 
 
-class SortBatch(Stage[list[Utterance]]):
+class SortBatch(WindowStage[list[Utterance]]):
     """Length-sorted batches from windows of ``window`` utterances.
 
     ``oversize="alone"`` puts an utterance that exceeds the budget on its own in a batch;
@@ -112,85 +112,55 @@ class SortBatch(Stage[list[Utterance]]):
         oversize: str = "alone",
         bucket_bounds: Sequence[int] = (),
     ):
-        super().__init__(source)
-        if window < 1:
-            raise ConfigError(f"sort window must be >= 1, got {window}.")
+        super().__init__(source, window, "sort window")
         if oversize not in ("alone", "drop"):
             raise ConfigError(f"oversize must be 'alone' or 'drop', got {oversize!r}.")
-        self.window = window
         self.cost = cost
         self.seed = seed
         self.position = position
         self.shuffle = shuffle
         self.oversize = oversize
         self.bucket_bounds = list(bucket_bounds)
-        self._batches: list[list[Utterance]] = []
-        self._window_start: State | None = None
-        self._window_number = -1
-        self._emitted = 0
         self._counts: dict[str, int] = {}
 
     def reset(self, state: State | None = None) -> None:
-        self._started = True
-        self._batches, self._emitted = [], 0
-        self._window_number, self._window_start = -1, None
-        self.source.reset(None if state is None else state.get("source"))
         self._counts = dict(state.get("counts", {})) if state else {}
-        if state is not None and state.get("window", -1) >= 0:
-            self._fill(int(state["window"]), count=False)
-            self._emitted = int(state["emitted"])
+        super().reset(state)
 
-    def _fill(self, number: int, count: bool = True) -> None:
-        self._window_start = self.source.get_state()
-        self._window_number = number
-        utts: list[Utterance] = []
-        try:
-            while len(utts) < self.window:
-                utts.append(self.source.next())
-        except StopIteration:
-            pass
-        utts.sort(key=lambda u: (u.num_frames, u.key))
-        indices, oversize = cut_batches([u.num_frames for u in utts], self.cost)
-        batches = [[utts[i] for i in batch] for batch in indices]
+    def arrange(self, items: list[Utterance], number: int, fresh: bool) -> list[list[Utterance]]:
+        items.sort(key=lambda u: (u.num_frames, u.key))
+        indices, oversize = cut_batches([u.num_frames for u in items], self.cost)
+        batches = [[items[i] for i in batch] for batch in indices]
         if self.oversize == "alone":
-            batches.extend([utts[i]] for i in oversize)
-        elif count and oversize:
+            batches.extend([items[i]] for i in oversize)
+        elif fresh and oversize:  # a restored window was counted when first formed
             self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + len(oversize)
         if self.shuffle:
             order = stage_rng(self.seed, SEED_BATCH_ORDER, *self.position, number).permutation(len(batches))
             batches = [batches[i] for i in order]
-        self._batches = batches
-        self._emitted = 0
+        return batches
+
+    def held(self, output: list[Utterance]) -> list[Utterance]:
+        return output
 
     def next(self) -> list[Utterance]:
-        if self._emitted >= len(self._batches):
-            self._fill(self._window_number + 1)
-            if not self._batches:
-                raise StopIteration
-        batch = self._batches[self._emitted]
-        self._batches[self._emitted] = []
-        self._emitted += 1
+        batch = super().next()
         longest = max(u.num_frames for u in batch)
-        frames = sum(u.num_frames for u in batch)
         for name, value in (
             ("batches", 1),
             ("utts_batched", len(batch)),
-            ("frames", frames),
+            ("frames", sum(u.num_frames for u in batch)),
             ("padded_frames", longest * len(batch)),
         ):
             self._counts[name] = self._counts.get(name, 0) + value
         return batch
-
-    def pending(self) -> list[Utterance]:
-        return [utt for batch in self._batches[self._emitted :] for utt in batch] + self.source.pending()
 
     def bucket_of(self, batch: Sequence[Utterance]) -> int:
         """Length bucket of a batch: how many bounds its longest utterance reaches."""
         return bisect.bisect_right(self.bucket_bounds, max(u.num_frames for u in batch))
 
     def get_state(self) -> State:
-        start = self._window_start if self._window_start is not None else self.source.get_state()
-        return {"source": start, "window": self._window_number, "emitted": self._emitted, "counts": dict(self._counts)}
+        return {**super().get_state(), "counts": dict(self._counts)}
 
     def stats(self) -> dict[str, int]:
         return merge_counts(super().stats(), self._counts)

@@ -41,10 +41,9 @@ class Decoder:
     ``feats.npy``/``npy`` present; a sample without features or with an unreadable label
     raises InputError naming shard, byte offset and key."""
 
-    def __init__(self, table: ShardTable, feature_field: str | None = None, label_field: str = LABEL_FIELD):
+    def __init__(self, table: ShardTable, feature_field: str | None = None):
         self.table = table
         self.feature_field = feature_field
-        self.label_field = label_field
 
     def _where(self, raw: RawSample) -> Where:
         return Where(f"{self.table.shards[raw.shard].path}@{raw.offset}", None, raw.key)
@@ -64,9 +63,9 @@ class Decoder:
         except ValueError as error:
             raise InputError(self._where(raw), "bad_features", f"the features cannot be read: {error}.") from None
         text = ""
-        if self.label_field in raw.fields:
+        if LABEL_FIELD in raw.fields:
             try:
-                text = str(raw.fields[self.label_field], "utf-8").strip()
+                text = str(raw.fields[LABEL_FIELD], "utf-8").strip()
             except UnicodeDecodeError:
                 raise InputError(self._where(raw), "non_utf8", "the label is not valid UTF-8.") from None
         return Utterance(raw.key, feats, text, raw.shard, raw.offset, raw.ordinal)

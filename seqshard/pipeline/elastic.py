@@ -11,7 +11,9 @@ run (other windows, other seeds).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from ..errors import StateMismatchError
 from .merge import RankPosition, WorkerPosition
@@ -23,7 +25,7 @@ def reader_remainder(setup: WorkerSetup, worker: int, position: RankPosition, sp
     """What one old reader had not handed out when its position was saved."""
     from .reader import ShardReader
 
-    pipeline = build_pipeline(setup, worker, position.epoch, position.units_of(worker))
+    pipeline = build_pipeline(setup, worker, position.epoch, position.units_of(worker), read_ahead=False)
     pipeline.reset(spot.state)
     emitted = set(spot.emitted_above)
     held = []
@@ -43,15 +45,32 @@ def reader_remainder(setup: WorkerSetup, worker: int, position: RankPosition, sp
 
 
 def remainder_plan(
-    table: ShardTable, old_setups: list[WorkerSetup], positions: list[RankPosition], world_size: int, workers: int
+    table: ShardTable,
+    old_setups: list[WorkerSetup],
+    positions: list[RankPosition],
+    world_size: int,
+    workers: int,
+    rank: int = 0,
+    gather: Callable[[Any], list[Any]] | None = None,
 ) -> Plan:
-    """The unread rest of the saved epoch, cut across ``world_size`` x ``workers`` readers."""
+    """The unread rest of the saved epoch, cut across ``world_size`` x ``workers`` readers.
+
+    Restoring the old readers re-reads their windows; with ``gather`` (an all-gather among the
+    new ranks) each new rank restores only every ``world_size``-th old reader and the ranks
+    share what they found, instead of each doing all the work.
+    """
     if any(p.completed for p in positions) and not all(p.completed for p in positions):
         raise StateMismatchError("the saved ranks disagree on whether the epoch ended.")
-    units: list[Unit] = []
-    for setup, position in zip(old_setups, positions):
-        for worker, spot in enumerate(position.workers):
-            units.extend(reader_remainder(setup, worker, position, spot))
+    readers = [
+        (setup, worker, position, spot)
+        for setup, position in zip(old_setups, positions)
+        for worker, spot in enumerate(position.workers)
+    ]
+    mine = range(rank, len(readers), world_size) if gather is not None else range(len(readers))
+    found = {number: [u.to_json() for u in reader_remainder(*readers[number])] for number in mine}
+    if gather is not None:
+        found = {number: units for part in gather(found) for number, units in part.items()}
+    units = [Unit.from_json(u) for number in range(len(readers)) for u in found[number]]
     weights = table.weights()
     pieces = []
     for unit in units:
@@ -60,10 +79,10 @@ def remainder_plan(
         share = count / shard.num_utts if count is not None and shard.num_utts else 1.0
         pieces.append(_Piece(unit, count, weights[unit.shard] * share))
     if table.indexed:
-        return [[[p.unit for p in w] for w in _cut(rank, workers)] for rank in _cut(pieces, world_size)]
+        return [[[p.unit for p in w] for w in _cut(rank_pieces, workers)] for rank_pieces in _cut(pieces, world_size)]
     return [
-        [[p.unit for p in w] for w in _deal(rank, workers, workers)]
-        for rank in _deal(pieces, world_size, world_size * workers)
+        [[p.unit for p in w] for w in _deal(rank_pieces, workers, workers)]
+        for rank_pieces in _deal(pieces, world_size, world_size * workers)
     ]
 
 

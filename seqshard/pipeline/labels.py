@@ -8,7 +8,7 @@ as WeNet and ESPnet write) splitting into characters or words, unknowns to ``<un
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -121,17 +121,10 @@ class LabelOverride:
 class Labeler:
     """Utterance -> Utterance with the override label (if any) and tokens (if a tokenizer)."""
 
-    def __init__(
-        self,
-        tokenizer: Tokenizer | None,
-        override: LabelOverride | None = None,
-        strip_spaces: bool = False,
-        transform: Callable[[str], str] | None = None,
-    ):
+    def __init__(self, tokenizer: Tokenizer | None, override: LabelOverride | None = None, strip_spaces: bool = False):
         self.tokenizer = tokenizer
         self.override = override
         self.strip_spaces = strip_spaces
-        self.transform = transform
 
     def __call__(self, utt: Utterance) -> Utterance:
         text = utt.text
@@ -147,7 +140,5 @@ class Labeler:
             text = label
         if self.strip_spaces:
             text = "".join(text.split())
-        if self.transform is not None:
-            text = self.transform(text)
         tokens = self.tokenizer.encode(text) if self.tokenizer is not None else None
         return replace(utt, text=text, tokens=tokens)

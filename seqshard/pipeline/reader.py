@@ -32,23 +32,52 @@ class RawSample:
 
 
 class _OpenUnit:
-    def __init__(self, pass_: int, index: int, unit: Unit, path: str, offset: int, ordinal: int):
+    def __init__(
+        self,
+        pass_: int,
+        index: int,
+        unit: Unit,
+        path: str,
+        offset: int,
+        ordinal: int,
+        expected: int | None,
+        read_ahead: bool,
+    ):
         self.pass_ = pass_
         self.index = index
         self.unit = unit
-        self.stream = SampleStream(path, offset, ordinal)
+        self.expected = expected  # samples the shard's index promises, when indexed
+        self.stream = SampleStream(path, offset, ordinal, read_ahead=read_ahead)
 
     def next_sample(self):
-        """The unit's next sample, or None when the unit is done."""
+        """The unit's next sample, or None when the unit is done.
+
+        Raises ShardError when the shard ends early: without its end marker, or with fewer
+        samples than its index says (a shard cut at a member boundary reads as a valid tar).
+        """
         unit = self.unit
         while True:
             if unit.stop is not None and self.stream.ordinal >= unit.stop:
                 return None
             sample = self.stream.next_sample()
             if sample is None:
+                self._check_end()
                 return None
             if sample.ordinal >= unit.start and (sample.ordinal - unit.start) % unit.step == 0:
                 return sample
+
+    def _check_end(self) -> None:
+        stream = self.stream
+        if not stream.ended_cleanly:
+            raise ShardError(
+                stream.path, stream.resume_offset, "the shard ends without the tar end marker (cut short?)"
+            )
+        if self.expected is not None and stream.ordinal < self.expected:
+            raise ShardError(
+                stream.path,
+                None,
+                f"the shard holds {stream.ordinal} samples where its index.json says {self.expected} (cut short or replaced?)",
+            )
 
     def position(self) -> list[int]:
         return [self.pass_, self.index, self.stream.resume_offset, self.stream.ordinal]
@@ -61,8 +90,9 @@ class _OpenUnit:
 class ShardReader(Stage[RawSample]):
     """Yields the samples of ``units_of_pass(0)``; with ``repeat``, then of pass 1, 2, ...
 
-    A damaged shard raises ShardError naming it, or with ``skip`` ends that unit early and
-    is counted under ``dropped.damaged_shard``.
+    A damaged shard (unreadable, truncated, shorter than its index says) raises ShardError
+    naming it, or with ``skip`` is left at the damage and counted under
+    ``dropped.damaged_shard``. ``read_ahead=False`` reads only what is asked for.
     """
 
     def __init__(
@@ -72,6 +102,7 @@ class ShardReader(Stage[RawSample]):
         interleave: int = 4,
         repeat: bool = False,
         skip: SkipCounter | None = None,
+        read_ahead: bool = True,
     ):
         super().__init__(None)
         if interleave < 1:
@@ -81,6 +112,7 @@ class ShardReader(Stage[RawSample]):
         self.interleave = interleave
         self.repeat = repeat
         self.skip = skip
+        self.read_ahead = read_ahead
         self._pass = 0
         self._units: list[Unit] = []
         self._next_unit = 0
@@ -99,7 +131,11 @@ class ShardReader(Stage[RawSample]):
         self._counts = {**{k: 0 for k in self._counts}, **state.get("counts", {})}
         for pass_, index, offset, ordinal in state.get("open", []):
             unit = (self._units if pass_ == self._pass else self.units_of_pass(pass_))[index]
-            self._slots.append(_OpenUnit(pass_, index, unit, self.table.shards[unit.shard].path, offset, ordinal))
+            self._slots.append(self._open(pass_, index, unit, offset, ordinal))
+
+    def _open(self, pass_: int, index: int, unit: Unit, offset: int, ordinal: int) -> _OpenUnit:
+        shard = self.table.shards[unit.shard]
+        return _OpenUnit(pass_, index, unit, shard.path, offset, ordinal, shard.num_utts, self.read_ahead)
 
     def _close_all(self) -> None:
         for slot in self._slots:
@@ -117,27 +153,40 @@ class ShardReader(Stage[RawSample]):
             empty_passes = 0 if self._units else empty_passes + 1
             if empty_passes > MAX_EMPTY_PASSES:
                 raise ConfigError(
-                    "a reader got no data in 16 passes: the dataset has fewer utterances than readers (ranks x workers); use fewer workers."
+                    f"a reader got no data in {MAX_EMPTY_PASSES} passes: the dataset has fewer utterances than "
+                    "readers (ranks x workers); use fewer workers."
                 )
         index = self._next_unit
         self._next_unit += 1
         unit = self._units[index]
-        path = self.table.shards[unit.shard].path
         if unit.offset is not None:
             offset, ordinal = unit.offset, unit.at
         elif unit.start and unit.step == 1:
-            offset, ordinal = skip_samples(path, unit.start)
+            offset, ordinal = skip_samples(self.table.shards[unit.shard].path, unit.start)
         else:
             offset, ordinal = 0, 0
-        return _OpenUnit(self._pass, index, unit, path, offset, ordinal)
+        return self._open(self._pass, index, unit, offset, ordinal)
+
+    def _damaged(self, error: ShardError) -> None:
+        if self.skip is None:
+            raise error
+        _LOG.warning("skipping (the rest of) a damaged shard: %s", error)
+        self._counts["dropped.damaged_shard"] += 1
+
+    def _fill_slots(self) -> None:
+        while len(self._slots) < self.interleave:
+            try:
+                slot = self._open_next()
+            except ShardError as error:
+                self._damaged(error)
+                continue
+            if slot is None:
+                return
+            self._slots.append(slot)
 
     def next(self) -> RawSample:
         while True:
-            while len(self._slots) < self.interleave:
-                slot = self._open_next()
-                if slot is None:
-                    break
-                self._slots.append(slot)
+            self._fill_slots()
             if not self._slots:
                 raise StopIteration
             self._turn %= len(self._slots)
@@ -145,18 +194,11 @@ class ShardReader(Stage[RawSample]):
             try:
                 sample = slot.next_sample()
             except ShardError as error:
-                if self.skip is None:
-                    raise
-                _LOG.warning("skipping the rest of a damaged shard: %s", error)
-                self._counts["dropped.damaged_shard"] += 1
+                self._damaged(error)
                 sample = None
             if sample is None:
                 slot.stream.close()
-                replacement = self._open_next()
-                if replacement is None:
-                    del self._slots[self._turn]
-                else:
-                    self._slots[self._turn] = replacement
+                del self._slots[self._turn]
                 self._counts["units_done"] += 1
                 continue
             self._turn += 1

@@ -101,10 +101,13 @@ def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
     return tuple(b for b in bounds if b > bin_bounds(min(histogram))[0])
 
 
-def build_pipeline(setup: WorkerSetup, worker: int, epoch: int, units: list[Unit] | None = None) -> SortBatch:
+def build_pipeline(
+    setup: WorkerSetup, worker: int, epoch: int, units: list[Unit] | None = None, read_ahead: bool = True
+) -> SortBatch:
     """The stages of one reader: read -> decode -> label -> filter -> shuffle -> sort/batch.
 
-    ``units`` replaces the reader's planned units for this epoch (an elastic resume).
+    ``units`` replaces the reader's planned units for this epoch (an elastic resume);
+    ``read_ahead=False`` reads only what the stages ask for.
     """
     from .reader import ShardReader
 
@@ -120,7 +123,7 @@ def build_pipeline(setup: WorkerSetup, worker: int, epoch: int, units: list[Unit
             return units
         return setup.units(number if repeat else epoch, worker)
 
-    stage: Stage = ShardReader(setup.table, units_of_pass, config.interleave, repeat, skip)
+    stage: Stage = ShardReader(setup.table, units_of_pass, config.interleave, repeat, skip, read_ahead)
     stage = Map(stage, Decoder(setup.table, config.feature_field), skip)
     if setup.tokenizer is not None or setup.override is not None or config.strip_spaces:
         stage = Map(stage, Labeler(setup.tokenizer, setup.override, config.strip_spaces), skip)

@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,7 @@ import numpy as np
 
 from .. import __version__
 from ..errors import ConfigError, InputError, SeqshardError, Where
-from ..formats.index import ShardEntry, ShardIndex, write_json_atomic
+from ..formats.index import INDEX_NAME, ShardEntry, ShardIndex, write_json_atomic
 from ..formats.kaldi import MatrixReader
 from ..progress import Progress
 from .journal import STATE_DIR, Journal, finished_shards
@@ -73,6 +74,10 @@ def pack_data(
     started = time.perf_counter()
     scp_files = _as_paths(f_scps, "f_scps")
     text_files = _as_paths(f_labels, "f_labels")
+    if overwrite and num_parts > 1:
+        raise ConfigError(
+            "overwrite cannot be combined with num_parts > 1 (each part would delete the others' work); empty the output folder first."
+        )
     if jobs < 1 or num_parts < 1 or not 0 <= part < num_parts or max_open < 1:
         raise ConfigError(
             f"need jobs >= 1, max_open >= 1 and 0 <= part < num_parts (got jobs={jobs}, part={part}, num_parts={num_parts}, max_open={max_open})."
@@ -93,26 +98,49 @@ def pack_data(
     )
     d_out = Path(d_out)
     d_out.mkdir(parents=True, exist_ok=True)
-    _claim_output(d_out, options, scp_files, text_files, overwrite)
+    if overwrite:
+        _clear_output(d_out, options.fmt)
+    _claim_output(d_out, options, scp_files, text_files)
 
     with Progress(progress) as bars:
         plan = build_plan(scp_files, text_files, d_out, options, bars.bar)
-        dim = _feature_dim(plan, options)
-        if overwrite:
-            for task in plan.tasks:
-                task.path.unlink(missing_ok=True)
-        mine = [t for t in plan.tasks if t.ordinal % num_parts == part]
-        done = finished_shards(d_out)
-        todo = [t for t in mine if _relative(t) not in done]
-        remove_partials(todo)
-        if len(todo) < len(mine):
-            _LOG.info(
-                "%d of this part's %d shards are already finished; writing %d",
-                len(mine) - len(todo),
-                len(mine),
-                len(todo),
+        try:
+            return _pack_planned(
+                plan, options, d_out, scp_files, text_files, jobs, num_parts, part, max_open, bars, started
             )
-        _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars)
+        finally:
+            plan.scp.close()
+            plan.labels.close()
+
+
+def _pack_planned(
+    plan: PackPlan,
+    options: PackOptions,
+    d_out: Path,
+    scp_files: Sequence[Path],
+    text_files: Sequence[Path],
+    jobs: int,
+    num_parts: int,
+    part: int,
+    max_open: int,
+    bars: Progress,
+    started: float,
+) -> PackReport:
+    """Write this part's unfinished shards of ``plan``; then, once every part's shards are
+    finished, each folder's index and the report."""
+    dim = _feature_dim(plan, options)
+    mine = [t for t in plan.tasks if t.ordinal % num_parts == part]
+    done = finished_shards(d_out)
+    todo = [t for t in mine if _relative(t) not in done]
+    remove_partials(todo)
+    if len(todo) < len(mine):
+        _LOG.info(
+            "%d of this part's %d shards are already finished; writing %d",
+            len(mine) - len(todo),
+            len(mine),
+            len(todo),
+        )
+    _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars)
 
     records = finished_shards(d_out)
     complete = _write_indexes(plan, records, options, dim, d_out, scp_files, text_files)
@@ -158,15 +186,22 @@ def _fingerprint(options: PackOptions, scp_files: Sequence[Path], text_files: Se
     return described
 
 
-def _claim_output(
-    d_out: Path, options: PackOptions, scp_files: Sequence[Path], text_files: Sequence[Path], overwrite: bool
-) -> None:
+def _clear_output(d_out: Path, fmt: str) -> None:
+    """Remove a previous pack from ``d_out``: its shards (any named like ``fmt``, in the
+    folder and its group sub-folders), their partial files, indexes, report and journal."""
+    shard_glob = re.sub(r"%[-+ 0#]*\d*d", "*", fmt)
+    for folder in [d_out, *(p for p in d_out.iterdir() if p.is_dir() and not p.name.startswith("."))]:
+        for path in [*folder.glob(shard_glob), *folder.glob(f".{shard_glob}.partial"), folder / INDEX_NAME]:
+            path.unlink(missing_ok=True)
+    (d_out / REPORT_NAME).unlink(missing_ok=True)
+    shutil.rmtree(d_out / STATE_DIR, ignore_errors=True)
+
+
+def _claim_output(d_out: Path, options: PackOptions, scp_files: Sequence[Path], text_files: Sequence[Path]) -> None:
     """Record what this folder is being packed from; refuse a folder packed from other inputs."""
     state = d_out / STATE_DIR
     described = _fingerprint(options, scp_files, text_files)
     run_file = state / RUN_FILE
-    if overwrite and state.exists():
-        shutil.rmtree(state)
     if run_file.exists():
         previous = json.loads(run_file.read_text(encoding="utf-8"))
         if previous.get("fingerprint") != described["fingerprint"]:
@@ -189,20 +224,21 @@ def _relative(task: ShardTask) -> str:
 
 
 def _feature_dim(plan: PackPlan, options: PackOptions) -> int:
-    """The dataset's feature dimension: that of the first planned utterance that reads."""
+    """The dataset's feature dimension: that of the first planned utterance that reads.
+
+    An unreadable utterance stops here unless skipping (then it is counted when written);
+    0 when none reads.
+    """
     with MatrixReader(allow_pipes=options.allow_pipes) as reader:
-        for row in np.flatnonzero(plan.shard_of_row >= 0)[:1000]:
+        for row in np.flatnonzero(plan.shard_of_row >= 0):
             key, value = plan.scp.record(int(row))
             where = plan.scp.where(int(row), key)
             try:
                 return int(reader.shape(options.location(value, where), where)[1])
             except InputError:
-                continue  # reported when the utterance itself is written
-    if plan.num_planned == 0:
-        return 0
-    raise SeqshardError(
-        "none of the first 1000 planned utterances could be read; check the arks (run without --skip-bad to see why)."
-    )
+                if not options.skip_bad:
+                    raise
+    return 0
 
 
 def _write_all(

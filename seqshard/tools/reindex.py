@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from .. import __version__
-from ..errors import ConfigError
+from ..errors import ConfigError, SeqshardError
 from ..formats.index import ShardEntry, ShardIndex
 from ..formats.patterns import SHARD_SUFFIXES, shards_in_folder
 from ..prep.journal import STATE_DIR, finished_shards
@@ -41,7 +41,8 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
         prefix = "" if folder == root else f"{folder.name}/"
         shards = shards_in_folder(folder)
         entries: dict[str, ShardEntry] = {}
-        feature: dict = {}
+        previous = _previous_index(folder)
+        feature: dict = dict(previous.feature) if previous else {}
         to_scan = []
         for shard in shards:
             record = journal.get(prefix + shard.name)
@@ -67,12 +68,21 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             created_by=f"seqshard {__version__} index",
             source={
+                **(previous.source if previous else {}),
                 "rebuilt_from": "pack journal and shards" if journal else "shards",
                 **({"pack": run} if run else {}),
             },
         )
         written.append(index.save(folder))
     return written
+
+
+def _previous_index(folder: Path) -> ShardIndex | None:
+    """The index being replaced, if it can be read (its dataset facts are kept)."""
+    try:
+        return ShardIndex.load(folder)
+    except SeqshardError:
+        return None
 
 
 def _pack_run(root: Path) -> dict | None:
