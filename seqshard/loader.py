@@ -24,7 +24,7 @@ from .pipeline.labels import LabelOverride, Tokenizer, make_tokenizer
 from .pipeline.merge import Item, MergedStream, RankPosition
 from .pipeline.shards import ShardTable, planned_utts
 from .pipeline.transfer import BatchSlots
-from .pipeline.worker import IterationChannel, WorkerSetup, bucket_bounds, make_dataset
+from .pipeline.worker import IterationChannel, WorkerSetup, bucket_bounds
 
 _LOG = logging.getLogger("seqshard")
 STATE_VERSION = 1
@@ -72,7 +72,6 @@ def make_loader(
         context,
         make_tokenizer(tokenizer, config.split),
         override,
-        [str(p) for p in ([patterns] if isinstance(patterns, (str, Path)) else patterns)],
     )
 
 
@@ -86,12 +85,10 @@ class ShardLoader:
         context: DistContext,
         tokenizer: Tokenizer | None,
         override: LabelOverride | None,
-        patterns: list[str],
     ):
         self.table = table
         self.config = config
         self.context = context
-        self.patterns = patterns
         self.collectives = Collectives(context)
         bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
         self._buckets = len(bounds) + 1 if config.bucket_sync else 0
@@ -154,8 +151,10 @@ class ShardLoader:
             import torch.utils.data
 
             workers = self.config.num_workers
+            from .pipeline.dataset import ReaderDataset
+
             self._dataloader = torch.utils.data.DataLoader(
-                make_dataset(self._setup, self._channel),
+                ReaderDataset(self._setup, self._channel),
                 batch_size=None,
                 num_workers=workers,
                 collate_fn=_unchanged,

@@ -303,3 +303,12 @@ def test_damage_and_missing_files_are_named_or_counted(tmp_path):
     (packed.out / "data-00003.tar").write_bytes(b"")  # unreadable when opened
     loader = make_loader(packed.pattern, batch_size=4, num_workers=0, skip_bad=True, **SMALL)
     assert len([k for b in loader for k in b["keys"]]) == 32 and loader.stats()["dropped"] == {"damaged_shard": 2}
+
+
+def test_spawned_workers_get_the_same_batches(packed):
+    """Workers started with 'spawn' (macOS, Python 3.14's default is forkserver) unpickle the
+    dataset, the shared slots and the channel."""
+    options = dict(batch_size=4, num_workers=2, seed=2, **SMALL)
+    forked = epoch_keys(make_loader(packed.pattern, **options), 1)
+    spawned = epoch_keys(make_loader(packed.pattern, multiprocessing_context="spawn", **options), 1)
+    assert spawned == forked

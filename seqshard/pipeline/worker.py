@@ -145,23 +145,6 @@ def build_pipeline(
     )
 
 
-def make_dataset(setup: WorkerSetup, channel: IterationChannel):
-    """The torch IterableDataset run by the DataLoader (imported lazily: torch is heavy)."""
-    import torch.utils.data
-
-    class ReaderDataset(torch.utils.data.IterableDataset):
-        def __init__(self) -> None:
-            self.setup = setup
-            self.channel = channel
-
-        def __iter__(self):
-            info = torch.utils.data.get_worker_info()
-            worker = info.id if info is not None else 0
-            return iterate_worker(self.setup, worker, self.channel.read(), in_worker_process=info is not None)
-
-    return ReaderDataset()
-
-
 def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any], in_worker_process: bool = False):
     """Items for the training process: batches, then one end marker."""
     spec = request["workers"][worker]
