@@ -28,9 +28,6 @@ class BatchCost:
     def fits(self, count: int, longest: int) -> bool:
         raise NotImplementedError
 
-    def describe(self) -> dict:
-        raise NotImplementedError
-
 
 @dataclass(frozen=True)
 class FixedSize(BatchCost):
@@ -44,9 +41,6 @@ class FixedSize(BatchCost):
 
     def fits(self, count: int, longest: int) -> bool:
         return count <= self.size
-
-    def describe(self) -> dict:
-        return {"batch_size": self.size}
 
 
 @dataclass(frozen=True)
@@ -69,9 +63,6 @@ class FrameBudget(BatchCost):
 
     def fits(self, count: int, longest: int) -> bool:
         return self.cost(count, longest) <= self.max_frames
-
-    def describe(self) -> dict:
-        return {"batch_frames": self.max_frames, "quadratic_frames": self.quadratic_frames}
 
 
 def cut_batches(lengths: Sequence[int], cost: BatchCost) -> tuple[list[list[int]], list[int]]:

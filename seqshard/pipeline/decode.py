@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,7 +25,6 @@ class Utterance:
     offset: int = -1
     ordinal: int = -1
     tokens: list[int] | None = None
-    extra: dict = field(default_factory=dict)
 
     @property
     def num_frames(self) -> int:

@@ -16,18 +16,24 @@ PERCENTILES = (1, 5, 25, 50, 75, 95, 99)
 
 @dataclass
 class FolderSummary:
+    """The matched shards of one folder; totals come from :class:`ShardIndex`."""
+
     folder: str
     indexed: bool
     frame_shift_ms: float
-    entries: list[ShardEntry] = field(default_factory=list)
+    selected: ShardIndex = field(default_factory=lambda: ShardIndex([]))
+
+    @property
+    def entries(self) -> list[ShardEntry]:
+        return self.selected.shards
 
     @property
     def num_utts(self) -> int:
-        return sum(e.num_utts for e in self.entries)
+        return self.selected.num_utts
 
     @property
     def num_frames(self) -> int:
-        return sum(e.num_frames for e in self.entries)
+        return self.selected.num_frames
 
     @property
     def hours(self) -> float:
