@@ -9,7 +9,16 @@ import sys
 from collections.abc import Sequence
 
 from . import __version__
-from .errors import SeqshardError
+from .errors import SeqshardError, command_line_flags
+
+# Python parameter names whose command-line flag is spelled differently (messages name the flag).
+RENAMED_FLAGS = {
+    "f_scps": "--scp",
+    "f_labels": "--text",
+    "d_out": "--out",
+    "num_frames_files": "--num-frames",
+    "progress": "--quiet",
+}
 
 
 def _pack(args: argparse.Namespace) -> int:
@@ -187,14 +196,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
-    try:
-        return args.run(args)
-    except SeqshardError as error:
-        print(f"seqshard {args.command}: error: {error}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"seqshard {args.command}: interrupted", file=sys.stderr)
-        return 130
+    with command_line_flags(RENAMED_FLAGS):  # messages name --flags, not Python parameters
+        try:
+            return args.run(args)
+        except SeqshardError as error:
+            print(f"seqshard {args.command}: error: {error}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print(f"seqshard {args.command}: interrupted", file=sys.stderr)
+            return 130
 
 
 if __name__ == "__main__":

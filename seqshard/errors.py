@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 _LOG = logging.getLogger("seqshard")
+
+# How options are spelled in messages: ``None`` from Python (``skip_bad=True``), else the
+# command line's flags by Python name (``--skip-bad``), set by ``seqshard.cli`` for one command.
+_FLAGS: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("seqshard_flags", default=None)
+
+
+def option(name: str, value: object = True) -> str:
+    """Option ``name`` set to ``value`` as the user writes it: ``skip_bad=True`` in Python,
+    ``--skip-bad`` on the command line (``--utts-per-file 10`` for other values)."""
+    flags = _FLAGS.get()
+    if flags is None:
+        return f"{name}={value!r}"
+    flag = flags.get(name, "--" + name.replace("_", "-"))
+    return flag if value is True else f"{flag} {value}"
+
+
+@contextlib.contextmanager
+def command_line_flags(flags: Mapping[str, str]) -> Iterator[None]:
+    """Within this block messages name options by their command-line ``flags`` (Python name ->
+    flag; names not listed become ``--name-with-dashes``)."""
+    token = _FLAGS.set(dict(flags))
+    try:
+        yield
+    finally:
+        _FLAGS.reset(token)
 
 
 class SeqshardError(Exception):
@@ -31,20 +59,30 @@ class Where:
 
 
 class InputError(SeqshardError):
-    """Bad input data. ``reason`` is a short machine-readable tag used to count skips."""
+    """Bad input data. ``reason`` is a short machine-readable tag used to count skips.
 
-    def __init__(self, where: Where, reason: str, problem: str, fix: str | None = None):
+    ``skippable`` errors end their message with how to skip such cases instead (``--skip-bad``
+    or ``skip_bad=True``, spelled when the message is shown); a logged skip leaves it out.
+    """
+
+    def __init__(self, where: Where, reason: str, problem: str, fix: str | None = None, skippable: bool = True):
+        super().__init__(where, reason, problem, fix, skippable)
         self.where = where
         self.reason = reason
         self.problem = problem
         self.fix = fix
-        message = f"{where}: {problem}"
-        if fix:
-            message += f" Fix: {fix}"
-        super().__init__(message)
+        self.skippable = skippable
 
-    def __reduce__(self) -> tuple:
-        return (type(self), (self.where, self.reason, self.problem, self.fix))
+    def describe(self, skip_hint: bool = True) -> str:
+        message = f"{self.where}: {self.problem}"
+        if self.fix:
+            message += f" Fix: {self.fix}"
+        if skip_hint and self.skippable:
+            message += f" Or pass {option('skip_bad')} to count and skip such cases."
+        return message
+
+    def __str__(self) -> str:
+        return self.describe()
 
 
 class ShardError(SeqshardError):
@@ -87,6 +125,6 @@ class SkipCounter:
         seen = self.counts.get(error.reason, 0)
         self.counts[error.reason] = seen + 1
         if seen < self._log_limit:
-            _LOG.warning("skipped (%s): %s", error.reason, error)
+            _LOG.warning("skipped (%s): %s", error.reason, error.describe(skip_hint=False))
         elif seen == self._log_limit:
             _LOG.warning("further '%s' skips are counted but not logged", error.reason)
