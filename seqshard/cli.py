@@ -17,7 +17,6 @@ RENAMED_FLAGS = {
     "f_labels": "--text",
     "d_out": "--out",
     "num_frames_files": "--num-frames",
-    "progress": "--quiet",
 }
 
 
