@@ -99,6 +99,31 @@ class ShardError(SeqshardError):
         return (type(self), (self.path, self.offset, self.problem))
 
 
+class OutputError(SeqshardError):
+    """An output file that cannot be written (disk full, read-only folder, no permission)."""
+
+    def __init__(self, path: str | Path, problem: str, fix: str | None = None):
+        super().__init__(path, problem, fix)
+        self.path = str(path)
+        self.problem = problem
+        self.fix = fix
+
+    @classmethod
+    def from_os_error(cls, path: str | Path, error: OSError) -> OutputError:
+        import errno
+
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            fix = "free space on that disk (or write elsewhere); running the same command again continues where it stopped."
+        elif error.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            fix = "choose an output folder you can write to."
+        else:
+            fix = None
+        return cls(path, f"cannot write: {error.strerror or error}.", fix)
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.problem}" + (f" Fix: {self.fix}" if self.fix else "")
+
+
 class ConfigError(SeqshardError, ValueError):
     """An impossible or inconsistent option; the message names the option."""
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import SeqshardError
+from .files import write_json_atomic
 
 INDEX_NAME = "index.json"
 FORMAT = "seqshard-index"
@@ -71,11 +70,13 @@ class ShardEntry:
     bytes: int
     checksum: str
     length_hist: dict[int, int] = field(default_factory=dict)
+    min_frames: int | None = None  # exact, for percentiles clamped to the real range
+    max_frames: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         entry = asdict(self)
         entry["length_hist"] = {str(k): v for k, v in sorted(self.length_hist.items())}
-        return entry
+        return {k: v for k, v in entry.items() if v is not None}
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> ShardEntry:
@@ -86,7 +87,13 @@ class ShardEntry:
             bytes=int(entry["bytes"]),
             checksum=str(entry["checksum"]),
             length_hist={int(k): int(v) for k, v in entry.get("length_hist", {}).items()},
+            min_frames=_optional_int(entry.get("min_frames")),
+            max_frames=_optional_int(entry.get("max_frames")),
         )
+
+
+def _optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
 
 
 @dataclass
@@ -98,6 +105,7 @@ class ShardIndex:
     created: str = ""
     created_by: str = ""
     source: dict[str, Any] = field(default_factory=dict)
+    escaped_keys: bool = False  # keys were percent-encoded by `pack --escape-keys`
     _by_name: dict[str, ShardEntry] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -132,6 +140,7 @@ class ShardIndex:
                 "bytes": self.bytes,
             },
             "source": self.source,
+            "keys": {"escaped": self.escaped_keys},
             "shards": [s.to_json() for s in self.shards],
         }
 
@@ -164,23 +173,5 @@ class ShardIndex:
             created=data.get("created", ""),
             created_by=data.get("created_by", ""),
             source=data.get("source", {}),
+            escaped_keys=bool(data.get("keys", {}).get("escaped", False)),
         )
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` so that a reader sees the old file or the new one, never half.
-
-    The temporary file has a unique name: parts of a pack running at once may write the same
-    file (they write the same content).
-    """
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            json.dump(data, stream, indent=1, ensure_ascii=False)
-            stream.write("\n")
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise

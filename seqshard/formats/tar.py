@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import ShardError
+from .files import fsync_directory, writing
 from .keys import split_member_name
 from .prefetch import read_ahead
 
@@ -68,8 +69,9 @@ class ShardWriter:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.temp_path = temporary_path(self.path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd: int | None = os.open(self.temp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        with writing(self.temp_path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._fd: int | None = os.open(self.temp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         self.crc32 = 0
         self.size = 0
         self.num_samples = 0
@@ -90,23 +92,32 @@ class ShardWriter:
         for buffer in buffers:
             self.crc32 = zlib.crc32(buffer, self.crc32)
         total = sum(len(buffer) for buffer in buffers)
-        written = os.writev(self._fd, buffers)
-        while written < total:  # rare short write: finish it buffer by buffer
-            remaining = memoryview(b"".join(bytes(b) for b in buffers))[written:]
-            written += os.write(self._fd, remaining)
+        with writing(self.temp_path):
+            written = os.writev(self._fd, buffers)
+            while written < total:  # rare short write: finish it buffer by buffer
+                remaining = memoryview(b"".join(bytes(b) for b in buffers))[written:]
+                written += os.write(self._fd, remaining)
         self.size += total
 
     def commit(self) -> None:
-        """Finish the archive, flush it to disk and rename it to its final name."""
-        end = 2 * BLOCK
-        end += -(self.size + end) % RECORD
-        self._write([bytes(end)])
-        assert self._fd is not None
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = None
-        os.replace(self.temp_path, self.path)
-        _fsync_directory(self.path.parent)
+        """Finish the archive, flush it to disk and rename it to its final name.
+
+        On failure (a full disk, say) the partial file is removed and OutputError raised.
+        """
+        try:
+            end = 2 * BLOCK
+            end += -(self.size + end) % RECORD
+            self._write([bytes(end)])
+            assert self._fd is not None
+            with writing(self.temp_path):
+                os.fsync(self._fd)
+                os.close(self._fd)
+                self._fd = None
+                os.replace(self.temp_path, self.path)
+                fsync_directory(self.path.parent)
+        except BaseException:
+            self.abort()
+            raise
 
     def abort(self) -> None:
         """Drop the partial file."""
@@ -114,14 +125,6 @@ class ShardWriter:
             os.close(self._fd)
             self._fd = None
         self.temp_path.unlink(missing_ok=True)
-
-
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @dataclass
@@ -450,3 +453,11 @@ def skip_samples(path: str | Path, count: int) -> tuple[int, int]:
             if stream.next_sample() is None:
                 break
         return stream.resume_offset, stream.ordinal
+
+
+def count_samples(path: str | Path) -> int:
+    """How many samples a shard holds, found by reading its headers only."""
+    with SampleStream(path, read_data=False) as stream:
+        while stream.next_sample() is not None:
+            pass
+        return stream.ordinal

@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-STATE_DIR = ".seqshard-pack"
+from ..formats.files import writing
+from ..formats.pack_state import STATE_DIR
 
 
 class Journal:
@@ -20,11 +21,12 @@ class Journal:
 
     def __init__(self, d_out: Path, name: str):
         folder = Path(d_out) / STATE_DIR
-        folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / f"journal-{name}.jsonl"
+        with writing(folder):
+            folder.mkdir(parents=True, exist_ok=True)
 
     def append(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a", encoding="utf-8") as stream:
+        with writing(self.path), open(self.path, "a", encoding="utf-8") as stream:
             stream.write(json.dumps(record, ensure_ascii=False) + "\n")
             stream.flush()
             os.fsync(stream.fileno())

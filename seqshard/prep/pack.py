@@ -25,13 +25,15 @@ from typing import Any
 import numpy as np
 
 from .. import __version__
-from ..errors import ConfigError, InputError, SeqshardError, Where
-from ..formats.index import INDEX_NAME, ShardEntry, ShardIndex, write_json_atomic
+from ..errors import ConfigError, InputError, SeqshardError, Where, option
+from ..formats.files import remove_stale_temporaries, write_json_atomic, writing
+from ..formats.index import INDEX_NAME, ShardEntry, ShardIndex
 from ..formats.kaldi import MatrixReader
+from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
 from ..progress import Progress
-from .journal import STATE_DIR, Journal, finished_shards
-from .plan import UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
-from .report import REPORT_NAME, GroupTotals, PackReport, summarize_records
+from .journal import Journal, finished_shards
+from .plan import NUM_FRAMES_FILE, UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
+from .report import GroupTotals, PackReport, summarize_records
 from .write import DEFAULT_MAX_OPEN, remove_partials, write_shards
 
 _LOG = logging.getLogger("seqshard")
@@ -76,11 +78,13 @@ def pack_data(
     text_files = _as_paths(f_labels, "f_labels")
     if overwrite and num_parts > 1:
         raise ConfigError(
-            "overwrite cannot be combined with num_parts > 1 (each part would delete the others' work); empty the output folder first."
+            f"{option('overwrite')} cannot be combined with {option('num_parts', num_parts)} (each part would delete "
+            "the others' work); empty the output folder first."
         )
     if jobs < 1 or num_parts < 1 or not 0 <= part < num_parts or max_open < 1:
         raise ConfigError(
-            f"need jobs >= 1, max_open >= 1 and 0 <= part < num_parts (got jobs={jobs}, part={part}, num_parts={num_parts}, max_open={max_open})."
+            f"need jobs >= 1, max_open >= 1 and 0 <= part < num_parts (got {option('jobs', jobs)}, "
+            f"{option('part', part)}, {option('num_parts', num_parts)}, {option('max_open', max_open)})."
         )
     options = PackOptions(
         fmt=fmt,
@@ -97,13 +101,18 @@ def pack_data(
         num_frames_files=tuple(str(p) for p in num_frames_files or ()),
     )
     d_out = Path(d_out)
-    d_out.mkdir(parents=True, exist_ok=True)
+    with writing(d_out):
+        d_out.mkdir(parents=True, exist_ok=True)
     if overwrite:
         _clear_output(d_out, options.fmt)
-    _claim_output(d_out, options, scp_files, text_files)
+    for folder in [d_out, d_out / STATE_DIR, *(d_out / g.name for g in options.groups)]:
+        if folder.is_dir():
+            remove_stale_temporaries(folder)
+    run = _claim_output(d_out, options, _identity_inputs(scp_files, text_files, options))
 
     with Progress(progress) as bars:
         plan = build_plan(scp_files, text_files, d_out, options, bars.bar)
+        _record_plan(d_out, run, plan)
         try:
             return _pack_planned(
                 plan, options, d_out, scp_files, text_files, jobs, num_parts, part, max_open, bars, started
@@ -155,10 +164,20 @@ def _pack_planned(
 def _as_paths(value: str | Path | Sequence[str | Path], name: str) -> list[Path]:
     paths = [Path(value)] if isinstance(value, (str, Path)) else [Path(v) for v in value]
     if not paths:
-        raise ConfigError(f"{name}: give at least one file.")
+        raise ConfigError(f"{option(name, '...')}: give at least one file.")
     for path in paths:
+        if path.is_dir():
+            raise ConfigError(
+                f"{path} is a folder; {option(name, '...')} takes files (e.g. {path / 'feats.scp'} or {path / 'text'})."
+            )
         if not path.is_file():
-            raise InputError(Where(path), "missing_input", "the file does not exist.", f"check the {name} argument.")
+            raise InputError(
+                Where(path),
+                "missing_input",
+                "the file does not exist.",
+                f"check {option(name, path)}.",
+                skippable=False,
+            )
     return paths
 
 
@@ -176,14 +195,33 @@ def _parse_path_map(path_map: Mapping[str, str] | Sequence[str] | None) -> tuple
     return tuple(pairs)
 
 
-def _fingerprint(options: PackOptions, scp_files: Sequence[Path], text_files: Sequence[Path]) -> dict[str, Any]:
-    inputs = []
-    for path in [*scp_files, *text_files]:
-        stat = path.stat()
-        inputs.append({"path": str(path.resolve()), "bytes": stat.st_size, "mtime_ns": stat.st_mtime_ns})
-    described = {"options": json.loads(json.dumps(asdict(options))), "inputs": inputs}
-    described["fingerprint"] = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()
-    return described
+def _identity_inputs(scp_files: Sequence[Path], text_files: Sequence[Path], options: PackOptions) -> list[Path]:
+    """The files whose content decides what a pack writes (scp, text, frame counts)."""
+    frames = [Path(f) for f in options.num_frames_files] or [
+        Path(f).parent / NUM_FRAMES_FILE for f in scp_files if (Path(f).parent / NUM_FRAMES_FILE).is_file()
+    ]
+    return [*scp_files, *text_files, *dict.fromkeys(frames)]
+
+
+def _describe_run(options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
+    """What a pack is made from: its options and its inputs' content (not their mtimes).
+
+    ``skip_bad`` is left out: it does not change a shard that was written without a skip, and
+    what it changes in the plan is caught by comparing plans (see ``_record_plan``).
+    """
+    described_options = json.loads(json.dumps(asdict(options)))
+    del described_options["skip_bad"]
+    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": _content_hash(p)} for p in inputs]
+    identity = hashlib.sha256(json.dumps([described_options, [f["blake2b"] for f in files]]).encode()).hexdigest()
+    return {"options": described_options, "inputs": files, "fingerprint": identity}
+
+
+def _content_hash(path: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb", buffering=0) as stream:
+        while chunk := stream.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _clear_output(d_out: Path, fmt: str) -> None:
@@ -197,22 +235,64 @@ def _clear_output(d_out: Path, fmt: str) -> None:
     shutil.rmtree(d_out / STATE_DIR, ignore_errors=True)
 
 
-def _claim_output(d_out: Path, options: PackOptions, scp_files: Sequence[Path], text_files: Sequence[Path]) -> None:
-    """Record what this folder is being packed from; refuse a folder packed from other inputs."""
-    state = d_out / STATE_DIR
-    described = _fingerprint(options, scp_files, text_files)
-    run_file = state / RUN_FILE
+def _claim_output(d_out: Path, options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
+    """Record what this folder is being packed from. A folder holding shards packed from other
+    inputs or options is refused; one where nothing was packed yet (a run that failed before
+    its first shard) is taken over. Returns the run record."""
+    run_file = d_out / STATE_DIR / RUN_FILE
+    described = _describe_run(options, inputs)
     if run_file.exists():
         previous = json.loads(run_file.read_text(encoding="utf-8"))
-        if previous.get("fingerprint") != described["fingerprint"]:
+        if previous.get("fingerprint") == described["fingerprint"]:
+            return previous
+        if finished_shards(d_out):
             raise ConfigError(
-                f"{d_out} holds a pack (or part of one) made from other inputs or options (see {run_file}). "
-                "Use a new output folder, or pass --overwrite (overwrite=True) to replace it."
+                f"{d_out} holds shards packed from other inputs or options ({'; '.join(_run_differences(previous, described))}; "
+                f"see {run_file}). Use a new output folder, or pass {option('overwrite')} to replace them."
             )
-        return
-    state.mkdir(parents=True, exist_ok=True)
+        _LOG.info("%s: the earlier run packed no shard; starting afresh with these inputs and options", d_out)
     described["created"] = _now()
+    with writing(run_file.parent):
+        run_file.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(run_file, described)
+    return described
+
+
+def _run_differences(previous: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    found = [
+        f"{key} was {previous.get('options', {}).get(key)!r}, now {value!r}"
+        for key, value in current["options"].items()
+        if previous.get("options", {}).get(key) != value
+    ]
+    before = {f["path"]: f.get("blake2b") for f in previous.get("inputs", [])}
+    found += [
+        f"{f['path']} changed" for f in current["inputs"] if f["path"] in before and before[f["path"]] != f["blake2b"]
+    ]
+    if {f["path"] for f in current["inputs"]} != set(before):
+        found.append("other input files")
+    return found or ["other inputs"]
+
+
+def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
+    """Check the plan against the one the finished shards were written from, then record it
+    (``run.json``) and the shards it plans (``planned.json``, read by the loader and ``index``
+    to name what an unfinished pack still lacks)."""
+    digest = hashlib.blake2b(plan.shard_of_row.tobytes(), digest_size=16)
+    for task in plan.tasks:
+        digest.update(f"{task.group}/{task.path.name}:{task.num_planned}\n".encode())
+    if run.get("plan") not in (None, digest.hexdigest()) and finished_shards(d_out):
+        raise ConfigError(
+            f"{d_out} holds shards of another plan: with these options other utterances go into its shards (did "
+            f"{option('skip_bad')} change which utterances are dropped?). Use a new output folder, or pass "
+            f"{option('overwrite')} to replace them."
+        )
+    if run.get("plan") != digest.hexdigest():
+        run["plan"] = digest.hexdigest()
+        write_json_atomic(d_out / STATE_DIR / RUN_FILE, run)
+    groups: dict[str, list[tuple[str, int]]] = {name: [] for name in plan.group_names}
+    for task in plan.tasks:
+        groups[task.group].append((task.path.name, task.num_planned))
+    write_json_atomic(d_out / STATE_DIR / PLANNED_NAME, planned_record(groups))
 
 
 def _now() -> str:
@@ -348,6 +428,7 @@ def _write_indexes(
         folder.mkdir(parents=True, exist_ok=True)
         entries = [ShardEntry.from_json(records[_relative(t)]) for t in tasks]
         index = ShardIndex(
+            escaped_keys=options.escape_keys,
             shards=entries,
             feature={
                 "field": "feats.npy",

@@ -1,0 +1,86 @@
+"""Writing output files safely: complete or absent under their final name, with the mode the
+user's umask gives, and errors that name the file (disk full, read-only, no permission)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from ..errors import OutputError
+
+TEMPORARY_SUFFIX = ".partial"
+STALE_SECONDS = 600.0  # a JSON temporary this old belongs to a killed run (writes take milliseconds)
+
+
+@lru_cache(maxsize=1)
+def default_file_mode() -> int:
+    """``0o666`` less the process's umask: the mode ``open()`` gives a new file."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)  # no /proc: read the umask by setting it, then put it back
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+@contextlib.contextmanager
+def writing(path: str | Path) -> Iterator[None]:
+    """Turn an OSError raised inside the block into an OutputError naming ``path``."""
+    try:
+        yield
+    except OSError as error:
+        raise OutputError.from_os_error(error.filename or path, error) from None
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON to ``path`` so that a reader sees the old file or the new one, never half.
+
+    The temporary file has a unique name: parts of a pack running at once may write the same
+    file (they write the same content). The file gets the mode of any new file (umask).
+    """
+    with writing(path):
+        descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
+        try:
+            with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+                json.dump(data, stream, indent=1, ensure_ascii=False)
+                stream.write("\n")
+                stream.flush()
+                os.fchmod(stream.fileno(), default_file_mode())
+                os.fsync(stream.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
+
+
+def remove_stale_temporaries(folder: Path, older_than: float = STALE_SECONDS) -> int:
+    """Delete ``.NAME.*.partial`` JSON temporaries in ``folder`` left by killed runs; returns
+    how many. Recent ones are kept: another process may be about to rename its own."""
+    removed = 0
+    now = time.time()
+    for path in folder.glob(f".*.json.*{TEMPORARY_SUFFIX}"):
+        with contextlib.suppress(OSError):
+            if now - path.stat().st_mtime > older_than:
+                path.unlink()
+                removed += 1
+    return removed
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
