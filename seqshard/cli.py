@@ -58,6 +58,9 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.plot:
         plot_lengths(summary, args.plot)
         print(f"length histogram written to {args.plot}", file=sys.stderr)
+    if summary["missing_shards"]:
+        print(f"seqshard inspect: {len(summary['missing_shards'])} selected shard(s) are missing", file=sys.stderr)
+        return 1
     return 0
 
 

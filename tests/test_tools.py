@@ -39,7 +39,7 @@ def test_inspect_selects_shards_with_brace_ranges(packed, capsys):
     assert main(["inspect", "--json", "--quiet", f"{out}/5_40/data-0000{{0..1}}.tar"]) == 0
     assert json.loads(capsys.readouterr().out)["num_shards"] == 2
     assert main(["inspect", "--quiet", f"{out}/nothing-*.tar"]) == 1
-    assert "matches no file" in capsys.readouterr().err
+    assert "selects no shard" in capsys.readouterr().err
 
 
 def test_verify_names_each_damaged_shard_and_exits_non_zero(packed, capsys):

@@ -2,70 +2,84 @@
 
 ``data/{10_1000,1000_2000}/data-*.tar`` and ``data/10_1000/data-0000{0..9}.tar`` behave as in
 seed 01's ``trset``: braces expand first (bash-style, with ``{a..b}`` ranges), then each
-result is globbed if it holds a wildcard, else taken as a file that must exist.
+alternative is a folder (its shards and its sub-folders' shards), a glob, or a file. This
+module only looks at the file system; :mod:`seqshard.formats.selection` checks the result
+against the folders' indexes and refuses an alternative that selects nothing.
 """
 
 from __future__ import annotations
 
 import glob
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 
+Patterns = str | Path | Sequence[str | Path]
 
-def expand_patterns(patterns: str | Path | Sequence[str | Path]) -> list[Path]:
-    """Shard files named by ``patterns``, in pattern order, each once.
 
-    A pattern that matches nothing is an error that names it. A directory stands for the
-    shards in it (``DIR/*.tar``).
+def is_shard_name(name: str) -> bool:
+    """Whether a file name is that of a shard: a tar suffix and not hidden (partial files are)."""
+    return name.endswith(SHARD_SUFFIXES) and not name.startswith(".")
+
+
+@dataclass
+class Alternative:
+    """One brace alternative of a pattern and what it names on disk.
+
+    ``kind`` is ``"folder"``, ``"glob"`` or ``"file"``. ``files`` are the shard files found (a
+    glob's other matches, such as ``index.json``, are not shards); ``folders`` are the folders
+    it covers, whose indexes may list shards that should be there.
     """
+
+    text: str
+    kind: str
+    files: list[Path] = field(default_factory=list)
+    folders: list[Path] = field(default_factory=list)
+
+    def covers(self, path: Path) -> bool:
+        """Whether a shard at ``path`` would be named by this alternative if it existed."""
+        if self.kind == "folder":
+            return path.parent in self.folders
+        if self.kind == "file":
+            return path == Path(self.text)
+        return path.parent in self.folders and Path(path).match(Path(self.text).name)
+
+
+def pattern_list(patterns: Patterns) -> list[str]:
+    """The patterns as a list of strings (one pattern may be given alone)."""
+    items = [patterns] if isinstance(patterns, (str, Path)) else list(patterns)
+    if not items:
+        raise ConfigError("no shard pattern given.")
+    return [str(item) for item in items]
+
+
+def expand_pattern(pattern: str) -> list[Alternative]:
+    """Every brace alternative of ``pattern``, each with the shard files it names."""
     from braceexpand import braceexpand
 
-    if isinstance(patterns, (str, Path)):
-        patterns = [patterns]
-    if not patterns:
-        raise ConfigError("no shard pattern given.")
-    found: dict[Path, None] = {}
-    for pattern in patterns:
-        matched: list[Path] = []
-        missing: list[str] = []
-        for expanded in braceexpand(str(pattern)):
-            path = Path(expanded)
-            if path.is_dir():
-                matched.extend(shards_in_folder(path))
-                for sub in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(".")):
-                    matched.extend(shards_in_folder(sub))
-            elif glob.has_magic(expanded):
-                matched.extend(Path(p) for p in sorted(glob.glob(expanded)) if Path(p).is_file())
-            elif path.is_file():
-                matched.append(path)
-            else:
-                missing.append(expanded)
-        if missing:
-            shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
-            raise ConfigError(f"shard pattern {str(pattern)!r} names files that do not exist: {shown}.")
-        if not matched:
-            raise ConfigError(
-                f"shard pattern {str(pattern)!r} matches no file (from {Path.cwd()}). Check the path, the braces and the wildcard."
-            )
-        for path in matched:
-            found.setdefault(path, None)
-    return list(found)
+    return [_alternative(text) for text in dict.fromkeys(braceexpand(pattern))]
+
+
+def _alternative(text: str) -> Alternative:
+    path = Path(text)
+    if glob.has_magic(text):
+        parent = str(path.parent)
+        folders = [Path(p) for p in sorted(glob.glob(parent))] if glob.has_magic(parent) else [path.parent]
+        files = [Path(p) for p in sorted(glob.glob(text)) if is_shard_name(Path(p).name) and Path(p).is_file()]
+        return Alternative(text, "glob", files, [f for f in folders if f.is_dir()])
+    if path.is_dir():
+        folders = [path, *sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))]
+        return Alternative(text, "folder", [f for folder in folders for f in shards_in_folder(folder)], folders)
+    files = [path] if path.is_file() else []
+    if files and not is_shard_name(path.name):
+        raise ConfigError(f"{text} is not a shard (shards end in {', '.join(SHARD_SUFFIXES)}).")
+    return Alternative(text, "file", files, [path.parent])
 
 
 def shards_in_folder(folder: Path) -> list[Path]:
     """Shard files directly inside ``folder`` (hidden partial files excluded), sorted."""
-    return sorted(
-        p for p in folder.iterdir() if p.is_file() and p.name.endswith(SHARD_SUFFIXES) and not p.name.startswith(".")
-    )
-
-
-def group_by_folder(paths: Sequence[Path]) -> dict[Path, list[Path]]:
-    """Shards grouped by the folder (and so the index) they belong to, in first-seen order."""
-    folders: dict[Path, list[Path]] = {}
-    for path in paths:
-        folders.setdefault(path.parent, []).append(path)
-    return folders
+    return sorted(p for p in folder.iterdir() if p.is_file() and is_shard_name(p.name))

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..formats.index import ShardIndex, merge_histograms
-from ..formats.patterns import expand_patterns, group_by_folder
+from ..formats.index import merge_histograms
+from ..formats.patterns import Patterns
+from ..formats.selection import MissingShard, select_shards
 from .base import SEED_PLAN, stage_rng
 
 
@@ -34,6 +34,7 @@ class ShardInfo:
     bytes: int
     num_utts: int | None = None
     num_frames: int | None = None
+    escaped_keys: bool = False  # keys were percent-encoded at pack time (shown unescaped)
 
 
 @dataclass(frozen=True)
@@ -44,32 +45,35 @@ class ShardTable:
     dim: int | None = None
     frame_shift_ms: float = 10.0
     length_hist: tuple[tuple[int, int], ...] = ()
+    missing: tuple[MissingShard, ...] = ()  # selected but not on disk (see formats/selection.py)
 
     @classmethod
-    def from_patterns(cls, patterns: str | Path | Sequence[str | Path]) -> ShardTable:
+    def from_patterns(cls, patterns: Patterns) -> ShardTable:
         """Expand brace/glob ``patterns`` and read the ``index.json`` of each folder."""
+        selection = select_shards(patterns)
         shards: list[ShardInfo] = []
         dims: dict[int, str] = {}
         histograms = []
         shift = 10.0
-        for folder, paths in group_by_folder(expand_patterns(patterns)).items():
-            index = ShardIndex.load(folder)
+        for folder, paths in selection.folders.items():
+            index = selection.indexes[folder]
             if index is not None and index.feature.get("dim"):
                 dims.setdefault(int(index.feature["dim"]), str(folder))
                 shift = float(index.feature.get("frame_shift_ms") or shift)
+            escaped = index is not None and index.escaped_keys
             for path in paths:
                 entry = index.entry(path.name) if index else None
                 if entry is None:
-                    shards.append(ShardInfo(str(path), path.stat().st_size))
+                    shards.append(ShardInfo(str(path), path.stat().st_size, escaped_keys=escaped))
                 else:
-                    shards.append(ShardInfo(str(path), entry.bytes, entry.num_utts, entry.num_frames))
+                    shards.append(ShardInfo(str(path), entry.bytes, entry.num_utts, entry.num_frames, escaped))
                     histograms.append(entry.length_hist)
         if len(dims) > 1:
             raise ConfigError(
                 f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in dims.items())}."
             )
         histogram = merge_histograms(histograms)
-        return cls(tuple(shards), next(iter(dims), None), shift, tuple(histogram.items()))
+        return cls(tuple(shards), next(iter(dims), None), shift, tuple(histogram.items()), tuple(selection.missing))
 
     @property
     def indexed(self) -> bool:
@@ -233,7 +237,10 @@ def _deal(pieces: Sequence[_Piece], parts: int, readers: int) -> list[list[_Piec
     return out
 
 
-def planned_utts(table: ShardTable, units: Sequence[Unit]) -> int | None:
-    """Utterances a reader's units hold, when every shard's size is known."""
-    counts = [u.count(table.shards[u.shard].num_utts) for u in units]
+def planned_utts(table: ShardTable, units: Sequence[Unit], counted: Mapping[int, int] | None = None) -> int | None:
+    """Utterances a reader's units hold, when the size of every shard they read is known
+    (from the index, or ``counted``: shard number -> samples counted on disk)."""
+    counted = counted or {}
+    sizes = [s.num_utts if s.num_utts is not None else counted.get(i) for i, s in enumerate(table.shards)]
+    counts = [u.count(sizes[u.shard]) for u in units]
     return None if any(c is None for c in counts) else sum(counts)  # type: ignore[arg-type]

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import logging
 from pathlib import Path
 
 from .. import __version__
 from ..errors import ConfigError, SeqshardError
 from ..formats.index import ShardEntry, ShardIndex
+from ..formats.pack_state import STATE_DIR, planned_shards
 from ..formats.patterns import SHARD_SUFFIXES, shards_in_folder
-from ..prep.journal import STATE_DIR, finished_shards
+from ..prep.journal import finished_shards
 from .parallel import map_shards
 from .scan import scan_shard
+
+_LOG = logging.getLogger("seqshard")
+SHOWN = 5
 
 
 def shard_folders(root: Path) -> list[Path]:
@@ -35,6 +40,7 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
     if not folders:
         raise ConfigError(f"{root} holds no shard files ({', '.join(SHARD_SUFFIXES)}), nor do its sub-folders.")
     journal = finished_shards(root) if (root / STATE_DIR).is_dir() else {}
+    _refuse_unfinished_pack(root)
     run = _pack_run(root)
     written = []
     for folder in folders:
@@ -62,6 +68,12 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
                 feature.setdefault("dtype", scan.dtype)
         feature.setdefault("field", "feats.npy" if journal else None)
         feature.setdefault("frame_shift_ms", 10.0)
+        if feature["field"] is None:
+            _LOG.warning(
+                "%s: the shards hold no feature field (.npy array): frame counts and hours are unknown "
+                "(audio shards are not measured yet)",
+                folder,
+            )
         index = ShardIndex(
             shards=[entries[s.name] for s in shards],
             feature=feature,
@@ -75,6 +87,30 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
         )
         written.append(index.save(folder))
     return written
+
+
+def _refuse_unfinished_pack(root: Path) -> None:
+    """An index of a pack whose parts have not all finished would make loaders read part of
+    the data as if it were all of it: refuse, naming the shards still to be written."""
+    planned = planned_shards(root)
+    if planned is None:
+        return
+    absent = [
+        (root / group / name if group else root / name)
+        for group, shards in planned.items()
+        for name in shards
+        if not (root / group / name if group else root / name).is_file()
+    ]
+    if absent:
+        total = sum(len(shards) for shards in planned.values())
+        shown = ", ".join(str(p) for p in absent[:SHOWN]) + (
+            f" and {len(absent) - SHOWN} more" if len(absent) > SHOWN else ""
+        )
+        raise ConfigError(
+            f"the pack in {root} is unfinished: {len(absent)} of its {total} planned shards are not written yet ({shown}). "
+            "Fix: run the pack command of the missing part(s) again (with the same --num-parts and --part); the last "
+            "part to finish writes the indexes itself."
+        )
 
 
 def _previous_index(folder: Path) -> ShardIndex | None:

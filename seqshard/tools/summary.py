@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
-from ..formats.patterns import expand_patterns, group_by_folder
+from ..formats.selection import MissingShard, select_shards
 from .parallel import map_shards
 from .scan import scan_shard
 
@@ -21,6 +21,7 @@ class FolderSummary:
     folder: str
     indexed: bool
     frame_shift_ms: float
+    has_features: bool = True  # False for shards without a feature array (frames unknown)
     selected: ShardIndex = field(default_factory=lambda: ShardIndex([]))
 
     @property
@@ -36,47 +37,82 @@ class FolderSummary:
         return self.selected.num_frames
 
     @property
-    def hours(self) -> float:
-        return self.num_frames * self.frame_shift_ms / 3.6e6
+    def hours(self) -> float | None:
+        return self.num_frames * self.frame_shift_ms / 3.6e6 if self.has_features else None
 
     @property
     def histogram(self) -> dict[int, int]:
         return merge_histograms(e.length_hist for e in self.entries)
 
 
-def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> list[FolderSummary]:
+@dataclass
+class Summary:
+    """What ``inspect`` found: a summary per folder and the selected shards that are missing."""
+
+    folders: list[FolderSummary]
+    missing: list[MissingShard] = field(default_factory=list)
+
+
+def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> Summary:
     """One summary per folder of the matched shards (from the index; unindexed shards are read)."""
+    selection = select_shards(patterns)
     folders = []
-    for folder, shards in group_by_folder(expand_patterns(patterns)).items():
-        index = ShardIndex.load(folder)
-        summary = FolderSummary(
-            str(folder), index is not None, float((index.feature if index else {}).get("frame_shift_ms") or 10.0)
-        )
-        missing = []
+    for folder, shards in selection.folders.items():
+        index = selection.indexes[folder]
+        feature = index.feature if index else {}
+        summary = FolderSummary(str(folder), index is not None, float(feature.get("frame_shift_ms") or 10.0))
+        unindexed = []
         for shard in shards:
             entry = index.entry(shard.name) if index else None
             if entry is None:
-                missing.append(shard)
+                unindexed.append(shard)
             else:
                 summary.entries.append(entry)
-        summary.entries.extend(
-            scan.entry for scan in map_shards(scan_shard, missing, jobs, f"read unindexed shards in {folder}", progress)
+        scans = list(map_shards(scan_shard, unindexed, jobs, f"read unindexed shards in {folder}", progress))
+        summary.entries.extend(scan.entry for scan in scans)
+        summary.has_features = (feature.get("field") is not None if index else True) and all(
+            scan.feature_field is not None for scan in scans
         )
         folders.append(summary)
-    return folders
+    return Summary(folders, selection.missing)
 
 
-def to_json(folders: list[FolderSummary]) -> dict[str, Any]:
+def length_percentiles(entries: list[ShardEntry], histogram: dict[int, int]) -> dict[str, float]:
+    """Percentiles from the length histograms (8 bins per octave: about 4% resolution), kept
+    within the exact shortest and longest lengths when the index records them."""
+    low, high = length_range(entries, histogram)
+    return {f"p{q}": round(min(max(histogram_percentile(histogram, q), low), high), 1) for q in PERCENTILES}
+
+
+def length_range(entries: list[ShardEntry], histogram: dict[int, int]) -> tuple[float, float]:
+    """Shortest and longest length: exact when every entry records them, else the bounds of
+    the outer histogram bins."""
+    if not histogram:
+        return 0.0, 0.0
+    filled = [e for e in entries if e.num_utts]
+    if filled and all(e.min_frames is not None and e.max_frames is not None for e in filled):
+        return float(min(e.min_frames for e in filled)), float(max(e.max_frames for e in filled))  # type: ignore[type-var]
+    return bin_bounds(min(histogram))[0], bin_bounds(max(histogram))[1]
+
+
+def to_json(summary: Summary) -> dict[str, Any]:
+    folders = summary.folders
+    entries = [e for f in folders for e in f.entries]
     histogram = merge_histograms(f.histogram for f in folders)
     shift = folders[0].frame_shift_ms if folders else 10.0
+    hours = [f.hours for f in folders]
+    low, high = length_range(entries, histogram)
     return {
-        "num_shards": sum(len(f.entries) for f in folders),
+        "num_shards": len(entries),
         "num_utts": sum(f.num_utts for f in folders),
         "num_frames": sum(f.num_frames for f in folders),
-        "hours": round(sum(f.hours for f in folders), 4),
-        "bytes": sum(e.bytes for f in folders for e in f.entries),
+        "hours": None if None in hours else round(sum(hours), 4),  # type: ignore[arg-type]
+        "bytes": sum(e.bytes for e in entries),
         "frame_shift_ms": shift,
-        "length_percentiles_frames": {f"p{q}": round(histogram_percentile(histogram, q), 1) for q in PERCENTILES},
+        "min_frames": low,
+        "max_frames": high,
+        "length_percentiles_frames": length_percentiles(entries, histogram),
+        "percentiles_exact": False,
         "groups": [
             {
                 "folder": f.folder,
@@ -84,27 +120,33 @@ def to_json(folders: list[FolderSummary]) -> dict[str, Any]:
                 "num_shards": len(f.entries),
                 "num_utts": f.num_utts,
                 "num_frames": f.num_frames,
-                "hours": round(f.hours, 4),
-                "median_frames": round(histogram_percentile(f.histogram, 50), 1),
+                "hours": None if f.hours is None else round(f.hours, 4),
+                "median_frames": length_percentiles(f.entries, f.histogram)["p50"],
             }
             for f in folders
         ],
+        "missing_shards": [{"path": str(m.path), "why": m.why, "num_utts": m.num_utts} for m in summary.missing],
         "length_hist": {str(k): v for k, v in histogram.items()},
     }
 
 
 def format_text(summary: dict[str, Any]) -> str:
+    hours = "unknown hours (no feature field)" if summary["hours"] is None else f"{summary['hours']:.2f} hours"
     lines = [
         f"{summary['num_shards']} shards, {summary['num_utts']} utterances, {summary['num_frames']} frames = "
-        f"{summary['hours']:.2f} hours at {summary['frame_shift_ms']:g} ms/frame, {summary['bytes'] / 1e9:.2f} GB",
-        "length percentiles (frames): "
+        f"{hours} at {summary['frame_shift_ms']:g} ms/frame, {summary['bytes'] / 1e9:.2f} GB",
+        f"length (frames): min {summary['min_frames']:g}, max {summary['max_frames']:g}; percentiles (approximate, "
+        "from 8-per-octave histograms): "
         + "  ".join(f"{k}={v:g}" for k, v in summary["length_percentiles_frames"].items()),
         f"{'folder':<40} {'shards':>7} {'utts':>10} {'hours':>9} {'median':>7}  index",
     ]
     for group in summary["groups"]:
+        group_hours = "?" if group["hours"] is None else f"{group['hours']:.2f}"
         lines.append(
-            f"{group['folder']:<40} {group['num_shards']:>7} {group['num_utts']:>10} {group['hours']:>9.2f} {group['median_frames']:>7g}  {'yes' if group['indexed'] else 'no'}"
+            f"{group['folder']:<40} {group['num_shards']:>7} {group['num_utts']:>10} {group_hours:>9} {group['median_frames']:>7g}  {'yes' if group['indexed'] else 'no'}"
         )
+    for missing in summary["missing_shards"]:
+        lines.append(f"MISSING {missing['path']}: {missing['why']}")
     return "\n".join(lines)
 
 
@@ -126,7 +168,8 @@ def plot_lengths(summary: dict[str, Any], path: str | Path) -> None:
     axes.set_xscale("log")
     axes.set_xlabel("utterance length (s)")
     axes.set_ylabel("utterances")
-    axes.set_title(f"{summary['num_utts']} utterances, {summary['hours']:.1f} h")
+    hours = "unknown hours" if summary["hours"] is None else f"{summary['hours']:.1f} h"
+    axes.set_title(f"{summary['num_utts']} utterances, {hours}")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

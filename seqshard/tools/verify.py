@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..formats.index import ShardIndex
-from ..formats.patterns import expand_patterns, group_by_folder
+from ..formats.selection import select_shards
 from .parallel import map_shards
 from .scan import scan_shard
 
@@ -14,19 +13,22 @@ from .scan import scan_shard
 class VerifyResult:
     checked: int = 0
     damaged: dict[str, list[str]] = field(default_factory=dict)  # shard path -> problems
+    missing: dict[str, str] = field(default_factory=dict)  # shard path -> why it should be there
     unindexed: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.damaged
+        return not self.damaged and not self.missing
 
 
 def verify(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> VerifyResult:
     """Check every shard named by ``patterns``: tar structure, arrays, count and checksum
-    against ``index.json``; index entries whose file is gone count as damaged."""
+    against ``index.json``; selected shards that are missing (listed in an index, or planned
+    by an unfinished pack) count as damaged."""
     result = VerifyResult()
-    for folder, shards in group_by_folder(expand_patterns(patterns)).items():
-        index = ShardIndex.load(folder)
+    selection = select_shards(patterns)
+    for folder, shards in selection.folders.items():
+        index = selection.indexes[folder]
         for shard, scan in zip(shards, map_shards(scan_shard, shards, jobs, f"verify {folder}", progress)):
             result.checked += 1
             problems = list(scan.problems)
@@ -42,19 +44,16 @@ def verify(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> V
                     problems.append(f"{scan.entry.num_utts} utterances, index says {entry.num_utts}")
             if problems:
                 result.damaged[str(shard)] = problems
-        if index is not None:
-            present = {s.name for s in shards}
-            for entry in index.shards:
-                if entry.name not in present and not (folder / entry.name).exists():
-                    result.damaged[str(folder / entry.name)] = ["listed in index.json but the file is missing"]
+    result.missing = {str(m.path): m.why for m in selection.missing}
     return result
 
 
 def format_result(result: VerifyResult) -> str:
-    lines = [f"checked {result.checked} shards: {len(result.damaged)} damaged"]
+    lines = [f"checked {result.checked} shards: {len(result.damaged)} damaged, {len(result.missing)} missing"]
     for shard, problems in result.damaged.items():
         lines.append(f"DAMAGED {shard}")
         lines.extend(f"    {problem}" for problem in problems)
+    lines.extend(f"MISSING {shard}\n    {why}" for shard, why in result.missing.items())
     for shard in result.unindexed:
         lines.append(f"not in its folder's index.json (run `seqshard index`): {shard}")
     return "\n".join(lines)

@@ -1,0 +1,122 @@
+"""Which shards a set of patterns selects, checked against what should be there.
+
+Every brace alternative must select at least one shard: a typo in one alternative of
+``{10_500,500_200}`` is an error, not half the data. Shards that should be there but are not
+are returned as :class:`MissingShard`, never dropped from the list unannounced: those listed
+in a folder's ``index.json`` whose file is gone, those a pack planned for a folder it has not
+finished writing, and explicitly named files that do not exist. The caller decides: an error
+naming them, or (when the user asked to skip bad data) a counted, logged skip.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError, ShardError, option
+from .index import ShardIndex
+from .pack_state import REPORT_NAME, pack_root, planned_in_folder
+from .patterns import Alternative, Patterns, expand_pattern, pattern_list
+
+SHOWN = 5
+
+
+@dataclass(frozen=True)
+class MissingShard:
+    """A shard that the patterns select but that is not on disk, and why it should be."""
+
+    path: Path
+    why: str
+    num_utts: int | None = None
+
+
+@dataclass
+class ShardSelection:
+    """Shard files grouped by folder (in pattern order, each once), each folder's index, and
+    the shards that are missing."""
+
+    folders: dict[Path, list[Path]] = field(default_factory=dict)
+    indexes: dict[Path, ShardIndex | None] = field(default_factory=dict)
+    missing: list[MissingShard] = field(default_factory=list)
+
+    @property
+    def paths(self) -> list[Path]:
+        return [path for paths in self.folders.values() for path in paths]
+
+
+def missing_error(missing: Sequence[MissingShard]) -> ShardError:
+    """The error that names missing shards (the first few) and what to do."""
+    folders = {m.path.parent for m in missing}
+    shown = "; ".join(f"{m.path.name if len(folders) == 1 else m.path} ({m.why})" for m in missing[:SHOWN])
+    more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
+    return ShardError(
+        missing[0].path.parent if len(folders) == 1 else "the selected shards",
+        None,
+        f"{len(missing)} selected shard(s) are missing: {shown}{more}. Fix: restore them or finish the pack that "
+        f"writes them; or pass {option('skip_bad')} to read the others (the missing ones are counted).",
+    )
+
+
+def select_shards(patterns: Patterns) -> ShardSelection:
+    """The shards named by ``patterns`` (see the module docstring); raises ConfigError for
+    an alternative that selects nothing at all."""
+    selection = ShardSelection()
+    missing: dict[Path, MissingShard] = {}
+    for pattern in pattern_list(patterns):
+        for alternative in expand_pattern(pattern):
+            absent = _absent(alternative, selection)
+            if not alternative.files and not absent:
+                raise ConfigError(
+                    f"{alternative.text!r} (from the pattern {pattern!r}) selects no shard (from {Path.cwd()}). "
+                    "Check the path, the braces and the wildcard; shards end in .tar, .tar.gz or .tgz."
+                )
+            for shard in absent:
+                missing.setdefault(shard.path, shard)
+            for path in alternative.files:
+                shards = selection.folders.setdefault(path.parent, [])
+                if path not in shards:
+                    shards.append(path)
+    for folder in selection.folders:
+        _index_of(folder, selection)
+    selection.missing = list(missing.values())
+    return selection
+
+
+def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
+    if folder not in selection.indexes:
+        selection.indexes[folder] = ShardIndex.load(folder)
+    return selection.indexes[folder]
+
+
+def _absent(alternative: Alternative, selection: ShardSelection) -> list[MissingShard]:
+    """Shards this alternative names that should exist and do not."""
+    absent = []
+    for folder in alternative.folders:
+        index = _index_of(folder, selection)
+        if index is not None:
+            expected = {entry.name: entry.num_utts for entry in index.shards}
+            why = "listed in its folder's index.json, but the file is missing"
+        else:
+            planned = planned_in_folder(folder)
+            if planned is None:
+                if _unfinished_without_record(folder):
+                    absent.append(MissingShard(folder, "written by a pack that has not finished (no index.json)"))
+                continue
+            expected = planned
+            why = "planned by a pack that has not finished writing it (no index.json yet)"
+        absent.extend(
+            MissingShard(folder / name, why, count)
+            for name, count in expected.items()
+            if alternative.covers(folder / name) and not (folder / name).is_file()
+        )
+    if alternative.kind == "file" and not alternative.files and not absent:
+        absent.append(MissingShard(Path(alternative.text), "named in the pattern, but it does not exist"))
+    return absent
+
+
+def _unfinished_without_record(folder: Path) -> bool:
+    """A folder of shards without an index, written by a pack that recorded no plan (an older
+    seqshard) and has no report: it cannot be told complete."""
+    root = pack_root(folder)
+    return root is not None and not (root / REPORT_NAME).is_file() and any(folder.glob("*.tar"))

@@ -1,0 +1,104 @@
+"""Which shards a pattern selects: nothing may be left out without a word (loader, inspect,
+verify and index alike)."""
+
+import json
+
+import pytest
+
+from conftest import pack_small, write_kaldi_dir
+from seqshard import make_loader, pack_data
+from seqshard.cli import main
+from seqshard.errors import ConfigError, ShardError
+from seqshard.formats.selection import select_shards
+
+
+@pytest.fixture(scope="module")
+def grouped(tmp_path_factory):
+    """48 utterances packed into two length groups (5_40 and 40_80), 10 per shard."""
+    root = tmp_path_factory.mktemp("grouped")
+    data = write_kaldi_dir(root / "kaldi", frames=(5, 80))
+    pack_data(data.scp, data.text, root / "shards", filter_group=["5:40", "40:80"], utts_per_file=10, progress=False)
+    return data, root / "shards"
+
+
+def keys_of(loader):
+    return [k for batch in loader for k in batch["keys"]]
+
+
+def test_a_brace_alternative_that_selects_nothing_is_an_error_everywhere(grouped, capsys):
+    data, out = grouped
+    typo = f"{out}/{{5_40,40_8}}/data-*.tar"
+    with pytest.raises(ConfigError, match=r"'.*/40_8/data-\*\.tar' \(from the pattern .*\) selects no shard"):
+        make_loader(typo, batch_size=4)
+    assert main(["inspect", "--quiet", typo]) == 1
+    assert "40_8/data-*.tar" in capsys.readouterr().err
+    assert main(["verify", "--quiet", typo]) == 1
+    assert "selects no shard" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="40_8"):  # every element of a list, too
+        make_loader([f"{out}/5_40/data-*.tar", f"{out}/40_8/data-*.tar"], batch_size=4)
+    with pytest.raises(ShardError, match=r"data-00003\.tar \(named in the pattern, but it does not exist\)"):
+        make_loader(f"{out}/5_40/data-0000{{0..3}}.tar", batch_size=4)  # the group has 3 shards, not 4
+    both = keys_of(make_loader(f"{out}/{{5_40,40_80}}/data-*.tar", batch_size=4, num_workers=0))
+    assert sorted(both) == sorted(data.keys)
+
+
+def test_globs_select_shards_only_not_the_index_or_other_files(grouped, capsys):
+    data, out = grouped
+    (out / "5_40" / "README").write_text("notes\n")
+    table = select_shards(f"{out}/5_40/*")
+    assert [p.name for p in table.paths] == ["data-00000.tar", "data-00001.tar", "data-00002.tar"]
+    in_group = [k for k in data.keys if 5 <= data.arrays[k].shape[0] < 40]
+    assert sorted(keys_of(make_loader(f"{out}/5_40/*", batch_size=4, num_workers=0))) == sorted(in_group)
+    assert main(["inspect", "--json", "--quiet", f"{out}/5_40/*"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_utts"] == len(in_group)
+    assert main(["verify", "--quiet", f"{out}/*/*"]) == 0
+    assert "0 damaged, 0 missing" in capsys.readouterr().out
+    with pytest.raises(ConfigError, match=r"index\.json is not a shard"):
+        make_loader(f"{out}/5_40/index.json", batch_size=4)
+    with pytest.raises(ConfigError, match="selects no shard"):
+        make_loader(f"{out}/5_40/*.json", batch_size=4)
+
+
+def test_a_shard_listed_in_the_index_but_missing_is_named_or_counted(tmp_path, capsys):
+    packed = pack_small(tmp_path, utts_per_file=10)
+    gone = packed.out / "data-00002.tar"
+    gone.unlink()
+    for pattern in (packed.pattern, str(packed.out), f"{packed.out}/data-0000[0-4].tar"):
+        with pytest.raises(
+            ShardError, match=r"1 selected shard\(s\) are missing: data-00002\.tar \(listed in its folder's index\.json"
+        ):
+            make_loader(pattern, batch_size=4)
+    loader = make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True)
+    keys = keys_of(loader)
+    assert len(keys) == 48 - 10 and len(set(keys)) == len(keys)
+    assert loader.stats()["missing_shards"] == 1
+    assert loader.last_summary["missing_shards"] == [str(gone)]
+    assert main(["verify", "--quiet", str(packed.out)]) == 1
+    assert f"MISSING {gone}" in capsys.readouterr().out
+    assert main(["inspect", "--quiet", packed.pattern]) == 1
+    assert f"MISSING {gone}" in capsys.readouterr().out
+    # a pattern that names only other shards is not concerned
+    assert len(keys_of(make_loader(f"{packed.out}/data-0000[01].tar", batch_size=4, num_workers=0))) == 20
+
+
+def test_an_unfinished_multi_part_pack_is_not_read_or_indexed_as_if_complete(tmp_path, capsys):
+    data = write_kaldi_dir(tmp_path / "kaldi")
+    out = tmp_path / "shards"
+    report = pack_data(data.scp, data.text, out, utts_per_file=10, num_parts=2, part=0, progress=False)
+    assert not report.complete and not (out / "index.json").exists()
+    assert sorted(p.name for p in out.glob("*.tar")) == ["data-00000.tar", "data-00002.tar", "data-00004.tar"]
+    with pytest.raises(
+        ShardError,
+        match=r"2 selected shard\(s\) are missing: data-00001\.tar \(planned by a pack that has not finished",
+    ):
+        make_loader(f"{out}/data-*.tar", batch_size=4)
+    loader = make_loader(str(out), batch_size=4, num_workers=0, skip_bad=True)
+    assert len(keys_of(loader)) == 10 + 10 + 8 and loader.stats()["missing_shards"] == 2
+    assert main(["index", "--quiet", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "unfinished: 2 of its 5 planned shards are not written yet" in err and "data-00003.tar" in err
+    assert not (out / "index.json").exists()
+    report = pack_data(data.scp, data.text, out, utts_per_file=10, num_parts=2, part=1, progress=False)
+    assert report.complete and (out / "index.json").exists()
+    assert sorted(keys_of(make_loader(f"{out}/data-*.tar", batch_size=4, num_workers=0))) == sorted(data.keys)
+    assert main(["index", "--quiet", str(out)]) == 0
