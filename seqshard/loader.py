@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from .dist import Collectives, DistContext, discover
-from .errors import ConfigError, StateMismatchError
+from .errors import ConfigError, ShardError, StateMismatchError
+from .formats.selection import missing_error
+from .formats.tar import count_samples
 from .pipeline.collate import to_tensors
 from .pipeline.config import LoaderConfig
-from .pipeline.labels import LabelOverride, Tokenizer, make_tokenizer
+from .pipeline.labels import UNKNOWN_WARN_AFTER, LabelOverride, Tokenizer, make_tokenizer, unknown_tokens_warning
 from .pipeline.merge import Item, MergedStream, RankPosition
 from .pipeline.shards import ShardTable, planned_utts
 from .pipeline.transfer import BatchSlots
@@ -46,7 +48,7 @@ def make_loader(
     ``keys``, ``texts``.
 
     ``tokenizer``: a SentencePiece ``.model`` or a units file (``token id`` per line,
-    ``split="char"`` or ``"word"``). ``labels``: Kaldi ``text`` file(s) whose labels replace
+    ``split="char"`` or ``"word"``, chosen from the units when not given). ``labels``: Kaldi ``text`` file(s) whose labels replace
     the shards' by key. ``rank``/``world_size`` override what ``torch.distributed`` or
     torchrun's environment say. Other options (defaults in ``LoaderConfig``): batching
     (``batch_size`` or ``batch_frames``, ``quadratic_frames``, ``sort_window``,
@@ -64,6 +66,16 @@ def make_loader(
         options["batch_frames"] = 20000
     config = LoaderConfig(**options)
     table = ShardTable.from_patterns(patterns)
+    if table.missing:
+        if not config.skip_bad:
+            raise missing_error(table.missing)
+        _LOG.warning(
+            "%d selected shard(s) are missing and are not read (skip_bad): %s",
+            len(table.missing),
+            "; ".join(f"{m.path} ({m.why})" for m in table.missing[:5]),
+        )
+    if not table.shards:
+        raise ConfigError("none of the selected shards exists (all are missing).")
     context = discover(rank, world_size)
     override = LabelOverride(labels) if labels is not None else None
     return ShardLoader(
@@ -111,6 +123,8 @@ class ShardLoader:
         self._position = RankPosition.fresh(0, self._setup.readers_per_rank, self._buckets)
         self._resume: RankPosition | None = None
         self._timing = {"started": 0.0, "seconds": 0.0}
+        self._counted: dict[int, int] = {}  # samples counted in unindexed shards (for what is left)
+        self._unknown_tokens_judged = tokenizer is None
         self.last_summary: dict[str, Any] | None = None
 
     # -- epochs ------------------------------------------------------------------------------
@@ -191,6 +205,8 @@ class ShardLoader:
                 break
             stream.emit(item)
             self._timing["seconds"] = time.perf_counter() - self._timing["started"]
+            if not self._unknown_tokens_judged:
+                self._judge_unknown_tokens(position)
             yield item["batch"]
         del stream  # stops non-persistent workers now, not at garbage collection
         if self.config.uneven != "repeat":
@@ -235,7 +251,10 @@ class ShardLoader:
             stream.pull_into_reservoir()
 
     def _receive(self, item: Item) -> Item:
-        """Turn a worker's arrays into tensors (copying features out of their shared slot)."""
+        """Turn a worker's arrays into tensors (copying features out of their shared slot);
+        raise the error a worker reported."""
+        if "error" in item:
+            raise item["error"]
         arrays = item["batch"]
         if arrays is None:
             return item
@@ -252,8 +271,22 @@ class ShardLoader:
         item["batch"] = batch
         return item
 
+    def _judge_unknown_tokens(self, position: RankPosition, final: bool = False) -> None:
+        """Warn once when many label tokens are unknown to the tokenizer (a units file of
+        words split into characters, labels in another case than a BPE model's, ...)."""
+        counters = self._counters(position)
+        tokens, unknown = counters.get("tokens", 0), counters.get("unknown_tokens", 0)
+        if tokens < UNKNOWN_WARN_AFTER and not final:
+            return
+        self._unknown_tokens_judged = True
+        warning = unknown_tokens_warning(self._setup.tokenizer, tokens, unknown)  # type: ignore[arg-type]
+        if warning:
+            _LOG.warning("%s", warning)
+
     # -- end of epoch -------------------------------------------------------------------------
     def _finish_epoch(self, position: RankPosition) -> None:
+        if not self._unknown_tokens_judged:
+            self._judge_unknown_tokens(position, final=True)
         local = self._rank_summary(position)
         if self.config.uneven == "join":
             self.last_summary = {"ranks": [local]}
@@ -261,9 +294,15 @@ class ShardLoader:
             return
         ranks = self.collectives.all_gather(local)
         self.last_summary = {"epoch": position.epoch, "ranks": ranks}
+        if self.table.missing:
+            self.last_summary["missing_shards"] = [str(m.path) for m in self.table.missing]
         if self.context.rank == 0:
+            missing = f"; {len(self.table.missing)} selected shard(s) missing, not read" if self.table.missing else ""
             _LOG.info(
-                "seqshard epoch %d: %s", position.epoch, "; ".join(f"rank {r['rank']}: {_describe(r)}" for r in ranks)
+                "seqshard epoch %d: %s%s",
+                position.epoch,
+                "; ".join(f"rank {r['rank']}: {_describe(r)}" for r in ranks),
+                missing,
             )
 
     def _rank_summary(self, position: RankPosition) -> dict[str, Any]:
@@ -276,14 +315,32 @@ class ShardLoader:
             "filtered": stats["filtered"],
         }
         if self.config.uneven != "repeat":
-            planned = [planned_utts(self.table, self._units_of(position, w)) for w in range(len(position.workers))]
+            units = [self._units_of(position, w) for w in range(len(position.workers))]
+            self._count_unindexed(units)
+            planned = [planned_utts(self.table, u, self._counted) for u in units]
             if all(p is not None for p in planned):
                 total = sum(planned)  # type: ignore[arg-type]
                 summary["planned"] = total
                 summary["left"] = (
-                    total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
+                    total
+                    - position.utts
+                    - sum(v for k, v in stats["dropped"].items() if k != "damaged_shard")
+                    - sum(stats["filtered"].values())
                 )
         return summary
+
+    def _count_unindexed(self, units: list[list]) -> None:
+        """Count the samples of this rank's unindexed shards (headers only, once per loader),
+        so that what an epoch left unread is known for them too."""
+        todo = {u.shard for worker in units for u in worker if self.table.shards[u.shard].num_utts is None}
+        todo -= set(self._counted)
+        if todo:
+            _LOG.info("counting the samples of %d unindexed shard(s); `seqshard index` records them", len(todo))
+        for shard in sorted(todo):
+            try:
+                self._counted[shard] = count_samples(self.table.shards[shard].path)
+            except ShardError as error:
+                _LOG.warning("cannot count the samples of a damaged shard: %s", error)
 
     def _units_of(self, position: RankPosition, worker: int) -> list:
         units = position.units_of(worker)
@@ -294,10 +351,7 @@ class ShardLoader:
         """This rank's progress in the current epoch: utterances (and per second), steps,
         shard units finished, dropped and filtered by reason, padding fraction."""
         position = position or self._position
-        counters: dict[str, int] = {}
-        for worker in position.workers:
-            for name, value in worker.stats.items():
-                counters[name] = counters.get(name, 0) + value
+        counters = self._counters(position)
         seconds = self._timing["seconds"]
         return {
             "epoch": position.epoch,
@@ -308,7 +362,19 @@ class ShardLoader:
             "dropped": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("dropped.") and v},
             "filtered": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("filtered.") and v},
             "padding_fraction": 1 - position.frames / position.padded_frames if position.padded_frames else 0.0,
+            "tokens": counters.get("tokens", 0),
+            "unknown_tokens": counters.get("unknown_tokens", 0),
+            "missing_shards": len(self.table.missing),
         }
+
+    @staticmethod
+    def _counters(position: RankPosition) -> dict[str, int]:
+        """The workers' counters summed."""
+        counters: dict[str, int] = {}
+        for worker in position.workers:
+            for name, value in worker.stats.items():
+                counters[name] = counters.get(name, 0) + value
+        return counters
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:

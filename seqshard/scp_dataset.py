@@ -29,7 +29,7 @@ class ScpDataset:
         text: str | Path | Sequence[str | Path] | None = None,
         tokenizer: str | Path | Tokenizer | None = None,
         *,
-        split: str = "char",
+        split: str | None = None,
         strip_spaces: bool = False,
         path_root: str | Path | None = None,
         path_map: Sequence[tuple[str, str]] = (),

@@ -54,6 +54,20 @@ def test_stop_mode_ends_every_rank_together_and_counts_what_was_left(tmp_path, w
         assert sum(s["left"] for s in summary) + len(flat) == 78
 
 
+def test_stop_mode_counts_what_is_left_of_unindexed_shards(tmp_path):
+    pattern = write_shards(tmp_path / "shards", [40, 6, 6, 6, 6])
+    (tmp_path / "shards" / "index.json").unlink()  # shards from another tool: sizes unknown when planning
+    options = dict(batch_size=1, num_workers=2, shuffle_window=100, sort_window=100, seed=1)
+    ranks = run_ranks(2, {"pattern": pattern, "options": options, "epochs": [0, 1]}, tmp_path / "run")
+    for number in range(2):
+        seen = [keys_of(r["epochs"][number]) for r in ranks]
+        summary = ranks[0]["epochs"][number]["summary"]["ranks"]
+        assert all("planned" in s and "left" in s for s in summary)
+        assert sum(s["planned"] for s in summary) == 64
+        assert [s["left"] for s in summary] == [s["planned"] - len(k) for s, k in zip(summary, seen)]
+        assert sum(s["left"] for s in summary) > 0  # the 40-utterance shard makes one rank run long
+
+
 def test_a_rank_with_no_data_at_all_does_not_hang(tmp_path):
     pattern = write_shards(tmp_path / "shards", [1])  # one utterance for 3 ranks x 2 workers
     options = dict(batch_size=2, num_workers=2)

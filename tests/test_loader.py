@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import REALDATA, pack_small
-from seqshard import make_loader
-from seqshard.errors import ConfigError, InputError, StateMismatchError
+from seqshard import make_loader, pack_data
+from seqshard.errors import ConfigError, InputError, ShardError, StateMismatchError
 
 SMALL = dict(shuffle_window=12, sort_window=8, interleave=2)
 
@@ -102,13 +102,22 @@ def test_units_file_chars_words_unknowns_and_stripped_spaces(tmp_path):
     text = tmp_path / "text"
     k0, k1 = packed.data.keys
     text.write_text(f"{k0} 甚至 出现\n{k1} hello world\n")
-    chars = next(iter(make_loader(packed.pattern, units, labels=text, batch_size=2, shuffle=False, num_workers=0)))
+    chars = next(
+        iter(make_loader(packed.pattern, units, labels=text, split="char", batch_size=2, shuffle=False, num_workers=0))
+    )
     labels = {k: [t for t in row.tolist() if t != -1] for k, row in zip(chars["keys"], chars["labels"])}
     assert labels[k0] == [2, 3, 6, 4, 5]
     stripped = next(
         iter(
             make_loader(
-                packed.pattern, units, labels=text, strip_spaces=True, batch_size=2, shuffle=False, num_workers=0
+                packed.pattern,
+                units,
+                labels=text,
+                split="char",
+                strip_spaces=True,
+                batch_size=2,
+                shuffle=False,
+                num_workers=0,
             )
         )
     )
@@ -220,7 +229,7 @@ def test_options_are_checked_at_the_boundary(packed):
         make_loader(packed.pattern, batch_sise=3)
     with pytest.raises(ConfigError, match="exactly one of batch_size"):
         make_loader(packed.pattern, batch_size=3, batch_frames=100)
-    with pytest.raises(ConfigError, match="matches no file"):
+    with pytest.raises(ConfigError, match="selects no shard"):
         make_loader(f"{packed.out}/nope-*.tar")
     with pytest.raises(ConfigError, match="epoch_steps or epoch_hours"):
         make_loader(packed.pattern, uneven="repeat")
@@ -283,7 +292,10 @@ def test_elastic_resume_to_another_world_size_reads_the_rest_exactly_once(packed
 
 def test_damage_and_missing_files_are_named_or_counted(tmp_path):
     packed = pack_small(tmp_path, utts_per_file=10)
-    with pytest.raises(ConfigError, match=r"names files that do not exist: .*data-00009\.tar"):
+    with pytest.raises(
+        ShardError,
+        match=r"5 selected shard\(s\) are missing: data-00005\.tar \(named in the pattern, but it does not exist\)",
+    ):
         make_loader(f"{packed.out}/data-0000{{0..9}}.tar")
     from seqshard.formats.tar import SampleStream
 
@@ -312,3 +324,88 @@ def test_spawned_workers_get_the_same_batches(packed):
     forked = epoch_keys(make_loader(packed.pattern, **options), 1)
     spawned = epoch_keys(make_loader(packed.pattern, multiprocessing_context="spawn", **options), 1)
     assert spawned == forked
+
+
+def test_repeat_reads_each_utterance_once_per_pass_and_never_twice_in_a_batch(tmp_path):
+    packed = pack_small(tmp_path, utts_per_file=16, speakers=3, per_speaker=16)  # 3 shards of 16
+    loader = make_loader(
+        packed.pattern,
+        batch_size=5,
+        uneven="repeat",
+        epoch_steps=40,
+        num_workers=0,
+        interleave=4,  # more than the reader's shards: the old reader opened the next pass early
+        shuffle_window=100,
+        sort_window=100,  # windows larger than a pass
+    )
+    batches = [b["keys"] for epoch in range(2) for b in epoch_keys_of(loader, epoch)]
+    assert all(len(set(batch)) == len(batch) for batch in batches)
+    stream = [k for batch in batches for k in batch]
+    passes = [stream[i : i + 48] for i in range(0, len(stream) - 47, 48)]
+    assert len(passes) >= 3
+    for number, keys in enumerate(passes):
+        assert sorted(keys) == sorted(packed.data.keys), f"pass {number} is not every utterance once"
+    assert passes[0] != passes[1]  # each pass has its own order
+
+
+def epoch_keys_of(loader, epoch):
+    loader.set_epoch(epoch)
+    return list(loader)
+
+
+def test_a_units_file_of_words_is_split_into_words_and_unknown_tokens_are_counted(tmp_path, caplog):
+    packed = pack_small(tmp_path, speakers=2, per_speaker=30)
+    words = sorted({w for label in packed.data.labels.values() for w in label.split()})
+    units = tmp_path / "words.txt"
+    units.write_text("<blank> 0\n<unk> 1\n" + "".join(f"{w} {i + 2}\n" for i, w in enumerate(words)))
+    loader = make_loader(packed.pattern, units, batch_size=8, num_workers=2)
+    assert loader.tokenizer.split == "word"
+    batches = list(loader)
+    assert all((b["labels"][b["labels"] >= 0] > 1).all() for b in batches)  # no <unk>
+    assert loader.stats()["unknown_tokens"] == 0 and loader.stats()["tokens"] == 60 * 3
+    assert "unknown token" not in caplog.text
+    forced = make_loader(packed.pattern, units, split="char", batch_size=8, num_workers=2)
+    with caplog.at_level("WARNING", logger="seqshard"):
+        list(forced)
+    stats = forced.stats()
+    assert stats["unknown_tokens"] == stats["tokens"] > 0
+    assert "100% of the first" in caplog.text and "split='word'" in caplog.text
+
+
+def test_escaped_keys_come_out_as_in_the_scp_and_label_files_use_them(tmp_path):
+    import kaldiio
+
+    root = tmp_path / "kaldi"
+    root.mkdir()
+    keys = [f"sp0.9-spk{i}/utt%{i}" for i in range(6)]
+    with kaldiio.WriteHelper(f"ark,scp:{root}/a.ark,{root}/feats.scp") as writer:
+        for i, key in enumerate(keys):
+            writer(key, np.full((5 + i, 3), i, dtype=np.float32))
+    (root / "text").write_text("".join(f"{k} old {i}\n" for i, k in enumerate(keys)))
+    pack_data(root / "feats.scp", root / "text", tmp_path / "shards", escape_keys=True, progress=False)
+    relabel = tmp_path / "relabel"
+    relabel.write_text("".join(f"{k} new {i}\n" for i, k in enumerate(keys)))
+    for workers in (0, 2):
+        loader = make_loader(f"{tmp_path}/shards/*.tar", labels=relabel, batch_size=2, num_workers=workers)
+        texts = {k: t for b in loader for k, t in zip(b["keys"], b["texts"])}
+        assert texts == {k: f"new {i}" for i, k in enumerate(keys)}
+
+
+def test_worker_errors_arrive_as_the_original_error_naming_the_shard(tmp_path):
+    packed = pack_small(tmp_path, utts_per_file=10)
+    shard = packed.out / "data-00003.tar"
+    from seqshard.formats.tar import TarStream
+
+    with TarStream(shard) as stream:
+        stream.next_member()
+        second = stream.position  # the header of the second member
+    data = bytearray(shard.read_bytes())
+    data[second + 10 : second + 20] = b"\xff" * 10
+    shard.write_bytes(bytes(data))
+    for workers in (0, 2):
+        with pytest.raises(ShardError, match=rf"data-00003\.tar at byte {second}: tar header checksum mismatch"):
+            list(make_loader(packed.pattern, batch_size=4, num_workers=workers, **SMALL))
+    text = tmp_path / "relabel"
+    text.write_text(f"{packed.data.keys[0]} only one\n")
+    with pytest.raises(InputError, match="no line for this key"):
+        list(make_loader(packed.pattern, labels=text, batch_size=4, num_workers=2, **SMALL))

@@ -11,6 +11,7 @@ from seqshard.pipeline.base import Map, Stage
 from seqshard.pipeline.batching import FixedSize, FrameBudget, SortBatch, cut_batches
 from seqshard.pipeline.decode import Decoder, Utterance
 from seqshard.pipeline.filters import LengthFilter, LengthLimits
+from seqshard.pipeline.passes import Passes
 from seqshard.pipeline.reader import ShardReader
 from seqshard.pipeline.shards import ShardTable, Unit
 from seqshard.pipeline.shuffle import WindowShuffle
@@ -52,19 +53,19 @@ def test_reader_resumes_anywhere_with_interleaving_and_split_units(packed):
     table = ShardTable.from_patterns(packed.pattern)
     units = [Unit(3), Unit(0, 2, 7), Unit(4, 5), Unit(1, 1, None, 3)]
     for interleave in (1, 3):
-        keys = assert_resumes_everywhere(lambda interleave=interleave: ShardReader(table, lambda p: units, interleave))
+        keys = assert_resumes_everywhere(lambda interleave=interleave: ShardReader(table, units, interleave))
         assert len(keys) == len(set(keys)) == 10 + 5 + 3 + 3
-    one_at_a_time = [s.key for s in ShardReader(table, lambda p: units, 1)]
-    interleaved = [s.key for s in ShardReader(table, lambda p: units, 3)]
+    one_at_a_time = [s.key for s in ShardReader(table, units, 1)]
+    interleaved = [s.key for s in ShardReader(table, units, 3)]
     assert sorted(one_at_a_time) == sorted(interleaved) and one_at_a_time != interleaved
 
 
-def test_repeating_reader_moves_to_the_next_pass(packed):
+def test_passes_move_to_the_next_pass(packed):
     table = ShardTable.from_patterns(packed.pattern)
-    reader = ShardReader(table, lambda p: [Unit(p % 5, 0, 2)], 2, repeat=True)
+    reader = Passes(lambda p: ShardReader(table, [Unit(p % 5, 0, 2)], 2))
     keys = [next(reader).key for _ in range(6)]
     assert len(set(keys)) == 6  # passes 0, 1, 2 read shards 0, 1, 2
-    assert_resumes_everywhere(lambda: _take(ShardReader(table, lambda p: [Unit(p % 5, 0, 3)], 2, repeat=True), 11))
+    assert_resumes_everywhere(lambda: _take(Passes(lambda p: ShardReader(table, [Unit(p % 5, 0, 3)], 2)), 11))
 
 
 def _take(stage, count):
@@ -93,7 +94,7 @@ def test_decode_shuffle_filter_and_batch_resume_anywhere(packed):
     table = ShardTable.from_patterns(packed.pattern)
 
     def chain():
-        stage = ShardReader(table, lambda p: [Unit(i) for i in range(5)], 2)
+        stage = ShardReader(table, [Unit(i) for i in range(5)], 2)
         stage = Map(stage, Decoder(table))
         stage = LengthFilter(stage, LengthLimits(min_frames=10))
         stage = WindowShuffle(stage, 7, 0, 1, 2)

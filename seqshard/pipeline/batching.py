@@ -65,6 +65,11 @@ class FrameBudget(BatchCost):
         return self.cost(count, longest) <= self.max_frames
 
 
+def bucket_of(batch: Sequence[Utterance], bounds: Sequence[int]) -> int:
+    """Length bucket of a batch: how many of the ascending ``bounds`` its longest utterance reaches."""
+    return bisect.bisect_right(bounds, max(u.num_frames for u in batch))
+
+
 def cut_batches(lengths: Sequence[int], cost: BatchCost) -> tuple[list[list[int]], list[int]]:
     """Batches of indices into ``lengths`` (which must be sorted ascending), and the indices
     of utterances that do not fit even alone."""
@@ -88,8 +93,7 @@ class SortBatch(WindowStage[list[Utterance]]):
     """Length-sorted batches from windows of ``window`` utterances.
 
     ``oversize="alone"`` puts an utterance that exceeds the budget on its own in a batch;
-    ``"drop"`` counts it under ``dropped.oversize``. ``bucket_bounds`` (ascending frame
-    counts) tag each batch with the length bucket of its longest utterance.
+    ``"drop"`` counts it under ``dropped.oversize``.
     """
 
     def __init__(
@@ -101,7 +105,6 @@ class SortBatch(WindowStage[list[Utterance]]):
         *position: int,
         shuffle: bool = True,
         oversize: str = "alone",
-        bucket_bounds: Sequence[int] = (),
     ):
         super().__init__(source, window, "sort window")
         if oversize not in ("alone", "drop"):
@@ -111,7 +114,6 @@ class SortBatch(WindowStage[list[Utterance]]):
         self.position = position
         self.shuffle = shuffle
         self.oversize = oversize
-        self.bucket_bounds = list(bucket_bounds)
         self._counts: dict[str, int] = {}
 
     def reset(self, state: State | None = None) -> None:
@@ -145,10 +147,6 @@ class SortBatch(WindowStage[list[Utterance]]):
         ):
             self._counts[name] = self._counts.get(name, 0) + value
         return batch
-
-    def bucket_of(self, batch: Sequence[Utterance]) -> int:
-        """Length bucket of a batch: how many bounds its longest utterance reaches."""
-        return bisect.bisect_right(self.bucket_bounds, max(u.num_frames for u in batch))
 
     def get_state(self) -> State:
         return {**super().get_state(), "counts": dict(self._counts)}

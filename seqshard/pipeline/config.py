@@ -35,7 +35,7 @@ class LoaderConfig:
     min_frames_per_token: float | None = None
     max_frames_per_token: float | None = None
     oversize: str = "alone"
-    split: str = "char"
+    split: str | None = None
     strip_spaces: bool = False
     pad_label: int = -1
     dtype: str = "float32"

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError, Where
+from ..formats.keys import unescape_key
 from .reader import RawSample
 from .shards import ShardTable
 
@@ -38,7 +39,8 @@ class Utterance:
 class Decoder:
     """RawSample -> Utterance. The feature field is ``feature_field``, else the first of
     ``feats.npy``/``npy`` present; a sample without features or with an unreadable label
-    raises InputError naming shard, byte offset and key."""
+    raises InputError naming shard, byte offset and key. Keys percent-encoded at pack time
+    (``--escape-keys``) come out as they were in the scp."""
 
     def __init__(self, table: ShardTable, feature_field: str | None = None):
         self.table = table
@@ -67,7 +69,8 @@ class Decoder:
                 text = str(raw.fields[LABEL_FIELD], "utf-8").strip()
             except UnicodeDecodeError:
                 raise InputError(self._where(raw), "non_utf8", "the label is not valid UTF-8.") from None
-        return Utterance(raw.key, feats, text, raw.shard, raw.offset, raw.ordinal)
+        key = unescape_key(raw.key) if self.table.shards[raw.shard].escaped_keys else raw.key
+        return Utterance(key, feats, text, raw.shard, raw.offset, raw.ordinal)
 
 
 def _decode_features(data: bytes) -> np.ndarray:

@@ -14,11 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, SkipCounter, Where
+from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..prep.tables import KeyTable, key_hash
+from .base import Stage, State, merge_counts
 from .decode import Utterance
 
 SPACE_UNITS = ("▁", "<space>")
+UNKNOWN_WARN_AFTER = 2000  # tokens seen before the share of unknown tokens is judged
+UNKNOWN_WARN_SHARE = 0.05
 
 
 class SentencePieceTokenizer:
@@ -47,16 +50,24 @@ class SentencePieceTokenizer:
     def vocab_size(self) -> int:
         return int(self._load().get_piece_size())
 
+    @property
+    def unk_id(self) -> int:
+        return int(self._load().unk_id())
+
+    def describe(self) -> str:
+        return f"SentencePiece model {self.model}"
+
 
 class UnitsTokenizer:
     """A units file (``token id`` per line). ``split="char"`` maps each character (spaces to
     ``▁`` or ``<space>`` when the units have one, else to ``<unk>``); ``"word"`` maps each
-    whitespace-separated word."""
+    whitespace-separated word. ``split=None`` chooses from the units: ``"char"`` when every
+    unit other than ``<...>`` symbols is one character, else ``"word"``."""
 
-    def __init__(self, units: str | Path, split: str = "char", unk: str = "<unk>"):
-        if split not in ("char", "word"):
-            raise ConfigError(f"split must be 'char' or 'word', got {split!r}.")
-        self.split = split
+    def __init__(self, units: str | Path, split: str | None = None, unk: str = "<unk>"):
+        if split not in (None, "char", "word"):
+            raise ConfigError(f"split must be 'char', 'word' or None (chosen from the units), got {split!r}.")
+        self.units = str(units)
         self.ids: dict[str, int] = {}
         for number, line in enumerate(Path(units).read_text(encoding="utf-8").splitlines(), start=1):
             parts = line.split()
@@ -69,6 +80,11 @@ class UnitsTokenizer:
             raise ConfigError(f"{units} has no {unk!r} unit for unknown tokens.")
         self.unk = self.ids[unk]
         self.space = next((self.ids[u] for u in SPACE_UNITS if u in self.ids), self.unk)
+        self.split = split or self._split_of_units()
+
+    def _split_of_units(self) -> str:
+        plain = [u for u in self.ids if not (u.startswith("<") and u.endswith(">")) and u not in SPACE_UNITS]
+        return "char" if all(len(u) == 1 for u in plain) else "word"
 
     def encode(self, text: str) -> list[int]:
         if self.split == "word":
@@ -79,11 +95,32 @@ class UnitsTokenizer:
     def vocab_size(self) -> int:
         return max(self.ids.values()) + 1
 
+    @property
+    def unk_id(self) -> int:
+        return self.unk
+
+    def describe(self) -> str:
+        return f"units file {self.units} split into {self.split}s"
+
 
 Tokenizer = SentencePieceTokenizer | UnitsTokenizer
 
 
-def make_tokenizer(spec: str | Path | Tokenizer | None, split: str = "char") -> Tokenizer | None:
+def unknown_tokens_warning(tokenizer: Tokenizer, tokens: int, unknown: int) -> str | None:
+    """A warning when too many label tokens are unknown to the tokenizer, else None."""
+    if tokens == 0 or unknown / tokens <= UNKNOWN_WARN_SHARE:
+        return None
+    hint = "check that the labels are in the language and case the tokenizer was trained on"
+    if isinstance(tokenizer, UnitsTokenizer):
+        other = "word" if tokenizer.split == "char" else "char"
+        hint = f"a units file of {other}s needs {option('split', other)}; or " + hint
+    return (
+        f"{unknown / tokens:.0%} of the first {tokens} label tokens map to the unknown token of the "
+        f"{tokenizer.describe()}: {hint}."
+    )
+
+
+def make_tokenizer(spec: str | Path | Tokenizer | None, split: str | None = None) -> Tokenizer | None:
     """A tokenizer from a SentencePiece ``.model`` path, a units file path, or as given."""
     if spec is None or not isinstance(spec, (str, Path)):
         return spec  # a tokenizer object (anything with encode(text) -> list[int])
@@ -119,7 +156,8 @@ class LabelOverride:
 
 
 class Labeler:
-    """Utterance -> Utterance with the override label (if any) and tokens (if a tokenizer)."""
+    """Utterance -> Utterance with the override label (if any) and tokens (if a tokenizer);
+    a key missing from the override raises InputError (reason ``no_label``)."""
 
     def __init__(self, tokenizer: Tokenizer | None, override: LabelOverride | None = None, strip_spaces: bool = False):
         self.tokenizer = tokenizer
@@ -135,10 +173,51 @@ class Labeler:
                     Where(", ".join(map(str, self.override.table.files)), None, utt.key),
                     "no_label",
                     "the label file given at load time has no line for this key.",
-                    "add it, or pass skip_bad=True to leave such utterances out.",
+                    "add it.",
                 )
             text = label
         if self.strip_spaces:
             text = "".join(text.split())
         tokens = self.tokenizer.encode(text) if self.tokenizer is not None else None
         return replace(utt, text=text, tokens=tokens)
+
+
+class Labels(Stage[Utterance]):
+    """Applies a :class:`Labeler`, counting label tokens and unknown tokens (``tokens``,
+    ``unknown_tokens`` in stats); with ``skip`` an utterance whose label is missing is
+    counted under ``dropped.no_label`` instead of raising."""
+
+    def __init__(self, source: Stage[Utterance], labeler: Labeler, skip: SkipCounter | None = None):
+        super().__init__(source)
+        self.labeler = labeler
+        self.skip = skip
+        self.unk_id = labeler.tokenizer.unk_id if labeler.tokenizer is not None else None
+        self.counts: dict[str, int] = {}
+
+    def reset(self, state: State | None = None) -> None:
+        super().reset(state)
+        self.counts = dict(state.get("counts", {})) if state else {}
+
+    def _count(self, name: str, value: int) -> None:
+        self.counts[name] = self.counts.get(name, 0) + value
+
+    def next(self) -> Utterance:
+        while True:
+            try:
+                utt = self.labeler(self.source.next())
+            except InputError as error:
+                if self.skip is None:
+                    raise
+                self.skip(error)
+                self._count(f"dropped.{error.reason}", 1)
+                continue
+            if utt.tokens is not None:
+                self._count("tokens", len(utt.tokens))
+                self._count("unknown_tokens", sum(1 for t in utt.tokens if t == self.unk_id))
+            return utt
+
+    def get_state(self) -> State:
+        return {**super().get_state(), "counts": dict(self.counts)}
+
+    def stats(self) -> dict[str, int]:
+        return merge_counts(super().stats(), self.counts)

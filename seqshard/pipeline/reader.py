@@ -8,16 +8,14 @@ offset and position of its next sample: a restored reader seeks straight there.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from ..errors import ConfigError, ShardError, SkipCounter
+from ..errors import ShardError, SkipCounter
 from ..formats.tar import SampleStream, skip_samples
 from .base import Stage, State
 from .shards import ShardTable, Unit
 
 _LOG = logging.getLogger("seqshard")
-MAX_EMPTY_PASSES = 16
 
 
 @dataclass
@@ -34,7 +32,6 @@ class RawSample:
 class _OpenUnit:
     def __init__(
         self,
-        pass_: int,
         index: int,
         unit: Unit,
         path: str,
@@ -43,7 +40,6 @@ class _OpenUnit:
         expected: int | None,
         read_ahead: bool,
     ):
-        self.pass_ = pass_
         self.index = index
         self.unit = unit
         self.expected = expected  # samples the shard's index promises, when indexed
@@ -80,7 +76,7 @@ class _OpenUnit:
             )
 
     def position(self) -> list[int]:
-        return [self.pass_, self.index, self.stream.resume_offset, self.stream.ordinal]
+        return [self.index, self.stream.resume_offset, self.stream.ordinal]
 
     def rest(self) -> Unit:
         """What is left of this unit, as a unit that starts reading where this one stands."""
@@ -88,7 +84,7 @@ class _OpenUnit:
 
 
 class ShardReader(Stage[RawSample]):
-    """Yields the samples of ``units_of_pass(0)``; with ``repeat``, then of pass 1, 2, ...
+    """Yields the samples of ``units``, ``interleave`` units at a time.
 
     A damaged shard (unreadable, truncated, shorter than its index says) raises ShardError
     naming it, or with ``skip`` is left at the damage and counted under
@@ -98,9 +94,8 @@ class ShardReader(Stage[RawSample]):
     def __init__(
         self,
         table: ShardTable,
-        units_of_pass: Callable[[int], list[Unit]],
+        units: list[Unit],
         interleave: int = 4,
-        repeat: bool = False,
         skip: SkipCounter | None = None,
         read_ahead: bool = True,
     ):
@@ -108,13 +103,10 @@ class ShardReader(Stage[RawSample]):
         if interleave < 1:
             raise ValueError("interleave must be >= 1")
         self.table = table
-        self.units_of_pass = units_of_pass
         self.interleave = interleave
-        self.repeat = repeat
         self.skip = skip
         self.read_ahead = read_ahead
-        self._pass = 0
-        self._units: list[Unit] = []
+        self._units = units
         self._next_unit = 0
         self._slots: list[_OpenUnit] = []
         self._turn = 0
@@ -124,18 +116,15 @@ class ShardReader(Stage[RawSample]):
         super().reset(state)
         self._close_all()
         state = state or {}
-        self._pass = int(state.get("pass", 0))
-        self._units = self.units_of_pass(self._pass)
         self._next_unit = int(state.get("next", 0))
         self._turn = int(state.get("turn", 0))
         self._counts = {**{k: 0 for k in self._counts}, **state.get("counts", {})}
-        for pass_, index, offset, ordinal in state.get("open", []):
-            unit = (self._units if pass_ == self._pass else self.units_of_pass(pass_))[index]
-            self._slots.append(self._open(pass_, index, unit, offset, ordinal))
+        for index, offset, ordinal in state.get("open", []):
+            self._slots.append(self._open(index, self._units[index], offset, ordinal))
 
-    def _open(self, pass_: int, index: int, unit: Unit, offset: int, ordinal: int) -> _OpenUnit:
+    def _open(self, index: int, unit: Unit, offset: int, ordinal: int) -> _OpenUnit:
         shard = self.table.shards[unit.shard]
-        return _OpenUnit(pass_, index, unit, shard.path, offset, ordinal, shard.num_utts, self.read_ahead)
+        return _OpenUnit(index, unit, shard.path, offset, ordinal, shard.num_utts, self.read_ahead)
 
     def _close_all(self) -> None:
         for slot in self._slots:
@@ -143,19 +132,8 @@ class ShardReader(Stage[RawSample]):
         self._slots = []
 
     def _open_next(self) -> _OpenUnit | None:
-        empty_passes = 0
-        while self._next_unit >= len(self._units):
-            if not self.repeat:
-                return None
-            self._pass += 1
-            self._units = self.units_of_pass(self._pass)
-            self._next_unit = 0
-            empty_passes = 0 if self._units else empty_passes + 1
-            if empty_passes > MAX_EMPTY_PASSES:
-                raise ConfigError(
-                    f"a reader got no data in {MAX_EMPTY_PASSES} passes: the dataset has fewer utterances than "
-                    "readers (ranks x workers); use fewer workers."
-                )
+        if self._next_unit >= len(self._units):
+            return None
         index = self._next_unit
         self._next_unit += 1
         unit = self._units[index]
@@ -165,7 +143,7 @@ class ShardReader(Stage[RawSample]):
             offset, ordinal = skip_samples(self.table.shards[unit.shard].path, unit.start)
         else:
             offset, ordinal = 0, 0
-        return self._open(self._pass, index, unit, offset, ordinal)
+        return self._open(index, unit, offset, ordinal)
 
     def _damaged(self, error: ShardError) -> None:
         if self.skip is None:
@@ -207,7 +185,6 @@ class ShardReader(Stage[RawSample]):
 
     def get_state(self) -> State:
         return {
-            "pass": self._pass,
             "next": self._next_unit,
             "turn": self._turn,
             "open": [slot.position() for slot in self._slots],
@@ -218,5 +195,5 @@ class ShardReader(Stage[RawSample]):
         return dict(self._counts)
 
     def remaining_units(self) -> list[Unit]:
-        """Everything this reader has not yet read (of the current pass), as units."""
+        """Everything this reader has not yet read, as units."""
         return [slot.rest() for slot in self._slots] + self._units[self._next_unit :]

@@ -15,15 +15,16 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from ..errors import ConfigError, SkipCounter
+from ..errors import ConfigError, SeqshardError, SkipCounter
 from ..formats.index import bin_bounds, histogram_percentile
 from .base import Map, Stage
-from .batching import SortBatch
+from .batching import SortBatch, bucket_of
 from .collate import collate_arrays, padded_shape
 from .config import LoaderConfig
 from .decode import Decoder
 from .filters import LengthFilter
-from .labels import Labeler, LabelOverride, Tokenizer
+from .labels import Labeler, LabelOverride, Labels, Tokenizer
+from .passes import Passes
 from .shards import ShardTable, Unit, plan_epoch
 from .shuffle import WindowShuffle
 from .transfer import BatchSlots
@@ -103,45 +104,47 @@ def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
 
 def build_pipeline(
     setup: WorkerSetup, worker: int, epoch: int, units: list[Unit] | None = None, read_ahead: bool = True
-) -> SortBatch:
-    """The stages of one reader: read -> decode -> label -> filter -> shuffle -> sort/batch.
+) -> Stage:
+    """The stages of one reader for ``epoch``; with ``uneven="repeat"`` an endless stream of
+    passes instead, pass ``p`` being the pipeline of plan ``p`` (the epoch label does not
+    matter: the stream goes on across epochs).
 
     ``units`` replaces the reader's planned units for this epoch (an elastic resume);
     ``read_ahead=False`` reads only what the stages ask for.
     """
+    if setup.config.uneven == "repeat":
+        return Passes(lambda number: reader_pipeline(setup, worker, number, setup.units(number, worker), read_ahead))
+    planned = units if units is not None else setup.units(epoch, worker)
+    return reader_pipeline(setup, worker, epoch, planned, read_ahead)
+
+
+def reader_pipeline(
+    setup: WorkerSetup, worker: int, epoch: int, units: list[Unit], read_ahead: bool = True
+) -> SortBatch:
+    """read ``units`` -> decode -> label -> filter -> shuffle -> sort/batch, seeded by
+    (seed, epoch, rank, worker)."""
     from .reader import ShardReader
 
     config = setup.config
-    repeat = config.uneven == "repeat"
-    # a repeating stream is one stream across epochs: its plan advances by passes and its
-    # windows keep counting, so its seeds must not change with the epoch label
-    stream_epoch = 0 if repeat else epoch
     skip = SkipCounter(True) if config.skip_bad else None
-
-    def units_of_pass(number: int) -> list[Unit]:
-        if units is not None:
-            return units
-        return setup.units(number if repeat else epoch, worker)
-
-    stage: Stage = ShardReader(setup.table, units_of_pass, config.interleave, repeat, skip, read_ahead)
+    stage: Stage = ShardReader(setup.table, units, config.interleave, skip, read_ahead)
     stage = Map(stage, Decoder(setup.table, config.feature_field), skip)
     if setup.tokenizer is not None or setup.override is not None or config.strip_spaces:
-        stage = Map(stage, Labeler(setup.tokenizer, setup.override, config.strip_spaces), skip)
+        stage = Labels(stage, Labeler(setup.tokenizer, setup.override, config.strip_spaces), skip)
     if config.limits().active:
         stage = LengthFilter(stage, config.limits())
     if config.shuffle:
-        stage = WindowShuffle(stage, config.shuffle_window, config.seed, stream_epoch, setup.rank, worker)
+        stage = WindowShuffle(stage, config.shuffle_window, config.seed, epoch, setup.rank, worker)
     return SortBatch(
         stage,
         config.sort_window,
         config.cost(),
         config.seed,
-        stream_epoch,
+        epoch,
         setup.rank,
         worker,
         shuffle=config.shuffle,
         oversize=config.oversize,
-        bucket_bounds=setup.bucket_bounds,
     )
 
 
@@ -149,26 +152,34 @@ def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any], in_
     """Items for the training process: batches, then one end marker."""
     spec = request["workers"][worker]
     units = None if spec.get("units") is None else [Unit.from_json(u) for u in spec["units"]]
-    pipeline = build_pipeline(setup, worker, request["epoch"], units)
-    pipeline.reset(spec["state"])
     seq = spec["seq"]
-    while True:
-        try:
-            batch = pipeline.next()
-        except StopIteration:
-            break
-        seq += 1
-        payload = _payload(batch, setup, worker, request["iteration"], in_worker_process)
-        yield {
-            "worker": worker,
-            "seq": seq,
-            "batch": payload,
-            "frames": int(payload["feat_lens"].sum()),
-            "padded": len(batch) * int(payload["feat_lens"].max()),
-            "bucket": pipeline.bucket_of(batch),
-            "state": pipeline.get_state(),
-            "stats": pipeline.stats(),
-        }
+    try:
+        pipeline = build_pipeline(setup, worker, request["epoch"], units)
+        pipeline.reset(spec["state"])
+        while True:
+            try:
+                batch = pipeline.next()
+            except StopIteration:
+                break
+            seq += 1
+            payload = _payload(batch, setup, worker, request["iteration"], in_worker_process)
+            yield {
+                "worker": worker,
+                "seq": seq,
+                "batch": payload,
+                "frames": int(payload["feat_lens"].sum()),
+                "padded": len(batch) * int(payload["feat_lens"].max()),
+                "bucket": bucket_of(batch, setup.bucket_bounds),
+                "state": pipeline.get_state(),
+                "stats": pipeline.stats(),
+            }
+    except SeqshardError as error:
+        if not in_worker_process:
+            raise
+        # sent as an item, so that the training process raises this error itself, not
+        # torch's RuntimeError("Caught ... in DataLoader worker process") around its text
+        yield {"worker": worker, "seq": seq, "batch": None, "error": error}
+        return
     yield {
         "worker": worker,
         "seq": seq,

@@ -1,0 +1,78 @@
+"""An endless stream of passes over a reader's data (``uneven="repeat"``).
+
+Pass ``p`` is a whole reader pipeline, ``make_pass(p)``, run to its end; then pass ``p + 1``
+starts with a new pipeline (a new plan and new seeds). So each pass reads each utterance of
+its plan exactly once, and no shuffle or sort window, hence no batch, spans two passes: a
+batch never holds one utterance twice, even when a reader holds less than a window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from ..errors import ConfigError
+from .base import Stage, State, merge_counts
+
+T = TypeVar("T")
+MAX_EMPTY_PASSES = 16
+
+
+class Passes(Stage[T]):
+    """Yields the items of ``make_pass(0)``, then of ``make_pass(1)``, ... without end.
+
+    State: the pass number, the current pass's state, and the counters of finished passes.
+    """
+
+    def __init__(self, make_pass: Callable[[int], Stage[T]]):
+        super().__init__(None)
+        self.make_pass = make_pass
+        self._pass = 0
+        self._inner: Stage[T] | None = None
+        self._finished: dict[str, int] = {}
+        self._yielded = 0
+
+    def reset(self, state: State | None = None) -> None:
+        super().reset(state)
+        state = state or {}
+        self._pass = int(state.get("pass", 0))
+        self._finished = dict(state.get("finished", {}))
+        self._yielded = int(state.get("yielded", 0))
+        self._inner = self.make_pass(self._pass)
+        self._inner.reset(state.get("inner"))
+
+    def next(self) -> T:
+        assert self._inner is not None
+        empty = 0
+        while True:
+            try:
+                item = self._inner.next()
+            except StopIteration:
+                empty = empty + 1 if self._yielded == 0 else 0
+                if empty > MAX_EMPTY_PASSES:
+                    raise ConfigError(
+                        f"a reader got no data in {MAX_EMPTY_PASSES} passes: the dataset has fewer utterances than "
+                        "readers (ranks x workers); use fewer workers."
+                    ) from None
+                self._finished = merge_counts(self._finished, self._inner.stats())
+                self._pass += 1
+                self._yielded = 0
+                self._inner = self.make_pass(self._pass)
+                self._inner.reset()
+                continue
+            self._yielded += 1
+            return item
+
+    def get_state(self) -> State:
+        return {
+            "pass": self._pass,
+            "yielded": self._yielded,
+            "finished": dict(self._finished),
+            "inner": self._inner.get_state() if self._inner is not None else None,
+        }
+
+    def stats(self) -> dict[str, int]:
+        return merge_counts(self._finished, self._inner.stats() if self._inner is not None else {})
+
+    def pending(self) -> list[Any]:
+        return self._inner.pending() if self._inner is not None else []
