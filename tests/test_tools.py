@@ -54,10 +54,10 @@ def test_verify_names_each_damaged_shard_and_exits_non_zero(packed, capsys):
     (out / "40_80" / "data-00002.tar").unlink()
     assert main(["verify", "--quiet", str(out)]) == 1
     report = capsys.readouterr().out
-    assert "3 damaged" in report
+    assert "2 damaged, 1 missing" in report
     assert f"DAMAGED {flipped}" in report and "checksum" in report
     assert f"DAMAGED {cut}" in report and "utterances, index says" in report
-    assert "data-00002.tar" in report and "file is missing" in report
+    assert f"MISSING {out / '40_80' / 'data-00002.tar'}" in report and "file is missing" in report
 
 
 def test_index_rebuilds_a_pack_and_indexes_foreign_shards(packed, tmp_path, capsys):

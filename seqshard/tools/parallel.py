@@ -22,10 +22,11 @@ def map_shards(
         advance = bars.bar(description, len(items), unit="shard")
         if jobs <= 1 or len(items) <= 1:
             for item in items:
-                yield function(item)
-                advance(1)
+                result = function(item)
+                advance(1)  # before yielding: a consumer may stop taking after the last item
+                yield result
             return
         with mp.get_context("spawn").Pool(min(jobs, len(items))) as pool:
             for result in pool.imap(function, items):
-                yield result
                 advance(1)
+                yield result
