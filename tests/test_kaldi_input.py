@@ -1,15 +1,19 @@
 """Reading what real Kaldi writes, and refusing what would silently give wrong data."""
 
+import itertools
 import json
+from collections import Counter
 from pathlib import Path
 
 import kaldiio
 import numpy as np
 import pytest
 
-from conftest import REALDATA
-from seqshard.errors import InputError, Where
+from conftest import REALDATA, read_shards
+from seqshard import pack_data
+from seqshard.errors import InputError, Where, command_line_flags
 from seqshard.formats.kaldi import MatrixReader, iter_lines, parse_line, parse_location
+from seqshard.formats.keys import key_problem
 
 GENERATED = REALDATA / "kaldi" / "generated_kaldi"
 EXPECTED = json.loads((REALDATA / "kaldi" / "EXPECTED.json").read_text())
@@ -77,19 +81,29 @@ def test_scp_offsets_damaged_by_git_are_detected_not_decoded():
     root = REALDATA / "kaldi" / "kaldi-pr1626-fsdd-digits"
     scp = root / "corrupt/mfcc/raw_mfcc_train.1.scp"
     path_map = (("/home/abhilash/kaldi/egs/0_MP_Digits/mfcc/", "corrupt/mfcc/"),)
+    entries = []
+    for number, _, raw in iter_lines(scp):
+        where = Where(scp, number)
+        key, value = parse_line(raw, where, True)
+        entries.append((key, parse_location(value, where, path_map, root), Where(scp, number, key)))
+    # the next value the scp lists in the ark, as the pack's plan gives it to the reader
+    by_offset = sorted(entries, key=lambda entry: entry[1].offset)
+    successor = {a[0]: (b[1].offset, b[0]) for a, b in itertools.pairwise(by_offset)}
     good, bad = 0, []
     with MatrixReader() as reader:
-        for number, _, raw in iter_lines(scp):
-            where = Where(scp, number)
-            _, value = parse_line(raw, where, True)
+        for key, location, where in entries:
             try:
-                reader.read(parse_location(value, where, path_map, root), where)
+                reader.read(location, where, successor.get(key))
                 good += 1
             except InputError as error:
                 bad.append(error)
-    assert (good, len(bad)) == (10, 79)
-    assert {e.reason for e in bad} == {"bad_offset"}
-    assert "raw_mfcc_train.1.scp:11" in str(bad[0])
+    # git removed one CR inside line 10's value: read by its header's size, the value runs one
+    # byte into the next key; the 79 values after it are one byte before their scp offsets
+    assert (good, len(bad)) == (9, 80)
+    assert Counter(e.reason for e in bad) == {"bad_offset": 79, "damaged_value": 1}
+    assert bad[0].reason == "damaged_value" and "raw_mfcc_train.1.scp:10 (key 'Speaker10_9')" in str(bad[0])
+    assert "byte 7095" in str(bad[0]) and "'Speaker2_0'" in str(bad[0]) and "raw_mfcc_train.1.ark" in str(bad[0])
+    assert "raw_mfcc_train.1.scp:11" in str(bad[1])
 
 
 def test_absolute_paths_from_another_machine_are_remapped():
@@ -118,9 +132,13 @@ def test_vectors_pickles_and_pipes_are_refused(tmp_path):
 
         marker = tmp_path / "ran"
         pipe = parse_location(f"touch {marker} |", Where("x", 1))
-        with pytest.raises(InputError, match="--allow-pipes") as error:
+        with pytest.raises(InputError, match="allow_pipes=True") as error:
             reader.read(pipe, Where("x", 1, "k"))
         assert error.value.reason == "pipe_refused" and not marker.exists()
+        with command_line_flags({}):  # as run from the command line
+            with pytest.raises(InputError) as error:
+                reader.read(pipe, Where("x", 1, "k"))
+            assert "or pass --allow-pipes. Or pass --skip-bad to count" in str(error.value)
 
 
 def test_pipes_run_when_allowed(tmp_path):
@@ -154,3 +172,37 @@ def test_missing_ark_and_offset_past_the_end(tmp_path):
         with pytest.raises(InputError) as error:
             reader.read(parse_location(f"{tmp_path}/a.ark:99999", Where("s", 2)), Where("s", 2, "k"))
         assert error.value.reason == "bad_offset"
+
+
+def test_table_lines_split_on_ascii_whitespace_only_as_kaldi_does(tmp_path):
+    # Kaldi splits at the first run of " \t\n\r\v\f"; a no-break space (U+00A0), an ideographic
+    # space (U+3000) or U+0085 belongs to the token, and the value keeps its inner whitespace.
+    raw = "spk1\u00a0utt\u30001\x85é \t value\u00a0with\tinner  spaces\u00a0 \r\n".encode()
+    key, value = parse_line(raw, Where("text", 1), True)
+    assert key == "spk1\u00a0utt\u30001\x85é"
+    assert value == "value\u00a0with\tinner  spaces\u00a0"
+    assert parse_line("\u00a0x\n".encode(), Where("text", 2), False) == ("\u00a0x", "")
+    with pytest.raises(InputError, match="nothing after it"):  # one token: no value
+        parse_line("key\u00a0value\n".encode(), Where("feats.scp", 3), True)
+    assert key_problem("spk1\u00a0utt1-ü-語") is None
+    assert key_problem("a\tb") == key_problem("a\vb") == "the key contains whitespace"
+    # scp offsets and ranges are ASCII digits only (int() would also take other digits and "_")
+    location = parse_location("a.ark:١٢", Where("feats.scp", 4))
+    assert (location.path, location.offset) == ("a.ark:١٢", None)
+    assert parse_location("a.ark:12\u00a0", Where("feats.scp", 5)).offset is None
+    with pytest.raises(InputError, match="bad range"):
+        parse_location("a.ark:12[1_0:20]", Where("feats.scp", 6))
+
+
+def test_keys_with_a_no_break_space_pack_verbatim(tmp_path):
+    keys = ["spk1\u00a0utt1", "ключ-ü-語\u00a0x", "plain-utt"]
+    arrays = {key: np.full((3 + i, 4), i, np.float32) for i, key in enumerate(keys)}
+    kaldiio.save_ark(str(tmp_path / "a.ark"), arrays, scp=str(tmp_path / "feats.scp"))
+    labels = {key: f"label\u00a0{i} with  inner\tspace" for i, key in enumerate(keys)}
+    (tmp_path / "text").write_text("".join(f"{key} {label}\n" for key, label in labels.items()), encoding="utf-8")
+    report = pack_data(tmp_path / "feats.scp", tmp_path / "text", tmp_path / "out", progress=False)
+    assert (report.packed, report.dropped, report.label_issues) == (3, {}, {})
+    found = read_shards(sorted((tmp_path / "out").glob("*.tar")))
+    assert {key: label for key, (_, label, _) in found.items()} == labels
+    for key, array in arrays.items():
+        np.testing.assert_array_equal(found[key][0], array)

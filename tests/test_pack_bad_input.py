@@ -1,6 +1,7 @@
 """Each kind of bad input: a clear error naming file, line and key by default; with
 ``skip_bad`` a counted skip, and packed + dropped always equals the input."""
 
+import logging
 from pathlib import Path
 
 import kaldiio
@@ -9,8 +10,11 @@ import pytest
 
 from conftest import read_shards
 from seqshard import pack_data
-from seqshard.errors import InputError
+from seqshard.cli import main
+from seqshard.errors import ConfigError, InputError
 from seqshard.formats.keys import unescape_key
+from seqshard.prep.plan import PackOptions, build_plan, parse_groups
+from seqshard.prep.report import PackReport
 
 
 def pack_both_ways(data, out: Path, scp=None, text=None, **kwargs):
@@ -125,7 +129,7 @@ def test_keys_that_break_the_member_convention(tmp_path, kaldi_dir):
     for path in (kaldi_dir.scp, kaldi_dir.text):
         path.write_text(path.read_text().replace("spk002-utt003", "spk002.utt/003"))
     error, report = pack_both_ways(kaldi_dir, tmp_path)
-    assert error.reason == "bad_key" and "'.'" in str(error) and "--escape-keys" in str(error)
+    assert error.reason == "bad_key" and "'.'" in str(error) and "escape_keys=True" in str(error)
     assert report.dropped == {"bad_key": 1}
     escaped = pack_data(kaldi_dir.scp, kaldi_dir.text, tmp_path / "esc", escape_keys=True, progress=False)
     found = read_shards(sorted((tmp_path / "esc").glob("*.tar")))
@@ -139,3 +143,82 @@ def test_stale_utt2num_frames_is_caught_when_writing(tmp_path, kaldi_dir):
     error, report = pack_both_ways(kaldi_dir, tmp_path, filter_group=["1:1000"])
     assert error.reason == "frames_mismatch" and "utt2num_frames says" in str(error)
     assert report.dropped == {"frames_mismatch": 1}
+
+
+def test_malformed_utt2num_frames_line_is_counted_and_the_header_used(tmp_path, kaldi_dir):
+    lengths = {k: a.shape[0] for k, a in kaldi_dir.arrays.items()}
+    lines = [f"{k} {n}\n" for k, n in lengths.items()]
+    lines[2] = "spk000-utt002 twelve\n"
+    n = lengths["spk000-utt005"]
+    lines[5] = f"spk000-utt005 {n // 10}_{n % 10}\n"  # Python's int() reads "3_4" as 34; Kaldi does not
+    frames_file = kaldi_dir.root / "utt2num_frames"
+    frames_file.write_text("".join(lines))
+    error, report = pack_both_ways(kaldi_dir, tmp_path, filter_group=["1:1000"])
+    assert error.reason == "malformed_line" and f"{frames_file}:3" in str(error) and "'twelve'" in str(error)
+    # the utterances are packed all the same, their lengths read from their matrix headers
+    assert report.packed == 48 and report.dropped == {} and report.label_issues == {}
+    assert report.frames_file_issues == {"malformed_line": 2}
+    found = read_shards(sorted((tmp_path / "skip").rglob("*.tar")))
+    assert found["spk000-utt002"][0].shape[0] == lengths["spk000-utt002"]
+
+    plan = build_plan(
+        [kaldi_dir.scp], [kaldi_dir.text], tmp_path / "plan", PackOptions(groups=parse_groups("1:1000"), skip_bad=True)
+    )
+    assert plan.frames_file_issues == {"malformed_line": 2} and plan.dropped == {}
+    assert list(plan.frames) == list(lengths.values())
+
+
+def test_report_shows_frames_file_issues_apart_from_drops():
+    report = PackReport(
+        output="out", complete=True, input_utts=3, packed=3, dropped={}, label_issues={}, num_labels=3, groups={},
+        shards_total=1, shards_done=1, shards_written_now=1, bytes_written_now=10, wall_seconds=1.0, dim=4,
+        dtype="float32", frames_file_issues={"malformed_line": 2},
+    )  # fmt: skip
+    assert report.to_json()["frames_file_issues"] == {"malformed_line": 2}
+    assert "frames file issue:        2  malformed_line" in report.format_text()
+    assert "dropped" not in report.format_text()
+
+
+def test_messages_name_options_as_the_user_wrote_them(tmp_path, kaldi_dir, capsys):
+    for path in (kaldi_dir.scp, kaldi_dir.text):
+        path.write_text(path.read_text().replace("spk002-utt003", "spk002.utt003"))
+    with open(kaldi_dir.scp, "a") as stream:
+        stream.write(kaldi_dir.scp.read_text().splitlines()[0] + "\n")  # a duplicate key
+    with pytest.raises(InputError) as error:
+        pack_data(kaldi_dir.scp, kaldi_dir.text, tmp_path / "py", progress=False)
+    message = str(error.value)
+    assert error.value.reason == "bad_key" and "escape_keys=True" in message and "--" not in message
+    assert message.count("skip_bad=True") == 1
+    # from the command line: the flags, and the skip hint once (added by InputError)
+    argv = ["pack", "--scp", str(kaldi_dir.scp), "--text", str(kaldi_dir.text), "--out", str(tmp_path / "cli")]
+    assert main([*argv, "--escape-keys", "--quiet"]) == 1
+    stderr = capsys.readouterr().err
+    assert "duplicate" in stderr and "(skipping keeps that first entry)" in stderr
+    assert stderr.count("--skip-bad") == 1 and "skip_bad" not in stderr and "utils/fix_data_dir.sh)." in stderr
+    assert main([*argv, "--quiet"]) == 1
+    stderr = capsys.readouterr().err
+    assert "pass --escape-keys to store it" in stderr and stderr.count("--skip-bad") == 1
+    assert main([*argv, "--quiet", "--filter-group", "10-20"]) == 1
+    assert "--filter-group 10-20: expected 'LOW:HIGH'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"filter_group='10:30' and filter_group='20:40' overlap"):
+        pack_data(kaldi_dir.scp, kaldi_dir.text, tmp_path / "o", filter_group=["10:30", "20:40"], progress=False)
+    # an error that skipping cannot skip says nothing of skipping
+    empty = tmp_path / "empty.scp"
+    empty.write_text("")
+    with pytest.raises(InputError) as error:
+        pack_data(empty, kaldi_dir.text, tmp_path / "e", progress=False)
+    assert error.value.reason == "empty_input" and "skip" not in str(error.value)
+
+
+def test_utterances_outside_the_length_groups_are_named_at_info(tmp_path, kaldi_dir, caplog):
+    lengths = {k: a.shape[0] for k, a in kaldi_dir.arrays.items()}
+    outside = [k for k, n in lengths.items() if not 10 <= n < 40]
+    assert len(outside) > 20
+    with caplog.at_level(logging.INFO, logger="seqshard"):
+        report = pack_data(kaldi_dir.scp, kaldi_dir.text, tmp_path, filter_group=["10:40"], progress=False)
+    assert report.dropped == {"outside_groups": len(outside)}
+    named = [r.getMessage() for r in caplog.records if "dropped (outside_groups)" in r.getMessage()]
+    assert len(named) == 21
+    for key, message in zip(outside[:20], named):
+        assert f"(key {key!r}): {lengths[key]} frames, outside every length group ([10, 40))" in message
+    assert named[20].endswith(f"{len(outside) - 20} more utterances outside every length group")

@@ -4,12 +4,16 @@ Decoding of matrices (FM/DM and the compressed CM/CM2/CM3 kinds) is kaldiio's; t
 adds what a packer of untrusted, hand-edited data dirs needs around it: line numbers in every
 error, Kaldi's inclusive ``[r1:r2,c1:c2]`` ranges checked against the matrix (Kaldi fails on an
 out-of-range column where kaldiio clips), a check that an scp offset really points at a value
-in the ark (a shifted offset otherwise decodes garbage), header-only shape reads, and refusal
-of entries that would run code (kaldiio unpickles ``PKL`` entries; pipes run shell commands).
+in the ark (a shifted offset otherwise decodes garbage) and that the value ends where the ark's
+next entry begins (a value whose bytes changed, e.g. by git's CR LF conversion, otherwise decodes
+to finite garbage), header-only shape reads, and refusal of entries that would run code (kaldiio
+unpickles ``PKL`` entries; pipes run shell commands).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,10 +22,23 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ..errors import InputError, Where
+from ..errors import InputError, Where, option
 
 _MATRIX_TOKENS = {b"FM": 4, b"DM": 8, b"CM": 1, b"CM2": 2, b"CM3": 1}
 _VECTOR_TOKENS = {b"FV", b"DV"}
+
+# Kaldi splits table lines on ASCII whitespace only (a no-break space belongs to its token).
+ASCII_WHITESPACE = " \t\n\r\v\f"
+_ASCII_SPACE_RUN = re.compile(r"[ \t\n\r\v\f]+")
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+# An ark entry: a key as Kaldi accepts it (no ASCII whitespace or control byte, no 0xFF), one
+# space, then a binary value (``\0B``) or a text one (``[`` after optional spaces).
+_ENTRY = re.compile(rb"([^\x00-\x20\x7f\xff]+) (?:\0B| *\[)")
+_MAX_KEY_BYTES = 4096
+_GIT_HINT = (
+    "a common cause is git's CR LF conversion (core.autocrlf, or `text=auto` in .gitattributes): "
+    "mark arks binary in .gitattributes (`*.ark binary`, or `* binary`) and check them out again"
+)
 
 
 # ---------------------------------------------------------------------------------------
@@ -38,7 +55,9 @@ def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
 
 
 def parse_line(raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
-    """Split a Kaldi table line into ``(key, value)`` as Kaldi does (first whitespace run).
+    """Split a Kaldi table line into ``(key, value)`` as Kaldi does: at the first run of ASCII
+    whitespace (space, tab, CR, LF, VT, FF; not a no-break space or other Unicode spaces). The
+    value keeps its inner whitespace and loses only leading and trailing ASCII whitespace.
 
     Raises InputError (reason ``non_utf8`` or ``malformed_line``) naming the line.
     """
@@ -51,8 +70,8 @@ def parse_line(raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
             f"the line is not valid UTF-8 (byte {error.start} of the line).",
             "convert the file to UTF-8 (e.g. `iconv -f GBK -t UTF-8`).",
         ) from None
-    parts = text.strip().split(maxsplit=1)
-    if not parts:
+    parts = _ASCII_SPACE_RUN.split(text.strip(ASCII_WHITESPACE), maxsplit=1)
+    if not parts[0]:
         raise InputError(where, "malformed_line", "the line is empty.", "remove blank lines.")
     key = parts[0]
     value = parts[1] if len(parts) > 1 else ""
@@ -82,14 +101,13 @@ class ArkLocation:
 
 
 def _parse_range(text: str, where: Where) -> tuple[int, int] | None:
-    text = text.strip()
+    text = text.strip(ASCII_WHITESPACE)
     if text in ("", ":"):
         return None
-    first, sep, last = text.partition(":")
-    try:
-        bounds = (int(first), int(last)) if sep else (int(first), int(first))
-    except ValueError:
-        raise InputError(where, "malformed_line", f"bad range {text!r} in the scp entry.") from None
+    first, sep, last = (part.strip(ASCII_WHITESPACE) for part in text.partition(":"))
+    if not _ASCII_DIGITS.fullmatch(first) or (sep and not _ASCII_DIGITS.fullmatch(last)):
+        raise InputError(where, "malformed_line", f"bad range {text!r} in the scp entry.")
+    bounds = (int(first), int(last)) if sep else (int(first), int(first))
     if bounds[0] < 0 or bounds[1] < bounds[0]:
         raise InputError(where, "malformed_line", f"empty or negative range {text!r} in the scp entry.")
     return bounds
@@ -104,7 +122,7 @@ def parse_location(
     from another machine; relative paths are taken against ``root`` (default: the cwd, as
     Kaldi does).
     """
-    value = value.strip()
+    value = value.strip(ASCII_WHITESPACE)
     if value.endswith("|") or value.startswith("|"):
         return ArkLocation(value, is_pipe=True)
     rows = cols = None
@@ -115,7 +133,7 @@ def parse_location(
         cols = _parse_range(col_text, where)
     path, offset = value, None
     head, sep, tail = value.rpartition(":")
-    if sep and tail.isdigit():
+    if sep and _ASCII_DIGITS.fullmatch(tail):
         path, offset = head, int(tail)
     for old, new in path_map:
         if path.startswith(old):
@@ -135,7 +153,8 @@ class MatrixReader:
 
     Every problem becomes an InputError naming ``where`` (the scp file, line and key):
     reason ``missing_ark``, ``bad_offset`` (the offset does not point at a value),
-    ``unreadable`` (a damaged value), ``not_a_matrix`` or ``bad_range``.
+    ``damaged_value`` (the value does not end where the ark's next entry begins),
+    ``unreadable`` (a value that cannot be decoded), ``not_a_matrix`` or ``bad_range``.
     """
 
     def __init__(self, max_open: int = 16, allow_pipes: bool = False):
@@ -164,8 +183,8 @@ class MatrixReader:
                     where,
                     "missing_ark",
                     f"cannot open ark {path!r}: {error.strerror}.",
-                    "check the path (relative paths are taken from the current directory; "
-                    "use --path-root or --path-map for data dirs made elsewhere).",
+                    "check the path (relative paths are taken from the current directory; use "
+                    f"{option('path_root', 'DIR')} or {option('path_map', _PATH_MAP_EXAMPLE)} for data dirs made elsewhere).",
                 ) from None
             if len(self._files) >= self._max_open:
                 oldest = next(iter(self._files))
@@ -226,28 +245,112 @@ class MatrixReader:
             where,
             "bad_offset",
             f"byte offset {location.offset} in {location.path!r} is not the start of a value: {why}.",
-            "the scp does not match the ark (damaged or re-written ark, or an offset off by a few bytes); regenerate the scp with the ark.",
+            "the scp does not match the ark (damaged or re-written ark, or an offset off by a few bytes); "
+            f"regenerate the scp with the ark. If the ark went through git, {_GIT_HINT}.",
         )
 
-    def read(self, location: ArkLocation, where: Where) -> np.ndarray:
-        """The matrix at ``location`` (ranges applied) as a 2-D array."""
+    def read(self, location: ArkLocation, where: Where, successor: tuple[int, str] | None = None) -> np.ndarray:
+        """The matrix at ``location`` (ranges applied) as a 2-D array.
+
+        ``successor`` is ``(value offset, key)`` of the next value that the scp lists in the
+        same ark, when known. The value must end where the ark's next entry begins: exactly at
+        that successor's key, or at entries the scp does not list that lead exactly to it; with
+        no successor, at the end of the ark or at a plausible next entry (``KEY `` + a value).
+        """
         if location.is_pipe:
             return self._read_pipe(location, where)
-        stream, _ = self._seek_value(location, where)
+        stream, head = self._seek_value(location, where)
+        start = location.offset or 0
         from kaldiio.matio import read_kaldi
 
         try:
             array = read_kaldi(stream)
         except Exception as error:  # kaldiio raises assorted types on damaged values
-            raise InputError(
-                where,
-                "unreadable",
-                f"the matrix at {location.path}:{location.offset} cannot be decoded ({type(error).__name__}: {error}).",
-                "the ark is damaged; regenerate it.",
-            ) from None
+            raise self._undecodable(stream, start, head, location, where, error) from None
+        self._check_end(stream, stream.tell(), location, where, successor)
         if not isinstance(array, np.ndarray) or array.ndim != 2:
             raise InputError(where, "not_a_matrix", "the entry is not a 2-D matrix.")
         return _apply_ranges(array, location, where)
+
+    def _undecodable(
+        self, stream: BinaryIO, start: int, head: bytes, location: ArkLocation, where: Where, error: Exception
+    ) -> InputError:
+        """The error for a value kaldiio cannot decode: ``damaged_value`` when it shows how the
+        value was changed (cut short, or CR bytes in a text matrix), else ``unreadable``."""
+        stopped = stream.tell()
+        if head.startswith(b"\0B"):
+            declared = _value_size(stream, start)
+            size = os.fstat(stream.fileno()).st_size
+            if declared is not None and start + declared > size:
+                return self._damaged(
+                    location,
+                    where,
+                    f"its header declares {declared} bytes, so it would end at byte {start + declared}, past the "
+                    f"end of the ark (byte {size}): bytes were removed from it, or the ark is truncated",
+                )
+        else:
+            stream.seek(start)
+            if b"\r" in stream.read(max(stopped - start, 0)):
+                return self._damaged(
+                    location, where, "the text matrix holds CR bytes (its line ends were converted to CR LF)"
+                )
+        return InputError(
+            where,
+            "unreadable",
+            f"the matrix at {location.path}:{location.offset} cannot be decoded ({type(error).__name__}: {error}).",
+            f"the ark is damaged; regenerate it. If it went through git, {_GIT_HINT}.",
+        )
+
+    def _check_end(
+        self, stream: BinaryIO, end: int, location: ArkLocation, where: Where, successor: tuple[int, str] | None
+    ) -> None:
+        """Refuse a value that does not end where the ark's next entry begins (see ``read``)."""
+        if successor is None:
+            size = os.fstat(stream.fileno()).st_size
+            if end == size or _entry_at(stream, end) is not None:
+                return
+            stream.seek(end)
+            raise self._damaged(
+                location,
+                where,
+                f"it ends at byte {end}, followed by {size - end} bytes that are neither the end of the ark nor "
+                f"a next entry (`KEY ` and a value), starting {stream.read(16)!r}",
+            )
+        next_offset, next_key = successor
+        key = next_key.encode("utf-8")
+        stream.seek(end)
+        if stream.read(len(key) + 1) == key + b" ":
+            return  # the next listed entry's key starts where this value ends (the common case)
+        position = end
+        while True:
+            value_start = _entry_at(stream, position)
+            if value_start == next_offset:
+                return  # the ark's key of the next listed entry differs from the scp's (renamed keys)
+            if value_start is None or value_start > next_offset:
+                break
+            # an entry in the ark that the scp does not list (a subset of the ark): step over it
+            skipped = _value_size(stream, value_start)
+            if skipped is None:
+                break
+            position = value_start + skipped
+        stream.seek(end)
+        found = stream.read(min(len(key) + 8, 40))
+        raise self._damaged(
+            location,
+            where,
+            f"it ends at byte {end}, where the ark should hold the key of the next entry that the scp lists "
+            f"({next_key!r}, expected at byte {next_offset - len(key) - 1} before its value at byte {next_offset}); "
+            f"the ark holds {found!r} there",
+        )
+
+    @staticmethod
+    def _damaged(location: ArkLocation, where: Where, why: str) -> InputError:
+        return InputError(
+            where,
+            "damaged_value",
+            f"the value at byte {location.offset or 0} of ark {location.path!r} was changed after it was written: {why}.",
+            f"regenerate the ark and its scp; {_GIT_HINT}.",
+        )
 
     def shape(self, location: ArkLocation, where: Where) -> tuple[int, int]:
         """Rows and columns of the matrix at ``location``, from its header when binary."""
@@ -278,7 +381,7 @@ class MatrixReader:
                 where,
                 "pipe_refused",
                 f"the entry is a shell command ({location.path!r}); seqshard does not run commands found in data.",
-                "run the command yourself (e.g. copy-feats) or pass --allow-pipes / allow_pipes=True.",
+                f"run the command yourself (e.g. copy-feats) or pass {option('allow_pipes')}.",
             )
         import kaldiio
 
@@ -287,6 +390,73 @@ class MatrixReader:
         except Exception as error:
             raise InputError(where, "unreadable", f"the command {location.path!r} failed ({error}).") from None
         return np.asarray(array)
+
+
+class _Spelled(str):
+    """An example option value: the command line shows ``str``, Python messages ``repr``."""
+
+    def __new__(cls, text: str, python: str) -> _Spelled:
+        spelled = super().__new__(cls, text)
+        spelled.python = python
+        return spelled
+
+    def __repr__(self) -> str:
+        return self.python
+
+
+_PATH_MAP_EXAMPLE = _Spelled("OLD=NEW", "{'OLD': 'NEW'}")
+
+
+def _value_size(stream: BinaryIO, start: int) -> int | None:
+    """Bytes of the value at ``start`` as its header declares them (binary), or up to its
+    closing ``]`` and line end (text); None when no well-formed value starts there."""
+    stream.seek(start)
+    head = stream.read(32)
+    if head.startswith(b"\0B"):
+        if head[2:3] == b"\4":  # int32 vector: each element is "\4" + 4 bytes
+            count = struct.unpack("<i", head[3:7])[0] if len(head) >= 7 else -1
+            return 7 + 5 * count if count >= 0 else None
+        token = head[2:].partition(b" ")[0]
+        body = 3 + len(token)
+        try:
+            if token in (b"FM", b"DM", b"FV", b"DV"):
+                item = 4 if token[0:1] == b"F" else 8
+                if token.endswith(b"M"):
+                    marker1, rows, marker2, cols = struct.unpack("<cici", head[body : body + 10])
+                    if marker1 != b"\4" or marker2 != b"\4" or rows < 0 or cols < 0:
+                        return None
+                    return body + 10 + rows * cols * item
+                marker1, count = struct.unpack("<ci", head[body : body + 5])
+                return body + 5 + count * item if marker1 == b"\4" and count >= 0 else None
+            if token in (b"CM", b"CM2", b"CM3"):
+                _, _, rows, cols = struct.unpack("<ffii", head[body : body + 16])
+                if rows < 0 or cols < 0:
+                    return None
+                data = {b"CM": 8 * cols + rows * cols, b"CM2": 2 * rows * cols, b"CM3": rows * cols}[token]
+                return body + 16 + data
+        except struct.error:  # the header is cut short by the end of the ark
+            return None
+        return None
+    stripped = head.lstrip(b" ")
+    if not stripped.startswith(b"["):
+        return None
+    stream.seek(start)
+    position = start
+    while chunk := stream.read(1 << 16):
+        close = chunk.find(b"]")
+        if close >= 0:
+            after = position + close + 1
+            stream.seek(after)
+            return after - start + (stream.read(1) == b"\n")
+        position += len(chunk)
+    return None
+
+
+def _entry_at(stream: BinaryIO, position: int) -> int | None:
+    """The value offset of the ark entry (``KEY `` and a value) at ``position``, else None."""
+    stream.seek(position)
+    match = _ENTRY.match(stream.read(_MAX_KEY_BYTES))
+    return position + len(match.group(1)) + 1 if match else None
 
 
 def _ranged_shape(rows: int, cols: int, location: ArkLocation, where: Where) -> tuple[int, int]:

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 _ESCAPES = {"%": "%25", ".": "%2E", "/": "%2F"}
 _UNESCAPES = {code: ch for ch, code in _ESCAPES.items()}
+_ASCII_WHITESPACE = frozenset(" \t\n\r\v\f")  # what Kaldi splits table lines on
 
 
 def key_problem(key: str) -> str | None:
-    """Say why ``key`` cannot be a shard key, or return None when it can."""
+    """Say why ``key`` cannot be a shard key, or return None when it can.
+
+    Only ASCII whitespace is refused, as in Kaldi: a key may hold a no-break space or any
+    other non-ASCII character."""
     if not key:
         return "the key is empty"
-    if any(ch.isspace() for ch in key):
+    if not _ASCII_WHITESPACE.isdisjoint(key):
         return "the key contains whitespace"
     if "." in key:
         return "the key contains '.', which tar-shard readers take as the start of the field name"

@@ -486,6 +486,7 @@ def _report(
         packed=packed,
         dropped=dict(sorted(dropped.items())),
         label_issues=dict(sorted(plan.label_issues.items())),
+        frames_file_issues=dict(sorted(plan.frames_file_issues.items())),
         num_labels=plan.num_labels,
         groups={name: groups.get(name) or GroupTotals() for name in plan.group_names},
         shards_total=len(plan.tasks),

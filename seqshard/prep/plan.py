@@ -13,13 +13,14 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, SkipCounter, Where
+from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.kaldi import ArkLocation, MatrixReader, parse_location
 from ..formats.keys import escape_key, key_problem
 from .tables import KeyTable
@@ -28,6 +29,7 @@ _LOG = logging.getLogger("seqshard")
 
 UTTS_PER_FILE = 2000
 NUM_FRAMES_FILE = "utt2num_frames"
+OUTSIDE_LOG_LIMIT = 20  # utterances outside every length group named at INFO level
 
 
 @dataclass(frozen=True, order=True)
@@ -41,15 +43,21 @@ class LengthGroup:
     def name(self) -> str:
         return f"{self.low}_{self.high}"
 
+    @property
+    def spec(self) -> str:
+        return f"{self.low}:{self.high}"
+
     @classmethod
     def parse(cls, spec: str) -> LengthGroup:
         low, sep, high = str(spec).partition(":")
         try:
             group = cls(int(low), int(high))
         except ValueError:
-            raise ConfigError(f"filter_group {spec!r}: expected 'LOW:HIGH' in frames, e.g. '10:1000'.") from None
+            raise ConfigError(
+                f"{option('filter_group', spec)}: expected 'LOW:HIGH' in frames, e.g. '10:1000'."
+            ) from None
         if not sep or group.low < 0 or group.high <= group.low:
-            raise ConfigError(f"filter_group {spec!r}: expected 'LOW:HIGH' with 0 <= LOW < HIGH.")
+            raise ConfigError(f"{option('filter_group', spec)}: expected 'LOW:HIGH' with 0 <= LOW < HIGH.")
         return group
 
 
@@ -63,7 +71,8 @@ def parse_groups(specs: Sequence[str] | str | None) -> tuple[LengthGroup, ...]:
     for before, after in itertools.pairwise(groups):
         if after.low < before.high:
             raise ConfigError(
-                f"filter_group {before.low}:{before.high} and {after.low}:{after.high} overlap; an utterance would be packed twice."
+                f"{option('filter_group', before.spec)} and {option('filter_group', after.spec)} overlap; "
+                "an utterance would be packed twice."
             )
     return tuple(groups)
 
@@ -87,15 +96,19 @@ class PackOptions:
 
     def __post_init__(self) -> None:
         if self.utts_per_file < 1:
-            raise ConfigError(f"utts_per_file must be >= 1, got {self.utts_per_file}.")
+            raise ConfigError(f"{option('utts_per_file', self.utts_per_file)}: a shard holds at least 1 utterance.")
         if self.dtype not in ("float32", "float16"):
-            raise ConfigError(f"dtype must be 'float32' or 'float16', got {self.dtype!r}.")
+            raise ConfigError(f"{option('dtype', self.dtype)}: the stored type is 'float32' or 'float16'.")
         try:
             first, second = self.fmt % 0, self.fmt % 1
         except (TypeError, ValueError):
-            raise ConfigError(f"fmt {self.fmt!r} must hold one integer field, e.g. 'data-%05d.tar'.") from None
+            raise ConfigError(
+                f"{option('fmt', self.fmt)}: the pattern must hold one integer field, e.g. 'data-%05d.tar'."
+            ) from None
         if first == second or not first.endswith(".tar") or "/" in first:
-            raise ConfigError(f"fmt {self.fmt!r} must number the shards and end in '.tar', e.g. 'data-%05d.tar'.")
+            raise ConfigError(
+                f"{option('fmt', self.fmt)}: the pattern must number the shards and end in '.tar', e.g. 'data-%05d.tar'."
+            )
 
     def location(self, value: str, where: Where) -> ArkLocation:
         root = Path(self.path_root) if self.path_root else None
@@ -118,7 +131,8 @@ class ShardTask:
 
 @dataclass
 class PackPlan:
-    """Per scp row: its label row, frames (-1 unknown) and shard ordinal (-1 dropped)."""
+    """Per scp row: its label row, frames (-1 unknown), shard ordinal (-1 dropped) and the row
+    of the next distinct value that the scp lists in the same ark (-1 none; see ``successor``)."""
 
     scp: KeyTable
     labels: KeyTable
@@ -131,10 +145,22 @@ class PackPlan:
     dropped: dict[str, int] = field(default_factory=dict)  # utterance drops by reason
     label_issues: dict[str, int] = field(default_factory=dict)  # text-side problems by reason
     num_labels: int = 0
+    next_row: np.ndarray | None = None
+    frames_file_issues: dict[str, int] = field(default_factory=dict)  # utt2num_frames lines skipped, by reason
 
     @property
     def num_planned(self) -> int:
         return int((self.shard_of_row >= 0).sum())
+
+    def successor(self, row: int) -> tuple[int, str] | None:
+        """``(value offset, key)`` of the next value after ``row``'s that the scp lists in the
+        same ark, for :meth:`MatrixReader.read`'s end check; None when there is none."""
+        if self.next_row is None or self.next_row[row] < 0:
+            return None
+        following = int(self.next_row[row])
+        key, value = self.scp.record(following)
+        offset = parse_location(value, self.scp.where(following, key)).offset  # paths need no mapping here
+        return None if offset is None else (offset, key)
 
 
 def build_plan(
@@ -151,6 +177,8 @@ def build_plan(
         progress("scan inputs", sum(Path(f).stat().st_size for f in [*scp_files, *text_files])) if progress else None
     )
 
+    arks = _ArkPositions()
+
     def check_scp(key: str, value: str, where: Where) -> None:
         problem = key_problem(key)
         if problem and not (options.escape_keys and key):
@@ -158,11 +186,12 @@ def build_plan(
                 where,
                 "bad_key",
                 f"{problem}.",
-                "rename the utterance, or pass --escape-keys (escape_keys=True) to store it percent-encoded.",
+                f"rename the utterance, or pass {option('escape_keys')} to store it percent-encoded.",
             )
-        options.location(value, where)
+        arks.add(options.location(value, where))  # the last check: a row follows for each call
 
     scp = KeyTable.scan(scp_files, drops, needs_value=True, check=check_scp, progress=scan_progress)
+    next_row = arks.next_rows(len(scp))
     labels = KeyTable.scan(text_files, label_issues, needs_value=False, progress=scan_progress)
     if len(scp) + scp.bad_lines == 0:
         raise InputError(
@@ -170,20 +199,21 @@ def build_plan(
             "empty_input",
             "the scp files hold no entries.",
             "check that you gave the right feats.scp.",
+            skippable=False,
         )
     keep = np.ones(len(scp), dtype=bool)
 
     keep &= ~scp.report_repeats(
         drops,
         "duplicate_key",
-        "the key was already given at {first}.",
-        "remove duplicate entries (utils/fix_data_dir.sh), or pass --skip-bad to keep the first.",
+        "the key was already given at {first} (skipping keeps that first entry).",
+        "remove duplicate entries (utils/fix_data_dir.sh).",
     )
     duplicate_labels = labels.report_repeats(
         label_issues,
         "duplicate_label",
-        "the key already has a label at {first}.",
-        "remove duplicate lines from the text files, or pass --skip-bad to keep the first.",
+        "the key already has a label at {first} (skipping keeps that first label).",
+        "remove duplicate lines from the text files.",
     )
 
     label_rows = labels.lookup(scp.hashes).astype(np.int32 if len(labels) < 2**31 else np.int64)
@@ -194,7 +224,7 @@ def build_plan(
                 scp.where(int(row), key),
                 "no_label",
                 "the utterance has features but no label in the text files.",
-                "add its label, or pass --skip-bad to leave it out.",
+                "add its label.",
             )
         )
         keep[row] = False
@@ -209,15 +239,16 @@ def build_plan(
                 labels.where(int(row), key),
                 "no_features",
                 f"the label has no features in the scp files{_and_more(len(unused))}.",
-                "add its features to the scp, or pass --skip-bad to ignore such labels.",
+                "add its features to the scp.",
             )
         )
 
     frames = np.full(len(scp), -1, dtype=np.int32)
     group_of_row = np.zeros(len(scp), dtype=np.int16)
     outside = 0
+    frames_file_issues = SkipCounter(options.skip_bad)
     if options.groups:
-        frames = _frames_of(scp, scp_files, keep, options, drops, progress)
+        frames = _frames_of(scp, scp_files, keep, options, drops, frames_file_issues, progress)
         keep &= frames >= 0
         zero = keep & (frames == 0)
         for row in np.flatnonzero(zero):
@@ -226,14 +257,16 @@ def build_plan(
                     scp.where(int(row), scp.record(int(row))[0]),
                     "zero_length",
                     "the matrix has no frames.",
-                    "remove it, or pass --skip-bad.",
+                    "remove it.",
                 )
             )
         keep &= ~zero
         group_of_row = np.full(len(scp), -1, dtype=np.int16)
         for number, group in enumerate(options.groups):
             group_of_row[(frames >= group.low) & (frames < group.high)] = number
-        outside = int((keep & (group_of_row < 0)).sum())
+        outside_rows = np.flatnonzero(keep & (group_of_row < 0))
+        outside = len(outside_rows)
+        _log_outside(scp, frames, outside_rows, options.groups)
         keep &= group_of_row >= 0
 
     shard_of_row = np.full(len(scp), -1, dtype=np.int32)
@@ -272,7 +305,76 @@ def build_plan(
         dropped,
         dict(label_issues.counts),
         len(labels) + labels.bad_lines,
+        next_row,
+        dict(frames_file_issues.counts),
     )
+
+
+def _log_outside(scp: KeyTable, frames: np.ndarray, rows: np.ndarray, groups: Sequence[LengthGroup]) -> None:
+    """Name, at INFO level, the first utterances dropped as outside every length group."""
+    if not len(rows) or not _LOG.isEnabledFor(logging.INFO):
+        return
+    specs = ", ".join(f"[{g.low}, {g.high})" for g in groups)
+    for row in rows[:OUTSIDE_LOG_LIMIT]:
+        key = scp.record(int(row))[0]
+        _LOG.info(
+            "dropped (outside_groups): %s: %d frames, outside every length group (%s)",
+            scp.where(int(row), key),
+            int(frames[row]),
+            specs,
+        )
+    if len(rows) > OUTSIDE_LOG_LIMIT:
+        _LOG.info(
+            "dropped (outside_groups): %d more utterances outside every length group", len(rows) - OUTSIDE_LOG_LIMIT
+        )
+
+
+class _ArkPositions:
+    """Per scp row, its ark (a small number per distinct path) and value offset, gathered
+    while the scp is scanned, in compact arrays (no Python object per row)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self.arks = array("i")
+        self.offsets = array("q")
+
+    def add(self, location: ArkLocation) -> None:
+        if location.is_pipe or location.offset is None:
+            self.arks.append(-1)  # no ark position: a command, or a file holding one object
+            self.offsets.append(0)
+            return
+        self.arks.append(self._ids.setdefault(location.path, len(self._ids)))
+        self.offsets.append(location.offset)
+
+    def next_rows(self, num_rows: int) -> np.ndarray:
+        """For each row, the first row (in scp order) of the next distinct value start after
+        its own in the same ark, else -1. Rows sharing one offset (different Kaldi ranges of
+        one matrix) share a value and so a successor. Empties the collector."""
+        if len(self.arks) != num_rows:
+            raise RuntimeError(f"{len(self.arks)} ark positions for {num_rows} scp rows; please report this.")
+        dtype = np.int32 if num_rows < 2**31 else np.int64
+        arks = np.frombuffer(self.arks, dtype=np.int32) if num_rows else np.empty(0, np.int32)
+        offsets = np.frombuffer(self.offsets, dtype=np.int64) if num_rows else np.empty(0, np.int64)
+        self.arks, self.offsets, self._ids = array("i"), array("q"), {}  # freed with the views below
+        next_row = np.full(num_rows, -1, dtype=dtype)
+        rows = np.flatnonzero(arks >= 0).astype(dtype)
+        if not len(rows):
+            return next_row
+        order = rows[np.lexsort((offsets[rows], arks[rows]))]  # stable: scp order within one offset
+        del rows
+        sorted_arks, sorted_offsets = arks[order], offsets[order]
+        starts_value = np.ones(len(order), dtype=bool)
+        starts_value[1:] = (sorted_arks[1:] != sorted_arks[:-1]) | (sorted_offsets[1:] != sorted_offsets[:-1])
+        del sorted_offsets
+        firsts = np.flatnonzero(starts_value)  # the first sorted position of each distinct value
+        successor = np.full(len(firsts), -1, dtype=dtype)  # per distinct value
+        same_ark = sorted_arks[firsts[1:]] == sorted_arks[firsts[:-1]]
+        successor[:-1][same_ark] = order[firsts[1:][same_ark]]
+        del sorted_arks, same_ark, firsts
+        value_of = np.cumsum(starts_value, dtype=np.int64) - 1
+        del starts_value
+        next_row[order] = successor[value_of]
+        return next_row
 
 
 def _and_more(count: int) -> str:
@@ -285,16 +387,20 @@ def _frames_of(
     keep: np.ndarray,
     options: PackOptions,
     drops: SkipCounter,
+    frames_file_issues: SkipCounter,
     progress: Callable[[str, int], Callable[[int], None]] | None,
 ) -> np.ndarray:
     """Frames per scp row (-1 for rows that could not be read), from ``utt2num_frames``
-    files when present (next to each scp, or given) and from matrix headers otherwise."""
+    files when present (next to each scp, or given) and from matrix headers otherwise.
+
+    A malformed ``utt2num_frames`` line stops the pack, or when skipping is counted in
+    ``frames_file_issues``; its utterance's length then comes from the matrix header."""
     frames = np.full(len(scp), -1, dtype=np.int32)
     count_files = [Path(f) for f in options.num_frames_files] or [
         Path(f).parent / NUM_FRAMES_FILE for f in scp_files if (Path(f).parent / NUM_FRAMES_FILE).is_file()
     ]
     if count_files:
-        counts = KeyTable.scan(sorted(set(count_files)), SkipCounter(False), number=True)
+        counts = KeyTable.scan(sorted(set(count_files)), frames_file_issues, number=True)
         found = counts.lookup(scp.hashes)
         assert counts.values is not None
         frames[found >= 0] = counts.values[found[found >= 0]]

@@ -24,6 +24,8 @@ class PackReport:
 
     ``input_utts`` counts every scp line. When ``complete``, ``packed + sum(dropped) ==
     input_utts``: each entry either went into exactly one shard or is counted under a reason.
+    ``frames_file_issues`` counts skipped ``utt2num_frames`` lines by reason; they drop no
+    utterance (its length is then read from its matrix header).
     """
 
     output: str
@@ -43,6 +45,7 @@ class PackReport:
     dtype: str
     float16_saved_bytes: int = 0
     length_hist: dict[int, int] = field(default_factory=dict)
+    frames_file_issues: dict[str, int] = field(default_factory=dict)
 
     @property
     def mb_per_s(self) -> float:
@@ -64,6 +67,8 @@ class PackReport:
             lines.append(f"  dropped          : {count:>8}  {reason}")
         for reason, count in sorted(self.label_issues.items()):
             lines.append(f"  label issue      : {count:>8}  {reason} (of {self.num_labels} label lines)")
+        for reason, count in sorted(self.frames_file_issues.items()):
+            lines.append(f"  frames file issue: {count:>8}  {reason} (lengths read from the matrix headers instead)")
         for name, group in self.groups.items():
             lines.append(
                 f"  group {name or '(all)':<11}: {group.utts} utts in {group.shards} shards, {group.frames} frames, {group.bytes / 1e6:.1f} MB"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import mmap
+import re
 from array import array
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,7 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError, SkipCounter, Where
-from ..formats.kaldi import iter_lines, parse_line
+from ..formats.kaldi import ASCII_WHITESPACE, iter_lines, parse_line
+
+_COUNT = re.compile(r"[+-]?[0-9]+")
 
 
 def key_hash(key: str) -> int:
@@ -200,10 +203,12 @@ def _count_lines(path: Path) -> int:
 
 
 def _parse_count(value: str, where: Where) -> int:
-    try:
-        count = int(value.strip())
-    except ValueError:
-        raise InputError(where, "malformed_line", f"expected a whole number, found {value!r}.") from None
+    """A count as Kaldi writes it: ASCII digits (``int`` would also take ``1_000``, Unicode
+    digits and Unicode spaces)."""
+    text = value.strip(ASCII_WHITESPACE)
+    if not _COUNT.fullmatch(text):
+        raise InputError(where, "malformed_line", f"expected a whole number, found {value!r}.")
+    count = int(text)
     if count < 0:
         raise InputError(where, "malformed_line", f"negative count {count}.")
     return count

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import InputError, SkipCounter
+from ..errors import InputError, SkipCounter, option
 from ..formats.index import length_bin
 from ..formats.kaldi import MatrixReader
 from ..formats.npy import npy_parts
@@ -32,8 +32,19 @@ class _OpenShard:
     writer: ShardWriter
     remaining: int
     num_frames: int = 0
+    min_frames: int = 0  # 0 while the shard holds no utterance
+    max_frames: int = 0
     length_hist: dict[int, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
+
+    def count(self, frames: int) -> None:
+        """Account for an utterance of ``frames`` frames just added to the shard."""
+        first = self.max_frames == 0  # zero-length matrices are refused, so no utterance yet
+        self.min_frames = frames if first else min(self.min_frames, frames)
+        self.max_frames = max(self.max_frames, frames)
+        self.num_frames += frames
+        bin_ = length_bin(frames)
+        self.length_hist[bin_] = self.length_hist.get(bin_, 0) + 1
 
     def record(self, dim: int, dtype: str) -> dict:
         return {
@@ -41,6 +52,8 @@ class _OpenShard:
             "name": self.task.path.name,
             "num_utts": self.writer.num_samples,
             "num_frames": self.num_frames,
+            "min_frames": self.min_frames,
+            "max_frames": self.max_frames,
             "bytes": self.writer.size,
             "checksum": f"crc32:{self.writer.crc32:08x}",
             "length_hist": {str(k): v for k, v in sorted(self.length_hist.items())},
@@ -133,10 +146,7 @@ def _write_sweep(
                     shard.writer.add(
                         options.shard_key(key), [("feats.npy", [header, payload]), ("txt", [label.encode("utf-8")])]
                     )
-                    frames = array.shape[0]
-                    shard.num_frames += frames
-                    bin_ = length_bin(frames)
-                    shard.length_hist[bin_] = shard.length_hist.get(bin_, 0) + 1
+                    shard.count(array.shape[0])
                 shard.remaining -= 1
                 if shard.remaining == 0:
                     committer.submit(open_shards.pop(ordinal))
@@ -152,10 +162,10 @@ def _load_utterance(
 ) -> tuple[str, np.ndarray, str]:
     key, value = plan.scp.record(row)
     where = plan.scp.where(row, key)
-    array = reader.read(options.location(value, where), where)
+    array = reader.read(options.location(value, where), where, plan.successor(row))
     frames = array.shape[0]
     if frames == 0:
-        raise InputError(where, "zero_length", "the matrix has no frames.", "remove it, or pass --skip-bad.")
+        raise InputError(where, "zero_length", "the matrix has no frames.", "remove it.")
     planned = int(plan.frames[row])
     if planned >= 0 and planned != frames:
         raise InputError(
@@ -178,12 +188,15 @@ def _load_utterance(
             where,
             "non_finite",
             f"the matrix holds NaN or Inf (first at frame {bad_frame}).",
-            "recompute the features, or pass --skip-bad.",
+            "recompute the features.",
         )
     array = array.astype(options.dtype, copy=False)
     if options.dtype == "float16" and not np.isfinite(array.sum(dtype=np.float64)):
         raise InputError(
-            where, "float16_overflow", "a value is beyond float16's range (65504).", "pack with --dtype float32."
+            where,
+            "float16_overflow",
+            "a value is beyond float16's range (65504).",
+            f"pack with {option('dtype', 'float32')}.",
         )
     label_key, label = plan.labels.record(int(plan.label_rows[row]))
     if label_key != key:
