@@ -13,8 +13,15 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "pack_data": "seqshard.prep.pack",
+    "add_field": "seqshard.prep.add_field",
     "make_loader": "seqshard.loader",
     "ShardLoader": "seqshard.loader",
+    "Sample": "seqshard.pipeline.sample",
+    "Stage": "seqshard.pipeline.base",
+    "Reader": "seqshard.pipeline.recipe",
+    "default_recipe": "seqshard.pipeline.recipe",
+    "keep_if": "seqshard.pipeline.recipe",
+    "stage_rng": "seqshard.pipeline.base",
     "plan_epoch": "seqshard.pipeline.shards",
     "ScpDataset": "seqshard.scp_dataset",
     "make_scp_loader": "seqshard.scp_dataset",
@@ -25,6 +32,7 @@ _EXPORTS = {
     "SeqshardError": "seqshard.errors",
     "InputError": "seqshard.errors",
     "ShardError": "seqshard.errors",
+    "OutputError": "seqshard.errors",
     "ConfigError": "seqshard.errors",
     "StateMismatchError": "seqshard.errors",
 }

@@ -1,9 +1,10 @@
-"""``make_loader``: stream shards into padded training batches, on one GPU or many.
+"""``make_loader``: stream shards into collated training batches, on one GPU or many.
 
-The loader runs a reader pipeline in each DataLoader worker (see ``pipeline/worker.py``) and,
-in the training process, merges the workers' batches into one deterministic stream, ends the
-epoch together on every rank (``uneven``), and keeps a small position that
-``state_dict()``/``load_state_dict()`` save and restore exactly.
+The loader runs a reader pipeline in each DataLoader worker (``pipeline/worker.py``, built
+by a recipe: ``pipeline/recipe.py``) and, in the training process, merges the workers'
+batches into one deterministic stream (``pipeline/merge.py``), ends the epoch as its
+``uneven`` mode says (``pipeline/epochs.py``), and keeps a small position that
+``state_dict()``/``load_state_dict()`` save and restore exactly (``pipeline/checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -18,22 +19,29 @@ from typing import Any
 
 from .dist import Collectives, DistContext, discover
 from .errors import ConfigError, ShardError, StateMismatchError
+from .formats.patterns import Patterns
 from .formats.selection import missing_error
 from .formats.tar import count_samples
+from .pipeline import checkpoint
 from .pipeline.collate import to_tensors
 from .pipeline.config import LoaderConfig
+from .pipeline.epochs import BucketSync, epoch_end, epoch_length
+from .pipeline.fieldplan import plan_fields
 from .pipeline.labels import UNKNOWN_WARN_AFTER, LabelOverride, Tokenizer, make_tokenizer, unknown_tokens_warning
-from .pipeline.merge import Item, MergedStream, RankPosition
-from .pipeline.shards import ShardTable, planned_utts
+from .pipeline.lengths import Length
+from .pipeline.merge import MergedStream, RankPosition
+from .pipeline.protocol import BatchItem, ErrorItem, Item
+from .pipeline.recipe import check_transforms
+from .pipeline.shards import ShardTable, Unit, planned_utts
 from .pipeline.transfer import BatchSlots
 from .pipeline.worker import IterationChannel, WorkerSetup, bucket_bounds
 
 _LOG = logging.getLogger("seqshard")
-STATE_VERSION = 1
+MAX_SLOT_BYTES = 64 << 20
 
 
 def make_loader(
-    patterns: str | Path | Sequence[str | Path],
+    patterns: Patterns,
     tokenizer: str | Path | Tokenizer | None = None,
     *,
     labels: str | Path | Sequence[str | Path] | None = None,
@@ -45,25 +53,32 @@ def make_loader(
 
     Batches are dicts: ``feats`` (B x T x D float tensor, zero padded), ``feat_lens``,
     ``labels`` (B x L, padded with ``pad_label``; when a tokenizer is given), ``label_lens``,
-    ``keys``, ``texts``.
+    ``keys``, ``texts``; any other field read is collated by its kind (arrays padded into
+    ``NAME`` + ``NAME_lens``, numbers stacked, other values listed).
 
     ``tokenizer``: a SentencePiece ``.model`` or a units file (``token id`` per line,
-    ``split="char"`` or ``"word"``, chosen from the units when not given). ``labels``: Kaldi ``text`` file(s) whose labels replace
-    the shards' by key. ``rank``/``world_size`` override what ``torch.distributed`` or
-    torchrun's environment say. Other options (defaults in ``LoaderConfig``): batching
-    (``batch_size`` or ``batch_frames``, ``quadratic_frames``, ``sort_window``,
-    ``oversize``), randomness (``shuffle``, ``seed``, ``shuffle_window``, ``interleave``),
-    filters (``min_frames``, ``max_frames``, ``max_tokens``, ``min_frames_per_token``,
-    ``max_frames_per_token``), labels (``split``, ``strip_spaces``, ``pad_label``), workers
-    (``num_workers``, ``prefetch_factor``, ``persistent_workers``, ``pin_memory``), bad data
-    (``skip_bad``), and the end of epochs across ranks (``uneven`` = ``"stop"``,
-    ``"repeat"`` with ``epoch_steps``/``epoch_hours``, or ``"join"``; ``bucket_sync``).
+    ``split="char"`` or ``"word"``, chosen from the units when not given). ``labels``: Kaldi
+    ``text`` file(s) whose labels replace the shards' by key. ``rank``/``world_size``
+    override what ``torch.distributed`` or torchrun's environment say. Other options
+    (defaults in ``LoaderConfig``): batching (``batch_size`` or ``batch_frames``,
+    ``quadratic_frames``, ``sort_window``, ``oversize``), randomness (``shuffle``, ``seed``,
+    ``shuffle_window``, ``interleave``), fields (``fields``, ``feature_field``), the
+    pipeline (``transforms``, ``recipe``), filters (``min_frames``, ``max_frames``,
+    ``max_tokens``, ``min_frames_per_token``, ``max_frames_per_token``), labels (``split``,
+    ``strip_spaces``, ``pad_label``), workers (``num_workers``, ``prefetch_factor``,
+    ``persistent_workers``, ``pin_memory``), bad data (``skip_bad``), and epochs across
+    ranks (``uneven`` = ``"stop"``, ``"repeat"`` or ``"join"``; ``epoch_steps`` or
+    ``epoch_hours``; ``bucket_sync``).
     """
     unknown = set(options) - set(LoaderConfig.option_names())
     if unknown:
         raise ConfigError(f"unknown loader option(s): {', '.join(sorted(unknown))}.")
     if "batch_size" not in options and "batch_frames" not in options:
         options["batch_frames"] = 20000
+    for name in ("fields", "transforms"):
+        if options.get(name) is not None and not isinstance(options[name], str):
+            options[name] = tuple(options[name])
+    check_transforms(options.get("transforms", ()))
     config = LoaderConfig(**options)
     table = ShardTable.from_patterns(patterns)
     if table.missing:
@@ -76,15 +91,30 @@ def make_loader(
         )
     if not table.shards:
         raise ConfigError("none of the selected shards exists (all are missing).")
-    context = discover(rank, world_size)
     override = LabelOverride(labels) if labels is not None else None
-    return ShardLoader(
-        table,
-        config,
-        context,
-        make_tokenizer(tokenizer, config.split),
-        override,
-    )
+    return ShardLoader(table, config, discover(rank, world_size), make_tokenizer(tokenizer, config.split), override)
+
+
+def make_setup(
+    table: ShardTable,
+    config: LoaderConfig,
+    rank: int,
+    world_size: int,
+    tokenizer: Tokenizer | None,
+    override: LabelOverride | None,
+) -> WorkerSetup:
+    """What every reader of a loader with these options needs (checked here, once)."""
+    fields = plan_fields(table, config.fields, config.feature_field, tokenizer is not None and override is None)
+    if fields.features is None and config.batch_frames is not None:
+        raise ConfigError(
+            "batch_frames counts frames of the feature field, which these shards or fields= do not include; "
+            "batch by batch_size."
+        )
+    length = Length(fields.features, "frames") if fields.features else Length("tokens", "tokens")
+    if fields.features is None and tokenizer is None:
+        length = Length(None, "samples")
+    bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
+    return WorkerSetup(table, config, rank, world_size, tokenizer, override, fields, length, bounds)
 
 
 class ShardLoader:
@@ -102,35 +132,32 @@ class ShardLoader:
         self.config = config
         self.context = context
         self.collectives = Collectives(context)
-        bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
-        self._buckets = len(bounds) + 1 if config.bucket_sync else 0
         mp_context = _mp_context(config.multiprocessing_context)
-        self._setup = WorkerSetup(
-            table,
-            config,
-            context.rank,
-            context.world_size,
-            tokenizer,
-            override,
-            bounds,
-            _make_slots(table, config, mp_context),
-        )
+        self._setup = make_setup(table, config, context.rank, context.world_size, tokenizer, override)
+        self._setup.slots = _make_slots(table, config, mp_context)
+        self._buckets = len(self._setup.bucket_bounds) + 1 if config.bucket_sync else 0
+        self._end = epoch_end(config.uneven, self.collectives)
+        self._length = epoch_length(config.epoch_steps, config.epoch_hours, table.frame_shift_ms, self.collectives)
+        self._bucket_sync = BucketSync(self._buckets, self.collectives) if config.bucket_sync else None
         self._channel = IterationChannel(mp_context)
         self._iteration = 0
         self._active: weakref.ref | None = None
         self._dataloader: Any = None
         self._epoch = 0
-        self._position = RankPosition.fresh(0, self._setup.readers_per_rank, self._buckets)
+        self._position = self._fresh_position(0)
         self._resume: RankPosition | None = None
         self._timing = {"started": 0.0, "seconds": 0.0}
         self._counted: dict[int, int] = {}  # samples counted in unindexed shards (for what is left)
         self._unknown_tokens_judged = tokenizer is None
         self.last_summary: dict[str, Any] | None = None
 
+    def _fresh_position(self, epoch: int, plan: list[list[Unit]] | None = None) -> RankPosition:
+        return RankPosition.fresh(epoch, self._setup.readers_per_rank, self._buckets, plan)
+
     # -- epochs ------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Choose the epoch the next ``iter()`` runs (its shard order and shuffles)."""
-        if self._resume is not None and self._resume.epoch != epoch and self.config.uneven != "repeat":
+        if self._resume is not None and self._resume.epoch != epoch and not self._end.continues_stream:
             _LOG.warning(
                 "the loaded state is for epoch %d; set_epoch(%d) starts epoch %d from its beginning",
                 self._resume.epoch,
@@ -150,23 +177,22 @@ class ShardLoader:
         return self._setup.tokenizer
 
     def _start_position(self) -> RankPosition:
-        """A loaded position for this epoch, else a fresh epoch; a repeating stream goes on."""
+        """A loaded position for this epoch, else a fresh epoch; a continuing stream goes on."""
         resumed, self._resume = self._resume, None
-        if self.config.uneven == "repeat":
-            base = resumed if resumed is not None else self._position
-            return base if resumed is not None and resumed.epoch == self._epoch else base.continuing(self._epoch)
         if resumed is not None and resumed.epoch == self._epoch:
             return resumed
-        return RankPosition.fresh(self._epoch, self._setup.readers_per_rank, self._buckets)
+        if self._end.continues_stream:
+            return (resumed or self._position).continuing(self._epoch)
+        return self._fresh_position(self._epoch)
 
     # -- iteration ---------------------------------------------------------------------------
     def _loader(self):
         if self._dataloader is None:
             import torch.utils.data
 
-            workers = self.config.num_workers
             from .pipeline.dataset import ReaderDataset
 
+            workers = self.config.num_workers
             self._dataloader = torch.utils.data.DataLoader(
                 ReaderDataset(self._setup, self._channel),
                 batch_size=None,
@@ -207,74 +233,44 @@ class ShardLoader:
             self._timing["seconds"] = time.perf_counter() - self._timing["started"]
             if not self._unknown_tokens_judged:
                 self._judge_unknown_tokens(position)
-            yield item["batch"]
+            yield item.batch
         del stream  # stops non-persistent workers now, not at garbage collection
-        if self.config.uneven != "repeat":
+        if not self._end.continues_stream:
             position.completed = True
         self._finish_epoch(position)
 
-    def _next_item(self, stream: MergedStream) -> Item | None:
+    def _next_item(self, stream: MergedStream) -> BatchItem | None:
         """The batch for this step, or None when the epoch ends (on every rank at once,
         except with ``uneven='join'``)."""
-        config = self.config
-        if config.uneven == "repeat" and self._repeat_epoch_over(stream.position):
+        if self._length.over(stream.position):
             return None
-        if config.bucket_sync:
-            return self._bucket_step(stream)
-        item = stream.pull()
-        if config.uneven == "stop" and self.context.distributed:
-            (everyone,) = self.collectives.all_min([0 if item is None else 1])
-            return item if everyone else None
-        if item is None and config.uneven == "repeat":
-            raise ConfigError("the data ran out in uneven='repeat' mode (no reader has any data?).")
-        return item
-
-    def _repeat_epoch_over(self, position: RankPosition) -> bool:
-        if self.config.epoch_steps is not None:
-            return position.step >= self.config.epoch_steps
-        target = self.config.epoch_hours * 3.6e6 / self.table.frame_shift_ms  # type: ignore[operator]
-        (frames,) = self.collectives.all_sum([position.frames])
-        return frames >= target
-
-    def _bucket_step(self, stream: MergedStream) -> Item | None:
-        """All ranks take a batch of the same length bucket: the one whose smallest queue
-        over ranks is longest; when none is common to all, every rank pulls one more."""
-        while True:
-            mins = self.collectives.all_min(stream.reservoir_counts() + [0 if stream.exhausted else 1])
-            common = [b for b in range(self._buckets) if mins[b] > 0]
-            if common:
-                return stream.take_from_reservoir(max(common, key=lambda b: (mins[b], -b)))
-            if mins[-1] == 0:
-                if self.config.uneven == "repeat":
-                    raise ConfigError("the data ran out in uneven='repeat' mode.")
-                return None
-            stream.pull_into_reservoir()
+        if self._bucket_sync is not None:
+            return self._end.settle(self._bucket_sync.next(stream), agreed=True)
+        return self._end.settle(stream.pull(), agreed=False)
 
     def _receive(self, item: Item) -> Item:
-        """Turn a worker's arrays into tensors (copying features out of their shared slot);
-        raise the error a worker reported."""
-        if "error" in item:
-            raise item["error"]
-        arrays = item["batch"]
-        if arrays is None:
+        """Turn a worker's arrays into tensors (those in a shared slot are that memory, not a
+        copy); raise the error a worker reported."""
+        if isinstance(item, ErrorItem):
+            raise item.error
+        if not isinstance(item, BatchItem):
             return item
         pin = self.config.pin_memory and _cuda_available()
-        feats = arrays["feats"]
-        if isinstance(feats, tuple):
-            _, slot, shape = feats
-            arrays["feats"] = self._setup.slots.take(slot, shape, pin)  # type: ignore[union-attr]
-        batch = to_tensors(arrays)
-        if pin:
-            batch = {
-                k: v.pin_memory() if hasattr(v, "pin_memory") and not v.is_pinned() else v for k, v in batch.items()
-            }
-        item["batch"] = batch
+        batch = item.batch
+        if item.slot is not None:
+            places = {k: v for k, v in batch.items() if not isinstance(v, list)}
+            batch.update(self._setup.slots.receive(item.slot, places, pin))  # type: ignore[union-attr]
+        else:
+            batch = to_tensors(batch)
+            if pin:
+                batch = {k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in batch.items()}
+        item.batch = batch
         return item
 
     def _judge_unknown_tokens(self, position: RankPosition, final: bool = False) -> None:
         """Warn once when many label tokens are unknown to the tokenizer (a units file of
         words split into characters, labels in another case than a BPE model's, ...)."""
-        counters = self._counters(position)
+        counters = _counters(position)
         tokens, unknown = counters.get("tokens", 0), counters.get("unknown_tokens", 0)
         if tokens < UNKNOWN_WARN_AFTER and not final:
             return
@@ -288,7 +284,7 @@ class ShardLoader:
         if not self._unknown_tokens_judged:
             self._judge_unknown_tokens(position, final=True)
         local = self._rank_summary(position)
-        if self.config.uneven == "join":
+        if not self._end.gathers_summary:
             self.last_summary = {"ranks": [local]}
             _LOG.info("seqshard epoch %d rank %d: %s", position.epoch, self.context.rank, _describe(local))
             return
@@ -314,7 +310,7 @@ class ShardLoader:
             "dropped": stats["dropped"],
             "filtered": stats["filtered"],
         }
-        if self.config.uneven != "repeat":
+        if not self._end.continues_stream:
             units = [self._units_of(position, w) for w in range(len(position.workers))]
             self._count_unindexed(units)
             planned = [planned_utts(self.table, u, self._counted) for u in units]
@@ -329,7 +325,7 @@ class ShardLoader:
                 )
         return summary
 
-    def _count_unindexed(self, units: list[list]) -> None:
+    def _count_unindexed(self, units: list[list[Unit]]) -> None:
         """Count the samples of this rank's unindexed shards (headers only, once per loader),
         so that what an epoch left unread is known for them too."""
         todo = {u.shard for worker in units for u in worker if self.table.shards[u.shard].num_utts is None}
@@ -342,16 +338,17 @@ class ShardLoader:
             except ShardError as error:
                 _LOG.warning("cannot count the samples of a damaged shard: %s", error)
 
-    def _units_of(self, position: RankPosition, worker: int) -> list:
+    def _units_of(self, position: RankPosition, worker: int) -> list[Unit]:
         units = position.units_of(worker)
         return units if units is not None else self._setup.units(position.epoch, worker)
 
     # -- stats -------------------------------------------------------------------------------
     def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
         """This rank's progress in the current epoch: utterances (and per second), steps,
-        shard units finished, dropped and filtered by reason, padding fraction."""
+        shard units finished, dropped and filtered by reason, padding fraction, label tokens
+        (and how many were unknown to the tokenizer), selected shards that are missing."""
         position = position or self._position
-        counters = self._counters(position)
+        counters = _counters(position)
         seconds = self._timing["seconds"]
         return {
             "epoch": position.epoch,
@@ -367,23 +364,9 @@ class ShardLoader:
             "missing_shards": len(self.table.missing),
         }
 
-    @staticmethod
-    def _counters(position: RankPosition) -> dict[str, int]:
-        """The workers' counters summed."""
-        counters: dict[str, int] = {}
-        for worker in position.workers:
-            for name, value in worker.stats.items():
-                counters[name] = counters.get(name, 0) + value
-        return counters
-
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
-        return {
-            "shards": self.table.fingerprint(),
-            "num_shards": len(self.table.shards),
-            "world_size": self.context.world_size,
-            "options": self.config.batch_defining(),
-        }
+        return checkpoint.identity(self.table, self.config, self.context.world_size)
 
     def state_dict(self, gather: bool = True) -> dict[str, Any]:
         """The loader's position: a small JSON-safe dict (no sample data).
@@ -396,7 +379,7 @@ class ShardLoader:
         ranks = self.collectives.all_gather(local) if gather else [local]
         numbered = {str(self.context.rank): local} if not gather else {str(r): s for r, s in enumerate(ranks)}
         return {
-            "seqshard_loader_state": STATE_VERSION,
+            "seqshard_loader_state": checkpoint.STATE_VERSION,
             "identity": self._identity(),
             "epoch": self._position.epoch,
             "ranks": numbered,
@@ -412,9 +395,8 @@ class ShardLoader:
         new ranks and workers, each read exactly once (other batches than an uninterrupted
         run would give). That needs the state of every rank (``state_dict(gather=True)``).
         """
-        if state.get("seqshard_loader_state") != STATE_VERSION:
-            raise StateMismatchError("not a seqshard loader state (or from an incompatible version).")
-        differences = _differences(state["identity"], self._identity())
+        checkpoint.check_state(state)
+        differences = checkpoint.differences(state["identity"], self._identity())
         if differences and (strict or state["identity"]["shards"] != self.table.fingerprint()):
             raise StateMismatchError(
                 "the saved loader state does not fit this loader: "
@@ -422,43 +404,43 @@ class ShardLoader:
                 + ". Resume with the same shards and settings, pass strict=False to resume the epoch elastically (same shards, other ranks/workers/options), or start the epoch afresh."
             )
         if differences:
-            self._resume = self._elastic_position(state)
-            self._position = RankPosition.from_json(self._resume.to_json())
-            self._epoch = self._resume.epoch
-            return
-        mine = state["ranks"].get(str(self.context.rank))
-        if mine is None:
-            raise StateMismatchError(
-                f"the saved state has no position for rank {self.context.rank} (saved with gather=False on another rank?)."
-            )
-        self._resume = RankPosition.from_json(mine)
-        self._position = RankPosition.from_json(mine)
-        self._epoch = self._resume.epoch
+            resumed = self._elastic_position(state)
+        else:
+            mine = state["ranks"].get(str(self.context.rank))
+            if mine is None:
+                raise StateMismatchError(
+                    f"the saved state has no position for rank {self.context.rank} (saved with gather=False on another rank?)."
+                )
+            resumed = RankPosition.from_json(mine)
+        self._resume = resumed
+        self._position = RankPosition.from_json(resumed.to_json())
+        self._epoch = resumed.epoch
 
     def _elastic_position(self, state: dict[str, Any]) -> RankPosition:
-        from .pipeline.elastic import planned_setups, remainder_plan
+        from .pipeline.elastic import remainder_plan
 
-        identity = state["identity"]
-        old_config = LoaderConfig(**identity["options"])
-        if "repeat" in (old_config.uneven, self.config.uneven):
+        old_config = checkpoint.saved_config(state, self.config)
+        if self._end.continues_stream or old_config.uneven == "repeat":
             raise StateMismatchError(
                 "elastic resume is for epochs that end (uneven='stop' or 'join'), not for uneven='repeat' streams."
             )
-        if sorted(state["ranks"], key=int) != [str(r) for r in range(identity["world_size"])]:
-            raise StateMismatchError(
-                "elastic resume needs the position of every saved rank: save with state_dict(gather=True)."
-            )
-        positions = [RankPosition.from_json(state["ranks"][str(r)]) for r in range(identity["world_size"])]
+        positions = checkpoint.saved_positions(state)
         epoch = positions[0].epoch
         if all(p.completed for p in positions):
-            return replace(RankPosition.fresh(epoch, self._setup.readers_per_rank, self._buckets), completed=True)
+            return replace(self._fresh_position(epoch), completed=True)
+        old_world = state["identity"]["world_size"]
+        setup = self._setup
+        old_setups = [
+            make_setup(self.table, old_config, rank, old_world, setup.tokenizer, setup.override)
+            for rank in range(old_world)
+        ]
         gather = self.collectives.all_gather if self.context.distributed and _dist_ready() else None
         plan = remainder_plan(
             self.table,
-            planned_setups(self._setup, identity["world_size"], old_config),
+            old_setups,
             positions,
             self.context.world_size,
-            self._setup.readers_per_rank,
+            setup.readers_per_rank,
             self.context.rank,
             gather,
         )
@@ -467,20 +449,18 @@ class ShardLoader:
             epoch,
             sum(len(p.workers) for p in positions),
             self.context.world_size,
-            self._setup.readers_per_rank,
+            setup.readers_per_rank,
         )
-        return RankPosition.fresh(epoch, self._setup.readers_per_rank, self._buckets, plan[self.context.rank])
+        return self._fresh_position(epoch, plan[self.context.rank])
 
 
-def _differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    found = []
-    for key in ("shards", "num_shards", "world_size"):
-        if saved.get(key) != current.get(key):
-            found.append(f"{key} was {saved.get(key)!r}, now {current.get(key)!r}")
-    for key, value in current["options"].items():
-        if saved.get("options", {}).get(key) != value:
-            found.append(f"option {key} was {saved.get('options', {}).get(key)!r}, now {value!r}")
-    return found
+def _counters(position: RankPosition) -> dict[str, int]:
+    """The workers' counters summed."""
+    counters: dict[str, int] = {}
+    for worker in position.workers:
+        for name, value in worker.stats.items():
+            counters[name] = counters.get(name, 0) + value
+    return counters
 
 
 def _describe(summary: dict[str, Any]) -> str:
@@ -503,20 +483,20 @@ def _mp_context(name: str | None):
     return multiprocessing.get_context(name) if name else multiprocessing.get_context()
 
 
-MAX_SLOT_BYTES = 64 << 20
-
-
 def _make_slots(table: ShardTable, config: LoaderConfig, context) -> BatchSlots | None:
-    """Shared slots for workers' batches, sized for the largest batch the options allow."""
-    if config.num_workers == 0 or not table.dim:
+    """Shared slots for workers' batches, sized for the largest batch the options allow
+    (feature arrays, plus room for labels and other fields)."""
+    if config.num_workers == 0 or not config.shared_slots:
         return None
+    itemsize = 2 if config.dtype == "float16" else 4
     if config.batch_frames is not None:
         frames = config.batch_frames
     else:
-        longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=0)
+        longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=2000)
         frames = int(config.batch_size * longest) + 1  # type: ignore[operator]
-    values = min(frames * table.dim, MAX_SLOT_BYTES // (2 if config.dtype == "float16" else 4))
-    return BatchSlots(config.num_workers, config.prefetch_factor + 2, values, config.dtype, context)
+    feature_bytes = frames * (table.dim or 80) * itemsize
+    slot_bytes = min(MAX_SLOT_BYTES, int(feature_bytes * 1.25) + (1 << 20))
+    return BatchSlots(config.num_workers, config.prefetch_factor + 3, slot_bytes, context)
 
 
 def _dist_ready() -> bool:

@@ -13,9 +13,10 @@ from typing import Any
 
 from .errors import SkipCounter
 from .formats.kaldi import MatrixReader, parse_location
-from .pipeline.collate import collate
-from .pipeline.decode import Utterance
+from .pipeline.batching import Batch
+from .pipeline.collate import Collator, speech_rules, to_tensors
 from .pipeline.labels import Labeler, LabelOverride, Tokenizer, make_tokenizer
+from .pipeline.sample import Sample
 from .prep.tables import KeyTable
 
 
@@ -49,13 +50,19 @@ class ScpDataset:
     def __len__(self) -> int:
         return len(self.scp)
 
-    def __getitem__(self, index: int) -> Utterance:
+    def __getitem__(self, index: int) -> Sample:
         if self._reader is None:
             self._reader = MatrixReader()
         key, value = self.scp.record(index)
         where = self.scp.where(index, key)
         feats = self._reader.read(parse_location(value, where, self.path_map, self.path_root), where)
-        return self.labeler(Utterance(key, feats, ""))
+        return self.labeler(Sample(key, {"feats": feats}, ordinal=index))
+
+
+def collate(samples: Sequence[Sample], pad_label: int = -1, dtype: str = "float32") -> dict[str, Any]:
+    """Samples as a batch of torch tensors, with ``make_loader``'s batch keys."""
+    collator = Collator(speech_rules("feats", pad_label, dtype))
+    return to_tensors(collator(Batch(list(samples), [len(s["feats"]) for s in samples])))
 
 
 def make_scp_loader(

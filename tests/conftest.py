@@ -9,6 +9,8 @@ import kaldiio
 import numpy as np
 import pytest
 
+from seqshard.testing import assert_resumes_everywhere  # noqa: F401 (shared with the tests)
+
 REALDATA = Path(__file__).parent / "realdata"
 
 
@@ -116,29 +118,3 @@ def pack_small(root: Path, utts_per_file: int = 10, **kaldi_kwargs) -> Packed:
 def packed(tmp_path_factory) -> Packed:
     """6 speakers x 8 utterances in 5 shards of 10 (the last holds 8)."""
     return pack_small(tmp_path_factory.mktemp("packed"))
-
-
-def assert_resumes_everywhere(make_stage, limit: int | None = None) -> list:
-    """The shared resume check: for every position k, a new stage restored from the state
-    saved after k items (through JSON) yields exactly the rest of the uninterrupted run."""
-    import json
-
-    def ident(item):
-        if isinstance(item, list):
-            return [ident(i) for i in item]
-        return getattr(item, "key", item)
-
-    full = [ident(x) for x in make_stage()]
-    positions = (
-        range(len(full) + 1)
-        if limit is None
-        else sorted({*range(0, len(full) + 1, max(1, len(full) // limit)), len(full)})
-    )
-    for k in positions:
-        stage = make_stage()
-        head = [ident(next(stage)) for _ in range(k)]
-        state = json.loads(json.dumps(stage.state_dict()))
-        restored = make_stage()
-        restored.load_state_dict(state)
-        assert head + [ident(x) for x in restored] == full, f"resume after {k} items differs"
-    return full

@@ -235,9 +235,18 @@ def test_options_are_checked_at_the_boundary(packed):
         make_loader(packed.pattern, uneven="repeat")
 
 
-def test_samples_without_features_get_a_clear_error(tmp_path):
-    with pytest.raises(Exception, match=r"no feats\.npy or npy field.*txt, wav"):
-        list(make_loader(str(REALDATA / "webdataset/wenet-shard/shards_000000000.tar"), batch_size=2, num_workers=0))
+def test_shards_without_features_load_their_own_fields_or_get_a_clear_error(tmp_path):
+    wenet = str(REALDATA / "webdataset/wenet-shard/shards_000000000.tar")
+    with pytest.raises(ConfigError, match="batch_frames counts frames of the feature field"):
+        make_loader(wenet, batch_frames=1000)
+    (batch,) = list(make_loader(wenet, batch_size=2, shuffle=False, num_workers=0))
+    assert sorted(batch) == ["keys", "texts", "wav"]
+    assert [b.format for b in batch["wav"]] == ["wav", "wav"] and bytes(batch["wav"][0].data[:4]) == b"RIFF"
+    assert batch["texts"][0] == "广州市房地产中介协会分析"
+    with pytest.raises(
+        ConfigError, match=r"feature_field 'feats\.npy': the shards have no such field \(they have: txt, wav\)"
+    ):
+        make_loader(wenet, feature_field="feats.npy", batch_size=2)
 
 
 def test_map_style_reader_for_unpacked_dev_sets(tmp_path):
@@ -247,7 +256,7 @@ def test_map_style_reader_for_unpacked_dev_sets(tmp_path):
     data = write_kaldi_dir(tmp_path / "dev", speakers=2, per_speaker=5, compression_method=2)
     dataset = ScpDataset(data.scp, data.text)
     assert len(dataset) == 10 and dataset[3].key == data.keys[3]
-    np.testing.assert_array_equal(dataset[3].feats, data.arrays[data.keys[3]])
+    np.testing.assert_array_equal(dataset[3]["feats"], data.arrays[data.keys[3]])
     batches = list(make_scp_loader(data.scp, data.text, batch_size=4, num_workers=2))
     assert [k for b in batches for k in b["keys"]] == data.keys
     assert batches[0]["feats"].shape[0] == 4 and batches[0]["texts"][0] == data.labels[data.keys[0]]

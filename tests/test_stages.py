@@ -8,45 +8,28 @@ from hypothesis import strategies as st
 from conftest import assert_resumes_everywhere
 from seqshard.errors import SkipCounter
 from seqshard.pipeline.base import Map, Stage
-from seqshard.pipeline.batching import FixedSize, FrameBudget, SortBatch, cut_batches
-from seqshard.pipeline.decode import Decoder, Utterance
-from seqshard.pipeline.filters import LengthFilter, LengthLimits
+from seqshard.pipeline.batching import FixedSize, LengthBudget, SortBatch, cut_batches
+from seqshard.pipeline.decode import Decoder
+from seqshard.pipeline.filters import LengthLimits, length_filter
+from seqshard.pipeline.lengths import Length
 from seqshard.pipeline.passes import Passes
 from seqshard.pipeline.reader import ShardReader
+from seqshard.pipeline.sample import Sample
 from seqshard.pipeline.shards import ShardTable, Unit
 from seqshard.pipeline.shuffle import WindowShuffle
+from seqshard.testing import ListSource
 
 
-class ListSource(Stage):
-    """A resumable list of utterances, for testing the stages above a reader."""
-
-    def __init__(self, utts):
-        super().__init__(None)
-        self.utts = utts
-        self.position = 0
-
-    def reset(self, state=None):
-        super().reset(state)
-        self.position = state["position"] if state else 0
-
-    def next(self):
-        if self.position >= len(self.utts):
-            raise StopIteration
-        self.position += 1
-        return self.utts[self.position - 1]
-
-    def get_state(self):
-        return {"position": self.position}
+def utt(key, frames, tokens=None):
+    fields = {"feats": np.zeros((frames, 2), np.float32), "txt": "x"}
+    if tokens is not None:
+        fields["tokens"] = np.ones(tokens, np.int64)
+    return Sample(key, fields)
 
 
 def utterances(count=40, seed=0):
     rng = np.random.default_rng(seed)
-    return [
-        Utterance(
-            f"u{i:03d}", np.zeros((int(rng.integers(1, 50)), 2), np.float32), "x", tokens=[1] * int(rng.integers(0, 9))
-        )
-        for i in range(count)
-    ]
+    return [utt(f"u{i:03d}", int(rng.integers(1, 50)), int(rng.integers(0, 9))) for i in range(count)]
 
 
 def test_reader_resumes_anywhere_with_interleaving_and_split_units(packed):
@@ -95,10 +78,10 @@ def test_decode_shuffle_filter_and_batch_resume_anywhere(packed):
 
     def chain():
         stage = ShardReader(table, [Unit(i) for i in range(5)], 2)
-        stage = Map(stage, Decoder(table))
-        stage = LengthFilter(stage, LengthLimits(min_frames=10))
+        stage = Map(stage, Decoder(table, features="feats"))
+        stage = length_filter(stage, LengthLimits(min_frames=10), Length())
         stage = WindowShuffle(stage, 7, 0, 1, 2)
-        return SortBatch(stage, 9, FrameBudget(200), 0, 1, 2)
+        return SortBatch(stage, 9, LengthBudget(200), 0, 1, 2)
 
     batches = assert_resumes_everywhere(chain)
     keys = [k for batch in batches for k in batch]
@@ -120,7 +103,7 @@ def test_window_shuffle_is_a_seeded_permutation_within_windows():
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 500), max_size=60), st.integers(1, 3000), st.sampled_from([None, 100.0, 1000.0]))
 def test_dynamic_batches_never_exceed_the_budget(lengths, budget, quadratic):
-    cost = FrameBudget(budget, quadratic)
+    cost = LengthBudget(budget, quadratic)
     lengths = sorted(lengths)
     batches, oversize = cut_batches(lengths, cost)
     assert sorted([i for b in batches for i in b] + oversize) == list(range(len(lengths)))
@@ -131,18 +114,18 @@ def test_dynamic_batches_never_exceed_the_budget(lengths, budget, quadratic):
 
 
 def test_oversize_utterances_go_alone_or_are_counted():
-    utts = utterances(20) + [Utterance("long", np.zeros((500, 2), np.float32), "x")]
-    alone = list(SortBatch(ListSource(utts), 50, FrameBudget(100), 0))
-    assert [[u.key for u in b] for b in alone if any(u.key == "long" for u in b)] == [["long"]]
-    dropping = SortBatch(ListSource(utts), 50, FrameBudget(100), 0, oversize="drop")
-    kept = [u.key for b in dropping for u in b]
+    utts = utterances(20) + [utt("long", 500)]
+    alone = list(SortBatch(ListSource(utts), 50, LengthBudget(100), 0))
+    assert [[u.key for u in b.samples] for b in alone if any(u.key == "long" for u in b.samples)] == [["long"]]
+    dropping = SortBatch(ListSource(utts), 50, LengthBudget(100), 0, oversize="drop")
+    kept = [u.key for b in dropping for u in b.samples]
     assert "long" not in kept and len(kept) == 20 and dropping.stats()["dropped.oversize"] == 1
 
 
 def test_sorting_keeps_padding_small_and_fixed_batches_have_their_size():
     rng = np.random.default_rng(1)
-    utts = [Utterance(f"u{i}", np.zeros((int(rng.integers(100, 2000)), 1), np.float32), "") for i in range(2000)]
-    stage = SortBatch(ListSource(utts), 2000, FrameBudget(20000), 0)
+    utts = [utt(f"u{i}", int(rng.integers(100, 2000))) for i in range(2000)]
+    stage = SortBatch(ListSource(utts), 2000, LengthBudget(20000), 0)
     list(stage)
     stats = stage.stats()
     assert 1 - stats["frames"] / stats["padded_frames"] < 0.03
@@ -152,12 +135,10 @@ def test_sorting_keeps_padding_small_and_fixed_batches_have_their_size():
 
 def test_filters_count_each_reason():
     utts = utterances(40)
-    stage = LengthFilter(
-        ListSource(utts), LengthLimits(min_frames=5, max_frames=40, max_tokens=6, min_frames_per_token=2.0)
-    )
+    limits = LengthLimits(min_frames=5, max_frames=40, max_tokens=6, min_frames_per_token=2.0)
+    stage = length_filter(ListSource(utts), limits, Length())
     kept = list(stage)
-    limits = stage.limits
-    assert all(limits.violation(u) is None for u in kept)
+    assert all(limits.violation(len(u["feats"]), len(u["tokens"])) is None for u in kept)
     assert sum(stage.filtered.values()) + len(kept) == 40 and stage.stats()["filtered.too_few_frames"] > 0
 
 

@@ -5,12 +5,18 @@ utterance lengths (8 log-spaced bins per octave, so percentiles are known to abo
 storing every length). Dataset facts: feature field, dim, dtype, frame shift, and how and when
 the folder was made. The loader plans from it (balanced assignment, epoch length); ``verify``
 checks shards against it.
+
+Field sets: a shard's members are its main field set; ``seqshard add-field`` adds a field set
+``NAME`` as a sidecar shard beside each shard (``data-00042.tar`` -> ``data-00042.NAME.tar``)
+holding the same keys in the same order. The index lists each field set, with each sidecar's
+size and checksum under its shard's entry (format version 2; version 1 has no field sets).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -21,8 +27,17 @@ from .files import write_json_atomic
 
 INDEX_NAME = "index.json"
 FORMAT = "seqshard-index"
-VERSION = 1
+VERSION = 2  # written only when the folder has field sets; version 1 otherwise
 BINS_PER_OCTAVE = 8
+FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def sidecar_name(shard_name: str, field_set: str) -> str:
+    """The file of field set ``field_set`` beside shard ``shard_name``."""
+    for suffix in (".tar.gz", ".tgz", ".tar"):
+        if shard_name.endswith(suffix):
+            return f"{shard_name[: -len(suffix)]}.{field_set}.tar"
+    return f"{shard_name}.{field_set}.tar"
 
 
 def length_bin(frames: int) -> int:
@@ -61,6 +76,38 @@ def histogram_percentile(histogram: dict[int, int], q: float) -> float:
 
 
 @dataclass
+class SidecarEntry:
+    """The file of one field set beside a shard."""
+
+    name: str
+    bytes: int
+    checksum: str
+
+    @classmethod
+    def from_json(cls, entry: dict[str, Any]) -> SidecarEntry:
+        return cls(str(entry["name"]), int(entry["bytes"]), str(entry["checksum"]))
+
+
+@dataclass
+class FieldSet:
+    """A field set added beside the shards: its member suffixes and where it came from."""
+
+    fields: list[str]
+    source: str = ""
+    created: str = ""
+    allow_missing: bool = False
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FieldSet:
+        return cls(
+            [str(f) for f in data["fields"]],
+            str(data.get("source", "")),
+            str(data.get("created", "")),
+            bool(data.get("allow_missing", False)),
+        )
+
+
+@dataclass
 class ShardEntry:
     """One shard of a folder."""
 
@@ -72,11 +119,12 @@ class ShardEntry:
     length_hist: dict[int, int] = field(default_factory=dict)
     min_frames: int | None = None  # exact, for percentiles clamped to the real range
     max_frames: int | None = None
+    sidecars: dict[str, SidecarEntry] = field(default_factory=dict)  # field set -> its file
 
     def to_json(self) -> dict[str, Any]:
         entry = asdict(self)
         entry["length_hist"] = {str(k): v for k, v in sorted(self.length_hist.items())}
-        return {k: v for k, v in entry.items() if v is not None}
+        return {k: v for k, v in entry.items() if (v is not None and v != {}) or k == "length_hist"}
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> ShardEntry:
@@ -89,6 +137,7 @@ class ShardEntry:
             length_hist={int(k): int(v) for k, v in entry.get("length_hist", {}).items()},
             min_frames=_optional_int(entry.get("min_frames")),
             max_frames=_optional_int(entry.get("max_frames")),
+            sidecars={k: SidecarEntry.from_json(v) for k, v in entry.get("sidecars", {}).items()},
         )
 
 
@@ -106,6 +155,8 @@ class ShardIndex:
     created_by: str = ""
     source: dict[str, Any] = field(default_factory=dict)
     escaped_keys: bool = False  # keys were percent-encoded by `pack --escape-keys`
+    fields: list[str] = field(default_factory=list)  # member suffixes of the shards, when known
+    field_sets: dict[str, FieldSet] = field(default_factory=dict)  # sidecar field sets by name
     _by_name: dict[str, ShardEntry] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -126,10 +177,14 @@ class ShardIndex:
             self._by_name = {shard.name: shard for shard in self.shards}
         return self._by_name.get(name)
 
+    def sidecar_names(self) -> set[str]:
+        """File names of every sidecar listed (they are field files, not shards)."""
+        return {car.name for shard in self.shards for car in shard.sidecars.values()}
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
-            "version": VERSION,
+            "version": VERSION if self.field_sets else 1,
             "created": self.created,
             "created_by": self.created_by,
             "feature": self.feature,
@@ -141,6 +196,8 @@ class ShardIndex:
             },
             "source": self.source,
             "keys": {"escaped": self.escaped_keys},
+            "fields": self.fields,
+            **({"field_sets": {name: asdict(fs) for name, fs in self.field_sets.items()}} if self.field_sets else {}),
             "shards": [s.to_json() for s in self.shards],
         }
 
@@ -174,4 +231,6 @@ class ShardIndex:
             created_by=data.get("created_by", ""),
             source=data.get("source", {}),
             escaped_keys=bool(data.get("keys", {}).get("escaped", False)),
+            fields=[str(f) for f in data.get("fields", [])],
+            field_sets={k: FieldSet.from_json(v) for k, v in data.get("field_sets", {}).items()},
         )

@@ -65,6 +65,7 @@ def select_shards(patterns: Patterns) -> ShardSelection:
     missing: dict[Path, MissingShard] = {}
     for pattern in pattern_list(patterns):
         for alternative in expand_pattern(pattern):
+            alternative.files = [f for f in alternative.files if not _is_sidecar(f, selection)]
             absent = _absent(alternative, selection)
             if not alternative.files and not absent:
                 raise ConfigError(
@@ -87,6 +88,12 @@ def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
     if folder not in selection.indexes:
         selection.indexes[folder] = ShardIndex.load(folder)
     return selection.indexes[folder]
+
+
+def _is_sidecar(path: Path, selection: ShardSelection) -> bool:
+    """Whether ``path`` is a field file beside a shard (read with its shard, never alone)."""
+    index = _index_of(path.parent, selection)
+    return index is not None and path.name in index.sidecar_names()
 
 
 def _absent(alternative: Alternative, selection: ShardSelection) -> list[MissingShard]:

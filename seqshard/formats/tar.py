@@ -461,3 +461,14 @@ def count_samples(path: str | Path) -> int:
         while stream.next_sample() is not None:
             pass
         return stream.ordinal
+
+
+def first_sample_fields(path: str | Path) -> list[str]:
+    """Member suffixes of a shard's first sample (headers only; empty for an empty or
+    unreadable shard: reading it later reports the damage)."""
+    try:
+        with SampleStream(path, read_data=False) as stream:
+            sample = stream.next_sample()
+    except ShardError:
+        return []
+    return list(sample.fields) if sample is not None else []

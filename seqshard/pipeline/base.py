@@ -31,6 +31,7 @@ State = dict[str, Any]
 SEED_PLAN = 1
 SEED_SHUFFLE = 2
 SEED_BATCH_ORDER = 3
+SEED_SAMPLE = 4  # per-sample generators (Reader.sample_rng); user stages pass their own id >= 100
 
 
 def stage_rng(seed: int, stage: int, *position: int) -> np.random.Generator:
@@ -137,6 +138,34 @@ class Map(Stage[U]):
 
     def stats(self) -> dict[str, int]:
         return merge_counts(super().stats(), {f"dropped.{k}": v for k, v in self.dropped.items()})
+
+
+class Filter(Stage[T]):
+    """Passes the items for which ``reason_of(item)`` is None and counts the others under
+    ``filtered.<reason>`` (the reason it returned): nothing is left out uncounted."""
+
+    def __init__(self, source: Stage[T], reason_of: Callable[[T], str | None]):
+        super().__init__(source)
+        self.reason_of = reason_of
+        self.filtered: dict[str, int] = {}
+
+    def reset(self, state: State | None = None) -> None:
+        super().reset(state)
+        self.filtered = dict(state.get("filtered", {})) if state else {}
+
+    def next(self) -> T:
+        while True:
+            item = self.source.next()
+            reason = self.reason_of(item)
+            if reason is None:
+                return item
+            self.filtered[reason] = self.filtered.get(reason, 0) + 1
+
+    def get_state(self) -> State:
+        return {**super().get_state(), "filtered": dict(self.filtered)}
+
+    def stats(self) -> dict[str, int]:
+        return merge_counts(super().stats(), {f"filtered.{k}": v for k, v in self.filtered.items()})
 
 
 class WindowStage(Stage[U]):

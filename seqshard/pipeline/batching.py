@@ -1,10 +1,11 @@
 """Sorting and batching: fixed-size or dynamic batches cut from a length-sorted window.
 
-The stage takes ``window`` utterances, sorts them by length, cuts batches along that order
-(so an utterance is padded only up to its neighbours' lengths) and, when shuffling, emits the
-window's batches in a seeded random order. What a batch may hold is a small strategy object
-(:class:`BatchCost`): a fixed count, or a budget of padded frames where cost may grow with the
-square of the length (attention).
+The stage takes ``window`` samples, sorts them by length (a :class:`~.lengths.Length`
+measure: frames of a feature field, tokens, ...), cuts batches along that order (so a sample
+is padded only up to its neighbours' lengths) and, when shuffling, emits the window's batches
+in a seeded random order. What a batch may hold is a small strategy object
+(:class:`BatchCost`): a fixed count, or a budget of padded length where cost may grow with
+the square of the length (attention).
 
 State: the source's state where the window began, the window's number and how many of its
 batches were emitted; a restore re-reads the window and skips those.
@@ -18,12 +19,15 @@ from dataclasses import dataclass
 
 from ..errors import ConfigError
 from .base import SEED_BATCH_ORDER, Stage, State, WindowStage, merge_counts, stage_rng
-from .decode import Utterance
+from .lengths import Length, Measure
+from .sample import Sample
+
+FRAMES = Length()  # frames of the "feats" field
 
 
 class BatchCost:
-    """What a batch may hold: ``fits(count, longest)`` says whether ``count`` utterances
-    padded to ``longest`` frames are within the budget."""
+    """What a batch may hold: ``fits(count, longest)`` says whether ``count`` samples padded
+    to length ``longest`` are within the budget."""
 
     def fits(self, count: int, longest: int) -> bool:
         raise NotImplementedError
@@ -31,7 +35,7 @@ class BatchCost:
 
 @dataclass(frozen=True)
 class FixedSize(BatchCost):
-    """At most ``size`` utterances per batch."""
+    """At most ``size`` samples per batch."""
 
     size: int
 
@@ -44,35 +48,50 @@ class FixedSize(BatchCost):
 
 
 @dataclass(frozen=True)
-class FrameBudget(BatchCost):
-    """Padded cost ``count * (longest + longest**2 / quadratic_frames)`` at most
-    ``max_frames``; without ``quadratic_frames`` the cost is the padded frames ``B x T``."""
+class LengthBudget(BatchCost):
+    """Padded cost ``count * (longest + longest**2 / quadratic)`` at most ``budget``; without
+    ``quadratic`` the cost is the padded length ``B x T`` (in the measure's unit)."""
 
-    max_frames: int
-    quadratic_frames: float | None = None
+    budget: int
+    quadratic: float | None = None
 
     def __post_init__(self) -> None:
-        if self.max_frames < 1:
-            raise ConfigError(f"batch_frames must be >= 1, got {self.max_frames}.")
-        if self.quadratic_frames is not None and self.quadratic_frames <= 0:
-            raise ConfigError(f"quadratic_frames must be > 0, got {self.quadratic_frames}.")
+        if self.budget < 1:
+            raise ConfigError(f"batch_frames must be >= 1, got {self.budget}.")
+        if self.quadratic is not None and self.quadratic <= 0:
+            raise ConfigError(f"quadratic_frames must be > 0, got {self.quadratic}.")
 
     def cost(self, count: int, longest: int) -> float:
-        per_item = longest if self.quadratic_frames is None else longest + longest * longest / self.quadratic_frames
+        per_item = longest if self.quadratic is None else longest + longest * longest / self.quadratic
         return count * per_item
 
     def fits(self, count: int, longest: int) -> bool:
-        return self.cost(count, longest) <= self.max_frames
+        return self.cost(count, longest) <= self.budget
 
 
-def bucket_of(batch: Sequence[Utterance], bounds: Sequence[int]) -> int:
-    """Length bucket of a batch: how many of the ascending ``bounds`` its longest utterance reaches."""
-    return bisect.bisect_right(bounds, max(u.num_frames for u in batch))
+@dataclass
+class Batch:
+    """Samples batched together, with their lengths by the batching measure."""
+
+    samples: list[Sample]
+    lengths: list[int]
+
+    @property
+    def longest(self) -> int:
+        return max(self.lengths)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def bucket_of(batch: Batch, bounds: Sequence[int]) -> int:
+    """Length bucket of a batch: how many of the ascending ``bounds`` its longest sample reaches."""
+    return bisect.bisect_right(bounds, batch.longest)
 
 
 def cut_batches(lengths: Sequence[int], cost: BatchCost) -> tuple[list[list[int]], list[int]]:
     """Batches of indices into ``lengths`` (which must be sorted ascending), and the indices
-    of utterances that do not fit even alone."""
+    of samples that do not fit even alone."""
     batches: list[list[int]] = []
     oversize: list[int] = []
     current: list[int] = []
@@ -89,20 +108,22 @@ def cut_batches(lengths: Sequence[int], cost: BatchCost) -> tuple[list[list[int]
     return batches, oversize
 
 
-class SortBatch(WindowStage[list[Utterance]]):
-    """Length-sorted batches from windows of ``window`` utterances.
+class SortBatch(WindowStage[Batch]):
+    """Length-sorted batches from windows of ``window`` samples.
 
-    ``oversize="alone"`` puts an utterance that exceeds the budget on its own in a batch;
-    ``"drop"`` counts it under ``dropped.oversize``.
+    ``oversize="alone"`` puts a sample that exceeds the budget on its own in a batch;
+    ``"drop"`` counts it under ``dropped.oversize``. Counters: ``batches``, ``utts_batched``,
+    ``frames`` and ``padded_frames`` (in the measure's unit).
     """
 
     def __init__(
         self,
-        source: Stage[Utterance],
+        source: Stage[Sample],
         window: int,
         cost: BatchCost,
         seed: int,
         *position: int,
+        length: Measure = FRAMES,
         shuffle: bool = True,
         oversize: str = "alone",
     ):
@@ -110,6 +131,7 @@ class SortBatch(WindowStage[list[Utterance]]):
         if oversize not in ("alone", "drop"):
             raise ConfigError(f"oversize must be 'alone' or 'drop', got {oversize!r}.")
         self.cost = cost
+        self.length = length
         self.seed = seed
         self.position = position
         self.shuffle = shuffle
@@ -120,12 +142,13 @@ class SortBatch(WindowStage[list[Utterance]]):
         self._counts = dict(state.get("counts", {})) if state else {}
         super().reset(state)
 
-    def arrange(self, items: list[Utterance], number: int, fresh: bool) -> list[list[Utterance]]:
-        items.sort(key=lambda u: (u.num_frames, u.key))
-        indices, oversize = cut_batches([u.num_frames for u in items], self.cost)
-        batches = [[items[i] for i in batch] for batch in indices]
+    def arrange(self, items: list[Sample], number: int, fresh: bool) -> list[Batch]:
+        measured = sorted(((self.length(s), s.key, i) for i, s in enumerate(items)))
+        lengths = [length for length, _, _ in measured]
+        indices, oversize = cut_batches(lengths, self.cost)
+        batches = [Batch([items[measured[i][2]] for i in batch], [lengths[i] for i in batch]) for batch in indices]
         if self.oversize == "alone":
-            batches.extend([items[i]] for i in oversize)
+            batches.extend(Batch([items[measured[i][2]]], [lengths[i]]) for i in oversize)
         elif fresh and oversize:  # a restored window was counted when first formed
             self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + len(oversize)
         if self.shuffle:
@@ -133,17 +156,16 @@ class SortBatch(WindowStage[list[Utterance]]):
             batches = [batches[i] for i in order]
         return batches
 
-    def held(self, output: list[Utterance]) -> list[Utterance]:
-        return output
+    def held(self, output: Batch) -> list[Sample]:
+        return output.samples
 
-    def next(self) -> list[Utterance]:
+    def next(self) -> Batch:
         batch = super().next()
-        longest = max(u.num_frames for u in batch)
         for name, value in (
             ("batches", 1),
             ("utts_batched", len(batch)),
-            ("frames", sum(u.num_frames for u in batch)),
-            ("padded_frames", longest * len(batch)),
+            ("frames", sum(batch.lengths)),
+            ("padded_frames", batch.longest * len(batch)),
         ):
             self._counts[name] = self._counts.get(name, 0) + value
         return batch

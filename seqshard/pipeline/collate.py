@@ -1,53 +1,154 @@
-"""Padding a batch of utterances: done in the DataLoader worker, as numpy arrays.
+"""Collating a batch field by field, in the DataLoader worker, as numpy arrays.
 
-Only the padded batch crosses to the training process (see ``transfer.py``); there the
-arrays become torch tensors without another copy (:func:`to_tensors`).
+Arrays are padded on their first axis into ``NAME`` (B x T x ...) plus ``NAME_lens``; numbers
+are stacked into ``NAME`` (B); texts, bytes and other values are kept as lists. Rules rename
+fields and set padding and dtype: feature shards keep their batch keys (``feats``,
+``feat_lens``, ``labels``, ``label_lens``, ``texts``) and ``keys`` lists the samples' keys. A
+sample without a field another sample has gets length -1 (padded arrays) or None (lists).
+
+The arrays are allocated by the caller's ``allocate(shape, dtype)`` (numpy, or views of a
+shared-memory slot: see ``transfer.py``); only the batch crosses to the training process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from .decode import Utterance
+from ..errors import InputError, Where
+from .batching import Batch
+from .sample import Sample
+
+Allocate = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+ABSENT_LENGTH = -1
 
 
-def padded_shape(batch: Sequence[Utterance]) -> tuple[int, int, int]:
-    return len(batch), max(u.num_frames for u in batch), int(batch[0].feats.shape[1])
+@dataclass(frozen=True)
+class FieldRule:
+    """Field ``field`` goes into batch key ``out``; padded arrays also give ``lengths``
+    (default ``out + "_lens"``), padded with ``pad`` and cast to ``dtype`` (when given)."""
+
+    field: str
+    out: str
+    lengths: str | None = None
+    pad: float = 0
+    dtype: str | None = None
 
 
-def pad_features(batch: Sequence[Utterance], out: np.ndarray) -> np.ndarray:
-    """Write ``batch`` into ``out`` (B x T x D), zero padded; ``out`` may hold old data."""
-    for row, utt in enumerate(batch):
-        out[row, : utt.num_frames] = utt.feats
-        out[row, utt.num_frames :] = 0
-    return out
+def speech_rules(feature_field: str, pad_label: int, dtype: str) -> tuple[FieldRule, ...]:
+    """The batch keys of feature shards: ``feats``/``feat_lens``, ``labels``/``label_lens``, ``texts``."""
+    return (
+        FieldRule(feature_field, "feats", "feat_lens", 0, dtype),
+        FieldRule("tokens", "labels", "label_lens", pad_label, "int64"),
+        FieldRule("txt", "texts"),
+    )
 
 
-def collate_arrays(
-    batch: Sequence[Utterance], pad_label: int = -1, dtype: str = "float32", feats_out: np.ndarray | None = None
-) -> dict[str, Any]:
-    """``feats`` B x T x D (zero padded; written into ``feats_out`` when given), ``feat_lens``,
-    ``labels`` B x L (``pad_label`` padded; when the utterances were tokenized),
-    ``label_lens``, ``keys``, ``texts``, all numpy or lists."""
-    shape = padded_shape(batch)
-    feats = pad_features(batch, feats_out if feats_out is not None else np.empty(shape, dtype=dtype))
-    out: dict[str, Any] = {
-        "feats": feats,
-        "feat_lens": np.fromiter((u.num_frames for u in batch), dtype=np.int64, count=len(batch)),
-        "keys": [u.key for u in batch],
-        "texts": [u.text for u in batch],
-    }
-    if batch[0].tokens is not None:
-        label_lens = np.fromiter((u.num_tokens for u in batch), dtype=np.int64, count=len(batch))
-        labels = np.full((len(batch), int(label_lens.max(initial=0))), pad_label, dtype=np.int64)
-        for row, utt in enumerate(batch):
-            labels[row, : utt.num_tokens] = utt.tokens
-        out["labels"] = labels
-        out["label_lens"] = label_lens
-    return out
+@dataclass
+class _Column:
+    """One field of a batch, laid out: how it is collated and what it allocates."""
+
+    rule: FieldRule
+    kind: str  # "padded", "stacked" or "list"
+    values: list[Any]
+    shape: tuple[int, ...] = ()
+    dtype: np.dtype | None = None
+
+
+class Collator:
+    """Collates batches of samples by ``rules`` (other fields get default rules)."""
+
+    def __init__(self, rules: Sequence[FieldRule] = ()):
+        self.rules = {rule.field: rule for rule in rules}
+
+    def layout(self, batch: Batch) -> list[_Column]:
+        """How each field of ``batch`` is collated, and the arrays it needs."""
+        samples = batch.samples
+        names = dict.fromkeys(name for sample in samples for name in sample.fields)
+        columns = []
+        for name in names:
+            rule = self.rules.get(name) or FieldRule(name, name)
+            values = [sample.fields.get(name) for sample in samples]
+            present = next(v for v in values if v is not None)
+            if isinstance(present, np.ndarray) and present.ndim >= 1:
+                columns.append(_padded(rule, values, samples))
+            elif isinstance(present, (bool, int, float, np.generic, np.ndarray)) and None not in values:
+                dtype = np.dtype(rule.dtype) if rule.dtype else np.asarray(values).dtype
+                columns.append(_Column(rule, "stacked", values, (len(values),), dtype))
+            else:
+                columns.append(_Column(rule, "list", values))
+        return columns
+
+    def __call__(self, batch: Batch, allocate: Allocate | None = None) -> dict[str, Any]:
+        """The batch as numpy arrays and lists (arrays from ``allocate``, default numpy)."""
+        return self.fill(batch, self.layout(batch), allocate)
+
+    def fill(self, batch: Batch, columns: list[_Column], allocate: Allocate | None = None) -> dict[str, Any]:
+        """The batch collated along ``columns`` (from :meth:`layout`)."""
+        allocate = allocate or (lambda shape, dtype: np.empty(shape, dtype))
+        out: dict[str, Any] = {"keys": [sample.key for sample in batch.samples]}
+        for column in columns:
+            rule = column.rule
+            if column.kind == "padded":
+                array = allocate(column.shape, column.dtype)  # type: ignore[arg-type]
+                lengths = allocate((len(column.values),), np.dtype(np.int64))
+                _pad_into(array, lengths, column.values, rule.pad)
+                out[rule.out] = array
+                out[rule.lengths or f"{rule.out}_lens"] = lengths
+            elif column.kind == "stacked":
+                array = allocate(column.shape, column.dtype)  # type: ignore[arg-type]
+                array[:] = column.values
+                out[rule.out] = array
+            else:
+                out[rule.out] = [bytes(v) if isinstance(v, memoryview) else v for v in column.values]
+        return out
+
+
+def array_bytes(columns: list[_Column], align: int) -> int:
+    """Bytes of the arrays collating ``columns`` allocates, each rounded up to ``align``."""
+    total = 0
+    for column in columns:
+        if column.kind != "list":
+            total += aligned(int(np.prod(column.shape)) * column.dtype.itemsize, align)  # type: ignore[union-attr]
+        if column.kind == "padded":
+            total += aligned(8 * len(column.values), align)
+    return total
+
+
+def aligned(size: int, align: int) -> int:
+    return -(-size // align) * align
+
+
+def _padded(rule: FieldRule, values: list[Any], samples: Sequence[Sample]) -> _Column:
+    present = [v for v in values if v is not None]
+    trailing = present[0].shape[1:]
+    for sample, value in zip(samples, values):
+        if value is not None and value.shape[1:] != trailing:
+            raise InputError(
+                Where(f"shard {sample.shard}", None, sample.key),
+                "shape_mismatch",
+                f"field {rule.field!r} is {value.shape} where other samples of the batch have {('T', *trailing)}.",
+                "pack or select samples of one kind together.",
+            )
+    dtype = np.dtype(rule.dtype) if rule.dtype else present[0].dtype
+    longest = max(len(v) for v in present)
+    return _Column(rule, "padded", values, (len(values), longest, *trailing), dtype)
+
+
+def _pad_into(out: np.ndarray, lengths: np.ndarray, values: list[Any], pad: float) -> None:
+    """Write ``values`` into ``out`` (B x T x ...) padded with ``pad``; ``out`` may hold old data."""
+    for row, value in enumerate(values):
+        if value is None:
+            lengths[row] = ABSENT_LENGTH
+            out[row] = pad
+            continue
+        length = len(value)
+        lengths[row] = length
+        out[row, :length] = value
+        out[row, length:] = pad
 
 
 def to_tensors(arrays: dict[str, Any]) -> dict[str, Any]:
@@ -55,8 +156,3 @@ def to_tensors(arrays: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
-
-
-def collate(batch: Sequence[Utterance], pad_label: int = -1, dtype: str = "float32") -> dict[str, Any]:
-    """The batch as torch tensors (the map-style dev reader's collate function)."""
-    return to_tensors(collate_arrays(batch, pad_label, dtype))

@@ -2,18 +2,26 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ConfigError
-from .batching import BatchCost, FixedSize, FrameBudget
+from .batching import BatchCost, FixedSize, LengthBudget
 from .filters import LengthLimits
 
 UNEVEN_MODES = ("stop", "repeat", "join")
 
 # Options that change which batches are produced: a saved state must match them to resume
 # exactly. The others (prefetch, pinning, worker persistence) only change how fast.
-RUNTIME_ONLY = ("prefetch_factor", "persistent_workers", "pin_memory", "multiprocessing_context", "timeout")
+RUNTIME_ONLY = (
+    "prefetch_factor",
+    "persistent_workers",
+    "pin_memory",
+    "multiprocessing_context",
+    "timeout",
+    "shared_slots",
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,9 @@ class LoaderConfig:
     pad_label: int = -1
     dtype: str = "float32"
     feature_field: str | None = None
+    fields: tuple[str, ...] | None = None
+    transforms: tuple[Any, ...] = ()
+    recipe: Callable[..., Any] | None = None
     skip_bad: bool = False
     num_workers: int = 2
     prefetch_factor: int = 4
@@ -47,6 +58,7 @@ class LoaderConfig:
     pin_memory: bool = False
     multiprocessing_context: str | None = None
     timeout: float = 0
+    shared_slots: bool = True
     uneven: str = "stop"
     epoch_steps: int | None = None
     epoch_hours: float | None = None
@@ -66,12 +78,22 @@ class LoaderConfig:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}.")
         if self.uneven not in UNEVEN_MODES:
             raise ConfigError(f"uneven must be one of {UNEVEN_MODES}, got {self.uneven!r}.")
-        if self.uneven == "repeat" and (self.epoch_steps is None) == (self.epoch_hours is None):
+        if self.epoch_steps is not None and self.epoch_hours is not None:
+            raise ConfigError("give at most one of epoch_steps or epoch_hours (the length of an epoch).")
+        if self.uneven == "repeat" and self.epoch_steps is None and self.epoch_hours is None:
             raise ConfigError(
-                "uneven='repeat' needs exactly one of epoch_steps or epoch_hours (the epoch length, the same on every rank)."
+                "uneven='repeat' needs epoch_steps or epoch_hours (the epoch length, the same on every rank)."
             )
-        if self.uneven != "repeat" and (self.epoch_steps is not None or self.epoch_hours is not None):
-            raise ConfigError("epoch_steps/epoch_hours only apply with uneven='repeat'.")
+        if self.uneven == "join" and self.epoch_hours is not None:
+            raise ConfigError(
+                "epoch_hours counts hours over all ranks, which needs the ranks to talk at each step; "
+                "uneven='join' does not: use epoch_steps, or uneven='stop'."
+            )
+        for name in ("epoch_steps", "epoch_hours"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}.")
+        if self.fields is not None and (isinstance(self.fields, str) or not self.fields):
+            raise ConfigError(f"fields must be a non-empty list of field names, got {self.fields!r}.")
         if self.bucket_sync and self.uneven == "join":
             raise ConfigError("bucket_sync needs the ranks to step together; it cannot be used with uneven='join'.")
         if self.dtype not in ("float32", "float16"):
@@ -82,7 +104,7 @@ class LoaderConfig:
     def cost(self) -> BatchCost:
         if self.batch_size is not None:
             return FixedSize(self.batch_size)
-        return FrameBudget(int(self.batch_frames), self.quadratic_frames)  # type: ignore[arg-type]
+        return LengthBudget(int(self.batch_frames), self.quadratic_frames)  # type: ignore[arg-type]
 
     def limits(self) -> LengthLimits:
         return LengthLimits(
@@ -90,9 +112,28 @@ class LoaderConfig:
         )
 
     def batch_defining(self) -> dict[str, Any]:
-        """The options a saved state must agree with (see RUNTIME_ONLY)."""
-        return {k: v for k, v in asdict(self).items() if k not in RUNTIME_ONLY}
+        """The options a saved state must agree with (see RUNTIME_ONLY), JSON-safe: functions
+        and classes (transforms, recipe) by their qualified names."""
+        described = {}
+        for option in fields(self):
+            key, value = option.name, getattr(self, option.name)
+            if key in RUNTIME_ONLY:
+                continue
+            if key == "transforms":
+                value = [_qualified_name(t) for t in value]
+            elif key == "recipe":
+                value = None if value is None else _qualified_name(value)
+            elif key == "fields" and value is not None:
+                value = list(value)
+            described[key] = value
+        return described
 
     @classmethod
     def option_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
+
+
+def _qualified_name(item: Any) -> str:
+    target = getattr(item, "predicate", item)  # keep_if(...) by its predicate
+    name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
+    return f"keep_if({name})" if target is not item else name

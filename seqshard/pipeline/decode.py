@@ -1,82 +1,82 @@
-"""Turning raw samples into utterances: features as arrays viewing the bytes read (no copy)."""
+"""Decoding a sample's members into named fields (see ``formats/fields.py`` for the decoders).
+
+Arrays are views of the bytes read (no copy). Only the fields a loader asks for are decoded;
+the ones it needs (the feature field, when it batches by frames) must be there.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-import numpy as np
+from collections.abc import Collection
 
 from ..errors import InputError, Where
+from ..formats.fields import ABSENT, decode_field, field_name, split_suffix
 from ..formats.keys import unescape_key
-from .reader import RawSample
+from .sample import Sample
 from .shards import ShardTable
 
-FEATURE_FIELDS = ("feats.npy", "npy")
 LABEL_FIELD = "txt"
-
-
-@dataclass
-class Utterance:
-    """One training example on its way to a batch."""
-
-    key: str
-    feats: np.ndarray
-    text: str
-    shard: int = -1
-    offset: int = -1
-    ordinal: int = -1
-    tokens: list[int] | None = None
-
-    @property
-    def num_frames(self) -> int:
-        return int(self.feats.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tokens) if self.tokens is not None else 0
+LEGACY_FEATURE_FIELDS = ("feats", "npy")  # `feats.npy` as packed; `npy` in shards of other tools
 
 
 class Decoder:
-    """RawSample -> Utterance. The feature field is ``feature_field``, else the first of
-    ``feats.npy``/``npy`` present; a sample without features or with an unreadable label
+    """Sample (members by suffix) -> Sample (fields by name, decoded by extension).
+
+    ``wanted``: the field names to decode (None: all). ``features``: the feature field, which
+    must be a T x D float array; a sample without it, or with a member that does not decode,
     raises InputError naming shard, byte offset and key. Keys percent-encoded at pack time
-    (``--escape-keys``) come out as they were in the scp."""
+    (``--escape-keys``) come out as they were in the scp.
+    """
 
-    def __init__(self, table: ShardTable, feature_field: str | None = None):
+    def __init__(self, table: ShardTable, wanted: Collection[str] | None = None, features: str | None = None):
         self.table = table
-        self.feature_field = feature_field
+        self.wanted = None if wanted is None else frozenset(wanted)
+        self.features = features
 
-    def _where(self, raw: RawSample) -> Where:
-        return Where(f"{self.table.shards[raw.shard].path}@{raw.offset}", None, raw.key)
+    def _where(self, sample: Sample) -> Where:
+        shard = self.table.shards[sample.shard]
+        name, offset = sample.offsets[0] if sample.offsets else ("", -1)
+        return Where(f"{shard.file_of(name)}@{offset}", None, sample.key)
 
-    def __call__(self, raw: RawSample) -> Utterance:
-        names = (self.feature_field,) if self.feature_field else FEATURE_FIELDS
-        data = next((raw.fields[n] for n in names if n in raw.fields), None)
-        if data is None:
+    def __call__(self, sample: Sample) -> Sample:
+        fields = {}
+        for suffix, data in sample.fields.items():
+            name = field_name(suffix)
+            if self.wanted is not None and name not in self.wanted:
+                continue
+            if name in fields:
+                raise InputError(self._where(sample), "bad_field", f"two members hold field {name!r}.")
+            try:
+                value = decode_field(suffix, data)
+            except ValueError as error:
+                raise InputError(
+                    self._where(sample), self._reason(name, suffix), f"member .{suffix} cannot be read: {error}."
+                ) from None
+            if value is not ABSENT:
+                fields[name] = value.strip() if name == LABEL_FIELD and isinstance(value, str) else value
+        if self.features is not None:
+            self._check_features(sample, fields)
+        if self.table.shards[sample.shard].escaped_keys:
+            sample.key = unescape_key(sample.key)
+        sample.fields = fields
+        return sample
+
+    def _reason(self, name: str, suffix: str) -> str:
+        if name == self.features:
+            return "bad_features"
+        return "non_utf8" if split_suffix(suffix)[1] in ("txt", "text") else "bad_field"
+
+    def _check_features(self, sample: Sample, fields: dict) -> None:
+        feats = fields.get(self.features)
+        if feats is None:
             raise InputError(
-                self._where(raw),
+                self._where(sample),
                 "no_features",
-                f"the sample has no {' or '.join(names)} field (it has: {', '.join(sorted(raw.fields)) or 'nothing'}).",
+                f"the sample has no {self.features!r} field (it has: {', '.join(sorted(sample.fields)) or 'nothing'}).",
                 "pass feature_field= to name the field holding a T x D .npy array.",
             )
-        try:
-            feats = _decode_features(data)
-        except ValueError as error:
-            raise InputError(self._where(raw), "bad_features", f"the features cannot be read: {error}.") from None
-        text = ""
-        if LABEL_FIELD in raw.fields:
-            try:
-                text = str(raw.fields[LABEL_FIELD], "utf-8").strip()
-            except UnicodeDecodeError:
-                raise InputError(self._where(raw), "non_utf8", "the label is not valid UTF-8.") from None
-        key = unescape_key(raw.key) if self.table.shards[raw.shard].escaped_keys else raw.key
-        return Utterance(key, feats, text, raw.shard, raw.offset, raw.ordinal)
-
-
-def _decode_features(data: bytes) -> np.ndarray:
-    from ..formats.npy import decode_npy
-
-    feats = decode_npy(data)
-    if feats.ndim != 2 or feats.dtype.kind != "f":
-        raise ValueError(f"expected a 2-D float array, found {feats.dtype} {feats.shape}")
-    return feats
+        if getattr(feats, "ndim", 0) != 2 or feats.dtype.kind != "f":
+            raise InputError(
+                self._where(sample),
+                "bad_features",
+                f"the features cannot be read: expected a 2-D float array, found {getattr(feats, 'dtype', type(feats).__name__)} {getattr(feats, 'shape', '')}.",
+            )

@@ -12,19 +12,19 @@ run (other windows, other seeds).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from ..errors import StateMismatchError
 from .merge import RankPosition, WorkerPosition
-from .shards import Plan, ShardTable, Unit, _cut, _deal, _Piece
+from .reader import ShardReader
+from .shards import Plan, ShardTable, Unit, spread_units
 from .worker import WorkerSetup, build_pipeline
 
 
 def reader_remainder(setup: WorkerSetup, worker: int, position: RankPosition, spot: WorkerPosition) -> list[Unit]:
-    """What one old reader had not handed out when its position was saved."""
-    from .reader import ShardReader
-
+    """What one old reader had not handed out when its position was saved: the samples of
+    its in-flight batches and windows (``pending()`` of every stage), then the rest of its
+    units from where its shard reader stood."""
     pipeline = build_pipeline(setup, worker, position.epoch, position.units_of(worker), read_ahead=False)
     pipeline.reset(spot.state)
     emitted = set(spot.emitted_above)
@@ -32,14 +32,16 @@ def reader_remainder(setup: WorkerSetup, worker: int, position: RankPosition, sp
     for seq in range(spot.low + 1, spot.pulled + 1):
         batch = pipeline.next()
         if seq not in emitted:
-            held.extend(batch)
+            held.extend(batch.samples)
     held.extend(pipeline.pending())
     stage = pipeline
     while not isinstance(stage, ShardReader):
+        if stage.source is None:
+            raise StateMismatchError("elastic resume needs the recipe to read through the built-in shard reader.")
         stage = stage.source
     singles = [
-        Unit(u.shard, u.ordinal, u.ordinal + 1, 1, u.offset, u.ordinal)
-        for u in sorted(held, key=lambda u: (u.shard, u.offset))
+        Unit(s.shard, s.ordinal, s.ordinal + 1, 1, s.offsets or None, s.ordinal)
+        for s in sorted(held, key=lambda s: (s.shard, s.ordinal))
     ]
     return singles + stage.remaining_units()
 
@@ -71,21 +73,4 @@ def remainder_plan(
     if gather is not None:
         found = {number: units for part in gather(found) for number, units in part.items()}
     units = [Unit.from_json(u) for number in range(len(readers)) for u in found[number]]
-    weights = table.weights()
-    pieces = []
-    for unit in units:
-        shard = table.shards[unit.shard]
-        count = unit.count(shard.num_utts)
-        share = count / shard.num_utts if count is not None and shard.num_utts else 1.0
-        pieces.append(_Piece(unit, count, weights[unit.shard] * share))
-    if table.indexed:
-        return [[[p.unit for p in w] for w in _cut(rank_pieces, workers)] for rank_pieces in _cut(pieces, world_size)]
-    return [
-        [[p.unit for p in w] for w in _deal(rank_pieces, workers, workers)]
-        for rank_pieces in _deal(pieces, world_size, world_size * workers)
-    ]
-
-
-def planned_setups(setup: WorkerSetup, world_size: int, config) -> list[WorkerSetup]:
-    """The old readers' setups (one per old rank), for rebuilding their pipelines."""
-    return [replace(setup, config=config, rank=rank, world_size=world_size) for rank in range(world_size)]
+    return spread_units(table, units, world_size, workers)

@@ -9,7 +9,6 @@ as WeNet and ESPnet write) splitting into characters or words, unknowns to ``<un
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +16,9 @@ import numpy as np
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..prep.tables import KeyTable, key_hash
 from .base import Stage, State, merge_counts
-from .decode import Utterance
+from .decode import LABEL_FIELD
+from .filters import TOKENS_FIELD
+from .sample import Sample
 
 SPACE_UNITS = ("▁", "<space>")
 UNKNOWN_WARN_AFTER = 2000  # tokens seen before the share of unknown tokens is judged
@@ -156,21 +157,22 @@ class LabelOverride:
 
 
 class Labeler:
-    """Utterance -> Utterance with the override label (if any) and tokens (if a tokenizer);
-    a key missing from the override raises InputError (reason ``no_label``)."""
+    """Sample -> Sample with its label (field ``txt``) from the override file (if any) and its
+    tokens (field ``tokens``, an int64 array; if a tokenizer); a key missing from the override
+    raises InputError (reason ``no_label``)."""
 
     def __init__(self, tokenizer: Tokenizer | None, override: LabelOverride | None = None, strip_spaces: bool = False):
         self.tokenizer = tokenizer
         self.override = override
         self.strip_spaces = strip_spaces
 
-    def __call__(self, utt: Utterance) -> Utterance:
-        text = utt.text
+    def __call__(self, sample: Sample) -> Sample:
+        text = sample.fields.get(LABEL_FIELD, "")
         if self.override is not None:
-            label = self.override.get(utt.key)
+            label = self.override.get(sample.key)
             if label is None:
                 raise InputError(
-                    Where(", ".join(map(str, self.override.table.files)), None, utt.key),
+                    Where(", ".join(map(str, self.override.table.files)), None, sample.key),
                     "no_label",
                     "the label file given at load time has no line for this key.",
                     "add it.",
@@ -178,16 +180,18 @@ class Labeler:
             text = label
         if self.strip_spaces:
             text = "".join(text.split())
-        tokens = self.tokenizer.encode(text) if self.tokenizer is not None else None
-        return replace(utt, text=text, tokens=tokens)
+        sample.fields[LABEL_FIELD] = text
+        if self.tokenizer is not None:
+            sample.fields[TOKENS_FIELD] = np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+        return sample
 
 
-class Labels(Stage[Utterance]):
+class Labels(Stage[Sample]):
     """Applies a :class:`Labeler`, counting label tokens and unknown tokens (``tokens``,
-    ``unknown_tokens`` in stats); with ``skip`` an utterance whose label is missing is
-    counted under ``dropped.no_label`` instead of raising."""
+    ``unknown_tokens`` in stats); with ``skip`` a sample whose label is missing is counted
+    under ``dropped.no_label`` instead of raising."""
 
-    def __init__(self, source: Stage[Utterance], labeler: Labeler, skip: SkipCounter | None = None):
+    def __init__(self, source: Stage[Sample], labeler: Labeler, skip: SkipCounter | None = None):
         super().__init__(source)
         self.labeler = labeler
         self.skip = skip
@@ -201,20 +205,21 @@ class Labels(Stage[Utterance]):
     def _count(self, name: str, value: int) -> None:
         self.counts[name] = self.counts.get(name, 0) + value
 
-    def next(self) -> Utterance:
+    def next(self) -> Sample:
         while True:
             try:
-                utt = self.labeler(self.source.next())
+                sample = self.labeler(self.source.next())
             except InputError as error:
                 if self.skip is None:
                     raise
                 self.skip(error)
                 self._count(f"dropped.{error.reason}", 1)
                 continue
-            if utt.tokens is not None:
-                self._count("tokens", len(utt.tokens))
-                self._count("unknown_tokens", sum(1 for t in utt.tokens if t == self.unk_id))
-            return utt
+            tokens = sample.fields.get(TOKENS_FIELD)
+            if tokens is not None:
+                self._count("tokens", len(tokens))
+                self._count("unknown_tokens", int(np.count_nonzero(tokens == self.unk_id)))
+            return sample
 
     def get_state(self) -> State:
         return {**super().get_state(), "counts": dict(self.counts)}

@@ -19,9 +19,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import SeqshardError
+from .protocol import BatchItem, EndItem, Item
 from .shards import Unit
-
-Item = dict[str, Any]
 
 
 @dataclass
@@ -101,7 +100,7 @@ class MergedStream:
         self._receive = receive
         self.position = position
         self._buffers: list[deque[Item]] = [deque() for _ in position.workers]
-        self._reservoir: list[deque[Item]] = [deque() for _ in position.queues]
+        self._reservoir: list[deque[BatchItem]] = [deque() for _ in position.queues]
         self._states_above: dict[tuple[int, int], dict[str, Any]] = {}  # emitted beyond low
         self._replay()
 
@@ -114,22 +113,22 @@ class MergedStream:
                 item = next(self._items)
             except StopIteration:
                 raise SeqshardError(f"DataLoader ended before worker {worker} sent its end marker") from None
-            self._buffers[item["worker"]].append(self._receive(item))
+            self._buffers[item.worker].append(self._receive(item))
         return buffer.popleft()
 
     def _replay(self) -> None:
         """Regenerate what was in flight at the saved position and rebuild the reservoir."""
-        stash: dict[tuple[int, int], Item] = {}
+        stash: dict[tuple[int, int], BatchItem] = {}
         for worker, spot in enumerate(self.position.workers):
             emitted = set(spot.emitted_above)
             for seq in range(spot.low + 1, spot.pulled + 1):
                 item = self._take(worker)
-                if item.get("end") or item["seq"] != seq:
+                if not isinstance(item, BatchItem) or item.seq != seq:
                     raise SeqshardError(
-                        f"worker {worker} did not regenerate batch {seq} on resume (got {item['seq']}); the shards changed since the state was saved?"
+                        f"worker {worker} did not regenerate batch {seq} on resume (got {item.seq}); the shards changed since the state was saved?"
                     )
                 if seq in emitted:
-                    self._states_above[(worker, seq)] = item["state"]
+                    self._states_above[(worker, seq)] = item.state
                 else:
                     stash[(worker, seq)] = item
         for bucket, entries in enumerate(self.position.queues):
@@ -143,7 +142,7 @@ class MergedStream:
     def exhausted(self) -> bool:
         return all(w.done for w in self.position.workers)
 
-    def pull(self) -> Item | None:
+    def pull(self) -> BatchItem | None:
         """The next batch in turn, or None when every worker is finished."""
         workers = self.position.workers
         while not self.exhausted:
@@ -153,34 +152,35 @@ class MergedStream:
             if spot.done:
                 continue
             item = self._take(turn)
-            spot.stats = item["stats"]
-            if item.get("end"):
+            spot.stats = item.stats  # type: ignore[union-attr]
+            if isinstance(item, EndItem):
                 spot.done = True
                 if spot.low == spot.pulled:
-                    spot.state = item["state"]
+                    spot.state = item.state
                 continue
-            spot.pulled = item["seq"]
+            assert isinstance(item, BatchItem)
+            spot.pulled = item.seq
             return item
         return None
 
     # -- handing items out -----------------------------------------------------------------
-    def emit(self, item: Item) -> None:
+    def emit(self, item: BatchItem) -> None:
         """Record that ``item`` was handed to training."""
-        worker, seq = item["worker"], item["seq"]
+        worker, seq = item.worker, item.seq
         spot = self.position.workers[worker]
         if seq == spot.low + 1:
-            spot.low, spot.state = seq, item["state"]
+            spot.low, spot.state = seq, item.state
             while spot.low + 1 in spot.emitted_above:  # batches handed out earlier, out of order
                 spot.low += 1
                 spot.emitted_above.remove(spot.low)
                 spot.state = self._states_above.pop((worker, spot.low))
         else:
             spot.emitted_above.append(seq)
-            self._states_above[(worker, seq)] = item["state"]
+            self._states_above[(worker, seq)] = item.state
         self.position.step += 1
-        self.position.utts += len(item["batch"]["keys"])
-        self.position.frames += item["frames"]
-        self.position.padded_frames += item["padded"]
+        self.position.utts += item.size
+        self.position.frames += item.length
+        self.position.padded_frames += item.padded
 
     # -- the reservoir (bucket sync) -----------------------------------------------------------
     def reservoir_counts(self) -> list[int]:
@@ -191,11 +191,11 @@ class MergedStream:
         item = self.pull()
         if item is None:
             return False
-        self._reservoir[item["bucket"]].append(item)
-        self.position.queues[item["bucket"]].append([item["worker"], item["seq"]])
+        self._reservoir[item.bucket].append(item)
+        self.position.queues[item.bucket].append([item.worker, item.seq])
         return True
 
-    def take_from_reservoir(self, bucket: int) -> Item:
+    def take_from_reservoir(self, bucket: int) -> BatchItem:
         item = self._reservoir[bucket].popleft()
         self.position.queues[bucket].pop(0)
         return item

@@ -1,90 +1,123 @@
 """Reading a reader's units: each shard front to back, several shards in turn.
 
 ``interleave`` units are open at once and give one sample each in turn, so that consecutive
-samples (and so batches) come from several shards. The state is, per open unit, the byte
-offset and position of its next sample: a restored reader seeks straight there.
+samples (and so batches) come from several shards. A unit reads the field files the loader
+asks for (the main shard and/or sidecar field shards, see ``formats/index.py``) in lock step:
+each holds the same keys in the same order, and a key that differs is an error naming both
+files. The state is, per open unit, the byte offset of its next sample in each field file and
+its position: a restored reader seeks straight there.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import replace
 
 from ..errors import ShardError, SkipCounter
 from ..formats.tar import SampleStream, skip_samples
 from .base import Stage, State
-from .shards import ShardTable, Unit
+from .sample import Sample
+from .shards import MAIN, ShardTable, Unit
 
 _LOG = logging.getLogger("seqshard")
 
 
-@dataclass
-class RawSample:
-    """A sample as read: its key, raw fields and where it is (shard number, byte offset)."""
-
-    key: str
-    fields: dict[str, bytes | memoryview]
-    shard: int
-    offset: int
-    ordinal: int
-
-
 class _OpenUnit:
+    """One unit being read: a stream per field file, advanced together."""
+
     def __init__(
         self,
         index: int,
         unit: Unit,
-        path: str,
-        offset: int,
+        files: Sequence[tuple[str, str]],
+        offsets: Sequence[int],
         ordinal: int,
         expected: int | None,
         read_ahead: bool,
     ):
         self.index = index
         self.unit = unit
+        self.sets = [name for name, _ in files]
         self.expected = expected  # samples the shard's index promises, when indexed
-        self.stream = SampleStream(path, offset, ordinal, read_ahead=read_ahead)
+        self.streams: list[SampleStream] = []
+        try:
+            for (_, path), offset in zip(files, offsets):
+                self.streams.append(SampleStream(path, offset, ordinal, read_ahead=read_ahead))
+        except BaseException:
+            self.close()
+            raise
 
-    def next_sample(self):
-        """The unit's next sample, or None when the unit is done.
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
 
-        Raises ShardError when the shard ends early: without its end marker, or with fewer
-        samples than its index says (a shard cut at a member boundary reads as a valid tar).
+    @property
+    def ordinal(self) -> int:
+        return self.streams[0].ordinal
+
+    def next_sample(self) -> Sample | None:
+        """The unit's next sample (raw fields by member suffix), or None when it is done.
+
+        Raises ShardError when a file ends early (without its end marker, with fewer samples
+        than its index says, or before the other field files), or when the field files
+        disagree on a key.
         """
         unit = self.unit
         while True:
-            if unit.stop is not None and self.stream.ordinal >= unit.stop:
+            if unit.stop is not None and self.ordinal >= unit.stop:
                 return None
-            sample = self.stream.next_sample()
-            if sample is None:
-                self._check_end()
+            parts = [stream.next_sample() for stream in self.streams]
+            first = parts[0]
+            if first is None or any(part is None for part in parts):
+                self._check_end(parts)
                 return None
-            if sample.ordinal >= unit.start and (sample.ordinal - unit.start) % unit.step == 0:
-                return sample
+            for stream, part in zip(self.streams[1:], parts[1:]):
+                if part.key != first.key:  # type: ignore[union-attr]
+                    raise ShardError(
+                        stream.path,
+                        part.offset,  # type: ignore[union-attr]
+                        f"field files disagree: sample {first.ordinal} is {first.key!r} in {self.streams[0].path} "
+                        f"but {part.key!r} here (add the field again with `seqshard add-field`)",  # type: ignore[union-attr]
+                    )
+            if first.ordinal >= unit.start and (first.ordinal - unit.start) % unit.step == 0:
+                fields = {}
+                for part in parts:
+                    fields.update(part.fields)  # type: ignore[union-attr]
+                offsets = tuple((name, part.offset) for name, part in zip(self.sets, parts))  # type: ignore[union-attr]
+                return Sample(first.key, fields, unit.shard, first.ordinal, offsets)
 
-    def _check_end(self) -> None:
-        stream = self.stream
-        if not stream.ended_cleanly:
-            raise ShardError(
-                stream.path, stream.resume_offset, "the shard ends without the tar end marker (cut short?)"
-            )
-        if self.expected is not None and stream.ordinal < self.expected:
-            raise ShardError(
-                stream.path,
-                None,
-                f"the shard holds {stream.ordinal} samples where its index.json says {self.expected} (cut short or replaced?)",
-            )
+    def _check_end(self, parts: list) -> None:
+        for stream, part in zip(self.streams, parts):
+            if part is not None:
+                raise ShardError(
+                    stream.path,
+                    part.offset,
+                    f"holds more samples than the other field files of its shard ({', '.join(s.path for s in self.streams if s is not stream)})",
+                )
+            if not stream.ended_cleanly:
+                raise ShardError(
+                    stream.path, stream.resume_offset, "the shard ends without the tar end marker (cut short?)"
+                )
+            if self.expected is not None and stream.ordinal < self.expected:
+                raise ShardError(
+                    stream.path,
+                    None,
+                    f"the shard holds {stream.ordinal} samples where its index.json says {self.expected} (cut short or replaced?)",
+                )
 
-    def position(self) -> list[int]:
-        return [self.index, self.stream.resume_offset, self.stream.ordinal]
+    def position(self) -> list:
+        return [self.index, [stream.resume_offset for stream in self.streams], self.ordinal]
 
     def rest(self) -> Unit:
         """What is left of this unit, as a unit that starts reading where this one stands."""
-        return replace(self.unit, offset=self.stream.resume_offset, at=self.stream.ordinal)
+        offsets = tuple((name, stream.resume_offset) for name, stream in zip(self.sets, self.streams))
+        return replace(self.unit, offsets=offsets, at=self.ordinal)
 
 
-class ShardReader(Stage[RawSample]):
-    """Yields the samples of ``units``, ``interleave`` units at a time.
+class ShardReader(Stage[Sample]):
+    """Yields the samples of ``units``, ``interleave`` units at a time, reading the field
+    files of ``field_sets`` (``MAIN`` is the shard itself; other names are sidecar field sets).
 
     A damaged shard (unreadable, truncated, shorter than its index says) raises ShardError
     naming it, or with ``skip`` is left at the damage and counted under
@@ -98,14 +131,18 @@ class ShardReader(Stage[RawSample]):
         interleave: int = 4,
         skip: SkipCounter | None = None,
         read_ahead: bool = True,
+        field_sets: Sequence[str] = (MAIN,),
     ):
         super().__init__(None)
         if interleave < 1:
             raise ValueError("interleave must be >= 1")
+        if not field_sets:
+            raise ValueError("a reader needs at least one field set to read")
         self.table = table
         self.interleave = interleave
         self.skip = skip
         self.read_ahead = read_ahead
+        self.field_sets = tuple(field_sets)
         self._units = units
         self._next_unit = 0
         self._slots: list[_OpenUnit] = []
@@ -119,16 +156,20 @@ class ShardReader(Stage[RawSample]):
         self._next_unit = int(state.get("next", 0))
         self._turn = int(state.get("turn", 0))
         self._counts = {**{k: 0 for k in self._counts}, **state.get("counts", {})}
-        for index, offset, ordinal in state.get("open", []):
-            self._slots.append(self._open(index, self._units[index], offset, ordinal))
+        for index, offsets, ordinal in state.get("open", []):
+            self._slots.append(self._open(index, self._units[index], offsets, ordinal))
 
-    def _open(self, index: int, unit: Unit, offset: int, ordinal: int) -> _OpenUnit:
+    def _files(self, unit: Unit) -> list[tuple[str, str]]:
         shard = self.table.shards[unit.shard]
-        return _OpenUnit(index, unit, shard.path, offset, ordinal, shard.num_utts, self.read_ahead)
+        return [(name, shard.file_of(name)) for name in self.field_sets]
+
+    def _open(self, index: int, unit: Unit, offsets: Sequence[int], ordinal: int) -> _OpenUnit:
+        shard = self.table.shards[unit.shard]
+        return _OpenUnit(index, unit, self._files(unit), offsets, ordinal, shard.num_utts, self.read_ahead)
 
     def _close_all(self) -> None:
         for slot in self._slots:
-            slot.stream.close()
+            slot.close()
         self._slots = []
 
     def _open_next(self) -> _OpenUnit | None:
@@ -137,13 +178,15 @@ class ShardReader(Stage[RawSample]):
         index = self._next_unit
         self._next_unit += 1
         unit = self._units[index]
-        if unit.offset is not None:
-            offset, ordinal = unit.offset, unit.at
-        elif unit.start and unit.step == 1:
-            offset, ordinal = skip_samples(self.table.shards[unit.shard].path, unit.start)
+        known = dict(unit.offsets or ())
+        if all(name in known for name in self.field_sets):
+            offsets, ordinal = [known[name] for name in self.field_sets], unit.at
+        elif unit.first() and unit.step == 1:
+            found = [skip_samples(path, unit.first()) for _, path in self._files(unit)]
+            offsets, ordinal = [offset for offset, _ in found], found[0][1]
         else:
-            offset, ordinal = 0, 0
-        return self._open(index, unit, offset, ordinal)
+            offsets, ordinal = [0] * len(self.field_sets), 0
+        return self._open(index, unit, offsets, ordinal)
 
     def _damaged(self, error: ShardError) -> None:
         if self.skip is None:
@@ -162,7 +205,7 @@ class ShardReader(Stage[RawSample]):
                 return
             self._slots.append(slot)
 
-    def next(self) -> RawSample:
+    def next(self) -> Sample:
         while True:
             self._fill_slots()
             if not self._slots:
@@ -175,13 +218,13 @@ class ShardReader(Stage[RawSample]):
                 self._damaged(error)
                 sample = None
             if sample is None:
-                slot.stream.close()
+                slot.close()
                 del self._slots[self._turn]
                 self._counts["units_done"] += 1
                 continue
             self._turn += 1
             self._counts["utts_read"] += 1
-            return RawSample(sample.key, sample.fields, slot.unit.shard, sample.offset, sample.ordinal)
+            return sample
 
     def get_state(self) -> State:
         return {

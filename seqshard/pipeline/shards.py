@@ -23,7 +23,10 @@ from ..errors import ConfigError
 from ..formats.index import merge_histograms
 from ..formats.patterns import Patterns
 from ..formats.selection import MissingShard, select_shards
+from ..formats.tar import first_sample_fields
 from .base import SEED_PLAN, stage_rng
+
+MAIN = ""  # the field set of the shard file itself (sidecar field sets have names)
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,16 @@ class ShardInfo:
     num_utts: int | None = None
     num_frames: int | None = None
     escaped_keys: bool = False  # keys were percent-encoded at pack time (shown unescaped)
+    sidecars: tuple[tuple[str, str], ...] = ()  # (field set, path) of its sidecar field files
+
+    def file_of(self, field_set: str) -> str:
+        """The file holding ``field_set`` of this shard (``MAIN``: the shard itself)."""
+        if field_set == MAIN:
+            return self.path
+        for name, path in self.sidecars:
+            if name == field_set:
+                return path
+        raise ConfigError(f"{self.path} has no field set {field_set!r} (add it with `seqshard add-field`).")
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,7 @@ class ShardTable:
     frame_shift_ms: float = 10.0
     length_hist: tuple[tuple[int, int], ...] = ()
     missing: tuple[MissingShard, ...] = ()  # selected but not on disk (see formats/selection.py)
+    field_sets: tuple[tuple[str, tuple[str, ...]], ...] = ()  # set -> member suffixes, from the indexes
 
     @classmethod
     def from_patterns(cls, patterns: Patterns) -> ShardTable:
@@ -55,25 +69,41 @@ class ShardTable:
         dims: dict[int, str] = {}
         histograms = []
         shift = 10.0
+        field_sets: dict[str, dict[str, None]] = {}
         for folder, paths in selection.folders.items():
             index = selection.indexes[folder]
             if index is not None and index.feature.get("dim"):
                 dims.setdefault(int(index.feature["dim"]), str(folder))
                 shift = float(index.feature.get("frame_shift_ms") or shift)
             escaped = index is not None and index.escaped_keys
+            main_fields = index.fields if index and index.fields else first_sample_fields(paths[0])
+            for name, suffixes in [(MAIN, main_fields)] + [
+                (name, fs.fields) for name, fs in (index.field_sets.items() if index else [])
+            ]:
+                field_sets.setdefault(name, {}).update(dict.fromkeys(suffixes))
             for path in paths:
                 entry = index.entry(path.name) if index else None
                 if entry is None:
                     shards.append(ShardInfo(str(path), path.stat().st_size, escaped_keys=escaped))
                 else:
-                    shards.append(ShardInfo(str(path), entry.bytes, entry.num_utts, entry.num_frames, escaped))
+                    sidecars = tuple((name, str(folder / car.name)) for name, car in sorted(entry.sidecars.items()))
+                    shards.append(
+                        ShardInfo(str(path), entry.bytes, entry.num_utts, entry.num_frames, escaped, sidecars)
+                    )
                     histograms.append(entry.length_hist)
         if len(dims) > 1:
             raise ConfigError(
                 f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in dims.items())}."
             )
         histogram = merge_histograms(histograms)
-        return cls(tuple(shards), next(iter(dims), None), shift, tuple(histogram.items()), tuple(selection.missing))
+        return cls(
+            tuple(shards),
+            next(iter(dims), None),
+            shift,
+            tuple(histogram.items()),
+            tuple(selection.missing),
+            tuple((name, tuple(suffixes)) for name, suffixes in field_sets.items()),
+        )
 
     @property
     def indexed(self) -> bool:
@@ -101,15 +131,16 @@ class ShardTable:
 class Unit:
     """Samples ``start, start+step, ... < stop`` (by position in the shard) of one shard.
 
-    ``offset``, when known, is the byte offset of sample number ``at`` (<= the first sample
-    kept): reading starts there instead of walking the shard's headers from its beginning.
+    ``offsets``, when known, are the byte offsets of sample number ``at`` (<= the first sample
+    kept) in the shard's field files (by field set): reading starts there instead of walking
+    the files' headers from their beginning.
     """
 
     shard: int
     start: int = 0
     stop: int | None = None
     step: int = 1
-    offset: int | None = None
+    offsets: tuple[tuple[str, int], ...] | None = None
     at: int = 0
 
     def first(self) -> int:
@@ -126,17 +157,18 @@ class Unit:
         return max(0, math.ceil((stop - self.first()) / self.step))
 
     def to_json(self) -> list[Any]:
-        return [self.shard, self.start, self.stop, self.step, self.offset, self.at]
+        offsets = None if self.offsets is None else [[name, offset] for name, offset in self.offsets]
+        return [self.shard, self.start, self.stop, self.step, offsets, self.at]
 
     @classmethod
     def from_json(cls, data: Sequence[Any]) -> Unit:
-        stop, offset = data[2], data[4]
+        stop, offsets = data[2], data[4]
         return cls(
             int(data[0]),
             int(data[1]),
             None if stop is None else int(stop),
             int(data[3]),
-            None if offset is None else int(offset),
+            None if offsets is None else tuple((str(name), int(offset)) for name, offset in offsets),
             int(data[5]),
         )
 
@@ -154,7 +186,7 @@ class _Piece:
         return (
             _Piece(replace(self.unit, stop=cut), head_count, self.weight * share),
             _Piece(
-                replace(self.unit, start=cut, offset=None, at=0), self.count - head_count, self.weight * (1 - share)
+                replace(self.unit, start=cut, offsets=None, at=0), self.count - head_count, self.weight * (1 - share)
             ),
         )
 
@@ -176,13 +208,27 @@ def plan_epoch(
     ``split_shards=False`` deals whole shards (as CAT and WebDataset do): no shard is read
     by two readers, at the price of ranks ending up to a shard apart.
     """
-    if world_size < 1 or num_workers < 1:
-        raise ConfigError(f"world_size and num_workers must be >= 1 (got {world_size}, {num_workers}).")
     order = list(range(len(table.shards)))
     if shuffle:
         order = [int(i) for i in stage_rng(seed, SEED_PLAN, epoch).permutation(len(order))]
+    return spread_units(table, [Unit(i) for i in order], world_size, num_workers, split_shards)
+
+
+def spread_units(
+    table: ShardTable, units: Sequence[Unit], world_size: int, num_workers: int, split_shards: bool = True
+) -> Plan:
+    """``units`` (in reading order) in equal work for ``world_size`` x ``num_workers`` readers:
+    cut at utterance boundaries when every shard is indexed and ``split_shards``, else dealt
+    whole to the least-loaded reader (see the module docstring)."""
+    if world_size < 1 or num_workers < 1:
+        raise ConfigError(f"world_size and num_workers must be >= 1 (got {world_size}, {num_workers}).")
     weights = table.weights()
-    pieces = [_Piece(Unit(i), table.shards[i].num_utts, weights[i]) for i in order]
+    pieces = []
+    for unit in units:
+        size = table.shards[unit.shard].num_utts
+        count = unit.count(size)
+        share = count / size if count is not None and size else 1.0
+        pieces.append(_Piece(unit, count, weights[unit.shard] * share))
     if table.indexed and split_shards:
         ranks = _cut(pieces, world_size)
         return [[[p.unit for p in worker] for worker in _cut(rank, num_workers)] for rank in ranks]

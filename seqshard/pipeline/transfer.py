@@ -1,65 +1,121 @@
-"""Moving padded feature batches from DataLoader workers to the training process.
+"""Moving collated batches from DataLoader workers to the training process without a copy.
 
 By default a DataLoader worker returns each tensor in a new shared-memory segment: allocating
 it and faulting in its pages costs more than building the batch (measured here: 300 batches
 of 40 x 500 x 80 floats took 0.22 s to build and 1.15 s when each went into a new shared
-segment). So each worker gets a ring of shared slots, allocated once: it writes a batch's
-features into a free slot, the training process copies them out as soon as the item arrives
-(into pinned memory when pinning) and frees the slot. A slot's mark is the iteration number,
-so slots held by items of an abandoned iteration are free again in the next one. Batches too
-large for a slot travel the default way.
+segment). So each worker gets a ring of shared slots, allocated once, and collates a batch's
+arrays straight into a free slot. The training process receives tensors that *are* that
+shared memory (no copy) and the slot is given back when the last of those tensors, or any
+view of them, is gone: the tensors hold a reference to a lease object whose finalizer frees
+the slot. With ``pin_memory`` the arrays are copied once, into pinned memory, and the slot is
+freed at once. A batch too large for a slot, or one that finds no free slot (the training
+process holds them all), travels the default way.
+
+A slot's mark says who has it: 0 free, -1 leased to the training process, or the number of
+the iteration whose worker filled it. A slot filled in an abandoned iteration and never
+received is free again in the next one.
 """
 
 from __future__ import annotations
 
-import time
+import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-SLOT_WAIT_SECONDS = 30.0
+from .collate import aligned
+
+ALIGN = 64
+FREE, LEASED = 0, -1
+
+
+@dataclass(frozen=True)
+class SlotArray:
+    """Where an array of a batch lies in its slot."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+class _Lease(np.ndarray):
+    """A slot's bytes in the training process; the slot is freed when this array is collected."""
+
+
+class SlotArena:
+    """Bump allocation of arrays inside one slot (worker side)."""
+
+    def __init__(self, slot: int, memory: np.ndarray):
+        self.slot = slot
+        self._memory = memory
+        self._used = 0
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        size = int(np.prod(shape)) * dtype.itemsize
+        start, self._used = self._used, self._used + aligned(size, ALIGN)
+        if self._used > len(self._memory):
+            raise MemoryError("batch larger than its slot")  # callers size the batch first
+        return self._memory[start : start + size].view(dtype).reshape(shape)
+
+    def describe(self, array: np.ndarray) -> SlotArray:
+        """The place of an array allocated here."""
+        offset = array.__array_interface__["data"][0] - self._memory.__array_interface__["data"][0]
+        return SlotArray(offset, tuple(array.shape), array.dtype.str)
 
 
 class BatchSlots:
-    """``workers`` rings of ``per_worker`` slots of ``slot_values`` values of ``dtype``."""
+    """``workers`` rings of ``per_worker`` slots of ``slot_bytes`` bytes of shared memory."""
 
-    def __init__(self, workers: int, per_worker: int, slot_values: int, dtype: str, context: Any):
+    def __init__(self, workers: int, per_worker: int, slot_bytes: int, context: Any):
         import torch
 
         self.workers = workers
         self.per_worker = per_worker
-        self.slot_values = slot_values
-        self.dtype = dtype
-        self._buffer = torch.empty(workers * per_worker * slot_values, dtype=getattr(torch, dtype)).share_memory_()
+        self.slot_bytes = aligned(slot_bytes, ALIGN)
+        self._buffer = torch.empty(workers * per_worker * self.slot_bytes, dtype=torch.uint8).share_memory_()
         self._marks = context.Array("i", workers * per_worker, lock=False)
+        self._memory: np.ndarray | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_memory": None}
+
+    def _slot_memory(self, slot: int) -> np.ndarray:
+        if self._memory is None:
+            self._memory = self._buffer.numpy()
+        start = slot * self.slot_bytes
+        return self._memory[start : start + self.slot_bytes]
 
     # -- worker side ---------------------------------------------------------------------
-    def acquire(self, worker: int, values: int, iteration: int) -> tuple[int, np.ndarray] | None:
-        """A free slot of ``worker`` and a flat array over it, or None if ``values`` do not fit."""
-        if values > self.slot_values:
+    def acquire(self, worker: int, nbytes: int, iteration: int) -> SlotArena | None:
+        """A free slot of ``worker``'s ring to collate ``nbytes`` into, or None (too large, or
+        every slot is still held)."""
+        if nbytes > self.slot_bytes:
             return None
-        deadline = time.monotonic() + SLOT_WAIT_SECONDS
-        while True:
-            for slot in range(worker * self.per_worker, (worker + 1) * self.per_worker):
-                if self._marks[slot] != iteration:
-                    self._marks[slot] = iteration
-                    start = slot * self.slot_values
-                    return slot, self._buffer[start : start + values].numpy()
-            if time.monotonic() > deadline:
-                return None  # the training process is not taking batches: send this one the default way
-            time.sleep(0.0005)
+        for slot in range(worker * self.per_worker, (worker + 1) * self.per_worker):
+            mark = self._marks[slot]
+            if mark == FREE or (mark > 0 and mark != iteration):
+                self._marks[slot] = iteration
+                return SlotArena(slot, self._slot_memory(slot))
+        return None
 
     # -- training-process side --------------------------------------------------------------
-    def take(self, slot: int, shape: tuple[int, ...], pin: bool) -> Any:
-        """Copy a batch out of ``slot`` into memory of its own and free the slot."""
+    def receive(self, slot: int, arrays: dict[str, SlotArray], pin: bool) -> dict[str, Any]:
+        """Tensors over the batch's arrays in ``slot``: the shared memory itself, freed with
+        the last tensor (or view) that uses it; with ``pin``, copies in pinned memory."""
         import torch
 
-        start = slot * self.slot_values
-        source = self._buffer[start : start + int(np.prod(shape))].view(shape)
-        if pin:
-            out = torch.empty(shape, dtype=source.dtype, pin_memory=True)
-            out.copy_(source)
-        else:
-            out = source.clone()  # one pass: allocate and copy (half the time of empty + copy_ here)
-        self._marks[slot] = 0
-        return out
+        self._marks[slot] = LEASED
+        lease = self._slot_memory(slot).view(_Lease)
+        weakref.finalize(lease, self._free, slot)
+        tensors = {}
+        for name, place in arrays.items():
+            dtype = np.dtype(place.dtype)
+            size = int(np.prod(place.shape)) * dtype.itemsize
+            view = lease[place.offset : place.offset + size].view(dtype).reshape(place.shape)
+            tensor = torch.from_numpy(view)
+            tensors[name] = tensor.pin_memory() if pin else tensor
+        return tensors
+
+    def _free(self, slot: int) -> None:
+        self._marks[slot] = FREE

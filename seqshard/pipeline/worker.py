@@ -1,33 +1,38 @@
-"""What runs in each DataLoader worker: its reader pipeline, from shards to padded batches.
+"""What runs in each DataLoader worker: its reader pipeline, from shards to collated batches.
 
-Each batch leaves the worker as an item carrying the worker's number, the batch's sequence
-number, and the pipeline's state right after it: the training process keeps the state of the
-last batch it handed out, which is all it needs to resume. The worker learns where to start
-(epoch, state) from an :class:`IterationChannel`, shared memory the training process writes
-before each ``iter()`` (it also reaches workers that persist across epochs).
+Each batch leaves the worker as a :class:`~.protocol.BatchItem` carrying the worker's number,
+the batch's sequence number, and the pipeline's state right after it: the training process
+keeps the state of the last batch it handed out, which is all it needs to resume. The worker
+learns where to start (epoch, state) from an :class:`IterationChannel`, shared memory the
+training process writes before each ``iter()`` (it also reaches workers that persist across
+epochs).
 """
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from ..errors import ConfigError, SeqshardError, SkipCounter
+import numpy as np
+
+from ..errors import ConfigError, SeqshardError
 from ..formats.index import bin_bounds, histogram_percentile
-from .base import Map, Stage
-from .batching import SortBatch, bucket_of
-from .collate import collate_arrays, padded_shape
+from .base import Stage
+from .batching import Batch, bucket_of
+from .collate import Collator, array_bytes, speech_rules
 from .config import LoaderConfig
-from .decode import Decoder
-from .filters import LengthFilter
-from .labels import Labeler, LabelOverride, Labels, Tokenizer
+from .fieldplan import FieldPlan
+from .labels import LabelOverride, Tokenizer
+from .lengths import Measure
 from .passes import Passes
+from .protocol import BatchItem, EndItem, ErrorItem, Item
+from .recipe import Reader, default_recipe
 from .shards import ShardTable, Unit, plan_epoch
-from .shuffle import WindowShuffle
-from .transfer import BatchSlots
+from .transfer import ALIGN, BatchSlots
 
 CHANNEL_BYTES = 4 << 20
 
@@ -64,7 +69,9 @@ class WorkerSetup:
     world_size: int
     tokenizer: Tokenizer | None
     override: LabelOverride | None
-    bucket_bounds: tuple[int, ...]
+    fields: FieldPlan
+    length: Measure
+    bucket_bounds: tuple[int, ...] = ()
     slots: BatchSlots | None = None
 
     @property
@@ -83,6 +90,10 @@ class WorkerSetup:
             config.split_shards,
         )[self.rank][worker]
 
+    def collator(self) -> Collator:
+        config = self.config
+        return Collator(speech_rules(self.fields.features or "feats", config.pad_label, config.dtype))
+
 
 @lru_cache(maxsize=2)
 def _cached_plan(
@@ -92,7 +103,7 @@ def _cached_plan(
 
 
 def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
-    """Frame counts cutting the dataset's lengths into ``count`` buckets of equal mass."""
+    """Lengths cutting the dataset's length histogram into ``count`` buckets of equal mass."""
     histogram = dict(table.length_hist)
     if not histogram:
         raise ConfigError(
@@ -105,54 +116,28 @@ def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
 def build_pipeline(
     setup: WorkerSetup, worker: int, epoch: int, units: list[Unit] | None = None, read_ahead: bool = True
 ) -> Stage:
-    """The stages of one reader for ``epoch``; with ``uneven="repeat"`` an endless stream of
-    passes instead, pass ``p`` being the pipeline of plan ``p`` (the epoch label does not
-    matter: the stream goes on across epochs).
+    """The pipeline of one reader for ``epoch``: the loader's recipe over its planned units.
 
-    ``units`` replaces the reader's planned units for this epoch (an elastic resume);
-    ``read_ahead=False`` reads only what the stages ask for.
+    With ``uneven="repeat"`` an endless stream of passes instead, pass ``p`` being the
+    pipeline of plan ``p`` (the epoch label does not matter: the stream goes on across
+    epochs). ``units`` replaces the reader's planned units for this epoch (an elastic
+    resume); ``read_ahead=False`` reads only what the stages ask for.
     """
+    recipe = setup.config.recipe or default_recipe
     if setup.config.uneven == "repeat":
-        return Passes(lambda number: reader_pipeline(setup, worker, number, setup.units(number, worker), read_ahead))
+        return Passes(lambda number: recipe(Reader(setup, worker, number, setup.units(number, worker), read_ahead)))
     planned = units if units is not None else setup.units(epoch, worker)
-    return reader_pipeline(setup, worker, epoch, planned, read_ahead)
+    return recipe(Reader(setup, worker, epoch, planned, read_ahead))
 
 
-def reader_pipeline(
-    setup: WorkerSetup, worker: int, epoch: int, units: list[Unit], read_ahead: bool = True
-) -> SortBatch:
-    """read ``units`` -> decode -> label -> filter -> shuffle -> sort/batch, seeded by
-    (seed, epoch, rank, worker)."""
-    from .reader import ShardReader
-
-    config = setup.config
-    skip = SkipCounter(True) if config.skip_bad else None
-    stage: Stage = ShardReader(setup.table, units, config.interleave, skip, read_ahead)
-    stage = Map(stage, Decoder(setup.table, config.feature_field), skip)
-    if setup.tokenizer is not None or setup.override is not None or config.strip_spaces:
-        stage = Labels(stage, Labeler(setup.tokenizer, setup.override, config.strip_spaces), skip)
-    if config.limits().active:
-        stage = LengthFilter(stage, config.limits())
-    if config.shuffle:
-        stage = WindowShuffle(stage, config.shuffle_window, config.seed, epoch, setup.rank, worker)
-    return SortBatch(
-        stage,
-        config.sort_window,
-        config.cost(),
-        config.seed,
-        epoch,
-        setup.rank,
-        worker,
-        shuffle=config.shuffle,
-        oversize=config.oversize,
-    )
-
-
-def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any], in_worker_process: bool = False):
-    """Items for the training process: batches, then one end marker."""
+def iterate_worker(
+    setup: WorkerSetup, worker: int, request: dict[str, Any], in_worker_process: bool = False
+) -> Iterator[Item]:
+    """Items for the training process: batches, then an end marker (or an error)."""
     spec = request["workers"][worker]
     units = None if spec.get("units") is None else [Unit.from_json(u) for u in spec["units"]]
     seq = spec["seq"]
+    collator = setup.collator()
     try:
         pipeline = build_pipeline(setup, worker, request["epoch"], units)
         pipeline.reset(spec["state"])
@@ -162,49 +147,43 @@ def iterate_worker(setup: WorkerSetup, worker: int, request: dict[str, Any], in_
             except StopIteration:
                 break
             seq += 1
-            payload = _payload(batch, setup, worker, request["iteration"], in_worker_process)
-            yield {
-                "worker": worker,
-                "seq": seq,
-                "batch": payload,
-                "frames": int(payload["feat_lens"].sum()),
-                "padded": len(batch) * int(payload["feat_lens"].max()),
-                "bucket": bucket_of(batch, setup.bucket_bounds),
-                "state": pipeline.get_state(),
-                "stats": pipeline.stats(),
-            }
+            arrays, slot = _collate(batch, collator, setup, worker, request["iteration"], in_worker_process)
+            yield BatchItem(
+                worker,
+                seq,
+                arrays,
+                pipeline.get_state(),
+                pipeline.stats(),
+                len(batch),
+                sum(batch.lengths),
+                batch.longest * len(batch),
+                bucket_of(batch, setup.bucket_bounds),
+                slot,
+            )
     except SeqshardError as error:
         if not in_worker_process:
             raise
         # sent as an item, so that the training process raises this error itself, not
         # torch's RuntimeError("Caught ... in DataLoader worker process") around its text
-        yield {"worker": worker, "seq": seq, "batch": None, "error": error}
+        yield ErrorItem(worker, seq, error)
         return
-    yield {
-        "worker": worker,
-        "seq": seq,
-        "batch": None,
-        "end": True,
-        "state": pipeline.get_state(),
-        "stats": pipeline.stats(),
-    }
+    yield EndItem(worker, seq, pipeline.get_state(), pipeline.stats())
 
 
-def _payload(batch, setup: WorkerSetup, worker: int, iteration: int, in_worker_process: bool) -> dict[str, Any]:
-    """Padded arrays; in a worker process the features go into a shared slot when one fits,
-    else into a torch tensor (which the DataLoader moves through shared memory)."""
-    config = setup.config
+def _collate(
+    batch: Batch, collator: Collator, setup: WorkerSetup, worker: int, iteration: int, in_worker_process: bool
+) -> tuple[dict[str, Any], int | None]:
+    """The batch's arrays and the slot holding them: in a worker process they are collated
+    into a shared slot when one is free and large enough (sent as places in it), else into
+    torch tensors (which the DataLoader moves through shared memory of their own)."""
+    columns = collator.layout(batch)
     if not in_worker_process:
-        return collate_arrays(batch, config.pad_label, config.dtype)
-    shape = padded_shape(batch)
-    taken = setup.slots.acquire(worker, shape[0] * shape[1] * shape[2], iteration) if setup.slots is not None else None
-    if taken is None:
+        return collator.fill(batch, columns), None
+    arena = setup.slots.acquire(worker, array_bytes(columns, ALIGN), iteration) if setup.slots else None
+    if arena is None:
         import torch
 
-        payload = collate_arrays(batch, config.pad_label, config.dtype)
-        payload["feats"] = torch.from_numpy(payload["feats"])
-        return payload
-    slot, flat = taken
-    payload = collate_arrays(batch, config.pad_label, config.dtype, flat.reshape(shape))
-    payload["feats"] = ("slot", slot, shape)
-    return payload
+        arrays = collator.fill(batch, columns)
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, None
+    arrays = collator.fill(batch, columns, arena.allocate)
+    return {k: arena.describe(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, arena.slot

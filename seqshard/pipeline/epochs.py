@@ -1,0 +1,136 @@
+"""How an epoch ends across ranks, and how long it is.
+
+An :class:`EpochEnd` decides, step by step, whether this rank goes on (one per ``uneven``
+mode); an :class:`EpochLength` caps an epoch at a number of steps or hours of audio; a
+:class:`BucketSync` makes every rank take a batch of the same length bucket at each step.
+The loader combines one of each (see ``ShardLoader._next_item``):
+
+- ``"stop"``: every rank ends the epoch at the step where any rank runs out (one all-reduce
+  of one integer per step);
+- ``"repeat"``: readers go round their data again; an epoch is ``epoch_steps`` or
+  ``epoch_hours`` (the stream goes on across epochs);
+- ``"join"``: each rank reads all of its data with no communication (for torch's ``Join``).
+"""
+
+from __future__ import annotations
+
+from ..dist import Collectives
+from ..errors import ConfigError
+from .merge import MergedStream, RankPosition
+from .protocol import BatchItem
+
+
+class EpochEnd:
+    """The end-of-epoch rule of one ``uneven`` mode."""
+
+    #: the position carries on into the next epoch instead of starting afresh
+    continues_stream = False
+    #: ranks gather each other's epoch summary (a collective at the end of an epoch)
+    gathers_summary = True
+
+    def settle(self, item: BatchItem | None, agreed: bool) -> BatchItem | None:
+        """The item this rank hands out at this step (None ends its epoch), given its own
+        next ``item`` (None: out of data); ``agreed`` when every rank already decided together."""
+        raise NotImplementedError
+
+
+class StopTogether(EpochEnd):
+    """``"stop"``: all ranks end the epoch at the first step where one has no batch."""
+
+    def __init__(self, collectives: Collectives):
+        self.collectives = collectives
+
+    def settle(self, item: BatchItem | None, agreed: bool) -> BatchItem | None:
+        if agreed or not self.collectives.context.distributed:
+            return item
+        (everyone,) = self.collectives.all_min([0 if item is None else 1])
+        return item if everyone else None
+
+
+class RepeatStream(EpochEnd):
+    """``"repeat"``: the data never runs out; epochs are cut by their length."""
+
+    continues_stream = True
+
+    def settle(self, item: BatchItem | None, agreed: bool) -> BatchItem | None:
+        if item is None:
+            raise ConfigError("the data ran out in uneven='repeat' mode (no reader has any data?).")
+        return item
+
+
+class JoinUneven(EpochEnd):
+    """``"join"``: each rank reads all of its data, without talking to the others."""
+
+    gathers_summary = False
+
+    def settle(self, item: BatchItem | None, agreed: bool) -> BatchItem | None:
+        return item
+
+
+def epoch_end(mode: str, collectives: Collectives) -> EpochEnd:
+    if mode == "stop":
+        return StopTogether(collectives)
+    if mode == "repeat":
+        return RepeatStream()
+    if mode == "join":
+        return JoinUneven()
+    raise ConfigError(f"uneven must be 'stop', 'repeat' or 'join', got {mode!r}.")
+
+
+class EpochLength:
+    """No cap: an epoch lasts until the data (or the end rule) ends it."""
+
+    def over(self, position: RankPosition) -> bool:
+        return False
+
+
+class StepLimit(EpochLength):
+    """An epoch of ``steps`` steps (the same on every rank; no communication)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def over(self, position: RankPosition) -> bool:
+        return position.step >= self.steps
+
+
+class HoursLimit(EpochLength):
+    """An epoch of ``hours`` hours of audio summed over all ranks (one all-reduce per step)."""
+
+    def __init__(self, hours: float, frame_shift_ms: float, collectives: Collectives):
+        self.frames = hours * 3.6e6 / frame_shift_ms
+        self.collectives = collectives
+
+    def over(self, position: RankPosition) -> bool:
+        (frames,) = self.collectives.all_sum([position.frames])
+        return frames >= self.frames
+
+
+def epoch_length(
+    steps: int | None, hours: float | None, frame_shift_ms: float, collectives: Collectives
+) -> EpochLength:
+    if steps is not None:
+        return StepLimit(steps)
+    if hours is not None:
+        return HoursLimit(hours, frame_shift_ms, collectives)
+    return EpochLength()
+
+
+class BucketSync:
+    """Every rank takes a batch of the same length bucket at each step: the bucket whose
+    smallest queue over ranks is longest; when none is common to all, every rank pulls one
+    more batch into its queues. Returns None (on every rank) once a rank has run out."""
+
+    def __init__(self, buckets: int, collectives: Collectives):
+        self.buckets = buckets
+        self.collectives = collectives
+
+    def next(self, stream: MergedStream) -> BatchItem | None:
+        while True:
+            mins = self.collectives.all_min(stream.reservoir_counts() + [0 if stream.exhausted else 1])
+            common = [b for b in range(self.buckets) if mins[b] > 0]
+            if common:
+                return stream.take_from_reservoir(max(common, key=lambda b: (mins[b], -b)))
+            if mins[-1] == 0:
+                return None
+            stream.pull_into_reservoir()

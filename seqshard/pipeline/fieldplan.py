@@ -1,0 +1,64 @@
+"""Which field files a loader opens and which fields it decodes (``make_loader(fields=...)``).
+
+A field is found in the shard's own members (field set ``MAIN``) or in a sidecar field set
+added with ``seqshard add-field``. Only the field sets holding a requested field are opened:
+asking for labels alone never reads the feature shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from ..formats.fields import field_name
+from .decode import LABEL_FIELD, LEGACY_FEATURE_FIELDS
+from .shards import MAIN, ShardTable
+
+
+@dataclass(frozen=True)
+class FieldPlan:
+    """``sets``: the field sets to open, in order; ``wanted``: the field names to decode
+    (None: every field of the opened sets); ``features``: the feature field (batched as
+    ``feats``/``feat_lens`` and measured in frames), or None when not read."""
+
+    sets: tuple[str, ...]
+    wanted: frozenset[str] | None
+    features: str | None
+
+
+def plan_fields(
+    table: ShardTable, fields: Sequence[str] | None, feature_field: str | None, needs_text: bool
+) -> FieldPlan:
+    """The field plan for ``fields`` (None: the shards' own fields); ``needs_text`` adds the
+    label field (a tokenizer needs it unless labels come from a file)."""
+    available = {name: tuple(field_name(s) for s in suffixes) for name, suffixes in table.field_sets}
+    main = available.get(MAIN, ())
+    features = (
+        field_name(feature_field) if feature_field else next((f for f in LEGACY_FEATURE_FIELDS if f in main), None)
+    )
+    if feature_field and main and features not in main:
+        raise ConfigError(
+            f"feature_field {feature_field!r}: the shards have no such field (they have: {', '.join(main)})."
+        )
+    if fields is None:
+        return FieldPlan((MAIN,), None, features if features in main or not main else None)
+    wanted = dict.fromkeys(fields)
+    if needs_text:
+        wanted.setdefault(LABEL_FIELD, None)
+    sets: dict[str, None] = {}
+    for name in wanted:
+        owner = next((s for s, names in available.items() if name in names), None)
+        if owner is None:
+            known = ", ".join(f"{n} ({'shard' if s == MAIN else s})" for s, names in available.items() for n in names)
+            raise ConfigError(f"fields: no field set holds {name!r}; the shards have: {known or 'no index to tell'}.")
+        sets[owner] = None
+    for set_name in sets:
+        if set_name != MAIN:
+            lacking = next((s.path for s in table.shards if set_name not in dict(s.sidecars)), None)
+            if lacking is not None:
+                raise ConfigError(
+                    f"fields: {lacking} has no field set {set_name!r} (add it with `seqshard add-field` to every folder read)."
+                )
+    ordered = tuple(s for s in (MAIN, *sorted(sets)) if s in sets)
+    return FieldPlan(ordered, frozenset(wanted), features if features in wanted else None)

@@ -1,0 +1,57 @@
+"""How long a sample is: a measure that names its field and unit.
+
+Batching (sorting, padded cost), length filters, bucket sync and the index's length
+histograms all go through one measure, so that "1000" means the same thing everywhere:
+frames of a feature field, samples of an audio field, or tokens of token fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..errors import InputError, Where
+from .sample import Sample
+
+
+@dataclass(frozen=True)
+class Length:
+    """Length of field ``field`` in ``unit``: the size of its first axis (frames of a T x D
+    array, tokens of a token sequence); with no field every sample counts 1."""
+
+    field: str | None = "feats"
+    unit: str = "frames"
+
+    def __call__(self, sample: Sample) -> int:
+        if self.field is None:
+            return 1
+        try:
+            return len(sample.fields[self.field])
+        except KeyError:
+            raise InputError(
+                Where(f"shard {sample.shard}", None, sample.key),
+                "missing_field",
+                f"the sample has no {self.field!r} field to measure its length in {self.unit} "
+                f"(it has: {', '.join(sorted(sample.fields)) or 'nothing'}).",
+                "choose the fields= that hold it, or batch by batch_size.",
+            ) from None
+
+    def describe(self) -> str:
+        return f"{self.unit} of {self.field!r}"
+
+
+@dataclass(frozen=True)
+class TotalLength:
+    """Summed length of several fields (source + target tokens)."""
+
+    fields: Sequence[str]
+    unit: str = "tokens"
+
+    def __call__(self, sample: Sample) -> int:
+        return sum(Length(name, self.unit)(sample) for name in self.fields)
+
+    def describe(self) -> str:
+        return f"{self.unit} of {' + '.join(map(repr, self.fields))}"
+
+
+Measure = Length | TotalLength

@@ -1,0 +1,30 @@
+"""The one sample model every stage works on: a key and named fields, and where it was read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Sample:
+    """One example on its way to a batch.
+
+    ``fields`` maps a field name to its value: as read, a member suffix (``feats.npy``) to its
+    bytes; after decoding, a field name (``feats``) to its value (an array, a text, ...).
+    ``shard``, ``ordinal`` (position in the shard) and ``offsets`` (byte offset of its first
+    member in each field file read, by field set) say where it came from: an elastic resume
+    re-reads a sample from there. Stages may change ``fields``; they keep the origin.
+    """
+
+    key: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    shard: int = -1
+    ordinal: int = -1
+    offsets: tuple[tuple[str, int], ...] = ()
+
+    def __getitem__(self, name: str) -> Any:
+        return self.fields[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.fields
