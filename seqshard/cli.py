@@ -50,6 +50,27 @@ def _pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_field(args: argparse.Namespace) -> int:
+    from .prep.add_field import add_field
+    from .prep.pack import parse_path_map
+
+    report = add_field(
+        args.folder,
+        args.name,
+        args.source,
+        kind=args.format,
+        allow_missing=args.allow_missing,
+        overwrite=args.overwrite,
+        jobs=args.jobs,
+        path_root=args.path_root,
+        path_map=parse_path_map(args.path_map),
+        allow_pipes=args.allow_pipes,
+        progress=not args.quiet,
+    )
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
+    return 0
+
+
 def _inspect(args: argparse.Namespace) -> int:
     from .tools.summary import format_text, plot_lengths, summarize, to_json
 
@@ -156,6 +177,32 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--json", action="store_true", help="print the report as JSON")
     pack.add_argument("--quiet", action="store_true", help="no progress bars")
     pack.set_defaults(run=_pack)
+
+    add_field = commands.add_parser(
+        "add-field", help="add a field (alignments, speaker labels, ...) to packed shards as sidecar shards"
+    )
+    add_field.add_argument("folder", help="the pack's output folder (its sub-folders with index.json are done too)")
+    add_field.add_argument("--name", required=True, help="the field's name (letters, digits, '_'), e.g. ali")
+    add_field.add_argument(
+        "--from",
+        dest="source",
+        nargs="+",
+        required=True,
+        metavar="SOURCE",
+        help='Kaldi scp (matrices or vectors), text-style file (KEY value...), or JSON lines ({"key": ...})',
+    )
+    add_field.add_argument("--format", choices=["scp", "text", "jsonl"], help="the source's kind (default: by suffix)")
+    add_field.add_argument(
+        "--allow-missing", action="store_true", help="samples whose key the source lacks get no such field"
+    )
+    add_field.add_argument("--overwrite", action="store_true", help="replace a field set of this name")
+    add_field.add_argument("--jobs", type=int, default=1, help="processes writing sidecars (default: %(default)s)")
+    add_field.add_argument("--path-root", help="take relative ark paths of an scp from this folder")
+    add_field.add_argument("--path-map", action="append", metavar="OLD=NEW", help="rewrite ark path prefixes")
+    add_field.add_argument("--allow-pipes", action="store_true", help="run shell commands found in the scp")
+    add_field.add_argument("--json", action="store_true", help="print the report as JSON")
+    add_field.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_field.set_defaults(run=_add_field)
 
     inspect = commands.add_parser("inspect", help="counts, hours and length percentiles of shards")
     inspect.add_argument(

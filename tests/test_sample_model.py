@@ -11,7 +11,7 @@ import pytest
 
 from conftest import pack_small
 from seqshard import Reader, Sample, Stage, default_recipe, keep_if, make_loader
-from seqshard.errors import ConfigError
+from seqshard.errors import ConfigError, StateMismatchError
 from seqshard.formats.fields import ABSENT, AudioBytes, decode_field, split_suffix
 from seqshard.pipeline.batching import Batch, LengthBudget, SortBatch
 from seqshard.pipeline.collate import Collator, FieldRule, speech_rules
@@ -243,3 +243,11 @@ def test_batches_are_the_shared_memory_the_worker_wrote_and_views_outlive_slot_r
             np.testing.assert_array_equal(view[row, :length].numpy(), corpus.data.arrays[key][:length])
     copying = make_loader(corpus.pattern, batch_size=3, num_workers=2, shared_slots=False, **SMALL)
     assert [b["keys"] for b in copying] == reference
+
+
+def test_a_state_from_another_version_is_refused_clearly(corpus):
+    loader = make_loader(corpus.pattern, batch_size=4, num_workers=0)
+    state = loader.state_dict()
+    state["seqshard_loader_state"] = 1
+    with pytest.raises(StateMismatchError, match="it is version 1, this seqshard reads 2"):
+        make_loader(corpus.pattern, batch_size=4, num_workers=0).load_state_dict(state)

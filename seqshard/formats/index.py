@@ -29,7 +29,7 @@ INDEX_NAME = "index.json"
 FORMAT = "seqshard-index"
 VERSION = 2  # written only when the folder has field sets; version 1 otherwise
 BINS_PER_OCTAVE = 8
-FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")
+FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")
 
 
 def sidecar_name(shard_name: str, field_set: str) -> str:

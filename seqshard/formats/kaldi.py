@@ -192,8 +192,9 @@ class MatrixReader:
         self._files[path] = stream  # most recently used last
         return stream
 
-    def _seek_value(self, location: ArkLocation, where: Where) -> tuple[BinaryIO, bytes]:
-        """Position at the value and return its first bytes after checking what they are."""
+    def _seek_value(self, location: ArkLocation, where: Where, vectors: bool = False) -> tuple[BinaryIO, bytes]:
+        """Position at the value and return its first bytes after checking what they are
+        (a matrix, or with ``vectors`` also a vector)."""
         stream = self._open(location.path, where)
         offset = location.offset or 0
         if offset:
@@ -211,7 +212,7 @@ class MatrixReader:
         stream.seek(offset)
         if head.startswith(b"\0B"):
             token = head[2:].split(b" ", 1)[0]
-            if token in _MATRIX_TOKENS:
+            if token in _MATRIX_TOKENS or (vectors and (token in _VECTOR_TOKENS or head[2:3] == b"\4")):
                 return stream, head
             if token in _VECTOR_TOKENS or head[2:3] == b"\4":
                 raise InputError(
@@ -249,8 +250,11 @@ class MatrixReader:
             f"regenerate the scp with the ark. If the ark went through git, {_GIT_HINT}.",
         )
 
-    def read(self, location: ArkLocation, where: Where, successor: tuple[int, str] | None = None) -> np.ndarray:
-        """The matrix at ``location`` (ranges applied) as a 2-D array.
+    def read(
+        self, location: ArkLocation, where: Where, successor: tuple[int, str] | None = None, vectors: bool = False
+    ) -> np.ndarray:
+        """The matrix at ``location`` (ranges applied) as a 2-D array; with ``vectors`` a
+        vector (alignments, i-vectors) is read too, as a 1-D array.
 
         ``successor`` is ``(value offset, key)`` of the next value that the scp lists in the
         same ark, when known. The value must end where the ark's next entry begins: exactly at
@@ -259,7 +263,7 @@ class MatrixReader:
         """
         if location.is_pipe:
             return self._read_pipe(location, where)
-        stream, head = self._seek_value(location, where)
+        stream, head = self._seek_value(location, where, vectors)
         start = location.offset or 0
         from kaldiio.matio import read_kaldi
 
@@ -268,6 +272,8 @@ class MatrixReader:
         except Exception as error:  # kaldiio raises assorted types on damaged values
             raise self._undecodable(stream, start, head, location, where, error) from None
         self._check_end(stream, stream.tell(), location, where, successor)
+        if vectors and isinstance(array, np.ndarray) and array.ndim == 1 and location.rows is None:
+            return array
         if not isinstance(array, np.ndarray) or array.ndim != 2:
             raise InputError(where, "not_a_matrix", "the entry is not a 2-D matrix.")
         return _apply_ranges(array, location, where)

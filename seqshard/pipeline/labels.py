@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
-from ..prep.tables import KeyTable, key_hash
+from ..prep.tables import KeyTable
 from .base import Stage, State, merge_counts
 from .decode import LABEL_FIELD
 from .filters import TOKENS_FIELD
@@ -149,11 +149,8 @@ class LabelOverride:
         )
 
     def get(self, key: str) -> str | None:
-        row = int(self.table.lookup(np.array([key_hash(key)], dtype=np.uint64))[0])
-        if row < 0:
-            return None
-        found, label = self.table.record(row)
-        return label if found == key else None
+        found = self.table.find(key)
+        return None if found is None else found[1]
 
 
 class Labeler:

@@ -17,11 +17,12 @@ from ..formats.pack_state import STATE_DIR
 
 
 class Journal:
-    """Append-only journal file of one writer process."""
+    """Append-only journal file of one writer process (``kind``: ``journal`` for the pack's
+    shards, ``field-NAME`` for the sidecar files of field set NAME)."""
 
-    def __init__(self, d_out: Path, name: str):
+    def __init__(self, d_out: Path, name: str, kind: str = "journal"):
         folder = Path(d_out) / STATE_DIR
-        self.path = folder / f"journal-{name}.jsonl"
+        self.path = folder / f"{kind}-{name}.jsonl"
         with writing(folder):
             folder.mkdir(parents=True, exist_ok=True)
 
@@ -32,10 +33,11 @@ class Journal:
             os.fsync(stream.fileno())
 
 
-def finished_shards(d_out: Path) -> dict[str, dict[str, Any]]:
-    """Records of shards that are complete on disk, keyed by path relative to ``d_out``."""
+def finished_shards(d_out: Path, kind: str = "journal") -> dict[str, dict[str, Any]]:
+    """Records of shards (or sidecar files) that are complete on disk, keyed by path relative
+    to ``d_out``."""
     records: dict[str, dict[str, Any]] = {}
-    for journal in sorted((Path(d_out) / STATE_DIR).glob("journal-*.jsonl")):
+    for journal in sorted((Path(d_out) / STATE_DIR).glob(f"{kind}-*.jsonl")):
         with open(journal, encoding="utf-8") as stream:
             for line in stream:
                 try:

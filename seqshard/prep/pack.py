@@ -34,7 +34,7 @@ from ..progress import Progress
 from .journal import Journal, finished_shards
 from .plan import NUM_FRAMES_FILE, UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
-from .write import DEFAULT_MAX_OPEN, remove_partials, write_shards
+from .write import DEFAULT_MAX_OPEN, FEATURE_MEMBER, LABEL_MEMBER, remove_partials, write_shards
 
 _LOG = logging.getLogger("seqshard")
 RUN_FILE = "run.json"
@@ -96,7 +96,7 @@ def pack_data(
         skip_bad=skip_bad,
         escape_keys=escape_keys,
         allow_pipes=allow_pipes,
-        path_map=_parse_path_map(path_map),
+        path_map=parse_path_map(path_map),
         path_root=str(path_root) if path_root else None,
         num_frames_files=tuple(str(p) for p in num_frames_files or ()),
     )
@@ -181,7 +181,8 @@ def _as_paths(value: str | Path | Sequence[str | Path], name: str) -> list[Path]
     return paths
 
 
-def _parse_path_map(path_map: Mapping[str, str] | Sequence[str] | None) -> tuple[tuple[str, str], ...]:
+def parse_path_map(path_map: Mapping[str, str] | Sequence[str] | None) -> tuple[tuple[str, str], ...]:
+    """``OLD=NEW`` prefix rewrites (or a mapping) as pairs."""
     if not path_map:
         return ()
     if isinstance(path_map, Mapping):
@@ -211,12 +212,13 @@ def _describe_run(options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any
     """
     described_options = json.loads(json.dumps(asdict(options)))
     del described_options["skip_bad"]
-    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": _content_hash(p)} for p in inputs]
+    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": content_hash(p)} for p in inputs]
     identity = hashlib.sha256(json.dumps([described_options, [f["blake2b"] for f in files]]).encode()).hexdigest()
     return {"options": described_options, "inputs": files, "fingerprint": identity}
 
 
-def _content_hash(path: Path) -> str:
+def content_hash(path: Path) -> str:
+    """A digest of a file's bytes (identity follows content, not mtimes)."""
     digest = hashlib.blake2b(digest_size=16)
     with open(path, "rb", buffering=0) as stream:
         while chunk := stream.read(8 << 20):
@@ -429,10 +431,11 @@ def _write_indexes(
         entries = [ShardEntry.from_json(records[_relative(t)]) for t in tasks]
         index = ShardIndex(
             escaped_keys=options.escape_keys,
+            fields=[FEATURE_MEMBER, LABEL_MEMBER],
             shards=entries,
             feature={
-                "field": "feats.npy",
-                "label_field": "txt",
+                "field": FEATURE_MEMBER,
+                "label_field": LABEL_MEMBER,
                 "dim": dim,
                 "dtype": options.dtype,
                 "frame_shift_ms": frame_shift_ms,

@@ -7,8 +7,6 @@ from typing import Any
 
 from ..formats.index import merge_histograms
 
-REPORT_NAME = "pack_report.json"
-
 
 @dataclass
 class GroupTotals:

@@ -21,6 +21,8 @@ import numpy as np
 from ..errors import InputError, SkipCounter, Where
 from ..formats.kaldi import ASCII_WHITESPACE, iter_lines, parse_line
 
+Parser = Callable[[bytes, Where, bool], tuple[str, str]]
+
 _COUNT = re.compile(r"[+-]?[0-9]+")
 
 
@@ -46,8 +48,10 @@ class KeyTable:
         offsets: np.ndarray,
         values: np.ndarray | None = None,
         bad_lines: int = 0,
+        parse: Parser = parse_line,
     ):
         self.files = [Path(f) for f in files]
+        self.parse = parse
         self.hashes = hashes
         self.file_ids = file_ids
         self.lines = lines
@@ -67,8 +71,11 @@ class KeyTable:
         check: Callable[[str, str, Where], None] | None = None,
         number: bool = False,
         progress: Callable[[int], None] | None = None,
+        parse: Parser = parse_line,
     ) -> KeyTable:
-        """Read ``files`` line by line; ``check(key, value, where)`` may raise InputError."""
+        """Read ``files`` line by line; ``parse(raw_line, where, needs_value)`` splits a line
+        into ``(key, value)`` (Kaldi's ``KEY VALUE`` by default); ``check(key, value, where)``
+        may raise InputError."""
         if len(files) > 65535:
             raise ValueError("at most 65535 table files")
         capacity = sum(_count_lines(Path(f)) for f in files)  # exact-size arrays: no regrowth
@@ -80,7 +87,7 @@ class KeyTable:
                     progress(len(raw))
                 where = Where(path, line_no)
                 try:
-                    key, value = parse_line(raw, where, needs_value)
+                    key, value = parse(raw, where, needs_value)
                     where = Where(path, line_no, key)
                     count = _parse_count(value, where) if number else 0
                     if check is not None:
@@ -90,7 +97,7 @@ class KeyTable:
                     bad_lines += 1
                     continue
                 columns.add(key_hash(key), file_id, line_no, offset, count)
-        return cls(files, *columns.finish(), bad_lines=bad_lines)
+        return cls(files, *columns.finish(), bad_lines=bad_lines, parse=parse)
 
     def __len__(self) -> int:
         return len(self.hashes)
@@ -113,7 +120,15 @@ class KeyTable:
         start = int(self.offsets[row])
         end = data.find(b"\n", start)
         raw = data[start : end if end >= 0 else len(data)]
-        return parse_line(raw, self.where(row), needs_value=False)
+        return self.parse(raw, self.where(row), False)
+
+    def find(self, key: str) -> tuple[int, str] | None:
+        """``(row, value)`` of the first line with ``key``, or None."""
+        row = int(self.lookup(np.array([key_hash(key)], dtype=np.uint64))[0])
+        if row < 0:
+            return None
+        found, value = self.record(row)
+        return (row, value) if found == key else None
 
     def lookup(self, hashes: np.ndarray) -> np.ndarray:
         """For each hash, the first row (in input order) with that key hash, else -1."""

@@ -24,6 +24,7 @@ from .journal import Journal
 from .plan import PackOptions, PackPlan, ShardTask
 
 DEFAULT_MAX_OPEN = 256
+FEATURE_MEMBER, LABEL_MEMBER = "feats.npy", "txt"  # what each packed sample holds
 
 
 @dataclass
@@ -144,7 +145,8 @@ def _write_sweep(
                 else:
                     header, payload = npy_parts(array)
                     shard.writer.add(
-                        options.shard_key(key), [("feats.npy", [header, payload]), ("txt", [label.encode("utf-8")])]
+                        options.shard_key(key),
+                        [(FEATURE_MEMBER, [header, payload]), (LABEL_MEMBER, [label.encode("utf-8")])],
                     )
                     shard.count(array.shape[0])
                 shard.remaining -= 1

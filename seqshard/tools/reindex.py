@@ -14,15 +14,17 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import ConfigError, SeqshardError
-from ..formats.index import ShardEntry, ShardIndex
+from ..formats.index import FIELD_SET_NAME, FieldSet, ShardEntry, ShardIndex, SidecarEntry
 from ..formats.pack_state import STATE_DIR, planned_shards
 from ..formats.patterns import SHARD_SUFFIXES, shards_in_folder
 from ..prep.journal import finished_shards
+from ..prep.write import FEATURE_MEMBER, LABEL_MEMBER
 from .parallel import map_shards
-from .scan import scan_shard
+from .scan import file_crc32, scan_shard
 
 _LOG = logging.getLogger("seqshard")
 SHOWN = 5
+PACKED_FIELDS = (FEATURE_MEMBER, LABEL_MEMBER)  # the members `seqshard pack` writes
 
 
 def shard_folders(root: Path) -> list[Path]:
@@ -45,10 +47,11 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
     written = []
     for folder in folders:
         prefix = "" if folder == root else f"{folder.name}/"
-        shards = shards_in_folder(folder)
-        entries: dict[str, ShardEntry] = {}
         previous = _previous_index(folder)
+        shards = [s for s in shards_in_folder(folder) if not _is_sidecar(s, previous)]
+        entries: dict[str, ShardEntry] = {}
         feature: dict = dict(previous.feature) if previous else {}
+        fields: dict[str, None] = dict.fromkeys(previous.fields if previous else [])
         to_scan = []
         for shard in shards:
             record = journal.get(prefix + shard.name)
@@ -56,17 +59,19 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
                 entries[shard.name] = ShardEntry.from_json(record)
                 feature.setdefault("dim", record.get("dim"))
                 feature.setdefault("dtype", record.get("dtype"))
+                fields.update(dict.fromkeys(PACKED_FIELDS))
             else:
                 to_scan.append(shard)
         for shard, scan in zip(to_scan, map_shards(scan_shard, to_scan, jobs, f"index {folder}", progress)):
             if scan.problems:
                 raise ConfigError(f"{shard} is damaged, not indexing it: {'; '.join(scan.problems)}")
             entries[shard.name] = scan.entry
+            fields.update(dict.fromkeys(scan.fields))
             if scan.feature_field:
                 feature.setdefault("field", scan.feature_field)
                 feature.setdefault("dim", scan.dim)
                 feature.setdefault("dtype", scan.dtype)
-        feature.setdefault("field", "feats.npy" if journal else None)
+        feature.setdefault("field", FEATURE_MEMBER if journal else None)
         feature.setdefault("frame_shift_ms", 10.0)
         if feature["field"] is None:
             _LOG.warning(
@@ -74,9 +79,13 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
                 "(audio shards are not measured yet)",
                 folder,
             )
+        field_sets = _keep_field_sets(folder, previous, entries)
         index = ShardIndex(
             shards=[entries[s.name] for s in shards],
             feature=feature,
+            fields=list(fields),
+            field_sets=field_sets,
+            escaped_keys=previous.escaped_keys if previous else bool((run or {}).get("escape_keys", False)),
             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             created_by=f"seqshard {__version__} index",
             source={
@@ -87,6 +96,39 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
         )
         written.append(index.save(folder))
     return written
+
+
+def _is_sidecar(path: Path, previous: ShardIndex | None) -> bool:
+    """A field file beside a shard: listed as one by the index being replaced, or named
+    ``STEM.NAME.tar`` beside a shard ``STEM.tar`` (add-field's layout)."""
+    if previous is not None and path.name in previous.sidecar_names():
+        return True
+    if not path.name.endswith(".tar"):
+        return False
+    base, dot, name = path.name[: -len(".tar")].rpartition(".")
+    return (
+        bool(dot)
+        and bool(FIELD_SET_NAME.fullmatch(name))
+        and any((path.parent / f"{base}{suffix}").is_file() for suffix in SHARD_SUFFIXES)
+    )
+
+
+def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[str, ShardEntry]) -> dict[str, FieldSet]:
+    """The field sets of the index being replaced, with each sidecar measured again."""
+    if previous is None:
+        return {}
+    for name in previous.field_sets:
+        for shard_name, entry in entries.items():
+            old = previous.entry(shard_name)
+            car = old.sidecars.get(name) if old else None
+            if car is None or not (folder / car.name).is_file():
+                raise ConfigError(
+                    f"{folder / shard_name} has no file for field set {name!r}; add the field again with "
+                    f"`seqshard add-field {folder} --name {name} --overwrite ...`."
+                )
+            crc, size = file_crc32(folder / car.name)
+            entry.sidecars[name] = SidecarEntry(car.name, size, f"crc32:{crc:08x}")
+    return dict(previous.field_sets)
 
 
 def _refuse_unfinished_pack(root: Path) -> None:

@@ -23,6 +23,8 @@ class ShardScan:
     dim: int | None = None
     dtype: str | None = None
     problems: list[str] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)  # in file order
+    fields: list[str] = field(default_factory=list)  # member suffixes seen, in first-seen order
 
 
 def file_crc32(path: Path) -> tuple[int, int]:
@@ -49,6 +51,8 @@ def scan_shard(path: Path, feature_field: str | None = None) -> ShardScan:
                 if sample.key in keys_seen:
                     scan.problems.append(f"key {sample.key!r} appears in two separate runs of members")
                 keys_seen.add(sample.key)
+                scan.keys.append(sample.key)
+                scan.fields.extend(suffix for suffix in sample.fields if suffix not in scan.fields)
                 _describe_sample(scan, sample.key, sample.fields)
             if not stream.ended_cleanly:
                 scan.problems.append("the tar end marker is missing (shard cut short?)")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from ..formats.index import SidecarEntry
 from ..formats.selection import select_shards
 from .parallel import map_shards
-from .scan import scan_shard
+from .scan import ShardScan, scan_shard
 
 
 @dataclass
@@ -42,10 +44,32 @@ def verify(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> V
                     problems.append(f"checksum {scan.entry.checksum}, index says {entry.checksum}")
                 if scan.entry.num_utts != entry.num_utts:
                     problems.append(f"{scan.entry.num_utts} utterances, index says {entry.num_utts}")
+            if entry is not None:
+                for name, car in entry.sidecars.items():
+                    problems.extend(_sidecar_problems(folder / car.name, name, car, scan))
             if problems:
                 result.damaged[str(shard)] = problems
     result.missing = {str(m.path): m.why for m in selection.missing}
     return result
+
+
+def _sidecar_problems(path: Path, name: str, expected: SidecarEntry, shard: ShardScan) -> list[str]:
+    """How the sidecar of field set ``name`` differs from its index entry and its shard."""
+    if not path.is_file():
+        return [f"field set {name!r}: {path.name} is missing"]
+    scan = scan_shard(path)
+    problems = [f"field set {name!r}: {problem}" for problem in scan.problems]
+    if scan.entry.bytes != expected.bytes or scan.entry.checksum != expected.checksum:
+        problems.append(f"field set {name!r}: {path.name} differs from its index entry (size or checksum)")
+    if scan.keys != shard.keys:
+        first = next(
+            (i for i, (a, b) in enumerate(zip(scan.keys, shard.keys)) if a != b), min(len(scan.keys), len(shard.keys))
+        )
+        problems.append(
+            f"field set {name!r}: {path.name} holds {len(scan.keys)} samples, the shard {len(shard.keys)}; "
+            f"they first differ at sample {first}"
+        )
+    return problems
 
 
 def format_result(result: VerifyResult) -> str:

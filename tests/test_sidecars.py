@@ -1,0 +1,181 @@
+"""Sidecar field shards: add a field without repacking (add-field), read only what is asked,
+in sync, with exact and elastic resume; verify and index know them."""
+
+import json
+import tarfile
+
+import kaldiio
+import numpy as np
+import pytest
+
+from conftest import pack_small, read_shards
+from seqshard import add_field, make_loader
+from seqshard.cli import main
+from seqshard.errors import ConfigError, InputError, ShardError, StateMismatchError
+from seqshard.formats.index import ShardIndex
+from seqshard.formats.selection import select_shards
+
+SMALL = dict(shuffle_window=12, sort_window=8, interleave=2)
+
+
+def alignments(packed):
+    """One int32 label per frame for every utterance (what an alignment looks like)."""
+    return {key: (np.arange(len(a)) % 7).astype(np.int32) for key, a in packed.data.arrays.items()}
+
+
+def write_sources(packed, root, skip=()):
+    root.mkdir(exist_ok=True)
+    ali = alignments(packed)
+    with kaldiio.WriteHelper(f"ark,scp:{root}/ali.ark,{root}/ali.scp") as writer:
+        for key, value in ali.items():
+            if key not in skip:
+                writer(key, value)
+    (root / "utt2spk").write_text("".join(f"{k} {k.split('-')[0]}\n" for k in packed.data.keys if k not in skip))
+    (root / "meta.jsonl").write_text(
+        "".join(json.dumps({"key": k, "speaker": int(k[3:6]), "gender": "f"}) + "\n" for k in packed.data.keys)
+    )
+    return ali
+
+
+@pytest.fixture
+def with_fields(tmp_path):
+    packed = pack_small(tmp_path, utts_per_file=10)
+    ali = write_sources(packed, tmp_path / "src")
+    add_field(packed.out, "ali", tmp_path / "src" / "ali.scp", progress=False)
+    add_field(packed.out, "spk", tmp_path / "src" / "utt2spk", progress=False)
+    add_field(packed.out, "meta", tmp_path / "src" / "meta.jsonl", progress=False)
+    return packed, ali
+
+
+def by_key(loader):
+    return {k: (b, row) for b in loader for row, k in enumerate(b["keys"])}
+
+
+def test_fields_from_an_scp_a_text_file_and_json_lines_come_with_the_batches(with_fields):
+    packed, ali = with_fields
+    index = ShardIndex.load(packed.out)
+    assert sorted(index.field_sets) == ["ali", "meta", "spk"]
+    assert index.shards[0].sidecars["ali"].name == "data-00000.ali.tar"
+    assert [p.name for p in select_shards(packed.pattern).paths] == [f"data-0000{i}.tar" for i in range(5)]
+    for workers in (0, 2):
+        loader = make_loader(
+            packed.pattern, fields=["feats", "txt", "ali", "spk", "meta"], batch_size=4, num_workers=workers, **SMALL
+        )
+        rows = by_key(loader)
+        assert sorted(rows) == sorted(packed.data.keys)
+        for key, (batch, row) in rows.items():
+            length = int(batch["ali_lens"][row])
+            np.testing.assert_array_equal(batch["ali"][row, :length].numpy(), ali[key])
+            assert batch["ali"].dtype.is_floating_point is False and length == int(batch["feat_lens"][row])
+            assert batch["spk"][row] == key.split("-")[0]
+            assert batch["meta"][row] == {"speaker": int(key[3:6]), "gender": "f"}
+            assert batch["texts"][row] == packed.data.labels[key]
+    default = next(iter(make_loader(packed.pattern, batch_size=4, num_workers=0)))
+    assert sorted(default) == ["feat_lens", "feats", "keys", "texts"]  # sidecars are read when asked for
+
+
+def test_asking_only_for_sidecar_fields_never_opens_the_shards(with_fields, monkeypatch):
+    packed, _ = with_fields
+    loader = make_loader(packed.pattern, fields=["spk"], batch_size=5, num_workers=0, **SMALL)
+    for shard in packed.out.glob("data-0000?.tar"):
+        shard.write_bytes(b"\0" * 10)  # the main shards are gone; only the sidecars remain
+    opened = []
+    import seqshard.formats.tar as tar
+
+    real = tar._open_for_reading
+    monkeypatch.setattr(tar, "_open_for_reading", lambda path, ahead: opened.append(path) or real(path, ahead))
+    batches = list(loader)
+    assert sorted(k for b in batches for k in b["keys"]) == sorted(packed.data.keys)
+    assert sorted(batches[0]) == ["keys", "spk"]
+    assert opened and all(".spk.tar" in p for p in opened)
+    with pytest.raises(ConfigError, match=r"fields: no field set holds 'speed'.*spk \(spk\)"):
+        make_loader(packed.pattern, fields=["speed"])
+
+
+def test_field_files_out_of_step_are_an_error_naming_both_files_and_the_key(with_fields):
+    packed, _ = with_fields
+    sidecar = packed.out / "data-00001.spk.tar"
+    with tarfile.open(sidecar) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    members[2], members[3] = members[3], members[2]  # two samples swapped in the sidecar
+    with tarfile.open(sidecar, "w", format=tarfile.PAX_FORMAT) as tar:
+        for member, data in members:
+            tar.addfile(member, __import__("io").BytesIO(data))
+    with pytest.raises(
+        ShardError,
+        match=r"data-00001\.spk\.tar at byte \d+: field files disagree: sample 2 is '.*' in .*data-00001\.tar but '.*' here",
+    ):
+        list(make_loader(packed.pattern, fields=["feats", "spk"], batch_size=4, num_workers=0, shuffle=False))
+    assert main(["verify", "--quiet", str(packed.out)]) == 1
+
+
+def test_missing_keys_are_an_error_or_absent_with_allow_missing(tmp_path):
+    packed = pack_small(tmp_path, utts_per_file=10)
+    gone = next(k for k, (_, _, shard) in read_shards([packed.out / "data-00003.tar"]).items())
+    write_sources(packed, tmp_path / "src", skip={gone})
+    with pytest.raises(InputError, match=rf"data-00\d+\.tar \(key '{gone}'\): the source .* has no value for this key"):
+        add_field(packed.out, "ali", tmp_path / "src" / "ali.scp", progress=False)
+    assert "ali" not in ShardIndex.load(packed.out).field_sets  # the index is updated last
+    report = add_field(packed.out, "ali", tmp_path / "src" / "ali.scp", allow_missing=True, progress=False)
+    assert report.samples == 48 == report.filled + report.missing and report.missing == 1
+    assert report.written_now == 2  # the 3 sidecars finished before the error were kept
+    rows = by_key(make_loader(packed.pattern, fields=["feats", "ali"], batch_size=4, num_workers=0))
+    batch, row = rows[gone]
+    assert int(batch["ali_lens"][row]) == -1
+    assert all(int(b["ali_lens"][r]) > 0 for k, (b, r) in rows.items() if k != gone)
+
+
+def test_resume_and_elastic_resume_keep_their_guarantees_with_sidecars(with_fields):
+    packed, _ = with_fields
+    options = dict(fields=["feats", "ali", "spk"], batch_size=3, seed=5, **SMALL)
+    full = [b["keys"] for b in make_loader(packed.pattern, num_workers=2, **options)]
+    loader = make_loader(packed.pattern, num_workers=2, **options)
+    iterator = iter(loader)
+    head = [next(iterator)["keys"] for _ in range(4)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator
+    resumed = make_loader(packed.pattern, num_workers=2, **options)
+    resumed.load_state_dict(state)
+    assert head + [b["keys"] for b in resumed] == full
+    other = make_loader(packed.pattern, num_workers=0, **{**options, "fields": ["ali", "spk"], "batch_size": 5})
+    with pytest.raises(StateMismatchError, match="fields"):
+        other.load_state_dict(state)
+    other.load_state_dict(state, strict=False)
+    rest = [k for b in other for k in b["keys"]]
+    assert sorted([k for h in head for k in h] + rest) == sorted(packed.data.keys)
+
+
+def test_add_field_on_the_command_line_index_rebuild_and_foreign_readers(with_fields, tmp_path, capsys):
+    packed, _ = with_fields
+    assert main(["verify", "--quiet", str(packed.out)]) == 0
+    (packed.out / "index.json").unlink()
+    assert main(["index", "--quiet", str(packed.out)]) == 0  # without the old index: sidecars known by name
+    assert ShardIndex.load(packed.out).field_sets == {}
+    assert ShardIndex.load(packed.out).num_utts == 48
+    code = main(
+        [
+            "add-field",
+            str(packed.out),
+            "--name",
+            "spk",
+            "--from",
+            str(tmp_path / "src" / "utt2spk"),
+            "--quiet",
+            "--overwrite",
+        ]
+    )
+    assert code == 0 and "48 with the field, 0 without" in capsys.readouterr().out
+    assert main(["index", "--quiet", str(packed.out)]) == 0  # with it: field sets kept
+    assert list(ShardIndex.load(packed.out).field_sets) == ["spk"]
+    assert (
+        main(["add-field", str(packed.out), "--name", "spk", "--from", str(tmp_path / "src" / "utt2spk"), "--quiet"])
+        == 1
+    )
+    err = capsys.readouterr().err
+    assert "already has field set 'spk'" in err and "pass --overwrite to replace it" in err
+    import webdataset as wds
+
+    keys = [s["__key__"] for s in wds.WebDataset(str(packed.out / "data-00000.tar"), shardshuffle=False)]
+    with tarfile.open(packed.out / "data-00000.spk.tar") as tar:
+        names = tar.getnames()
+    assert names == [f"{k}.spk.txt" for k in keys]
