@@ -486,7 +486,7 @@ def _mp_context(name: str | None):
 def _make_slots(table: ShardTable, config: LoaderConfig, context) -> BatchSlots | None:
     """Shared slots for workers' batches, sized for the largest batch the options allow
     (feature arrays, plus room for labels and other fields)."""
-    if config.num_workers == 0 or not config.shared_slots:
+    if not config.shared_slots:
         return None
     itemsize = 2 if config.dtype == "float16" else 4
     if config.batch_frames is not None:
@@ -496,6 +496,8 @@ def _make_slots(table: ShardTable, config: LoaderConfig, context) -> BatchSlots 
         frames = int(config.batch_size * longest) + 1  # type: ignore[operator]
     feature_bytes = frames * (table.dim or 80) * itemsize
     slot_bytes = min(MAX_SLOT_BYTES, int(feature_bytes * 1.25) + (1 << 20))
+    if config.num_workers == 0:  # batches made in this process: a ring for what training still holds
+        return BatchSlots(1, 4, slot_bytes, context)
     return BatchSlots(config.num_workers, config.prefetch_factor + 3, slot_bytes, context)
 
 

@@ -84,7 +84,6 @@ def decode_field(suffix: str, data: bytes | memoryview) -> Any:
     try:
         if gzipped:
             data = gzip.decompress(data)
-        decoder = DECODERS.get(extension)
-        return bytes(data) if decoder is None else decoder(data)
+        return DECODERS.get(extension, bytes)(data)
     except (UnicodeDecodeError, json.JSONDecodeError, OSError, EOFError) as error:
         raise ValueError(f"not valid .{extension}{'.gz' if gzipped else ''} ({error})") from None

@@ -64,6 +64,8 @@ class _OpenUnit:
         disagree on a key.
         """
         unit = self.unit
+        if len(self.streams) == 1:
+            return self._next_of_one(unit, self.streams[0])
         while True:
             if unit.stop is not None and self.ordinal >= unit.stop:
                 return None
@@ -86,6 +88,18 @@ class _OpenUnit:
                     fields.update(part.fields)  # type: ignore[union-attr]
                 offsets = tuple((name, part.offset) for name, part in zip(self.sets, parts))  # type: ignore[union-attr]
                 return Sample(first.key, fields, unit.shard, first.ordinal, offsets)
+
+    def _next_of_one(self, unit: Unit, stream: SampleStream) -> Sample | None:
+        """``next_sample`` when one field file is read (the common case, kept short)."""
+        while True:
+            if unit.stop is not None and stream.ordinal >= unit.stop:
+                return None
+            part = stream.next_sample()
+            if part is None:
+                self._check_end([None])
+                return None
+            if part.ordinal >= unit.start and (part.ordinal - unit.start) % unit.step == 0:
+                return Sample(part.key, part.fields, unit.shard, part.ordinal, ((self.sets[0], part.offset),))
 
     def _check_end(self, parts: list) -> None:
         for stream, part in zip(self.streams, parts):

@@ -173,17 +173,18 @@ def iterate_worker(
 def _collate(
     batch: Batch, collator: Collator, setup: WorkerSetup, worker: int, iteration: int, in_worker_process: bool
 ) -> tuple[dict[str, Any], int | None]:
-    """The batch's arrays and the slot holding them: in a worker process they are collated
-    into a shared slot when one is free and large enough (sent as places in it), else into
-    torch tensors (which the DataLoader moves through shared memory of their own)."""
+    """The batch's arrays and the slot holding them: they are collated into a slot when one
+    is free and large enough (sent as places in it), else into new arrays (in a worker
+    process torch tensors, which the DataLoader moves through shared memory of their own).
+    Without worker processes slots still pay: their pages are reused, not faulted in anew."""
     columns = collator.layout(batch)
-    if not in_worker_process:
-        return collator.fill(batch, columns), None
     arena = setup.slots.acquire(worker, array_bytes(columns, ALIGN), iteration) if setup.slots else None
     if arena is None:
+        arrays = collator.fill(batch, columns)
+        if not in_worker_process:
+            return arrays, None
         import torch
 
-        arrays = collator.fill(batch, columns)
         return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, None
     arrays = collator.fill(batch, columns, arena.allocate)
     return {k: arena.describe(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, arena.slot
