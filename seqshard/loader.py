@@ -110,6 +110,10 @@ def make_setup(
             "batch_frames counts frames of the feature field, which these shards or fields= do not include; "
             "batch by batch_size."
         )
+    if config.bucket_sync and fields.features is None:
+        raise ConfigError(
+            "bucket_sync buckets the frames of the feature field, which these shards or fields= do not include."
+        )
     length = Length(fields.features, "frames") if fields.features else Length("tokens", "tokens")
     if fields.features is None and tokenizer is None:
         length = Length(None, "samples")

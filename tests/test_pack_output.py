@@ -159,3 +159,18 @@ def test_a_full_or_read_only_disk_is_a_clear_error_on_the_command_line(tmp_path,
     else:
         assert "No space left on device. Fix: free space on that disk" in result.stderr
         assert ".partial" not in result.stdout  # no half-written shard stays on the full disk
+
+
+def test_command_line_messages_name_flags_not_python_parameters(tmp_path, kaldi_dir, capsys):
+    out = tmp_path / "out"
+    assert main(["pack", "--scp", str(kaldi_dir.root), "--text", str(kaldi_dir.text), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"{kaldi_dir.root} is a folder; --scp ... takes files (e.g. {kaldi_dir.root / 'feats.scp'}" in err
+    assert main(["pack", "--scp", str(tmp_path / "nope.scp"), "--text", str(kaldi_dir.text), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "the file does not exist. Fix: check --scp" in err and "f_scps" not in err and "skip" not in err
+    with pytest.raises(ConfigError, match=r"overwrite=True cannot be combined with num_parts=2"):
+        pack_data(kaldi_dir.scp, kaldi_dir.text, out, num_parts=2, overwrite=True, progress=False)
+    args = ["pack", "--scp", str(kaldi_dir.scp), "--text", str(kaldi_dir.text), "--out", str(out), "--quiet"]
+    assert main([*args, "--num-parts", "2", "--overwrite"]) == 1
+    assert "--overwrite cannot be combined with --num-parts 2" in capsys.readouterr().err

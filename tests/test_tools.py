@@ -105,3 +105,35 @@ def test_pack_command_line_reports_and_fails_cleanly(tmp_path, capsys):
     )
     error = capsys.readouterr().err
     assert "feats.scp:1 (key 'spk000-utt000')" in error and "Traceback" not in error
+
+
+def test_inspect_percentiles_stay_within_the_exact_shortest_and_longest(tmp_path, capsys):
+    from conftest import write_kaldi_dir
+    from seqshard import pack_data
+
+    data = write_kaldi_dir(tmp_path / "d", speakers=3, per_speaker=10, frames=(1150, 1165))
+    pack_data(data.scp, data.text, tmp_path / "out", utts_per_file=10, progress=False)
+    assert main(["inspect", "--json", "--quiet", str(tmp_path / "out")]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    lengths = sorted(a.shape[0] for a in data.arrays.values())
+    assert summary["min_frames"] == lengths[0] and summary["max_frames"] == lengths[-1]
+    for value in summary["length_percentiles_frames"].values():
+        assert lengths[0] <= value <= lengths[-1]  # the histogram bin alone reached 1194.8
+    assert summary["percentiles_exact"] is False
+    assert main(["inspect", "--quiet", str(tmp_path / "out")]) == 0
+    assert "percentiles (approximate" in capsys.readouterr().out
+
+
+def test_shards_without_a_feature_array_say_their_hours_are_unknown(tmp_path, capsys, caplog):
+    foreign = tmp_path / "wenet"
+    foreign.mkdir()
+    shutil.copy(REALDATA / "webdataset/wenet-shard/shards_000000000.tar", foreign)
+    with caplog.at_level("WARNING", logger="seqshard"):
+        assert main(["index", "--quiet", str(foreign)]) == 0
+    assert "hold no feature field" in caplog.text
+    capsys.readouterr()
+    assert main(["inspect", "--json", "--quiet", str(foreign)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_utts"] == 2 and summary["hours"] is None and summary["groups"][0]["hours"] is None
+    assert main(["inspect", "--quiet", str(foreign)]) == 0
+    assert "unknown hours (no feature field)" in capsys.readouterr().out

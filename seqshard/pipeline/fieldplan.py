@@ -37,9 +37,10 @@ def plan_fields(
     features = (
         field_name(feature_field) if feature_field else next((f for f in LEGACY_FEATURE_FIELDS if f in main), None)
     )
-    if feature_field and main and features not in main:
+    everywhere = [name for names in available.values() for name in names]
+    if feature_field and main and features not in everywhere:
         raise ConfigError(
-            f"feature_field {feature_field!r}: the shards have no such field (they have: {', '.join(main)})."
+            f"feature_field {feature_field!r}: the shards have no such field (they have: {', '.join(everywhere)})."
         )
     if fields is None:
         return FieldPlan((MAIN,), None, features if features in main or not main else None)
