@@ -7,6 +7,9 @@ num_workers 0 and 2, with a cold page cache (every file evicted) and a warm one,
 
 - raw: sequential read of the shard files (the limit);
 - seqshard: make_loader, dynamic batches of 20000 padded frames, default windows;
+- seqshard-torchshm (workers only): the same with ``shared_slots=False``: batches travel as
+  torch's own shared-memory tensors (a new segment per batch) instead of reused slots;
+- seqshard-steady (workers only): persistent workers, the second epoch timed (no start-up);
 - webdataset: WebDataset over the same shards: shard shuffle, 1000-sample shuffle buffer,
   .npy decode, batches of 32 padded inside the workers;
 - mapstyle: kaldiio random access over feats.scp in shuffled order (``load_scp``), batches
@@ -146,11 +149,23 @@ def pad_batch(arrays, keys):
     return {"feats": torch.from_numpy(out), "feat_lens": torch.tensor(lengths), "keys": list(keys)}
 
 
-def run_seqshard(args):
+def run_seqshard(args, **options):
     import seqshard
 
-    loader = seqshard.make_loader(args.pattern, batch_frames=20000, num_workers=args.workers, seed=0)
+    loader = seqshard.make_loader(args.pattern, batch_frames=20000, num_workers=args.workers, seed=0, **options)
     loader.set_epoch(0)
+    return loader
+
+
+def run_seqshard_torchshm(args):
+    return run_seqshard(args, shared_slots=False)
+
+
+def run_seqshard_steady(args):
+    loader = run_seqshard(args, persistent_workers=True)
+    for _ in loader:  # the first epoch starts the workers and fills their windows
+        pass
+    loader.set_epoch(1)
     return loader
 
 
@@ -217,12 +232,22 @@ def run_one(args) -> dict:
 
     if args.seek_bound:
         install_seek_bound_disk()
+    methods = {
+        "seqshard": run_seqshard,
+        "seqshard-torchshm": run_seqshard_torchshm,
+        "seqshard-steady": run_seqshard_steady,
+        "webdataset": run_webdataset,
+        "mapstyle": run_mapstyle,
+    }
+    if args.method == "seqshard-steady":
+        loader = methods[args.method](args)  # its first epoch is not timed
     started = time.perf_counter()
     cpu_started = time.process_time()
     if args.method == "raw":
         run_raw(args)
         return {"seconds": time.perf_counter() - started, "utts": 0}
-    loader = {"seqshard": run_seqshard, "webdataset": run_webdataset, "mapstyle": run_mapstyle}[args.method](args)
+    if args.method != "seqshard-steady":
+        loader = methods[args.method](args)
     utts, frames, padded, speakers_per_batch, sizes = 0, 0, 0, [], []
     for batch in loader:
         sizes.append(len(batch["keys"]))
@@ -240,6 +265,7 @@ def run_one(args) -> dict:
         "speakers": speakers_per_batch,
         "sizes": sizes,
         "peak_rss_mb": peak_rss_mb(),
+        "main_cpu_ms_per_batch": (time.process_time() - cpu_started) / max(1, len(sizes)) * 1000,
     }
     if args.seek_bound:
         result.update(simulated_io_seconds=_Disk.seconds, seeks=_Disk.seeks)
@@ -342,14 +368,16 @@ def main() -> None:
         f"corpus: {corpus.num_utts} utterances, {corpus.hours:.1f} h, shards {shard_bytes / 1e9:.2f} GB ({len(shard_files)} files), arks {corpus.bytes / 1e9:.2f} GB"
     )
 
-    files = {"raw": shard_files, "seqshard": shard_files, "webdataset": shard_files, "mapstyle": corpus.arks}
+    files = {"raw": shard_files, "webdataset": shard_files, "mapstyle": corpus.arks}
+    files.update({m: shard_files for m in ("seqshard", "seqshard-torchshm", "seqshard-steady")})
     results: dict[str, list[dict]] = {}
+    workers_only = ("seqshard-torchshm", "seqshard-steady")
     plan = [
         (m, w, c)
-        for m in ("raw", "seqshard", "webdataset", "mapstyle")
+        for m in ("raw", "seqshard", *workers_only, "webdataset", "mapstyle")
         for w in (0, 2)
         for c in (True, False)
-        if not (m == "raw" and w == 2)
+        if not (m == "raw" and w == 2) and not (m in workers_only and (w == 0 or c))
     ]
     for round_ in range(args.rounds):
         random.Random(round_).shuffle(plan)
@@ -389,6 +417,13 @@ def main() -> None:
         ratios[f"seqshard_cold_vs_mapstyle_{w}"] = round(mbps(f"seqshard/{w}/cold") / mbps(f"mapstyle/{w}/cold"), 2)
     ratios["seqshard_w2_over_w0_cold"] = round(mbps("seqshard/w2/cold") / mbps("seqshard/w0/cold"), 2)
     ratios["seqshard_w2_over_w0_warm"] = round(mbps("seqshard/w2/warm") / mbps("seqshard/w0/warm"), 2)
+    ratios["seqshard_w2_steady_over_w0_warm"] = round(mbps("seqshard-steady/w2/warm") / mbps("seqshard/w0/warm"), 2)
+    ratios["seqshard_w0_warm_vs_raw_warm"] = round(mbps("seqshard/w0/warm") / mbps("raw/w0/warm"), 2)
+    ratios["slots_over_torch_shared_memory_w2_warm"] = round(
+        mbps("seqshard/w2/warm") / mbps("seqshard-torchshm/w2/warm"), 2
+    )
+    for name in ("seqshard/w0/warm", "seqshard/w2/warm", "seqshard-torchshm/w2/warm", "seqshard-steady/w2/warm"):
+        ratios[f"main_cpu_ms_per_batch_{name.replace('/', '_')}"] = round(table[name]["main_cpu_ms_per_batch"], 3)
 
     print("seek-bound disk simulation (8 ms per non-contiguous read, 150 MB/s; IO time + CPU time of a warm run):")
     simulated = {}

@@ -139,7 +139,7 @@ def test_filters_count_each_reason():
     stage = length_filter(ListSource(utts), limits, Length())
     kept = list(stage)
     assert all(limits.violation(len(u["feats"]), len(u["tokens"])) is None for u in kept)
-    assert sum(stage.filtered.values()) + len(kept) == 40 and stage.stats()["filtered.too_few_frames"] > 0
+    assert sum(stage.stats().values()) + len(kept) == 40 and stage.stats()["filtered.too_few_frames"] > 0
 
 
 def test_map_counts_skipped_bad_items_and_raises_without_skip(packed):

@@ -104,7 +104,29 @@ def merge_counts(*counters: dict[str, int]) -> dict[str, int]:
     return total
 
 
-class Map(Stage[U]):
+class CountingStage(Stage[T]):
+    """A stage with named counters (``dropped.REASON``, ``filtered.REASON``, ...), kept in its
+    state and reported by :meth:`stats`."""
+
+    def __init__(self, source: Stage | None):
+        super().__init__(source)
+        self.counts: dict[str, int] = {}
+
+    def count(self, name: str, value: int = 1) -> None:
+        self.counts[name] = self.counts.get(name, 0) + value
+
+    def reset(self, state: State | None = None) -> None:
+        super().reset(state)
+        self.counts = dict(state.get("counts", {})) if state else {}
+
+    def get_state(self) -> State:
+        return {**super().get_state(), "counts": dict(self.counts)}
+
+    def stats(self) -> dict[str, int]:
+        return merge_counts(super().stats(), self.counts)
+
+
+class Map(CountingStage[U]):
     """Applies ``function`` to each item.
 
     A bad item makes ``function`` raise InputError; with ``skip`` the item is counted under
@@ -116,11 +138,6 @@ class Map(Stage[U]):
         super().__init__(source)
         self.function = function
         self.skip = skip
-        self.dropped: dict[str, int] = {}
-
-    def reset(self, state: State | None = None) -> None:
-        super().reset(state)
-        self.dropped = dict(state.get("dropped", {})) if state else {}
 
     def next(self) -> U:
         while True:
@@ -131,27 +148,16 @@ class Map(Stage[U]):
                 if self.skip is None:
                     raise
                 self.skip(error)
-                self.dropped[error.reason] = self.dropped.get(error.reason, 0) + 1
-
-    def get_state(self) -> State:
-        return {**super().get_state(), "dropped": dict(self.dropped)}
-
-    def stats(self) -> dict[str, int]:
-        return merge_counts(super().stats(), {f"dropped.{k}": v for k, v in self.dropped.items()})
+                self.count(f"dropped.{error.reason}")
 
 
-class Filter(Stage[T]):
+class Filter(CountingStage[T]):
     """Passes the items for which ``reason_of(item)`` is None and counts the others under
     ``filtered.<reason>`` (the reason it returned): nothing is left out uncounted."""
 
     def __init__(self, source: Stage[T], reason_of: Callable[[T], str | None]):
         super().__init__(source)
         self.reason_of = reason_of
-        self.filtered: dict[str, int] = {}
-
-    def reset(self, state: State | None = None) -> None:
-        super().reset(state)
-        self.filtered = dict(state.get("filtered", {})) if state else {}
 
     def next(self) -> T:
         while True:
@@ -159,13 +165,7 @@ class Filter(Stage[T]):
             reason = self.reason_of(item)
             if reason is None:
                 return item
-            self.filtered[reason] = self.filtered.get(reason, 0) + 1
-
-    def get_state(self) -> State:
-        return {**super().get_state(), "filtered": dict(self.filtered)}
-
-    def stats(self) -> dict[str, int]:
-        return merge_counts(super().stats(), {f"filtered.{k}": v for k, v in self.filtered.items()})
+            self.count(f"filtered.{reason}")
 
 
 class WindowStage(Stage[U]):

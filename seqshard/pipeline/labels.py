@@ -15,7 +15,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..prep.tables import KeyTable
-from .base import Stage, State, merge_counts
+from .base import Map, Stage
 from .decode import LABEL_FIELD
 from .filters import TOKENS_FIELD
 from .sample import Sample
@@ -183,43 +183,19 @@ class Labeler:
         return sample
 
 
-class Labels(Stage[Sample]):
+class Labels(Map[Sample]):
     """Applies a :class:`Labeler`, counting label tokens and unknown tokens (``tokens``,
     ``unknown_tokens`` in stats); with ``skip`` a sample whose label is missing is counted
     under ``dropped.no_label`` instead of raising."""
 
     def __init__(self, source: Stage[Sample], labeler: Labeler, skip: SkipCounter | None = None):
-        super().__init__(source)
-        self.labeler = labeler
-        self.skip = skip
+        super().__init__(source, labeler, skip)
         self.unk_id = labeler.tokenizer.unk_id if labeler.tokenizer is not None else None
-        self.counts: dict[str, int] = {}
-
-    def reset(self, state: State | None = None) -> None:
-        super().reset(state)
-        self.counts = dict(state.get("counts", {})) if state else {}
-
-    def _count(self, name: str, value: int) -> None:
-        self.counts[name] = self.counts.get(name, 0) + value
 
     def next(self) -> Sample:
-        while True:
-            try:
-                sample = self.labeler(self.source.next())
-            except InputError as error:
-                if self.skip is None:
-                    raise
-                self.skip(error)
-                self._count(f"dropped.{error.reason}", 1)
-                continue
-            tokens = sample.fields.get(TOKENS_FIELD)
-            if tokens is not None:
-                self._count("tokens", len(tokens))
-                self._count("unknown_tokens", int(np.count_nonzero(tokens == self.unk_id)))
-            return sample
-
-    def get_state(self) -> State:
-        return {**super().get_state(), "counts": dict(self.counts)}
-
-    def stats(self) -> dict[str, int]:
-        return merge_counts(super().stats(), self.counts)
+        sample = super().next()
+        tokens = sample.fields.get(TOKENS_FIELD)
+        if tokens is not None:
+            self.count("tokens", len(tokens))
+            self.count("unknown_tokens", int(np.count_nonzero(tokens == self.unk_id)))
+        return sample
