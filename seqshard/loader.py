@@ -18,23 +18,22 @@ from pathlib import Path
 from typing import Any
 
 from .dist import Collectives, DistContext, discover
-from .errors import ConfigError, ShardError, StateMismatchError
+from .errors import ConfigError, StateMismatchError
 from .formats.patterns import Patterns
 from .formats.selection import missing_error
-from .formats.tar import count_samples
 from .pipeline import checkpoint
+from .pipeline.accounts import EpochAccounts
 from .pipeline.collate import to_tensors
 from .pipeline.config import LoaderConfig
 from .pipeline.epochs import BucketSync, epoch_end, epoch_length
-from .pipeline.fieldplan import plan_fields
-from .pipeline.labels import UNKNOWN_WARN_AFTER, LabelOverride, Tokenizer, make_tokenizer, unknown_tokens_warning
-from .pipeline.lengths import Length
+from .pipeline.labels import LabelOverride, Tokenizer, make_tokenizer
 from .pipeline.merge import MergedStream, RankPosition
 from .pipeline.protocol import BatchItem, ErrorItem, Item
 from .pipeline.recipe import check_transforms
-from .pipeline.shards import ShardTable, Unit, planned_utts
+from .pipeline.setup import make_setup
+from .pipeline.shards import ShardTable, Unit
 from .pipeline.transfer import BatchSlots
-from .pipeline.worker import IterationChannel, WorkerSetup, bucket_bounds
+from .pipeline.worker import IterationChannel
 
 _LOG = logging.getLogger("seqshard")
 MAX_SLOT_BYTES = 64 << 20
@@ -95,32 +94,6 @@ def make_loader(
     return ShardLoader(table, config, discover(rank, world_size), make_tokenizer(tokenizer, config.split), override)
 
 
-def make_setup(
-    table: ShardTable,
-    config: LoaderConfig,
-    rank: int,
-    world_size: int,
-    tokenizer: Tokenizer | None,
-    override: LabelOverride | None,
-) -> WorkerSetup:
-    """What every reader of a loader with these options needs (checked here, once)."""
-    fields = plan_fields(table, config.fields, config.feature_field, tokenizer is not None and override is None)
-    if fields.features is None and config.batch_frames is not None:
-        raise ConfigError(
-            "batch_frames counts frames of the feature field, which these shards or fields= do not include; "
-            "batch by batch_size."
-        )
-    if config.bucket_sync and fields.features is None:
-        raise ConfigError(
-            "bucket_sync buckets the frames of the feature field, which these shards or fields= do not include."
-        )
-    length = Length(fields.features, "frames") if fields.features else Length("tokens", "tokens")
-    if fields.features is None and tokenizer is None:
-        length = Length(None, "samples")
-    bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
-    return WorkerSetup(table, config, rank, world_size, tokenizer, override, fields, length, bounds)
-
-
 class ShardLoader:
     """Iterate it once per epoch (after ``set_epoch``); see :func:`make_loader`."""
 
@@ -151,8 +124,7 @@ class ShardLoader:
         self._position = self._fresh_position(0)
         self._resume: RankPosition | None = None
         self._timing = {"started": 0.0, "seconds": 0.0}
-        self._counted: dict[int, int] = {}  # samples counted in unindexed shards (for what is left)
-        self._unknown_tokens_judged = tokenizer is None
+        self._accounts = EpochAccounts(self._setup, self._end, self.collectives)
         self.last_summary: dict[str, Any] | None = None
 
     def _fresh_position(self, epoch: int, plan: list[list[Unit]] | None = None) -> RankPosition:
@@ -235,8 +207,7 @@ class ShardLoader:
                 break
             stream.emit(item)
             self._timing["seconds"] = time.perf_counter() - self._timing["started"]
-            if not self._unknown_tokens_judged:
-                self._judge_unknown_tokens(position)
+            self._accounts.judge_unknown_tokens(position)
             yield item.batch
         del stream  # stops non-persistent workers now, not at garbage collection
         if not self._end.continues_stream:
@@ -271,102 +242,15 @@ class ShardLoader:
         item.batch = batch
         return item
 
-    def _judge_unknown_tokens(self, position: RankPosition, final: bool = False) -> None:
-        """Warn once when many label tokens are unknown to the tokenizer (a units file of
-        words split into characters, labels in another case than a BPE model's, ...)."""
-        counters = _counters(position)
-        tokens, unknown = counters.get("tokens", 0), counters.get("unknown_tokens", 0)
-        if tokens < UNKNOWN_WARN_AFTER and not final:
-            return
-        self._unknown_tokens_judged = True
-        warning = unknown_tokens_warning(self._setup.tokenizer, tokens, unknown)  # type: ignore[arg-type]
-        if warning:
-            _LOG.warning("%s", warning)
-
-    # -- end of epoch -------------------------------------------------------------------------
-    def _finish_epoch(self, position: RankPosition) -> None:
-        if not self._unknown_tokens_judged:
-            self._judge_unknown_tokens(position, final=True)
-        local = self._rank_summary(position)
-        if not self._end.gathers_summary:
-            self.last_summary = {"ranks": [local]}
-            _LOG.info("seqshard epoch %d rank %d: %s", position.epoch, self.context.rank, _describe(local))
-            return
-        ranks = self.collectives.all_gather(local)
-        self.last_summary = {"epoch": position.epoch, "ranks": ranks}
-        if self.table.missing:
-            self.last_summary["missing_shards"] = [str(m.path) for m in self.table.missing]
-        if self.context.rank == 0:
-            missing = f"; {len(self.table.missing)} selected shard(s) missing, not read" if self.table.missing else ""
-            _LOG.info(
-                "seqshard epoch %d: %s%s",
-                position.epoch,
-                "; ".join(f"rank {r['rank']}: {_describe(r)}" for r in ranks),
-                missing,
-            )
-
-    def _rank_summary(self, position: RankPosition) -> dict[str, Any]:
-        stats = self.stats(position)
-        summary = {
-            "rank": self.context.rank,
-            "steps": position.step,
-            "utts": position.utts,
-            "dropped": stats["dropped"],
-            "filtered": stats["filtered"],
-        }
-        if not self._end.continues_stream:
-            units = [self._units_of(position, w) for w in range(len(position.workers))]
-            self._count_unindexed(units)
-            planned = [planned_utts(self.table, u, self._counted) for u in units]
-            if all(p is not None for p in planned):
-                total = sum(planned)  # type: ignore[arg-type]
-                summary["planned"] = total
-                summary["left"] = (
-                    total
-                    - position.utts
-                    - sum(v for k, v in stats["dropped"].items() if k != "damaged_shard")
-                    - sum(stats["filtered"].values())
-                )
-        return summary
-
-    def _count_unindexed(self, units: list[list[Unit]]) -> None:
-        """Count the samples of this rank's unindexed shards (headers only, once per loader),
-        so that what an epoch left unread is known for them too."""
-        todo = {u.shard for worker in units for u in worker if self.table.shards[u.shard].num_utts is None}
-        todo -= set(self._counted)
-        if todo:
-            _LOG.info("counting the samples of %d unindexed shard(s); `seqshard index` records them", len(todo))
-        for shard in sorted(todo):
-            try:
-                self._counted[shard] = count_samples(self.table.shards[shard].path)
-            except ShardError as error:
-                _LOG.warning("cannot count the samples of a damaged shard: %s", error)
-
-    def _units_of(self, position: RankPosition, worker: int) -> list[Unit]:
-        units = position.units_of(worker)
-        return units if units is not None else self._setup.units(position.epoch, worker)
-
-    # -- stats -------------------------------------------------------------------------------
+    # -- stats and the end of an epoch -------------------------------------------------------
     def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
         """This rank's progress in the current epoch: utterances (and per second), steps,
         shard units finished, dropped and filtered by reason, padding fraction, label tokens
         (and how many were unknown to the tokenizer), selected shards that are missing."""
-        position = position or self._position
-        counters = _counters(position)
-        seconds = self._timing["seconds"]
-        return {
-            "epoch": position.epoch,
-            "steps": position.step,
-            "utts": position.utts,
-            "utts_per_second": position.utts / seconds if seconds > 0 else 0.0,
-            "units_done": counters.get("units_done", 0),
-            "dropped": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("dropped.") and v},
-            "filtered": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("filtered.") and v},
-            "padding_fraction": 1 - position.frames / position.padded_frames if position.padded_frames else 0.0,
-            "tokens": counters.get("tokens", 0),
-            "unknown_tokens": counters.get("unknown_tokens", 0),
-            "missing_shards": len(self.table.missing),
-        }
+        return self._accounts.stats(position or self._position, self._timing["seconds"])
+
+    def _finish_epoch(self, position: RankPosition) -> None:
+        self.last_summary = self._accounts.finish(position, self._timing["seconds"])
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
@@ -456,25 +340,6 @@ class ShardLoader:
             setup.readers_per_rank,
         )
         return self._fresh_position(epoch, plan[self.context.rank])
-
-
-def _counters(position: RankPosition) -> dict[str, int]:
-    """The workers' counters summed."""
-    counters: dict[str, int] = {}
-    for worker in position.workers:
-        for name, value in worker.stats.items():
-            counters[name] = counters.get(name, 0) + value
-    return counters
-
-
-def _describe(summary: dict[str, Any]) -> str:
-    text = f"{summary['steps']} steps, {summary['utts']} utts"
-    if "left" in summary:
-        text += f" of {summary['planned']} planned, {summary['left']} left unread"
-    for kind in ("dropped", "filtered"):
-        if summary[kind]:
-            text += f", {kind} " + ", ".join(f"{k}={v}" for k, v in summary[kind].items())
-    return text
 
 
 def _unchanged(item: Any) -> Any:

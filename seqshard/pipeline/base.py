@@ -8,8 +8,8 @@ A stage implements three methods:
 - ``get_state()``: a small JSON-safe dict: its own counters and its source's state nested
   under ``"source"``; never sample data.
 
-The base class owns ``__next__`` (with lazy set-up), ``state_dict``/``load_state_dict`` and
-the fluent spellings (``stage.map(fn).shuffle(5000)...``). Every random choice comes from
+The base class owns ``__next__`` (with lazy set-up) and ``state_dict``/``load_state_dict``;
+recipes compose stages through ``recipe.Reader``. Every random choice comes from
 :func:`stage_rng`, a pure function of (seed, stage, epoch, rank, worker, position), so the same
 seed gives the same items on any machine and a restored stage needs no RNG state.
 """
@@ -85,15 +85,6 @@ class Stage(Generic[T]):
     def pending(self) -> list[Any]:
         """Items this stage and its sources hold but have not passed on (buffered windows)."""
         return self.source.pending() if self.source is not None else []
-
-    # -- fluent spellings -----------------------------------------------------------------
-    def map(self, function: Callable[[T], U], skip: SkipCounter | None = None) -> Map[U]:
-        return Map(self, function, skip)
-
-    def shuffle(self, window: int, seed: int, *position: int) -> Stage[T]:
-        from .shuffle import WindowShuffle
-
-        return WindowShuffle(self, window, seed, *position)
 
 
 def merge_counts(*counters: dict[str, int]) -> dict[str, int]:

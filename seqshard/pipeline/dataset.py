@@ -11,7 +11,8 @@ from typing import Any
 
 import torch.utils.data
 
-from .worker import IterationChannel, WorkerSetup, iterate_worker
+from .setup import WorkerSetup
+from .worker import IterationChannel, iterate_worker
 
 
 class ReaderDataset(torch.utils.data.IterableDataset):

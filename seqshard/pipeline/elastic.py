@@ -17,8 +17,9 @@ from typing import Any
 from ..errors import StateMismatchError
 from .merge import RankPosition, WorkerPosition
 from .reader import ShardReader
+from .setup import WorkerSetup
 from .shards import Plan, ShardTable, Unit, spread_units
-from .worker import WorkerSetup, build_pipeline
+from .worker import build_pipeline
 
 
 def reader_remainder(setup: WorkerSetup, worker: int, position: RankPosition, spot: WorkerPosition) -> list[Unit]:

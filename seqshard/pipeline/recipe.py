@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -42,11 +42,9 @@ from .decode import Decoder
 from .filters import length_filter
 from .labels import Labeler, Labels
 from .sample import Sample
+from .setup import WorkerSetup
 from .shards import Unit
 from .shuffle import WindowShuffle
-
-if TYPE_CHECKING:
-    from .worker import WorkerSetup
 
 
 @dataclass(frozen=True)

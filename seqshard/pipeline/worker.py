@@ -13,26 +13,20 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 from collections.abc import Iterator
-from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError, SeqshardError
-from ..formats.index import bin_bounds, histogram_percentile
 from .base import Stage
 from .batching import Batch, bucket_of
-from .collate import Collator, array_bytes, speech_rules
-from .config import LoaderConfig
-from .fieldplan import FieldPlan
-from .labels import LabelOverride, Tokenizer
-from .lengths import Measure
+from .collate import Collator, array_bytes
 from .passes import Passes
 from .protocol import BatchItem, EndItem, ErrorItem, Item
 from .recipe import Reader, default_recipe
-from .shards import ShardTable, Unit, plan_epoch
-from .transfer import ALIGN, BatchSlots
+from .setup import WorkerSetup
+from .shards import Unit
+from .transfer import ALIGN
 
 CHANNEL_BYTES = 4 << 20
 
@@ -57,60 +51,6 @@ class IterationChannel:
 
     def read(self) -> dict[str, Any]:
         return json.loads(bytes(self._data[: self._length.value]))
-
-
-@dataclass
-class WorkerSetup:
-    """Everything a worker needs to build its pipeline (pickled to spawned workers)."""
-
-    table: ShardTable
-    config: LoaderConfig
-    rank: int
-    world_size: int
-    tokenizer: Tokenizer | None
-    override: LabelOverride | None
-    fields: FieldPlan
-    length: Measure
-    bucket_bounds: tuple[int, ...] = ()
-    slots: BatchSlots | None = None
-
-    @property
-    def readers_per_rank(self) -> int:
-        return max(1, self.config.num_workers)
-
-    def units(self, plan_epoch_number: int, worker: int) -> list[Unit]:
-        config = self.config
-        return _cached_plan(
-            self.table,
-            plan_epoch_number,
-            config.seed,
-            self.world_size,
-            self.readers_per_rank,
-            config.shuffle,
-            config.split_shards,
-        )[self.rank][worker]
-
-    def collator(self) -> Collator:
-        config = self.config
-        return Collator(speech_rules(self.fields.features or "feats", config.pad_label, config.dtype))
-
-
-@lru_cache(maxsize=2)
-def _cached_plan(
-    table: ShardTable, epoch: int, seed: int, world_size: int, workers: int, shuffle: bool, split_shards: bool
-):
-    return plan_epoch(table, epoch, seed, world_size, workers, shuffle, split_shards)
-
-
-def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
-    """Lengths cutting the dataset's length histogram into ``count`` buckets of equal mass."""
-    histogram = dict(table.length_hist)
-    if not histogram:
-        raise ConfigError(
-            "bucket_sync needs length histograms from the shards' index.json (run `seqshard index` on foreign shards)."
-        )
-    bounds = sorted({round(histogram_percentile(histogram, 100 * k / count)) for k in range(1, count)})
-    return tuple(b for b in bounds if b > bin_bounds(min(histogram))[0])
 
 
 def build_pipeline(

@@ -1,0 +1,142 @@
+"""What a rank's epoch did: its stats, its summary (planned, read, dropped, filtered, left),
+and warnings drawn from the counters (too many unknown label tokens).
+
+Everything comes from the workers' counters in the rank's position and from the plan, so a
+summary is right after a resume too. What an epoch left unread is counted also for shards
+without an index (their samples are counted from their headers, once per loader).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..dist import Collectives
+from ..errors import ShardError
+from ..formats.tar import count_samples
+from .epochs import EpochEnd
+from .labels import UNKNOWN_WARN_AFTER, unknown_tokens_warning
+from .merge import RankPosition
+from .setup import WorkerSetup
+from .shards import Unit, planned_utts
+
+_LOG = logging.getLogger("seqshard")
+
+
+class EpochAccounts:
+    """The bookkeeping of one rank's epochs for a loader."""
+
+    def __init__(self, setup: WorkerSetup, end: EpochEnd, collectives: Collectives):
+        self.setup = setup
+        self.table = setup.table
+        self.end = end
+        self.collectives = collectives
+        self._counted: dict[int, int] = {}  # samples counted in unindexed shards
+        self._tokens_judged = setup.tokenizer is None
+
+    def stats(self, position: RankPosition, seconds: float) -> dict[str, Any]:
+        counters = counters_of(position)
+        return {
+            "epoch": position.epoch,
+            "steps": position.step,
+            "utts": position.utts,
+            "utts_per_second": position.utts / seconds if seconds > 0 else 0.0,
+            "units_done": counters.get("units_done", 0),
+            "dropped": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("dropped.") and v},
+            "filtered": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("filtered.") and v},
+            "padding_fraction": 1 - position.frames / position.padded_frames if position.padded_frames else 0.0,
+            "tokens": counters.get("tokens", 0),
+            "unknown_tokens": counters.get("unknown_tokens", 0),
+            "missing_shards": len(self.table.missing),
+        }
+
+    def judge_unknown_tokens(self, position: RankPosition, final: bool = False) -> None:
+        """Warn once when many label tokens are unknown to the tokenizer (a units file of
+        words split into characters, labels in another case than a BPE model's, ...)."""
+        if self._tokens_judged:
+            return
+        counters = counters_of(position)
+        tokens, unknown = counters.get("tokens", 0), counters.get("unknown_tokens", 0)
+        if tokens < UNKNOWN_WARN_AFTER and not final:
+            return
+        self._tokens_judged = True
+        warning = unknown_tokens_warning(self.setup.tokenizer, tokens, unknown)  # type: ignore[arg-type]
+        if warning:
+            _LOG.warning("%s", warning)
+
+    def finish(self, position: RankPosition, seconds: float) -> dict[str, Any]:
+        """The epoch's summary (every rank's, gathered, unless the ranks do not talk); logged."""
+        self.judge_unknown_tokens(position, final=True)
+        rank = self.setup.rank
+        local = self._rank_summary(position, seconds)
+        if not self.end.gathers_summary:
+            _LOG.info("seqshard epoch %d rank %d: %s", position.epoch, rank, describe(local))
+            return {"ranks": [local]}
+        ranks = self.collectives.all_gather(local)
+        summary: dict[str, Any] = {"epoch": position.epoch, "ranks": ranks}
+        missing = self.table.missing
+        if missing:
+            summary["missing_shards"] = [str(m.path) for m in missing]
+        if rank == 0:
+            _LOG.info(
+                "seqshard epoch %d: %s%s",
+                position.epoch,
+                "; ".join(f"rank {r['rank']}: {describe(r)}" for r in ranks),
+                f"; {len(missing)} selected shard(s) missing, not read" if missing else "",
+            )
+        return summary
+
+    def _rank_summary(self, position: RankPosition, seconds: float) -> dict[str, Any]:
+        stats = self.stats(position, seconds)
+        summary = {
+            "rank": self.setup.rank,
+            "steps": position.step,
+            "utts": position.utts,
+            "dropped": stats["dropped"],
+            "filtered": stats["filtered"],
+        }
+        if self.end.continues_stream:
+            return summary
+        units = [self._units_of(position, worker) for worker in range(len(position.workers))]
+        self._count_unindexed(units)
+        planned = [planned_utts(self.table, u, self._counted) for u in units]
+        if all(p is not None for p in planned):
+            total = sum(planned)  # type: ignore[arg-type]
+            dropped = sum(v for k, v in stats["dropped"].items() if k != "damaged_shard")  # shards, not utterances
+            summary["planned"] = total
+            summary["left"] = total - position.utts - dropped - sum(stats["filtered"].values())
+        return summary
+
+    def _units_of(self, position: RankPosition, worker: int) -> list[Unit]:
+        units = position.units_of(worker)
+        return units if units is not None else self.setup.units(position.epoch, worker)
+
+    def _count_unindexed(self, units: list[list[Unit]]) -> None:
+        todo = {u.shard for worker in units for u in worker if self.table.shards[u.shard].num_utts is None}
+        todo -= set(self._counted)
+        if todo:
+            _LOG.info("counting the samples of %d unindexed shard(s); `seqshard index` records them", len(todo))
+        for shard in sorted(todo):
+            try:
+                self._counted[shard] = count_samples(self.table.shards[shard].path)
+            except ShardError as error:
+                _LOG.warning("cannot count the samples of a damaged shard: %s", error)
+
+
+def counters_of(position: RankPosition) -> dict[str, int]:
+    """The workers' counters summed."""
+    counters: dict[str, int] = {}
+    for worker in position.workers:
+        for name, value in worker.stats.items():
+            counters[name] = counters.get(name, 0) + value
+    return counters
+
+
+def describe(summary: dict[str, Any]) -> str:
+    text = f"{summary['steps']} steps, {summary['utts']} utts"
+    if "left" in summary:
+        text += f" of {summary['planned']} planned, {summary['left']} left unread"
+    for kind in ("dropped", "filtered"):
+        if summary[kind]:
+            text += f", {kind} " + ", ".join(f"{k}={v}" for k, v in summary[kind].items())
+    return text

@@ -1,0 +1,102 @@
+"""What every reader of a loader needs, decided once in the training process.
+
+A :class:`WorkerSetup` holds the shard table, the options, this rank's place, the tokenizer and
+label override, the field plan, the length measure and the bucket bounds; it is pickled to
+spawned DataLoader workers and handed to recipes (``recipe.Reader``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from ..errors import ConfigError
+from ..formats.index import bin_bounds, histogram_percentile
+from .collate import Collator, speech_rules
+from .config import LoaderConfig
+from .fieldplan import FieldPlan, plan_fields
+from .labels import LabelOverride, Tokenizer
+from .lengths import Length, Measure
+from .shards import ShardTable, Unit, plan_epoch
+from .transfer import BatchSlots
+
+
+@dataclass
+class WorkerSetup:
+    """Everything a worker needs to build its pipeline (pickled to spawned workers)."""
+
+    table: ShardTable
+    config: LoaderConfig
+    rank: int
+    world_size: int
+    tokenizer: Tokenizer | None
+    override: LabelOverride | None
+    fields: FieldPlan
+    length: Measure
+    bucket_bounds: tuple[int, ...] = ()
+    slots: BatchSlots | None = None
+
+    @property
+    def readers_per_rank(self) -> int:
+        return max(1, self.config.num_workers)
+
+    def units(self, plan_epoch_number: int, worker: int) -> list[Unit]:
+        config = self.config
+        return _cached_plan(
+            self.table,
+            plan_epoch_number,
+            config.seed,
+            self.world_size,
+            self.readers_per_rank,
+            config.shuffle,
+            config.split_shards,
+        )[self.rank][worker]
+
+    def collator(self) -> Collator:
+        config = self.config
+        return Collator(speech_rules(self.fields.features or "feats", config.pad_label, config.dtype))
+
+
+@lru_cache(maxsize=2)
+def _cached_plan(
+    table: ShardTable, epoch: int, seed: int, world_size: int, workers: int, shuffle: bool, split_shards: bool
+):
+    return plan_epoch(table, epoch, seed, world_size, workers, shuffle, split_shards)
+
+
+def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
+    """Lengths cutting the dataset's length histogram into ``count`` buckets of equal mass."""
+    histogram = dict(table.length_hist)
+    if not histogram:
+        raise ConfigError(
+            "bucket_sync needs length histograms from the shards' index.json (run `seqshard index` on foreign shards)."
+        )
+    bounds = sorted({round(histogram_percentile(histogram, 100 * k / count)) for k in range(1, count)})
+    return tuple(b for b in bounds if b > bin_bounds(min(histogram))[0])
+
+
+def make_setup(
+    table: ShardTable,
+    config: LoaderConfig,
+    rank: int,
+    world_size: int,
+    tokenizer: Tokenizer | None,
+    override: LabelOverride | None,
+) -> WorkerSetup:
+    """What every reader of a loader with these options needs (checked here, once)."""
+    fields = plan_fields(table, config.fields, config.feature_field, tokenizer is not None and override is None)
+    if fields.features is None and config.batch_frames is not None:
+        raise ConfigError(
+            "batch_frames counts frames of the feature field, which these shards or fields= do not include; "
+            "batch by batch_size."
+        )
+    if config.bucket_sync and fields.features is None:
+        raise ConfigError(
+            "bucket_sync buckets the frames of the feature field, which these shards or fields= do not include."
+        )
+    if fields.features is not None:
+        length = Length(fields.features, "frames")
+    else:  # batches by count; sorted by label length when there are labels
+        length = Length("tokens", "tokens") if tokenizer is not None else Length(None, "samples")
+    bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
+    return WorkerSetup(table, config, rank, world_size, tokenizer, override, fields, length, bounds)
