@@ -235,14 +235,14 @@ def test_options_are_checked_at_the_boundary(packed):
         make_loader(packed.pattern, uneven="repeat")
 
 
-def test_shards_without_features_load_their_own_fields_or_get_a_clear_error(tmp_path):
+def test_audio_shards_load_as_waveforms_or_fbank_and_a_missing_feature_field_is_named(tmp_path):
     wenet = str(REALDATA / "webdataset/wenet-shard/shards_000000000.tar")
-    with pytest.raises(ConfigError, match="batch_frames counts frames of the feature field"):
-        make_loader(wenet, batch_frames=1000)
     (batch,) = list(make_loader(wenet, batch_size=2, shuffle=False, num_workers=0))
-    assert sorted(batch) == ["keys", "texts", "wav"]
-    assert [b.format for b in batch["wav"]] == ["wav", "wav"] and bytes(batch["wav"][0].data[:4]) == b"RIFF"
+    assert sorted(batch) == ["audio", "audio_lens", "keys", "sample_rate", "texts"]
+    assert batch["audio_lens"].tolist() == [68496, 139680] and batch["sample_rate"].tolist() == [16000, 16000]
     assert batch["texts"][0] == "广州市房地产中介协会分析"
+    (fbank,) = list(make_loader(wenet, features="fbank", batch_frames=3000, shuffle=False, num_workers=0))
+    assert sorted(fbank) == ["feat_lens", "feats", "keys", "texts"] and fbank["feat_lens"].tolist() == [426, 871]
     with pytest.raises(
         ConfigError, match=r"feature_field 'feats\.npy': the shards have no such field \(they have: txt, wav\)"
     ):

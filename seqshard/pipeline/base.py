@@ -32,6 +32,11 @@ SEED_PLAN = 1
 SEED_SHUFFLE = 2
 SEED_BATCH_ORDER = 3
 SEED_SAMPLE = 4  # per-sample generators (Reader.sample_rng); user stages pass their own id >= 100
+SEED_SPEED = 5
+SEED_NOISE = 6
+SEED_NOISE_ORDER = 7
+SEED_DITHER = 8
+SEED_SPEC_AUGMENT = 9
 
 
 def stage_rng(seed: int, stage: int, *position: int) -> np.random.Generator:

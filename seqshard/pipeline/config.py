@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from ..errors import ConfigError
+from ..features.fbank import FbankOptions
+from .audio import AudioOptions, SpecAugmentOptions
 from .batching import BatchCost, FixedSize, LengthBudget
 from .filters import LengthLimits
 
@@ -48,6 +50,19 @@ class LoaderConfig:
     pad_label: int = -1
     dtype: str = "float32"
     feature_field: str | None = None
+    features: str | None = None
+    num_mel_bins: int = 80
+    frame_length_ms: float = 25.0
+    frame_shift_ms: float = 10.0
+    dither: float = 0.0
+    resample_to: int | None = None
+    speed_perturb: tuple[float, ...] | None = None
+    noise: Any = None
+    noise_snr: tuple[float, float] = (5.0, 20.0)
+    noise_prob: float = 1.0
+    cmvn: str | None = None
+    spec_augment: bool | dict[str, Any] = False
+    channel: int | None = None
     fields: tuple[str, ...] | None = None
     transforms: tuple[Any, ...] = ()
     recipe: Callable[..., Any] | None = None
@@ -92,6 +107,7 @@ class LoaderConfig:
         for name in ("epoch_steps", "epoch_hours"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}.")
+        self.audio()  # checks the audio options
         if self.fields is not None and (isinstance(self.fields, str) or not self.fields):
             raise ConfigError(f"fields must be a non-empty list of field names, got {self.fields!r}.")
         if self.bucket_sync and self.uneven == "join":
@@ -105,6 +121,53 @@ class LoaderConfig:
         if self.batch_size is not None:
             return FixedSize(self.batch_size)
         return LengthBudget(int(self.batch_frames), self.quadratic_frames)  # type: ignore[arg-type]
+
+    def audio(self) -> AudioOptions:
+        """The audio options, checked (fbank options, factors, SNR range, masks)."""
+        if self.features not in (None, "fbank"):
+            raise ConfigError(f"features must be 'fbank' or None, got {self.features!r}.")
+        try:
+            fbank = FbankOptions(
+                sample_rate=float(self.resample_to or 16000),
+                num_mel_bins=self.num_mel_bins,
+                frame_length_ms=self.frame_length_ms,
+                frame_shift_ms=self.frame_shift_ms,
+                dither=self.dither,
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        factors = tuple(float(f) for f in self.speed_perturb or ())
+        if any(not 0.5 <= f <= 2 for f in factors):
+            raise ConfigError(f"speed_perturb factors must be in [0.5, 2], got {self.speed_perturb!r}.")
+        if len(self.noise_snr) != 2 or self.noise_snr[0] > self.noise_snr[1]:
+            raise ConfigError(f"noise_snr must be (low, high) in dB, got {self.noise_snr!r}.")
+        if not 0 <= self.noise_prob <= 1:
+            raise ConfigError(f"noise_prob must be in [0, 1], got {self.noise_prob}.")
+        if self.resample_to is not None and self.resample_to < 1000:
+            raise ConfigError(f"resample_to is a sample rate in Hz, got {self.resample_to}.")
+        masks = self.spec_augment
+        if isinstance(masks, dict):
+            unknown = set(masks) - set(SpecAugmentOptions.__dataclass_fields__)
+            if unknown:
+                raise ConfigError(
+                    f"spec_augment: unknown option(s) {', '.join(sorted(unknown))}; "
+                    f"known: {', '.join(SpecAugmentOptions.__dataclass_fields__)}."
+                )
+            spec = SpecAugmentOptions(**masks)
+        else:
+            spec = SpecAugmentOptions() if masks else None
+        return AudioOptions(
+            self.features,
+            fbank,
+            self.resample_to,
+            factors,
+            self.noise,
+            tuple(self.noise_snr),
+            self.noise_prob,
+            self.cmvn,
+            spec,
+            self.channel,
+        )
 
     def limits(self) -> LengthLimits:
         return LengthLimits(
@@ -123,7 +186,7 @@ class LoaderConfig:
                 value = [_qualified_name(t) for t in value]
             elif key == "recipe":
                 value = None if value is None else _qualified_name(value)
-            elif key == "fields" and value is not None:
+            elif key in ("fields", "speed_perturb", "noise_snr") and value is not None:
                 value = list(value)
             described[key] = value
         return described

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from ..formats.fields import field_name
+from ..formats.fields import AUDIO_EXTENSIONS, field_name, split_suffix
 from .decode import LABEL_FIELD, LEGACY_FEATURE_FIELDS
 from .shards import MAIN, ShardTable
 
@@ -20,11 +20,13 @@ from .shards import MAIN, ShardTable
 class FieldPlan:
     """``sets``: the field sets to open, in order; ``wanted``: the field names to decode
     (None: every field of the opened sets); ``features``: the feature field (batched as
-    ``feats``/``feat_lens`` and measured in frames), or None when not read."""
+    ``feats``/``feat_lens`` and measured in frames), or None when not read; ``audio``: the
+    encoded-audio field read (``wav``, ``flac``, ...), if any."""
 
     sets: tuple[str, ...]
     wanted: frozenset[str] | None
     features: str | None
+    audio: str | None = None
 
 
 def plan_fields(
@@ -42,8 +44,9 @@ def plan_fields(
         raise ConfigError(
             f"feature_field {feature_field!r}: the shards have no such field (they have: {', '.join(everywhere)})."
         )
+    audio = _audio_field(table, None if fields is None else set(fields))
     if fields is None:
-        return FieldPlan((MAIN,), None, features if features in main or not main else None)
+        return FieldPlan((MAIN,), None, features if features in main or not main else None, audio)
     wanted = dict.fromkeys(fields)
     if needs_text:
         wanted.setdefault(LABEL_FIELD, None)
@@ -62,4 +65,14 @@ def plan_fields(
                     f"fields: {lacking} has no field set {set_name!r} (add it with `seqshard add-field` to every folder read)."
                 )
     ordered = tuple(s for s in (MAIN, *sorted(sets)) if s in sets)
-    return FieldPlan(ordered, frozenset(wanted), features if features in wanted else None)
+    return FieldPlan(ordered, frozenset(wanted), features if features in wanted else None, audio)
+
+
+def _audio_field(table: ShardTable, wanted: set[str] | None) -> str | None:
+    """The first field holding encoded audio among the main fields (or the wanted ones)."""
+    for set_name, suffixes in table.field_sets:
+        for suffix in suffixes:
+            name, extension, _ = split_suffix(suffix)
+            if extension in AUDIO_EXTENSIONS and (name in wanted if wanted is not None else set_name == MAIN):
+                return name
+    return None

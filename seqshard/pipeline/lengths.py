@@ -54,4 +54,21 @@ class TotalLength:
         return f"{self.unit} of {' + '.join(map(repr, self.fields))}"
 
 
-Measure = Length | TotalLength
+@dataclass(frozen=True)
+class Duration:
+    """Length of an audio field in frames of ``shift_ms`` (10 ms: the frames fbank will make,
+    and the unit of an audio shard's index), from its samples and ``sample_rate``."""
+
+    field: str = "audio"
+    shift_ms: float = 10.0
+    unit: str = "frames"
+
+    def __call__(self, sample: Sample) -> int:
+        samples = Length(self.field, "samples")(sample)
+        return round(samples * 1000 / (sample.fields["sample_rate"] * self.shift_ms))
+
+    def describe(self) -> str:
+        return f"{self.shift_ms:g} ms frames of {self.field!r}"
+
+
+Measure = Length | TotalLength | Duration

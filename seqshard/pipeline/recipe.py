@@ -3,7 +3,7 @@
 A recipe is a function ``recipe(reader) -> Stage`` of batches. :func:`default_recipe` is what
 ``make_loader``'s options describe::
 
-    read (shards -> decoded samples) -> labels -> transforms -> length filter -> shuffle -> batch
+    read (shards -> decoded samples) -> labels -> audio -> transforms -> length filter -> shuffle -> batch
 
 A :class:`Reader` hands a recipe the built-in stages, already configured from the loader's
 options, and the reader's seeds; a recipe may put its own stages anywhere between them::
@@ -36,6 +36,7 @@ import numpy as np
 
 from ..errors import ConfigError, SkipCounter
 from ..prep.tables import key_hash
+from .audio import signal_stages
 from .base import SEED_SAMPLE, Filter, Map, Stage, stage_rng
 from .batching import SortBatch
 from .decode import Decoder
@@ -110,6 +111,11 @@ class Reader:
             return source
         return Labels(source, Labeler(setup.tokenizer, setup.override, self.config.strip_spaces), self.skip)
 
+    def audio(self, source: Stage[Sample]) -> Stage[Sample]:
+        """Audio decoding and processing (resample, speed, noise, fbank) and feature
+        normalisation and masking (CMVN, SpecAugment), as the loader's options ask."""
+        return signal_stages(source, self, self.setup.audio, self.setup.decodes_audio)
+
     def transforms(self, source: Stage[Sample]) -> Stage[Sample]:
         """The loader's ``transforms``, in order."""
         for transform in self.config.transforms:
@@ -140,8 +146,8 @@ class Reader:
 
 
 def default_recipe(reader: Reader) -> Stage:
-    """read -> labels -> transforms -> length filter -> shuffle -> batch."""
-    samples = reader.transforms(reader.labels(reader.read()))
+    """read -> labels -> audio -> transforms -> length filter -> shuffle -> batch."""
+    samples = reader.transforms(reader.audio(reader.labels(reader.read())))
     return reader.batch(reader.shuffle(reader.filter_lengths(samples)))
 
 

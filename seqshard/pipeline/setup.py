@@ -12,11 +12,12 @@ from functools import lru_cache
 
 from ..errors import ConfigError
 from ..formats.index import bin_bounds, histogram_percentile
+from .audio import AudioOptions
 from .collate import Collator, speech_rules
 from .config import LoaderConfig
 from .fieldplan import FieldPlan, plan_fields
 from .labels import LabelOverride, Tokenizer
-from .lengths import Length, Measure
+from .lengths import Duration, Length, Measure
 from .shards import ShardTable, Unit, plan_epoch
 from .transfer import BatchSlots
 
@@ -33,8 +34,10 @@ class WorkerSetup:
     override: LabelOverride | None
     fields: FieldPlan
     length: Measure
+    audio: AudioOptions
     bucket_bounds: tuple[int, ...] = ()
     slots: BatchSlots | None = None
+    noise_table: ShardTable | None = None  # noise shards mixed into the audio
 
     @property
     def readers_per_rank(self) -> int:
@@ -51,6 +54,11 @@ class WorkerSetup:
             config.shuffle,
             config.split_shards,
         )[self.rank][worker]
+
+    @property
+    def decodes_audio(self) -> bool:
+        """Whether readers decode the shards' audio (to process it, or to batch waveforms)."""
+        return self.fields.audio is not None and self.fields.features is None
 
     def collator(self) -> Collator:
         config = self.config
@@ -85,18 +93,36 @@ def make_setup(
 ) -> WorkerSetup:
     """What every reader of a loader with these options needs (checked here, once)."""
     fields = plan_fields(table, config.fields, config.feature_field, tokenizer is not None and override is None)
-    if fields.features is None and config.batch_frames is not None:
+    audio = config.audio()
+    processing = audio.features or audio.resample_to or audio.speed_perturb or audio.noise is not None
+    if processing and fields.audio is None:
         raise ConfigError(
-            "batch_frames counts frames of the feature field, which these shards or fields= do not include; "
-            "batch by batch_size."
+            "the audio options (features='fbank', resample_to, speed_perturb, noise) need shards that hold "
+            f"audio (wav, flac, ...); these hold: {', '.join(s for _, f in table.field_sets for s in f) or 'unknown'}."
         )
-    if config.bucket_sync and fields.features is None:
+    features = "feats" if audio.features == "fbank" else fields.features
+    length = _measure(features, fields.audio, tokenizer is not None)
+    if config.batch_frames is not None and length.unit != "frames":
+        raise ConfigError(
+            "batch_frames counts frames of the feature field (or 10 ms of audio), which these shards or fields= "
+            "do not include; batch by batch_size."
+        )
+    if config.bucket_sync and length.unit != "frames":
         raise ConfigError(
             "bucket_sync buckets the frames of the feature field, which these shards or fields= do not include."
         )
-    if fields.features is not None:
-        length = Length(fields.features, "frames")
-    else:  # batches by count; sorted by label length when there are labels
-        length = Length("tokens", "tokens") if tokenizer is not None else Length(None, "samples")
     bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
-    return WorkerSetup(table, config, rank, world_size, tokenizer, override, fields, length, bounds)
+    noise = ShardTable.from_patterns(audio.noise) if audio.noise is not None else None
+    return WorkerSetup(
+        table, config, rank, world_size, tokenizer, override, fields, length, audio, bounds, noise_table=noise
+    )
+
+
+def _measure(features: str | None, audio: str | None, tokens: bool) -> Measure:
+    """Frames of the feature field; else 10 ms frames of the audio; else, batching by count,
+    label tokens or nothing."""
+    if features is not None:
+        return Length(features, "frames")
+    if audio is not None:
+        return Duration("audio")
+    return Length("tokens", "tokens") if tokens else Length(None, "samples")

@@ -1,0 +1,186 @@
+"""Audio in and out: Kaldi ``wav.scp`` entries, decoding (soundfile), cutting segments, and
+encoding for shards (FLAC, lossless for integer PCM).
+
+Samples are float32 in [-1, 1] (soundfile's scale); Kaldi's feature code works on the int16
+scale, which the fbank stage applies itself. Multi-channel audio is mixed down (the mean of the
+channels) unless a channel is chosen. A ``wav.scp`` value is a file path, a Kaldi pipe
+(``sox a.flac -t wav - |``, run only when the user allows pipes), or ``ark:offset`` of a RIFF
+blob stored in an ark (ESPnet's and k2's wav-in-ark).
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import InputError, Where, option
+
+ENCODINGS = ("flac", "keep")
+
+
+@dataclass(frozen=True)
+class Audio:
+    """Decoded audio: ``samples`` (float32, one channel) at ``sample_rate``; ``subtype`` is
+    the stored sample format (``PCM_16``, ``PCM_24``, ``FLOAT``, ...)."""
+
+    samples: np.ndarray
+    sample_rate: int
+    subtype: str = "PCM_16"
+
+    @property
+    def seconds(self) -> float:
+        return len(self.samples) / self.sample_rate
+
+
+@dataclass(frozen=True)
+class WavLocation:
+    """Where a ``wav.scp`` entry's audio is: a file, a RIFF blob at ``offset`` in an ark, or
+    a shell command whose standard output is the audio."""
+
+    path: str
+    offset: int | None = None
+    is_pipe: bool = False
+
+    @property
+    def format(self) -> str:
+        """The file's own extension (``wav`` for pipes and ark blobs)."""
+        if self.is_pipe or self.offset is not None:
+            return "wav"
+        return Path(self.path).suffix.lstrip(".").lower() or "wav"
+
+
+def parse_wav_location(value: str, root: Path | None = None) -> WavLocation:
+    """A ``wav.scp`` value: ``path``, ``command |`` or ``ark_path:offset``."""
+    value = value.strip(" \t\r\n")
+    if value.endswith("|"):
+        return WavLocation(value[:-1].strip(), is_pipe=True)
+    head, sep, tail = value.rpartition(":")
+    if sep and tail.isascii() and tail.isdigit() and head.endswith(".ark"):
+        path, offset = head, int(tail)
+    else:
+        path, offset = value, None
+    if root is not None and not Path(path).is_absolute():
+        path = str(root / path)
+    return WavLocation(path, offset)
+
+
+def read_location(location: WavLocation, where: Where, allow_pipes: bool = False) -> bytes:
+    """The encoded audio of an entry (the file's bytes, the ark's blob or the command's output)."""
+    if location.is_pipe:
+        return _run_pipe(location, where, allow_pipes)
+    try:
+        with open(location.path, "rb") as stream:
+            if location.offset is None:
+                return stream.read()
+            stream.seek(location.offset)
+            return _riff_blob(stream, location, where)
+    except OSError as error:
+        raise InputError(
+            where,
+            "missing_audio",
+            f"cannot open {location.path!r}: {error.strerror}.",
+            f"check the path (relative paths are taken from the wav.scp's folder or {option('path_root', 'DIR')}).",
+        ) from None
+
+
+def _riff_blob(stream: io.BufferedReader, location: WavLocation, where: Where) -> bytes:
+    header = stream.read(8)
+    if header[:4] != b"RIFF" or len(header) < 8:
+        raise InputError(
+            where,
+            "bad_offset",
+            f"byte offset {location.offset} in {location.path!r} does not start a RIFF (wav) blob.",
+            "regenerate the wav.scp with the ark (wav-copy).",
+        )
+    size = int.from_bytes(header[4:8], "little")
+    body = stream.read(size)
+    if len(body) < size:
+        raise InputError(where, "unreadable_audio", f"the wav blob at {location.path}:{location.offset} is cut short.")
+    return header + body
+
+
+def _run_pipe(location: WavLocation, where: Where, allow_pipes: bool) -> bytes:
+    if not allow_pipes:
+        raise InputError(
+            where,
+            "pipe_refused",
+            f"the entry is a shell command ({location.path!r}); seqshard does not run commands found in data.",
+            f"run the command yourself, or pass {option('allow_pipes')} to run it.",
+            skippable=False,
+        )
+    # a shell, as Kaldi runs its pipes: the user allowed commands from this data
+    result = subprocess.run(location.path, shell=True, capture_output=True, check=False)
+    if result.returncode != 0:
+        message = result.stderr.decode("utf-8", "replace").strip()[-300:]
+        raise InputError(
+            where, "unreadable_audio", f"the command {location.path!r} failed ({result.returncode}): {message}"
+        )
+    return result.stdout
+
+
+def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = None) -> Audio:
+    """Encoded audio -> :class:`Audio` (mixed down, or ``channel``)."""
+    import soundfile
+
+    try:
+        with soundfile.SoundFile(io.BytesIO(bytes(data))) as sound:
+            samples = sound.read(dtype="float32", always_2d=True)
+            rate, subtype, declared = sound.samplerate, sound.subtype, sound.frames
+    except (RuntimeError, soundfile.LibsndfileError, ValueError) as error:
+        raise InputError(where, "unreadable_audio", f"the audio cannot be decoded ({error}).") from None
+    if len(samples) < declared:
+        raise InputError(
+            where,
+            "unreadable_audio",
+            f"the audio holds {len(samples)} samples where its header says {declared} (cut short or damaged).",
+        )
+    if channel is None:
+        mono = samples.mean(axis=1, dtype=np.float32) if samples.shape[1] > 1 else samples[:, 0]
+    elif 0 <= channel < samples.shape[1]:
+        mono = samples[:, channel]
+    else:
+        raise InputError(
+            where,
+            "bad_channel",
+            f"channel {channel} does not exist: the audio has {samples.shape[1]} channel(s).",
+            f"choose {option('channel', 0)} .. {samples.shape[1] - 1}, or leave it out to mix down.",
+        )
+    if len(mono) == 0:
+        raise InputError(where, "zero_length", "the audio has no samples.")
+    return Audio(np.ascontiguousarray(mono), rate, subtype)
+
+
+def cut(audio: Audio, start: float, end: float, where: Where) -> Audio:
+    """The part ``[start, end)`` (seconds; ``end`` < 0: to the end, as Kaldi's segments)."""
+    total = len(audio.samples)
+    first = round(start * audio.sample_rate)
+    last = total if end < 0 else round(end * audio.sample_rate)
+    if start < 0 or (end >= 0 and end <= start):
+        raise InputError(where, "bad_segment", f"the segment {start:g} .. {end:g} s is empty or negative.")
+    if last > total + round(0.01 * audio.sample_rate) or first >= total:
+        raise InputError(
+            where,
+            "bad_segment",
+            f"the segment {start:g} .. {end:g} s runs past the end of its recording ({audio.seconds:.3f} s).",
+            "fix the segments file (its times are in seconds).",
+        )
+    return Audio(audio.samples[first : min(last, total)], audio.sample_rate, audio.subtype)
+
+
+def encode(audio: Audio, encoding: str) -> tuple[str, bytes]:
+    """``(extension, bytes)`` of ``audio`` for a shard: FLAC (lossless for integer PCM up to
+    24 bits), or for ``keep`` a WAV of the stored sample format."""
+    import soundfile
+
+    subtype = audio.subtype if audio.subtype in ("PCM_16", "PCM_24", "PCM_S8", "PCM_U8") else None
+    buffer = io.BytesIO()
+    if encoding == "flac" and subtype is not None:
+        soundfile.write(buffer, audio.samples, audio.sample_rate, format="FLAC", subtype=subtype)
+        return "flac", buffer.getvalue()
+    # FLAC holds integer samples only: float (and 32-bit) audio stays WAV, losslessly
+    soundfile.write(buffer, audio.samples, audio.sample_rate, format="WAV", subtype=subtype or "FLOAT")
+    return "wav", buffer.getvalue()

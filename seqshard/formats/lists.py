@@ -1,0 +1,121 @@
+"""WeNet's list files: a ``.list`` of shard paths, or a raw ``data.list`` of samples.
+
+A shard list names one tar shard per line (WeNet's ``data.shards.list``). A raw list holds one
+JSON object per line, ``{"key": ..., "wav": PATH, "txt": ..., "start": s, "end": s}``
+(``start``/``end`` in seconds, optional). A raw list is read like a shard whose samples are its
+lines: :class:`ListSampleStream` yields them in order from a byte offset, so the loader plans,
+splits, resumes and skips it exactly as a shard. Relative paths are taken from the current
+folder (as WeNet does), else from the list's folder.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import ShardError
+from .patterns import SHARD_SUFFIXES
+from .tar import Sample
+
+LIST_SUFFIXES = (".list",)
+SEGMENT_FIELD = "segment.json"  # start and end of a sample cut from its audio file
+
+
+def is_list_name(name: str) -> bool:
+    return name.endswith(LIST_SUFFIXES)
+
+
+def resolve(path: str, listed_in: Path) -> Path:
+    """A path written in a list: from the current folder, else from the list's folder."""
+    candidate = Path(path)
+    if candidate.is_absolute() or candidate.exists():
+        return candidate
+    beside = listed_in.parent / candidate
+    return beside if beside.exists() else candidate
+
+
+def shard_list(path: Path) -> list[Path] | None:
+    """The shards a shard list names, or None when the file is a raw list of samples."""
+    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if lines and all(line.endswith(SHARD_SUFFIXES) and not line.startswith("{") for line in lines):
+        return [resolve(line, path) for line in lines]
+    return None
+
+
+def count_lines(path: Path) -> int:
+    with open(path, "rb") as stream:
+        return sum(1 for line in stream if line.strip())
+
+
+class ListSampleStream:
+    """The samples of a raw list, from byte ``start`` (sample ``ordinal``): the interface of
+    :class:`~.tar.SampleStream`. A sample's fields are its audio file's bytes under the
+    file's extension, its ``txt`` and, when cut, ``segment.json``."""
+
+    def __init__(self, path: str | Path, start: int = 0, ordinal: int = 0, read_data: bool = True, **_: object):
+        self.path = str(path)
+        self._stream = open(path, "rb")  # noqa: SIM115 (closed by close())
+        self._stream.seek(start)
+        self._read_data = read_data
+        self._offset = start
+        self.ordinal = ordinal
+        self.ended_cleanly = False
+
+    @property
+    def resume_offset(self) -> int:
+        return self._offset
+
+    def close(self) -> None:
+        self._stream.close()
+
+    def __enter__(self) -> ListSampleStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def next_sample(self) -> Sample | None:
+        while True:
+            offset = self._offset
+            line = self._stream.readline()
+            if not line:
+                self.ended_cleanly = True
+                return None
+            self._offset += len(line)
+            if line.strip():
+                break
+        record = self._parse(line, offset)
+        fields: dict[str, bytes | memoryview] = {}
+        if self._read_data:
+            audio = resolve(str(record["wav"]), Path(self.path))
+            try:
+                fields[audio.suffix.lstrip(".").lower() or "wav"] = audio.read_bytes()
+            except OSError as error:
+                raise ShardError(
+                    self.path, offset, f"cannot read {audio} for {record['key']!r}: {error.strerror}"
+                ) from None
+            fields["txt"] = str(record.get("txt", "")).encode("utf-8")
+            if "start" in record or "end" in record:
+                segment = {"start": float(record.get("start", 0)), "end": float(record.get("end", -1))}
+                fields[SEGMENT_FIELD] = json.dumps(segment).encode()
+        sample = Sample(str(record["key"]), fields, offset, self.ordinal)
+        self.ordinal += 1
+        return sample
+
+    def _parse(self, line: bytes, offset: int) -> dict:
+        try:
+            record = json.loads(line)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ShardError(self.path, offset, f"line {self.ordinal + 1} is not JSON ({error})") from None
+        if not isinstance(record, dict) or "key" not in record or "wav" not in record:
+            raise ShardError(self.path, offset, f'line {self.ordinal + 1} needs "key" and "wav" (found {line[:80]!r})')
+        return record
+
+
+def open_samples(path: str | Path, start: int = 0, ordinal: int = 0, read_ahead: bool = True):
+    """A sample stream over a shard or a raw list, from a byte offset."""
+    from .tar import SampleStream
+
+    if is_list_name(str(path)):
+        return ListSampleStream(path, start, ordinal)
+    return SampleStream(path, start, ordinal, read_ahead=read_ahead)

@@ -1,0 +1,289 @@
+"""Audio stages: decode -> resample -> speed perturbation -> noise -> fbank -> CMVN -> SpecAugment.
+
+Each is an ordinary stage (or a function mapped over samples) between labels and the length
+filter. Audio is the ``audio`` field (float32 samples in [-1, 1]) with its ``sample_rate``;
+fbank replaces them with ``feats`` (T x D frames). Random choices (speed factor, noise, SNR,
+dither, masks) come from ``reader.sample_rng``: the same for a sample in a given epoch
+whatever worker reads it or when, so exact resume needs no state for them. The noise stage
+reads its noise as an endless stream of its own shards (never by random access) and keeps that
+stream's position in its state.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import ConfigError, InputError, Where, option
+from ..features.fbank import FbankOptions, fbank
+from ..formats.audio import decode_audio
+from ..formats.fields import AudioBytes
+from .base import (
+    SEED_DITHER,
+    SEED_NOISE,
+    SEED_NOISE_ORDER,
+    SEED_SPEC_AUGMENT,
+    SEED_SPEED,
+    Map,
+    Stage,
+    State,
+    stage_rng,
+)
+from .sample import Sample
+
+if TYPE_CHECKING:
+    from .recipe import Reader
+    from .shards import ShardTable
+
+AUDIO, SAMPLE_RATE, FEATS = "audio", "sample_rate", "feats"
+KALDI_SCALE = 32768.0  # Kaldi's features work on int16-scale samples
+
+
+@dataclass(frozen=True)
+class SpecAugmentOptions:
+    """Frequency and time masks (SpecAugment): ``freq_masks`` bands of up to ``max_freq_width``
+    bins and ``time_masks`` spans of up to ``max_time_width`` frames (at most
+    ``max_time_ratio`` of the utterance), set to zero. Defaults are WeNet's."""
+
+    freq_masks: int = 2
+    max_freq_width: int = 10
+    time_masks: int = 2
+    max_time_width: int = 50
+    max_time_ratio: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("freq_masks", "max_freq_width", "time_masks", "max_time_width"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"spec_augment {name} must be >= 0, got {getattr(self, name)}.")
+        if not 0 <= self.max_time_ratio <= 1:
+            raise ConfigError(f"spec_augment max_time_ratio must be in [0, 1], got {self.max_time_ratio}.")
+
+
+@dataclass(frozen=True)
+class AudioOptions:
+    """How audio becomes model input (the audio options of ``make_loader``, parsed once)."""
+
+    features: str | None = None  # "fbank", or None for padded waveforms
+    fbank: FbankOptions = field(default_factory=FbankOptions)
+    resample_to: int | None = None
+    speed_perturb: tuple[float, ...] = ()
+    noise: Any = None  # patterns of noise shards
+    noise_snr: tuple[float, float] = (5.0, 20.0)
+    noise_prob: float = 1.0
+    cmvn: str | None = None  # a file written by `seqshard cmvn`
+    spec_augment: SpecAugmentOptions | None = None
+    channel: int | None = None
+
+
+def _where(sample: Sample) -> Where:
+    return Where(f"shard {sample.shard} sample {sample.ordinal}", None, sample.key)
+
+
+def decode(sample: Sample, channel: int | None = None) -> Sample:
+    """The first encoded-audio field (``wav``, ``flac``, ...) decoded into ``audio`` and
+    ``sample_rate``; a sample without audio raises InputError (reason ``no_audio``)."""
+    name = next((k for k, v in sample.fields.items() if isinstance(v, AudioBytes)), None)
+    if name is None:
+        if AUDIO in sample.fields:
+            return sample
+        raise InputError(
+            _where(sample),
+            "no_audio",
+            f"the sample has no audio field (it has: {', '.join(sorted(sample.fields)) or 'nothing'}).",
+            "read shards that hold audio (wav, flac, ...), or drop the audio options.",
+        )
+    audio = decode_audio(sample.fields.pop(name).data, _where(sample), channel)
+    sample.fields[AUDIO] = audio.samples
+    sample.fields[SAMPLE_RATE] = audio.sample_rate
+    return sample
+
+
+def resample(samples: np.ndarray, rate: float, target: float) -> np.ndarray:
+    """``samples`` at ``rate`` resampled to ``target`` (soxr, high quality): a tone keeps its
+    frequency; the length becomes ``round(n * target / rate)``."""
+    import soxr
+
+    if rate == target:
+        return samples
+    return soxr.resample(samples, rate, target).astype(np.float32, copy=False)
+
+
+def to_rate(sample: Sample, target: int) -> Sample:
+    sample.fields[AUDIO] = resample(sample.fields[AUDIO], sample.fields[SAMPLE_RATE], target)
+    sample.fields[SAMPLE_RATE] = target
+    return sample
+
+
+def speed(sample: Sample, factor: float) -> Sample:
+    """Played ``factor`` times faster (pitch and tempo together, as Kaldi's and WeNet's sox
+    ``speed``): the samples resampled as if recorded at ``rate * factor``."""
+    if factor != 1.0:
+        rate = sample.fields[SAMPLE_RATE]
+        sample.fields[AUDIO] = resample(sample.fields[AUDIO], rate * factor, rate)
+    return sample
+
+
+def to_fbank(sample: Sample, options: FbankOptions, rng: np.random.Generator | None) -> Sample:
+    rate = sample.fields[SAMPLE_RATE]
+    if rate != options.sample_rate:
+        raise InputError(
+            _where(sample),
+            "sample_rate_mismatch",
+            f"the audio is at {rate} Hz where fbank is set for {options.sample_rate:g} Hz.",
+            f"pass {option('resample_to', int(options.sample_rate))}.",
+        )
+    audio = sample.fields.pop(AUDIO)
+    del sample.fields[SAMPLE_RATE]
+    sample.fields[FEATS] = fbank(audio * KALDI_SCALE, options, rng if options.dither > 0 else None)
+    return sample
+
+
+@dataclass(frozen=True)
+class Cmvn:
+    """Global mean and standard deviation per feature dimension (``seqshard cmvn``)."""
+
+    mean: np.ndarray
+    std: np.ndarray
+
+    @classmethod
+    def load(cls, path: str | Path) -> Cmvn:
+        try:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            mean = np.asarray(data["mean"], dtype=np.float32)
+            std = np.asarray(data["std"], dtype=np.float32)
+        except (OSError, ValueError, KeyError) as error:
+            raise ConfigError(f"cmvn {str(path)!r}: not a file written by `seqshard cmvn` ({error}).") from None
+        if mean.shape != std.shape or mean.ndim != 1 or (std <= 0).any():
+            raise ConfigError(f"cmvn {str(path)!r}: mean and std must be vectors of one length, std > 0.")
+        return cls(mean, std)
+
+    def apply(self, sample: Sample) -> Sample:
+        feats = sample.fields[FEATS]
+        if feats.shape[1] != len(self.mean):
+            raise InputError(
+                _where(sample),
+                "dim_mismatch",
+                f"the features have {feats.shape[1]} dimensions, the CMVN statistics {len(self.mean)}.",
+            )
+        sample.fields[FEATS] = (feats - self.mean) / self.std
+        return sample
+
+
+def spec_augment(feats: np.ndarray, options: SpecAugmentOptions, rng: np.random.Generator) -> np.ndarray:
+    """A copy of ``feats`` (T x D) with frequency and time masks set to zero."""
+    out = np.array(feats, dtype=feats.dtype, copy=True)
+    frames, bins = out.shape
+    for _ in range(options.freq_masks):
+        width = int(rng.integers(0, min(options.max_freq_width, bins) + 1))
+        start = int(rng.integers(0, bins - width + 1))
+        out[:, start : start + width] = 0
+    longest = min(options.max_time_width, int(frames * options.max_time_ratio))
+    for _ in range(options.time_masks):
+        width = int(rng.integers(0, longest + 1))
+        start = int(rng.integers(0, frames - width + 1))
+        out[start : start + width] = 0
+    return out
+
+
+class AddNoise(Stage[Sample]):
+    """Adds noise to each sample's audio with probability ``prob`` at an SNR drawn from
+    ``snr`` (dB): the next sample of an endless stream over the noise shards (each pass in an
+    order of its own), looped when shorter than the audio, a random stretch when longer."""
+
+    def __init__(self, source: Stage[Sample], reader: Reader, table: ShardTable, snr: Sequence[float], prob: float):
+        super().__init__(source)
+        self.reader = reader
+        self.snr = (float(snr[0]), float(snr[1]))
+        self.prob = prob
+        self.noise = _noise_stream(reader, table)
+
+    def reset(self, state: State | None = None) -> None:
+        super().reset(state)
+        self.noise.reset(None if state is None else state.get("noise"))
+
+    def next(self) -> Sample:
+        sample = self.source.next()
+        rng = self.reader.sample_rng(SEED_NOISE, sample)
+        if rng.random() >= self.prob:
+            return sample
+        noise = to_rate(self.noise.next(), sample.fields[SAMPLE_RATE]).fields[AUDIO]
+        audio = sample.fields[AUDIO]
+        sample.fields[AUDIO] = mix(audio, _fit(noise, len(audio), rng), rng.uniform(*self.snr))
+        return sample
+
+    def get_state(self) -> State:
+        return {**super().get_state(), "noise": self.noise.get_state()}
+
+
+def _fit(noise: np.ndarray, length: int, rng: np.random.Generator) -> np.ndarray:
+    if len(noise) >= length:
+        start = int(rng.integers(0, len(noise) - length + 1))
+        return noise[start : start + length]
+    return np.resize(noise, length)  # looped
+
+
+def mix(audio: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
+    """``audio + noise`` with the noise scaled to ``snr_db`` below the audio's power."""
+    power = float(np.mean(audio.astype(np.float64) ** 2))
+    noise_power = float(np.mean(noise.astype(np.float64) ** 2))
+    if power == 0 or noise_power == 0:
+        return audio
+    scale = np.sqrt(power / (noise_power * 10 ** (snr_db / 10)))
+    return (audio + scale * noise).astype(np.float32)
+
+
+def _noise_stream(reader: Reader, table: ShardTable) -> Stage[Sample]:
+    """Every noise shard, pass after pass, each pass in an order of this reader's own."""
+    from .decode import Decoder
+    from .passes import Passes
+    from .reader import ShardReader
+    from .shards import Unit
+
+    def one_pass(number: int) -> Stage[Sample]:
+        order = stage_rng(reader.config.seed, SEED_NOISE_ORDER, reader.rank, reader.worker, number).permutation(
+            len(table.shards)
+        )
+        units = [Unit(int(i)) for i in order]
+        return Map(Map(ShardReader(table, units, 1, reader.skip), Decoder(table)), decode)
+
+    return Passes(one_pass)
+
+
+def signal_stages(source: Stage[Sample], reader: Reader, options: AudioOptions, decode_audio: bool) -> Stage[Sample]:
+    """The stages the options ask for, in order: with ``decode_audio`` (the shards hold audio)
+    decode, resample, speed, noise and fbank; then CMVN and SpecAugment of the features."""
+    skip = reader.skip
+    stage = source
+    if decode_audio:
+        channel = options.channel
+        stage = Map(stage, lambda s: decode(s, channel), skip)
+        if options.resample_to:
+            target = options.resample_to
+            stage = Map(stage, lambda s: to_rate(s, target), skip)
+        if options.speed_perturb:
+            factors = options.speed_perturb
+            stage = Map(
+                stage, lambda s: speed(s, factors[int(reader.sample_rng(SEED_SPEED, s).integers(len(factors)))])
+            )
+        if options.noise is not None:
+            stage = AddNoise(stage, reader, reader.setup.noise_table, options.noise_snr, options.noise_prob)  # type: ignore[arg-type]
+        if options.features == "fbank":
+            fbank_options = options.fbank
+            stage = Map(stage, lambda s: to_fbank(s, fbank_options, reader.sample_rng(SEED_DITHER, s)), skip)
+    if options.cmvn:
+        stage = Map(stage, Cmvn.load(options.cmvn).apply, skip)
+    if options.spec_augment is not None:
+        masks = options.spec_augment
+
+        def augment(sample: Sample) -> Sample:
+            rng = reader.sample_rng(SEED_SPEC_AUGMENT, sample)
+            sample.fields[FEATS] = spec_augment(sample.fields[FEATS], masks, rng)
+            return sample
+
+        stage = Map(stage, augment)
+    return stage
