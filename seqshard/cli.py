@@ -17,6 +17,7 @@ RENAMED_FLAGS = {
     "f_labels": "--text",
     "d_out": "--out",
     "num_frames_files": "--num-frames",
+    "source": "--from",
 }
 
 

@@ -139,10 +139,11 @@ class SkipCounter:
     skip is never silent.
     """
 
-    def __init__(self, skip: bool, log_limit: int = 5):
+    def __init__(self, skip: bool, log_limit: int = 5, done: str = "skipped"):
         self.skip = skip
         self.counts: dict[str, int] = {}
         self._log_limit = log_limit
+        self._done = done  # what happens to a counted case, as the log says it
 
     def __call__(self, error: InputError) -> None:
         if not self.skip:
@@ -150,6 +151,6 @@ class SkipCounter:
         seen = self.counts.get(error.reason, 0)
         self.counts[error.reason] = seen + 1
         if seen < self._log_limit:
-            _LOG.warning("skipped (%s): %s", error.reason, error.describe(skip_hint=False))
+            _LOG.warning("%s (%s): %s", self._done, error.reason, error.describe(skip_hint=False))
         elif seen == self._log_limit:
-            _LOG.warning("further '%s' skips are counted but not logged", error.reason)
+            _LOG.warning("further '%s' cases are counted but not logged", error.reason)

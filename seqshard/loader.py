@@ -9,6 +9,7 @@ batches into one deterministic stream (``pipeline/merge.py``), ends the epoch as
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import weakref
@@ -74,7 +75,9 @@ def make_loader(
         raise ConfigError(f"unknown loader option(s): {', '.join(sorted(unknown))}.")
     if "batch_size" not in options and "batch_frames" not in options:
         options["batch_frames"] = 20000
-    for name in ("fields", "transforms"):
+    if callable(options.get("transforms")):
+        options["transforms"] = (options["transforms"],)  # one transform given alone
+    for name in ("fields", "transforms", "speed_perturb", "noise_snr"):
         if options.get(name) is not None and not isinstance(options[name], str):
             options[name] = tuple(options[name])
     check_transforms(options.get("transforms", ()))
@@ -125,6 +128,7 @@ class ShardLoader:
         self._resume: RankPosition | None = None
         self._timing = {"started": 0.0, "seconds": 0.0}
         self._accounts = EpochAccounts(self._setup, self._end, self.collectives)
+        self._ranks_agree = False
         self.last_summary: dict[str, Any] | None = None
 
     def _fresh_position(self, epoch: int, plan: list[list[Unit]] | None = None) -> RankPosition:
@@ -195,6 +199,7 @@ class ShardLoader:
         self._position = position
         if position.completed:  # a state saved at the end of this epoch: nothing is left
             return
+        self._check_ranks_agree()
         self._iteration += 1
         self._channel.publish(
             {"epoch": position.epoch, "iteration": self._iteration, "workers": position.worker_request()}
@@ -213,6 +218,21 @@ class ShardLoader:
         if not self._end.continues_stream:
             position.completed = True
         self._finish_epoch(position)
+
+    def _check_ranks_agree(self) -> None:
+        """Once, where the ranks talk anyway: every rank must read the same shards with the
+        same options (a rank given other shards would otherwise go unnoticed)."""
+        if self._ranks_agree or not self.context.distributed or not self._end.gathers_summary:
+            return
+        identities = self.collectives.all_gather(json.dumps(self._identity(), sort_keys=True))
+        differing = [rank for rank, identity in enumerate(identities) if identity != identities[0]]
+        if differing:
+            raise ConfigError(
+                f"rank(s) {differing} made their loader with other shards or options than rank 0 "
+                f"({'; '.join(checkpoint.differences(json.loads(identities[differing[0]]), json.loads(identities[0])))}). "
+                "Give every rank the same patterns and options."
+            )
+        self._ranks_agree = True
 
     def _next_item(self, stream: MergedStream) -> BatchItem | None:
         """The batch for this step, or None when the epoch ends (on every rank at once,

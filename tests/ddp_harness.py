@@ -24,7 +24,8 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.get("collective_timeout", 60)))
     rank = dist.get_rank()
     out = Path(config["out"])
-    loader = seqshard.make_loader(config["pattern"], **config["options"])
+    pattern = config.get("pattern_of_rank", {}).get(str(rank), config["pattern"])
+    loader = seqshard.make_loader(pattern, **config["options"])
     if config.get("resume"):
         loader.load_state_dict(json.loads(Path(config["resume"]).read_text()), strict=not config.get("elastic", False))
     model = None

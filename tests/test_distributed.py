@@ -229,3 +229,22 @@ def test_loader_collective_is_cheap(tmp_path):
     )
     print(f"\nloader all-reduce on loopback gloo: {[round(r['collective_ms'], 3) for r in ranks]} ms per step")
     assert all(r["collective_ms"] > 0 for r in ranks)
+
+
+def test_ranks_given_other_shards_are_told_so(tmp_path):
+    pattern = write_shards(tmp_path / "shards", [10, 10])
+    other = write_shards(tmp_path / "other", [10, 10], seed=1)
+    config = {
+        "pattern": pattern,
+        "pattern_of_rank": {"1": other},
+        "options": dict(batch_size=2, num_workers=0),
+        "epochs": [0],
+    }
+    processes = start_ranks(2, config, tmp_path / "run")
+    deadline = time.monotonic() + 90
+    while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kill(processes)
+    logs = [p.stdout.read().decode(errors="replace") for p in processes]
+    assert all(p.returncode != 0 for p in processes)
+    assert any("rank(s) [1] made their loader with other shards or options than rank 0" in log for log in logs), logs

@@ -1,7 +1,12 @@
 """What the pack journal records per shard (read back by ``seqshard inspect`` and the index)."""
 
+import json
+
+import pytest
+
 from conftest import read_shards, write_kaldi_dir
 from seqshard import pack_data
+from seqshard.errors import SeqshardError
 from seqshard.prep.journal import finished_shards
 
 
@@ -21,7 +26,9 @@ def test_a_shard_whose_utterances_all_failed_records_zero_lengths(tmp_path):
     data.scp.write_text(data.scp.read_text().replace(":", ":1", 1))  # the first offset shifted
     lines = data.scp.read_text().splitlines()
     data.scp.write_text(lines[0] + "\n")
-    report = pack_data(data.scp, data.text, tmp_path / "out", skip_bad=True, progress=False)
-    assert report.packed == 0 and report.dropped == {"bad_offset": 1}
+    with pytest.raises(SeqshardError, match=r"nothing was packed: all 1 utterances were dropped \(bad_offset=1\)"):
+        pack_data(data.scp, data.text, tmp_path / "out", skip_bad=True, progress=False)
+    report = json.loads((tmp_path / "out" / "pack_report.json").read_text())
+    assert report["packed"] == 0 and report["dropped"] == {"bad_offset": 1}
     (record,) = finished_shards(tmp_path / "out").values()
     assert (record["num_utts"], record["min_frames"], record["max_frames"]) == (0, 0, 0)

@@ -319,11 +319,17 @@ def test_damage_and_missing_files_are_named_or_counted(tmp_path):
     loader = make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True, **SMALL)
     keys = [k for b in loader for k in b["keys"]]
     # 6 of shard 1's 10 utterances are gone; the shard may be split between the two workers
-    assert len(keys) == len(set(keys)) == 42 and loader.stats()["dropped"]["damaged_shard"] in (1, 2)
+    stats, summary = loader.stats(), loader.last_summary["ranks"][0]
+    assert len(keys) == len(set(keys)) == 42 and stats["damaged_shards"] in (1, 2)
+    assert stats["dropped"] == {"damaged": 6} and summary["left"] == 0  # every count adds up
+    assert summary["utts"] + sum(summary["dropped"].values()) + summary["left"] == summary["planned"] == 48
     (packed.out / "data-00003.tar").unlink()
     (packed.out / "data-00003.tar").write_bytes(b"")  # unreadable when opened
     loader = make_loader(packed.pattern, batch_size=4, num_workers=0, skip_bad=True, **SMALL)
-    assert len([k for b in loader for k in b["keys"]]) == 32 and loader.stats()["dropped"] == {"damaged_shard": 2}
+    assert len([k for b in loader for k in b["keys"]]) == 32
+    assert loader.stats()["damaged_shards"] == 2 and loader.stats()["dropped"] == {"damaged": 16}
+    summary = loader.last_summary["ranks"][0]
+    assert summary["utts"] + sum(summary["dropped"].values()) + summary["left"] == summary["planned"] == 48
 
 
 def test_spawned_workers_get_the_same_batches(packed):
@@ -418,3 +424,43 @@ def test_worker_errors_arrive_as_the_original_error_naming_the_shard(tmp_path):
     text.write_text(f"{packed.data.keys[0]} only one\n")
     with pytest.raises(InputError, match="no line for this key"):
         list(make_loader(packed.pattern, labels=text, batch_size=4, num_workers=2, **SMALL))
+
+
+def test_tokenizer_files_that_are_not_tokenizers_are_named(packed, tmp_path):
+    with pytest.raises(ConfigError, match=r"is not a SentencePiece model"):
+        make_loader(packed.pattern, packed.out / "data-00000.tar", batch_size=4)  # a .tar has a NUL byte
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("<unk> 0\n\xe9 1\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"latin1\.txt: not UTF-8 text"):
+        make_loader(packed.pattern, bad, batch_size=4)
+    twice = tmp_path / "units.txt"
+    twice.write_text("<unk> 1\na 1\n")
+    with pytest.raises(ConfigError, match=r"units\.txt:2: id 1 already for '<unk>'"):
+        make_loader(packed.pattern, twice, batch_size=4)
+    with pytest.raises(ConfigError, match="is a folder"):
+        make_loader(packed.pattern, tmp_path, batch_size=4)
+    with pytest.raises(ConfigError, match="is a folder"):
+        make_loader(packed.pattern, labels=tmp_path, batch_size=4)
+
+
+def test_loader_options_are_checked_with_their_names(packed):
+    bad = [
+        (dict(pad_label="x"), "pad_label must be a whole number"),
+        (dict(seed=-1), "seed must be >= 0"),
+        (dict(recipe=42), "recipe must be a function"),
+        (dict(min_frames=50, max_frames=10), "min_frames 50 is above max_frames 10"),
+        (dict(max_frames_per_token=0), "max_frames_per_token must be > 0"),
+        (dict(split_shards="no"), "split_shards must be True or False"),
+        (dict(max_tokens=10), "count label tokens: give a tokenizer"),
+    ]
+    for options, message in bad:
+        with pytest.raises(ConfigError, match=message):
+            make_loader(packed.pattern, batch_size=4, **options)
+    with pytest.raises(ConfigError, match="no shard pattern given"):
+        make_loader("", batch_size=4)
+    one = make_loader(packed.pattern, batch_size=4, transforms=lambda s: s, num_workers=0)  # one transform alone
+    assert sum(len(b["keys"]) for b in one) == 48
+    everything = make_loader(
+        f"{packed.out.parent}/*", batch_size=4, num_workers=0
+    )  # a glob's folders stand for their shards
+    assert sum(len(b["keys"]) for b in everything) == 48

@@ -222,3 +222,11 @@ def test_utterances_outside_the_length_groups_are_named_at_info(tmp_path, kaldi_
     for key, message in zip(outside[:20], named):
         assert f"(key {key!r}): {lengths[key]} frames, outside every length group ([10, 40))" in message
     assert named[20].endswith(f"{len(outside) - 20} more utterances outside every length group")
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_key(tmp_path, kaldi_dir, caplog):
+    kaldi_dir.text.write_bytes(b"\xef\xbb\xbf" + kaldi_dir.text.read_bytes())  # as some editors save
+    with caplog.at_level("WARNING", logger="seqshard"):
+        report = pack_data(kaldi_dir.scp, kaldi_dir.text, tmp_path / "out", progress=False)
+    assert report.packed == 48 and report.label_issues == {}
+    assert "starts with a UTF-8 byte order mark" in caplog.text

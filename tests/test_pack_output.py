@@ -174,3 +174,26 @@ def test_command_line_messages_name_flags_not_python_parameters(tmp_path, kaldi_
     args = ["pack", "--scp", str(kaldi_dir.scp), "--text", str(kaldi_dir.text), "--out", str(out), "--quiet"]
     assert main([*args, "--num-parts", "2", "--overwrite"]) == 1
     assert "--overwrite cannot be combined with --num-parts 2" in capsys.readouterr().err
+
+
+def test_inputs_that_are_not_plain_files_and_an_output_that_is_a_file(tmp_path, kaldi_dir, capsys):
+    args = ["pack", "--scp", str(kaldi_dir.scp), "--text", str(kaldi_dir.text), "--quiet"]
+    assert main([*args, "--out", str(tmp_path / "o"), "--num-frames", str(tmp_path / "nofile")]) == 1
+    assert "the file does not exist. Fix: check --num-frames" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("x")
+    assert main([*args, "--out", str(tmp_path / "afile")]) == 1
+    assert "is a file, not a folder" in capsys.readouterr().err
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    assert main(["pack", "--scp", str(kaldi_dir.scp), "--text", str(fifo), "--out", str(tmp_path / "o2")]) == 1
+    assert "is not a regular file (a pipe?)" in capsys.readouterr().err
+
+
+def test_empty_labels_are_counted_and_packed(tmp_path, kaldi_dir, caplog):
+    lines = kaldi_dir.text.read_text().splitlines()
+    lines[3] = lines[3].split()[0]  # a key alone: an empty transcript
+    kaldi_dir.text.write_text("\n".join(lines) + "\n")
+    with caplog.at_level("WARNING", logger="seqshard"):
+        report = pack_data(kaldi_dir.scp, kaldi_dir.text, tmp_path / "out", progress=False)
+    assert report.packed == 48 and report.label_issues == {"empty_label": 1}
+    assert "1 label(s) are empty" in caplog.text

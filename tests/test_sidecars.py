@@ -167,15 +167,57 @@ def test_add_field_on_the_command_line_index_rebuild_and_foreign_readers(with_fi
     assert code == 0 and "48 with the field, 0 without" in capsys.readouterr().out
     assert main(["index", "--quiet", str(packed.out)]) == 0  # with it: field sets kept
     assert list(ShardIndex.load(packed.out).field_sets) == ["spk"]
-    assert (
-        main(["add-field", str(packed.out), "--name", "spk", "--from", str(tmp_path / "src" / "utt2spk"), "--quiet"])
-        == 1
-    )
+    again = ["add-field", str(packed.out), "--name", "spk", "--from", str(tmp_path / "src" / "utt2spk"), "--quiet"]
+    assert main(again) == 0  # the same source again: nothing to do, as a rerun of pack
+    assert "0 written by this run" in capsys.readouterr().out
+    spk = tmp_path / "src" / "utt2spk"
+    spk.write_text(spk.read_text().replace("spk0", "SPK0"))
+    assert main(again) == 1
     err = capsys.readouterr().err
-    assert "already has field set 'spk'" in err and "pass --overwrite to replace it" in err
+    assert "already has field set 'spk'" in err and "pass --overwrite to replace it" in err and "skip" not in err
+    assert main([*again, "--from", str(tmp_path / "nope")]) == 1
+    assert "--from " in capsys.readouterr().err
     import webdataset as wds
 
     keys = [s["__key__"] for s in wds.WebDataset(str(packed.out / "data-00000.tar"), shardshuffle=False)]
     with tarfile.open(packed.out / "data-00000.spk.tar") as tar:
         names = tar.getnames()
     assert names == [f"{k}.spk.txt" for k in keys]
+
+
+def test_a_sidecar_left_by_a_killed_add_field_is_not_taken_for_a_shard(tmp_path):
+    packed = pack_small(tmp_path, utts_per_file=10)
+    write_sources(packed, tmp_path / "src")
+    add_field(packed.out, "spk", tmp_path / "src" / "utt2spk", progress=False)
+    index = (packed.out / "index.json").read_text()
+    add_field(packed.out, "ali", tmp_path / "src" / "ali.scp", progress=False)
+    (packed.out / "index.json").write_text(index)  # as if killed before the index was updated
+    assert [p.name for p in select_shards(str(packed.out)).paths] == [f"data-0000{i}.tar" for i in range(5)]
+    assert sorted(k for b in make_loader(packed.out, batch_size=8, num_workers=0) for k in b["keys"]) == sorted(
+        packed.data.keys
+    )
+    assert main(["verify", "--quiet", str(packed.out)]) == 0
+    report = add_field(packed.out, "ali", tmp_path / "src" / "ali.scp", progress=False)  # the rerun finishes it
+    assert report.written_now == 0 and "ali" in ShardIndex.load(packed.out).field_sets
+
+
+def test_add_field_reads_kaldi_text_int_vectors_and_says_no_skip(tmp_path):
+    packed = pack_small(tmp_path, utts_per_file=10)
+    ali = alignments(packed)
+    root = tmp_path / "src"
+    root.mkdir()
+    lines = [f"{k} {' '.join(map(str, v))}\n" for k, v in ali.items()]  # copy-int-vector ark,t
+    (root / "ali.txt.ark").write_text("".join(lines))
+    offset, scp = 0, []
+    for key, line in zip(ali, lines):
+        scp.append(f"{key} {root / 'ali.txt.ark'}:{offset + len(key) + 1}\n")
+        offset += len(line.encode())
+    (root / "ali.scp").write_text("".join(scp))
+    add_field(packed.out, "ali", root / "ali.scp", progress=False)
+    rows = by_key(make_loader(packed.pattern, fields=["feats", "ali"], batch_size=4, num_workers=0))
+    for key, (batch, row) in rows.items():
+        np.testing.assert_array_equal(batch["ali"][row, : int(batch["ali_lens"][row])].numpy(), ali[key])
+    (root / "dup.scp").write_text(scp[0] + scp[0])
+    with pytest.raises(InputError) as error:
+        add_field(packed.out, "ali2", root / "dup.scp", progress=False)
+    assert "skip" not in str(error.value)

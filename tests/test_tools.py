@@ -137,3 +137,18 @@ def test_shards_without_a_feature_array_say_their_hours_are_unknown(tmp_path, ca
     assert summary["num_utts"] == 2 and summary["hours"] is None and summary["groups"][0]["hours"] is None
     assert main(["inspect", "--quiet", str(foreign)]) == 0
     assert "unknown hours (no feature field)" in capsys.readouterr().out
+
+
+def test_inspect_gives_exact_lengths_for_unindexed_and_reindexed_shards(packed, tmp_path, capsys):
+    data, out = packed
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for shard in (out / "5_40").glob("*.tar"):
+        shutil.copy(shard, copy)
+    in_group = sorted(a.shape[0] for a in data.arrays.values() if 5 <= a.shape[0] < 40)
+    for _ in range(2):  # unindexed, then indexed by `seqshard index`
+        assert main(["inspect", "--json", "--quiet", str(copy)]) == 0
+        summary = json.loads(capsys.readouterr().out)
+        assert (summary["min_frames"], summary["max_frames"]) == (in_group[0], in_group[-1])
+        assert main(["index", "--quiet", str(copy)]) == 0
+        capsys.readouterr()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +28,6 @@ INDEX_NAME = "index.json"
 FORMAT = "seqshard-index"
 VERSION = 2  # written only when the folder has field sets; version 1 otherwise
 BINS_PER_OCTAVE = 8
-FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")
 
 
 def sidecar_name(shard_name: str, field_set: str) -> str:
@@ -96,6 +94,7 @@ class FieldSet:
     source: str = ""
     created: str = ""
     allow_missing: bool = False
+    digest: str = ""  # of the source's kind and content: adding the same again changes nothing
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FieldSet:
@@ -104,6 +103,7 @@ class FieldSet:
             str(data.get("source", "")),
             str(data.get("created", "")),
             bool(data.get("allow_missing", False)),
+            str(data.get("digest", "")),
         )
 
 

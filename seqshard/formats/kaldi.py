@@ -12,6 +12,7 @@ unpickles ``PKL`` entries; pipes run shell commands).
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import struct
@@ -24,6 +25,7 @@ import numpy as np
 
 from ..errors import InputError, Where, option
 
+_LOG = logging.getLogger("seqshard")
 _MATRIX_TOKENS = {b"FM": 4, b"DM": 8, b"CM": 1, b"CM2": 2, b"CM3": 1}
 _VECTOR_TOKENS = {b"FV", b"DV"}
 
@@ -34,6 +36,7 @@ _ASCII_DIGITS = re.compile(r"[0-9]+")
 # An ark entry: a key as Kaldi accepts it (no ASCII whitespace or control byte, no 0xFF), one
 # space, then a binary value (``\0B``) or a text one (``[`` after optional spaces).
 _ENTRY = re.compile(rb"([^\x00-\x20\x7f\xff]+) (?:\0B| *\[)")
+_ENTRY_OR_TEXT_VECTOR = re.compile(rb"([^\x00-\x20\x7f\xff]+) (?:\0B| *\[| *-?[0-9])")
 _MAX_KEY_BYTES = 4096
 _GIT_HINT = (
     "a common cause is git's CR LF conversion (core.autocrlf, or `text=auto` in .gitattributes): "
@@ -45,11 +48,18 @@ _GIT_HINT = (
 # table files
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
 def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
     """``(line_number, byte_offset, raw_line)`` for each line of a file (1-based lines)."""
     offset = 0
     with open(path, "rb") as stream:
         for number, raw in enumerate(stream, start=1):
+            if number == 1 and raw.startswith(_BOM):
+                _LOG.warning(
+                    "%s starts with a UTF-8 byte order mark (an editor's); it is not part of the first key", path
+                )
             yield number, offset, raw
             offset += len(raw)
 
@@ -61,6 +71,8 @@ def parse_line(raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
 
     Raises InputError (reason ``non_utf8`` or ``malformed_line``) naming the line.
     """
+    if raw.startswith(_BOM) and where.line == 1:
+        raw = raw[len(_BOM) :]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -236,9 +248,12 @@ class MatrixReader:
                     f"the entry is {what}, not a Kaldi feature matrix.",
                     "give the feats.scp of a Kaldi matrix ark.",
                 )
-        if head.lstrip(b" ").startswith(b"["):
-            return stream, head
-        raise self._bad_offset(location, where, "it points at neither a binary nor a text matrix")
+        text = head.lstrip(b" ")
+        if text.startswith(b"[") or (vectors and text[:1] in b"-0123456789" and text[:1]):
+            return stream, head  # a text matrix, or a text vector (`copy-int-vector ark,t`)
+        raise self._bad_offset(
+            location, where, f"it points at neither a binary nor a text {'value' if vectors else 'matrix'}"
+        )
 
     @staticmethod
     def _bad_offset(location: ArkLocation, where: Where, why: str) -> InputError:
@@ -271,7 +286,7 @@ class MatrixReader:
             array = read_kaldi(stream)
         except Exception as error:  # kaldiio raises assorted types on damaged values
             raise self._undecodable(stream, start, head, location, where, error) from None
-        self._check_end(stream, stream.tell(), location, where, successor)
+        self._check_end(stream, stream.tell(), location, where, successor, vectors)
         if vectors and isinstance(array, np.ndarray) and array.ndim == 1 and location.rows is None:
             return array
         if not isinstance(array, np.ndarray) or array.ndim != 2:
@@ -308,12 +323,18 @@ class MatrixReader:
         )
 
     def _check_end(
-        self, stream: BinaryIO, end: int, location: ArkLocation, where: Where, successor: tuple[int, str] | None
+        self,
+        stream: BinaryIO,
+        end: int,
+        location: ArkLocation,
+        where: Where,
+        successor: tuple[int, str] | None,
+        vectors: bool = False,
     ) -> None:
         """Refuse a value that does not end where the ark's next entry begins (see ``read``)."""
         if successor is None:
             size = os.fstat(stream.fileno()).st_size
-            if end == size or _entry_at(stream, end) is not None:
+            if end == size or _entry_at(stream, end, vectors) is not None:
                 return
             stream.seek(end)
             raise self._damaged(
@@ -329,7 +350,7 @@ class MatrixReader:
             return  # the next listed entry's key starts where this value ends (the common case)
         position = end
         while True:
-            value_start = _entry_at(stream, position)
+            value_start = _entry_at(stream, position, vectors)
             if value_start == next_offset:
                 return  # the ark's key of the next listed entry differs from the scp's (renamed keys)
             if value_start is None or value_start > next_offset:
@@ -458,10 +479,11 @@ def _value_size(stream: BinaryIO, start: int) -> int | None:
     return None
 
 
-def _entry_at(stream: BinaryIO, position: int) -> int | None:
-    """The value offset of the ark entry (``KEY `` and a value) at ``position``, else None."""
+def _entry_at(stream: BinaryIO, position: int, vectors: bool = False) -> int | None:
+    """The value offset of the ark entry (``KEY `` and a value) at ``position``, else None
+    (with ``vectors``, a text vector's first number counts as a value)."""
     stream.seek(position)
-    match = _ENTRY.match(stream.read(_MAX_KEY_BYTES))
+    match = (_ENTRY_OR_TEXT_VECTOR if vectors else _ENTRY).match(stream.read(_MAX_KEY_BYTES))
     return position + len(match.group(1)) + 1 if match else None
 
 

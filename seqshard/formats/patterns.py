@@ -10,6 +10,7 @@ against the folders' indexes and refuses an alternative that selects nothing.
 from __future__ import annotations
 
 import glob
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
 
 Patterns = str | Path | Sequence[str | Path]
 
@@ -52,8 +54,8 @@ class Alternative:
 def pattern_list(patterns: Patterns) -> list[str]:
     """The patterns as a list of strings (one pattern may be given alone)."""
     items = [patterns] if isinstance(patterns, (str, Path)) else list(patterns)
-    if not items:
-        raise ConfigError("no shard pattern given.")
+    if not items or any(not str(item).strip() for item in items):
+        raise ConfigError(f"no shard pattern given (got {patterns!r}).")
     return [str(item) for item in items]
 
 
@@ -69,8 +71,13 @@ def _alternative(text: str) -> Alternative:
     if glob.has_magic(text):
         parent = str(path.parent)
         folders = [Path(p) for p in sorted(glob.glob(parent))] if glob.has_magic(parent) else [path.parent]
-        files = [Path(p) for p in sorted(glob.glob(text)) if is_shard_name(Path(p).name) and Path(p).is_file()]
-        return Alternative(text, "glob", files, [f for f in folders if f.is_dir()])
+        matches = [Path(p) for p in sorted(glob.glob(text))]
+        files = [p for p in matches if is_shard_name(p.name) and p.is_file()]
+        for folder in (p for p in matches if p.is_dir()):  # a folder stands for its shards
+            inner = _alternative(str(folder))
+            files.extend(inner.files)
+            folders.extend(inner.folders)
+        return Alternative(text, "glob", files, [f for f in dict.fromkeys(folders) if f.is_dir()])
     if path.is_dir():
         folders = [path, *sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))]
         return Alternative(text, "folder", [f for folder in folders for f in shards_in_folder(folder)], folders)
@@ -78,6 +85,20 @@ def _alternative(text: str) -> Alternative:
     if files and not is_shard_name(path.name):
         raise ConfigError(f"{text} is not a shard (shards end in {', '.join(SHARD_SUFFIXES)}).")
     return Alternative(text, "file", files, [path.parent])
+
+
+def named_like_sidecar(path: Path) -> bool:
+    """``STEM.NAME.tar`` beside a shard ``STEM.tar``: the layout of ``add-field``'s field files
+    (recognised without an index: a sidecar written before its index entry, by a run that was
+    killed, is still not a shard)."""
+    if not path.name.endswith(".tar"):
+        return False
+    base, dot, name = path.name[: -len(".tar")].rpartition(".")
+    return (
+        bool(dot)
+        and bool(FIELD_SET_NAME.fullmatch(name))
+        and any((path.parent / f"{base}{suffix}").is_file() for suffix in SHARD_SUFFIXES)
+    )
 
 
 def shards_in_folder(folder: Path) -> list[Path]:

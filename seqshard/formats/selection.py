@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import ConfigError, ShardError, option
 from .index import ShardIndex
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
-from .patterns import Alternative, Patterns, expand_pattern, pattern_list
+from .patterns import Alternative, Patterns, expand_pattern, named_like_sidecar, pattern_list
 
 SHOWN = 5
 
@@ -93,7 +93,7 @@ def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
 def _is_sidecar(path: Path, selection: ShardSelection) -> bool:
     """Whether ``path`` is a field file beside a shard (read with its shard, never alone)."""
     index = _index_of(path.parent, selection)
-    return index is not None and path.name in index.sidecar_names()
+    return (index is not None and path.name in index.sidecar_names()) or named_like_sidecar(path)
 
 
 def _absent(alternative: Alternative, selection: ShardSelection) -> list[MissingShard]:

@@ -47,6 +47,7 @@ class EpochAccounts:
             "padding_fraction": 1 - position.frames / position.padded_frames if position.padded_frames else 0.0,
             "tokens": counters.get("tokens", 0),
             "unknown_tokens": counters.get("unknown_tokens", 0),
+            "damaged_shards": counters.get("damaged_shards", 0),
             "missing_shards": len(self.table.missing),
         }
 
@@ -102,9 +103,8 @@ class EpochAccounts:
         planned = [planned_utts(self.table, u, self._counted) for u in units]
         if all(p is not None for p in planned):
             total = sum(planned)  # type: ignore[arg-type]
-            dropped = sum(v for k, v in stats["dropped"].items() if k != "damaged_shard")  # shards, not utterances
             summary["planned"] = total
-            summary["left"] = total - position.utts - dropped - sum(stats["filtered"].values())
+            summary["left"] = total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
         return summary
 
     def _units_of(self, position: RankPosition, worker: int) -> list[Unit]:

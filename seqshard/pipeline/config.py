@@ -107,6 +107,7 @@ class LoaderConfig:
         for name in ("epoch_steps", "epoch_hours"):
             if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}.")
+        self._check_types()
         self.audio()  # checks the audio options
         if self.fields is not None and (isinstance(self.fields, str) or not self.fields):
             raise ConfigError(f"fields must be a non-empty list of field names, got {self.fields!r}.")
@@ -121,6 +122,28 @@ class LoaderConfig:
         if self.batch_size is not None:
             return FixedSize(self.batch_size)
         return LengthBudget(int(self.batch_frames), self.quadratic_frames)  # type: ignore[arg-type]
+
+    def _check_types(self) -> None:
+        for name in ("shuffle", "split_shards", "skip_bad", "strip_spaces", "persistent_workers", "pin_memory"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
+        for name in ("seed", "pad_label"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ConfigError(f"{name} must be a whole number, got {value!r}.")
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0, got {self.seed}.")
+        if self.recipe is not None and not callable(self.recipe):
+            raise ConfigError(f"recipe must be a function (reader) -> Stage, got {self.recipe!r}.")
+        limits = self.limits()
+        if None not in (limits.min_frames, limits.max_frames) and limits.min_frames > limits.max_frames:  # type: ignore[operator]
+            raise ConfigError(
+                f"min_frames {limits.min_frames} is above max_frames {limits.max_frames}: nothing would pass."
+            )
+        for name in ("min_frames_per_token", "max_frames_per_token", "max_tokens", "max_frames"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be > 0, got {value}.")
 
     def audio(self) -> AudioOptions:
         """The audio options, checked (fbank options, factors, SNR range, masks)."""

@@ -33,6 +33,10 @@ class SentencePieceTokenizer:
         if not Path(self.model).is_file():
             raise ConfigError(f"tokenizer model {self.model!r} does not exist.")
         self._processor = None
+        try:
+            self._load()  # here, once: a file that is no model fails now, not in a worker
+        except (RuntimeError, OSError) as error:
+            raise ConfigError(f"tokenizer {self.model!r} is not a SentencePiece model ({error}).") from None
 
     def __getstate__(self) -> dict:
         return {"model": self.model, "_processor": None}
@@ -70,13 +74,25 @@ class UnitsTokenizer:
             raise ConfigError(f"split must be 'char', 'word' or None (chosen from the units), got {split!r}.")
         self.units = str(units)
         self.ids: dict[str, int] = {}
-        for number, line in enumerate(Path(units).read_text(encoding="utf-8").splitlines(), start=1):
+        try:
+            lines = Path(units).read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{units}: not UTF-8 text (byte {error.start}); is it a units file?") from None
+        owners: dict[int, str] = {}
+        for number, line in enumerate(lines, start=1):
             parts = line.split()
             if not parts:
                 continue
             if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
                 raise ConfigError(f"{units}:{number}: expected 'TOKEN ID', found {line!r}.")
-            self.ids[parts[0]] = int(parts[1])
+            token, unit_id = parts[0], int(parts[1])
+            if token in self.ids or unit_id in owners:
+                clash = (
+                    f"unit {token!r} again" if token in self.ids else f"id {unit_id} already for {owners[unit_id]!r}"
+                )
+                raise ConfigError(f"{units}:{number}: {clash}; each unit needs one id of its own.")
+            self.ids[token] = unit_id
+            owners[unit_id] = token
         if unk not in self.ids:
             raise ConfigError(f"{units} has no {unk!r} unit for unknown tokens.")
         self.unk = self.ids[unk]
@@ -126,6 +142,8 @@ def make_tokenizer(spec: str | Path | Tokenizer | None, split: str | None = None
     if spec is None or not isinstance(spec, (str, Path)):
         return spec  # a tokenizer object (anything with encode(text) -> list[int])
     path = Path(spec)
+    if path.is_dir():
+        raise ConfigError(f"tokenizer {str(spec)!r} is a folder; give a SentencePiece .model or a units file.")
     if not path.is_file():
         raise ConfigError(f"tokenizer {str(spec)!r}: no such file (give a SentencePiece .model or a units file).")
     with open(path, "rb") as stream:
@@ -141,6 +159,8 @@ class LabelOverride:
     def __init__(self, files: str | Path | Sequence[str | Path]):
         paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
         for path in paths:
+            if path.is_dir():
+                raise ConfigError(f"label file {str(path)!r} is a folder; give Kaldi text file(s).")
             if not path.is_file():
                 raise ConfigError(f"label file {str(path)!r} does not exist.")
         self.table = KeyTable.scan(paths, SkipCounter(False), needs_value=False)

@@ -134,8 +134,9 @@ class ShardReader(Stage[Sample]):
     files of ``field_sets`` (``MAIN`` is the shard itself; other names are sidecar field sets).
 
     A damaged shard (unreadable, truncated, shorter than its index says) raises ShardError
-    naming it, or with ``skip`` is left at the damage and counted under
-    ``dropped.damaged_shard``. ``read_ahead=False`` reads only what is asked for.
+    naming it, or with ``skip`` is left at the damage: counted under ``damaged_shards``, its
+    planned samples not read under ``dropped.damaged``. ``read_ahead=False`` reads only what
+    is asked for.
     """
 
     def __init__(
@@ -161,7 +162,7 @@ class ShardReader(Stage[Sample]):
         self._next_unit = 0
         self._slots: list[_OpenUnit] = []
         self._turn = 0
-        self._counts = {"utts_read": 0, "units_done": 0, "dropped.damaged_shard": 0}
+        self._counts = {"utts_read": 0, "units_done": 0, "damaged_shards": 0, "dropped.damaged": 0}
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
@@ -202,18 +203,23 @@ class ShardReader(Stage[Sample]):
             offsets, ordinal = [0] * len(self.field_sets), 0
         return self._open(index, unit, offsets, ordinal)
 
-    def _damaged(self, error: ShardError) -> None:
+    def _damaged(self, error: ShardError, unit: Unit, at: int) -> None:
+        """Raise, or (skipping) count the damaged shard and its planned samples from ``at`` on
+        as ``dropped.damaged`` (when the shard's size is known), so that counts add up."""
         if self.skip is None:
             raise error
         _LOG.warning("skipping (the rest of) a damaged shard: %s", error)
-        self._counts["dropped.damaged_shard"] += 1
+        self._counts["damaged_shards"] += 1
+        lost = replace(unit, at=max(at, unit.at)).count(self.table.shards[unit.shard].num_utts)
+        self._counts["dropped.damaged"] += lost or 0
 
     def _fill_slots(self) -> None:
         while len(self._slots) < self.interleave:
             try:
                 slot = self._open_next()
             except ShardError as error:
-                self._damaged(error)
+                unit = self._units[self._next_unit - 1]
+                self._damaged(error, unit, unit.first())
                 continue
             if slot is None:
                 return
@@ -229,7 +235,7 @@ class ShardReader(Stage[Sample]):
             try:
                 sample = slot.next_sample()
             except ShardError as error:
-                self._damaged(error)
+                self._damaged(error, slot.unit, slot.ordinal)
                 sample = None
             if sample is None:
                 slot.close()

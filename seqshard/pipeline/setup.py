@@ -94,6 +94,11 @@ def make_setup(
     """What every reader of a loader with these options needs (checked here, once)."""
     fields = plan_fields(table, config.fields, config.feature_field, tokenizer is not None and override is None)
     audio = config.audio()
+    limits = config.limits()
+    if tokenizer is None and (limits.max_tokens or limits.min_frames_per_token or limits.max_frames_per_token):
+        raise ConfigError(
+            "max_tokens, min_frames_per_token and max_frames_per_token count label tokens: give a tokenizer."
+        )
     processing = audio.features or audio.resample_to or audio.speed_perturb or audio.noise is not None
     if processing and fields.audio is None:
         raise ConfigError(

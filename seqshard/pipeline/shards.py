@@ -14,6 +14,7 @@ utterance.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from ..formats.selection import MissingShard, select_shards
 from ..formats.tar import first_sample_fields
 from .base import SEED_PLAN, stage_rng
 
+_LOG = logging.getLogger("seqshard")
 MAIN = ""  # the field set of the shard file itself (sidecar field sets have names)
 
 
@@ -81,6 +83,13 @@ class ShardTable:
                 (name, fs.fields) for name, fs in (index.field_sets.items() if index else [])
             ]:
                 field_sets.setdefault(name, {}).update(dict.fromkeys(suffixes))
+            if index is not None and any(index.entry(p.name) is None for p in paths):
+                _LOG.warning(
+                    "%s: %d selected shard(s) are not in its index.json and are read without its facts (a copy, or "
+                    "added after the index? run `seqshard index` on the folder)",
+                    folder,
+                    sum(index.entry(p.name) is None for p in paths),
+                )
             for path in paths:
                 entry = index.entry(path.name) if index else None
                 if entry is None:

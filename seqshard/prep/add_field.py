@@ -26,11 +26,12 @@ from typing import Any
 
 from ..errors import ConfigError, InputError, SeqshardError, SkipCounter, Where, option
 from ..formats.files import writing
-from ..formats.index import FIELD_SET_NAME, FieldSet, ShardIndex, SidecarEntry, sidecar_name
+from ..formats.index import FieldSet, ShardIndex, SidecarEntry, sidecar_name
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import unescape_key
 from ..formats.npy import npy_parts
 from ..formats.pack_state import STATE_DIR
+from ..formats.patterns import FIELD_SET_NAME
 from ..formats.tar import SampleStream, ShardWriter, temporary_path
 from ..progress import Progress
 from .journal import Journal, finished_shards
@@ -171,20 +172,49 @@ def add_field(
     files = [Path(source)] if isinstance(source, (str, Path)) else [Path(s) for s in source]
     for path in files:
         if not path.is_file():
-            raise ConfigError(f"{option('source', path)}: no such file.")
+            raise ConfigError(f"{option('source', path)}: no such file (add-field reads it twice: a pipe will not do).")
     folders = _indexed_folders(root)
-    indexes = {folder: ShardIndex.load(folder) for folder in folders}
-    for folder, index in indexes.items():
-        _check_name(folder, index, name, overwrite)  # type: ignore[arg-type]
-    if overwrite:
-        _remove_field(root, folders, name)
-    field_source = FieldSource.open(
-        files, kind, path_root=str(path_root) if path_root else None, allow_pipes=allow_pipes, path_map=tuple(path_map)
-    )
+    try:
+        field_source = FieldSource.open(
+            files,
+            kind,
+            path_root=str(path_root) if path_root else None,
+            allow_pipes=allow_pipes,
+            path_map=tuple(path_map),
+        )
+        indexes = {
+            folder: index
+            for folder in folders
+            if not _already_added(folder, index := ShardIndex.load(folder), name, overwrite, field_source.identity)  # type: ignore[arg-type]
+        }
+        if overwrite:
+            _remove_field(root, list(indexes), name)
+        report = _add(root, indexes, name, field_source, allow_missing, jobs, progress, files)
+    except InputError as error:
+        error.skippable = False  # add-field stops at bad input: there is nothing to skip to
+        raise
+    report.folders = [str(f) for f in folders]
+    report.seconds = time.perf_counter() - started
+    if report.source_unused:
+        _LOG.warning("%d entries of %s match no shard's key", report.source_unused, ", ".join(map(str, files)))
+    return report
+
+
+def _add(
+    root: Path,
+    indexes: dict[Path, ShardIndex],
+    name: str,
+    field_source: FieldSource,
+    allow_missing: bool,
+    jobs: int,
+    progress: bool,
+    files: list[Path],
+) -> AddFieldReport:
+    """Write the sidecars still to write in these folders, then update their indexes."""
     tasks = [
-        _Task(folder, "" if folder == root else folder.name, entry.name, index.escaped_keys)  # type: ignore[union-attr]
+        _Task(folder, "" if folder == root else folder.name, entry.name, index.escaped_keys)
         for folder, index in indexes.items()
-        for entry in index.shards  # type: ignore[union-attr]
+        for entry in index.shards
     ]
     done = finished_shards(root, f"field-{name}")
     todo = []
@@ -193,7 +223,7 @@ def add_field(
         task.record = record if record is not None and record.get("source") == field_source.identity else None
         if task.record is None:
             todo.append(task)
-    report = AddFieldReport(name, [str(f) for f in folders], shards=len(tasks), written_now=len(todo))
+    report = AddFieldReport(name, [], shards=len(tasks), written_now=len(todo))
     with Progress(progress) as bars:
         advance = bars.bar(f"add-field {name}", len(todo), unit="shard")
         for task, record in zip(todo, _write_all(root, todo, name, field_source, allow_missing, jobs)):
@@ -206,11 +236,8 @@ def add_field(
         report.missing += record["missing"]
         report.bytes += record["bytes"]
     report.filled = report.samples - report.missing
-    report.source_unused = len(field_source.table) - report.filled
+    report.source_unused = len(field_source.table) - report.filled if tasks else 0
     _update_indexes(indexes, tasks, name, field_source, allow_missing, files)
-    report.seconds = time.perf_counter() - started
-    if report.source_unused:
-        _LOG.warning("%d entries of %s match no shard's key", report.source_unused, ", ".join(map(str, files)))
     return report
 
 
@@ -225,16 +252,22 @@ def _indexed_folders(root: Path) -> list[Path]:
     return folders
 
 
-def _check_name(folder: Path, index: ShardIndex, name: str, overwrite: bool) -> None:
+def _already_added(folder: Path, index: ShardIndex, name: str, overwrite: bool, identity: str) -> bool:
+    """Whether ``folder`` has this field set from this very source already (nothing to do);
+    refuses a name its shards hold, or a field set of this name from another source."""
     from ..formats.fields import field_name
 
     if name in {field_name(suffix) for suffix in index.fields}:
         raise ConfigError(f"{folder}: the shards already hold a field {name!r}; choose another name.")
-    if name in index.field_sets and not overwrite:
-        raise ConfigError(
-            f"{folder} already has field set {name!r} (from {index.field_sets[name].source}); "
-            f"pass {option('overwrite')} to replace it."
-        )
+    existing = index.field_sets.get(name)
+    if existing is None or overwrite:
+        return False
+    if existing.digest == identity:
+        _LOG.info("%s already has field set %r from this source: nothing to do", folder, name)
+        return True
+    raise ConfigError(
+        f"{folder} already has field set {name!r} (from {existing.source}); pass {option('overwrite')} to replace it."
+    )
 
 
 def _remove_field(root: Path, folders: list[Path], name: str) -> None:
@@ -323,7 +356,7 @@ def _update_indexes(
         assert index is not None
         extension = EXTENSIONS[source.kind]
         index.field_sets[name] = FieldSet(
-            [f"{name}.{extension}"], ", ".join(str(f) for f in files), created, allow_missing
+            [f"{name}.{extension}"], ", ".join(str(f) for f in files), created, allow_missing, source.identity
         )
         for entry in index.shards:
             record = records[(folder, entry.name)]

@@ -76,6 +76,8 @@ def pack_data(
     started = time.perf_counter()
     scp_files = _as_paths(f_scps, "f_scps")
     text_files = _as_paths(f_labels, "f_labels")
+    if num_frames_files:
+        num_frames_files = _as_paths(num_frames_files, "num_frames_files")
     if overwrite and num_parts > 1:
         raise ConfigError(
             f"{option('overwrite')} cannot be combined with {option('num_parts', num_parts)} (each part would delete "
@@ -101,6 +103,8 @@ def pack_data(
         num_frames_files=tuple(str(p) for p in num_frames_files or ()),
     )
     d_out = Path(d_out)
+    if d_out.exists() and not d_out.is_dir():
+        raise ConfigError(f"{option('d_out', d_out)}: {d_out} is a file, not a folder.")
     with writing(d_out):
         d_out.mkdir(parents=True, exist_ok=True)
     if overwrite:
@@ -158,6 +162,12 @@ def _pack_planned(
         write_json_atomic(d_out / REPORT_NAME, report.to_json())
     else:
         write_json_atomic(d_out / STATE_DIR / f"report-part{part}.json", report.to_json())
+    if complete and report.packed == 0:
+        reasons = ", ".join(f"{reason}={count}" for reason, count in report.dropped.items())
+        raise SeqshardError(
+            f"nothing was packed: all {report.input_utts} utterances were dropped ({reasons}); "
+            f"see {d_out / REPORT_NAME} and the warnings above."
+        )
     return report
 
 
@@ -169,6 +179,10 @@ def _as_paths(value: str | Path | Sequence[str | Path], name: str) -> list[Path]
         if path.is_dir():
             raise ConfigError(
                 f"{path} is a folder; {option(name, '...')} takes files (e.g. {path / 'feats.scp'} or {path / 'text'})."
+            )
+        if path.exists() and not path.is_file():
+            raise ConfigError(
+                f"{path} is not a regular file (a pipe?): pack reads its inputs more than once; write it to a file first."
             )
         if not path.is_file():
             raise InputError(

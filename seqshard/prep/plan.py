@@ -192,7 +192,16 @@ def build_plan(
 
     scp = KeyTable.scan(scp_files, drops, needs_value=True, check=check_scp, progress=scan_progress)
     next_row = arks.next_rows(len(scp))
-    labels = KeyTable.scan(text_files, label_issues, needs_value=False, progress=scan_progress)
+    empty_labels: list[Where] = []
+
+    def note_empty(key: str, value: str, where: Where) -> None:
+        if not value:
+            empty_labels.append(where)
+
+    labels = KeyTable.scan(text_files, label_issues, needs_value=False, check=note_empty, progress=scan_progress)
+    if empty_labels:  # kept (a silent recording may have none), but never unannounced
+        _LOG.warning("%d label(s) are empty, packed as empty texts (first: %s)", len(empty_labels), empty_labels[0])
+        label_issues.counts["empty_label"] = len(empty_labels)
     if len(scp) + scp.bad_lines == 0:
         raise InputError(
             Where(", ".join(map(str, scp_files))),
@@ -232,13 +241,13 @@ def build_plan(
     used = np.zeros(len(labels), dtype=bool)
     used[label_rows[keep]] = True
     unused = np.flatnonzero(~used & ~duplicate_labels)
-    for row in unused:
+    for number, row in enumerate(unused):
         key = labels.record(int(row))[0]
         label_issues(
             InputError(
                 labels.where(int(row), key),
                 "no_features",
-                f"the label has no features in the scp files{_and_more(len(unused))}.",
+                f"the label has no features in the scp files{_and_more(len(unused)) if number == 0 else ''}.",
                 "add its features to the scp.",
             )
         )
@@ -246,7 +255,7 @@ def build_plan(
     frames = np.full(len(scp), -1, dtype=np.int32)
     group_of_row = np.zeros(len(scp), dtype=np.int16)
     outside = 0
-    frames_file_issues = SkipCounter(options.skip_bad)
+    frames_file_issues = SkipCounter(options.skip_bad, done="line ignored, length read from the ark")
     if options.groups:
         frames = _frames_of(scp, scp_files, keep, options, drops, frames_file_issues, progress)
         keep &= frames >= 0

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import ConfigError, SeqshardError
-from ..formats.index import FIELD_SET_NAME, FieldSet, ShardEntry, ShardIndex, SidecarEntry
+from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry
 from ..formats.pack_state import STATE_DIR, planned_shards
-from ..formats.patterns import SHARD_SUFFIXES, shards_in_folder
+from ..formats.patterns import SHARD_SUFFIXES, named_like_sidecar, shards_in_folder
 from ..prep.journal import finished_shards
 from ..prep.write import FEATURE_MEMBER, LABEL_MEMBER
 from .parallel import map_shards
@@ -99,18 +99,8 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
 
 
 def _is_sidecar(path: Path, previous: ShardIndex | None) -> bool:
-    """A field file beside a shard: listed as one by the index being replaced, or named
-    ``STEM.NAME.tar`` beside a shard ``STEM.tar`` (add-field's layout)."""
-    if previous is not None and path.name in previous.sidecar_names():
-        return True
-    if not path.name.endswith(".tar"):
-        return False
-    base, dot, name = path.name[: -len(".tar")].rpartition(".")
-    return (
-        bool(dot)
-        and bool(FIELD_SET_NAME.fullmatch(name))
-        and any((path.parent / f"{base}{suffix}").is_file() for suffix in SHARD_SUFFIXES)
-    )
+    """A field file beside a shard: listed as one by the index being replaced, or named so."""
+    return (previous is not None and path.name in previous.sidecar_names()) or named_like_sidecar(path)
 
 
 def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[str, ShardEntry]) -> dict[str, FieldSet]:

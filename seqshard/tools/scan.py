@@ -73,6 +73,9 @@ def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes | memory
             return
         if array.ndim >= 1:
             frames = int(array.shape[0])
+            entry = scan.entry
+            entry.min_frames = frames if entry.min_frames is None else min(entry.min_frames, frames)
+            entry.max_frames = frames if entry.max_frames is None else max(entry.max_frames, frames)
             scan.entry.num_frames += frames
             bin_ = length_bin(frames)
             scan.entry.length_hist[bin_] = scan.entry.length_hist.get(bin_, 0) + 1

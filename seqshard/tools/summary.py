@@ -101,7 +101,8 @@ def to_json(summary: Summary) -> dict[str, Any]:
     histogram = merge_histograms(f.histogram for f in folders)
     shift = folders[0].frame_shift_ms if folders else 10.0
     hours = [f.hours for f in folders]
-    low, high = length_range(entries, histogram)
+    known = None not in hours
+    low, high = length_range(entries, histogram) if known else (None, None)
     return {
         "num_shards": len(entries),
         "num_utts": sum(f.num_utts for f in folders),
@@ -111,7 +112,7 @@ def to_json(summary: Summary) -> dict[str, Any]:
         "frame_shift_ms": shift,
         "min_frames": low,
         "max_frames": high,
-        "length_percentiles_frames": length_percentiles(entries, histogram),
+        "length_percentiles_frames": length_percentiles(entries, histogram) if known else {},
         "percentiles_exact": False,
         "groups": [
             {
@@ -121,7 +122,7 @@ def to_json(summary: Summary) -> dict[str, Any]:
                 "num_utts": f.num_utts,
                 "num_frames": f.num_frames,
                 "hours": None if f.hours is None else round(f.hours, 4),
-                "median_frames": length_percentiles(f.entries, f.histogram)["p50"],
+                "median_frames": length_percentiles(f.entries, f.histogram)["p50"] if f.has_features else None,
             }
             for f in folders
         ],
@@ -135,19 +136,28 @@ def format_text(summary: dict[str, Any]) -> str:
     lines = [
         f"{summary['num_shards']} shards, {summary['num_utts']} utterances, {summary['num_frames']} frames = "
         f"{hours} at {summary['frame_shift_ms']:g} ms/frame, {summary['bytes'] / 1e9:.2f} GB",
-        f"length (frames): min {summary['min_frames']:g}, max {summary['max_frames']:g}; percentiles (approximate, "
-        "from 8-per-octave histograms): "
-        + "  ".join(f"{k}={v:g}" for k, v in summary["length_percentiles_frames"].items()),
+        _lengths_line(summary),
         f"{'folder':<40} {'shards':>7} {'utts':>10} {'hours':>9} {'median':>7}  index",
     ]
     for group in summary["groups"]:
         group_hours = "?" if group["hours"] is None else f"{group['hours']:.2f}"
+        median = "?" if group["median_frames"] is None else f"{group['median_frames']:g}"
         lines.append(
-            f"{group['folder']:<40} {group['num_shards']:>7} {group['num_utts']:>10} {group_hours:>9} {group['median_frames']:>7g}  {'yes' if group['indexed'] else 'no'}"
+            f"{group['folder']:<40} {group['num_shards']:>7} {group['num_utts']:>10} {group_hours:>9} {median:>7}  {'yes' if group['indexed'] else 'no'}"
         )
     for missing in summary["missing_shards"]:
         lines.append(f"MISSING {missing['path']}: {missing['why']}")
     return "\n".join(lines)
+
+
+def _lengths_line(summary: dict[str, Any]) -> str:
+    if summary["min_frames"] is None:
+        return "length (frames): unknown (no feature field)"
+    return (
+        f"length (frames): min {summary['min_frames']:g}, max {summary['max_frames']:g}; percentiles (approximate, "
+        "from 8-per-octave histograms): "
+        + "  ".join(f"{k}={v:g}" for k, v in summary["length_percentiles_frames"].items())
+    )
 
 
 def plot_lengths(summary: dict[str, Any], path: str | Path) -> None:
