@@ -15,6 +15,7 @@ from seqshard.errors import ConfigError, InputError
 from seqshard.formats.keys import unescape_key
 from seqshard.prep.plan import PackOptions, build_plan, parse_groups
 from seqshard.prep.report import PackReport
+from seqshard.prep.sources import FeatureSource
 
 
 def pack_both_ways(data, out: Path, scp=None, text=None, **kwargs):
@@ -161,9 +162,8 @@ def test_malformed_utt2num_frames_line_is_counted_and_the_header_used(tmp_path, 
     found = read_shards(sorted((tmp_path / "skip").rglob("*.tar")))
     assert found["spk000-utt002"][0].shape[0] == lengths["spk000-utt002"]
 
-    plan = build_plan(
-        [kaldi_dir.scp], [kaldi_dir.text], tmp_path / "plan", PackOptions(groups=parse_groups("1:1000"), skip_bad=True)
-    )
+    options = PackOptions(groups=parse_groups("1:1000"), skip_bad=True)
+    plan = build_plan(FeatureSource([kaldi_dir.scp], options), [kaldi_dir.text], tmp_path / "plan", options)
     assert plan.frames_file_issues == {"malformed_line": 2} and plan.dropped == {}
     assert list(plan.frames) == list(lengths.values())
 

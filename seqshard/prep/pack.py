@@ -22,27 +22,24 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .. import __version__
 from ..errors import ConfigError, InputError, SeqshardError, Where, option
 from ..formats.files import remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import INDEX_NAME, ShardEntry, ShardIndex
-from ..formats.kaldi import MatrixReader
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
 from ..progress import Progress
 from .journal import Journal, finished_shards
-from .plan import NUM_FRAMES_FILE, UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
+from .plan import UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
-from .write import DEFAULT_MAX_OPEN, FEATURE_MEMBER, LABEL_MEMBER, remove_partials, write_shards
+from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource
+from .write import DEFAULT_MAX_OPEN, remove_partials, write_shards
 
 _LOG = logging.getLogger("seqshard")
 RUN_FILE = "run.json"
-FRAME_SHIFT_FILE = "frame_shift"
 
 
 def pack_data(
-    f_scps: str | Path | Sequence[str | Path],
+    f_scps: str | Path | Sequence[str | Path] | None,
     f_labels: str | Path | Sequence[str | Path],
     d_out: str | Path,
     fmt: str = "data-%05d.tar",
@@ -64,17 +61,28 @@ def pack_data(
     max_open: int = DEFAULT_MAX_OPEN,
     overwrite: bool = False,
     progress: bool = True,
+    wav_scp: str | Path | Sequence[str | Path] | None = None,
+    segments: str | Path | Sequence[str | Path] | None = None,
+    audio_format: str = "flac",
+    features: str | None = None,
+    num_mel_bins: int = 80,
+    resample_to: int | None = None,
+    channel: int | None = None,
 ) -> PackReport:
-    """Pack ``feats.scp`` file(s) and ``text`` file(s) into tar shards under ``d_out``.
+    """Pack ``feats.scp`` file(s), or audio named by ``wav_scp`` file(s) (cut by ``segments``),
+    with ``text`` file(s) into tar shards under ``d_out``.
 
-    ``filter_group=["10:1000", "1000:2000"]`` writes utterances of ``[10, 1000)`` frames to
-    ``d_out/10_1000/`` and so on (others are dropped and counted); without it all go to
-    ``d_out``. Each folder gets ``index.json``; ``d_out/pack_report.json`` says what happened.
-    Bad input raises InputError naming file, line and key, unless ``skip_bad`` (then it is
-    counted in the report). See README for every option.
+    ``filter_group=["10:1000", "1000:2000"]`` writes utterances of ``[10, 1000)`` frames (for
+    audio: seconds) to ``d_out/10_1000/`` and so on (others are dropped and counted); without it
+    all go to ``d_out``. Audio is stored as FLAC (``audio_format="keep"``: the original bytes),
+    or as fbank features computed now (``features="fbank"``, ``num_mel_bins``, ``resample_to``).
+    Each folder gets ``index.json``; ``d_out/pack_report.json`` says what happened. Bad input
+    raises InputError naming file, line and key, unless ``skip_bad`` (then it is counted in the
+    report). See README for every option.
     """
     started = time.perf_counter()
-    scp_files = _as_paths(f_scps, "f_scps")
+    if (f_scps is None) == (wav_scp is None):
+        raise ConfigError(f"give either {option('f_scps', '...')} (features) or {option('wav_scp', '...')} (audio).")
     text_files = _as_paths(f_labels, "f_labels")
     if num_frames_files:
         num_frames_files = _as_paths(num_frames_files, "num_frames_files")
@@ -90,7 +98,7 @@ def pack_data(
         )
     options = PackOptions(
         fmt=fmt,
-        groups=parse_groups(filter_group),
+        groups=parse_groups(filter_group, seconds=wav_scp is not None),
         utts_per_file=utts_per_file,
         shuffle=shuffle,
         seed=seed,
@@ -101,7 +109,13 @@ def pack_data(
         path_map=parse_path_map(path_map),
         path_root=str(path_root) if path_root else None,
         num_frames_files=tuple(str(p) for p in num_frames_files or ()),
+        audio_format=audio_format,
+        features=features,
+        num_mel_bins=num_mel_bins,
+        resample_to=resample_to,
+        channel=channel,
     )
+    source = _source(f_scps, wav_scp, segments, options)
     d_out = Path(d_out)
     if d_out.exists() and not d_out.is_dir():
         raise ConfigError(f"{option('d_out', d_out)}: {d_out} is a file, not a folder.")
@@ -112,25 +126,38 @@ def pack_data(
     for folder in [d_out, d_out / STATE_DIR, *(d_out / g.name for g in options.groups)]:
         if folder.is_dir():
             remove_stale_temporaries(folder)
-    run = _claim_output(d_out, options, _identity_inputs(scp_files, text_files, options))
+    run = _claim_output(d_out, options, _identity_inputs(source, text_files, options))
 
     with Progress(progress) as bars:
-        plan = build_plan(scp_files, text_files, d_out, options, bars.bar)
+        plan = build_plan(source, text_files, d_out, options, bars.bar)
         _record_plan(d_out, run, plan)
         try:
-            return _pack_planned(
-                plan, options, d_out, scp_files, text_files, jobs, num_parts, part, max_open, bars, started
-            )
+            return _pack_planned(plan, options, d_out, text_files, jobs, num_parts, part, max_open, bars, started)
         finally:
             plan.scp.close()
             plan.labels.close()
+
+
+def _source(
+    f_scps: str | Path | Sequence[str | Path] | None,
+    wav_scp: str | Path | Sequence[str | Path] | None,
+    segments: str | Path | Sequence[str | Path] | None,
+    options: PackOptions,
+) -> FeatureSource | AudioSource:
+    """What the pack reads: feature matrices, or audio (cut by segments)."""
+    if f_scps is not None:
+        if segments is not None or options.features is not None:
+            raise ConfigError(f"{option('segments', '...')} and {option('features', 'fbank')} are for audio input.")
+        return FeatureSource(_as_paths(f_scps, "f_scps"), options)
+    return AudioSource(
+        _as_paths(wav_scp, "wav_scp"), _as_paths(segments, "segments") if segments is not None else [], options
+    )
 
 
 def _pack_planned(
     plan: PackPlan,
     options: PackOptions,
     d_out: Path,
-    scp_files: Sequence[Path],
     text_files: Sequence[Path],
     jobs: int,
     num_parts: int,
@@ -141,7 +168,7 @@ def _pack_planned(
 ) -> PackReport:
     """Write this part's unfinished shards of ``plan``; then, once every part's shards are
     finished, each folder's index and the report."""
-    dim = _feature_dim(plan, options)
+    dim = plan.source.dim(plan)
     mine = [t for t in plan.tasks if t.ordinal % num_parts == part]
     done = finished_shards(d_out)
     todo = [t for t in mine if _relative(t) not in done]
@@ -156,7 +183,7 @@ def _pack_planned(
     _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars)
 
     records = finished_shards(d_out)
-    complete = _write_indexes(plan, records, options, dim, d_out, scp_files, text_files)
+    complete = _write_indexes(plan, records, options, dim, d_out, text_files)
     report = _report(plan, records, todo, d_out, complete, time.perf_counter() - started, dim, options)
     if complete:
         write_json_atomic(d_out / REPORT_NAME, report.to_json())
@@ -210,12 +237,17 @@ def parse_path_map(path_map: Mapping[str, str] | Sequence[str] | None) -> tuple[
     return tuple(pairs)
 
 
-def _identity_inputs(scp_files: Sequence[Path], text_files: Sequence[Path], options: PackOptions) -> list[Path]:
-    """The files whose content decides what a pack writes (scp, text, frame counts)."""
-    frames = [Path(f) for f in options.num_frames_files] or [
-        Path(f).parent / NUM_FRAMES_FILE for f in scp_files if (Path(f).parent / NUM_FRAMES_FILE).is_file()
+def _identity_inputs(
+    source: FeatureSource | AudioSource, text_files: Sequence[Path], options: PackOptions
+) -> list[Path]:
+    """The files whose content decides what a pack writes (inputs, text, length files)."""
+    lengths = [Path(f) for f in options.num_frames_files] or [
+        Path(f).parent / name
+        for f in source.files
+        for name in (NUM_FRAMES_FILE, DURATIONS_FILE)
+        if (Path(f).parent / name).is_file()
     ]
-    return [*scp_files, *text_files, *dict.fromkeys(frames)]
+    return [*source.files, *text_files, *dict.fromkeys(lengths)]
 
 
 def _describe_run(options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
@@ -319,24 +351,6 @@ def _relative(task: ShardTask) -> str:
     return f"{task.group}/{task.path.name}" if task.group else task.path.name
 
 
-def _feature_dim(plan: PackPlan, options: PackOptions) -> int:
-    """The dataset's feature dimension: that of the first planned utterance that reads.
-
-    An unreadable utterance stops here unless skipping (then it is counted when written);
-    0 when none reads.
-    """
-    with MatrixReader(allow_pipes=options.allow_pipes) as reader:
-        for row in np.flatnonzero(plan.shard_of_row >= 0):
-            key, value = plan.scp.record(int(row))
-            where = plan.scp.where(int(row), key)
-            try:
-                return int(reader.shape(options.location(value, where), where)[1])
-            except InputError:
-                if not options.skip_bad:
-                    raise
-    return 0
-
-
 def _write_all(
     plan: PackPlan,
     todo: list[ShardTask],
@@ -429,12 +443,11 @@ def _write_indexes(
     options: PackOptions,
     dim: int,
     d_out: Path,
-    scp_files: Sequence[Path],
     text_files: Sequence[Path],
 ) -> bool:
     """Write ``index.json`` in every group folder whose shards are all finished."""
     complete = True
-    frame_shift_ms = _frame_shift_ms(scp_files)
+    facts, fields = plan.source.facts(dim)
     for name in plan.group_names:
         tasks = [t for t in plan.tasks if t.group == name]
         if any(_relative(t) not in records for t in tasks):
@@ -442,22 +455,17 @@ def _write_indexes(
             continue
         folder = d_out / name if name else d_out
         folder.mkdir(parents=True, exist_ok=True)
-        entries = [ShardEntry.from_json(records[_relative(t)]) for t in tasks]
+        written = [records[_relative(t)] for t in tasks]
+        members = dict.fromkeys(m for record in written for m in record.get("members", ()))
         index = ShardIndex(
             escaped_keys=options.escape_keys,
-            fields=[FEATURE_MEMBER, LABEL_MEMBER],
-            shards=entries,
-            feature={
-                "field": FEATURE_MEMBER,
-                "label_field": LABEL_MEMBER,
-                "dim": dim,
-                "dtype": options.dtype,
-                "frame_shift_ms": frame_shift_ms,
-            },
+            fields=list(dict.fromkeys([*fields, *members])),
+            shards=[ShardEntry.from_json(record) for record in written],
+            feature=facts,
             created=_now(),
             created_by=f"seqshard {__version__} pack",
             source={
-                "scp": [str(p) for p in scp_files],
+                plan.source.kind: [str(p) for p in plan.source.files],
                 "text": [str(p) for p in text_files],
                 "group": name,
                 "shuffle": options.shuffle,
@@ -467,15 +475,6 @@ def _write_indexes(
         )
         index.save(folder)
     return complete
-
-
-def _frame_shift_ms(scp_files: Sequence[Path]) -> float:
-    """Kaldi's ``frame_shift`` file (seconds) next to the first scp, else 10 ms."""
-    candidate = Path(scp_files[0]).parent / FRAME_SHIFT_FILE
-    try:
-        return float(candidate.read_text().split()[0]) * 1000
-    except (OSError, ValueError, IndexError):
-        return 10.0
 
 
 def _report(
@@ -512,7 +511,7 @@ def _report(
         bytes_written_now=sum(r["bytes"] for r in written_now),
         wall_seconds=wall,
         dim=dim,
-        dtype=options.dtype,
+        dtype=options.dtype if dim else f"audio ({options.audio_format})",
         float16_saved_bytes=frames * dim * 2 if options.dtype == "float16" else 0,
         length_hist=histogram,
     )

@@ -13,61 +13,69 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
-from ..formats.kaldi import ArkLocation, MatrixReader, parse_location
-from ..formats.keys import escape_key, key_problem
+from ..formats.kaldi import ArkLocation, parse_location
+from ..formats.keys import escape_key
 from .tables import KeyTable
+
+if TYPE_CHECKING:
+    from .sources import AudioSource, FeatureSource
 
 _LOG = logging.getLogger("seqshard")
 
 UTTS_PER_FILE = 2000
-NUM_FRAMES_FILE = "utt2num_frames"
 OUTSIDE_LOG_LIMIT = 20  # utterances outside every length group named at INFO level
 
 
 @dataclass(frozen=True, order=True)
 class LengthGroup:
-    """Utterances of ``low <= frames < high``; written to the sub-folder ``low_high``."""
+    """Utterances of ``low <= length < high`` (in the source's unit: frames, or 10 ms of
+    audio); written to the sub-folder named after the user's spec (``10_1000``, ``1_5``)."""
 
     low: int
     high: int
+    label: str = ""  # the spec as given, e.g. "1:5" (seconds of audio)
 
     @property
     def name(self) -> str:
-        return f"{self.low}_{self.high}"
+        return (self.label or self.spec).replace(":", "_")
 
     @property
     def spec(self) -> str:
-        return f"{self.low}:{self.high}"
+        return self.label or f"{self.low}:{self.high}"
 
     @classmethod
-    def parse(cls, spec: str) -> LengthGroup:
+    def parse(cls, spec: str, seconds: bool = False) -> LengthGroup:
+        """``LOW:HIGH`` in frames, or with ``seconds`` in seconds (kept as 10 ms frames)."""
+        unit = "seconds" if seconds else "frames"
         low, sep, high = str(spec).partition(":")
         try:
-            group = cls(int(low), int(high))
+            bounds = (float(low), float(high)) if seconds else (int(low), int(high))
         except ValueError:
             raise ConfigError(
-                f"{option('filter_group', spec)}: expected 'LOW:HIGH' in frames, e.g. '10:1000'."
+                f"{option('filter_group', spec)}: expected 'LOW:HIGH' in {unit}, e.g. '{'1:5' if seconds else '10:1000'}'."
             ) from None
+        group = cls(round(bounds[0] * 100), round(bounds[1] * 100), str(spec)) if seconds else cls(*bounds)  # type: ignore[arg-type]
         if not sep or group.low < 0 or group.high <= group.low:
             raise ConfigError(f"{option('filter_group', spec)}: expected 'LOW:HIGH' with 0 <= LOW < HIGH.")
         return group
 
 
-def parse_groups(specs: Sequence[str] | str | None) -> tuple[LengthGroup, ...]:
-    """Parse and check ``filter_group``; an empty tuple means one folder, no length filter."""
+def parse_groups(specs: Sequence[str] | str | None, seconds: bool = False) -> tuple[LengthGroup, ...]:
+    """Parse and check ``filter_group`` (in seconds for audio); an empty tuple means one
+    folder, no length filter."""
     if specs is None:
         return ()
     if isinstance(specs, str):
         specs = [specs]
-    groups = sorted(LengthGroup.parse(s) for s in specs)
+    groups = sorted(LengthGroup.parse(s, seconds) for s in specs)
     for before, after in itertools.pairwise(groups):
         if after.low < before.high:
             raise ConfigError(
@@ -93,8 +101,17 @@ class PackOptions:
     path_map: tuple[tuple[str, str], ...] = ()
     path_root: str | None = None
     num_frames_files: tuple[str, ...] = ()
+    audio_format: str = "flac"
+    features: str | None = None  # "fbank": features computed from audio at pack time
+    num_mel_bins: int = 80
+    resample_to: int | None = None
+    channel: int | None = None
 
     def __post_init__(self) -> None:
+        if self.audio_format not in ("flac", "keep"):
+            raise ConfigError(f"{option('audio_format', self.audio_format)}: store audio as 'flac' or 'keep'.")
+        if self.features not in (None, "fbank"):
+            raise ConfigError(f"{option('features', self.features)}: the features pack computes are 'fbank'.")
         if self.utts_per_file < 1:
             raise ConfigError(f"{option('utts_per_file', self.utts_per_file)}: a shard holds at least 1 utterance.")
         if self.dtype not in ("float32", "float16"):
@@ -131,9 +148,10 @@ class ShardTask:
 
 @dataclass
 class PackPlan:
-    """Per scp row: its label row, frames (-1 unknown), shard ordinal (-1 dropped) and the row
-    of the next distinct value that the scp lists in the same ark (-1 none; see ``successor``)."""
+    """Per utterance row (of ``scp``: the feats.scp, wav.scp or segments lines): its label
+    row, length (-1 unknown) and shard ordinal (-1 dropped); ``source`` reads the rows."""
 
+    source: FeatureSource | AudioSource
     scp: KeyTable
     labels: KeyTable
     label_rows: np.ndarray
@@ -145,53 +163,29 @@ class PackPlan:
     dropped: dict[str, int] = field(default_factory=dict)  # utterance drops by reason
     label_issues: dict[str, int] = field(default_factory=dict)  # text-side problems by reason
     num_labels: int = 0
-    next_row: np.ndarray | None = None
-    frames_file_issues: dict[str, int] = field(default_factory=dict)  # utt2num_frames lines skipped, by reason
+    frames_file_issues: dict[str, int] = field(default_factory=dict)  # length-file lines skipped, by reason
 
     @property
     def num_planned(self) -> int:
         return int((self.shard_of_row >= 0).sum())
 
-    def successor(self, row: int) -> tuple[int, str] | None:
-        """``(value offset, key)`` of the next value after ``row``'s that the scp lists in the
-        same ark, for :meth:`MatrixReader.read`'s end check; None when there is none."""
-        if self.next_row is None or self.next_row[row] < 0:
-            return None
-        following = int(self.next_row[row])
-        key, value = self.scp.record(following)
-        offset = parse_location(value, self.scp.where(following, key)).offset  # paths need no mapping here
-        return None if offset is None else (offset, key)
-
 
 def build_plan(
-    scp_files: Sequence[Path],
+    source: FeatureSource | AudioSource,
     text_files: Sequence[Path],
     d_out: Path,
     options: PackOptions,
-    progress: Callable[[str, int], Callable[[int], None]] | None = None,
+    progress: Callable[..., Callable[[int], None]] | None = None,
 ) -> PackPlan:
     """Scan the inputs and decide every utterance's fate (see the module docstring)."""
     drops = SkipCounter(options.skip_bad)
     label_issues = SkipCounter(options.skip_bad)
     scan_progress = (
-        progress("scan inputs", sum(Path(f).stat().st_size for f in [*scp_files, *text_files])) if progress else None
+        progress("scan inputs", sum(Path(f).stat().st_size for f in [*source.files, *text_files]), "B")
+        if progress
+        else None
     )
-
-    arks = _ArkPositions()
-
-    def check_scp(key: str, value: str, where: Where) -> None:
-        problem = key_problem(key)
-        if problem and not (options.escape_keys and key):
-            raise InputError(
-                where,
-                "bad_key",
-                f"{problem}.",
-                f"rename the utterance, or pass {option('escape_keys')} to store it percent-encoded.",
-            )
-        arks.add(options.location(value, where))  # the last check: a row follows for each call
-
-    scp = KeyTable.scan(scp_files, drops, needs_value=True, check=check_scp, progress=scan_progress)
-    next_row = arks.next_rows(len(scp))
+    scp = source.scan(drops, scan_progress)
     empty_labels: list[Where] = []
 
     def note_empty(key: str, value: str, where: Where) -> None:
@@ -204,10 +198,10 @@ def build_plan(
         label_issues.counts["empty_label"] = len(empty_labels)
     if len(scp) + scp.bad_lines == 0:
         raise InputError(
-            Where(", ".join(map(str, scp_files))),
+            Where(", ".join(map(str, source.files))),
             "empty_input",
-            "the scp files hold no entries.",
-            "check that you gave the right feats.scp.",
+            "the input files hold no entries.",
+            "check that you gave the right feats.scp, wav.scp or segments.",
             skippable=False,
         )
     keep = np.ones(len(scp), dtype=bool)
@@ -232,7 +226,7 @@ def build_plan(
             InputError(
                 scp.where(int(row), key),
                 "no_label",
-                "the utterance has features but no label in the text files.",
+                f"the utterance has {source.kind} but no label in the text files.",
                 "add its label.",
             )
         )
@@ -247,17 +241,17 @@ def build_plan(
             InputError(
                 labels.where(int(row), key),
                 "no_features",
-                f"the label has no features in the scp files{_and_more(len(unused)) if number == 0 else ''}.",
-                "add its features to the scp.",
+                f"the label has no {source.kind} in the input files{_and_more(len(unused)) if number == 0 else ''}.",
+                f"add its {source.kind}.",
             )
         )
 
     frames = np.full(len(scp), -1, dtype=np.int32)
     group_of_row = np.zeros(len(scp), dtype=np.int16)
     outside = 0
-    frames_file_issues = SkipCounter(options.skip_bad, done="line ignored, length read from the ark")
+    frames_file_issues = SkipCounter(options.skip_bad, done="line ignored, length read from the input")
     if options.groups:
-        frames = _frames_of(scp, scp_files, keep, options, drops, frames_file_issues, progress)
+        frames = source.lengths(scp, keep, drops, frames_file_issues, progress)
         keep &= frames >= 0
         zero = keep & (frames == 0)
         for row in np.flatnonzero(zero):
@@ -265,7 +259,7 @@ def build_plan(
                 InputError(
                     scp.where(int(row), scp.record(int(row))[0]),
                     "zero_length",
-                    "the matrix has no frames.",
+                    "the utterance has no length (0 frames).",
                     "remove it.",
                 )
             )
@@ -303,6 +297,7 @@ def build_plan(
     if outside:
         dropped["outside_groups"] = outside
     return PackPlan(
+        source,
         scp,
         labels,
         label_rows,
@@ -314,7 +309,6 @@ def build_plan(
         dropped,
         dict(label_issues.counts),
         len(labels) + labels.bad_lines,
-        next_row,
         dict(frames_file_issues.counts),
     )
 
@@ -338,93 +332,5 @@ def _log_outside(scp: KeyTable, frames: np.ndarray, rows: np.ndarray, groups: Se
         )
 
 
-class _ArkPositions:
-    """Per scp row, its ark (a small number per distinct path) and value offset, gathered
-    while the scp is scanned, in compact arrays (no Python object per row)."""
-
-    def __init__(self) -> None:
-        self._ids: dict[str, int] = {}
-        self.arks = array("i")
-        self.offsets = array("q")
-
-    def add(self, location: ArkLocation) -> None:
-        if location.is_pipe or location.offset is None:
-            self.arks.append(-1)  # no ark position: a command, or a file holding one object
-            self.offsets.append(0)
-            return
-        self.arks.append(self._ids.setdefault(location.path, len(self._ids)))
-        self.offsets.append(location.offset)
-
-    def next_rows(self, num_rows: int) -> np.ndarray:
-        """For each row, the first row (in scp order) of the next distinct value start after
-        its own in the same ark, else -1. Rows sharing one offset (different Kaldi ranges of
-        one matrix) share a value and so a successor. Empties the collector."""
-        if len(self.arks) != num_rows:
-            raise RuntimeError(f"{len(self.arks)} ark positions for {num_rows} scp rows; please report this.")
-        dtype = np.int32 if num_rows < 2**31 else np.int64
-        arks = np.frombuffer(self.arks, dtype=np.int32) if num_rows else np.empty(0, np.int32)
-        offsets = np.frombuffer(self.offsets, dtype=np.int64) if num_rows else np.empty(0, np.int64)
-        self.arks, self.offsets, self._ids = array("i"), array("q"), {}  # freed with the views below
-        next_row = np.full(num_rows, -1, dtype=dtype)
-        rows = np.flatnonzero(arks >= 0).astype(dtype)
-        if not len(rows):
-            return next_row
-        order = rows[np.lexsort((offsets[rows], arks[rows]))]  # stable: scp order within one offset
-        del rows
-        sorted_arks, sorted_offsets = arks[order], offsets[order]
-        starts_value = np.ones(len(order), dtype=bool)
-        starts_value[1:] = (sorted_arks[1:] != sorted_arks[:-1]) | (sorted_offsets[1:] != sorted_offsets[:-1])
-        del sorted_offsets
-        firsts = np.flatnonzero(starts_value)  # the first sorted position of each distinct value
-        successor = np.full(len(firsts), -1, dtype=dtype)  # per distinct value
-        same_ark = sorted_arks[firsts[1:]] == sorted_arks[firsts[:-1]]
-        successor[:-1][same_ark] = order[firsts[1:][same_ark]]
-        del sorted_arks, same_ark, firsts
-        value_of = np.cumsum(starts_value, dtype=np.int64) - 1
-        del starts_value
-        next_row[order] = successor[value_of]
-        return next_row
-
-
 def _and_more(count: int) -> str:
     return f" ({count - 1} more labels have the same problem)" if count > 1 else ""
-
-
-def _frames_of(
-    scp: KeyTable,
-    scp_files: Sequence[Path],
-    keep: np.ndarray,
-    options: PackOptions,
-    drops: SkipCounter,
-    frames_file_issues: SkipCounter,
-    progress: Callable[[str, int], Callable[[int], None]] | None,
-) -> np.ndarray:
-    """Frames per scp row (-1 for rows that could not be read), from ``utt2num_frames``
-    files when present (next to each scp, or given) and from matrix headers otherwise.
-
-    A malformed ``utt2num_frames`` line stops the pack, or when skipping is counted in
-    ``frames_file_issues``; its utterance's length then comes from the matrix header."""
-    frames = np.full(len(scp), -1, dtype=np.int32)
-    count_files = [Path(f) for f in options.num_frames_files] or [
-        Path(f).parent / NUM_FRAMES_FILE for f in scp_files if (Path(f).parent / NUM_FRAMES_FILE).is_file()
-    ]
-    if count_files:
-        counts = KeyTable.scan(sorted(set(count_files)), frames_file_issues, number=True)
-        found = counts.lookup(scp.hashes)
-        assert counts.values is not None
-        frames[found >= 0] = counts.values[found[found >= 0]]
-        _LOG.info("frame counts from %s", ", ".join(map(str, sorted(set(count_files)))))
-    missing = np.flatnonzero(keep & (frames < 0))
-    if len(missing):
-        advance = progress("read matrix headers", len(missing)) if progress else None
-        with MatrixReader(allow_pipes=options.allow_pipes) as reader:
-            for row in missing:
-                key, value = scp.record(int(row))
-                where = scp.where(int(row), key)
-                try:
-                    frames[row] = reader.shape(options.location(value, where), where)[0]
-                except InputError as error:
-                    drops(error)
-                if advance:
-                    advance(1)
-    return frames

@@ -35,6 +35,7 @@ class KeyTable:
     """One row per kept line of a set of Kaldi table files, in input order.
 
     ``values`` holds a number per row when the table was scanned with ``number=True``
+    (with ``seconds=True``, a duration such as ``utt2dur``'s, in milliseconds)
     (``utt2num_frames``). Lines that fail to parse go to ``bad`` (raised or counted) and get
     no row; ``bad_lines`` counts them.
     """
@@ -72,6 +73,7 @@ class KeyTable:
         number: bool = False,
         progress: Callable[[int], None] | None = None,
         parse: Parser = parse_line,
+        seconds: bool = False,
     ) -> KeyTable:
         """Read ``files`` line by line; ``parse(raw_line, where, needs_value)`` splits a line
         into ``(key, value)`` (Kaldi's ``KEY VALUE`` by default); ``check(key, value, where)``
@@ -89,7 +91,7 @@ class KeyTable:
                 try:
                     key, value = parse(raw, where, needs_value)
                     where = Where(path, line_no, key)
-                    count = _parse_count(value, where) if number else 0
+                    count = (_parse_milliseconds if seconds else _parse_count)(value, where) if number else 0
                     if check is not None:
                         check(key, value, where)
                 except InputError as error:
@@ -227,3 +229,14 @@ def _parse_count(value: str, where: Where) -> int:
     if count < 0:
         raise InputError(where, "malformed_line", f"negative count {count}.")
     return count
+
+
+_SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
+
+
+def _parse_milliseconds(value: str, where: Where) -> int:
+    """A duration in seconds as Kaldi writes it (``utt2dur``), in whole milliseconds."""
+    text = value.strip(ASCII_WHITESPACE)
+    if not _SECONDS.fullmatch(text):
+        raise InputError(where, "malformed_line", f"expected a duration in seconds, found {value!r}.")
+    return round(float(text) * 1000)

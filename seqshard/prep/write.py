@@ -15,16 +15,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import InputError, SkipCounter, option
+from ..errors import InputError, SkipCounter
 from ..formats.index import length_bin
-from ..formats.kaldi import MatrixReader
-from ..formats.npy import npy_parts
 from ..formats.tar import ShardWriter, temporary_path
 from .journal import Journal
 from .plan import PackOptions, PackPlan, ShardTask
+from .sources import LABEL_MEMBER
 
 DEFAULT_MAX_OPEN = 256
-FEATURE_MEMBER, LABEL_MEMBER = "feats.npy", "txt"  # what each packed sample holds
 
 
 @dataclass
@@ -37,6 +35,7 @@ class _OpenShard:
     max_frames: int = 0
     length_hist: dict[int, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
+    members: dict[str, None] = field(default_factory=dict)  # member suffixes written, in first-seen order
 
     def count(self, frames: int) -> None:
         """Account for an utterance of ``frames`` frames just added to the shard."""
@@ -61,6 +60,7 @@ class _OpenShard:
             "dim": dim,
             "dtype": dtype,
             "skipped": self.skipped,
+            "members": list(self.members),
         }
 
 
@@ -130,25 +130,24 @@ def _write_sweep(
     open_shards: dict[int, _OpenShard] = {}
     committer = _Committer(journal, dim, options.dtype)
     try:
-        with MatrixReader(allow_pipes=options.allow_pipes) as reader:
+        with plan.source.reader(plan, dim) as reader:
             for row in rows:
                 ordinal = int(plan.shard_of_row[row])
                 shard = open_shards.get(ordinal)
                 if shard is None:
                     task = by_ordinal[ordinal]
                     shard = open_shards[ordinal] = _OpenShard(task, ShardWriter(task.path), task.num_planned)
+                key, value = plan.scp.record(int(row))
                 try:
-                    key, array, label = _load_utterance(plan, int(row), reader, options, dim)
+                    members, length = reader.read(int(row), key, value, plan.scp.where(int(row), key))
                 except InputError as error:
                     skip(error)
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
                 else:
-                    header, payload = npy_parts(array)
-                    shard.writer.add(
-                        options.shard_key(key),
-                        [(FEATURE_MEMBER, [header, payload]), (LABEL_MEMBER, [label.encode("utf-8")])],
-                    )
-                    shard.count(array.shape[0])
+                    members.append((LABEL_MEMBER, [_label(plan, int(row), key).encode("utf-8")]))
+                    shard.writer.add(options.shard_key(key), members)
+                    shard.members.update(dict.fromkeys(name for name, _ in members))
+                    shard.count(length)
                 shard.remaining -= 1
                 if shard.remaining == 0:
                     committer.submit(open_shards.pop(ordinal))
@@ -159,48 +158,8 @@ def _write_sweep(
         committer.finish()
 
 
-def _load_utterance(
-    plan: PackPlan, row: int, reader: MatrixReader, options: PackOptions, dim: int
-) -> tuple[str, np.ndarray, str]:
-    key, value = plan.scp.record(row)
-    where = plan.scp.where(row, key)
-    array = reader.read(options.location(value, where), where, plan.successor(row))
-    frames = array.shape[0]
-    if frames == 0:
-        raise InputError(where, "zero_length", "the matrix has no frames.", "remove it.")
-    planned = int(plan.frames[row])
-    if planned >= 0 and planned != frames:
-        raise InputError(
-            where,
-            "frames_mismatch",
-            f"utt2num_frames says {planned} frames but the ark holds {frames}.",
-            "regenerate utt2num_frames (or delete it to read lengths from the arks).",
-        )
-    if array.shape[1] != dim:
-        raise InputError(
-            where,
-            "dim_mismatch",
-            f"the matrix has {array.shape[1]} columns where the dataset has {dim}.",
-            "pack features of one kind together.",
-        )
-    # A float64 sum is one pass without a temporary; NaN/Inf propagate and cannot overflow.
-    if not np.isfinite(array.sum(dtype=np.float64)):
-        bad_frame = int(np.flatnonzero(~np.isfinite(array).all(axis=1))[0])
-        raise InputError(
-            where,
-            "non_finite",
-            f"the matrix holds NaN or Inf (first at frame {bad_frame}).",
-            "recompute the features.",
-        )
-    array = array.astype(options.dtype, copy=False)
-    if options.dtype == "float16" and not np.isfinite(array.sum(dtype=np.float64)):
-        raise InputError(
-            where,
-            "float16_overflow",
-            "a value is beyond float16's range (65504).",
-            f"pack with {option('dtype', 'float32')}.",
-        )
+def _label(plan: PackPlan, row: int, key: str) -> str:
     label_key, label = plan.labels.record(int(plan.label_rows[row]))
     if label_key != key:
         raise RuntimeError(f"64-bit key hash collision between {key!r} and {label_key!r}; please report this.")
-    return key, array, label
+    return label

@@ -18,7 +18,7 @@ from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry
 from ..formats.pack_state import STATE_DIR, planned_shards
 from ..formats.patterns import SHARD_SUFFIXES, named_like_sidecar, shards_in_folder
 from ..prep.journal import finished_shards
-from ..prep.write import FEATURE_MEMBER, LABEL_MEMBER
+from ..prep.sources import FEATURE_MEMBER, LABEL_MEMBER
 from .parallel import map_shards
 from .scan import file_crc32, scan_shard
 

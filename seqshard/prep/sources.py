@@ -1,0 +1,490 @@
+"""What ``pack`` reads: one row per utterance, its length, and the members it becomes.
+
+- :class:`FeatureSource`: Kaldi matrices named by ``feats.scp``; lengths in frames (from
+  ``utt2num_frames`` or matrix headers); each value's start and end checked against its ark.
+- :class:`AudioSource`: audio named by ``wav.scp``, cut by ``segments`` when given; lengths in
+  10 ms frames (from ``segments``, ``utt2dur`` or the audio); stored as FLAC (lossless), as the
+  original bytes, or as Kaldi-compatible fbank computed at pack time.
+
+The plan (``plan.py``) and the writer (``write.py``) work through this interface only, so
+audio and features share the global shuffle, length groups, crash safety, jobs, parts, report
+and bad-input rules.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import InputError, SkipCounter, Where, option
+from ..formats.audio import Audio, cut, decode_audio, encode, parse_wav_location, read_location
+from ..formats.kaldi import MatrixReader, parse_location
+from ..formats.keys import key_problem
+from ..formats.npy import npy_parts
+from .tables import KeyTable
+
+if TYPE_CHECKING:
+    from .plan import PackOptions, PackPlan
+
+_LOG = logging.getLogger("seqshard")
+
+FEATURE_MEMBER, LABEL_MEMBER = "feats.npy", "txt"  # what a packed feature sample holds
+NUM_FRAMES_FILE = "utt2num_frames"
+DURATIONS_FILE = "utt2dur"
+FRAME_SHIFT_FILE = "frame_shift"
+AUDIO_SHIFT_MS = 10.0  # audio lengths are counted in 10 ms frames (those fbank makes)
+Members = list[tuple[str, list[Any]]]
+Progress = Callable[[str, int], Callable[[int], None]] | None
+
+
+def check_key(key: str, where: Where, options: PackOptions) -> None:
+    problem = key_problem(key)
+    if problem and not (options.escape_keys and key):
+        raise InputError(
+            where,
+            "bad_key",
+            f"{problem}.",
+            f"rename the utterance, or pass {option('escape_keys')} to store it percent-encoded.",
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# Kaldi features
+
+
+class FeatureSource:
+    """Kaldi feature matrices named by ``feats.scp`` file(s)."""
+
+    kind = "features"
+    unit = "frames"
+
+    def __init__(self, scp_files: Sequence[Path], options: PackOptions):
+        self.files = [Path(f) for f in scp_files]
+        self.options = options
+        self.next_row: np.ndarray | None = None
+
+    def scan(self, drops: SkipCounter, progress: Callable[[int], None] | None) -> KeyTable:
+        arks = _ArkPositions()
+
+        def check(key: str, value: str, where: Where) -> None:
+            check_key(key, where, self.options)
+            arks.add(self.options.location(value, where))  # the last check: a row follows each call
+
+        table = KeyTable.scan(self.files, drops, needs_value=True, check=check, progress=progress)
+        self.next_row = arks.next_rows(len(table))
+        return table
+
+    def lengths(
+        self, table: KeyTable, keep: np.ndarray, drops: SkipCounter, issues: SkipCounter, progress: Progress
+    ) -> np.ndarray:
+        """Frames per row (-1 for rows that could not be read), from ``utt2num_frames``
+        (next to each scp, or given) and from matrix headers otherwise. A malformed
+        ``utt2num_frames`` line stops the pack, or when skipping is counted in ``issues``."""
+        files = [Path(f) for f in self.options.num_frames_files] or _beside(self.files, NUM_FRAMES_FILE)
+        frames = _lengths_from(files, table, issues)
+        missing = np.flatnonzero(keep & (frames < 0))
+        if len(missing):
+            advance = progress("read matrix headers", len(missing)) if progress else None
+            with MatrixReader(allow_pipes=self.options.allow_pipes) as reader:
+                for row in missing:
+                    key, value = table.record(int(row))
+                    where = table.where(int(row), key)
+                    try:
+                        frames[row] = reader.shape(self.options.location(value, where), where)[0]
+                    except InputError as error:
+                        drops(error)
+                    if advance:
+                        advance(1)
+        return frames
+
+    def dim(self, plan: PackPlan) -> int:
+        """The dataset's feature dimension: that of the first planned utterance that reads
+        (an unreadable one stops here unless skipping; 0 when none reads)."""
+        with MatrixReader(allow_pipes=self.options.allow_pipes) as reader:
+            for row in np.flatnonzero(plan.shard_of_row >= 0):
+                key, value = plan.scp.record(int(row))
+                where = plan.scp.where(int(row), key)
+                try:
+                    return int(reader.shape(self.options.location(value, where), where)[1])
+                except InputError:
+                    if not self.options.skip_bad:
+                        raise
+        return 0
+
+    def successor(self, table: KeyTable, row: int) -> tuple[int, str] | None:
+        """``(value offset, key)`` of the next value after ``row``'s that the scp lists in the
+        same ark, for :meth:`MatrixReader.read`'s end check; None when there is none."""
+        if self.next_row is None or self.next_row[row] < 0:
+            return None
+        following = int(self.next_row[row])
+        key, value = table.record(following)
+        offset = parse_location(value, table.where(following, key)).offset  # paths need no mapping here
+        return None if offset is None else (offset, key)
+
+    def reader(self, plan: PackPlan, dim: int) -> _FeatureReader:
+        return _FeatureReader(self, plan, dim)
+
+    def facts(self, dim: int) -> tuple[dict[str, Any], list[str]]:
+        """The index's dataset facts and member fields."""
+        facts = {
+            "field": FEATURE_MEMBER,
+            "label_field": LABEL_MEMBER,
+            "dim": dim,
+            "dtype": self.options.dtype,
+            "frame_shift_ms": _frame_shift_ms(self.files),
+        }
+        return facts, [FEATURE_MEMBER, LABEL_MEMBER]
+
+
+class _FeatureReader:
+    """Reads planned rows' matrices and checks them (a context manager: arks stay open)."""
+
+    def __init__(self, source: FeatureSource, plan: PackPlan, dim: int):
+        self.source, self.plan, self.dim = source, plan, dim
+        self.options = source.options
+        self.matrices = MatrixReader(allow_pipes=self.options.allow_pipes)
+
+    def __enter__(self) -> _FeatureReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.matrices.close()
+
+    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int]:
+        plan, options = self.plan, self.options
+        array = self.matrices.read(options.location(value, where), where, self.source.successor(plan.scp, row))
+        frames = array.shape[0]
+        if frames == 0:
+            raise InputError(where, "zero_length", "the matrix has no frames.", "remove it.")
+        planned = int(plan.frames[row])
+        if planned >= 0 and planned != frames:
+            raise InputError(
+                where,
+                "frames_mismatch",
+                f"utt2num_frames says {planned} frames but the ark holds {frames}.",
+                "regenerate utt2num_frames (or delete it to read lengths from the arks).",
+            )
+        if array.shape[1] != self.dim:
+            raise InputError(
+                where,
+                "dim_mismatch",
+                f"the matrix has {array.shape[1]} columns where the dataset has {self.dim}.",
+                "pack features of one kind together.",
+            )
+        return [(FEATURE_MEMBER, list(npy_parts(checked_features(array, options.dtype, where))))], frames
+
+
+def checked_features(array: np.ndarray, dtype: str, where: Where) -> np.ndarray:
+    """``array`` in the stored ``dtype``, refusing NaN/Inf and float16 overflow."""
+    # A float64 sum is one pass without a temporary; NaN/Inf propagate and cannot overflow.
+    if not np.isfinite(array.sum(dtype=np.float64)):
+        bad_frame = int(np.flatnonzero(~np.isfinite(array).all(axis=1))[0])
+        raise InputError(
+            where,
+            "non_finite",
+            f"the matrix holds NaN or Inf (first at frame {bad_frame}).",
+            "recompute the features.",
+        )
+    array = array.astype(dtype, copy=False)
+    if dtype == "float16" and not np.isfinite(array.sum(dtype=np.float64)):
+        raise InputError(
+            where,
+            "float16_overflow",
+            "a value is beyond float16's range (65504).",
+            f"pack with {option('dtype', 'float32')}.",
+        )
+    return array
+
+
+class _ArkPositions:
+    """Per scp row, its ark (a small number per distinct path) and value offset, gathered
+    while the scp is scanned, in compact arrays (no Python object per row)."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+        self.arks = array("i")
+        self.offsets = array("q")
+
+    def add(self, location: Any) -> None:
+        if location.is_pipe or location.offset is None:
+            self.arks.append(-1)  # no ark position: a command, or a file holding one object
+            self.offsets.append(0)
+            return
+        self.arks.append(self._ids.setdefault(location.path, len(self._ids)))
+        self.offsets.append(location.offset)
+
+    def next_rows(self, num_rows: int) -> np.ndarray:
+        """For each row, the first row (in scp order) of the next distinct value start after
+        its own in the same ark, else -1. Rows sharing one offset (different Kaldi ranges of
+        one matrix) share a value and so a successor. Empties the collector."""
+        if len(self.arks) != num_rows:
+            raise RuntimeError(f"{len(self.arks)} ark positions for {num_rows} scp rows; please report this.")
+        dtype = np.int32 if num_rows < 2**31 else np.int64
+        arks = np.frombuffer(self.arks, dtype=np.int32) if num_rows else np.empty(0, np.int32)
+        offsets = np.frombuffer(self.offsets, dtype=np.int64) if num_rows else np.empty(0, np.int64)
+        self.arks, self.offsets, self._ids = array("i"), array("q"), {}  # freed with the views below
+        next_row = np.full(num_rows, -1, dtype=dtype)
+        rows = np.flatnonzero(arks >= 0).astype(dtype)
+        if not len(rows):
+            return next_row
+        order = rows[np.lexsort((offsets[rows], arks[rows]))]  # stable: scp order within one offset
+        del rows
+        sorted_arks, sorted_offsets = arks[order], offsets[order]
+        starts_value = np.ones(len(order), dtype=bool)
+        starts_value[1:] = (sorted_arks[1:] != sorted_arks[:-1]) | (sorted_offsets[1:] != sorted_offsets[:-1])
+        del sorted_offsets
+        firsts = np.flatnonzero(starts_value)  # the first sorted position of each distinct value
+        successor = np.full(len(firsts), -1, dtype=dtype)  # per distinct value
+        same_ark = sorted_arks[firsts[1:]] == sorted_arks[firsts[:-1]]
+        successor[:-1] = np.where(same_ark, order[firsts[1:]], -1)
+        value_of = np.cumsum(starts_value) - 1  # sorted position -> its distinct value
+        next_row[order] = successor[value_of]
+        return next_row
+
+
+# ---------------------------------------------------------------------------------------
+# audio
+
+
+@dataclass(frozen=True)
+class _Segment:
+    recording: str
+    start: float
+    end: float
+
+
+class AudioSource:
+    """Audio named by ``wav.scp`` file(s), cut by ``segments`` file(s) when given."""
+
+    kind = "audio"
+    unit = "10 ms"
+
+    def __init__(self, wav_scp: Sequence[Path], segments: Sequence[Path], options: PackOptions):
+        self.wav_files = [Path(f) for f in wav_scp]
+        self.segment_files = [Path(f) for f in segments]
+        self.files = [*self.wav_files, *self.segment_files]
+        self.options = options
+        self.recordings: KeyTable | None = None
+
+    def _root(self) -> Path | None:
+        return Path(self.options.path_root) if self.options.path_root else None
+
+    def scan(self, drops: SkipCounter, progress: Callable[[int], None] | None) -> KeyTable:
+        def check_wav(key: str, value: str, where: Where) -> None:
+            if not self.segment_files:
+                check_key(key, where, self.options)
+            location = parse_wav_location(value, self._root())
+            if location.is_pipe and not self.options.allow_pipes:
+                raise InputError(
+                    where,
+                    "pipe_refused",
+                    f"the entry is a shell command ({location.path!r}); seqshard does not run commands found in data.",
+                    f"run the command yourself, or pass {option('allow_pipes')} to run it.",
+                )
+
+        if not self.segment_files:
+            table = KeyTable.scan(self.wav_files, drops, needs_value=True, check=check_wav, progress=progress)
+            self.recordings = table
+            return table
+        # a bad recording line is counted through its segments, dropped as no_recording
+        self.recordings = KeyTable.scan(
+            self.wav_files, SkipCounter(self.options.skip_bad), needs_value=True, check=check_wav
+        )
+
+        def check_segment(key: str, value: str, where: Where) -> None:
+            check_key(key, where, self.options)
+            _parse_segment(value, where)
+
+        return KeyTable.scan(self.segment_files, drops, needs_value=True, check=check_segment, progress=progress)
+
+    def lengths(
+        self, table: KeyTable, keep: np.ndarray, drops: SkipCounter, issues: SkipCounter, progress: Progress
+    ) -> np.ndarray:
+        """Length per row in 10 ms frames (-1: unreadable): from ``segments`` when they say
+        where a segment ends, else ``utt2dur`` (next to the wav.scp), else the audio."""
+        frames = (
+            _lengths_from(_beside(self.wav_files, DURATIONS_FILE), table, issues, seconds=True)
+            if not self.segment_files
+            else np.full(len(table), -1, dtype=np.int32)
+        )
+        missing = []
+        for row in np.flatnonzero(keep & (frames < 0)):
+            key, value = table.record(int(row))
+            if self.segment_files:
+                segment = _parse_segment(value, table.where(int(row), key))
+                if segment.end >= 0:
+                    frames[row] = round((segment.end - segment.start) * 100)
+                    continue
+            missing.append(int(row))
+        if missing:
+            advance = progress("read audio headers", len(missing)) if progress else None
+            with _AudioReader(self, None, 0) as reader:
+                for row in missing:
+                    key, value = table.record(row)
+                    where = table.where(row, key)
+                    try:
+                        frames[row] = round(reader.audio(key, value, where).seconds * 100)
+                    except InputError as error:
+                        drops(error)
+                    if advance:
+                        advance(1)
+        return frames
+
+    def dim(self, plan: PackPlan) -> int:
+        return self.options.num_mel_bins if self.options.features == "fbank" else 0
+
+    def reader(self, plan: PackPlan, dim: int) -> _AudioReader:
+        return _AudioReader(self, plan, dim)
+
+    def facts(self, dim: int) -> tuple[dict[str, Any], list[str]]:
+        options = self.options
+        if options.features == "fbank":
+            facts = {
+                "field": FEATURE_MEMBER,
+                "label_field": LABEL_MEMBER,
+                "dim": dim,
+                "dtype": options.dtype,
+                "frame_shift_ms": 10.0,
+                "made_from": "audio (Kaldi-compatible fbank at pack time)",
+                "sample_rate": options.resample_to,
+            }
+            return facts, [FEATURE_MEMBER, LABEL_MEMBER]
+        facts = {
+            "field": "audio",
+            "kind": "audio",
+            "encoding": options.audio_format,
+            "label_field": LABEL_MEMBER,
+            "frame_shift_ms": AUDIO_SHIFT_MS,
+        }
+        return facts, []  # the members' extensions are recorded per shard (they vary with "keep")
+
+
+def _parse_segment(value: str, where: Where) -> _Segment:
+    parts = value.split()
+    try:
+        recording, start, end = parts[0], float(parts[1]), float(parts[2])
+    except (IndexError, ValueError):
+        raise InputError(
+            where, "malformed_line", f"expected 'RECORDING START END' (seconds), found {value!r}."
+        ) from None
+    if len(parts) > 3:
+        raise InputError(where, "malformed_line", f"expected 'RECORDING START END' (seconds), found {value!r}.")
+    if start < 0 or (end >= 0 and end <= start):
+        raise InputError(where, "bad_segment", f"the segment {start:g} .. {end:g} s is empty or negative.")
+    return _Segment(recording, start, end)
+
+
+class _AudioReader:
+    """Reads planned rows' audio: decodes (the last recording is kept for its next segments),
+    cuts, and encodes or computes fbank."""
+
+    def __init__(self, source: AudioSource, plan: PackPlan | None, dim: int):
+        self.source, self.plan, self.dim = source, plan, dim
+        self.options = source.options
+        self._last: tuple[str, Audio] | None = None
+
+    def __enter__(self) -> _AudioReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._last = None
+
+    def _recording(self, key: str, value: str, where: Where) -> tuple[bytes, Audio, str]:
+        location = parse_wav_location(value, self.source._root())
+        data = read_location(location, where, self.options.allow_pipes)
+        return data, decode_audio(data, where, self.options.channel), location.format
+
+    def audio(self, key: str, value: str, where: Where) -> Audio:
+        """The utterance's audio (a whole recording, or its segment)."""
+        return self._utterance(key, value, where)[1]
+
+    def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, Audio, str]:
+        if not self.source.segment_files:
+            return self._recording(key, value, where)
+        segment = _parse_segment(value, where)
+        recordings = self.source.recordings
+        assert recordings is not None
+        if self._last is None or self._last[0] != segment.recording:
+            found = recordings.find(segment.recording)
+            if found is None:
+                raise InputError(
+                    where,
+                    "no_recording",
+                    f"recording {segment.recording!r} is not in {', '.join(map(str, self.source.wav_files))}.",
+                    "add it to the wav.scp, or remove its segments.",
+                )
+            self._last = (segment.recording, self._recording(segment.recording, found[1], where)[1])
+        return None, cut(self._last[1], segment.start, segment.end, where), "wav"
+
+    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int]:
+        original, audio, extension = self._utterance(key, value, where)
+        planned = int(self.plan.frames[row]) if self.plan is not None else -1
+        frames = round(audio.seconds * 100)
+        if planned >= 0 and abs(planned - frames) > 1:
+            raise InputError(
+                where,
+                "duration_mismatch",
+                f"utt2dur says {planned / 100:g} s but the audio lasts {audio.seconds:g} s.",
+                "regenerate utt2dur (or delete it to read durations from the audio).",
+            )
+        options = self.options
+        if options.features == "fbank":
+            return self._fbank(audio, where)
+        if options.audio_format == "keep" and original is not None:
+            return [(extension, [original])], frames
+        encoded_as, data = encode(audio, options.audio_format)
+        return [(encoded_as, [data])], frames
+
+    def _fbank(self, audio: Audio, where: Where) -> tuple[Members, int]:
+        from ..features.fbank import FbankOptions, fbank
+        from ..pipeline.audio import KALDI_SCALE, resample
+
+        options = self.options
+        rate = options.resample_to or audio.sample_rate
+        samples = resample(audio.samples, audio.sample_rate, rate)
+        features = fbank(
+            samples * KALDI_SCALE, FbankOptions(sample_rate=float(rate), num_mel_bins=options.num_mel_bins)
+        )
+        if len(features) == 0:
+            raise InputError(where, "zero_length", "the audio is shorter than one 25 ms frame.", "remove it.")
+        features = checked_features(features, options.dtype, where)
+        return [(FEATURE_MEMBER, list(npy_parts(features)))], len(features)
+
+
+# ---------------------------------------------------------------------------------------
+# shared helpers
+
+
+def _beside(files: Sequence[Path], name: str) -> list[Path]:
+    """``name`` in the folders of ``files``, where it exists (Kaldi's data dir layout)."""
+    return list(dict.fromkeys(Path(f).parent / name for f in files if (Path(f).parent / name).is_file()))
+
+
+def _lengths_from(files: Sequence[Path], table: KeyTable, issues: SkipCounter, seconds: bool = False) -> np.ndarray:
+    """Per row of ``table``, its length from ``KEY value`` files, -1 where they do not say:
+    frames (``utt2num_frames``), or with ``seconds`` 10 ms frames of durations (``utt2dur``)."""
+    lengths = np.full(len(table), -1, dtype=np.int32)
+    if not files:
+        return lengths
+    counts = KeyTable.scan(sorted(set(files)), issues, number=True, seconds=seconds)
+    found = counts.lookup(table.hashes)
+    assert counts.values is not None
+    values = counts.values[found[found >= 0]]
+    lengths[found >= 0] = np.round(values / AUDIO_SHIFT_MS) if seconds else values
+    _LOG.info("lengths from %s", ", ".join(map(str, sorted(set(files)))))
+    return lengths
+
+
+def _frame_shift_ms(files: Sequence[Path]) -> float:
+    """Kaldi's ``frame_shift`` file (seconds) next to the first scp, else 10 ms."""
+    candidate = Path(files[0]).parent / FRAME_SHIFT_FILE
+    try:
+        return float(candidate.read_text().split()[0]) * 1000
+    except (OSError, ValueError, IndexError):
+        return 10.0
