@@ -14,6 +14,7 @@ from .errors import SeqshardError, command_line_flags
 # Python parameter names whose command-line flag is spelled differently (messages name the flag).
 RENAMED_FLAGS = {
     "f_scps": "--scp",
+    "wav_scp": "--wav-scp",
     "f_labels": "--text",
     "d_out": "--out",
     "num_frames_files": "--num-frames",
@@ -46,6 +47,13 @@ def _pack(args: argparse.Namespace) -> int:
         max_open=args.max_open,
         overwrite=args.overwrite,
         progress=not args.quiet,
+        wav_scp=args.wav_scp,
+        segments=args.segments,
+        audio_format=args.audio_format,
+        features=args.features,
+        num_mel_bins=args.num_mel_bins,
+        resample_to=args.resample_to,
+        channel=args.channel,
     )
     print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
     return 0
@@ -102,6 +110,24 @@ def _index(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmvn(args: argparse.Namespace) -> int:
+    from .tools.cmvn import compute_cmvn, write_cmvn
+
+    options = {"features": args.features, "skip_bad": args.skip_bad, "num_workers": args.workers}
+    if args.features:
+        options.update(num_mel_bins=args.num_mel_bins, resample_to=args.resample_to, channel=args.channel)
+    stats = compute_cmvn(args.patterns, max_utts=args.max_utts, **options)
+    write_cmvn(stats, args.out)
+    dropped = sum(stats.dropped.values())
+    print(
+        f"wrote {args.out}: mean and std of {len(stats.mean)} dimensions over {stats.utterances} utterances "
+        f"({stats.frames} frames)" + (f"; {dropped} skipped as bad ({stats.dropped})" if dropped else "")
+    )
+    if stats.floored:
+        print(f"seqshard cmvn: {stats.floored} dimension(s) are constant; their std is set to 1e-5", file=sys.stderr)
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -119,9 +145,21 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     pack = commands.add_parser("pack", help="pack feats.scp + text into shuffled, indexed tar shards")
+    pack.add_argument("--scp", nargs="+", action="extend", help="Kaldi feats.scp file(s); repeat or list several")
+    pack.add_argument("--wav-scp", nargs="+", action="extend", help="Kaldi wav.scp file(s) of audio, instead of --scp")
     pack.add_argument(
-        "--scp", nargs="+", action="extend", required=True, help="Kaldi feats.scp file(s); repeat or list several"
+        "--segments", nargs="+", action="extend", help="Kaldi segments file(s) cutting the wav.scp's recordings"
     )
+    pack.add_argument(
+        "--audio-format",
+        choices=["flac", "keep"],
+        default="flac",
+        help="store audio as FLAC (lossless) or the original bytes (default: %(default)s)",
+    )
+    pack.add_argument("--features", choices=["fbank"], help="store Kaldi-compatible fbank computed from the audio")
+    pack.add_argument("--num-mel-bins", type=int, default=80, help="fbank mel bins (default: %(default)s)")
+    pack.add_argument("--resample-to", type=int, metavar="HZ", help="resample audio to this rate for fbank")
+    pack.add_argument("--channel", type=int, help="keep this channel of multi-channel audio (default: mix down)")
     pack.add_argument(
         "--text", nargs="+", action="extend", required=True, help="Kaldi text file(s): 'UTT-ID label words'"
     )
@@ -131,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--filter-group",
         action="append",
         metavar="LOW:HIGH",
-        help="length group in frames, [LOW, HIGH); repeat for several sub-folders LOW_HIGH/",
+        help="length group in frames (seconds for audio), [LOW, HIGH); repeat for several sub-folders LOW_HIGH/",
     )
     pack.add_argument("--utts-per-file", type=int, default=2000, help="utterances per shard (default: %(default)s)")
     pack.add_argument("--seed", type=int, default=0, help="seed of the global shuffle (default: %(default)s)")
@@ -232,6 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--jobs", type=int, default=1, help="processes reading shards")
     index.add_argument("--quiet", action="store_true", help="no progress bars")
     index.set_defaults(run=_index)
+
+    cmvn = commands.add_parser("cmvn", help="global CMVN statistics of a shard set, for the loader's cmvn= option")
+    cmvn.add_argument("patterns", nargs="+", help="shard patterns, folders or .list files")
+    cmvn.add_argument("-o", "--out", required=True, help="the JSON file to write (mean and std per dimension)")
+    cmvn.add_argument("--features", choices=["fbank"], help="audio shards: compute fbank as the loader will")
+    cmvn.add_argument("--num-mel-bins", type=int, default=80, help="fbank bins (default: %(default)s)")
+    cmvn.add_argument("--resample-to", type=int, help="resample audio to this rate first (Hz)")
+    cmvn.add_argument("--channel", type=int, help="audio channel to use (default: mix down)")
+    cmvn.add_argument("--max-utts", type=int, help="stop after this many utterances (default: all)")
+    cmvn.add_argument("--workers", type=int, default=0, help="DataLoader workers (default: %(default)s)")
+    cmvn.add_argument("--skip-bad", action="store_true", help="count and skip bad samples instead of stopping")
+    cmvn.set_defaults(run=_cmvn)
 
     demo = commands.add_parser("demo", help="make a small Kaldi dataset, pack it, stream it, and say what happened")
     demo.add_argument("--out", default="seqshard-demo", help="working folder (default: %(default)s)")

@@ -133,7 +133,8 @@ class StateMismatchError(SeqshardError):
 
 
 class SkipCounter:
-    """Raises each bad-input error, or, when the user asked to skip, counts it by reason.
+    """Raises each bad-input error, or, when the user asked to skip, counts it by reason
+    (errors that are not ``skippable``, such as a refused pipe, are always raised).
 
     The first few skips of each reason are logged with their file, line and key, so that a
     skip is never silent.
@@ -146,7 +147,7 @@ class SkipCounter:
         self._done = done  # what happens to a counted case, as the log says it
 
     def __call__(self, error: InputError) -> None:
-        if not self.skip:
+        if not self.skip or not error.skippable:
             raise error
         seen = self.counts.get(error.reason, 0)
         self.counts[error.reason] = seen + 1

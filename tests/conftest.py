@@ -118,3 +118,65 @@ def pack_small(root: Path, utts_per_file: int = 10, **kaldi_kwargs) -> Packed:
 def packed(tmp_path_factory) -> Packed:
     """6 speakers x 8 utterances in 5 shards of 10 (the last holds 8)."""
     return pack_small(tmp_path_factory.mktemp("packed"))
+
+
+@dataclass
+class AudioDir:
+    """A data dir made by :func:`write_audio_dir`: ``wav.scp`` + ``text`` over WAV files
+    written with soundfile; ``audio`` is each utterance's int16 samples."""
+
+    root: Path
+    wav_scp: Path
+    text: Path
+    rate: int
+    audio: dict[str, np.ndarray] = field(default_factory=dict)
+    labels: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def keys(self) -> list[str]:
+        return list(self.audio)
+
+
+def write_audio_dir(
+    root: Path, utts: int = 12, rate: int = 16000, seconds: tuple[float, float] = (0.3, 2.0), seed: int = 0
+) -> AudioDir:
+    """Tones with a little noise, of random lengths, as 16-bit WAV files named by ``wav.scp``."""
+    import soundfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    data = AudioDir(root, root / "wav.scp", root / "text", rate)
+    scp, text = [], []
+    for number in range(utts):
+        key = f"utt{number:03d}"
+        length = int(rng.uniform(*seconds) * rate)
+        t = np.arange(length) / rate
+        wave = 0.3 * np.sin(2 * np.pi * (200 + 37 * number) * t) + 0.02 * rng.standard_normal(length)
+        samples = np.round(wave * 32767).astype(np.int16)
+        soundfile.write(root / f"{key}.wav", samples, rate, subtype="PCM_16")
+        data.audio[key] = samples
+        data.labels[key] = f"word{number % 3} tone {number}"
+        scp.append(f"{key} {root / f'{key}.wav'}\n")
+        text.append(f"{key} {data.labels[key]}\n")
+    data.wav_scp.write_text("".join(scp))
+    data.text.write_text("".join(text))
+    return data
+
+
+def read_audio_shards(paths) -> dict[str, tuple[np.ndarray, int, str, str]]:
+    """key -> (int16 samples, sample rate, member suffix, label) for every sample."""
+    import io
+
+    import soundfile
+
+    from seqshard.formats.tar import SampleStream
+
+    found: dict[str, tuple[np.ndarray, int, str, str]] = {}
+    for path in paths:
+        with SampleStream(path) as stream:
+            for sample in stream:
+                assert sample.key not in found, f"{sample.key} in two shards"
+                suffix = next(s for s in sample.fields if s in ("wav", "flac"))
+                samples, rate = soundfile.read(io.BytesIO(bytes(sample.fields[suffix])), dtype="int16")
+                found[sample.key] = (samples, rate, suffix, str(sample.fields["txt"], "utf-8"))
+    return found

@@ -10,7 +10,8 @@ import pytest
 from conftest import REALDATA
 from seqshard.errors import ShardError
 from seqshard.formats.npy import decode_npy, npy_parts
-from seqshard.formats.tar import SampleStream, ShardWriter, skip_samples, temporary_path
+from seqshard.formats.streams import skip_samples
+from seqshard.formats.tar import SampleStream, ShardWriter, temporary_path
 
 
 def write_shard(path, count=12, seed=0, dim=5):

@@ -2,12 +2,15 @@
 
 import json
 import shutil
+import tarfile
 
 import pytest
+import soundfile
 
 from conftest import REALDATA, write_kaldi_dir
 from seqshard import ShardIndex, pack_data
 from seqshard.cli import main
+from seqshard.formats.tar import ShardWriter
 
 
 @pytest.fixture
@@ -124,18 +127,39 @@ def test_inspect_percentiles_stay_within_the_exact_shortest_and_longest(tmp_path
     assert "percentiles (approximate" in capsys.readouterr().out
 
 
-def test_shards_without_a_feature_array_say_their_hours_are_unknown(tmp_path, capsys, caplog):
+def test_foreign_audio_shards_are_indexed_with_their_hours(tmp_path, capsys):
     foreign = tmp_path / "wenet"
     foreign.mkdir()
-    shutil.copy(REALDATA / "webdataset/wenet-shard/shards_000000000.tar", foreign)
-    with caplog.at_level("WARNING", logger="seqshard"):
-        assert main(["index", "--quiet", str(foreign)]) == 0
-    assert "hold no feature field" in caplog.text
+    shard = REALDATA / "webdataset/wenet-shard/shards_000000000.tar"
+    shutil.copy(shard, foreign)
+    with tarfile.open(shard) as archive:
+        seconds = [
+            soundfile.info(archive.extractfile(m)).duration for m in archive.getmembers() if m.name.endswith(".wav")
+        ]
+    assert main(["index", "--quiet", str(foreign)]) == 0
+    index = ShardIndex.load(foreign)
+    assert index.feature["kind"] == "audio" and index.shards[0].num_frames == sum(round(s * 100) for s in seconds)
     capsys.readouterr()
     assert main(["inspect", "--json", "--quiet", str(foreign)]) == 0
     summary = json.loads(capsys.readouterr().out)
+    assert summary["num_utts"] == 2
+    assert summary["hours"] == pytest.approx(sum(seconds) / 3600, abs=1e-4)  # shown to 4 decimals
+
+
+def test_shards_without_features_or_audio_say_their_hours_are_unknown(tmp_path, capsys, caplog):
+    folder = tmp_path / "texts"
+    writer = ShardWriter(folder / "texts-00000.tar")
+    for key in ("a", "b"):
+        writer.add(key, [("txt", [b"hello"])])
+    writer.commit()
+    with caplog.at_level("WARNING", logger="seqshard"):
+        assert main(["index", "--quiet", str(folder)]) == 0
+    assert "hold no feature field" in caplog.text
+    capsys.readouterr()
+    assert main(["inspect", "--json", "--quiet", str(folder)]) == 0
+    summary = json.loads(capsys.readouterr().out)
     assert summary["num_utts"] == 2 and summary["hours"] is None and summary["groups"][0]["hours"] is None
-    assert main(["inspect", "--quiet", str(foreign)]) == 0
+    assert main(["inspect", "--quiet", str(folder)]) == 0
     assert "unknown hours (no feature field)" in capsys.readouterr().out
 
 

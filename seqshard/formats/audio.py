@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import InputError, Where, option
 
 ENCODINGS = ("flac", "keep")
+ESTIMATED_LENGTH_FORMATS = ("MP3", "OGG")  # their headers give an estimated frame count, not an exact one
 
 
 @dataclass(frozen=True)
@@ -130,8 +131,19 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
         with soundfile.SoundFile(io.BytesIO(bytes(data))) as sound:
             samples = sound.read(dtype="float32", always_2d=True)
             rate, subtype, declared = sound.samplerate, sound.subtype, sound.frames
+            if sound.format in ESTIMATED_LENGTH_FORMATS:
+                declared = 0
     except (RuntimeError, soundfile.LibsndfileError, ValueError) as error:
         raise InputError(where, "unreadable_audio", f"the audio cannot be decoded ({error}).") from None
+    missing = _missing_wav_bytes(data)
+    if missing:
+        raise InputError(
+            where,
+            "unreadable_audio",
+            f"the WAV header says its data is {missing} byte(s) longer than the file holds (cut short, or bytes "
+            "removed, e.g. by git's line-ending conversion).",
+            "restore the original file.",
+        )
     if len(samples) < declared:
         raise InputError(
             where,
@@ -152,6 +164,36 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
     if len(mono) == 0:
         raise InputError(where, "zero_length", "the audio has no samples.")
     return Audio(np.ascontiguousarray(mono), rate, subtype)
+
+
+def _missing_wav_bytes(data: bytes | memoryview) -> int:
+    """How many bytes of a WAV's ``data`` chunk its header declares but the file lacks.
+
+    soundfile reads such a file without a word (one frame short, or the rest misaligned), so
+    the chunk sizes are checked here. Streamed WAVs (size 0 or 0xFFFFFFFF) are not checked.
+    """
+    view = memoryview(data)
+    if bytes(view[:4]) != b"RIFF" or bytes(view[8:12]) != b"WAVE":
+        return 0
+    position = 12
+    while position + 8 <= len(view):
+        chunk, size = bytes(view[position : position + 4]), int.from_bytes(view[position + 4 : position + 8], "little")
+        if chunk == b"data":
+            available = len(view) - position - 8
+            return size - available if size not in (0, 0xFFFFFFFF) and size > available else 0
+        position += 8 + size + (size & 1)  # chunks are padded to even sizes
+    return 0
+
+
+def audio_seconds(data: bytes | memoryview) -> float:
+    """The duration of encoded audio, from its header (ValueError when it cannot be read)."""
+    import soundfile
+
+    try:
+        info = soundfile.info(io.BytesIO(bytes(data)))
+    except (RuntimeError, soundfile.LibsndfileError) as error:
+        raise ValueError(f"the audio cannot be decoded ({error})") from None
+    return info.frames / info.samplerate
 
 
 def cut(audio: Audio, start: float, end: float, where: Where) -> Audio:

@@ -13,16 +13,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..errors import ShardError
+from ..errors import ConfigError, ShardError
 from .patterns import SHARD_SUFFIXES
 from .tar import Sample
 
-LIST_SUFFIXES = (".list",)
 SEGMENT_FIELD = "segment.json"  # start and end of a sample cut from its audio file
-
-
-def is_list_name(name: str) -> bool:
-    return name.endswith(LIST_SUFFIXES)
 
 
 def resolve(path: str, listed_in: Path) -> Path:
@@ -35,11 +30,19 @@ def resolve(path: str, listed_in: Path) -> Path:
 
 
 def shard_list(path: Path) -> list[Path] | None:
-    """The shards a shard list names, or None when the file is a raw list of samples."""
-    lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if lines and all(line.endswith(SHARD_SUFFIXES) and not line.startswith("{") for line in lines):
-        return [resolve(line, path) for line in lines]
-    return None
+    """The shards a shard list names, or None when the file is a raw list of samples (its
+    first line is a JSON object)."""
+    with open(path, encoding="utf-8") as stream:
+        lines = [(number, line.strip()) for number, line in enumerate(stream, 1) if line.strip()]
+        if lines and lines[0][1].startswith("{"):
+            return None
+    for number, line in lines:
+        if not line.endswith(SHARD_SUFFIXES):
+            raise ConfigError(
+                f"{path} line {number}: {line[:80]!r} is not a shard path (a list holds shard paths ending in "
+                f'{", ".join(SHARD_SUFFIXES)}, or JSON samples with "key" and "wav").'
+            )
+    return [resolve(line, path) for _, line in lines]
 
 
 def count_lines(path: Path) -> int:
@@ -110,12 +113,3 @@ class ListSampleStream:
         if not isinstance(record, dict) or "key" not in record or "wav" not in record:
             raise ShardError(self.path, offset, f'line {self.ordinal + 1} needs "key" and "wav" (found {line[:80]!r})')
         return record
-
-
-def open_samples(path: str | Path, start: int = 0, ordinal: int = 0, read_ahead: bool = True):
-    """A sample stream over a shard or a raw list, from a byte offset."""
-    from .tar import SampleStream
-
-    if is_list_name(str(path)):
-        return ListSampleStream(path, start, ordinal)
-    return SampleStream(path, start, ordinal, read_ahead=read_ahead)

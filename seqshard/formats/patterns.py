@@ -18,9 +18,14 @@ from pathlib import Path
 from ..errors import ConfigError
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
+LIST_SUFFIXES = (".list",)  # WeNet lists: of shards, or of raw samples (see formats/lists.py)
 FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
 
 Patterns = str | Path | Sequence[str | Path]
+
+
+def is_list_name(name: str) -> bool:
+    return name.endswith(LIST_SUFFIXES)
 
 
 def is_shard_name(name: str) -> bool:
@@ -32,7 +37,8 @@ def is_shard_name(name: str) -> bool:
 class Alternative:
     """One brace alternative of a pattern and what it names on disk.
 
-    ``kind`` is ``"folder"``, ``"glob"`` or ``"file"``. ``files`` are the shard files found (a
+    ``kind`` is ``"folder"``, ``"glob"``, ``"file"`` or ``"list"`` (a WeNet list file, which
+    :mod:`~.selection` reads). ``files`` are the shard files found (a
     glob's other matches, such as ``index.json``, are not shards); ``folders`` are the folders
     it covers, whose indexes may list shards that should be there.
     """
@@ -82,8 +88,12 @@ def _alternative(text: str) -> Alternative:
         folders = [path, *sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))]
         return Alternative(text, "folder", [f for folder in folders for f in shards_in_folder(folder)], folders)
     files = [path] if path.is_file() else []
+    if files and is_list_name(path.name):
+        return Alternative(text, "list", files, [path.parent])
     if files and not is_shard_name(path.name):
-        raise ConfigError(f"{text} is not a shard (shards end in {', '.join(SHARD_SUFFIXES)}).")
+        raise ConfigError(
+            f"{text} is not a shard (shards end in {', '.join(SHARD_SUFFIXES)}; lists of shards or samples in .list)."
+        )
     return Alternative(text, "file", files, [path.parent])
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..errors import ConfigError, ShardError, option
 from .index import ShardIndex
+from .lists import shard_list
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
 from .patterns import Alternative, Patterns, expand_pattern, named_like_sidecar, pattern_list
 
@@ -65,12 +66,15 @@ def select_shards(patterns: Patterns) -> ShardSelection:
     missing: dict[Path, MissingShard] = {}
     for pattern in pattern_list(patterns):
         for alternative in expand_pattern(pattern):
-            alternative.files = [f for f in alternative.files if not _is_sidecar(f, selection)]
-            absent = _absent(alternative, selection)
+            if alternative.kind == "list":
+                absent = _read_list(alternative)
+            else:
+                alternative.files = [f for f in alternative.files if not _is_sidecar(f, selection)]
+                absent = _absent(alternative, selection)
             if not alternative.files and not absent:
                 raise ConfigError(
                     f"{alternative.text!r} (from the pattern {pattern!r}) selects no shard (from {Path.cwd()}). "
-                    "Check the path, the braces and the wildcard; shards end in .tar, .tar.gz or .tgz."
+                    "Check the path, the braces and the wildcard; shards end in .tar, .tar.gz or .tgz (lists in .list)."
                 )
             for shard in absent:
                 missing.setdefault(shard.path, shard)
@@ -94,6 +98,20 @@ def _is_sidecar(path: Path, selection: ShardSelection) -> bool:
     """Whether ``path`` is a field file beside a shard (read with its shard, never alone)."""
     index = _index_of(path.parent, selection)
     return (index is not None and path.name in index.sidecar_names()) or named_like_sidecar(path)
+
+
+def _read_list(alternative: Alternative) -> list[MissingShard]:
+    """A WeNet shard list stands for the shards it names (those not on disk are returned); a
+    raw list of samples is read as one shard."""
+    listed = shard_list(alternative.files[0])
+    if listed is None:
+        return []
+    alternative.files = [path for path in listed if path.is_file()]
+    return [
+        MissingShard(path, f"named in {alternative.text}, but it does not exist")
+        for path in listed
+        if not path.is_file()
+    ]
 
 
 def _absent(alternative: Alternative, selection: ShardSelection) -> list[MissingShard]:

@@ -445,37 +445,3 @@ class SampleStream:
             sample.fields[split[1]] = following.data
         self.ordinal += 1
         return sample
-
-
-def skip_samples(path: str | Path, count: int) -> tuple[int, int]:
-    """Offset of the ``count``-th sample of a shard, found by reading headers only.
-
-    Returns ``(offset, ordinal)`` to pass to :class:`SampleStream`; the ordinal is smaller
-    than ``count`` when the shard holds fewer samples.
-    """
-    if count == 0:
-        return 0, 0
-    with SampleStream(path, read_data=False) as stream:
-        for _ in range(count):
-            if stream.next_sample() is None:
-                break
-        return stream.resume_offset, stream.ordinal
-
-
-def count_samples(path: str | Path) -> int:
-    """How many samples a shard holds, found by reading its headers only."""
-    with SampleStream(path, read_data=False) as stream:
-        while stream.next_sample() is not None:
-            pass
-        return stream.ordinal
-
-
-def first_sample_fields(path: str | Path) -> list[str]:
-    """Member suffixes of a shard's first sample (headers only; empty for an empty or
-    unreadable shard: reading it later reports the damage)."""
-    try:
-        with SampleStream(path, read_data=False) as stream:
-            sample = stream.next_sample()
-    except ShardError:
-        return []
-    return list(sample.fields) if sample is not None else []

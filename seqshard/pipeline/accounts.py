@@ -13,7 +13,7 @@ from typing import Any
 
 from ..dist import Collectives
 from ..errors import ShardError
-from ..formats.tar import count_samples
+from ..formats.streams import count_samples
 from .epochs import EpochEnd
 from .labels import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from .merge import RankPosition

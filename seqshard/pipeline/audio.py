@@ -21,8 +21,9 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, Where, option
 from ..features.fbank import FbankOptions, fbank
-from ..formats.audio import decode_audio
-from ..formats.fields import AudioBytes
+from ..formats.audio import cut, decode_audio
+from ..formats.fields import AudioBytes, field_name
+from ..formats.lists import SEGMENT_FIELD
 from .base import (
     SEED_DITHER,
     SEED_NOISE,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from .shards import ShardTable
 
 AUDIO, SAMPLE_RATE, FEATS = "audio", "sample_rate", "feats"
+SEGMENT = field_name(SEGMENT_FIELD)
 KALDI_SCALE = 32768.0  # Kaldi's features work on int16-scale samples
 
 
@@ -80,24 +82,24 @@ class AudioOptions:
     channel: int | None = None
 
 
-def _where(sample: Sample) -> Where:
-    return Where(f"shard {sample.shard} sample {sample.ordinal}", None, sample.key)
-
-
 def decode(sample: Sample, channel: int | None = None) -> Sample:
     """The first encoded-audio field (``wav``, ``flac``, ...) decoded into ``audio`` and
-    ``sample_rate``; a sample without audio raises InputError (reason ``no_audio``)."""
+    ``sample_rate``, cut to its ``segment`` (``{"start": s, "end": s}``, from a raw list) when
+    it has one; a sample without audio raises InputError (reason ``no_audio``)."""
     name = next((k for k, v in sample.fields.items() if isinstance(v, AudioBytes)), None)
     if name is None:
         if AUDIO in sample.fields:
             return sample
         raise InputError(
-            _where(sample),
+            sample.where(),
             "no_audio",
             f"the sample has no audio field (it has: {', '.join(sorted(sample.fields)) or 'nothing'}).",
             "read shards that hold audio (wav, flac, ...), or drop the audio options.",
         )
-    audio = decode_audio(sample.fields.pop(name).data, _where(sample), channel)
+    audio = decode_audio(sample.fields.pop(name).data, sample.where(), channel)
+    segment = sample.fields.pop(SEGMENT, None)
+    if segment is not None:
+        audio = cut(audio, float(segment["start"]), float(segment["end"]), sample.where())
     sample.fields[AUDIO] = audio.samples
     sample.fields[SAMPLE_RATE] = audio.sample_rate
     return sample
@@ -128,18 +130,26 @@ def speed(sample: Sample, factor: float) -> Sample:
     return sample
 
 
-def to_fbank(sample: Sample, options: FbankOptions, rng: np.random.Generator | None) -> Sample:
-    rate = sample.fields[SAMPLE_RATE]
+def audio_fbank(
+    samples: np.ndarray, rate: int, options: FbankOptions, where: Where, rng: np.random.Generator | None = None
+) -> np.ndarray:
+    """Kaldi fbank of float ``samples`` in [-1, 1] at ``rate``, which must be the rate the
+    options are set for (else InputError, reason ``sample_rate_mismatch``): the one function
+    behind pack-time and on-the-fly fbank."""
     if rate != options.sample_rate:
         raise InputError(
-            _where(sample),
+            where,
             "sample_rate_mismatch",
             f"the audio is at {rate} Hz where fbank is set for {options.sample_rate:g} Hz.",
             f"pass {option('resample_to', int(options.sample_rate))}.",
         )
+    return fbank(samples * KALDI_SCALE, options, rng if options.dither > 0 else None)
+
+
+def to_fbank(sample: Sample, options: FbankOptions, rng: np.random.Generator | None) -> Sample:
     audio = sample.fields.pop(AUDIO)
-    del sample.fields[SAMPLE_RATE]
-    sample.fields[FEATS] = fbank(audio * KALDI_SCALE, options, rng if options.dither > 0 else None)
+    rate = sample.fields.pop(SAMPLE_RATE)
+    sample.fields[FEATS] = audio_fbank(audio, rate, options, sample.where(), rng)
     return sample
 
 
@@ -166,7 +176,7 @@ class Cmvn:
         feats = sample.fields[FEATS]
         if feats.shape[1] != len(self.mean):
             raise InputError(
-                _where(sample),
+                sample.where(),
                 "dim_mismatch",
                 f"the features have {feats.shape[1]} dimensions, the CMVN statistics {len(self.mean)}.",
             )

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, Where
+from ..errors import InputError
 from .batching import Batch
 from .sample import Sample
 
@@ -128,7 +128,7 @@ def _padded(rule: FieldRule, values: list[Any], samples: Sequence[Sample]) -> _C
     for sample, value in zip(samples, values):
         if value is not None and value.shape[1:] != trailing:
             raise InputError(
-                Where(f"shard {sample.shard}", None, sample.key),
+                sample.where(),
                 "shape_mismatch",
                 f"field {rule.field!r} is {value.shape} where other samples of the batch have {('T', *trailing)}.",
                 "pack or select samples of one kind together.",

@@ -151,7 +151,7 @@ class LoaderConfig:
             raise ConfigError(f"features must be 'fbank' or None, got {self.features!r}.")
         try:
             fbank = FbankOptions(
-                sample_rate=float(self.resample_to or 16000),
+                sample_rate=float(self.resample_to or FbankOptions.sample_rate),
                 num_mel_bins=self.num_mel_bins,
                 frame_length_ms=self.frame_length_ms,
                 frame_shift_ms=self.frame_shift_ms,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import InputError, Where
+from ..errors import InputError
 from .sample import Sample
 
 
@@ -29,7 +29,7 @@ class Length:
             return len(sample.fields[self.field])
         except KeyError:
             raise InputError(
-                Where(f"shard {sample.shard}", None, sample.key),
+                sample.where(),
                 "missing_field",
                 f"the sample has no {self.field!r} field to measure its length in {self.unit} "
                 f"(it has: {', '.join(sorted(sample.fields)) or 'nothing'}).",

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..errors import ShardError, SkipCounter
-from ..formats.tar import SampleStream, skip_samples
+from ..formats.streams import AnyStream, open_samples, skip_samples
 from .base import Stage, State
 from .sample import Sample
 from .shards import MAIN, ShardTable, Unit
@@ -40,10 +40,10 @@ class _OpenUnit:
         self.unit = unit
         self.sets = [name for name, _ in files]
         self.expected = expected  # samples the shard's index promises, when indexed
-        self.streams: list[SampleStream] = []
+        self.streams: list[AnyStream] = []
         try:
             for (_, path), offset in zip(files, offsets):
-                self.streams.append(SampleStream(path, offset, ordinal, read_ahead=read_ahead))
+                self.streams.append(open_samples(path, offset, ordinal, read_ahead=read_ahead))
         except BaseException:
             self.close()
             raise
@@ -87,9 +87,9 @@ class _OpenUnit:
                 for part in parts:
                     fields.update(part.fields)  # type: ignore[union-attr]
                 offsets = tuple((name, part.offset) for name, part in zip(self.sets, parts))  # type: ignore[union-attr]
-                return Sample(first.key, fields, unit.shard, first.ordinal, offsets)
+                return Sample(first.key, fields, unit.shard, first.ordinal, offsets, self.streams[0].path)
 
-    def _next_of_one(self, unit: Unit, stream: SampleStream) -> Sample | None:
+    def _next_of_one(self, unit: Unit, stream: AnyStream) -> Sample | None:
         """``next_sample`` when one field file is read (the common case, kept short)."""
         while True:
             if unit.stop is not None and stream.ordinal >= unit.stop:
@@ -99,7 +99,9 @@ class _OpenUnit:
                 self._check_end([None])
                 return None
             if part.ordinal >= unit.start and (part.ordinal - unit.start) % unit.step == 0:
-                return Sample(part.key, part.fields, unit.shard, part.ordinal, ((self.sets[0], part.offset),))
+                return Sample(
+                    part.key, part.fields, unit.shard, part.ordinal, ((self.sets[0], part.offset),), stream.path
+                )
 
     def _check_end(self, parts: list) -> None:
         for stream, part in zip(self.streams, parts):

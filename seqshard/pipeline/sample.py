@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import Where
+
 
 @dataclass
 class Sample:
@@ -22,6 +24,12 @@ class Sample:
     shard: int = -1
     ordinal: int = -1
     offsets: tuple[tuple[str, int], ...] = ()
+    source: str = ""  # the shard file it was read from, for messages
+
+    def where(self) -> Where:
+        """Where the sample came from, for an error about it: shard file, position and key."""
+        shard = self.source or f"shard {self.shard}"
+        return Where(f"{shard} sample {self.ordinal}", None, self.key)
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]

@@ -22,9 +22,10 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..formats.index import merge_histograms
-from ..formats.patterns import Patterns
+from ..formats.lists import count_lines
+from ..formats.patterns import Patterns, is_list_name
 from ..formats.selection import MissingShard, select_shards
-from ..formats.tar import first_sample_fields
+from ..formats.streams import first_sample_fields
 from .base import SEED_PLAN, stage_rng
 
 _LOG = logging.getLogger("seqshard")
@@ -83,16 +84,21 @@ class ShardTable:
                 (name, fs.fields) for name, fs in (index.field_sets.items() if index else [])
             ]:
                 field_sets.setdefault(name, {}).update(dict.fromkeys(suffixes))
-            if index is not None and any(index.entry(p.name) is None for p in paths):
+            unindexed = [
+                p for p in paths if not is_list_name(p.name) and (index is None or index.entry(p.name) is None)
+            ]
+            if index is not None and unindexed:
                 _LOG.warning(
                     "%s: %d selected shard(s) are not in its index.json and are read without its facts (a copy, or "
                     "added after the index? run `seqshard index` on the folder)",
                     folder,
-                    sum(index.entry(p.name) is None for p in paths),
+                    len(unindexed),
                 )
             for path in paths:
                 entry = index.entry(path.name) if index else None
-                if entry is None:
+                if is_list_name(path.name):  # a raw list, read as a shard of its lines
+                    shards.append(ShardInfo(str(path), path.stat().st_size, count_lines(path)))
+                elif entry is None:
                     shards.append(ShardInfo(str(path), path.stat().st_size, escaped_keys=escaped))
                 else:
                     sidecars = tuple((name, str(folder / car.name)) for name, car in sorted(entry.sidecars.items()))

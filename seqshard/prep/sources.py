@@ -286,6 +286,7 @@ class AudioSource:
                     "pipe_refused",
                     f"the entry is a shell command ({location.path!r}); seqshard does not run commands found in data.",
                     f"run the command yourself, or pass {option('allow_pipes')} to run it.",
+                    skippable=False,  # running data as commands is the user's call, not a bad-data skip
                 )
 
         if not self.segment_files:
@@ -442,15 +443,15 @@ class _AudioReader:
         return [(encoded_as, [data])], frames
 
     def _fbank(self, audio: Audio, where: Where) -> tuple[Members, int]:
-        from ..features.fbank import FbankOptions, fbank
-        from ..pipeline.audio import KALDI_SCALE, resample
+        from ..features.fbank import FbankOptions
+        from ..pipeline.audio import audio_fbank, resample
 
         options = self.options
         rate = options.resample_to or audio.sample_rate
-        samples = resample(audio.samples, audio.sample_rate, rate)
-        features = fbank(
-            samples * KALDI_SCALE, FbankOptions(sample_rate=float(rate), num_mel_bins=options.num_mel_bins)
+        fbank_options = FbankOptions(
+            sample_rate=float(options.resample_to or FbankOptions.sample_rate), num_mel_bins=options.num_mel_bins
         )
+        features = audio_fbank(resample(audio.samples, audio.sample_rate, rate), rate, fbank_options, where)
         if len(features) == 0:
             raise InputError(where, "zero_length", "the audio is shorter than one 25 ms frame.", "remove it.")
         features = checked_features(features, options.dtype, where)

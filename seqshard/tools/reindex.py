@@ -67,7 +67,10 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
                 raise ConfigError(f"{shard} is damaged, not indexing it: {'; '.join(scan.problems)}")
             entries[shard.name] = scan.entry
             fields.update(dict.fromkeys(scan.fields))
-            if scan.feature_field:
+            if scan.audio:  # lengths are durations in 10 ms frames, as a pack of audio records
+                feature.setdefault("field", "audio")
+                feature.setdefault("kind", "audio")
+            elif scan.feature_field:
                 feature.setdefault("field", scan.feature_field)
                 feature.setdefault("dim", scan.dim)
                 feature.setdefault("dtype", scan.dtype)
@@ -75,8 +78,7 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
         feature.setdefault("frame_shift_ms", 10.0)
         if feature["field"] is None:
             _LOG.warning(
-                "%s: the shards hold no feature field (.npy array): frame counts and hours are unknown "
-                "(audio shards are not measured yet)",
+                "%s: the shards hold no feature field (.npy array) and no audio: frame counts and hours are unknown",
                 folder,
             )
         field_sets = _keep_field_sets(folder, previous, entries)

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ShardError
+from ..formats.audio import audio_seconds
+from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.index import ShardEntry, length_bin
+from ..formats.lists import SEGMENT_FIELD
 from ..formats.npy import decode_npy
-from ..formats.tar import SampleStream
+from ..formats.streams import open_samples
 
 CHUNK = 8 << 20
 
@@ -25,6 +29,7 @@ class ShardScan:
     problems: list[str] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)  # in file order
     fields: list[str] = field(default_factory=list)  # member suffixes seen, in first-seen order
+    audio: bool = False  # lengths are audio durations in 10 ms frames
 
 
 def file_crc32(path: Path) -> tuple[int, int]:
@@ -39,14 +44,15 @@ def file_crc32(path: Path) -> tuple[int, int]:
 
 
 def scan_shard(path: Path, feature_field: str | None = None) -> ShardScan:
-    """Read every member of ``path``; frames come from the first ``.npy`` field found (or
-    ``feature_field``). Damage is reported in ``problems``, never raised."""
+    """Read every member of ``path`` (a shard, or a raw list and its audio); lengths come from
+    the first ``.npy`` field found, else the first audio field (or ``feature_field``). Damage
+    is reported in ``problems``, never raised."""
     crc, size = file_crc32(path)
     scan = ShardScan(ShardEntry(path.name, 0, 0, size, f"crc32:{crc:08x}"), feature_field)
     keys_seen: set[str] = set()
     try:
-        with SampleStream(path) as stream:
-            for sample in stream:
+        with open_samples(path) as stream:
+            while (sample := stream.next_sample()) is not None:
                 scan.entry.num_utts += 1
                 if sample.key in keys_seen:
                     scan.problems.append(f"key {sample.key!r} appears in two separate runs of members")
@@ -63,26 +69,41 @@ def scan_shard(path: Path, feature_field: str | None = None) -> ShardScan:
 
 def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes | memoryview]) -> None:
     if scan.feature_field is None:
-        scan.feature_field = next((name for name in fields if name.endswith("npy")), None)
+        scan.feature_field = next((name for name in fields if name.endswith("npy")), None) or next(
+            (name for name in fields if name in AUDIO_EXTENSIONS), None
+        )
     data = fields.get(scan.feature_field) if scan.feature_field else None
     if data is not None:
         try:
-            array = decode_npy(data)
+            frames = _frames(scan, data, fields.get(SEGMENT_FIELD))
         except ValueError as error:
             scan.problems.append(f"{key}.{scan.feature_field}: {error}")
             return
-        if array.ndim >= 1:
-            frames = int(array.shape[0])
+        if frames is not None:
             entry = scan.entry
             entry.min_frames = frames if entry.min_frames is None else min(entry.min_frames, frames)
             entry.max_frames = frames if entry.max_frames is None else max(entry.max_frames, frames)
             scan.entry.num_frames += frames
             bin_ = length_bin(frames)
             scan.entry.length_hist[bin_] = scan.entry.length_hist.get(bin_, 0) + 1
-            if array.ndim == 2 and scan.dim is None:
-                scan.dim, scan.dtype = int(array.shape[1]), str(array.dtype)
     if "txt" in fields:
         try:
             str(fields["txt"], "utf-8")
         except UnicodeDecodeError:
             scan.problems.append(f"{key}.txt: not valid UTF-8")
+
+
+def _frames(scan: ShardScan, data: bytes | memoryview, segment: bytes | memoryview | None) -> int | None:
+    """The sample's length: rows of its feature array, or its audio's duration in 10 ms
+    frames (from the audio header; a raw list's ``start``/``end`` when cut)."""
+    if scan.feature_field in AUDIO_EXTENSIONS:
+        seconds = audio_seconds(data)
+        if segment is not None:
+            cut = json.loads(bytes(segment))
+            seconds = (seconds if cut["end"] < 0 else min(cut["end"], seconds)) - cut["start"]
+        scan.audio = True
+        return round(seconds * 100)
+    array = decode_npy(data)
+    if array.ndim == 2 and scan.dim is None:
+        scan.dim, scan.dtype = int(array.shape[1]), str(array.dtype)
+    return int(array.shape[0]) if array.ndim >= 1 else None

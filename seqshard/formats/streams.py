@@ -1,0 +1,61 @@
+"""Sample streams over what the loader reads: tar shards, and WeNet raw lists read as shards.
+
+Both have the same interface (``next_sample()``, ``resume_offset``, ``ordinal``,
+``ended_cleanly``), so planning, splitting, skipping and resuming treat them alike.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import ShardError
+from .lists import ListSampleStream
+from .patterns import is_list_name
+from .tar import SampleStream
+
+AnyStream = SampleStream | ListSampleStream
+
+
+def open_samples(
+    path: str | Path, start: int = 0, ordinal: int = 0, read_data: bool = True, read_ahead: bool = True
+) -> AnyStream:
+    """A sample stream over a shard (or a raw list), from byte ``start`` (sample ``ordinal``)."""
+    if is_list_name(str(path)):
+        return ListSampleStream(path, start, ordinal, read_data=read_data)
+    return SampleStream(path, start, ordinal, read_data=read_data, read_ahead=read_ahead)
+
+
+def skip_samples(path: str | Path, count: int) -> tuple[int, int]:
+    """Offset of the ``count``-th sample, found by reading headers only (lines of a list).
+
+    Returns ``(offset, ordinal)`` to pass to :func:`open_samples`; the ordinal is smaller than
+    ``count`` when there are fewer samples.
+    """
+    if count == 0:
+        return 0, 0
+    with open_samples(path, read_data=False) as stream:
+        for _ in range(count):
+            if stream.next_sample() is None:
+                break
+        return stream.resume_offset, stream.ordinal
+
+
+def count_samples(path: str | Path) -> int:
+    """How many samples a shard (or list) holds, found by reading its headers only."""
+    with open_samples(path, read_data=False) as stream:
+        while stream.next_sample() is not None:
+            pass
+        return stream.ordinal
+
+
+def first_sample_fields(path: str | Path) -> list[str]:
+    """Member suffixes of the first sample (empty for an empty or unreadable shard: reading
+    it later reports the damage)."""
+    try:
+        with open_samples(path, read_data=False) as stream:
+            sample = stream.next_sample()
+    except ShardError:
+        return []
+    if sample is None:
+        return []
+    return list(sample.fields) or ["wav", "txt"]  # a list's samples are only named when read
