@@ -248,3 +248,26 @@ def test_ranks_given_other_shards_are_told_so(tmp_path):
     logs = [p.stdout.read().decode(errors="replace") for p in processes]
     assert all(p.returncode != 0 for p in processes)
     assert any("rank(s) [1] made their loader with other shards or options than rank 0" in log for log in logs), logs
+
+
+@pytest.mark.parametrize("source", ["shards", "data.list"])
+def test_audio_with_fbank_and_speed_perturbation_over_three_ranks(tmp_path, source):
+    from conftest import write_audio_dir
+    from seqshard import pack_data
+
+    data = write_audio_dir(tmp_path / "d", utts=24, seconds=(0.3, 0.8))
+    if source == "shards":
+        pack_data(None, data.text, tmp_path / "shards", wav_scp=data.wav_scp, utts_per_file=4, progress=False)
+        pattern = str(tmp_path / "shards")
+    else:
+        lines = [json.dumps({"key": k, "wav": str(data.root / f"{k}.wav"), "txt": data.labels[k]}) for k in data.keys]
+        pattern = str(tmp_path / "data.list")
+        Path(pattern).write_text("\n".join(lines) + "\n")
+    options = dict(batch_size=2, num_workers=2, features="fbank", num_mel_bins=DIM, speed_perturb=[0.9, 1.1], seed=2)
+    ranks = run_ranks(3, {"pattern": pattern, "options": options, "epochs": [0]}, tmp_path / "run")
+    seen = [keys_of(r["epochs"][0]) for r in ranks]
+    flat = [k for s in seen for k in s]
+    assert len(flat) == len(set(flat)) and set(flat) <= set(data.keys)
+    assert len({len(r["epochs"][0]["steps"]) for r in ranks}) == 1  # every rank stops at the same step
+    summary = ranks[0]["epochs"][0]["summary"]["ranks"]
+    assert sum(s["left"] for s in summary) + len(flat) == 24

@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import ConfigError
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-LIST_SUFFIXES = (".list",)  # WeNet lists: of shards, or of raw samples (see formats/lists.py)
+LIST_SUFFIXES = (".list", ".scp")  # WeNet lists and Kaldi wav.scp, read directly (see formats/lists.py)
 FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
 
 Patterns = str | Path | Sequence[str | Path]

@@ -23,7 +23,7 @@ from ..errors import ConfigError, InputError, Where, option
 from ..features.fbank import FbankOptions, fbank
 from ..formats.audio import cut, decode_audio
 from ..formats.fields import AudioBytes, field_name
-from ..formats.lists import SEGMENT_FIELD
+from ..formats.lists import READ_ERROR_FIELD, SEGMENT_FIELD
 from .base import (
     SEED_DITHER,
     SEED_NOISE,
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .shards import ShardTable
 
 AUDIO, SAMPLE_RATE, FEATS = "audio", "sample_rate", "feats"
-SEGMENT = field_name(SEGMENT_FIELD)
+SEGMENT, READ_ERROR = field_name(SEGMENT_FIELD), field_name(READ_ERROR_FIELD)
 KALDI_SCALE = 32768.0  # Kaldi's features work on int16-scale samples
 
 
@@ -77,7 +77,7 @@ class AudioOptions:
     noise: Any = None  # patterns of noise shards
     noise_snr: tuple[float, float] = (5.0, 20.0)
     noise_prob: float = 1.0
-    cmvn: str | None = None  # a file written by `seqshard cmvn`
+    cmvn: Cmvn | None = None  # from a file written by `seqshard cmvn`
     spec_augment: SpecAugmentOptions | None = None
     channel: int | None = None
 
@@ -90,6 +90,9 @@ def decode(sample: Sample, channel: int | None = None) -> Sample:
     if name is None:
         if AUDIO in sample.fields:
             return sample
+        if READ_ERROR in sample.fields:  # a list's audio file that could not be read
+            reason, problem, fix = sample.fields[READ_ERROR].split("\t", 2)
+            raise InputError(sample.where(), reason, problem, fix or None)
         raise InputError(
             sample.where(),
             "no_audio",
@@ -285,8 +288,8 @@ def signal_stages(source: Stage[Sample], reader: Reader, options: AudioOptions, 
         if options.features == "fbank":
             fbank_options = options.fbank
             stage = Map(stage, lambda s: to_fbank(s, fbank_options, reader.sample_rng(SEED_DITHER, s)), skip)
-    if options.cmvn:
-        stage = Map(stage, Cmvn.load(options.cmvn).apply, skip)
+    if options.cmvn is not None:
+        stage = Map(stage, options.cmvn.apply, skip)
     if options.spec_augment is not None:
         masks = options.spec_augment
 

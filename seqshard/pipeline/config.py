@@ -8,7 +8,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..features.fbank import FbankOptions
-from .audio import AudioOptions, SpecAugmentOptions
+from .audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .batching import BatchCost, FixedSize, LengthBudget
 from .filters import LengthLimits
 
@@ -187,7 +187,7 @@ class LoaderConfig:
             self.noise,
             tuple(self.noise_snr),
             self.noise_prob,
-            self.cmvn,
+            Cmvn.load(self.cmvn) if self.cmvn else None,
             spec,
             self.channel,
         )
