@@ -315,3 +315,12 @@ def _feature_shards(tmp_path):
     data = write_kaldi_dir(tmp_path / "k", speakers=1, per_speaker=2)
     pack_data(data.scp, data.text, tmp_path / "fs", progress=False)
     return tmp_path / "fs"
+
+
+def test_a_list_with_a_pipe_is_refused_even_with_skip_bad(tmp_path):
+    marker = tmp_path / "ran"
+    (tmp_path / "wav.scp").write_text(f"p touch {marker}; cat x.wav |\n")
+    for skip_bad in (False, True):
+        with pytest.raises(InputError, match="does not run commands found in data"):
+            list(make_loader(tmp_path / "wav.scp", batch_size=1, num_workers=0, skip_bad=skip_bad))
+    assert not marker.exists()

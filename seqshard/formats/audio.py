@@ -88,6 +88,28 @@ def read_location(location: WavLocation, where: Where, allow_pipes: bool = False
         ) from None
 
 
+def header_seconds(location: WavLocation, where: Where) -> float | None:
+    """The duration a file's header gives, read without decoding the audio; None for pipes,
+    for formats whose headers only estimate it (MP3, OGG) and for anything unreadable (the
+    full read reports that)."""
+    import soundfile
+
+    if location.is_pipe:
+        return None
+    try:
+        if location.offset is None:
+            info = soundfile.info(location.path)
+        else:
+            with open(location.path, "rb") as stream:
+                stream.seek(location.offset)
+                info = soundfile.info(io.BytesIO(_riff_blob(stream, location, where)))
+    except (OSError, RuntimeError, InputError):
+        return None
+    if info.format in ESTIMATED_LENGTH_FORMATS or info.samplerate <= 0:
+        return None
+    return info.frames / info.samplerate
+
+
 def _riff_blob(stream: io.BufferedReader, location: WavLocation, where: Where) -> bytes:
     header = stream.read(8)
     if header[:4] != b"RIFF" or len(header) < 8:

@@ -117,6 +117,14 @@ class ListSampleStream:
         elif location.offset is not None:
             location = WavLocation(str(resolve(location.path, Path(self.path))), location.offset)
         where = Where(self.path, self.ordinal + 1, str(record["key"]))
+        if location.is_pipe:
+            raise InputError(
+                where,
+                "pipe_refused",
+                f"the entry is a shell command ({location.path!r}); the loader does not run commands found in data.",
+                "pack it with `seqshard pack --wav-scp ... --allow-pipes`, or write the audio to files.",
+                skippable=False,
+            )
         try:
             return {location.format: read_location(location, where)}
         except InputError as error:

@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import InputError, SkipCounter, Where, option
-from ..formats.audio import Audio, cut, decode_audio, encode, parse_wav_location, read_location
+from ..formats.audio import (
+    Audio,
+    cut,
+    decode_audio,
+    encode,
+    header_seconds,
+    parse_wav_location,
+    read_location,
+)
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import key_problem
 from ..formats.npy import npy_parts
@@ -308,34 +316,39 @@ class AudioSource:
         self, table: KeyTable, keep: np.ndarray, drops: SkipCounter, issues: SkipCounter, progress: Progress
     ) -> np.ndarray:
         """Length per row in 10 ms frames (-1: unreadable): from ``segments`` when they say
-        where a segment ends, else ``utt2dur`` (next to the wav.scp), else the audio."""
+        where a segment ends, else ``utt2dur`` (next to the wav.scp), else the audio file's
+        header, else the decoded audio (pipes, MP3, segments to the end of a recording)."""
         frames = (
             _lengths_from(_beside(self.wav_files, DURATIONS_FILE), table, issues, seconds=True)
             if not self.segment_files
             else np.full(len(table), -1, dtype=np.int32)
         )
-        missing = []
-        for row in np.flatnonzero(keep & (frames < 0)):
-            key, value = table.record(int(row))
-            if self.segment_files:
-                segment = _parse_segment(value, table.where(int(row), key))
-                if segment.end >= 0:
-                    frames[row] = round((segment.end - segment.start) * 100)
-                    continue
-            missing.append(int(row))
-        if missing:
-            advance = progress("read audio headers", len(missing)) if progress else None
-            with _AudioReader(self, None, 0) as reader:
-                for row in missing:
-                    key, value = table.record(row)
-                    where = table.where(row, key)
-                    try:
-                        frames[row] = round(reader.audio(key, value, where).seconds * 100)
-                    except InputError as error:
-                        drops(error)
-                    if advance:
-                        advance(1)
+        rows = np.flatnonzero(keep & (frames < 0))
+        advance = progress("read audio lengths", len(rows)) if progress and len(rows) else None
+        with _AudioReader(self, None, 0) as reader:
+            for row in map(int, rows):
+                key, value = table.record(row)
+                where = table.where(row, key)
+                try:
+                    frames[row] = self._length(reader, key, value, where)
+                except InputError as error:
+                    drops(error)
+                if advance:
+                    advance(1)
         return frames
+
+    def _length(self, reader: _AudioReader, key: str, value: str, where: Where) -> int:
+        """One utterance's length in 10 ms frames, decoding its audio only when no header or
+        segment end says it."""
+        if self.segment_files:
+            segment = _parse_segment(value, where)
+            if segment.end >= 0:
+                return round((segment.end - segment.start) * 100)
+        else:
+            seconds = header_seconds(parse_wav_location(value, self._root()), where)
+            if seconds is not None:
+                return round(seconds * 100)
+        return round(reader.audio(key, value, where).seconds * 100)
 
     def dim(self, plan: PackPlan) -> int:
         return self.options.num_mel_bins if self.options.features == "fbank" else 0
