@@ -35,9 +35,9 @@ import soundfile
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
-from fbank import knf_frames  # noqa: E402 (bench/fbank.py: the same bare-loop baseline)
+from fbank import knf_frames  # bench/fbank.py: the same bare-loop baseline
 
-from seqshard import make_loader, pack_data  # noqa: E402
+from seqshard import make_loader, pack_data
 
 RATE = 16000
 SPEECH = Path(__file__).parent.parent / "tests" / "realdata" / "audio"
@@ -69,9 +69,7 @@ def make_corpus(root: Path, minutes: float, seed: int = 0) -> tuple[Path, Path, 
 
 def knf_loop(wav_scp: Path) -> float:
     """Seconds for the bare kaldi-native-fbank loop over every utterance (decoding not timed)."""
-    waves = [
-        soundfile.read(line.split()[1], dtype="float32")[0] * 32768 for line in wav_scp.read_text().splitlines()
-    ]
+    waves = [soundfile.read(line.split()[1], dtype="float32")[0] * 32768 for line in wav_scp.read_text().splitlines()]
     started = time.perf_counter()
     for wave in waves:
         knf_frames(wave)

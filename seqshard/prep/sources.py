@@ -303,7 +303,7 @@ class AudioSource:
             return table
         # a bad recording line is counted through its segments, dropped as no_recording
         self.recordings = KeyTable.scan(
-            self.wav_files, SkipCounter(self.options.skip_bad), needs_value=True, check=check_wav
+            self.wav_files, SkipCounter(self.options.skip_bad), needs_value=True, check=check_wav, progress=progress
         )
 
         def check_segment(key: str, value: str, where: Where) -> None:
