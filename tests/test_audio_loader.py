@@ -34,6 +34,23 @@ def _masked(batch, name="feats"):
     return [value[:length].numpy() for value, length in zip(batch[name], lengths)]
 
 
+def _assert_resumes_to(full, shards, options, name, epoch=0, cut=2):
+    """A loader stopped after ``cut`` batches, its state saved and loaded into a new loader,
+    gives the batches ``full`` (those of an uninterrupted epoch), values included."""
+    loader = make_loader(shards, **options)
+    loader.set_epoch(epoch)
+    iterator = iter(loader)
+    head = [next(iterator) for _ in range(cut)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator
+    resumed = make_loader(shards, **options)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(epoch)
+    for a, b in zip(head + list(resumed), full, strict=True):
+        assert a["keys"] == b["keys"]
+        torch.testing.assert_close(a[name], b[name])
+
+
 def _all(loader, epoch=0):
     loader.set_epoch(epoch)
     return [batch for batch in loader]
@@ -144,18 +161,7 @@ def test_noise_from_its_own_shards_at_the_snr_range_and_resumable(tmp_path, audi
         for batch in make_loader(shards, **{**options, "noise_prob": 0.0})
         for a, b in zip(_masked(batch, "audio"), (clean[k] for k in batch["keys"]))
     )
-    # a state saved mid-epoch gives the same noisy batches after it
-    loader = make_loader(shards, **options)
-    iterator = iter(loader)
-    head = [next(iterator) for _ in range(2)]
-    state = json.loads(json.dumps(loader.state_dict()))
-    del iterator
-    resumed = make_loader(shards, **options)
-    resumed.load_state_dict(state)
-    rest = list(resumed)
-    assert [b["keys"] for b in head + rest] == [b["keys"] for b in noisy]
-    for a, b in zip(head + rest, noisy):
-        torch.testing.assert_close(a["audio"], b["audio"])
+    _assert_resumes_to(noisy, shards, options, "audio")
 
 
 def test_spec_augment_masks_stay_in_bounds_and_repeat_with_the_seed():
@@ -180,18 +186,7 @@ def test_spec_augment_in_the_loader_is_seeded_and_resumes(audio_shards, num_work
     options = dict(batch_size=3, num_workers=num_workers, features="fbank", spec_augment=True, seed=4, **SMALL)
     full = _all(make_loader(shards, **options), 1)
     assert any((f == 0).all(axis=0).any() for b in full for f in _masked(b))  # some band is masked
-    loader = make_loader(shards, **options)
-    loader.set_epoch(1)
-    iterator = iter(loader)
-    head = [next(iterator) for _ in range(2)]
-    state = json.loads(json.dumps(loader.state_dict()))
-    del iterator
-    resumed = make_loader(shards, **options)
-    resumed.load_state_dict(state)
-    resumed.set_epoch(1)
-    for a, b in zip(head + list(resumed), full, strict=True):
-        assert a["keys"] == b["keys"]
-        torch.testing.assert_close(a["feats"], b["feats"])
+    _assert_resumes_to(full, shards, options, "feats", epoch=1)
 
 
 def test_cmvn_command_and_option_normalise_the_features(audio_shards, tmp_path, capsys):
