@@ -18,6 +18,7 @@ run is finished and exits. Runs on CPU (gloo) or GPU (nccl), under torchrun or a
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -95,6 +96,9 @@ def main() -> int:
     try:
         return train(args, cuda)
     finally:
+        # Free what still holds the process group (DDP's reducer, the loader's workers) while
+        # the interpreter is whole: gloo's threads torn down at interpreter exit can abort.
+        gc.collect()
         dist.destroy_process_group()
 
 
