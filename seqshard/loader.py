@@ -22,6 +22,7 @@ from .dist import Collectives, DistContext, discover
 from .errors import ConfigError, StateMismatchError
 from .formats.patterns import Patterns
 from .formats.selection import missing_error
+from .mix import Mux
 from .pipeline import checkpoint
 from .pipeline.accounts import EpochAccounts
 from .pipeline.collate import to_tensors
@@ -29,6 +30,7 @@ from .pipeline.config import LoaderConfig
 from .pipeline.epochs import BucketSync, epoch_end, epoch_length
 from .pipeline.labels import LabelOverride, Tokenizer, make_tokenizer
 from .pipeline.merge import MergedStream, RankPosition
+from .pipeline.mixing import MixSetup, mixed_table
 from .pipeline.protocol import BatchItem, ErrorItem, Item
 from .pipeline.recipe import check_transforms
 from .pipeline.setup import make_setup
@@ -41,7 +43,7 @@ MAX_SLOT_BYTES = 64 << 20
 
 
 def make_loader(
-    patterns: Patterns,
+    patterns: Patterns | Mux,
     tokenizer: str | Path | Tokenizer | None = None,
     *,
     labels: str | Path | Sequence[str | Path] | None = None,
@@ -68,7 +70,12 @@ def make_loader(
     ``strip_spaces``, ``pad_label``), workers (``num_workers``, ``prefetch_factor``,
     ``persistent_workers``, ``pin_memory``), bad data (``skip_bad``), and epochs across
     ranks (``uneven`` = ``"stop"``, ``"repeat"`` or ``"join"``; ``epoch_steps`` or
-    ``epoch_hours``; ``bucket_sync``).
+    ``epoch_hours``; ``bucket_sync``), audio (``features``, ``resample_to``, ...: README).
+
+    ``patterns`` may be a :func:`seqshard.mux` of patterns (nested muxes too): each source is
+    an endless stream of its own shards, mixed by weights or temperature; the stream goes on
+    across epochs, an epoch being ``epoch_steps``, ``epoch_hours`` or ``epoch_source`` (one
+    pass's worth of that source's utterances).
     """
     unknown = set(options) - set(LoaderConfig.option_names())
     if unknown:
@@ -81,8 +88,24 @@ def make_loader(
         if options.get(name) is not None and not isinstance(options[name], str):
             options[name] = tuple(options[name])
     check_transforms(options.get("transforms", ()))
+    mix = None
+    if isinstance(patterns, Mux):
+        if options.get("uneven", "repeat") != "repeat":
+            raise ConfigError(
+                "a mux is an endless stream of its sources: its epochs are cut by epoch_steps, epoch_hours or "
+                f"epoch_source, not by uneven={options['uneven']!r}."
+            )
+        options["uneven"] = "repeat"
+        if all(options.get(n) is None for n in ("epoch_steps", "epoch_hours", "epoch_source")):
+            raise ConfigError(
+                "a mux never runs out: give epoch_steps, epoch_hours or epoch_source (one pass's worth of one source)."
+            )
+        table, mix = mixed_table(patterns)
+    elif options.get("epoch_source") is not None:
+        raise ConfigError("epoch_source is for mixed sources (make_loader(seqshard.mux([...]), ...)).")
     config = LoaderConfig(**options)
-    table = ShardTable.from_patterns(patterns)
+    if mix is None:
+        table = ShardTable.from_patterns(patterns)
     if table.missing:
         if not config.skip_bad:
             raise missing_error(table.missing)
@@ -94,7 +117,9 @@ def make_loader(
     if not table.shards:
         raise ConfigError("none of the selected shards exists (all are missing).")
     override = LabelOverride(labels) if labels is not None else None
-    return ShardLoader(table, config, discover(rank, world_size), make_tokenizer(tokenizer, config.split), override)
+    return ShardLoader(
+        table, config, discover(rank, world_size), make_tokenizer(tokenizer, config.split), override, mix
+    )
 
 
 class ShardLoader:
@@ -107,17 +132,21 @@ class ShardLoader:
         context: DistContext,
         tokenizer: Tokenizer | None,
         override: LabelOverride | None,
+        mix: MixSetup | None = None,
     ):
         self.table = table
         self.config = config
         self.context = context
         self.collectives = Collectives(context)
+        self.mix = mix
         mp_context = _mp_context(config.multiprocessing_context)
-        self._setup = make_setup(table, config, context.rank, context.world_size, tokenizer, override)
+        self._setup = make_setup(table, config, context.rank, context.world_size, tokenizer, override, mix)
         self._setup.slots = _make_slots(table, config, mp_context)
         self._buckets = len(self._setup.bucket_bounds) + 1 if config.bucket_sync else 0
         self._end = epoch_end(config.uneven, self.collectives)
-        self._length = epoch_length(config.epoch_steps, config.epoch_hours, table.frame_shift_ms, self.collectives)
+        self._length = epoch_length(
+            config.epoch_steps, config.epoch_hours, table.frame_shift_ms, self.collectives, _source_rule(config, mix)
+        )
         self._bucket_sync = BucketSync(self._buckets, self.collectives) if config.bucket_sync else None
         self._channel = IterationChannel(mp_context)
         self._iteration = 0
@@ -274,7 +303,7 @@ class ShardLoader:
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
-        return checkpoint.identity(self.table, self.config, self.context.world_size)
+        return checkpoint.identity(self.table, self.config, self.context.world_size, self.mix)
 
     def state_dict(self, gather: bool = True) -> dict[str, Any]:
         """The loader's position: a small JSON-safe dict (no sample data).
@@ -330,7 +359,8 @@ class ShardLoader:
         old_config = checkpoint.saved_config(state, self.config)
         if self._end.continues_stream or old_config.uneven == "repeat":
             raise StateMismatchError(
-                "elastic resume is for epochs that end (uneven='stop' or 'join'), not for uneven='repeat' streams."
+                "elastic resume is for epochs that end (uneven='stop' or 'join'), not for uneven='repeat' streams "
+                "or mixes (seqshard.mux); resume those with the same ranks, workers and options."
             )
         positions = checkpoint.saved_positions(state)
         epoch = positions[0].epoch
@@ -360,6 +390,20 @@ class ShardLoader:
             setup.readers_per_rank,
         )
         return self._fresh_position(epoch, plan[self.context.rank])
+
+
+def _source_rule(config: LoaderConfig, mix: MixSetup | None) -> tuple[int, int] | None:
+    """(source, utterances) of ``epoch_source``: one pass's worth of that source."""
+    if config.epoch_source is None or mix is None:
+        return None
+    source = mix.source_of(config.epoch_source)
+    size = mix.sizes[source]
+    if size is None:
+        raise ConfigError(
+            f"epoch_source {mix.names[source]!r} has shards without an index, so its size is unknown: "
+            "run `seqshard index` on its folder."
+        )
+    return source, size
 
 
 def _unchanged(item: Any) -> Any:

@@ -219,7 +219,7 @@ def test_epoch_steps_and_hours_cut_epochs_in_any_mode_where_they_make_sense(corp
     assert 200 <= frames < 200 + 2 * 60
     with pytest.raises(ConfigError, match="uneven='join' does not"):
         make_loader(corpus.pattern, uneven="join", epoch_hours=1.0)
-    with pytest.raises(ConfigError, match="at most one of epoch_steps or epoch_hours"):
+    with pytest.raises(ConfigError, match="at most one of epoch_steps, epoch_hours or epoch_source"):
         make_loader(corpus.pattern, epoch_steps=3, epoch_hours=1.0)
 
 

@@ -36,7 +36,7 @@ class EpochAccounts:
 
     def stats(self, position: RankPosition, seconds: float) -> dict[str, Any]:
         counters = counters_of(position)
-        return {
+        found = {
             "epoch": position.epoch,
             "steps": position.step,
             "utts": position.utts,
@@ -50,6 +50,28 @@ class EpochAccounts:
             "damaged_shards": counters.get("damaged_shards", 0),
             "missing_shards": len(self.table.missing),
         }
+        if self.setup.mix is not None:
+            found["sources"] = self.source_stats(position)
+        return found
+
+    def source_stats(self, position: RankPosition) -> dict[str, dict[str, Any]]:
+        """Per source of a mix, on this rank: utterances and hours this epoch, utterances since
+        the stream began, and how many passes' worth of the source that is."""
+        mix = self.setup.mix
+        assert mix is not None
+        hours_per_unit = self.table.frame_shift_ms / 3.6e6 if self.setup.length.unit == "frames" else None
+        found = {}
+        for number, name in enumerate(mix.names):
+            utts, length = position.sources[number] if position.sources else (0, 0)
+            total = position.sources_all[number][0] if position.sources_all else 0
+            size = mix.sizes[number]
+            found[name] = {
+                "utts": utts,
+                "hours": length * hours_per_unit if hours_per_unit is not None else None,
+                "utts_total": total,
+                "passes": total / size if size else None,
+            }
+        return found
 
     def judge_unknown_tokens(self, position: RankPosition, final: bool = False) -> None:
         """Warn once when many label tokens are unknown to the tokenizer (a units file of

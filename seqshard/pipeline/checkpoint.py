@@ -18,19 +18,22 @@ from .shards import ShardTable
 STATE_VERSION = 2  # 2: units hold one byte offset per field file; sample fields
 
 
-def identity(table: ShardTable, config: LoaderConfig, world_size: int) -> dict[str, Any]:
-    return {
+def identity(table: ShardTable, config: LoaderConfig, world_size: int, mix: Any = None) -> dict[str, Any]:
+    found = {
         "shards": table.fingerprint(),
         "num_shards": len(table.shards),
         "world_size": world_size,
         "options": config.batch_defining(),
     }
+    if mix is not None:  # the sources of a mux and their shares
+        found["mix"] = [[name, round(share, 12)] for name, share in zip(mix.names, mix.shares)]
+    return found
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """What differs between two identities, in words."""
     found = []
-    for key in ("shards", "num_shards", "world_size"):
+    for key in ("shards", "num_shards", "world_size", "mix"):
         if saved.get(key) != current.get(key):
             found.append(f"{key} was {saved.get(key)!r}, now {current.get(key)!r}")
     for key, value in current["options"].items():

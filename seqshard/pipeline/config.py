@@ -77,6 +77,7 @@ class LoaderConfig:
     uneven: str = "stop"
     epoch_steps: int | None = None
     epoch_hours: float | None = None
+    epoch_source: int | str | None = None
     bucket_sync: bool = False
     num_buckets: int = 8
 
@@ -93,12 +94,17 @@ class LoaderConfig:
             raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}.")
         if self.uneven not in UNEVEN_MODES:
             raise ConfigError(f"uneven must be one of {UNEVEN_MODES}, got {self.uneven!r}.")
-        if self.epoch_steps is not None and self.epoch_hours is not None:
-            raise ConfigError("give at most one of epoch_steps or epoch_hours (the length of an epoch).")
-        if self.uneven == "repeat" and self.epoch_steps is None and self.epoch_hours is None:
+        lengths = [n for n in ("epoch_steps", "epoch_hours", "epoch_source") if getattr(self, n) is not None]
+        if len(lengths) > 1:
+            raise ConfigError(
+                f"give at most one of epoch_steps, epoch_hours or epoch_source (got {', '.join(lengths)})."
+            )
+        if self.uneven == "repeat" and not lengths:
             raise ConfigError(
                 "uneven='repeat' needs epoch_steps or epoch_hours (the epoch length, the same on every rank)."
             )
+        if self.epoch_source is not None and self.uneven != "repeat":
+            raise ConfigError("epoch_source is for mixed sources (make_loader(seqshard.mux([...]), ...)).")
         if self.uneven == "join" and self.epoch_hours is not None:
             raise ConfigError(
                 "epoch_hours counts hours over all ranks, which needs the ranks to talk at each step; "

@@ -7,8 +7,8 @@ The loader combines one of each (see ``ShardLoader._next_item``):
 
 - ``"stop"``: every rank ends the epoch at the step where any rank runs out (one all-reduce
   of one integer per step);
-- ``"repeat"``: readers go round their data again; an epoch is ``epoch_steps`` or
-  ``epoch_hours`` (the stream goes on across epochs);
+- ``"repeat"``: readers go round their data again; an epoch is ``epoch_steps``,
+  ``epoch_hours`` or, for a mix, ``epoch_source`` (the stream goes on across epochs);
 - ``"join"``: each rank reads all of its data with no communication (for torch's ``Join``).
 """
 
@@ -106,13 +106,36 @@ class HoursLimit(EpochLength):
         return frames >= self.frames
 
 
+class SourceRead(EpochLength):
+    """An epoch in which source ``source`` of a mix gave ``utts`` utterances (its size: one
+    pass's worth), summed over all ranks (one all-reduce per step)."""
+
+    def __init__(self, source: int, utts: int, collectives: Collectives):
+        self.source = source
+        self.utts = utts
+        self.collectives = collectives
+
+    def over(self, position: RankPosition) -> bool:
+        mine = position.sources[self.source][0] if position.sources else 0
+        (utts,) = self.collectives.all_sum([mine])
+        return utts >= self.utts
+
+
 def epoch_length(
-    steps: int | None, hours: float | None, frame_shift_ms: float, collectives: Collectives
+    steps: int | None,
+    hours: float | None,
+    frame_shift_ms: float,
+    collectives: Collectives,
+    source: tuple[int, int] | None = None,
 ) -> EpochLength:
+    """The rule for ``epoch_steps``, ``epoch_hours`` or (``source`` = (index, utterances))
+    ``epoch_source``; without any, no cap."""
     if steps is not None:
         return StepLimit(steps)
     if hours is not None:
         return HoursLimit(hours, frame_shift_ms, collectives)
+    if source is not None:
+        return SourceRead(*source, collectives)
     return EpochLength()
 
 

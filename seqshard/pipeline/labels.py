@@ -20,6 +20,7 @@ from .decode import LABEL_FIELD
 from .filters import TOKENS_FIELD
 from .sample import Sample
 
+EOS_UNITS = ("</s>", "<eos>", "<sos/eos>")
 SPACE_UNITS = ("▁", "<space>")
 UNKNOWN_WARN_AFTER = 2000  # tokens seen before the share of unknown tokens is judged
 UNKNOWN_WARN_SHARE = 0.05
@@ -50,6 +51,16 @@ class SentencePieceTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._load().encode(text, out_type=int)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` of each text, in one call into SentencePiece (one thread)."""
+        return self._load().encode(texts, out_type=int, num_threads=1)
+
+    @property
+    def eos_id(self) -> int | None:
+        """The model's end-of-sentence id (None when it has none)."""
+        eos = int(self._load().eos_id())
+        return eos if eos >= 0 else None
 
     @property
     def vocab_size(self) -> int:
@@ -102,6 +113,14 @@ class UnitsTokenizer:
     def _split_of_units(self) -> str:
         plain = [u for u in self.ids if not (u.startswith("<") and u.endswith(">")) and u not in SPACE_UNITS]
         return "char" if all(len(u) == 1 for u in plain) else "word"
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    @property
+    def eos_id(self) -> int | None:
+        """The id of ``</s>``, ``<eos>`` or ``<sos/eos>`` (None when the units have none)."""
+        return next((self.ids[u] for u in EOS_UNITS if u in self.ids), None)
 
     def encode(self, text: str) -> list[int]:
         if self.split == "word":

@@ -47,6 +47,8 @@ class RankPosition:
     padded_frames: int = 0
     completed: bool = False
     plan: list[list[list]] | None = None  # per worker, units replacing the epoch's plan (elastic resume)
+    sources: list[list[int]] = field(default_factory=list)  # per source of a mix: [utts, length] this epoch
+    sources_all: list[list[int]] = field(default_factory=list)  # the same since the stream began
 
     @classmethod
     def fresh(cls, epoch: int, workers: int, buckets: int, plan: list[list[Unit]] | None = None) -> RankPosition:
@@ -81,6 +83,7 @@ class RankPosition:
             0,
             False,
         )
+        moved.sources = [[0, 0] for _ in moved.sources]
         return moved
 
     def worker_request(self) -> list[dict[str, Any]]:
@@ -181,6 +184,16 @@ class MergedStream:
         self.position.utts += item.size
         self.position.frames += item.length
         self.position.padded_frames += item.padded
+        if item.by_source is not None:
+            position = self.position
+            if not position.sources:
+                position.sources = [[0, 0] for _ in item.by_source]
+                position.sources_all = position.sources_all or [[0, 0] for _ in item.by_source]
+            for counts, total, (utts, length) in zip(position.sources, position.sources_all, item.by_source):
+                counts[0] += utts
+                counts[1] += length
+                total[0] += utts
+                total[1] += length
 
     # -- the reservoir (bucket sync) -----------------------------------------------------------
     def reservoir_counts(self) -> list[int]:

@@ -29,6 +29,7 @@ class BatchItem:
     padded: int  # size x longest
     bucket: int = 0
     slot: int | None = None
+    by_source: list[list[int]] | None = None  # [utterances, length] per source of a mix
 
 
 @dataclass

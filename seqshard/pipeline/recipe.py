@@ -69,7 +69,15 @@ class Reader:
     loader's options; :meth:`rng` gives the seeds a stage of the user's must use.
     """
 
-    def __init__(self, setup: WorkerSetup, worker: int, epoch: int, units: list[Unit], read_ahead: bool = True):
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        worker: int,
+        epoch: int,
+        units: list[Unit],
+        read_ahead: bool = True,
+        stream: int | None = None,
+    ):
         self.setup = setup
         self.config = setup.config
         self.table = setup.table
@@ -78,12 +86,14 @@ class Reader:
         self.epoch = epoch
         self.units = units
         self.read_ahead = read_ahead
+        self.stream = stream  # the source of a mix this reader reads (None: no mix)
         self.skip = SkipCounter(True) if self.config.skip_bad else None
 
     @property
-    def seed_position(self) -> tuple[int, int, int]:
-        """(epoch, rank, worker): the position every seed of this reader is derived from."""
-        return (self.epoch, self.rank, self.worker)
+    def seed_position(self) -> tuple[int, ...]:
+        """(epoch, rank, worker), and the source of a mix: the position every seed of this
+        reader is derived from."""
+        return (self.epoch, self.rank, self.worker) + (() if self.stream is None else (self.stream,))
 
     def rng(self, stage_id: int, *more: int) -> np.random.Generator:
         """A generator for stage ``stage_id`` of this reader (use a fixed id per stage, >= 100

@@ -24,11 +24,12 @@ class Sample:
     shard: int = -1
     ordinal: int = -1
     offsets: tuple[tuple[str, int], ...] = ()
-    source: str = ""  # the shard file it was read from, for messages
+    file: str = ""  # the shard file it was read from, for messages
+    stream: int = 0  # which source of a mix (seqshard.mux) it came from
 
     def where(self) -> Where:
         """Where the sample came from, for an error about it: shard file, position and key."""
-        shard = self.source or f"shard {self.shard}"
+        shard = self.file or f"shard {self.shard}"
         return Where(f"{shard} sample {self.ordinal}", None, self.key)
 
     def __getitem__(self, name: str) -> Any:

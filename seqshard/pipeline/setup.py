@@ -18,6 +18,7 @@ from .config import LoaderConfig
 from .fieldplan import FieldPlan, plan_fields
 from .labels import LabelOverride, Tokenizer
 from .lengths import Duration, Length, Measure
+from .mixing import MixSetup
 from .shards import ShardTable, Unit, plan_epoch
 from .transfer import BatchSlots
 
@@ -38,6 +39,7 @@ class WorkerSetup:
     bucket_bounds: tuple[int, ...] = ()
     slots: BatchSlots | None = None
     noise_table: ShardTable | None = None  # noise shards mixed into the audio
+    mix: MixSetup | None = None  # the sources of a seqshard.mux, when the loader mixes
 
     @property
     def readers_per_rank(self) -> int:
@@ -90,6 +92,7 @@ def make_setup(
     world_size: int,
     tokenizer: Tokenizer | None,
     override: LabelOverride | None,
+    mix: MixSetup | None = None,
 ) -> WorkerSetup:
     """What every reader of a loader with these options needs (checked here, once)."""
     fields = plan_fields(table, config.fields, config.feature_field, tokenizer is not None and override is None)
@@ -118,8 +121,10 @@ def make_setup(
         )
     bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
     noise = ShardTable.from_patterns(audio.noise) if audio.noise is not None else None
+    if mix is not None and config.recipe is not None:
+        raise ConfigError("a mix composes each source's pipeline itself; use transforms= instead of recipe=.")
     return WorkerSetup(
-        table, config, rank, world_size, tokenizer, override, fields, length, audio, bounds, noise_table=noise
+        table, config, rank, world_size, tokenizer, override, fields, length, audio, bounds, noise_table=noise, mix=mix
     )
 
 

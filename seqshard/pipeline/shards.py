@@ -120,6 +120,30 @@ class ShardTable:
             tuple((name, tuple(suffixes)) for name, suffixes in field_sets.items()),
         )
 
+    @classmethod
+    def combine(cls, tables: Sequence[ShardTable], names: Sequence[str]) -> ShardTable:
+        """One table of the shards of ``tables`` (the sources of a mix), in order."""
+        dims = {t.dim: name for t, name in zip(tables, names) if t.dim is not None}
+        if len(dims) > 1:
+            raise ConfigError(
+                f"the mixed sources have different feature dimensions: {', '.join(f'{d} in {n}' for d, n in dims.items())}."
+            )
+        shifts = {t.frame_shift_ms for t in tables if t.dim is not None}
+        if len(shifts) > 1:
+            raise ConfigError(f"the mixed sources have different frame shifts: {sorted(shifts)} ms.")
+        field_sets: dict[str, dict[str, None]] = {}
+        for table in tables:
+            for name, suffixes in table.field_sets:
+                field_sets.setdefault(name, {}).update(dict.fromkeys(suffixes))
+        return cls(
+            tuple(shard for t in tables for shard in t.shards),
+            next(iter(dims), None),
+            next(iter(shifts), 10.0),
+            tuple(merge_histograms(dict(t.length_hist) for t in tables).items()),
+            tuple(m for t in tables for m in t.missing),
+            tuple((name, tuple(suffixes)) for name, suffixes in field_sets.items()),
+        )
+
     @property
     def indexed(self) -> bool:
         return all(s.num_utts is not None for s in self.shards)

@@ -21,6 +21,7 @@ from ..errors import ConfigError, SeqshardError
 from .base import Stage
 from .batching import Batch, bucket_of
 from .collate import Collator, array_bytes
+from .mixing import mixed_pipeline, per_source_counts
 from .passes import Passes
 from .protocol import BatchItem, EndItem, ErrorItem, Item
 from .recipe import Reader, default_recipe
@@ -63,6 +64,8 @@ def build_pipeline(
     epochs). ``units`` replaces the reader's planned units for this epoch (an elastic
     resume); ``read_ahead=False`` reads only what the stages ask for.
     """
+    if setup.mix is not None:
+        return mixed_pipeline(setup, worker, read_ahead)
     recipe = setup.config.recipe or default_recipe
     if setup.config.uneven == "repeat":
         return Passes(lambda number: recipe(Reader(setup, worker, number, setup.units(number, worker), read_ahead)))
@@ -99,6 +102,7 @@ def iterate_worker(
                 batch.longest * len(batch),
                 bucket_of(batch, setup.bucket_bounds),
                 slot,
+                per_source_counts(batch.samples, batch.lengths, len(setup.mix.names)) if setup.mix else None,
             )
     except SeqshardError as error:
         if not in_worker_process:

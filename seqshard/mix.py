@@ -1,0 +1,124 @@
+"""Mixing sources: ``mux([a, b, ...], weights=[...])`` or ``temperature=T``.
+
+A :class:`Mux` says which sources feed one stream and in what proportions; the loaders
+decide how a source is read (shard patterns for ``make_loader``, token pairs for
+``make_token_loader``). Weights are normalised; ``temperature=T`` gives each source a share
+proportional to ``size ** (1 / T)`` (T = 1: by size; larger T flattens towards uniform), sizes
+taken from the sources' indexes. Muxes nest: a mux inside a mux takes its parent's share and
+divides it by its own weights.
+
+:func:`next_block` is which source each position of a stream takes, a block of
+:data:`BLOCK` positions at a time: a function of the seed, the block number and how many
+samples each source has given so far (the state a mixed stream keeps anyway), so it is the
+same after a resume. Each block holds each source's quota (every prefix of the stream is within
+one sample of every source's target) in a seeded random order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import ConfigError
+
+BLOCK = 64  # positions whose order is shuffled together; quotas are exact per block
+
+
+@dataclass(frozen=True)
+class Mux:
+    """Sources mixed by ``weights`` or ``temperature`` (exactly one of them)."""
+
+    sources: tuple[Any, ...]
+    weights: tuple[float, ...] | None = None
+    temperature: float | None = None
+
+    def shares(self, sizes: Sequence[float]) -> np.ndarray:
+        """Each source's share of the stream (sums to 1), given each source's size."""
+        if self.weights is not None:
+            weights = np.asarray(self.weights, dtype=np.float64)
+        else:
+            assert self.temperature is not None
+            sizes = np.asarray(sizes, dtype=np.float64)
+            if (sizes <= 0).any():
+                empty = [str(self.sources[i]) for i in np.flatnonzero(sizes <= 0)]
+                raise ConfigError(f"temperature mixing needs sizes; these sources are empty: {', '.join(empty)}.")
+            weights = sizes ** (1.0 / self.temperature)
+        return weights / weights.sum()
+
+
+def mux(sources: Sequence[Any], weights: Sequence[float] | None = None, temperature: float | None = None) -> Mux:
+    """Mix ``sources`` (patterns, token pairs or other muxes) by ``weights`` or by size at a
+    ``temperature``; with neither, by size (temperature 1)."""
+    sources = tuple(sources)
+    if len(sources) < 1:
+        raise ConfigError("mux needs at least one source.")
+    if weights is not None and temperature is not None:
+        raise ConfigError("give mux weights= or temperature=, not both.")
+    if weights is not None:
+        weights = tuple(float(w) for w in weights)
+        if len(weights) != len(sources):
+            raise ConfigError(f"mux has {len(sources)} sources but {len(weights)} weights.")
+        if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+            raise ConfigError(f"mux weights must be >= 0 and not all 0, got {list(weights)}.")
+        return Mux(sources, weights=weights)
+    temperature = 1.0 if temperature is None else float(temperature)
+    if not temperature > 0:
+        raise ConfigError(f"mux temperature must be > 0, got {temperature}.")
+    return Mux(sources, temperature=temperature)
+
+
+def flatten(mix: Mux, sizes_of: Any) -> tuple[list[Any], np.ndarray]:
+    """The leaf sources of a (nested) mux and each one's share of the whole stream.
+
+    ``sizes_of(source)`` gives a leaf source's size (used by temperature mixing; a nested
+    mux's size is the sum of its leaves')."""
+    leaves: list[Any] = []
+    shares: list[float] = []
+
+    def walk(node: Mux, share: float) -> float:
+        sizes = []
+        spans = []
+        for source in node.sources:
+            start = len(leaves)
+            if isinstance(source, Mux):
+                walk(source, 1.0)  # relative shares first; scaled below
+                sizes.append(sum(sizes_of(leaf) for leaf in leaves[start:]))
+            else:
+                leaves.append(source)
+                shares.append(1.0)
+                sizes.append(sizes_of(source))
+            spans.append((start, len(leaves)))
+        for (start, end), part in zip(spans, node.shares(sizes)):
+            for i in range(start, end):
+                shares[i] *= part * share
+        return sum(sizes)
+
+    walk(mix, 1.0)
+    return leaves, np.asarray(shares, dtype=np.float64)
+
+
+def next_block(shares: np.ndarray, counts: np.ndarray, seed: int, block: int, *salt: int) -> np.ndarray:
+    """The sources of the BLOCK positions after ``counts`` (samples each source has given so
+    far): each source takes what brings it nearest its share of the stream so far (so every
+    prefix is within about one sample of each target), in an order shuffled by ``seed``,
+    ``block`` and ``salt`` (e.g. epoch, rank, worker)."""
+    counts = np.asarray(counts, dtype=np.float64)
+    deficit = np.maximum(shares * (counts.sum() + BLOCK) - counts, 0)  # a source ahead takes nothing
+    quotas = np.floor(deficit).astype(np.int64)
+    fraction = deficit - quotas
+    by_fraction = np.lexsort((np.arange(len(shares)), -fraction))  # largest first; ties by index
+    short = BLOCK - int(quotas.sum())
+    if short > 0:
+        quotas[by_fraction[:short]] += 1
+    else:
+        for i in by_fraction[::-1]:  # too many (a source ahead was not charged): take back
+            if short == 0:
+                break
+            if quotas[i] > 0:
+                quotas[i] -= 1
+                short += 1
+    rng = np.random.default_rng([seed, 0x6D7578, block, *salt])
+    return rng.permutation(np.repeat(np.arange(len(shares)), quotas))

@@ -1,0 +1,1 @@
+"""Token sequences from memory-mapped ``.bin``/``.idx`` datasets, batched by a token budget."""
