@@ -181,6 +181,11 @@ class ShardLoader:
         return self._epoch
 
     @property
+    def holds_audio(self) -> bool:
+        """Whether the shards hold audio (batched as waveforms unless ``features="fbank"``)."""
+        return self._setup.fields.audio is not None
+
+    @property
     def tokenizer(self) -> Tokenizer | None:
         """The tokenizer labels go through (its ``vocab_size`` sizes an output layer)."""
         return self._setup.tokenizer

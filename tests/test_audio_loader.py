@@ -14,8 +14,9 @@ from seqshard import make_loader, pack_data
 from seqshard.cli import main
 from seqshard.errors import ConfigError, InputError
 from seqshard.features.fbank import FbankOptions, fbank
+from seqshard.formats.audio import resample
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.audio import SpecAugmentOptions, mix, resample, spec_augment
+from seqshard.pipeline.audio import SpecAugmentOptions, mix, spec_augment
 
 SMALL = dict(shuffle_window=8, sort_window=4, interleave=2)
 
@@ -271,7 +272,7 @@ def test_bad_lists_and_bad_audio_at_load(tmp_path):
     lines.insert(3, json.dumps({"key": "corrupt", "wav": str(tmp_path / "corrupt.wav"), "txt": "x"}))
     lines.insert(4, json.dumps({"key": "late", "wav": str(good.root / "utt000.wav"), "start": 5.0, "end": 6.0}))
     (tmp_path / "data.list").write_text("\n".join(lines) + "\n")
-    with pytest.raises(InputError, match=r"data.list sample 1 \(key 'gone'\): cannot open") as error:
+    with pytest.raises(InputError, match=r"data.list sample 2 \(key 'gone'\): cannot open") as error:
         list(make_loader(tmp_path / "data.list", batch_size=2, num_workers=0))
     assert "skip_bad" in str(error.value)
     loader = make_loader(tmp_path / "data.list", batch_size=2, num_workers=2, skip_bad=True)
@@ -280,9 +281,13 @@ def test_bad_lists_and_bad_audio_at_load(tmp_path):
     rank = loader.last_summary["ranks"][0]
     assert rank["dropped"] == {"missing_audio": 1, "unreadable_audio": 1, "bad_segment": 1}
     assert rank["planned"] == 7 == rank["utts"] + sum(rank["dropped"].values())
-    (tmp_path / "bad.list").write_text(lines[0] + "\n{not json\n")
-    with pytest.raises(Exception, match=r"bad.list.*line 2 is not JSON"):
+    bad_lines = [lines[0], "{not json", '{"key": "k"}', '{"key": "s", "wav": "x.wav", "start": null}', lines[2]]
+    (tmp_path / "bad.list").write_text("\n".join(bad_lines) + "\n")
+    with pytest.raises(InputError, match=r"bad.list sample 2 \(key 'line-2'\): the line is not JSON"):
         list(make_loader(tmp_path / "bad.list", batch_size=2, num_workers=0))
+    loader = make_loader(tmp_path / "bad.list", batch_size=2, num_workers=0, skip_bad=True)
+    assert sorted(k for b in loader for k in b["keys"]) == sorted([good.keys[0], good.keys[1]])
+    assert loader.last_summary["ranks"][0]["dropped"] == {"malformed_line": 3}
 
 
 def test_channel_and_rate_problems_at_load(tmp_path):
@@ -319,3 +324,39 @@ def test_a_list_with_a_pipe_is_refused_even_with_skip_bad(tmp_path):
         with pytest.raises(InputError, match="does not run commands found in data"):
             list(make_loader(tmp_path / "wav.scp", batch_size=1, num_workers=0, skip_bad=skip_bad))
     assert not marker.exists()
+
+
+def test_lists_with_repeated_keys_tabs_or_a_bom(tmp_path):
+    data = write_audio_dir(tmp_path / "d", utts=3)
+    lines = data.wav_scp.read_text().splitlines()
+    (tmp_path / "dup.scp").write_text("\n".join([*lines, lines[1]]) + "\n")
+    with pytest.raises(ConfigError, match=r"dup.scp: samples 2, 4 have the same key"):
+        make_loader(tmp_path / "dup.scp", batch_size=1)
+    (tmp_path / "tabs.scp").write_text("\ufeff" + "\n".join(line.replace(" ", "\t", 1) for line in lines) + "\n")
+    keys = sorted(k for b in make_loader(tmp_path / "tabs.scp", batch_size=1, num_workers=0) for k in b["keys"])
+    assert keys == sorted(data.keys)  # the BOM is not part of the first key; tabs split like spaces
+    (tmp_path / "empty.list").write_text("\n")
+    with pytest.raises(ConfigError, match="holds no samples"):
+        make_loader(tmp_path / "empty.list", batch_size=1)
+
+
+def test_feature_stages_need_features(audio_shards, tmp_path, capsys):
+    _, shards = audio_shards
+    with pytest.raises(ConfigError, match="cmvn and spec_augment work on features, and these shards hold audio"):
+        make_loader(shards, batch_size=2, spec_augment=True)
+    assert main(["cmvn", str(shards), "-o", str(tmp_path / "c.json")]) != 0
+    assert "these shards hold audio: compute features for the statistics with --features" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()
+    with pytest.raises(ConfigError, match="noise: 1 file"):
+        make_loader(shards, batch_size=2, noise=str(tmp_path / "nowhere.scp"))
+
+
+def test_bad_noise_files_are_skipped_with_skip_bad(audio_shards, tmp_path):
+    _, shards = audio_shards
+    noise = write_audio_dir(tmp_path / "noise", utts=2, seconds=(0.2, 0.3), seed=4)
+    (noise.root / "utt000.wav").write_bytes(b"RIFF damaged")
+    options = dict(batch_size=4, num_workers=0, noise=str(noise.wav_scp))
+    with pytest.raises(InputError, match="cannot be decoded"):
+        list(make_loader(shards, **options))
+    loader = make_loader(shards, skip_bad=True, **options)
+    assert sum(len(b["keys"]) for b in loader) == 16

@@ -275,3 +275,43 @@ def test_pack_command_line_for_audio(tmp_path, capsys):
     assert "--wav-scp" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="either"):
         pack_data(tmp_path / "feats.scp", data.text, tmp_path / "both", wav_scp=data.wav_scp, progress=False)
+
+
+def test_options_that_change_audio_apply_or_are_refused(tmp_path):
+    data = write_audio_dir(tmp_path / "d", utts=3)
+    for options in ({"channel": 0}, {"resample_to": 8000}):
+        with pytest.raises(ConfigError, match="stores each file's original bytes, so it cannot apply"):
+            _pack(data, tmp_path / "keep", audio_format="keep", **options)
+    _pack(data, tmp_path / "8k", resample_to=8000)
+    for key, (samples, rate, suffix, _) in read_audio_shards((tmp_path / "8k").glob("*.tar")).items():
+        assert rate == 8000 and suffix == "flac" and len(samples) == int(len(data.audio[key]) / 2 + 0.5)
+    with pytest.raises(ConfigError, match="for audio input; give the audio with wav_scp"):
+        pack_data(data.wav_scp, data.text, tmp_path / "f", resample_to=8000, progress=False)
+
+
+def test_keep_names_a_member_by_what_it_holds(tmp_path):
+    flac = REALDATA / "audio/librispeech/2412-153948-0000.flac"
+    shutil.copy(flac, tmp_path / "named.wav")  # a FLAC file named .wav
+    (tmp_path / "wav.scp").write_text(f"a {tmp_path / 'named.wav'}\n")
+    (tmp_path / "text").write_text("a words\n")
+    pack_data(
+        None, tmp_path / "text", tmp_path / "out", wav_scp=tmp_path / "wav.scp", audio_format="keep", progress=False
+    )
+    from seqshard.formats.tar import SampleStream
+
+    with SampleStream(next((tmp_path / "out").glob("*.tar"))) as stream:
+        assert set(next(iter(stream)).fields) == {"flac", "txt"}
+
+
+def test_wrong_kind_of_input_is_named(tmp_path):
+    from conftest import write_kaldi_dir
+
+    features = write_kaldi_dir(tmp_path / "k", speakers=1, per_speaker=2)
+    with pytest.raises(InputError, match=r"it starts a Kaldi matrix \(is this a feats.scp\?\)\. Fix: pack features"):
+        pack_data(None, features.text, tmp_path / "o", wav_scp=features.scp, progress=False)
+    (tmp_path / "empty.wav").write_bytes(b"")
+    (tmp_path / "wav.scp").write_text(f"e {tmp_path / 'empty.wav'}\n")
+    (tmp_path / "text").write_text("e x\n")
+    with pytest.raises(InputError, match=r"the file is empty \(0 bytes\)") as error:
+        pack_data(None, tmp_path / "text", tmp_path / "o2", wav_scp=tmp_path / "wav.scp", progress=False)
+    assert "_io.BytesIO" not in str(error.value)

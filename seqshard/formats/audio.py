@@ -11,6 +11,7 @@ blob stored in an ark (ESPnet's and k2's wav-in-ark).
 from __future__ import annotations
 
 import io
+import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ import numpy as np
 from ..errors import InputError, Where, option
 
 ENCODINGS = ("flac", "keep")
+CONTAINERS = {"WAV": "wav", "WAVEX": "wav", "FLAC": "flac", "OGG": "ogg", "MPEG": "mp3", "MP3": "mp3", "RF64": "wav"}
 ESTIMATED_LENGTH_FORMATS = ("MP3", "OGG")  # their headers give an estimated frame count, not an exact one
 
 
@@ -31,6 +33,7 @@ class Audio:
     samples: np.ndarray
     sample_rate: int
     subtype: str = "PCM_16"
+    format: str = "wav"  # the container it was read from (wav, flac, mp3, ...)
 
     @property
     def seconds(self) -> float:
@@ -84,7 +87,7 @@ def read_location(location: WavLocation, where: Where, allow_pipes: bool = False
             where,
             "missing_audio",
             f"cannot open {location.path!r}: {error.strerror}.",
-            f"check the path (relative paths are taken from the wav.scp's folder or {option('path_root', 'DIR')}).",
+            f"check the path (relative paths are taken from the current folder, as Kaldi does, or from {option('path_root', 'DIR')}).",
         ) from None
 
 
@@ -113,11 +116,15 @@ def header_seconds(location: WavLocation, where: Where) -> float | None:
 def _riff_blob(stream: io.BufferedReader, location: WavLocation, where: Where) -> bytes:
     header = stream.read(8)
     if header[:4] != b"RIFF" or len(header) < 8:
+        matrix = header[:2] == b"\0B" and header[2:4] in (b"FM", b"CM", b"DM", b"FV")
         raise InputError(
             where,
             "bad_offset",
-            f"byte offset {location.offset} in {location.path!r} does not start a RIFF (wav) blob.",
-            "regenerate the wav.scp with the ark (wav-copy).",
+            f"byte offset {location.offset} in {location.path!r} does not start a RIFF (wav) blob"
+            + (": it starts a Kaldi matrix (is this a feats.scp?)." if matrix else "."),
+            f"pack features with {option('f_scps', '...')}."
+            if matrix
+            else "regenerate the wav.scp with the ark (wav-copy).",
         )
     size = int.from_bytes(header[4:8], "little")
     body = stream.read(size)
@@ -152,11 +159,14 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
     try:
         with soundfile.SoundFile(io.BytesIO(bytes(data))) as sound:
             samples = sound.read(dtype="float32", always_2d=True)
-            rate, subtype, declared = sound.samplerate, sound.subtype, sound.frames
+            rate, subtype, declared, container = sound.samplerate, sound.subtype, sound.frames, sound.format
             if sound.format in ESTIMATED_LENGTH_FORMATS:
                 declared = 0
     except (RuntimeError, soundfile.LibsndfileError, ValueError) as error:
-        raise InputError(where, "unreadable_audio", f"the audio cannot be decoded ({error}).") from None
+        why = "the file is empty (0 bytes)" if len(data) == 0 else _without_repr(str(error))
+        raise InputError(
+            where, "unreadable_audio", f"the audio cannot be decoded: {why}.", "check the file, or remove its line."
+        ) from None
     missing = _missing_wav_bytes(data)
     if missing:
         raise InputError(
@@ -185,7 +195,12 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
         )
     if len(mono) == 0:
         raise InputError(where, "zero_length", "the audio has no samples.")
-    return Audio(np.ascontiguousarray(mono), rate, subtype)
+    return Audio(np.ascontiguousarray(mono), rate, subtype, CONTAINERS.get(container, container.lower()))
+
+
+def _without_repr(message: str) -> str:
+    """libsndfile's message without the Python object it names (``Error opening <_io...>: ``)."""
+    return re.sub(r"Error opening <[^>]*>: ", "", message).rstrip(".")
 
 
 def _missing_wav_bytes(data: bytes | memoryview) -> int:
@@ -218,6 +233,16 @@ def audio_seconds(data: bytes | memoryview) -> float:
     return info.frames / info.samplerate
 
 
+def resample(samples: np.ndarray, rate: float, target: float) -> np.ndarray:
+    """``samples`` at ``rate`` resampled to ``target`` (soxr, high quality): a tone keeps its
+    frequency; the length becomes ``round(n * target / rate)``."""
+    import soxr
+
+    if rate == target:
+        return samples
+    return soxr.resample(samples, rate, target).astype(np.float32, copy=False)
+
+
 def cut(audio: Audio, start: float, end: float, where: Where) -> Audio:
     """The part ``[start, end)`` (seconds; ``end`` < 0: to the end, as Kaldi's segments)."""
     total = len(audio.samples)
@@ -232,7 +257,7 @@ def cut(audio: Audio, start: float, end: float, where: Where) -> Audio:
             f"the segment {start:g} .. {end:g} s runs past the end of its recording ({audio.seconds:.3f} s).",
             "fix the segments file (its times are in seconds).",
         )
-    return Audio(audio.samples[first : min(last, total)], audio.sample_rate, audio.subtype)
+    return Audio(audio.samples[first : min(last, total)], audio.sample_rate, audio.subtype, audio.format)
 
 
 def encode(audio: Audio, encoding: str) -> tuple[str, bytes]:

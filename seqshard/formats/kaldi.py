@@ -48,7 +48,7 @@ _GIT_HINT = (
 # table files
 
 
-_BOM = b"\xef\xbb\xbf"
+BOM = b"\xef\xbb\xbf"
 
 
 def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
@@ -56,7 +56,7 @@ def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
     offset = 0
     with open(path, "rb") as stream:
         for number, raw in enumerate(stream, start=1):
-            if number == 1 and raw.startswith(_BOM):
+            if number == 1 and raw.startswith(BOM):
                 _LOG.warning(
                     "%s starts with a UTF-8 byte order mark (an editor's); it is not part of the first key", path
                 )
@@ -71,8 +71,8 @@ def parse_line(raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
 
     Raises InputError (reason ``non_utf8`` or ``malformed_line``) naming the line.
     """
-    if raw.startswith(_BOM) and where.line == 1:
-        raw = raw[len(_BOM) :]
+    if raw.startswith(BOM) and where.line == 1:
+        raw = raw[len(BOM) :]
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:

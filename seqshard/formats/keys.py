@@ -7,6 +7,8 @@ as a different key, so such keys are refused, or escaped reversibly when the use
 
 from __future__ import annotations
 
+import hashlib
+
 _ESCAPES = {"%": "%25", ".": "%2E", "/": "%2F"}
 _UNESCAPES = {code: ch for ch, code in _ESCAPES.items()}
 _ASCII_WHITESPACE = frozenset(" \t\n\r\v\f")  # what Kaldi splits table lines on
@@ -55,3 +57,8 @@ def split_member_name(name: str) -> tuple[str, str] | None:
     if dot <= slash + 1:
         return None
     return name[:dot], name[dot + 1 :]
+
+
+def key_hash(key: str) -> int:
+    """A stable 64-bit hash of a key (the same in every process and run)."""
+    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little")

@@ -14,13 +14,19 @@ list's folder. Audio that cannot be read is reported by the audio stage, per sam
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
-from ..errors import ConfigError, InputError, ShardError, Where
+import numpy as np
+
+from ..errors import ConfigError, InputError, Where
 from .audio import WavLocation, parse_wav_location, read_location
+from .kaldi import BOM, parse_line
+from .keys import key_hash
 from .patterns import SHARD_SUFFIXES
 from .tar import Sample
 
+_LOG = logging.getLogger("seqshard")
 SEGMENT_FIELD = "segment.json"  # start and end of a sample cut from its audio file
 READ_ERROR_FIELD = "read_error.txt"  # why a sample's audio could not be read
 RELATIVE_PATHS = "check the path (a relative path is taken from the current folder, else from the list's folder)."
@@ -41,8 +47,9 @@ def shard_list(path: Path) -> list[Path] | None:
     if path.name.endswith(".scp"):
         return None
     with open(path, encoding="utf-8") as stream:
-        if next((line for line in stream if line.strip()), "").lstrip().startswith("{"):
-            return None
+        first = next((line for line in stream if line.strip()), None)
+        if first is None or first.lstrip().startswith("{"):
+            return None  # a raw list (an empty one is reported as such)
         stream.seek(0)
         lines = [(number, line.strip()) for number, line in enumerate(stream, 1) if line.strip()]
     for number, line in lines:
@@ -54,9 +61,45 @@ def shard_list(path: Path) -> list[Path] | None:
     return [resolve(line, path) for _, line in lines]
 
 
-def count_lines(path: Path) -> int:
+def _problem(error: InputError) -> bytes:
+    """An error carried as a field to the stage that reports it per sample."""
+    return "\t".join((error.reason, error.problem, error.fix or "")).encode()
+
+
+def scan_list(path: Path) -> int:
+    """How many samples a raw list (or wav.scp) holds, checking that no key repeats and that
+    there is at least one (ConfigError naming the lines otherwise). Lines that cannot be read
+    are counted here and reported when the loader reaches them."""
+    keys = []
     with open(path, "rb") as stream:
-        return sum(1 for line in stream if line.strip())
+        for line in stream:
+            if line.strip():
+                keys.append(key_hash(_key_of(line)))
+    if not keys:
+        raise ConfigError(f"{path} holds no samples (an empty list).")
+    hashes = np.asarray(keys, dtype=np.uint64)
+    unique, counts = np.unique(hashes, return_counts=True)
+    if (counts > 1).any():
+        repeated = int(unique[np.argmax(counts > 1)])
+        lines = [number for number, h in enumerate(keys, 1) if h == repeated]
+        raise ConfigError(
+            f"{path}: samples {', '.join(map(str, lines))} have the same key; each sample needs a key of its own "
+            "(remove the repeats)."
+        )
+    return len(keys)
+
+
+def _key_of(line: bytes) -> str:
+    """The key of a list line, as far as it can be told (a bad line gets its own text)."""
+    if line.lstrip().startswith(b"{"):
+        try:
+            record = json.loads(line)
+            return (
+                str(record["key"]) if isinstance(record, dict) and "key" in record else line.decode("utf-8", "replace")
+            )
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return line.decode("utf-8", "replace")
+    return line.removeprefix(BOM).split(None, 1)[0].decode("utf-8", "replace")
 
 
 class ListSampleStream:
@@ -94,17 +137,27 @@ class ListSampleStream:
                 self.ended_cleanly = True
                 return None
             self._offset += len(line)
+            if offset == 0 and line.startswith(BOM):
+                _LOG.warning(
+                    "%s starts with a UTF-8 byte order mark (an editor's); it is not part of the first key", self.path
+                )
+                line = line[len(BOM) :]
             if line.strip():
                 break
-        record = self._parse(line, offset)
+        where = Where(self.path, self.ordinal + 1, None)
         fields: dict[str, bytes | memoryview] = {}
-        if self._read_data:
-            fields.update(self._audio(record))
-            if "txt" in record:
-                fields["txt"] = str(record["txt"]).encode("utf-8")
-            if "start" in record or "end" in record:
-                segment = {"start": float(record.get("start", 0)), "end": float(record.get("end", -1))}
-                fields[SEGMENT_FIELD] = json.dumps(segment).encode()
+        try:
+            record = self._parse(line, where)
+        except InputError as error:  # one bad line is one bad sample, not the end of the list
+            record = {"key": f"line-{self.ordinal + 1}"}
+            fields[READ_ERROR_FIELD] = _problem(error)
+        else:
+            if self._read_data:
+                fields.update(self._audio(record))
+                if "txt" in record:
+                    fields["txt"] = str(record["txt"]).encode("utf-8")
+                if "start" in record or "end" in record:
+                    fields[SEGMENT_FIELD] = json.dumps({"start": record["start"], "end": record["end"]}).encode()
         sample = Sample(str(record["key"]), fields, offset, self.ordinal)
         self.ordinal += 1
         return sample
@@ -128,19 +181,33 @@ class ListSampleStream:
         try:
             return {location.format: read_location(location, where)}
         except InputError as error:
-            fix = RELATIVE_PATHS if error.reason == "missing_audio" else error.fix or ""
-            return {READ_ERROR_FIELD: "\t".join((error.reason, error.problem, fix)).encode()}
+            if error.reason == "missing_audio":
+                error = InputError(error.where, error.reason, error.problem, RELATIVE_PATHS)
+            return {READ_ERROR_FIELD: _problem(error)}
 
-    def _parse(self, line: bytes, offset: int) -> dict:
+    def _parse(self, line: bytes, where: Where) -> dict:
+        """A line as a record with ``key``, ``wav`` and optional ``txt``, ``start``, ``end``
+        (numbers, seconds); InputError (``malformed_line``) when it is not one."""
         if not line.lstrip().startswith(b"{"):  # a wav.scp line: KEY LOCATION
-            key, _, value = line.decode("utf-8", "replace").strip().partition(" ")
-            if not value.strip():
-                raise ShardError(self.path, offset, f"line {self.ordinal + 1} needs 'KEY PATH' (found {line[:80]!r})")
-            return {"key": key, "wav": value.strip()}
+            key, value = parse_line(line, where, needs_value=True)
+            return {"key": key, "wav": value}
         try:
             record = json.loads(line)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise ShardError(self.path, offset, f"line {self.ordinal + 1} is not JSON ({error})") from None
-        if not isinstance(record, dict) or "key" not in record or "wav" not in record:
-            raise ShardError(self.path, offset, f'line {self.ordinal + 1} needs "key" and "wav" (found {line[:80]!r})')
+            raise InputError(where, "malformed_line", f"the line is not JSON ({error}).") from None
+        if (
+            not isinstance(record, dict)
+            or not isinstance(record.get("key"), str)
+            or not isinstance(record.get("wav"), str)
+        ):
+            raise InputError(where, "malformed_line", f'the line needs "key" and "wav" strings (found {line[:80]!r}).')
+        if "start" in record or "end" in record:
+            start, end = record.get("start", 0), record.get("end", -1)
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (start, end)):
+                raise InputError(
+                    Where(where.path, where.line, record["key"]),
+                    "malformed_line",
+                    f'"start" and "end" must be numbers of seconds (found {start!r}, {end!r}).',
+                )
+            record["start"], record["end"] = float(start), float(end)
         return record

@@ -21,9 +21,9 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, Where, option
 from ..features.fbank import FbankOptions, fbank
-from ..formats.audio import cut, decode_audio
+from ..formats.audio import cut, decode_audio, resample
 from ..formats.fields import AudioBytes, field_name
-from ..formats.lists import READ_ERROR_FIELD, SEGMENT_FIELD
+from ..formats.lists import SEGMENT_FIELD
 from .base import (
     SEED_DITHER,
     SEED_NOISE,
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from .shards import ShardTable
 
 AUDIO, SAMPLE_RATE, FEATS = "audio", "sample_rate", "feats"
-SEGMENT, READ_ERROR = field_name(SEGMENT_FIELD), field_name(READ_ERROR_FIELD)
+SEGMENT = field_name(SEGMENT_FIELD)
 KALDI_SCALE = 32768.0  # Kaldi's features work on int16-scale samples
 
 
@@ -90,9 +90,6 @@ def decode(sample: Sample, channel: int | None = None) -> Sample:
     if name is None:
         if AUDIO in sample.fields:
             return sample
-        if READ_ERROR in sample.fields:  # a list's audio file that could not be read
-            reason, problem, fix = sample.fields[READ_ERROR].split("\t", 2)
-            raise InputError(sample.where(), reason, problem, fix or None)
         raise InputError(
             sample.where(),
             "no_audio",
@@ -106,16 +103,6 @@ def decode(sample: Sample, channel: int | None = None) -> Sample:
     sample.fields[AUDIO] = audio.samples
     sample.fields[SAMPLE_RATE] = audio.sample_rate
     return sample
-
-
-def resample(samples: np.ndarray, rate: float, target: float) -> np.ndarray:
-    """``samples`` at ``rate`` resampled to ``target`` (soxr, high quality): a tone keeps its
-    frequency; the length becomes ``round(n * target / rate)``."""
-    import soxr
-
-    if rate == target:
-        return samples
-    return soxr.resample(samples, rate, target).astype(np.float32, copy=False)
 
 
 def to_rate(sample: Sample, target: int) -> Sample:
@@ -262,7 +249,8 @@ def _noise_stream(reader: Reader, table: ShardTable) -> Stage[Sample]:
             len(table.shards)
         )
         units = [Unit(int(i)) for i in order]
-        return Map(Map(ShardReader(table, units, 1, reader.skip), Decoder(table)), decode)
+        skip = reader.skip  # bad noise files are counted and skipped like bad samples
+        return Map(Map(ShardReader(table, units, 1, skip), Decoder(table), skip), decode, skip)
 
     return Passes(one_pass)
 

@@ -11,6 +11,7 @@ from collections.abc import Collection
 from ..errors import InputError, Where
 from ..formats.fields import ABSENT, decode_field, field_name, split_suffix
 from ..formats.keys import unescape_key
+from ..formats.lists import READ_ERROR_FIELD
 from .sample import Sample
 from .shards import ShardTable
 
@@ -38,6 +39,10 @@ class Decoder:
         return Where(f"{shard.file_of(name)}@{offset}", None, sample.key)
 
     def __call__(self, sample: Sample) -> Sample:
+        problem = sample.fields.get(READ_ERROR_FIELD)
+        if problem is not None:  # a list line or audio file the read stage could not read
+            reason, text, fix = str(problem, "utf-8").split("\t", 2)
+            raise InputError(sample.where(), reason, text, fix or None)
         fields = {}
         for suffix, data in sample.fields.items():
             name = field_name(suffix)

@@ -182,10 +182,17 @@ class LabelOverride:
                 raise ConfigError(f"label file {str(path)!r} is a folder; give Kaldi text file(s).")
             if not path.is_file():
                 raise ConfigError(f"label file {str(path)!r} does not exist.")
-        self.table = KeyTable.scan(paths, SkipCounter(False), needs_value=False)
-        self.table.report_repeats(
-            SkipCounter(False), "duplicate_label", "the key already has a label at {first}.", "remove duplicate lines."
-        )
+        try:
+            self.table = KeyTable.scan(paths, SkipCounter(False), needs_value=False)
+            self.table.report_repeats(
+                SkipCounter(False),
+                "duplicate_label",
+                "the key already has a label at {first}.",
+                "remove duplicate lines.",
+            )
+        except InputError as error:
+            error.skippable = False  # the label files are settings: fix them, nothing is skipped
+            raise
 
     def get(self, key: str) -> str | None:
         found = self.table.find(key)

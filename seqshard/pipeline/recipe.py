@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, SkipCounter
-from ..prep.tables import key_hash
+from ..formats.keys import key_hash
 from .audio import signal_stages
 from .base import SEED_SAMPLE, Filter, Map, Stage, stage_rng
 from .batching import SortBatch

@@ -30,7 +30,7 @@ class Sample:
     def where(self) -> Where:
         """Where the sample came from, for an error about it: shard file, position and key."""
         shard = self.file or f"shard {self.shard}"
-        return Where(f"{shard} sample {self.ordinal}", None, self.key)
+        return Where(f"{shard} sample {self.ordinal + 1}", None, self.key)  # counted from 1, as lines
 
     def __getitem__(self, name: str) -> Any:
         return self.fields[name]

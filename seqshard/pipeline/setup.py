@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 from ..errors import ConfigError
 from ..formats.index import bin_bounds, histogram_percentile
@@ -108,6 +109,11 @@ def make_setup(
             "the audio options (features='fbank', resample_to, speed_perturb, noise) need shards that hold "
             f"audio (wav, flac, ...); these hold: {', '.join(s for _, f in table.field_sets for s in f) or 'unknown'}."
         )
+    if (audio.cmvn is not None or audio.spec_augment is not None) and fields.audio is not None and not audio.features:
+        raise ConfigError(
+            "cmvn and spec_augment work on features, and these shards hold audio: pass features='fbank' "
+            "(or pack with --features fbank)."
+        )
     features = "feats" if audio.features == "fbank" else fields.features
     length = _measure(features, fields.audio, tokenizer is not None)
     if config.batch_frames is not None and length.unit != "frames":
@@ -120,12 +126,21 @@ def make_setup(
             "bucket_sync buckets the frames of the feature field, which these shards or fields= do not include."
         )
     bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
-    noise = ShardTable.from_patterns(audio.noise) if audio.noise is not None else None
+    noise = _noise_table(audio.noise) if audio.noise is not None else None
     if mix is not None and config.recipe is not None:
         raise ConfigError("a mix composes each source's pipeline itself; use transforms= instead of recipe=.")
     return WorkerSetup(
         table, config, rank, world_size, tokenizer, override, fields, length, audio, bounds, noise_table=noise, mix=mix
     )
+
+
+def _noise_table(patterns: Any) -> ShardTable:
+    """The noise set's shards; all of them must be there (a noise set is not skipped in part)."""
+    table = ShardTable.from_patterns(patterns)
+    if table.missing:
+        shown = "; ".join(f"{m.path} ({m.why})" for m in table.missing[:5])
+        raise ConfigError(f"noise: {len(table.missing)} file(s) of the noise set are missing: {shown}.")
+    return table
 
 
 def _measure(features: str | None, audio: str | None, tokens: bool) -> Measure:

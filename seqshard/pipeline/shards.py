@@ -22,7 +22,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..formats.index import merge_histograms
-from ..formats.lists import count_lines
+from ..formats.lists import scan_list
 from ..formats.patterns import Patterns, is_list_name
 from ..formats.selection import MissingShard, select_shards
 from ..formats.streams import first_sample_fields
@@ -97,7 +97,7 @@ class ShardTable:
             for path in paths:
                 entry = index.entry(path.name) if index else None
                 if is_list_name(path.name):  # a raw list, read as a shard of its lines
-                    shards.append(ShardInfo(str(path), path.stat().st_size, count_lines(path)))
+                    shards.append(ShardInfo(str(path), path.stat().st_size, scan_list(path)))
                 elif entry is None:
                     shards.append(ShardInfo(str(path), path.stat().st_size, escaped_keys=escaped))
                 else:

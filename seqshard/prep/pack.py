@@ -146,9 +146,23 @@ def _source(
 ) -> FeatureSource | AudioSource:
     """What the pack reads: feature matrices, or audio (cut by segments)."""
     if f_scps is not None:
-        if segments is not None or options.features is not None:
-            raise ConfigError(f"{option('segments', '...')} and {option('features', 'fbank')} are for audio input.")
+        audio_only = [
+            option(name, value)
+            for name, value in (("segments", "..."), ("features", "fbank"), ("resample_to", "HZ"), ("channel", "N"))
+            if getattr(options, name, None) is not None or (name == "segments" and segments is not None)
+        ]
+        if audio_only:
+            raise ConfigError(
+                f"{', '.join(audio_only)}: for audio input; give the audio with {option('wav_scp', '...')}."
+            )
         return FeatureSource(_as_paths(f_scps, "f_scps"), options)
+    if options.audio_format == "keep" and options.features is None:
+        changes = [option(name, "...") for name in ("resample_to", "channel") if getattr(options, name) is not None]
+        if changes:
+            raise ConfigError(
+                f"{option('audio_format', 'keep')} stores each file's original bytes, so it cannot apply "
+                f"{', '.join(changes)}: use {option('audio_format', 'flac')} (lossless), or leave them out."
+            )
     return AudioSource(
         _as_paths(wav_scp, "wav_scp"), _as_paths(segments, "segments") if segments is not None else [], options
     )

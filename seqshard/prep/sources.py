@@ -31,6 +31,7 @@ from ..formats.audio import (
     header_seconds,
     parse_wav_location,
     read_location,
+    resample,
 )
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import key_problem
@@ -409,16 +410,16 @@ class _AudioReader:
     def __exit__(self, *exc: object) -> None:
         self._last = None
 
-    def _recording(self, key: str, value: str, where: Where) -> tuple[bytes, Audio, str]:
+    def _recording(self, key: str, value: str, where: Where) -> tuple[bytes, Audio]:
         location = parse_wav_location(value, self.source._root())
         data = read_location(location, where, self.options.allow_pipes)
-        return data, decode_audio(data, where, self.options.channel), location.format
+        return data, decode_audio(data, where, self.options.channel)
 
     def audio(self, key: str, value: str, where: Where) -> Audio:
         """The utterance's audio (a whole recording, or its segment)."""
         return self._utterance(key, value, where)[1]
 
-    def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, Audio, str]:
+    def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, Audio]:
         if not self.source.segment_files:
             return self._recording(key, value, where)
         segment = _parse_segment(value, where)
@@ -434,10 +435,10 @@ class _AudioReader:
                     "add it to the wav.scp, or remove its segments.",
                 )
             self._last = (segment.recording, self._recording(segment.recording, found[1], where)[1])
-        return None, cut(self._last[1], segment.start, segment.end, where), "wav"
+        return None, cut(self._last[1], segment.start, segment.end, where)
 
     def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int]:
-        original, audio, extension = self._utterance(key, value, where)
+        original, audio = self._utterance(key, value, where)
         planned = int(self.plan.frames[row]) if self.plan is not None else -1
         frames = round(audio.seconds * 100)
         if planned >= 0 and abs(planned - frames) > 1:
@@ -451,13 +452,17 @@ class _AudioReader:
         if options.features == "fbank":
             return self._fbank(audio, where)
         if options.audio_format == "keep" and original is not None:
-            return [(extension, [original])], frames
+            return [(audio.format, [original])], frames  # named by what it is, not by its file name
+        if options.resample_to and audio.sample_rate != options.resample_to:
+            audio = Audio(
+                resample(audio.samples, audio.sample_rate, options.resample_to), options.resample_to, audio.subtype
+            )
         encoded_as, data = encode(audio, options.audio_format)
         return [(encoded_as, [data])], frames
 
     def _fbank(self, audio: Audio, where: Where) -> tuple[Members, int]:
         from ..features.fbank import FbankOptions
-        from ..pipeline.audio import audio_fbank, resample
+        from ..pipeline.audio import audio_fbank
 
         options = self.options
         rate = options.resample_to or audio.sample_rate

@@ -9,7 +9,6 @@ when it is needed.
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import re
 from array import array
@@ -20,15 +19,11 @@ import numpy as np
 
 from ..errors import InputError, SkipCounter, Where
 from ..formats.kaldi import ASCII_WHITESPACE, iter_lines, parse_line
+from ..formats.keys import key_hash
 
 Parser = Callable[[bytes, Where, bool], tuple[str, str]]
 
 _COUNT = re.compile(r"[+-]?[0-9]+")
-
-
-def key_hash(key: str) -> int:
-    """A stable 64-bit hash of a key (the same in every process and run)."""
-    return int.from_bytes(hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest(), "little")
 
 
 class KeyTable:

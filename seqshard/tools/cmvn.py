@@ -61,6 +61,8 @@ def compute_cmvn(patterns: Patterns, max_utts: int | None = None, **options: Any
     if unknown:
         raise ConfigError(f"cmvn takes only feature options; not {', '.join(sorted(unknown))}.")
     loader = make_loader(patterns, batch_size=64, shuffle=False, **options)
+    if loader.holds_audio and not options.get("features"):
+        raise ConfigError("these shards hold audio: compute features for the statistics with --features fbank.")
     total = square = None
     frames = utterances = 0
     for batch in loader:
