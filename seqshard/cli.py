@@ -19,6 +19,7 @@ RENAMED_FLAGS = {
     "d_out": "--out",
     "num_frames_files": "--num-frames",
     "source": "--from",
+    "append_eos": "--no-eos",
 }
 
 
@@ -107,6 +108,23 @@ def _index(args: argparse.Namespace) -> int:
 
     for path in rebuild_index(args.folder, jobs=args.jobs, progress=not args.quiet):
         print(f"wrote {path}")
+    return 0
+
+
+def _binarize(args: argparse.Namespace) -> int:
+    from .prep.binarize import binarize
+
+    report = binarize(
+        args.input,
+        args.out,
+        args.tokenizer,
+        jobs=args.jobs,
+        append_eos=not args.no_eos,
+        eos_id=args.eos_id,
+        split=args.split,
+        progress=not args.quiet,
+    )
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
     return 0
 
 
@@ -270,6 +288,27 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--jobs", type=int, default=1, help="processes reading shards")
     index.add_argument("--quiet", action="store_true", help="no progress bars")
     index.set_defaults(run=_index)
+
+    binarize = commands.add_parser(
+        "binarize",
+        help="tokenize a text file (a sentence per line) into PREFIX.bin/.idx (fairseq/Megatron mmap format)",
+    )
+    binarize.add_argument("--in", dest="input", required=True, help="the text file, UTF-8, one sentence per line")
+    binarize.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
+    binarize.add_argument(
+        "--tokenizer", required=True, help="a SentencePiece .model, or a units file (token id per line)"
+    )
+    binarize.add_argument(
+        "--split", choices=["char", "word"], help="how a units file splits text (default: from the units)"
+    )
+    binarize.add_argument(
+        "--jobs", type=int, default=1, help="processes encoding parts of the file (default: %(default)s)"
+    )
+    binarize.add_argument("--no-eos", action="store_true", help="do not append the end-of-sentence id to each line")
+    binarize.add_argument("--eos-id", type=int, help="the end-of-sentence id (default: the tokenizer's)")
+    binarize.add_argument("--json", action="store_true", help="print the report as JSON")
+    binarize.add_argument("--quiet", action="store_true", help="no progress bars")
+    binarize.set_defaults(run=_binarize)
 
     cmvn = commands.add_parser("cmvn", help="global CMVN statistics of a shard set, for the loader's cmvn= option")
     cmvn.add_argument("patterns", nargs="+", help="shard patterns, folders or .list files")

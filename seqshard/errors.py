@@ -23,7 +23,9 @@ def option(name: str, value: object = True) -> str:
     if flags is None:
         return f"{name}={value!r}"
     flag = flags.get(name, "--" + name.replace("_", "-"))
-    return flag if value is True else f"{flag} {value}"
+    if value is True or (value is False and flag.startswith("--no-")):  # --no-eos stands for append_eos=False
+        return flag
+    return f"{flag} {value}"
 
 
 @contextlib.contextmanager

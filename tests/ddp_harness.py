@@ -25,6 +25,8 @@ def main() -> None:
     rank = dist.get_rank()
     out = Path(config["out"])
     pattern = config.get("pattern_of_rank", {}).get(str(rank), config["pattern"])
+    if isinstance(pattern, dict):  # {"mux": [patterns], "weights": [...]}: mixed sources
+        pattern = seqshard.mux(pattern["mux"], weights=pattern.get("weights"), temperature=pattern.get("temperature"))
     loader = seqshard.make_loader(pattern, **config["options"])
     if config.get("resume"):
         loader.load_state_dict(json.loads(Path(config["resume"]).read_text()), strict=not config.get("elastic", False))

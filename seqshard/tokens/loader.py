@@ -243,11 +243,14 @@ class TokenLoader:
         }
 
     def state_dict(self, gather: bool = True) -> dict[str, Any]:
-        """How many batches each rank took this epoch (a collective with ``gather=True``)."""
-        if not gather and self.context.world_size > 1:
-            raise ConfigError("state_dict(gather=False) is for one rank; call it on every rank with gather=True.")
-        steps = self.collectives.all_gather(self._step) if gather else [self._step]
-        current = {"world_size": self.context.world_size, "steps": [int(s) for s in steps]}
+        """How many batches each rank took this epoch: a collective with ``gather=True``;
+        ``gather=False`` fills in this rank's alone (enough to resume it with as many ranks)."""
+        if gather:
+            steps: list[int | None] = [int(s) for s in self.collectives.all_gather(self._step)]
+        else:
+            steps = [None] * self.context.world_size
+            steps[self.context.rank] = self._step
+        current = {"world_size": self.context.world_size, "steps": steps}
         return {
             "seqshard_token_loader_state": STATE_VERSION,
             "identity": self._identity(),
@@ -269,7 +272,14 @@ class TokenLoader:
         *earlier, last = state["deals"]
         world = self.context.world_size
         if int(last["world_size"]) == world:
-            self._history, self._start = earlier, int(last["steps"][self.context.rank])
+            mine = last["steps"][self.context.rank]
+            if mine is None:
+                raise StateMismatchError(
+                    f"the state holds no step for rank {self.context.rank} (saved with gather=False?)."
+                )
+            self._history, self._start = earlier, int(mine)
+        elif any(step is None for step in last["steps"]):
+            raise StateMismatchError("resuming with another world size needs every rank's step: save with gather=True.")
         elif strict:
             raise StateMismatchError(
                 f"the state was saved by {last['world_size']} ranks and this loader has {world}; "

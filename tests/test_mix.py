@@ -1,0 +1,154 @@
+"""Mixing sources: seqshard.mux shares (weights, temperature, nesting), the block schedule, and
+mixed loaders (proportions across workers and ranks, per-source epochs, exact resume)."""
+
+import json
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from conftest import write_kaldi_dir
+from distributed import run_ranks
+from seqshard import make_loader, mux, pack_data
+from seqshard.errors import ConfigError, StateMismatchError
+from seqshard.mix import BLOCK, flatten, next_block
+
+SMALL = dict(shuffle_window=16, sort_window=8, interleave=2)
+
+
+def test_shares_from_weights_temperature_and_nesting():
+    leaves, shares = flatten(mux(["a", "b"], weights=[3, 1]), len)
+    assert leaves == ["a", "b"] and shares.tolist() == [0.75, 0.25]
+    sizes = {"x": 900, "y": 100}
+    _, by_size = flatten(mux(["x", "y"]), sizes.get)
+    _, flat = flatten(mux(["x", "y"], temperature=2), sizes.get)
+    assert by_size.tolist() == pytest.approx([0.9, 0.1]) and flat.tolist() == pytest.approx([0.75, 0.25])
+    leaves, nested = flatten(mux([mux(["a", "b"], weights=[1, 3]), "c"], weights=[0.6, 0.4]), len)
+    assert leaves == ["a", "b", "c"] and nested.tolist() == pytest.approx([0.15, 0.45, 0.4])
+    for bad, message in (
+        (dict(weights=[1]), "2 sources but 1 weights"),
+        (dict(weights=[1, -1]), ">= 0"),
+        (dict(weights=[1, 1], temperature=2), "not both"),
+        (dict(temperature=0), "> 0"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            mux(["a", "b"], **bad)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_every_prefix_of_the_schedule_is_within_one_sample_of_its_target(seed):
+    rng = np.random.default_rng(seed)
+    shares = rng.dirichlet(np.ones(int(rng.integers(2, 40))) * 0.5)
+    counts = np.zeros(len(shares))
+    taken = []
+    for block in range(300):
+        picks = next_block(shares, counts, seed, block, 7)
+        assert len(picks) == BLOCK
+        for pick in picks:
+            taken.append(pick)
+        counts += np.bincount(picks, minlength=len(shares))
+        assert np.abs(counts - shares * counts.sum()).max() < 1.0
+    again = np.zeros(len(shares))
+    assert np.array_equal(next_block(shares, again, seed, 0, 7), taken[:BLOCK])  # a function of its arguments
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Three packed corpora of 60, 30 and 15 utterances (keys start with their name)."""
+    root = tmp_path_factory.mktemp("mix")
+    for name, speakers in (("a", 12), ("b", 6), ("c", 3)):
+        data = write_kaldi_dir(root / f"kaldi-{name}", speakers=speakers, per_speaker=5, prefix=name)
+        pack_data(data.scp, data.text, root / name, utts_per_file=7, progress=False)
+    return {name: str(root / name) for name in "abc"}
+
+
+def _shares(keys):
+    counts = Counter(k[0] for k in keys)
+    return {name: counts[name] / len(keys) for name in counts}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_realised_mixture_matches_the_weights(sources, num_workers):
+    mixed = mux([mux([sources["a"], sources["b"]], weights=[1, 1]), sources["c"]], weights=[0.8, 0.2])
+    loader = make_loader(mixed, batch_size=8, epoch_steps=1250, num_workers=num_workers, **SMALL)
+    keys = [k for batch in loader for k in batch["keys"]]
+    assert len(keys) == 10000
+    shares = _shares(keys)
+    for name, target in (("a", 0.4), ("b", 0.4), ("c", 0.2)):
+        assert abs(shares[name] - target) <= 0.01, shares
+    stats = loader.stats()["sources"]
+    assert sum(s["utts"] for s in stats.values()) == 10000
+    assert stats[sources["c"]]["passes"] == pytest.approx(stats[sources["c"]]["utts_total"] / 15)
+    assert stats[sources["c"]]["passes"] > 100  # the small source went round many times
+    assert all(s["hours"] > 0 for s in stats.values())
+
+
+def test_mixture_across_two_ranks(sources, tmp_path):
+    pattern = {"mux": [sources["a"], sources["b"], sources["c"]], "weights": [0.5, 0.3, 0.2]}
+    options = dict(batch_size=8, epoch_steps=625, num_workers=2, **SMALL)
+    ranks = run_ranks(2, {"pattern": pattern, "options": options, "epochs": [0]}, tmp_path / "run")
+    keys = [k for rank in ranks for step in rank["epochs"][0]["steps"] for k in step["keys"]]
+    assert len(keys) == 10000
+    shares = _shares(keys)
+    for name, target in (("a", 0.5), ("b", 0.3), ("c", 0.2)):
+        assert abs(shares[name] - target) <= 0.01, shares
+
+
+def test_temperature_needs_indexed_sources_and_sizes(sources):
+    loader = make_loader(mux([sources["a"], sources["c"]], temperature=1), batch_size=8, epoch_steps=200, **SMALL)
+    shares = _shares([k for b in loader for k in b["keys"]])
+    assert abs(shares["a"] - 60 / 75) <= 0.01
+
+
+def test_an_epoch_can_be_one_pass_of_a_source(sources):
+    mixed = mux([sources["a"], sources["c"]], weights=[0.75, 0.25])
+    loader = make_loader(mixed, batch_size=4, epoch_source=sources["c"], num_workers=2, **SMALL)
+    totals = []
+    for epoch in range(3):
+        loader.set_epoch(epoch)
+        keys = [k for b in loader for k in b["keys"]]
+        c = sum(k.startswith("c") for k in keys)
+        assert 15 <= c < 15 + 2 * 4  # one pass's worth, give or take the last batch of each worker
+        totals.append(loader.stats()["sources"][sources["c"]]["utts_total"])
+    assert totals[0] < totals[1] < totals[2]  # the stream goes on across epochs
+    with pytest.raises(ConfigError, match="is not one of the mixed sources"):
+        make_loader(mixed, batch_size=4, epoch_source="nowhere")
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_exact_resume_of_a_mixed_loader(sources, num_workers):
+    mixed = mux([sources["a"], sources["b"], sources["c"]], weights=[0.5, 0.3, 0.2])
+    options = dict(batch_size=4, epoch_steps=40, num_workers=num_workers, seed=3, **SMALL)
+    uninterrupted = make_loader(mixed, **options)
+    first = [b["keys"] for b in uninterrupted]
+    uninterrupted.set_epoch(1)
+    second = [b["keys"] for b in uninterrupted]
+    loader = make_loader(mixed, **options)
+    iterator = iter(loader)
+    head = [next(iterator)["keys"] for _ in range(17)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del iterator
+    resumed = make_loader(mixed, **options)
+    resumed.load_state_dict(state)
+    assert head + [b["keys"] for b in resumed] == first
+    resumed.set_epoch(1)
+    assert [b["keys"] for b in resumed] == second
+    other_weights = make_loader(mux([sources["a"], sources["b"], sources["c"]], weights=[0.2, 0.3, 0.5]), **options)
+    with pytest.raises(StateMismatchError, match="mix was"):
+        other_weights.load_state_dict(state)
+    with pytest.raises(StateMismatchError, match="not for uneven='repeat' streams or mixes"):
+        make_loader(mixed, **{**options, "num_workers": 1}).load_state_dict(state, strict=False)
+
+
+def test_what_a_mix_refuses(sources):
+    mixed = mux([sources["a"], sources["b"]], weights=[1, 1])
+    with pytest.raises(ConfigError, match="never runs out: give epoch_steps, epoch_hours or epoch_source"):
+        make_loader(mixed, batch_size=4)
+    with pytest.raises(ConfigError, match="not by uneven='stop'"):
+        make_loader(mixed, batch_size=4, epoch_steps=5, uneven="stop")
+    with pytest.raises(ConfigError, match="use transforms= instead of recipe="):
+        make_loader(mixed, batch_size=4, epoch_steps=5, recipe=lambda reader: None)
+    with pytest.raises(ConfigError, match="epoch_source is for mixed sources"):
+        make_loader(sources["a"], batch_size=4, epoch_source=0)
+    with pytest.raises(ConfigError, match="appears twice"):
+        make_loader(mux([sources["a"], sources["a"]]), batch_size=4, epoch_steps=5)
