@@ -12,6 +12,7 @@ and read exactly this (fairseq ``MMapIndexedDataset``, Megatron ``preprocess_dat
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from pathlib import Path
@@ -86,7 +87,9 @@ class TokenDataset:
                 None,
                 f"holds {actual} bytes where its index says {data_bytes} (cut short, or another index?).",
             )
-        self._data = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if actual else np.zeros(0, self.dtype)
+        # a plain ndarray view of the mapping: np.memmap's own indexing costs more than the read
+        mapped = np.memmap(self.bin_path, dtype=self.dtype, mode="r") if actual else np.zeros(0, self.dtype)
+        self._data = mapped.view(np.ndarray)
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -97,6 +100,16 @@ class TokenDataset:
         index %= len(self)
         start = int(self.pointers[index]) // self.dtype.itemsize
         return self._data[start : start + int(self.sizes[index])]
+
+    @functools.cached_property
+    def starts(self) -> np.ndarray:
+        """Where each sequence starts in :attr:`tokens` (the pointers in tokens, not bytes)."""
+        return self.pointers // self.dtype.itemsize
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """All tokens back to back (the mapped ``.bin``)."""
+        return self._data
 
     @property
     def num_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""fairseq's batch for token pairs (``LanguagePairDataset.collater``), from numpy sequences."""
+"""fairseq's batch for token pairs (``LanguagePairDataset.collater``), built with whole-array
+numpy operations (no Python loop per sentence), from memory-mapped token arrays."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+MODEL_INPUTS = ("src_tokens", "src_lengths", "prev_output_tokens")  # what fairseq's net_input holds
 
 
 @dataclass(frozen=True)
@@ -19,16 +22,90 @@ class CollateRules:
     left_pad_source: bool = True
 
 
-def pad(sequences: Sequence[np.ndarray], pad_id: int, left: bool) -> np.ndarray:
-    """B x longest int64 matrix of ``sequences``, padded on the left or the right."""
-    longest = max((len(s) for s in sequences), default=0)
-    out = np.full((len(sequences), longest), pad_id, dtype=np.int64)
-    for row, sequence in enumerate(sequences):
-        if len(sequence):
-            if left:
-                out[row, longest - len(sequence) :] = sequence
-            else:
-                out[row, : len(sequence)] = sequence
+@dataclass(frozen=True)
+class Rows:
+    """Some rows of a batch, all taken from one token array: row ``rows[k]`` is the
+    ``lengths[k]`` tokens of ``data`` from ``starts[k]``, after ``prefix`` when given."""
+
+    rows: np.ndarray
+    data: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+    prefix: int | None = None
+
+
+def padded(parts: Sequence[Rows], batch_size: int, pad_id: int, left: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The B x longest int64 matrix of the rows in ``parts`` (padded on the left or the right)
+    and each row's length (prefix included)."""
+    lengths = np.zeros(batch_size, dtype=np.int64)
+    for part in parts:
+        lengths[part.rows] = part.lengths + (part.prefix is not None)
+    longest = int(lengths.max()) if batch_size else 0
+    if len(parts) == 1 and len(parts[0].rows) == batch_size and np.array_equal(parts[0].rows, np.arange(batch_size)):
+        return _block(parts[0], lengths, longest, pad_id, left), lengths
+    out = np.full((batch_size, longest), pad_id, dtype=np.int64)
+    for part in parts:
+        out[part.rows] = _block(part, lengths[part.rows], longest, pad_id, left)
+    return out, lengths
+
+
+def _block(part: Rows, lengths: np.ndarray, longest: int, pad_id: int, left: bool) -> np.ndarray:
+    """The part's rows as a len(rows) x longest matrix: one index matrix, one gather."""
+    column = np.arange(longest)[None, :]
+    within = column - (longest - lengths)[:, None] if left else np.broadcast_to(column, (len(lengths), longest))
+    prefix = part.prefix is not None
+    token = within - prefix  # position in the stored sequence
+    inside = (token >= 0) & (within < lengths[:, None])
+    index = np.where(inside, part.starts[:, None] + token, 0)
+    out = np.where(inside, part.data.take(index) if len(part.data) else 0, pad_id).astype(np.int64, copy=False)
+    if prefix:
+        out[within == 0] = part.prefix
+    return out
+
+
+def collate_batch(
+    ids: np.ndarray,
+    src: tuple[np.ndarray, np.ndarray],
+    tgt: tuple[np.ndarray, np.ndarray] | None,
+    rules: CollateRules,
+    source_ids: np.ndarray | None = None,
+) -> dict[str, Any]:
+    """The batch as fairseq builds it, from padded ``(matrix, lengths)`` of each side: ``id``,
+    ``nsentences``, ``ntokens`` (target tokens, or source tokens without a target),
+    ``src_tokens``, ``src_lengths``, ``prev_output_tokens`` (the target with its last token,
+    EOS, moved to the front), ``target``, and ``net_input`` holding the model's inputs;
+    ``source`` (which source of a mix) when given. Arrays are numpy (cheap to send from a
+    worker); :func:`as_tensors` makes them tensors."""
+    src_tokens, src_lengths = src
+    batch: dict[str, Any] = {
+        "id": np.asarray(ids, dtype=np.int64),
+        "nsentences": len(src_lengths),
+        "src_tokens": src_tokens,
+        "src_lengths": src_lengths,
+    }
+    if tgt is not None:
+        target, tgt_lengths = tgt
+        previous = np.full_like(target, rules.pad_id)
+        if target.shape[1]:
+            previous[:, 0] = rules.eos_id
+            previous[:, 1:] = target[:, :-1]
+            previous[np.arange(target.shape[1])[None, :] >= tgt_lengths[:, None]] = rules.pad_id
+        batch["target"] = target
+        batch["prev_output_tokens"] = previous
+        batch["ntokens"] = int(tgt_lengths.sum())
+    else:
+        batch["ntokens"] = int(src_lengths.sum())
+    if source_ids is not None:
+        batch["source"] = np.asarray(source_ids, dtype=np.int64)
+    return batch
+
+
+def as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+    """The batch with torch tensors (sharing the arrays' memory) and ``net_input``."""
+    import torch
+
+    out = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value for key, value in batch.items()}
+    out["net_input"] = {key: out[key] for key in MODEL_INPUTS if key in out}
     return out
 
 
@@ -39,33 +116,14 @@ def collate_pairs(
     rules: CollateRules,
     source_ids: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """The batch as fairseq builds it: ``id``, ``nsentences``, ``ntokens`` (target tokens, or
-    source tokens without a target), ``src_tokens``, ``src_lengths``, ``prev_output_tokens``
-    (the target with its last token, EOS, moved to the front), ``target``, and ``net_input``
-    holding the model's inputs; ``source`` (which source of a mix) when given."""
-    import torch
+    """:func:`collate_batch` of sequences given one by one (tests, small batches)."""
 
-    src_lengths = np.fromiter((len(s) for s in sources), dtype=np.int64, count=len(sources))
-    batch: dict[str, Any] = {
-        "id": torch.from_numpy(np.asarray(ids, dtype=np.int64)),
-        "nsentences": len(sources),
-        "src_tokens": torch.from_numpy(pad(sources, rules.pad_id, rules.left_pad_source)),
-        "src_lengths": torch.from_numpy(src_lengths),
-    }
-    net_input = {"src_tokens": batch["src_tokens"], "src_lengths": batch["src_lengths"]}
-    if targets is not None:
-        target = pad(targets, rules.pad_id, left=False)
-        previous = np.full_like(target, rules.pad_id)
-        for row, sequence in enumerate(targets):
-            if len(sequence):
-                previous[row, 0] = rules.eos_id
-                previous[row, 1 : len(sequence)] = sequence[:-1]
-        batch["target"] = torch.from_numpy(target)
-        batch["prev_output_tokens"] = net_input["prev_output_tokens"] = torch.from_numpy(previous)
-        batch["ntokens"] = int(sum(len(t) for t in targets))
-    else:
-        batch["ntokens"] = int(src_lengths.sum())
-    batch["net_input"] = net_input
-    if source_ids is not None:
-        batch["source"] = torch.from_numpy(np.asarray(source_ids, dtype=np.int64))
-    return batch
+    def side(sequences: Sequence[np.ndarray], left: bool) -> tuple[np.ndarray, np.ndarray]:
+        lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
+        data = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences]) if len(sequences) else np.zeros(0)
+        starts = np.cumsum(lengths) - lengths
+        return padded([Rows(np.arange(len(sequences)), data, starts, lengths)], len(sequences), rules.pad_id, left)
+
+    src = side(sources, rules.left_pad_source)
+    tgt = side(targets, False) if targets is not None else None
+    return as_tensors(collate_batch(ids, src, tgt, rules, source_ids))

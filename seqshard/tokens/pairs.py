@@ -10,6 +10,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..formats.mmidx import TokenDataset
+from .collate import Rows
 
 
 @dataclass(frozen=True)
@@ -46,21 +47,12 @@ class OpenPair:
     def __len__(self) -> int:
         return len(self.src)
 
-    def source(self, index: int) -> np.ndarray:
-        return _with_lang(self.src[index], self.pair.src_lang_id)
-
-    def target(self, index: int) -> np.ndarray:
-        assert self.tgt is not None
-        return _with_lang(self.tgt[index], self.pair.tgt_lang_id)
-
-
-def _with_lang(tokens: np.ndarray, lang_id: int | None) -> np.ndarray:
-    if lang_id is None:
-        return tokens
-    out = np.empty(len(tokens) + 1, dtype=np.int64)
-    out[0] = lang_id
-    out[1:] = tokens
-    return out
+    def rows(self, side: str, rows: np.ndarray, indices: np.ndarray) -> Rows:
+        """Batch rows ``rows`` holding sequences ``indices`` of the ``"src"`` or ``"tgt"`` side."""
+        dataset = self.src if side == "src" else self.tgt
+        assert dataset is not None
+        lang = self.pair.src_lang_id if side == "src" else self.pair.tgt_lang_id
+        return Rows(rows, dataset.tokens, dataset.starts[indices], dataset.sizes[indices], lang)
 
 
 def as_pair(source: TokenPair | str | Path | tuple) -> TokenPair:
