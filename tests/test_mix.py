@@ -140,6 +140,38 @@ def test_exact_resume_of_a_mixed_loader(sources, num_workers):
         make_loader(mixed, **{**options, "num_workers": 1}).load_state_dict(state, strict=False)
 
 
+@pytest.mark.parametrize("mixed", [True, False])
+def test_a_stream_kept_across_epochs_gives_what_a_restore_gives(sources, monkeypatch, mixed):
+    """Without workers an endless stream (a mix, uneven="repeat") goes on across epochs as it
+    is; its batches are those of loaders rebuilt from the saved state at each epoch, and a
+    state from elsewhere in the stream is restored, not ignored."""
+    import seqshard.pipeline.worker as worker
+
+    built = []
+    build = worker.build_pipeline
+    monkeypatch.setattr(worker, "build_pipeline", lambda *a, **k: built.append(1) or build(*a, **k))
+    patterns = mux([sources["a"], sources["b"]], weights=[0.6, 0.4]) if mixed else [sources["a"], sources["b"]]
+    options = dict(batch_size=4, epoch_steps=11, num_workers=0, seed=5, **SMALL)
+    if not mixed:
+        options["uneven"] = "repeat"
+    kept = make_loader(patterns, **options)
+    epochs, states = [], []
+    for epoch in range(3):
+        states.append(json.loads(json.dumps(kept.state_dict())))
+        kept.set_epoch(epoch)
+        epochs.append([b["keys"] for b in kept])
+    assert len(built) == 1  # built once, then continued
+    for epoch in range(3):
+        rebuilt = make_loader(patterns, **options)
+        if epoch:
+            rebuilt.load_state_dict(states[epoch])
+        rebuilt.set_epoch(epoch)
+        assert [b["keys"] for b in rebuilt] == epochs[epoch]
+    kept.load_state_dict(states[1])  # back to the end of epoch 0: rebuilt from that state
+    kept.set_epoch(1)
+    assert [b["keys"] for b in kept] == epochs[1]
+
+
 def test_what_a_mix_refuses(sources):
     mixed = mux([sources["a"], sources["b"]], weights=[1, 1])
     with pytest.raises(ConfigError, match="never runs out: give epoch_steps, epoch_hours or epoch_source"):

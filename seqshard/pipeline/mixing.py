@@ -118,33 +118,33 @@ class Mix(Stage[Sample]):
         self.seed = seed
         self.position = position
         self._block = -1
-        self._picks = np.zeros(0, dtype=np.int64)
+        self._picks: list[int] = []  # plain lists: next() is per sample
         self._offset = 0
-        self._counts = np.zeros(len(streams), dtype=np.int64)  # samples taken per source
-        self._at_block = self._counts.copy()  # the counts when the current block began
+        self._counts = [0] * len(streams)  # samples taken per source
+        self._at_block = list(self._counts)  # the counts when the current block began
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
         state = state or {}
         self._block = int(state.get("block", -1))
         self._offset = int(state.get("offset", 0))
-        self._counts = np.asarray(state.get("counts", [0] * len(self.streams)), dtype=np.int64)
-        self._at_block = np.asarray(state.get("at_block", self._counts), dtype=np.int64)
-        self._picks = self._block_picks() if self._block >= 0 else np.zeros(0, dtype=np.int64)
+        self._counts = [int(c) for c in state.get("counts", [0] * len(self.streams))]
+        self._at_block = [int(c) for c in state.get("at_block", self._counts)]
+        self._picks = self._block_picks() if self._block >= 0 else []
         streams = state.get("streams") or [None] * len(self.streams)
         for stream, stream_state in zip(self.streams, streams):
             stream.reset(stream_state)
 
-    def _block_picks(self) -> np.ndarray:
-        return next_block(self.shares, self._at_block, self.seed, self._block, *self.position)
+    def _block_picks(self) -> list[int]:
+        return next_block(self.shares, np.asarray(self._at_block), self.seed, self._block, *self.position).tolist()
 
     def next(self) -> Sample:
         if self._offset >= len(self._picks):
             self._block += 1
-            self._at_block = self._counts.copy()
+            self._at_block = list(self._counts)
             self._picks = self._block_picks()
             self._offset = 0
-        source = int(self._picks[self._offset])
+        source = self._picks[self._offset]
         sample = self.streams[source].next()  # endless: a StopIteration here is a real end
         self._offset += 1
         self._counts[source] += 1
@@ -155,13 +155,13 @@ class Mix(Stage[Sample]):
         return {
             "block": self._block,
             "offset": self._offset,
-            "counts": self._counts.tolist(),
-            "at_block": self._at_block.tolist(),
+            "counts": list(self._counts),
+            "at_block": list(self._at_block),
             "streams": [stream.get_state() for stream in self.streams],
         }
 
     def stats(self) -> dict[str, int]:
-        counts = {f"mix.{i}": int(c) for i, c in enumerate(self._counts)}
+        counts = {f"mix.{i}": c for i, c in enumerate(self._counts)}
         return merge_counts(counts, *(stream.stats() for stream in self.streams))
 
     def pending(self) -> list[Any]:

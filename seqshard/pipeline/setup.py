@@ -7,13 +7,14 @@ spawned DataLoader workers and handed to recipes (``recipe.Reader``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
 from ..errors import ConfigError
 from ..formats.index import bin_bounds, histogram_percentile
 from .audio import AudioOptions
+from .base import Stage, State
 from .collate import Collator, speech_rules
 from .config import LoaderConfig
 from .fieldplan import FieldPlan, plan_fields
@@ -22,6 +23,24 @@ from .lengths import Duration, Length, Measure
 from .mixing import MixSetup
 from .shards import ShardTable, Unit, plan_epoch
 from .transfer import BatchSlots
+
+
+class LivePipelines:
+    """The pipeline of each reader whose stream goes on across epochs (``uneven="repeat"``,
+    mixes), with its state after the last batch it made. When the next epoch starts from that
+    state (no batch was made ahead and dropped: no worker processes), the pipeline continues as
+    it is, instead of being rebuilt from the state, which re-reads its windows."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[State, Stage]] = {}
+
+    def keep(self, worker: int, state: State, pipeline: Stage) -> None:
+        self._kept[worker] = (state, pipeline)
+
+    def take(self, worker: int, state: State | None) -> Stage | None:
+        """The kept pipeline of ``worker`` if it stands at ``state``, else None."""
+        kept = self._kept.pop(worker, None)
+        return kept[1] if kept is not None and state is not None and kept[0] == state else None
 
 
 @dataclass
@@ -41,6 +60,10 @@ class WorkerSetup:
     slots: BatchSlots | None = None
     noise_table: ShardTable | None = None  # noise shards mixed into the audio
     mix: MixSetup | None = None  # the sources of a seqshard.mux, when the loader mixes
+    live: LivePipelines = field(default_factory=lambda: LivePipelines())  # streams kept across epochs
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "live": LivePipelines()}  # open pipelines stay in their process
 
     @property
     def readers_per_rank(self) -> int:

@@ -81,9 +81,12 @@ def iterate_worker(
     units = None if spec.get("units") is None else [Unit.from_json(u) for u in spec["units"]]
     seq = spec["seq"]
     collator = setup.collator()
+    continuing = units is None and (setup.mix is not None or setup.config.uneven == "repeat")
     try:
-        pipeline = build_pipeline(setup, worker, request["epoch"], units)
-        pipeline.reset(spec["state"])
+        pipeline = setup.live.take(worker, spec["state"]) if continuing else None
+        if pipeline is None:
+            pipeline = build_pipeline(setup, worker, request["epoch"], units)
+            pipeline.reset(spec["state"])
         while True:
             try:
                 batch = pipeline.next()
@@ -91,11 +94,14 @@ def iterate_worker(
                 break
             seq += 1
             arrays, slot = _collate(batch, collator, setup, worker, request["iteration"], in_worker_process)
+            state = pipeline.get_state()
+            if continuing:
+                setup.live.keep(worker, state, pipeline)
             yield BatchItem(
                 worker,
                 seq,
                 arrays,
-                pipeline.get_state(),
+                state,
                 pipeline.stats(),
                 len(batch),
                 sum(batch.lengths),
