@@ -19,8 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from .dist import Collectives, DistContext, discover
-from .errors import ConfigError, StateMismatchError
+from .errors import ConfigError, ShardError, StateMismatchError, option
+from .formats import remote
+from .formats.cache import ShardCache
 from .formats.patterns import Patterns
+from .formats.remote import RemoteAccess
 from .formats.selection import missing_error
 from .mix import Mux
 from .pipeline import checkpoint
@@ -88,6 +91,8 @@ def make_loader(
         if options.get(name) is not None and not isinstance(options[name], str):
             options[name] = tuple(options[name])
     check_transforms(options.get("transforms", ()))
+    access = remote_access(options)
+    remote.use(access)
     mix = None
     if isinstance(patterns, Mux):
         if options.get("uneven", "repeat") != "repeat":
@@ -109,6 +114,15 @@ def make_loader(
     if table.missing:
         if not config.skip_bad:
             raise missing_error(table.missing)
+        budget = config.bad_shard_budget(len(table.shards) + len(table.missing))
+        if len(table.missing) > budget:
+            raise ShardError(
+                "the selected shards",
+                None,
+                f"{len(table.missing)} of {len(table.shards) + len(table.missing)} shards are missing, more than "
+                f"{option('max_bad_shards', config.max_bad_shards)} allows ({budget}): "
+                f"{'; '.join(str(m.path) for m in table.missing[:5])}. Restore them, or raise max_bad_shards.",
+            )
         _LOG.warning(
             "%d selected shard(s) are missing and are not read (skip_bad): %s",
             len(table.missing),
@@ -142,6 +156,7 @@ class ShardLoader:
         mp_context = _mp_context(config.multiprocessing_context)
         self._setup = make_setup(table, config, context.rank, context.world_size, tokenizer, override, mix)
         self._setup.slots = _make_slots(table, config, mp_context)
+        self._setup.remote = remote.current()
         self._buckets = len(self._setup.bucket_bounds) + 1 if config.bucket_sync else 0
         self._end = epoch_end(config.uneven, self.collectives)
         self._length = epoch_length(
@@ -234,6 +249,7 @@ class ShardLoader:
         if position.completed:  # a state saved at the end of this epoch: nothing is left
             return
         self._check_ranks_agree()
+        self._accounts.start_bad_shard_count(position)
         self._iteration += 1
         self._channel.publish(
             {"epoch": position.epoch, "iteration": self._iteration, "workers": position.worker_request()}
@@ -247,8 +263,10 @@ class ShardLoader:
             stream.emit(item)
             self._timing["seconds"] = time.perf_counter() - self._timing["started"]
             self._accounts.judge_unknown_tokens(position)
+            self._accounts.check_bad_shards(position)
             yield item.batch
         del stream  # stops non-persistent workers now, not at garbage collection
+        self._accounts.check_bad_shards(position)
         if not self._end.continues_stream:
             position.completed = True
         self._finish_epoch(position)
@@ -419,6 +437,18 @@ def _mp_context(name: str | None):
     import multiprocessing
 
     return multiprocessing.get_context(name) if name else multiprocessing.get_context()
+
+
+def remote_access(options: dict[str, Any]) -> RemoteAccess:
+    """How this loader reads remote shards: fsspec options and the local cache, if any."""
+    cache_dir = options.get("cache_dir")
+    cache = ShardCache(cache_dir, options.get("cache_limit")) if cache_dir is not None else None
+    return RemoteAccess(
+        storage_options=dict(options.get("storage_options") or {}),
+        retries=int(options.get("remote_retries", 4)),
+        timeout_s=float(options.get("remote_timeout", 60.0)),
+        cache=cache,
+    )
 
 
 def _make_slots(table: ShardTable, config: LoaderConfig, context) -> BatchSlots | None:

@@ -68,7 +68,9 @@ def test_a_shard_listed_in_the_index_but_missing_is_named_or_counted(tmp_path, c
             ShardError, match=r"1 selected shard\(s\) are missing: data-00002\.tar \(listed in its folder's index\.json"
         ):
             make_loader(pattern, batch_size=4)
-    loader = make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True)
+    with pytest.raises(ShardError, match=r"1 of 5 shards are missing, more than max_bad_shards=0\.05 allows"):
+        make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True)
+    loader = make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True, max_bad_shards=0.2)
     keys = keys_of(loader)
     assert len(keys) == 48 - 10 and len(set(keys)) == len(keys)
     assert loader.stats()["missing_shards"] == 1
@@ -92,7 +94,7 @@ def test_an_unfinished_multi_part_pack_is_not_read_or_indexed_as_if_complete(tmp
         match=r"2 selected shard\(s\) are missing: data-00001\.tar \(planned by a pack that has not finished",
     ):
         make_loader(f"{out}/data-*.tar", batch_size=4)
-    loader = make_loader(str(out), batch_size=4, num_workers=0, skip_bad=True)
+    loader = make_loader(str(out), batch_size=4, num_workers=0, skip_bad=True, max_bad_shards=2)
     assert len(keys_of(loader)) == 10 + 10 + 8 and loader.stats()["missing_shards"] == 2
     assert main(["index", "--quiet", str(out)]) == 1
     err = capsys.readouterr().err

@@ -220,10 +220,14 @@ class ShardIndex:
             raise SeqshardError(
                 f"{path}: unreadable index ({error}). Rebuild it with `seqshard index {folder}`."
             ) from None
-        if data.get("format") != FORMAT or int(data.get("version", 0)) > VERSION:
-            raise SeqshardError(
-                f"{path}: not a seqshard index of version <= {VERSION}. Rebuild it with `seqshard index {folder}`."
-            )
+        return cls.from_json(data, path, f"seqshard index {folder}")
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str | Path, rebuild: str) -> ShardIndex:
+        """The index parsed from ``data`` (read from ``where``; ``rebuild`` is the command
+        that rebuilds it, for the message when it is not an index)."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT or int(data.get("version", 0)) > VERSION:
+            raise SeqshardError(f"{where}: not a seqshard index of version <= {VERSION}. Rebuild it with `{rebuild}`.")
         return cls(
             shards=[ShardEntry.from_json(s) for s in data["shards"]],
             feature=data.get("feature", {}),

@@ -23,12 +23,14 @@ import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from ..errors import ShardError
 from .files import fsync_directory, writing
 from .keys import split_member_name
 from .prefetch import read_ahead
+from .remote import current as current_remote
+from .remote import is_remote
 
 BLOCK = 512
 RECORD = 20 * BLOCK
@@ -353,7 +355,36 @@ def _check_header(header: bytes, path: str, offset: int) -> None:
             raise ShardError(path, offset, "tar header checksum mismatch (damaged shard?)")
 
 
-def _open_for_reading(path: str, read_ahead: bool) -> _MappedBytes | _StreamedBytes:
+class _FileOver:
+    """A byte source seen as a readable file (for gzip over a remote shard)."""
+
+    def __init__(self, source: Any):
+        self._source = source
+        self._pos = 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = bytes(self._source.read(size if size >= 0 else 1 << 62))
+        self._pos += len(data)
+        return data
+
+    def seek(self, position: int, whence: int = 0) -> int:
+        self._pos = position if whence == 0 else self._pos + position
+        self._source.seek(self._pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def close(self) -> None:
+        self._source.close()
+
+
+def _open_for_reading(path: str, read_ahead: bool) -> Any:
+    if is_remote(path):
+        source = current_remote().open_bytes(path)
+        if path.endswith((".gz", ".tgz")):
+            return _StreamedBytes(gzip.GzipFile(fileobj=_FileOver(source), mode="rb"))  # type: ignore[arg-type]
+        return source
     try:
         if path.endswith((".gz", ".tgz")):
             return _StreamedBytes(gzip.open(path, "rb"))  # type: ignore[arg-type]

@@ -12,11 +12,12 @@ import logging
 from typing import Any
 
 from ..dist import Collectives
-from ..errors import ShardError
+from ..errors import ShardError, option
 from ..formats.streams import count_samples
 from .epochs import EpochEnd
 from .labels import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from .merge import RankPosition
+from .reader import DAMAGED
 from .setup import WorkerSetup
 from .shards import Unit, planned_utts
 
@@ -33,6 +34,7 @@ class EpochAccounts:
         self.collectives = collectives
         self._counted: dict[int, int] = {}  # samples counted in unindexed shards
         self._tokens_judged = setup.tokenizer is None
+        self._bad_before = 0  # damaged shards the stream had counted when this epoch began
 
     def stats(self, position: RankPosition, seconds: float) -> dict[str, Any]:
         counters = counters_of(position)
@@ -47,7 +49,7 @@ class EpochAccounts:
             "padding_fraction": 1 - position.frames / position.padded_frames if position.padded_frames else 0.0,
             "tokens": counters.get("tokens", 0),
             "unknown_tokens": counters.get("unknown_tokens", 0),
-            "damaged_shards": counters.get("damaged_shards", 0),
+            "damaged_shards": damaged_shards(counters),
             "missing_shards": len(self.table.missing),
         }
         if self.setup.mix is not None:
@@ -72,6 +74,31 @@ class EpochAccounts:
                 "passes": total / size if size else None,
             }
         return found
+
+    def start_bad_shard_count(self, position: RankPosition) -> None:
+        """Bad shards are budgeted per epoch: remember what the stream had counted before."""
+        self._bad_before = damaged_shards(counters_of(position))
+
+    def check_bad_shards(self, position: RankPosition) -> None:
+        """Stop the run when this rank skipped more damaged shards this epoch than its share
+        of ``max_bad_shards`` (what missing shards left of it, split evenly over the ranks)."""
+        config = self.setup.config
+        if not config.skip_bad:
+            return
+        damaged = damaged_shards(counters_of(position)) - self._bad_before
+        shards = len(self.table.shards) + len(self.table.missing)
+        budget = config.bad_shard_budget(shards)
+        share = (budget - len(self.table.missing)) / self.setup.world_size
+        if damaged > share:
+            raise ShardError(
+                "the selected shards",
+                None,
+                f"{damaged} damaged shard(s) skipped on rank {self.setup.rank} this epoch"
+                + (f" (and {len(self.table.missing)} missing)" if self.table.missing else "")
+                + f": more than {option('max_bad_shards', config.max_bad_shards)} allows ({budget} of {shards} shards"
+                + (f", {share:g} per rank" if self.setup.world_size > 1 else "")
+                + "). The warnings above name them; repair or re-upload them, or raise max_bad_shards.",
+            )
 
     def judge_unknown_tokens(self, position: RankPosition, final: bool = False) -> None:
         """Warn once when many label tokens are unknown to the tokenizer (a units file of
@@ -162,3 +189,9 @@ def describe(summary: dict[str, Any]) -> str:
         if summary[kind]:
             text += f", {kind} " + ", ".join(f"{k}={v}" for k, v in summary[kind].items())
     return text
+
+
+def damaged_shards(counters: dict[str, int]) -> int:
+    """How many distinct shards the readers found damaged (a shard split between readers, or
+    met again in a later pass, counts once)."""
+    return sum(1 for name, count in counters.items() if name.startswith(DAMAGED) and count)

@@ -23,6 +23,11 @@ RUNTIME_ONLY = (
     "multiprocessing_context",
     "timeout",
     "shared_slots",
+    "storage_options",
+    "cache_dir",
+    "cache_limit",
+    "remote_retries",
+    "remote_timeout",
 )
 
 
@@ -67,6 +72,12 @@ class LoaderConfig:
     transforms: tuple[Any, ...] = ()
     recipe: Callable[..., Any] | None = None
     skip_bad: bool = False
+    max_bad_shards: float = 0.05
+    storage_options: dict[str, Any] | None = None
+    cache_dir: str | None = None
+    cache_limit: str | int | None = None
+    remote_retries: int = 4
+    remote_timeout: float = 60.0
     num_workers: int = 2
     prefetch_factor: int = 4
     persistent_workers: bool = False
@@ -123,6 +134,20 @@ class LoaderConfig:
             raise ConfigError(f"dtype must be 'float32' or 'float16', got {self.dtype!r}.")
         if self.oversize not in ("alone", "drop"):
             raise ConfigError(f"oversize must be 'alone' or 'drop', got {self.oversize!r}.")
+        if isinstance(self.max_bad_shards, bool) or not (
+            isinstance(self.max_bad_shards, (int, float)) and self.max_bad_shards >= 0
+        ):
+            raise ConfigError(
+                f"max_bad_shards must be a fraction of the shards (< 1) or a count (>= 1), got {self.max_bad_shards!r}."
+            )
+        if self.cache_limit is not None and self.cache_dir is None:
+            raise ConfigError("cache_limit needs cache_dir (where remote shards are kept).")
+
+    def bad_shard_budget(self, num_shards: int) -> int:
+        """How many bad (damaged, missing) shards an epoch may skip before the run stops."""
+        if self.max_bad_shards >= 1:
+            return int(self.max_bad_shards)
+        return int(self.max_bad_shards * num_shards)
 
     def cost(self) -> BatchCost:
         if self.batch_size is not None:

@@ -15,12 +15,14 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ..errors import ShardError, SkipCounter
+from ..formats import remote
 from ..formats.streams import AnyStream, open_samples, skip_samples
 from .base import Stage, State
 from .sample import Sample
 from .shards import MAIN, ShardTable, Unit
 
 _LOG = logging.getLogger("seqshard")
+DAMAGED = "damaged."  # counter prefix: one counter per damaged shard, by its number in the table
 
 
 class _OpenUnit:
@@ -136,7 +138,7 @@ class ShardReader(Stage[Sample]):
     files of ``field_sets`` (``MAIN`` is the shard itself; other names are sidecar field sets).
 
     A damaged shard (unreadable, truncated, shorter than its index says) raises ShardError
-    naming it, or with ``skip`` is left at the damage: counted under ``damaged_shards``, its
+    naming it, or with ``skip`` is left at the damage: counted by shard (``damaged.<shard>``), its
     planned samples not read under ``dropped.damaged``. ``read_ahead=False`` reads only what
     is asked for.
     """
@@ -164,7 +166,7 @@ class ShardReader(Stage[Sample]):
         self._next_unit = 0
         self._slots: list[_OpenUnit] = []
         self._turn = 0
-        self._counts = {"utts_read": 0, "units_done": 0, "damaged_shards": 0, "dropped.damaged": 0}
+        self._counts = {"utts_read": 0, "units_done": 0, "dropped.damaged": 0}
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
@@ -195,6 +197,10 @@ class ShardReader(Stage[Sample]):
         index = self._next_unit
         self._next_unit += 1
         unit = self._units[index]
+        if self.read_ahead and self._next_unit < len(self._units):  # remote: start on the shard after this one
+            for _, path in self._files(self._units[self._next_unit]):
+                if remote.is_remote(path):
+                    remote.current().prefetch(path)
         known = dict(unit.offsets or ())
         if all(name in known for name in self.field_sets):
             offsets, ordinal = [known[name] for name in self.field_sets], unit.at
@@ -211,7 +217,7 @@ class ShardReader(Stage[Sample]):
         if self.skip is None:
             raise error
         _LOG.warning("skipping (the rest of) a damaged shard: %s", error)
-        self._counts["damaged_shards"] += 1
+        self._counts[f"{DAMAGED}{unit.shard}"] = 1  # by shard: a shard split between readers is one
         lost = replace(unit, at=max(at, unit.at)).count(self.table.shards[unit.shard].num_utts)
         self._counts["dropped.damaged"] += lost or 0
 

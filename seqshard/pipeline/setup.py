@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..formats.index import bin_bounds, histogram_percentile
+from ..formats.remote import RemoteAccess
 from .audio import AudioOptions
 from .base import Stage, State
 from .collate import Collator, speech_rules
@@ -60,6 +61,7 @@ class WorkerSetup:
     slots: BatchSlots | None = None
     noise_table: ShardTable | None = None  # noise shards mixed into the audio
     mix: MixSetup | None = None  # the sources of a seqshard.mux, when the loader mixes
+    remote: RemoteAccess = field(default_factory=lambda: RemoteAccess())  # how remote shards are read
     live: LivePipelines = field(default_factory=lambda: LivePipelines())  # streams kept across epochs
 
     def __getstate__(self) -> dict:

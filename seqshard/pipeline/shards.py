@@ -18,13 +18,16 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError
-from ..formats.index import merge_histograms
+from ..formats import remote
+from ..formats.index import ShardIndex, merge_histograms
 from ..formats.lists import scan_list
 from ..formats.patterns import Patterns, is_list_name
-from ..formats.selection import MissingShard, select_shards
+from ..formats.remote_selection import RemoteSelection, split_patterns
+from ..formats.selection import MissingShard, ShardSelection, select_shards
 from ..formats.streams import first_sample_fields
 from .base import SEED_PLAN, stage_rng
 
@@ -53,6 +56,56 @@ class ShardInfo:
         raise ConfigError(f"{self.path} has no field set {field_set!r} (add it with `seqshard add-field`).")
 
 
+class _Gathered:
+    """Shards and dataset facts collected folder by folder (local or remote) for a table."""
+
+    def __init__(self) -> None:
+        self.shards: list[ShardInfo] = []
+        self.dims: dict[int, str] = {}
+        self.histograms: list[dict[int, int]] = []
+        self.shift = 10.0
+        self.field_sets: dict[str, dict[str, None]] = {}
+
+    def add_folder(self, folder: str, index: ShardIndex | None, paths: list[str]) -> None:
+        if index is not None and index.feature.get("dim"):
+            self.dims.setdefault(int(index.feature["dim"]), folder)
+            self.shift = float(index.feature.get("frame_shift_ms") or self.shift)
+        escaped = index is not None and index.escaped_keys
+        main_fields = index.fields if index and index.fields else first_sample_fields(paths[0])
+        for name, suffixes in [(MAIN, main_fields)] + [
+            (name, fs.fields) for name, fs in (index.field_sets.items() if index else [])
+        ]:
+            self.field_sets.setdefault(name, {}).update(dict.fromkeys(suffixes))
+        unindexed = [p for p in paths if not is_list_name(p) and (index is None or index.entry(_name(p)) is None)]
+        if index is not None and unindexed:
+            _LOG.warning(
+                "%s: %d selected shard(s) are not in its index.json and are read without its facts (a copy, or "
+                "added after the index? run `seqshard index` on the folder)",
+                folder,
+                len(unindexed),
+            )
+        access = remote.current()
+        for path in paths:
+            entry = index.entry(_name(path)) if index else None
+            if is_list_name(path):  # a raw list, read as a shard of its lines
+                self.shards.append(ShardInfo(path, Path(path).stat().st_size, scan_list(Path(path))))
+            elif entry is None:
+                size = access.size(path) if remote.is_remote(path) else Path(path).stat().st_size
+                self.shards.append(ShardInfo(path, size, escaped_keys=escaped))
+            else:
+                sidecars = tuple((name, f"{folder}/{car.name}") for name, car in sorted(entry.sidecars.items()))
+                self.shards.append(ShardInfo(path, entry.bytes, entry.num_utts, entry.num_frames, escaped, sidecars))
+                self.histograms.append(entry.length_hist)
+                if remote.is_remote(path):  # what the cache checks its copies against
+                    access.expected[path] = (entry.bytes, entry.checksum)
+                    for car in entry.sidecars.values():
+                        access.expected[f"{folder}/{car.name}"] = (car.bytes, car.checksum)
+
+
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
 @dataclass(frozen=True)
 class ShardTable:
     """The shards a loader reads, with dataset facts gathered from their indexes."""
@@ -66,58 +119,35 @@ class ShardTable:
 
     @classmethod
     def from_patterns(cls, patterns: Patterns) -> ShardTable:
-        """Expand brace/glob ``patterns`` and read the ``index.json`` of each folder."""
-        selection = select_shards(patterns)
-        shards: list[ShardInfo] = []
-        dims: dict[int, str] = {}
-        histograms = []
-        shift = 10.0
-        field_sets: dict[str, dict[str, None]] = {}
-        for folder, paths in selection.folders.items():
-            index = selection.indexes[folder]
-            if index is not None and index.feature.get("dim"):
-                dims.setdefault(int(index.feature["dim"]), str(folder))
-                shift = float(index.feature.get("frame_shift_ms") or shift)
-            escaped = index is not None and index.escaped_keys
-            main_fields = index.fields if index and index.fields else first_sample_fields(paths[0])
-            for name, suffixes in [(MAIN, main_fields)] + [
-                (name, fs.fields) for name, fs in (index.field_sets.items() if index else [])
-            ]:
-                field_sets.setdefault(name, {}).update(dict.fromkeys(suffixes))
-            unindexed = [
-                p for p in paths if not is_list_name(p.name) and (index is None or index.entry(p.name) is None)
-            ]
-            if index is not None and unindexed:
-                _LOG.warning(
-                    "%s: %d selected shard(s) are not in its index.json and are read without its facts (a copy, or "
-                    "added after the index? run `seqshard index` on the folder)",
-                    folder,
-                    len(unindexed),
-                )
-            for path in paths:
-                entry = index.entry(path.name) if index else None
-                if is_list_name(path.name):  # a raw list, read as a shard of its lines
-                    shards.append(ShardInfo(str(path), path.stat().st_size, scan_list(path)))
-                elif entry is None:
-                    shards.append(ShardInfo(str(path), path.stat().st_size, escaped_keys=escaped))
-                else:
-                    sidecars = tuple((name, str(folder / car.name)) for name, car in sorted(entry.sidecars.items()))
-                    shards.append(
-                        ShardInfo(str(path), entry.bytes, entry.num_utts, entry.num_frames, escaped, sidecars)
-                    )
-                    histograms.append(entry.length_hist)
-        if len(dims) > 1:
+        """Expand brace/glob ``patterns`` (local paths, URLs, lists) and read each folder's
+        ``index.json``. Local shards come first, then remote ones, each in pattern order."""
+        local, remote = split_patterns(patterns)
+        selection = select_shards(local) if local else ShardSelection()
+        folders: list[tuple[str, ShardIndex | None, list[str]]] = [
+            (str(folder), selection.indexes[folder], [str(p) for p in paths])
+            for folder, paths in selection.folders.items()
+        ]
+        if remote:
+            chosen = RemoteSelection(remote)
+            by_folder: dict[str, list[str]] = {}
+            for shard in chosen.shards:
+                by_folder.setdefault(shard.folder, []).append(shard.url)
+            folders += [(folder, chosen.indexes.get(folder), urls) for folder, urls in by_folder.items()]
+        gathered = _Gathered()
+        for folder, index, paths in folders:
+            gathered.add_folder(folder, index, paths)
+        if len(gathered.dims) > 1:
             raise ConfigError(
-                f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in dims.items())}."
+                f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in gathered.dims.items())}."
             )
-        histogram = merge_histograms(histograms)
+        histogram = merge_histograms(gathered.histograms)
         return cls(
-            tuple(shards),
-            next(iter(dims), None),
-            shift,
+            tuple(gathered.shards),
+            next(iter(gathered.dims), None),
+            gathered.shift,
             tuple(histogram.items()),
             tuple(selection.missing),
-            tuple((name, tuple(suffixes)) for name, suffixes in field_sets.items()),
+            tuple((name, tuple(suffixes)) for name, suffixes in gathered.field_sets.items()),
         )
 
     @classmethod

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, SeqshardError
+from ..formats import remote
 from .base import Stage
 from .batching import Batch, bucket_of
 from .collate import Collator, array_bytes
@@ -77,6 +78,7 @@ def iterate_worker(
     setup: WorkerSetup, worker: int, request: dict[str, Any], in_worker_process: bool = False
 ) -> Iterator[Item]:
     """Items for the training process: batches, then an end marker (or an error)."""
+    remote.use(setup.remote)
     spec = request["workers"][worker]
     units = None if spec.get("units") is None else [Unit.from_json(u) for u in spec["units"]]
     seq = spec["seq"]

@@ -1,0 +1,176 @@
+"""A local disk cache of remote shards (``cache_dir=``, ``cache_limit=``).
+
+A shard is fetched whole into ``DIR/NAME.part-PID``, checked against its index's size and
+CRC-32 while it is written, and renamed to ``DIR/NAME`` only then: a reader never sees a
+half-written file. One process per machine fetches a given shard at a time (an ``flock`` on
+``DIR/.locks/NAME``); the others wait for it and then read the file it wrote. Using a cached
+file sets its access time, and the least recently used files are removed beyond the limit.
+
+A cached file is checked against the index's size every time it is used, and its CRC once:
+``DIR/.locks/NAME.ok`` records the (inode, size, mtime) of the file whose CRC was checked, so
+a file rewritten since (damaged, truncated, replaced) is checked again, and fetched again when
+it no longer matches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import re
+import time
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import ConfigError, ShardError
+
+if TYPE_CHECKING:
+    from .remote import RemoteAccess
+
+_LOG = logging.getLogger("seqshard")
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
+_UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"200GB"``, ``"1.5 TiB"``, ``10**9`` -> bytes."""
+    if isinstance(text, (int, float)):
+        return int(text)
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cache_limit {text!r} is not a size: write e.g. '200GB', '500MiB' or a number of bytes.")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+class ShardCache:
+    """Remote shards kept under ``root``, at most ``limit`` bytes (None: no limit)."""
+
+    def __init__(self, root: str | Path, limit: str | int | None = None):
+        self.root = Path(root)
+        self.limit = None if limit is None else parse_bytes(limit)
+        try:
+            (self.root / ".locks").mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(f"cache_dir {self.root} cannot be created: {error.strerror}.") from None
+
+    def path_for(self, url: str) -> Path:
+        """Where ``url`` is cached: its file name after a hash of the whole URL."""
+        digest = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
+        return self.root / f"{digest}-{url.rstrip('/').rsplit('/', 1)[-1]}"
+
+    def get(self, url: str, access: RemoteAccess) -> Path:
+        """The local copy of ``url``, fetched (once per machine at a time) when absent or damaged."""
+        final = self.path_for(url)
+        expected = access.expected.get(url)
+        if self._usable(final, expected):
+            return self._touch(final)
+        with self._locked(final.name):
+            if self._usable(final, expected):  # another process fetched it while we waited
+                return self._touch(final)
+            if final.exists():
+                _LOG.warning("%s: the cached copy %s is damaged (size or CRC); fetching it again", url, final)
+                final.unlink()
+            for stale in self.root.glob(final.name + ".part-*"):  # left by a killed process
+                stale.unlink(missing_ok=True)
+            self._fetch(url, final, access, expected)
+        self._evict(keep=final)
+        return final
+
+    def _usable(self, path: Path, expected: tuple[int, str | None] | None) -> bool:
+        try:
+            info = path.stat()
+        except FileNotFoundError:
+            return False
+        if expected is None:
+            return True
+        size, checksum = expected
+        if info.st_size != size:
+            return False
+        if checksum is None:
+            return True
+        mark = f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {checksum}"
+        marker = self.root / ".locks" / f"{path.name}.ok"
+        with contextlib.suppress(OSError):
+            if marker.read_text() == mark:
+                return True
+        if _crc_of(path) != checksum:
+            return False
+        with contextlib.suppress(OSError):
+            marker.write_text(mark)
+        return True
+
+    def _touch(self, path: Path) -> Path:
+        with contextlib.suppress(OSError):
+            os.utime(path, ns=(time.time_ns(), path.stat().st_mtime_ns))  # the access time orders eviction
+        return path
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        with open(self.root / ".locks" / name, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _fetch(self, url: str, final: Path, access: RemoteAccess, expected: tuple[int, str | None] | None) -> None:
+        from .remote import RemoteBytes
+
+        partial = final.with_name(f"{final.name}.part-{os.getpid()}")
+        source = RemoteBytes(url, access)
+        crc = 0
+        try:
+            with open(partial, "wb") as out:
+                while True:
+                    data = source.read(access.chunk_bytes)
+                    if not data:
+                        break
+                    out.write(data)
+                    crc = zlib.crc32(data, crc)
+            if expected is not None and expected[1] is not None and f"crc32:{crc:08x}" != expected[1]:
+                raise ShardError(
+                    url,
+                    None,
+                    f"the fetched copy has CRC crc32:{crc:08x}, its index says {expected[1]} (changed on the server?)",
+                )
+            os.replace(partial, final)
+            info = final.stat()
+            if expected is not None and expected[1] is not None:
+                marker = self.root / ".locks" / f"{final.name}.ok"
+                marker.write_text(f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {expected[1]}")
+        except OSError as error:
+            raise ShardError(url, None, f"cannot write the cache file {partial}: {error.strerror or error}") from None
+        finally:
+            source.close()
+            partial.unlink(missing_ok=True)
+
+    def _evict(self, keep: Path) -> None:
+        """Remove the least recently used files until the cache holds at most ``limit`` bytes."""
+        if self.limit is None:
+            return
+        files = []
+        for path in self.root.iterdir():
+            if path.is_file() and ".part-" not in path.name:
+                with contextlib.suppress(FileNotFoundError):
+                    info = path.stat()
+                    files.append((info.st_atime_ns, info.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.limit:
+                break
+            if path == keep:
+                continue
+            path.unlink(missing_ok=True)  # a reader that has it mapped keeps its pages until it closes
+            total -= size
+
+
+def _crc_of(path: Path) -> str:
+    crc = 0
+    with open(path, "rb") as file:
+        while block := file.read(8 << 20):
+            crc = zlib.crc32(block, crc)
+    return f"crc32:{crc:08x}"

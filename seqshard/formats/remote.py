@@ -1,0 +1,298 @@
+"""Shards on object storage and the web (``http(s)://``, ``s3://``, ``gs://``, any fsspec URL).
+
+A remote shard is read in large ranged requests (``chunk_bytes`` each), several fetched ahead
+of the reader on a small thread pool, so latency is hidden and nothing is downloaded whole
+before reading starts. Each request is retried on a 5xx, a timeout, a dropped connection or a
+short body, with bounded, jittered exponential backoff; a missing object (404) is not retried.
+What still fails is a :class:`~seqshard.errors.ShardError` naming the URL and the byte range,
+which ``skip_bad`` turns into a counted skip like any damaged shard.
+
+With a :class:`~.cache.ShardCache` a shard is instead fetched whole into the local cache
+(verified against its index's size and CRC) and read from there memory-mapped; the reader
+starts fetching the next shard while it reads the current one.
+
+The process-wide :class:`RemoteAccess` (options, cache) is set by the loader with :func:`use`
+in the training process and in each worker. Credentials and endpoints come from fsspec's
+backends (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) or ``storage_options``; neither is
+ever logged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ConfigError, ShardError
+
+if TYPE_CHECKING:
+    from .cache import ShardCache
+    from .index import ShardIndex
+
+_LOG = logging.getLogger("seqshard")
+
+CHUNK_BYTES = 8 << 20
+AHEAD = 4  # chunks fetched ahead of the reader
+FETCH_THREADS = 8
+NOT_RETRIED = {400, 401, 403, 404, 405, 410, 416}  # HTTP statuses a retry cannot fix
+
+
+def is_remote(path: str) -> bool:
+    """A URL that fsspec opens (``scheme://...``), other than ``file://``."""
+    return "://" in path and not path.startswith("file://")
+
+
+@dataclass
+class RemoteAccess:
+    """How remote shards are read: fsspec ``storage_options``, retries, request timeout,
+    chunk size and read-ahead, and an optional local cache. ``expected`` maps a shard URL to
+    its ``(bytes, checksum)`` from the index (the cache verifies against it)."""
+
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    retries: int = 4
+    backoff_s: float = 0.5
+    timeout_s: float = 60.0
+    chunk_bytes: int = CHUNK_BYTES
+    ahead: int = AHEAD
+    cache: ShardCache | None = None
+    expected: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}  # no file systems or threads
+
+    # -- file systems --------------------------------------------------------------------
+    def filesystem(self, url: str) -> tuple[Any, str]:
+        """fsspec's file system for ``url`` (one per protocol, made once) and the path in it."""
+        import fsspec
+
+        protocol = url.split("://", 1)[0]
+        systems = self.__dict__.setdefault("_systems", {})
+        key = (os.getpid(), protocol)  # async file systems are not fork-safe: one per process
+        if key not in systems:
+            options = dict(self.storage_options)
+            if protocol in ("http", "https"):
+                options.setdefault("client_kwargs", {"timeout": _aiohttp_timeout(self.timeout_s)})
+            try:
+                systems[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+            except (ImportError, ValueError) as error:
+                raise ConfigError(
+                    f"cannot read {protocol}:// URLs: {error}. Fix: pip install 'seqshard[remote]' "
+                    "(aiohttp for http, s3fs for s3, gcsfs for gs)."
+                ) from None
+        fs = systems[key]
+        return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
+
+    # -- requests with retries -----------------------------------------------------------
+    def retrying(self, url: str, what: str, call: Any) -> Any:
+        """``call()``, retried with jittered exponential backoff on transient failures;
+        FileNotFoundError is raised as is; anything else in the end as a ShardError."""
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except FileNotFoundError:
+                raise
+            except Exception as error:
+                status = getattr(error, "status", None) or getattr(error, "code", None)
+                if status == 404:
+                    raise FileNotFoundError(url) from error
+                last = attempt == self.retries or status in NOT_RETRIED
+                if last:
+                    raise ShardError(
+                        url, None, f"{what} failed after {attempt + 1} attempt(s): {_describe(error)}"
+                    ) from None
+                wait = self.backoff_s * 2**attempt * random.uniform(0.5, 1.5)
+                _LOG.info("%s: %s failed (%s); retrying in %.2f s", url, what, _describe(error), wait)
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    def size(self, url: str) -> int:
+        """The object's size: from the index when known, else asked of the store."""
+        known = self.expected.get(url)
+        if known is not None:
+            return known[0]
+        fs, path = self.filesystem(url)
+        try:
+            return int(self.retrying(url, "asking its size", lambda: fs.size(path)))
+        except FileNotFoundError:
+            raise ShardError(url, None, "not found on the server (missing shard?)") from None
+
+    def fetch(self, url: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``url``; a short body is a failure (retried)."""
+        fs, path = self.filesystem(url)
+
+        def call() -> bytes:
+            data = fs.cat_file(path, start=start, end=end)
+            if len(data) != end - start:
+                raise OSError(f"short body: {len(data)} of {end - start} bytes")
+            return data
+
+        try:
+            return self.retrying(url, f"reading bytes {start}-{end}", call)
+        except FileNotFoundError:
+            raise ShardError(url, start, "not found on the server (missing shard?)") from None
+
+    def read_text(self, url: str) -> str | None:
+        """A small text object (an index.json), or None when there is none."""
+        fs, path = self.filesystem(url)
+        try:
+            return self.retrying(url, "reading", lambda: fs.cat_file(path)).decode("utf-8")
+        except FileNotFoundError:
+            return None
+
+    def glob(self, pattern: str) -> list[str]:
+        """URLs matching a glob, where the store can list (not plain http)."""
+        fs, path = self.filesystem(pattern)
+        protocol = pattern.split("://", 1)[0]
+        found = self.retrying(pattern, "listing", lambda: fs.glob(path))
+        return sorted(m if "://" in m else f"{protocol}://{m}" for m in found)
+
+    # -- reading -------------------------------------------------------------------------
+    def open_bytes(self, url: str) -> Any:
+        """A byte source over ``url`` for the tar reader: the cached file, or ranged reads."""
+        if self.cache is not None:
+            from .tar import _MappedBytes
+
+            return _MappedBytes(str(self.cache.get(url, self)), read_ahead=True)
+        return RemoteBytes(url, self)
+
+    def prefetch(self, url: str) -> None:
+        """Start fetching ``url`` in the background (the next shard a reader will open)."""
+        if self.cache is not None:
+            _pool().submit(_quietly, self.cache.get, url, self)
+        else:
+            _early_chunks(self, url)
+
+
+def _quietly(function: Any, *args: Any) -> None:
+    with contextlib.suppress(Exception):  # the reader meets the same failure when it opens the shard, and reports it
+        function(*args)
+
+
+def _describe(error: BaseException) -> str:
+    text = str(error) or type(error).__name__
+    return text if len(text) < 300 else text[:300] + "..."
+
+
+def _aiohttp_timeout(seconds: float) -> Any:
+    import aiohttp
+
+    return aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+
+
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    """This process's fetch threads (made anew in a forked worker)."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None or _POOL[0] != os.getpid():
+            _POOL = (os.getpid(), ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="seqshard-fetch"))
+        return _POOL[1]
+
+
+_EARLY: dict[str, dict[int, Future]] = {}  # first chunks of shards a reader will open next
+
+
+def _early_chunks(access: RemoteAccess, url: str) -> None:
+    if url in _EARLY or len(_EARLY) > 8:
+        return
+    size = access.expected.get(url, (None, None))[0]
+    if size is None:
+        return
+    _EARLY[url] = {
+        k: _pool().submit(access.fetch, url, k * access.chunk_bytes, min(size, (k + 1) * access.chunk_bytes))
+        for k in range(min(access.ahead, -(-size // access.chunk_bytes)))
+    }
+
+
+class RemoteBytes:
+    """A remote object read through ranged requests of ``chunk_bytes``, ``ahead`` of them in
+    flight: the byte-source interface of the tar reader (seek, read, skip, close)."""
+
+    def __init__(self, url: str, access: RemoteAccess):
+        self.path = url
+        self._access = access
+        self.size = access.size(url)
+        self._chunk = access.chunk_bytes
+        self._chunks: dict[int, Future] = _EARLY.pop(url, {})
+        self._pos = 0
+
+    def _future(self, number: int) -> Future:
+        if number not in self._chunks:
+            start = number * self._chunk
+            end = min(self.size, start + self._chunk)
+            self._chunks[number] = _pool().submit(self._access.fetch, self.path, start, end)
+        return self._chunks[number]
+
+    def _data(self, number: int) -> bytes:
+        last = (self.size - 1) // self._chunk
+        for ahead in range(number, min(last, number + self._access.ahead) + 1):
+            self._future(ahead)
+        for old in [k for k in self._chunks if k < number]:
+            self._chunks.pop(old).cancel()
+        return self._chunks[number].result()
+
+    def seek(self, position: int) -> None:
+        self._pos = position
+
+    def skip(self, size: int) -> None:
+        self._pos += size
+
+    def read(self, size: int) -> bytes | memoryview:
+        end = min(self._pos + size, self.size)
+        if end <= self._pos:
+            return b""
+        first, last = self._pos // self._chunk, (end - 1) // self._chunk
+        if first == last:
+            data = memoryview(self._data(first))[self._pos - first * self._chunk : end - first * self._chunk]
+        else:
+            parts = []
+            for number in range(first, last + 1):
+                chunk = self._data(number)
+                base = number * self._chunk
+                parts.append(chunk[max(self._pos, base) - base : min(end, base + len(chunk)) - base])
+            data = memoryview(b"".join(parts))
+        self._pos = end
+        return data
+
+    def close(self) -> None:
+        for future in self._chunks.values():
+            future.cancel()
+        self._chunks = {}
+
+
+_CURRENT = RemoteAccess()
+
+
+def use(access: RemoteAccess) -> None:
+    """Make ``access`` the way this process reads remote shards."""
+    global _CURRENT
+    _CURRENT = access
+
+
+def current() -> RemoteAccess:
+    return _CURRENT
+
+
+def load_remote_index(folder_url: str) -> ShardIndex | None:
+    """The ``index.json`` of a remote folder, or None when it has none."""
+    from .index import INDEX_NAME, ShardIndex
+
+    url = folder_url.rstrip("/") + "/" + INDEX_NAME
+    text = current().read_text(url)
+    if text is None:
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ShardError(url, None, f"not valid JSON: {error}") from None
+    return ShardIndex.from_json(data, url, "seqshard index on a local copy, then upload its index.json")

@@ -1,0 +1,108 @@
+"""Which remote shards a set of patterns selects (the remote half of :mod:`.selection`).
+
+A remote pattern is a URL with braces (always) and globs (where the store can list: s3, gs,
+not plain http). An alternative that names a folder (no shard suffix) stands for the shards
+of its ``index.json``. Every alternative must select at least one shard. List files
+(``.list``, one shard per line, as WeNet's ``data.list``) may mix URLs and local paths.
+"""
+
+from __future__ import annotations
+
+import glob
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+from .index import ShardEntry, ShardIndex
+from .lists import resolve
+from .patterns import SHARD_SUFFIXES, is_list_name, is_shard_name, pattern_list
+from .remote import current, is_remote, load_remote_index
+
+
+@dataclass(frozen=True)
+class RemoteShard:
+    """A selected remote shard: its URL, its folder's URL and its index entry (if indexed)."""
+
+    url: str
+    folder: str
+    entry: ShardEntry | None
+
+
+def split_patterns(patterns) -> tuple[list[str], list[str]]:
+    """(local patterns, remote patterns) in their order; a local list file naming URLs gives
+    each of its lines as a pattern of its own (local lines resolved against the list's folder)."""
+    local: list[str] = []
+    remote: list[str] = []
+    for pattern in pattern_list(patterns):
+        if is_remote(pattern):
+            remote.append(pattern)
+            continue
+        lines = _list_lines(pattern)
+        if lines is None or not any(is_remote(line) for line in lines):
+            local.append(pattern)
+            continue
+        for line in lines:
+            (remote if is_remote(line) else local).append(
+                line if is_remote(line) else str(resolve(line, Path(pattern)))
+            )
+    return local, remote
+
+
+def _list_lines(pattern: str) -> list[str] | None:
+    path = Path(pattern)
+    if not is_list_name(path.name) or glob.has_magic(pattern) or not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as stream:
+        lines = [line.strip() for line in stream if line.strip()]
+    if not lines or lines[0].startswith("{") or not all(line.endswith(SHARD_SUFFIXES) for line in lines):
+        return None  # a raw list of samples, or a list the local selection reports on
+    return lines
+
+
+class RemoteSelection:
+    """The remote shards of some patterns, in order, each once; the folders' indexes."""
+
+    def __init__(self, patterns: list[str]):
+        from braceexpand import braceexpand
+
+        self.indexes: dict[str, ShardIndex | None] = {}
+        self.shards: list[RemoteShard] = []
+        seen: set[str] = set()
+        for pattern in patterns:
+            for text in dict.fromkeys(braceexpand(pattern)):
+                urls = self._alternative(text)
+                if not urls:
+                    raise ConfigError(
+                        f"{text!r} (from the pattern {pattern!r}) selects no shard. Check the URL, the braces and "
+                        "the wildcard; a folder URL needs an index.json listing its shards."
+                    )
+                for url in urls:
+                    if url not in seen:
+                        seen.add(url)
+                        folder = url.rsplit("/", 1)[0]
+                        index = self.index_of(folder)
+                        self.shards.append(
+                            RemoteShard(url, folder, index.entry(url.rsplit("/", 1)[1]) if index else None)
+                        )
+
+    def index_of(self, folder: str) -> ShardIndex | None:
+        if folder not in self.indexes:
+            self.indexes[folder] = load_remote_index(folder)
+        return self.indexes[folder]
+
+    def _alternative(self, text: str) -> list[str]:
+        name = text.rstrip("/").rsplit("/", 1)[-1]
+        if glob.has_magic(text.split("://", 1)[1]):
+            if text.startswith(("http://", "https://")):
+                raise ConfigError(
+                    f"{text}: an http server cannot be listed, so wildcards do not work there; use braces "
+                    "({00000..00099}), the folder's URL (its index.json lists the shards) or a .list file."
+                )
+            return [url for url in current().glob(text) if is_shard_name(url.rsplit("/", 1)[-1])]
+        if is_shard_name(name):
+            return [text]
+        index = self.index_of(text.rstrip("/"))
+        if index is None:
+            return []
+        sidecars = index.sidecar_names()
+        return [f"{text.rstrip('/')}/{entry.name}" for entry in index.shards if entry.name not in sidecars]

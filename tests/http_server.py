@@ -1,0 +1,106 @@
+"""A threaded HTTP server over a folder, started by tests and benchmarks on loopback, with
+ranged reads and injectable faults (per file: 500s, 404s, truncated or dropped bodies, delays)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from collections import defaultdict
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+class ShardServer:
+    """``with ShardServer(root) as server: server.url`` serves ``root``.
+
+    ``faults[name]`` is a list of actions used up by successive GETs of that file: ``"500"``,
+    ``"404"``, ``"truncate"`` (half the body, then the connection closes), ``"slow:S"`` (wait S
+    seconds first). ``latency`` delays every request. ``requests`` logs (method, path, range).
+    """
+
+    def __init__(self, root: str | Path, latency: float = 0.0):
+        self.root = Path(root)
+        self.latency = latency
+        self.faults: dict[str, list[str]] = defaultdict(list)
+        self.requests: list[tuple[str, str, str | None]] = []
+        self.missing: set[str] = set()  # names answered with 404 every time
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def gets(self, name: str) -> int:
+        """How many GETs reached the server for a file name."""
+        return sum(1 for method, path, _ in self.requests if method == "GET" and path.endswith("/" + name))
+
+    def __enter__(self) -> ShardServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_HEAD(self) -> None:
+                self._serve(body=False)
+
+            def do_GET(self) -> None:
+                self._serve(body=True)
+
+            def _serve(self, body: bool) -> None:
+                time.sleep(server.latency)
+                path = self.path.split("?", 1)[0]
+                with server._lock:
+                    server.requests.append((self.command, path, self.headers.get("Range")))
+                    action = server.faults[Path(path).name].pop(0) if body and server.faults[Path(path).name] else ""
+                file = server.root / path.lstrip("/")
+                if action.startswith("slow:"):
+                    time.sleep(float(action.split(":", 1)[1]))
+                if action == "500":
+                    return self._status(500)
+                if action == "404" or Path(path).name in server.missing or not file.is_file():
+                    return self._status(404)
+                data = file.read_bytes()
+                start, end, status = 0, len(data), 200
+                match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+                if match:
+                    start = int(match.group(1))
+                    end = min(len(data), int(match.group(2)) + 1) if match.group(2) else len(data)
+                    status = 206
+                part = data[start:end]
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(part)))
+                self.send_header("Accept-Ranges", "bytes")
+                if status == 206:
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                self.end_headers()
+                if not body:
+                    return
+                if action == "truncate":
+                    self.wfile.write(part[: len(part) // 2])
+                    self.wfile.flush()
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                self.wfile.write(part)
+
+            def _status(self, code: int) -> None:
+                self.send_response(code)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        return Handler
