@@ -19,14 +19,14 @@ class ShardServer:
     seconds first). ``latency`` delays every request. ``requests`` logs (method, path, range).
     """
 
-    def __init__(self, root: str | Path, latency: float = 0.0):
+    def __init__(self, root: str | Path, latency: float = 0.0, port: int = 0):
         self.root = Path(root)
         self.latency = latency
         self.faults: dict[str, list[str]] = defaultdict(list)
         self.requests: list[tuple[str, str, str | None]] = []
         self.missing: set[str] = set()  # names answered with 404 every time
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
@@ -74,19 +74,21 @@ class ShardServer:
                     return self._status(500)
                 if action == "404" or Path(path).name in server.missing or not file.is_file():
                     return self._status(404)
-                data = file.read_bytes()
-                start, end, status = 0, len(data), 200
+                size = file.stat().st_size
+                start, end, status = 0, size, 200
                 match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
                 if match:
                     start = int(match.group(1))
-                    end = min(len(data), int(match.group(2)) + 1) if match.group(2) else len(data)
+                    end = min(size, int(match.group(2)) + 1) if match.group(2) else size
                     status = 206
-                part = data[start:end]
+                with open(file, "rb") as stream:
+                    stream.seek(start)
+                    part = stream.read(end - start) if body else b""
                 self.send_response(status)
-                self.send_header("Content-Length", str(len(part)))
+                self.send_header("Content-Length", str(end - start))
                 self.send_header("Accept-Ranges", "bytes")
                 if status == 206:
-                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+                    self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
                 self.end_headers()
                 if not body:
                     return
@@ -104,3 +106,10 @@ class ShardServer:
                 self.end_headers()
 
         return Handler
+
+
+def serve_forever(root: str, latency: float, port_queue) -> None:
+    """Run a server in this process (a benchmark's child) and report its port."""
+    with ShardServer(root, latency) as server:
+        port_queue.put(server._server.server_address[1])
+        threading.Event().wait()

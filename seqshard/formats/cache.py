@@ -77,7 +77,6 @@ class ShardCache:
             for stale in self.root.glob(final.name + ".part-*"):  # left by a killed process
                 stale.unlink(missing_ok=True)
             self._fetch(url, final, access, expected)
-        self._evict(keep=final)
         return final
 
     def _usable(self, path: Path, expected: tuple[int, str | None] | None) -> bool:
@@ -137,7 +136,9 @@ class ShardCache:
                     None,
                     f"the fetched copy has CRC crc32:{crc:08x}, its index says {expected[1]} (changed on the server?)",
                 )
-            os.replace(partial, final)
+            with self._locked(".evict"):  # make room, then appear: the limit holds at every moment
+                self._evict(room=info_size(partial))
+                os.replace(partial, final)
             info = final.stat()
             if expected is not None and expected[1] is not None:
                 marker = self.root / ".locks" / f"{final.name}.ok"
@@ -148,8 +149,8 @@ class ShardCache:
             source.close()
             partial.unlink(missing_ok=True)
 
-    def _evict(self, keep: Path) -> None:
-        """Remove the least recently used files until the cache holds at most ``limit`` bytes."""
+    def _evict(self, room: int) -> None:
+        """Remove the least recently used files until ``room`` more bytes fit in the limit."""
         if self.limit is None:
             return
         files = []
@@ -158,14 +159,16 @@ class ShardCache:
                 with contextlib.suppress(FileNotFoundError):
                     info = path.stat()
                     files.append((info.st_atime_ns, info.st_size, path))
-        total = sum(size for _, size, _ in files)
+        total = sum(size for _, size, _ in files) + room
         for _, size, path in sorted(files):
             if total <= self.limit:
                 break
-            if path == keep:
-                continue
             path.unlink(missing_ok=True)  # a reader that has it mapped keeps its pages until it closes
             total -= size
+
+
+def info_size(path: Path) -> int:
+    return path.stat().st_size
 
 
 def _crc_of(path: Path) -> str:

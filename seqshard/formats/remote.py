@@ -81,6 +81,8 @@ class RemoteAccess:
                 options.setdefault("client_kwargs", {"timeout": _aiohttp_timeout(self.timeout_s)})
             try:
                 systems[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+            except TypeError as error:
+                raise ConfigError(f"storage_options do not suit {protocol}:// ({error}).") from None
             except (ImportError, ValueError) as error:
                 raise ConfigError(
                     f"cannot read {protocol}:// URLs: {error}. Fix: pip install 'seqshard[remote]' "

@@ -1,0 +1,101 @@
+"""Remote shards against local disk, each ratio within one run.
+
+    python bench/remote.py [--shards bench/out/loader-shards] [--rounds 2]
+
+The shards of bench/loader.py (2.2 GB of 80-dim features; run it first) are served by the
+stdlib HTTP server of tests/http_server.py in a child process on loopback. One epoch of
+make_loader (num_workers=0, batch_frames=20000) is timed, warm page cache, from:
+
+    local       the shard folder on local disk
+    http        http://127.0.0.1:PORT/ (ranged requests of 8 MB, 4 ahead)
+    cache       the same URL with cache_dir=: the second epoch, served from the cache
+    latency     http with 50 ms added to every request
+
+Prints MB/s and the ratios against local disk; writes OUT/remote.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def start_server(folder: Path, latency: float) -> tuple[mp.Process, str]:
+    from http_server import serve_forever
+
+    ports = mp.get_context("spawn").Queue()
+    process = mp.get_context("spawn").Process(target=serve_forever, args=(str(folder), latency, ports), daemon=True)
+    process.start()
+    return process, f"http://127.0.0.1:{ports.get(timeout=60)}"
+
+
+def epoch_seconds(loader, epoch: int) -> float:
+    loader.set_epoch(epoch)
+    started = time.perf_counter()
+    for _ in loader:
+        pass
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    from seqshard import make_loader
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shards", type=Path, default=ROOT / "bench" / "out" / "loader-shards")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
+    args = parser.parse_args()
+    if not (args.shards / "index.json").exists():
+        sys.exit(f"{args.shards} has no shards: run bench/loader.py first (or give --shards).")
+    megabytes = sum(p.stat().st_size for p in args.shards.glob("*.tar")) / 1e6
+    options = dict(batch_frames=20000, num_workers=0)
+    plain, plain_url = start_server(args.shards, 0.0)
+    slow, slow_url = start_server(args.shards, 0.05)
+    cache_dir = Path(tempfile.mkdtemp(prefix="seqshard-cache-"))
+    try:
+        local = make_loader(str(args.shards), **options)
+        http = make_loader(plain_url + "/", **options)
+        latency = make_loader(slow_url + "/", **options)
+        epoch_seconds(local, 0)  # warm the page cache
+        times: dict[str, list[float]] = {"local": [], "http": [], "cache": [], "latency": []}
+        for number in range(args.rounds):
+            times["local"].append(epoch_seconds(local, number))
+            times["http"].append(epoch_seconds(http, number))
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            cached = make_loader(plain_url + "/", cache_dir=str(cache_dir), **options)
+            epoch_seconds(cached, 0)  # fills the cache
+            times["cache"].append(epoch_seconds(cached, 1))
+            times["latency"].append(epoch_seconds(latency, number))
+    finally:
+        plain.kill()
+        slow.kill()
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    best = {name: min(values) for name, values in times.items()}
+    results = {name: {"seconds": round(s, 3), "mb_per_s": round(megabytes / s, 1)} for name, s in best.items()}
+    results["ratios"] = {
+        "http_vs_local": round(best["local"] / best["http"], 3),
+        "cache_vs_local": round(best["local"] / best["cache"], 3),
+        "latency_vs_http": round(best["http"] / best["latency"], 3),
+    }
+    for name, s in best.items():
+        print(f"{name:8s} {s:6.2f} s  {megabytes / s:7.1f} MB/s")
+    ratios = results["ratios"]
+    print(f"http / local {ratios['http_vs_local']:.2f}x (goal >= 0.7x); cache (2nd epoch) / local "
+          f"{ratios['cache_vs_local']:.2f}x (goal >= 0.9x); 50 ms latency / none {ratios['latency_vs_http']:.2f}x "
+          "(goal >= 0.5x)")  # fmt: skip
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "remote.json").write_text(json.dumps({"megabytes": round(megabytes, 1), **results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
