@@ -448,6 +448,7 @@ def remote_access(options: dict[str, Any]) -> RemoteAccess:
         retries=int(options.get("remote_retries", 4)),
         timeout_s=float(options.get("remote_timeout", 60.0)),
         cache=cache,
+        allow_pipes=options.get("allow_pipes") is True,
     )
 
 

@@ -3,6 +3,7 @@ the same batches as from local disk, faults retried or skipped and counted, the 
 and the local cache (served from disk the second time, limited, repaired, shared by processes)."""
 
 import multiprocessing as mp
+import shutil
 import zlib
 
 import pytest
@@ -204,3 +205,48 @@ def test_s3_through_moto(packed, tmp_path, monkeypatch):
         assert keys_of(make_loader("s3://speech/train/", num_workers=2, **OPTIONS)) == local_w2
     finally:
         server.stop()
+
+
+def test_inspect_and_verify_read_urls_and_index_says_it_needs_a_folder(packed, tmp_path):
+    from seqshard.tools.reindex import rebuild_index
+    from seqshard.tools.summary import summarize
+    from seqshard.tools.verify import verify
+
+    names = shard_names(packed)
+    copy = tmp_path / "copy"
+    shutil.copytree(packed, copy)
+    data = bytearray((copy / names[1]).read_bytes())
+    data[700] ^= 0xFF
+    (copy / names[1]).write_bytes(bytes(data))
+    with ShardServer(tmp_path) as server:
+        summary = summarize(f"{server.url}/copy/", progress=False)
+        assert [f.num_utts for f in summary.folders] == [48]
+        result = verify(f"{server.url}/copy/data-{{00000..{len(names) - 1:05d}}}.tar", progress=False)
+        assert result.checked == len(names)
+        assert list(result.damaged) == [f"{server.url}/copy/{names[1]}"]
+        assert "checksum" in " ".join(result.damaged[f"{server.url}/copy/{names[1]}"])
+        server.missing.add(names[2])
+        gone = verify(f"{server.url}/copy/", progress=False)
+        assert (
+            f"{server.url}/copy/{names[2]}" in gone.damaged
+            and "not found" in gone.damaged[f"{server.url}/copy/{names[2]}"][0]
+        )
+        with pytest.raises(ConfigError, match="needs a local folder"):
+            rebuild_index(f"{server.url}/copy/")
+
+
+def test_pipe_sources_run_only_when_allowed(packed, tmp_path):
+    names = shard_names(packed)
+    marker = tmp_path / "ran"
+    pattern = f"pipe:touch {marker} && cat {packed}/data-{{00000..{len(names) - 1:05d}}}.tar"
+    with pytest.raises(ConfigError, match="allow_pipes=True"):
+        make_loader(pattern, num_workers=0, **OPTIONS)
+    assert not marker.exists()
+    expected = sorted(keys_of(make_loader(str(packed), num_workers=0, **OPTIONS)))
+    for workers in (0, 2):
+        loader = make_loader(pattern, num_workers=workers, allow_pipes=True, **OPTIONS)
+        assert sorted(keys_of(loader)) == expected
+    assert marker.exists()
+    failing = make_loader(f"pipe:head -c 3000 {packed}/{names[0]}; exit 3", num_workers=0, allow_pipes=True, **OPTIONS)
+    with pytest.raises(ShardError, match="exited with status 3"):
+        keys_of(failing)

@@ -24,13 +24,14 @@ import json
 import logging
 import os
 import random
+import subprocess
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError, ShardError
+from ..errors import ConfigError, ShardError, option
 
 if TYPE_CHECKING:
     from .cache import ShardCache
@@ -45,8 +46,13 @@ NOT_RETRIED = {400, 401, 403, 404, 405, 410, 416}  # HTTP statuses a retry canno
 
 
 def is_remote(path: str) -> bool:
-    """A URL that fsspec opens (``scheme://...``), other than ``file://``."""
-    return "://" in path and not path.startswith("file://")
+    """A URL that fsspec opens (``scheme://...``, not ``file://``), or a ``pipe:COMMAND``."""
+    return is_pipe(path) or ("://" in path and not path.startswith("file://"))
+
+
+def is_pipe(path: str) -> bool:
+    """A ``pipe:COMMAND`` source (WebDataset's spelling): the shard is the command's output."""
+    return path.startswith("pipe:")
 
 
 @dataclass
@@ -62,6 +68,7 @@ class RemoteAccess:
     chunk_bytes: int = CHUNK_BYTES
     ahead: int = AHEAD
     cache: ShardCache | None = None
+    allow_pipes: bool = False
     expected: dict[str, tuple[int, str | None]] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -115,10 +122,13 @@ class RemoteAccess:
         raise AssertionError("unreachable")
 
     def size(self, url: str) -> int:
-        """The object's size: from the index when known, else asked of the store."""
+        """The object's size: from the index when known, else asked of the store (0 for a
+        command's output, unknown until read)."""
         known = self.expected.get(url)
         if known is not None:
             return known[0]
+        if is_pipe(url):
+            return 0
         fs, path = self.filesystem(url)
         try:
             return int(self.retrying(url, "asking its size", lambda: fs.size(path)))
@@ -157,7 +167,11 @@ class RemoteAccess:
 
     # -- reading -------------------------------------------------------------------------
     def open_bytes(self, url: str) -> Any:
-        """A byte source over ``url`` for the tar reader: the cached file, or ranged reads."""
+        """A byte source over ``url`` for the tar reader: a command's output, the cached
+        file, or ranged reads."""
+        if is_pipe(url):
+            check_pipes_allowed(url, self.allow_pipes)
+            return PipeBytes(url)
         if self.cache is not None:
             from .tar import _MappedBytes
 
@@ -166,6 +180,8 @@ class RemoteAccess:
 
     def prefetch(self, url: str) -> None:
         """Start fetching ``url`` in the background (the next shard a reader will open)."""
+        if is_pipe(url):
+            return
         if self.cache is not None:
             _pool().submit(_quietly, self.cache.get, url, self)
         else:
@@ -270,6 +286,62 @@ class RemoteBytes:
         for future in self._chunks.values():
             future.cancel()
         self._chunks = {}
+
+
+def check_pipes_allowed(source: str, allowed: bool) -> None:
+    if not allowed:
+        raise ConfigError(
+            f"{source[:120]!r} is a command; seqshard runs commands named by data only when asked: pass "
+            f"{option('allow_pipes')} if you trust it."
+        )
+
+
+class PipeBytes:
+    """The output of ``pipe:COMMAND`` (run by the shell), read front to back; seeking back
+    runs the command again."""
+
+    def __init__(self, source: str):
+        self.path = source
+        self._command = source[len("pipe:") :]
+        self._process: subprocess.Popen | None = None
+        self._pos = 0
+        self._start()
+
+    def _start(self) -> None:
+        self.close()
+        self._process = subprocess.Popen(self._command, shell=True, stdout=subprocess.PIPE)
+        self._pos = 0
+
+    def read(self, size: int) -> bytes:
+        assert self._process is not None and self._process.stdout is not None
+        data = self._process.stdout.read(size)
+        self._pos += len(data)
+        if len(data) < size:
+            status = self._process.wait()
+            if status != 0:
+                raise ShardError(self.path, self._pos, f"the command exited with status {status}")
+        return data
+
+    def skip(self, size: int) -> None:
+        while size > 0:
+            data = self.read(min(size, CHUNK_BYTES))
+            if not data:
+                return
+            size -= len(data)
+
+    def seek(self, position: int) -> None:
+        if position < self._pos:
+            self._start()
+        self.skip(position - self._pos)
+
+    def close(self) -> None:
+        if self._process is not None:
+            if self._process.poll() is None:
+                self._process.kill()
+            self._process.wait()
+            if self._process.stdout is not None:
+                self._process.stdout.close()
+            self._process = None
 
 
 _CURRENT = RemoteAccess()

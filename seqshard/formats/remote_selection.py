@@ -16,7 +16,7 @@ from ..errors import ConfigError
 from .index import ShardEntry, ShardIndex
 from .lists import resolve
 from .patterns import SHARD_SUFFIXES, is_list_name, is_shard_name, pattern_list
-from .remote import current, is_remote, load_remote_index
+from .remote import check_pipes_allowed, current, is_pipe, is_remote, load_remote_index
 
 
 @dataclass(frozen=True)
@@ -77,8 +77,12 @@ class RemoteSelection:
                         "the wildcard; a folder URL needs an index.json listing its shards."
                     )
                 for url in urls:
-                    if url not in seen:
-                        seen.add(url)
+                    if url in seen:
+                        continue
+                    seen.add(url)
+                    if is_pipe(url):  # a command's output: no folder, no index
+                        self.shards.append(RemoteShard(url, "pipe:", None))
+                    else:
                         folder = url.rsplit("/", 1)[0]
                         index = self.index_of(folder)
                         self.shards.append(
@@ -91,6 +95,9 @@ class RemoteSelection:
         return self.indexes[folder]
 
     def _alternative(self, text: str) -> list[str]:
+        if is_pipe(text):
+            check_pipes_allowed(text, current().allow_pipes)
+            return [text]
         name = text.rstrip("/").rsplit("/", 1)[-1]
         if glob.has_magic(text.split("://", 1)[1]):
             if text.startswith(("http://", "https://")):

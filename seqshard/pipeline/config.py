@@ -78,6 +78,7 @@ class LoaderConfig:
     cache_limit: str | int | None = None
     remote_retries: int = 4
     remote_timeout: float = 60.0
+    allow_pipes: bool = False
     num_workers: int = 2
     prefetch_factor: int = 4
     persistent_workers: bool = False
@@ -155,7 +156,15 @@ class LoaderConfig:
         return LengthBudget(int(self.batch_frames), self.quadratic_frames)  # type: ignore[arg-type]
 
     def _check_types(self) -> None:
-        for name in ("shuffle", "split_shards", "skip_bad", "strip_spaces", "persistent_workers", "pin_memory"):
+        for name in (
+            "shuffle",
+            "split_shards",
+            "skip_bad",
+            "strip_spaces",
+            "persistent_workers",
+            "pin_memory",
+            "allow_pipes",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
         for name in ("seed", "pad_label"):

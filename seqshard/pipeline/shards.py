@@ -26,8 +26,7 @@ from ..formats import remote
 from ..formats.index import ShardIndex, merge_histograms
 from ..formats.lists import scan_list
 from ..formats.patterns import Patterns, is_list_name
-from ..formats.remote_selection import RemoteSelection, split_patterns
-from ..formats.selection import MissingShard, ShardSelection, select_shards
+from ..formats.selection import MissingShard, select_folders
 from ..formats.streams import first_sample_fields
 from .base import SEED_PLAN, stage_rng
 
@@ -121,21 +120,10 @@ class ShardTable:
     def from_patterns(cls, patterns: Patterns) -> ShardTable:
         """Expand brace/glob ``patterns`` (local paths, URLs, lists) and read each folder's
         ``index.json``. Local shards come first, then remote ones, each in pattern order."""
-        local, remote = split_patterns(patterns)
-        selection = select_shards(local) if local else ShardSelection()
-        folders: list[tuple[str, ShardIndex | None, list[str]]] = [
-            (str(folder), selection.indexes[folder], [str(p) for p in paths])
-            for folder, paths in selection.folders.items()
-        ]
-        if remote:
-            chosen = RemoteSelection(remote)
-            by_folder: dict[str, list[str]] = {}
-            for shard in chosen.shards:
-                by_folder.setdefault(shard.folder, []).append(shard.url)
-            folders += [(folder, chosen.indexes.get(folder), urls) for folder, urls in by_folder.items()]
+        folders, missing = select_folders(patterns)
         gathered = _Gathered()
-        for folder, index, paths in folders:
-            gathered.add_folder(folder, index, paths)
+        for folder in folders:
+            gathered.add_folder(folder.name, folder.index, folder.shards)
         if len(gathered.dims) > 1:
             raise ConfigError(
                 f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in gathered.dims.items())}."
@@ -146,7 +134,7 @@ class ShardTable:
             next(iter(gathered.dims), None),
             gathered.shift,
             tuple(histogram.items()),
-            tuple(selection.missing),
+            tuple(missing),
             tuple((name, tuple(suffixes)) for name, suffixes in gathered.field_sets.items()),
         )
 

@@ -35,6 +35,11 @@ def shard_folders(root: Path) -> list[Path]:
 
 def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> list[Path]:
     """Write ``index.json`` in ``root`` and in each sub-folder of it that holds shards."""
+    if "://" in str(root):
+        raise ConfigError(
+            f"{root}: `seqshard index` writes index.json beside the shards, so it needs a local folder: run it on a "
+            "local copy (or a mounted bucket) and upload the index.json it writes."
+        )
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder.")

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ShardError
+from ..formats import remote
 from ..formats.audio import audio_seconds
 from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.index import ShardEntry, length_bin
@@ -32,10 +33,19 @@ class ShardScan:
     audio: bool = False  # lengths are audio durations in 10 ms frames
 
 
-def file_crc32(path: Path) -> tuple[int, int]:
-    """``(crc32, size)`` of a file, read sequentially in large chunks."""
+def file_crc32(path: str | Path) -> tuple[int, int]:
+    """``(crc32, size)`` of a file (or a remote shard), read sequentially in large chunks."""
     crc = 0
     size = 0
+    if remote.is_remote(str(path)):
+        source = remote.RemoteBytes(str(path), remote.current())
+        try:
+            while chunk := source.read(CHUNK):
+                crc = zlib.crc32(chunk, crc)
+                size += len(chunk)
+        finally:
+            source.close()
+        return crc, size
     with open(path, "rb", buffering=0) as stream:
         while chunk := stream.read(CHUNK):
             crc = zlib.crc32(chunk, crc)
@@ -43,12 +53,16 @@ def file_crc32(path: Path) -> tuple[int, int]:
     return crc, size
 
 
-def scan_shard(path: Path, feature_field: str | None = None) -> ShardScan:
-    """Read every member of ``path`` (a shard, or a raw list and its audio); lengths come from
-    the first ``.npy`` field found, else the first audio field (or ``feature_field``). Damage
-    is reported in ``problems``, never raised."""
-    crc, size = file_crc32(path)
-    scan = ShardScan(ShardEntry(path.name, 0, 0, size, f"crc32:{crc:08x}"), feature_field)
+def scan_shard(path: str | Path, feature_field: str | None = None) -> ShardScan:
+    """Read every member of ``path`` (a shard, local or a URL, or a raw list and its audio);
+    lengths come from the first ``.npy`` field found, else the first audio field (or
+    ``feature_field``). Damage is reported in ``problems``, never raised."""
+    name = str(path).rstrip("/").rsplit("/", 1)[-1]
+    try:
+        crc, size = file_crc32(path)
+    except ShardError as error:  # a remote shard that cannot be fetched
+        return ShardScan(ShardEntry(name, 0, 0, 0, ""), feature_field, problems=[str(error)])
+    scan = ShardScan(ShardEntry(name, 0, 0, size, f"crc32:{crc:08x}"), feature_field)
     keys_seen: set[str] = set()
     try:
         with open_samples(path) as stream:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
-from ..formats.selection import MissingShard, select_shards
+from ..formats.selection import MissingShard, select_folders
 from .parallel import map_shards
 from .scan import scan_shard
 
@@ -55,26 +55,26 @@ class Summary:
 
 def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> Summary:
     """One summary per folder of the matched shards (from the index; unindexed shards are read)."""
-    selection = select_shards(patterns)
+    selected, missing = select_folders(patterns)
     folders = []
-    for folder, shards in selection.folders.items():
-        index = selection.indexes[folder]
+    for folder in selected:
+        index = folder.index
         feature = index.feature if index else {}
-        summary = FolderSummary(str(folder), index is not None, float(feature.get("frame_shift_ms") or 10.0))
+        summary = FolderSummary(folder.name, index is not None, float(feature.get("frame_shift_ms") or 10.0))
         unindexed = []
-        for shard in shards:
-            entry = index.entry(shard.name) if index else None
+        for shard in folder.shards:
+            entry = index.entry(shard.rstrip("/").rsplit("/", 1)[-1]) if index else None
             if entry is None:
                 unindexed.append(shard)
             else:
                 summary.entries.append(entry)
-        scans = list(map_shards(scan_shard, unindexed, jobs, f"read unindexed shards in {folder}", progress))
+        scans = list(map_shards(scan_shard, unindexed, jobs, f"read unindexed shards in {folder.name}", progress))
         summary.entries.extend(scan.entry for scan in scans)
         summary.has_features = (feature.get("field") is not None if index else True) and all(
             scan.feature_field is not None for scan in scans
         )
         folders.append(summary)
-    return Summary(folders, selection.missing)
+    return Summary(folders, missing)
 
 
 def length_percentiles(entries: list[ShardEntry], histogram: dict[int, int]) -> dict[str, float]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..formats import remote
 from ..formats.index import SidecarEntry
-from ..formats.selection import select_shards
+from ..formats.selection import select_folders
 from .parallel import map_shards
 from .scan import ShardScan, scan_shard
 
@@ -28,15 +29,16 @@ def verify(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> V
     against ``index.json``; selected shards that are missing (listed in an index, or planned
     by an unfinished pack) count as damaged."""
     result = VerifyResult()
-    selection = select_shards(patterns)
-    for folder, shards in selection.folders.items():
-        index = selection.indexes[folder]
-        for shard, scan in zip(shards, map_shards(scan_shard, shards, jobs, f"verify {folder}", progress)):
+    folders, missing = select_folders(patterns)
+    for folder in folders:
+        index = folder.index
+        scans = map_shards(scan_shard, folder.shards, jobs, f"verify {folder.name}", progress)
+        for shard, scan in zip(folder.shards, scans):
             result.checked += 1
             problems = list(scan.problems)
-            entry = index.entry(shard.name) if index else None
+            entry = index.entry(scan.entry.name) if index else None
             if index is not None and entry is None:
-                result.unindexed.append(str(shard))
+                result.unindexed.append(shard)
             if entry is not None:
                 if scan.entry.bytes != entry.bytes:
                     problems.append(f"size {scan.entry.bytes} bytes, index says {entry.bytes}")
@@ -44,29 +46,29 @@ def verify(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> V
                     problems.append(f"checksum {scan.entry.checksum}, index says {entry.checksum}")
                 if scan.entry.num_utts != entry.num_utts:
                     problems.append(f"{scan.entry.num_utts} utterances, index says {entry.num_utts}")
-            if entry is not None:
                 for name, car in entry.sidecars.items():
-                    problems.extend(_sidecar_problems(folder / car.name, name, car, scan))
+                    problems.extend(_sidecar_problems(f"{folder.name}/{car.name}", name, car, scan))
             if problems:
-                result.damaged[str(shard)] = problems
-    result.missing = {str(m.path): m.why for m in selection.missing}
+                result.damaged[shard] = problems
+    result.missing = {str(m.path): m.why for m in missing}
     return result
 
 
-def _sidecar_problems(path: Path, name: str, expected: SidecarEntry, shard: ShardScan) -> list[str]:
+def _sidecar_problems(path: str, name: str, expected: SidecarEntry, shard: ShardScan) -> list[str]:
     """How the sidecar of field set ``name`` differs from its index entry and its shard."""
-    if not path.is_file():
-        return [f"field set {name!r}: {path.name} is missing"]
+    base = path.rsplit("/", 1)[-1]
+    if not remote.is_remote(path) and not Path(path).is_file():
+        return [f"field set {name!r}: {base} is missing"]
     scan = scan_shard(path)
     problems = [f"field set {name!r}: {problem}" for problem in scan.problems]
     if scan.entry.bytes != expected.bytes or scan.entry.checksum != expected.checksum:
-        problems.append(f"field set {name!r}: {path.name} differs from its index entry (size or checksum)")
+        problems.append(f"field set {name!r}: {base} differs from its index entry (size or checksum)")
     if scan.keys != shard.keys:
         first = next(
             (i for i, (a, b) in enumerate(zip(scan.keys, shard.keys)) if a != b), min(len(scan.keys), len(shard.keys))
         )
         problems.append(
-            f"field set {name!r}: {path.name} holds {len(scan.keys)} samples, the shard {len(shard.keys)}; "
+            f"field set {name!r}: {base} holds {len(scan.keys)} samples, the shard {len(shard.keys)}; "
             f"they first differ at sample {first}"
         )
     return problems
