@@ -1,4 +1,4 @@
-"""The ``seqshard`` command: pack, inspect, verify, index, demo."""
+"""The ``seqshard`` command: pack, inspect, verify, index, add-field, binarize, cmvn, config, demo."""
 
 from __future__ import annotations
 
@@ -143,6 +143,17 @@ def _cmvn(args: argparse.Namespace) -> int:
     )
     if stats.floored:
         print(f"seqshard cmvn: {stats.floored} dimension(s) are constant; their std is set to 1e-5", file=sys.stderr)
+    return 0
+
+
+def _config(args: argparse.Namespace) -> int:
+    from .config import explain, load_config
+
+    if args.explain:
+        print(explain(args.file))
+    else:
+        load_config(args.file)
+        print(f"{args.file}: OK (seqshard config --explain {args.file} shows every setting)")
     return 0
 
 
@@ -321,6 +332,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmvn.add_argument("--workers", type=int, default=0, help="DataLoader workers (default: %(default)s)")
     cmvn.add_argument("--skip-bad", action="store_true", help="count and skip bad samples instead of stopping")
     cmvn.set_defaults(run=_cmvn)
+
+    config = commands.add_parser("config", help="check a hyper-p.json (train.option); --explain prints every setting")
+    config.add_argument("file", help="the hyper-p.json file")
+    config.add_argument("--explain", action="store_true", help="print the resolved settings, set or default")
+    config.set_defaults(run=_config)
 
     demo = commands.add_parser("demo", help="make a small Kaldi dataset, pack it, stream it, and say what happened")
     demo.add_argument("--out", default="seqshard-demo", help="working folder (default: %(default)s)")

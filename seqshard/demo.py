@@ -40,11 +40,14 @@ WORDS = [
 
 
 def make_corpus(root: Path, num_utts: int, seed: int = 0) -> dict[str, int]:
-    """A speaker-sorted 80-dim fbank-like corpus; returns the speaker of each key."""
+    """A speaker-sorted 80-dim fbank-like corpus whose features are drawn from its labels
+    (each character a fixed pattern held for 4-14 frames, plus a speaker offset and noise),
+    so a model can learn it; returns the speaker of each key."""
     import kaldiio
 
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
+    patterns = np.random.default_rng(1234).standard_normal((128, 80)).astype(np.float32)  # the same in every corpus
     speakers = max(1, num_utts // 30)
     speaker_of: dict[str, int] = {}
     scp_parts, text_lines, frames_lines = [], [], []
@@ -57,12 +60,14 @@ def make_corpus(root: Path, num_utts: int, seed: int = 0) -> dict[str, int]:
             for utt in range(ark * per_ark, min(num_utts, (ark + 1) * per_ark)):
                 speaker = utt * speakers // num_utts
                 key = f"spk{speaker:03d}-utt{utt:05d}"
-                frames = int(np.clip(rng.lognormal(np.log(350), 0.6), 60, 1500))
-                voice = rng.standard_normal(80).astype(np.float32)
-                writer(key, voice + 8 + rng.standard_normal((frames, 80)).astype(np.float32))
+                text = " ".join(rng.choice(WORDS, size=int(rng.integers(2, 12))))
+                durations = rng.integers(4, 15, size=len(text))
+                feats = np.repeat(patterns[[ord(ch) % 128 for ch in text]], durations, axis=0)
+                voice = 0.3 * rng.standard_normal(80).astype(np.float32)
+                writer(key, feats + voice + 8 + 0.5 * rng.standard_normal(feats.shape).astype(np.float32))
                 speaker_of[key] = speaker
-                text_lines.append(f"{key} {' '.join(rng.choice(WORDS, size=int(rng.integers(2, 9))))}\n")
-                frames_lines.append(f"{key} {frames}\n")
+                text_lines.append(f"{key} {text}\n")
+                frames_lines.append(f"{key} {len(feats)}\n")
         scp_parts.append((root / f"raw_fbank.{ark + 1}.scp").read_text())
     (root / "feats.scp").write_text("".join(scp_parts))
     (root / "text").write_text("".join(text_lines))

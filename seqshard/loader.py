@@ -37,7 +37,7 @@ from .pipeline.mixing import MixSetup, mixed_table
 from .pipeline.protocol import BatchItem, ErrorItem, Item
 from .pipeline.recipe import check_transforms
 from .pipeline.setup import make_setup
-from .pipeline.shards import ShardTable, Unit
+from .pipeline.shards import ShardTable, Unit, planned_utts
 from .pipeline.transfer import BatchSlots
 from .pipeline.worker import IterationChannel
 
@@ -315,6 +315,17 @@ class ShardLoader:
         return item
 
     # -- stats and the end of an epoch -------------------------------------------------------
+    def planned_utts(self) -> int | None:
+        """Utterances this rank's plan holds for the current epoch (for progress bars); None
+        when unknown (shards without an index, streams that go on across epochs)."""
+        if self._end.continues_stream or self.mix is not None:
+            return None
+        counts = [
+            planned_utts(self.table, self._setup.units(self._epoch, worker))
+            for worker in range(self._setup.readers_per_rank)
+        ]
+        return None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
+
     def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
         """This rank's progress in the current epoch: utterances (and per second), steps,
         shard units finished, dropped and filtered by reason, padding fraction, label tokens

@@ -71,13 +71,16 @@ def _shares(keys):
 def test_realised_mixture_matches_the_weights(sources, num_workers):
     mixed = mux([mux([sources["a"], sources["b"]], weights=[1, 1]), sources["c"]], weights=[0.8, 0.2])
     loader = make_loader(mixed, batch_size=8, epoch_steps=1250, num_workers=num_workers, **SMALL)
-    keys = [k for batch in loader for k in batch["keys"]]
-    assert len(keys) == 10000
+    batches = [batch["keys"] for batch in loader]
+    keys = [k for batch in batches for k in batch]
+    # a window can hold copies of a source's utterance (a pass ends inside it): copies go to
+    # different batches, so a few batches are short
+    assert 9000 <= len(keys) <= 10000 and all(len(set(b)) == len(b) for b in batches)
     shares = _shares(keys)
     for name, target in (("a", 0.4), ("b", 0.4), ("c", 0.2)):
         assert abs(shares[name] - target) <= 0.01, shares
     stats = loader.stats()["sources"]
-    assert sum(s["utts"] for s in stats.values()) == 10000
+    assert sum(s["utts"] for s in stats.values()) == len(keys)
     assert stats[sources["c"]]["passes"] == pytest.approx(stats[sources["c"]]["utts_total"] / 15)
     assert stats[sources["c"]]["passes"] > 100  # the small source went round many times
     assert all(s["hours"] > 0 for s in stats.values())
@@ -87,8 +90,9 @@ def test_mixture_across_two_ranks(sources, tmp_path):
     pattern = {"mux": [sources["a"], sources["b"], sources["c"]], "weights": [0.5, 0.3, 0.2]}
     options = dict(batch_size=8, epoch_steps=625, num_workers=2, **SMALL)
     ranks = run_ranks(2, {"pattern": pattern, "options": options, "epochs": [0]}, tmp_path / "run")
-    keys = [k for rank in ranks for step in rank["epochs"][0]["steps"] for k in step["keys"]]
-    assert len(keys) == 10000
+    batches = [step["keys"] for rank in ranks for step in rank["epochs"][0]["steps"]]
+    keys = [k for batch in batches for k in batch]
+    assert 9000 <= len(keys) <= 10000 and all(len(set(b)) == len(b) for b in batches)
     shares = _shares(keys)
     for name, target in (("a", 0.5), ("b", 0.3), ("c", 0.2)):
         assert abs(shares[name] - target) <= 0.01, shares
@@ -184,3 +188,24 @@ def test_what_a_mix_refuses(sources):
         make_loader(sources["a"], batch_size=4, epoch_source=0)
     with pytest.raises(ConfigError, match="appears twice"):
         make_loader(mux([sources["a"], sources["a"]]), batch_size=4, epoch_steps=5)
+
+
+def test_no_batch_holds_an_utterance_twice_when_a_window_spans_passes(sources):
+    """Default windows (2000) hold many passes of these 15-105-utterance sources: copies of one
+    utterance sort next to each other, and must still go to different batches."""
+    for workers in (0, 2):
+        loader = make_loader(mux([sources["b"], sources["c"]], weights=[0.5, 0.5]), batch_size=4,
+                             num_workers=workers, epoch_steps=60)  # fmt: skip
+        batches = [b["keys"] for b in loader]
+        assert len(batches) == 60 and all(len(set(keys)) == len(keys) for keys in batches)
+        assert sum(map(len, batches)) >= 0.9 * 240
+
+
+def test_cutting_batches_keeps_copies_apart():
+    from seqshard.pipeline.batching import FixedSize, cut_batches
+
+    keys = ["a", "a", "a", "b", "c", "c", "d"]
+    batches, oversize = cut_batches([1, 1, 1, 2, 3, 3, 4], FixedSize(3), keys)
+    assert not oversize and sorted(i for b in batches for i in b) == list(range(7))
+    assert all(len({keys[i] for i in b}) == len(b) for b in batches)
+    assert cut_batches([1, 2, 3], FixedSize(2))[0] == [[0, 1], [2]]  # without keys: as before

@@ -89,22 +89,53 @@ def bucket_of(batch: Batch, bounds: Sequence[int]) -> int:
     return bisect.bisect_right(bounds, batch.longest)
 
 
-def cut_batches(lengths: Sequence[int], cost: BatchCost) -> tuple[list[list[int]], list[int]]:
-    """Batches of indices into ``lengths`` (which must be sorted ascending), and the indices
-    of samples that do not fit even alone."""
+def cut_batches(
+    lengths: Sequence[int], cost: BatchCost, keys: Sequence[str] | None = None
+) -> tuple[list[list[int]], list[int]]:
+    """Batches of indices into ``lengths`` (sorted ascending, or in ascending runs), and the
+    indices of samples that do not fit even alone. With ``keys``, no batch holds one key
+    twice: a copy of a key already in the batch waits for the next one."""
     batches: list[list[int]] = []
     oversize: list[int] = []
     current: list[int] = []
+    taken: set[str] = set()
+    waiting: list[int] = []  # copies of a key already in the current batch
+    longest = 0
+
+    def close() -> None:
+        nonlocal current, taken, waiting, longest
+        batches.append(current)
+        current, taken, longest = [], set(), 0
+        again, waiting = waiting, []
+        for index in again:
+            place(index)
+
+    def place(index: int) -> None:
+        nonlocal longest
+        if keys is not None and keys[index] in taken:
+            waiting.append(index)
+            return
+        if current and not cost.fits(len(current) + 1, max(longest, lengths[index])):
+            close()
+            place(index)
+            return
+        current.append(index)
+        longest = max(longest, lengths[index])
+        if keys is not None:
+            taken.add(keys[index])
+
     for index, length in enumerate(lengths):
         if not cost.fits(1, length):
             oversize.append(index)
             continue
-        if current and not cost.fits(len(current) + 1, length):
-            batches.append(current)
-            current = []
-        current.append(index)
-    if current:
-        batches.append(current)
+        place(index)
+    while current or waiting:
+        if current:
+            close()
+        else:
+            again, waiting = waiting, []
+            for index in again:
+                place(index)
     return batches, oversize
 
 
@@ -143,12 +174,21 @@ class SortBatch(WindowStage[Batch]):
         super().reset(state)
 
     def arrange(self, items: list[Sample], number: int, fresh: bool) -> list[Batch]:
-        measured = sorted(((self.length(s), s.key, i) for i, s in enumerate(items)))
-        lengths = [length for length, _, _ in measured]
-        indices, oversize = cut_batches(lengths, self.cost)
-        batches = [Batch([items[measured[i][2]] for i in batch], [lengths[i] for i in batch]) for batch in indices]
+        # A window of a mixed stream can hold several passes of a small source: the n-th copy
+        # of a key in the window is sorted with the other n-th copies, so copies never sort
+        # next to each other (without copies this is the plain length sort).
+        copies: dict[str, int] = {}
+        ranked = []
+        for i, sample in enumerate(items):
+            copy = copies.get(sample.key, 0)
+            copies[sample.key] = copy + 1
+            ranked.append((copy, self.length(sample), sample.key, i))
+        measured = sorted(ranked)
+        lengths = [length for _, length, _, _ in measured]
+        indices, oversize = cut_batches(lengths, self.cost, [key for _, _, key, _ in measured])
+        batches = [Batch([items[measured[i][3]] for i in batch], [lengths[i] for i in batch]) for batch in indices]
         if self.oversize == "alone":
-            batches.extend(Batch([items[measured[i][2]]], [lengths[i]]) for i in oversize)
+            batches.extend(Batch([items[measured[i][3]]], [lengths[i]]) for i in oversize)
         elif fresh and oversize:  # a restored window was counted when first formed
             self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + len(oversize)
         if self.shuffle:

@@ -1,0 +1,290 @@
+"""The example trainer: a small CTC model (convolutional subsampling + LSTM layers) trained
+with DDP from seqshard loaders, with a dev set evaluated each epoch.
+
+    torchrun --nproc_per_node 2 examples/train_ddp.py --config hyper-p.json --out exp/
+    python examples/train_ddp.py                     # one process, a made-up corpus in train-out/
+
+Checkpoints (``OUT/ckpt.pt``) hold the model, optimizer, scheduler, loader state, epoch and
+step; run the same command again after a crash and it goes on with exactly the next batch.
+Every ``log_every`` steps rank 0 prints loss, utterances/s, frames/s and the **data-wait
+fraction**: the time spent waiting for the next batch over the step time, the number that says
+whether the loader starves the model. Runs on CPU (gloo) or GPU (nccl), under torchrun or as
+one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .config import TRAINER_KEYS, build_loaders
+from .progress import Progress
+
+
+class SmallCTC(nn.Module):
+    """Two strided convolutions (4x fewer frames), LSTM layers, a linear output for CTC."""
+
+    def __init__(self, dim: int, vocab: int, hidden: int = 256, layers: int = 2):
+        super().__init__()
+        self.subsample = nn.Sequential(
+            nn.Conv1d(dim, hidden, 3, stride=2, padding=1),
+            nn.ReLU(),
+            nn.Conv1d(hidden, hidden, 3, stride=2, padding=1),
+            nn.ReLU(),
+        )
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=layers, batch_first=True)
+        self.output = nn.Linear(hidden, vocab)
+
+    def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden = self.subsample(feats.transpose(1, 2)).transpose(1, 2)
+        hidden, _ = self.lstm(hidden)
+        return self.output(hidden).log_softmax(-1), (lengths + 3) // 4
+
+
+class FeedMeter:
+    """Step timings over a window: how long the loop waited for batches, against the time of
+    the whole step (wait + forward + backward + update)."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.wait = self.total = 0.0
+        self.utts = self.frames = self.steps = 0
+        self.loss = 0.0
+
+    def add(self, wait: float, total: float, utts: int, frames: int, loss: float) -> None:
+        self.wait += wait
+        self.total += total
+        self.utts += utts
+        self.frames += frames
+        self.steps += 1
+        self.loss += loss
+
+    def line(self) -> str:
+        seconds = max(self.total, 1e-9)
+        return (
+            f"loss {self.loss / max(1, self.steps):.3f} {self.utts / seconds:.0f} utts/s {self.frames / seconds:.0f} "
+            f"frames/s data-wait {self.wait / seconds:.1%}"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="hyper-p.json (train.option); default: a made-up corpus in OUT/data")
+    parser.add_argument("--out", type=Path, default=Path("train-out"), help="folder for checkpoints (and demo data)")
+    parser.add_argument("--demo-utts", type=int, default=600, help="utterances of the made-up corpus")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON", help="override a train.option key")
+    parser.add_argument(
+        "--stop-after-steps", type=int, help="end this run after N steps, with a checkpoint; running again goes on"
+    )
+    parser.add_argument("--steps-file", type=Path, help="write every step's batch keys and loss here (JSON lines)")
+    return parser.parse_args(argv)
+
+
+def demo_config(folder: Path, num_utts: int) -> dict[str, Any]:
+    """A made-up corpus (features drawn from the label characters), packed; its config."""
+    from .demo import make_corpus
+    from .prep.pack import pack_data
+
+    shards = folder / "shards"
+    if not (shards / "pack_report.json").exists():
+        make_corpus(folder / "kaldi", num_utts)
+        make_corpus(folder / "dev", max(20, num_utts // 10), seed=1)
+        pack_data(folder / "kaldi/feats.scp", folder / "kaldi/text", shards, utts_per_file=100, progress=False)
+    option = {
+        "large_dataset": True,
+        "trset": f"{shards}/data-*.tar",
+        "devset": str(folder / "dev"),
+        "tokenizer": str(folder / "kaldi/units.txt"),
+        "batch_frames": 20000,
+        "num_workers": 2,
+    }
+    return {"train": {"option": option}}
+
+
+def init_distributed(cuda: bool) -> None:
+    backend = "nccl" if cuda else "gloo"
+    if "WORLD_SIZE" in os.environ:  # torchrun (or any launcher setting RANK, WORLD_SIZE, MASTER_*)
+        dist.init_process_group(backend)
+    else:  # one process, no launcher
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    init_distributed(cuda)
+    try:
+        return train(args, cuda)
+    finally:
+        # Free what still holds the process group (DDP's reducer, the loader's workers) while
+        # the interpreter is whole: gloo's threads torn down at interpreter exit can abort.
+        gc.collect()
+        dist.destroy_process_group()
+
+
+def load_settings(args: argparse.Namespace, rank: int) -> dict[str, Any]:
+    """The config (a file, or the made-up corpus's) with ``--set`` overrides applied."""
+    if args.config is not None:
+        config = json.loads(Path(args.config).read_text(encoding="utf-8"))
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            demo_config(args.out / "data", args.demo_utts)
+        dist.barrier()
+        config = demo_config(args.out / "data", args.demo_utts)  # made by rank 0: paths only
+    option = config.setdefault("train", {}).setdefault("option", {})
+    for item in args.set:
+        key, _, value = item.partition("=")
+        option[key] = json.loads(value)
+    return config
+
+
+def lr_schedule(step: int, warmup: int) -> float:
+    """Linear warm-up, then inverse square root decay (a multiplier of the peak rate)."""
+    step = max(step, 1)
+    return min(step / max(1, warmup), math.sqrt(max(1, warmup) / step))
+
+
+def train(args: argparse.Namespace, cuda: bool) -> int:
+    rank = dist.get_rank()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    def say(message: str) -> None:
+        if rank == 0:
+            print(message, flush=True)
+
+    checkpoint_path = args.out / "ckpt.pt"
+    config = load_settings(args, rank)
+    loader, dev = build_loaders(config)
+    settings = {k: config["train"]["option"].get(k, default) for k, (default, _, _) in TRAINER_KEYS.items()}
+    checkpoint, epoch, step = None, 0, 0  # epoch: the one to run next; step: optimizer steps done
+    if checkpoint_path.exists():
+        checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        epoch, step = checkpoint["epoch"], checkpoint["step"]
+        if epoch >= settings["epochs"]:
+            say(
+                f"{checkpoint_path} is the checkpoint of a finished run: all {epoch} epochs done, {step} steps; "
+                f"nothing to train (set epochs above {epoch} to train on, or remove it to start afresh)"
+            )
+            return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    dim = loader.table.dim if hasattr(loader, "table") else loader.dim
+    torch.manual_seed(int(config["train"]["option"].get("seed", 0)))
+    model = nn.parallel.DistributedDataParallel(
+        SmallCTC(dim, loader.tokenizer.vocab_size, settings["hidden"], settings["layers"]).to(device),
+        device_ids=[device.index] if cuda else None,
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=settings["lr"])
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_schedule(s, settings["warmup_steps"]))
+    ctc = nn.CTCLoss(zero_infinity=True)
+
+    if checkpoint is not None:
+        model.module.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        if checkpoint["loader"]["epoch"] == epoch:  # saved inside this epoch: go on at the next batch
+            loader.load_state_dict(checkpoint["loader"])  # every rank's position
+        say(f"resumed from {checkpoint_path}: epoch {epoch}, after step {step}")
+    else:
+        say(f"training from scratch: {settings['epochs']} epochs, checkpoints in {checkpoint_path}")
+
+    def loss_of(batch: dict[str, Any]) -> torch.Tensor:
+        log_probs, lengths = model(batch["feats"].to(device, non_blocking=True), batch["feat_lens"].to(device))
+        return ctc(log_probs.transpose(0, 1), batch["labels"].to(device), lengths, batch["label_lens"].to(device))
+
+    def save(next_epoch: int) -> None:
+        """``next_epoch``: the epoch a resume runs (the current one, or the next when it is done)."""
+        loader_state = loader.state_dict()  # a collective: every rank calls it at the same step
+        if rank == 0:
+            temporary = checkpoint_path.with_name(checkpoint_path.name + ".partial")
+            state = {
+                "model": model.module.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "scheduler": scheduler.state_dict(),
+                "loader": loader_state,
+                "epoch": next_epoch,
+                "step": step,
+            }
+            torch.save(state, temporary)
+            temporary.replace(checkpoint_path)
+
+    steps_file = args.steps_file.open("a", buffering=1) if args.steps_file is not None and rank == 0 else None
+    meter = FeedMeter()
+    steps_this_run = 0
+    while epoch < settings["epochs"]:
+        loader.set_epoch(epoch)
+        planned = loader.planned_utts() if hasattr(loader, "planned_utts") else None
+        with Progress(rank == 0 and planned is not None, interval=30) as bars:
+            advance = bars.bar(f"epoch {epoch}", planned or 0, unit="utt")
+            batches = iter(loader)
+            while True:
+                started = time.perf_counter()
+                batch = next(batches, None)
+                if batch is None:
+                    break
+                waited = time.perf_counter() - started
+                model.train()
+                loss = loss_of(batch)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                scheduler.step()
+                step += 1
+                steps_this_run += 1
+                value = loss.item()
+                meter.add(
+                    waited, time.perf_counter() - started, len(batch["keys"]), int(batch["feat_lens"].sum()), value
+                )
+                advance(len(batch["keys"]))
+                if steps_file is not None:
+                    steps_file.write(json.dumps({"step": step, "keys": list(batch["keys"]), "loss": value}) + "\n")
+                stopping = args.stop_after_steps is not None and steps_this_run >= args.stop_after_steps
+                if step % settings["log_every"] == 0:
+                    say(f"epoch {epoch} step {step} {meter.line()}")
+                    meter.reset()
+                if step % settings["save_every"] == 0 or stopping:
+                    save(epoch)
+                    say(f"epoch {epoch} step {step} checkpoint saved")
+                if stopping:
+                    say(f"stopped after {steps_this_run} steps of this run (--stop-after-steps); run again to go on")
+                    return 0
+        if dev is not None:
+            say(f"epoch {epoch} dev loss {evaluate(model, dev, loss_of, epoch):.3f}")
+        epoch += 1
+        save(epoch)  # the epoch is done: a resume starts the next one
+        say(f"epoch {epoch - 1} done at step {step}, checkpoint saved")
+    say(f"finished: {settings['epochs']} epochs, {step} steps")
+    return 0
+
+
+def evaluate(model: nn.Module, dev: Any, loss_of: Any, epoch: int) -> float:
+    """Mean dev loss per utterance over every rank's part of the dev set."""
+    model.eval()
+    dev.set_epoch(epoch)
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in dev:
+            total += torch.tensor([loss_of(batch).item() * len(batch["keys"]), len(batch["keys"])], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return float(total[0] / max(total[1], 1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
