@@ -160,7 +160,7 @@ def _config(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(args.out, num_utts=args.utts, num_workers=args.workers)
+    run_demo(args.out, num_utts=args.utts, num_workers=args.workers, train_epochs=args.train_epochs)
     return 0
 
 
@@ -342,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="seqshard-demo", help="working folder (default: %(default)s)")
     demo.add_argument("--utts", type=int, default=1200, help="utterances in the demo dataset")
     demo.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    demo.add_argument(
+        "--train-epochs", type=int, default=6, help="epochs of the example model (2 processes); 0: no training"
+    )
     demo.set_defaults(run=_demo)
     return parser
 

@@ -7,7 +7,10 @@
 4. streams one epoch through a 2-worker DataLoader with dynamic batches and on-the-fly
    tokenization, and checks every utterance came exactly once;
 5. stops half way, saves the loader state, resumes in a new loader, and checks the batches
-   are those of the uninterrupted run.
+   are those of the uninterrupted run;
+6. writes a hyper-p.json and trains the example CTC model (seqshard.trainer) from the shards
+   with 2 processes (torchrun, gloo on CPU), printing loss, throughput and data-wait;
+7. says where everything is and what to run next.
 """
 
 from __future__ import annotations
@@ -78,7 +81,21 @@ def make_corpus(root: Path, num_utts: int, seed: int = 0) -> dict[str, int]:
     return speaker_of
 
 
-def run_demo(out: str | Path, num_utts: int = 1200, num_workers: int = 2) -> None:
+TRAIN_OPTION = {  # learns the made-up corpus in about a minute on 2 CPU cores
+    "batch_frames": 8000,
+    "num_workers": 1,
+    "hidden": 256,
+    "layers": 1,
+    "lr": 0.003,
+    "warmup_steps": 10,
+    "log_every": 20,
+    "save_every": 100,
+}
+
+
+def run_demo(
+    out: str | Path, num_utts: int = 1200, num_workers: int = 2, train_epochs: int = 6, train_ranks: int = 2
+) -> None:
     from . import make_loader, pack_data
     from .tools.summary import format_text, summarize, to_json
     from .tools.verify import format_result, verify
@@ -120,6 +137,7 @@ def run_demo(out: str | Path, num_utts: int = 1200, num_workers: int = 2) -> Non
         f"{len(batches)} batches, {len(keys)} utterances ({len(set(keys))} distinct of {report.packed} packed), {stats['utts_per_second']:.0f} utts/s"
     )
     print(f"first batches (feats B x T x D, label length): {[shape + (labels,) for _, shape, labels in batches[:4]]}")
+    plot = _plot(pattern, out / "lengths.png")
     print(
         f"padding {stats['padding_fraction']:.1%} of batch frames; {speakers:.1f} distinct speakers per batch on average"
     )
@@ -141,7 +159,75 @@ def run_demo(out: str | Path, num_utts: int = 1200, num_workers: int = 2) -> Non
         f"saved after {half} batches ({len(state)} bytes of JSON); resumed run gave {len(rest)} more batches, identical to the uninterrupted run: {same}"
     )
 
-    ok = report.complete and sorted(keys) == sorted(speaker_of) and same
+    trained = True
+    if train_epochs > 0:
+        print(
+            f"\n== 6. train the example CTC model from the shards: {train_ranks} processes (torchrun), {train_epochs} epochs"
+        )
+        trained = _train(out, pattern, train_epochs, train_ranks)
+
+    ok = report.complete and sorted(keys) == sorted(speaker_of) and same and trained
     print(f"\ndemo {'OK' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")
+    print(
+        f"\n== 7. where things are\n"
+        f"  {out}/kaldi           the Kaldi data dir (feats.scp, text, units.txt); {out}/dev: a dev set\n"
+        f"  {out}/shards          the shards, index.json and pack_report.json per length group\n"
+        + (f"  {plot}       utterance lengths\n" if plot else "")
+        + f"  {out}/hyper-p.json    the training config;  {out}/train: checkpoint (ckpt.pt)\n"
+        f"next:\n"
+        f"  seqshard inspect '{pattern}'\n"
+        f"  seqshard config --explain {out}/hyper-p.json\n"
+        f"  torchrun --nproc_per_node 2 examples/train_ddp.py --config {out}/hyper-p.json --out {out}/train "
+        f"--set epochs={train_epochs + 4}   (goes on from the checkpoint)\n"
+        f"  your data: seqshard pack --scp data/train/feats.scp --text data/train/text --out data/shards --jobs 8"
+    )
     if not ok:
         raise SystemExit(1)
+
+
+def _plot(pattern: str, path: Path) -> Path | None:
+    """The length histogram of the shards, when matplotlib is installed."""
+    from .tools.summary import plot_lengths, summarize, to_json
+
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("(length plot skipped: pip install 'seqshard[plot]' for it)")
+        return None
+    plot_lengths(to_json(summarize(pattern, progress=False)), path)
+    print(f"length histogram written to {path}")
+    return path
+
+
+def _train(out: Path, pattern: str, epochs: int, ranks: int) -> bool:
+    """Write hyper-p.json and run seqshard.trainer under torchrun; True when it finished."""
+    import os
+    import subprocess
+    import sys
+
+    make_corpus(out / "dev", 60, seed=1)
+    option = {
+        "large_dataset": True,
+        "trset": pattern,
+        "devset": str(out / "dev"),
+        "tokenizer": str(out / "kaldi/units.txt"),
+        "epochs": epochs,
+        **TRAIN_OPTION,
+    }
+    config = out / "hyper-p.json"
+    config.write_text(json.dumps({"train": {"bin": "seqshard.trainer", "option": option}}, indent=2) + "\n")
+    print(f"config: {config} (train.option: large_dataset, trset, devset, tokenizer, loader and trainer keys)")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    command += ["-m", "seqshard.trainer", "--config", str(config), "--out", str(out / "train")]
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    started = time.perf_counter()
+    finished = False
+    with subprocess.Popen(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as run:
+        assert run.stdout is not None
+        for line in run.stdout:  # shown as it comes (torchrun's own notices left out)
+            if not line.startswith(("W1", "I1", "*****")):
+                print("  " + line.rstrip(), flush=True)
+                finished = finished or line.startswith("finished:")
+    finished = finished and run.returncode == 0
+    print(f"trained in {time.perf_counter() - started:.1f} s" if finished else f"training FAILED ({run.returncode})")
+    return finished
