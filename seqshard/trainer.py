@@ -15,12 +15,12 @@ one process.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import math
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import TRAINER_KEYS, build_loaders
+from .errors import SeqshardError
 from .progress import Progress
 
 
@@ -125,17 +126,27 @@ def init_distributed(cuda: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Train; then leave the process at once (see the comment at the end)."""
     args = parse_args(argv)
     cuda = torch.cuda.is_available()
     torch.set_flush_denormal(True)  # on CPU, denormal values in a training LSTM slowed steps 5x
     init_distributed(cuda)
     try:
-        return train(args, cuda)
-    finally:
-        # Free what still holds the process group (DDP's reducer, the loader's workers) while
-        # the interpreter is whole: gloo's threads torn down at interpreter exit can abort.
-        gc.collect()
-        dist.destroy_process_group()
+        code = train(args, cuda)
+        dist.barrier()  # every rank is past its last collective
+    except SeqshardError as error:
+        print(f"error: {error}", file=sys.stderr)
+        code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without tearing gloo down: destroying the process group, or the interpreter's own
+    # teardown, aborted a rank now and then after training had finished ("terminate called
+    # without an active exception", SIGABRT) on a loaded machine. Checkpoints and the steps
+    # file are complete by now; DataLoader workers notice their parent is gone and exit.
+    os._exit(code)
 
 
 def load_settings(args: argparse.Namespace, rank: int) -> dict[str, Any]:
