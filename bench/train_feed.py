@@ -31,15 +31,12 @@ sys.path.insert(0, str(ROOT))
 
 def train_epoch(model, optimizer, ctc, batches, device) -> dict:
     """Train over ``batches`` (an iterable); timings of waiting and of whole steps."""
+    from seqshard.trainer import timed
+
     waited = total = 0.0
     steps = utts = 0
-    iterator = iter(batches)
-    while True:
+    for batch, wait in timed(batches):
         started = time.perf_counter()
-        batch = next(iterator, None)
-        if batch is None:
-            break
-        got = time.perf_counter()
         feats = batch["feats"].to(device, non_blocking=True)
         log_probs, lengths = model(feats, batch["feat_lens"].to(device))
         loss = ctc(log_probs.transpose(0, 1), batch["labels"].to(device), lengths, batch["label_lens"].to(device))
@@ -48,8 +45,8 @@ def train_epoch(model, optimizer, ctc, batches, device) -> dict:
         optimizer.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        waited += got - started
-        total += time.perf_counter() - started
+        waited += wait
+        total += wait + time.perf_counter() - started
         steps += 1
         utts += len(batch["keys"])
     return {"steps": steps, "utts": utts, "seconds": total, "wait": waited}

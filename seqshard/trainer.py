@@ -21,6 +21,7 @@ import os
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,17 @@ class SmallCTC(nn.Module):
         hidden = self.subsample(self.normalise(feats).transpose(1, 2)).transpose(1, 2)
         hidden, _ = self.lstm(hidden)
         return self.output(hidden).log_softmax(-1), (lengths + 3) // 4
+
+
+def timed(batches: Any) -> Iterator[tuple[Any, float]]:
+    """Each batch of ``batches`` with the seconds spent waiting for it."""
+    iterator = iter(batches)
+    while True:
+        started = time.perf_counter()
+        batch = next(iterator, None)
+        if batch is None:
+            return
+        yield batch, time.perf_counter() - started
 
 
 class FeedMeter:
@@ -246,13 +258,8 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         planned = loader.planned_utts() if hasattr(loader, "planned_utts") else None
         with Progress(rank == 0 and planned is not None, interval=30) as bars:
             advance = bars.bar(f"epoch {epoch}", planned or 0, unit="utt")
-            batches = iter(loader)
-            while True:
-                started = time.perf_counter()
-                batch = next(batches, None)
-                if batch is None:
-                    break
-                waited = time.perf_counter() - started
+            for batch, waited in timed(loader):
+                started = time.perf_counter() - waited
                 model.train()
                 loss = loss_of(batch)
                 optimizer.zero_grad()

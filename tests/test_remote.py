@@ -156,7 +156,7 @@ def _read_through_cache(url, cache, barrier):
     access = RemoteAccess(cache=ShardCache(cache))
     remote.use(access)
     barrier.wait()
-    access.cache.get(url, access)
+    access.local_copy(url)
 
 
 def test_two_processes_do_not_fetch_one_shard_twice(packed, tmp_path):

@@ -22,14 +22,11 @@ import os
 import re
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 from ..errors import ConfigError, ShardError
-
-if TYPE_CHECKING:
-    from .remote import RemoteAccess
 
 _LOG = logging.getLogger("seqshard")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
@@ -62,10 +59,13 @@ class ShardCache:
         digest = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
         return self.root / f"{digest}-{url.rstrip('/').rsplit('/', 1)[-1]}"
 
-    def get(self, url: str, access: RemoteAccess) -> Path:
-        """The local copy of ``url``, fetched (once per machine at a time) when absent or damaged."""
+    def get(
+        self, url: str, expected: tuple[int, str | None] | None, open_source: Callable[[], Any], chunk_bytes: int
+    ) -> Path:
+        """The local copy of ``url``, fetched (once per machine at a time) when absent or
+        damaged; ``expected``: its (bytes, checksum) from the index, if known; ``open_source()``
+        gives a byte source over the remote object (``read(n)``, ``close()``)."""
         final = self.path_for(url)
-        expected = access.expected.get(url)
         if self._usable(final, expected):
             return self._touch(final)
         with self._locked(final.name):
@@ -76,7 +76,7 @@ class ShardCache:
                 final.unlink()
             for stale in self.root.glob(final.name + ".part-*"):  # left by a killed process
                 stale.unlink(missing_ok=True)
-            self._fetch(url, final, access, expected)
+            self._fetch(url, final, open_source(), chunk_bytes, expected)
         return final
 
     def _usable(self, path: Path, expected: tuple[int, str | None] | None) -> bool:
@@ -116,16 +116,15 @@ class ShardCache:
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
 
-    def _fetch(self, url: str, final: Path, access: RemoteAccess, expected: tuple[int, str | None] | None) -> None:
-        from .remote import RemoteBytes
-
+    def _fetch(
+        self, url: str, final: Path, source: Any, chunk_bytes: int, expected: tuple[int, str | None] | None
+    ) -> None:
         partial = final.with_name(f"{final.name}.part-{os.getpid()}")
-        source = RemoteBytes(url, access)
         crc = 0
         try:
             with open(partial, "wb") as out:
                 while True:
-                    data = source.read(access.chunk_bytes)
+                    data = source.read(chunk_bytes)
                     if not data:
                         break
                     out.write(data)

@@ -29,6 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError, ShardError, option
@@ -166,16 +167,18 @@ class RemoteAccess:
         return sorted(m if "://" in m else f"{protocol}://{m}" for m in found)
 
     # -- reading -------------------------------------------------------------------------
+    def local_copy(self, url: str) -> Path | None:
+        """The cached copy of ``url`` (fetched now if needed), or None without a cache."""
+        if self.cache is None or is_pipe(url):
+            return None
+        return self.cache.get(url, self.expected.get(url), lambda: RemoteBytes(url, self), self.chunk_bytes)
+
     def open_bytes(self, url: str) -> Any:
-        """A byte source over ``url`` for the tar reader: a command's output, the cached
-        file, or ranged reads."""
+        """A byte source over ``url`` read from the network: a command's output, or ranged
+        reads (a cached copy is read by the tar reader as a local file: :meth:`local_copy`)."""
         if is_pipe(url):
             check_pipes_allowed(url, self.allow_pipes)
             return PipeBytes(url)
-        if self.cache is not None:
-            from .tar import _MappedBytes
-
-            return _MappedBytes(str(self.cache.get(url, self)), read_ahead=True)
         return RemoteBytes(url, self)
 
     def prefetch(self, url: str) -> None:
@@ -183,7 +186,7 @@ class RemoteAccess:
         if is_pipe(url):
             return
         if self.cache is not None:
-            _pool().submit(_quietly, self.cache.get, url, self)
+            _pool().submit(_quietly, self.local_copy, url)
         else:
             _early_chunks(self, url)
 

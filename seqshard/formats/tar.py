@@ -381,10 +381,14 @@ class _FileOver:
 
 def _open_for_reading(path: str, read_ahead: bool) -> Any:
     if is_remote(path):
-        source = current_remote().open_bytes(path)
-        if path.endswith((".gz", ".tgz")):
-            return _StreamedBytes(gzip.GzipFile(fileobj=_FileOver(source), mode="rb"))  # type: ignore[arg-type]
-        return source
+        local = current_remote().local_copy(path)
+        if local is not None:
+            path = str(local)  # read like any local shard
+        else:
+            source = current_remote().open_bytes(path)
+            if path.endswith((".gz", ".tgz")):
+                return _StreamedBytes(gzip.GzipFile(fileobj=_FileOver(source), mode="rb"))  # type: ignore[arg-type]
+            return source
     try:
         if path.endswith((".gz", ".tgz")):
             return _StreamedBytes(gzip.open(path, "rb"))  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -23,12 +23,8 @@ from ..errors import ConfigError
 from ..formats.patterns import Patterns
 from ..mix import Mux, flatten, next_block
 from .base import SEED_PLAN, Stage, State, merge_counts, stage_rng
-from .passes import Passes
 from .sample import Sample
 from .shards import Plan, ShardTable, Unit, spread_units
-
-if TYPE_CHECKING:
-    from .setup import WorkerSetup
 
 SEED_MIX = 14
 
@@ -96,15 +92,15 @@ def _name(leaf: Any) -> str:
     return str(leaf)
 
 
-def source_plan(table: ShardTable, mix: MixSetup, source: int, number: int, setup: WorkerSetup) -> Plan:
-    """Pass ``number`` of ``source``: its shards in a seeded order, spread over all readers."""
+def source_plan(table: ShardTable, mix: MixSetup, source: int, number: int, config: Any, world_size: int) -> Plan:
+    """Pass ``number`` of ``source``: its shards in a seeded order, spread over all readers
+    (``config``: the loader's options; ``world_size`` ranks of ``max(1, num_workers)`` readers)."""
     start, stop = mix.ranges[source]
     order = np.arange(start, stop)
-    config = setup.config
     if config.shuffle:
         order = start + stage_rng(config.seed, SEED_PLAN, SEED_MIX, source, number).permutation(stop - start)
     units = [Unit(int(i)) for i in order]
-    return spread_units(table, units, setup.world_size, setup.readers_per_rank, config.split_shards)
+    return spread_units(table, units, world_size, max(1, config.num_workers), config.split_shards)
 
 
 class Mix(Stage[Sample]):
@@ -166,27 +162,6 @@ class Mix(Stage[Sample]):
 
     def pending(self) -> list[Any]:
         return [item for stream in self.streams for item in stream.pending()]
-
-
-def mixed_pipeline(setup: WorkerSetup, worker: int, read_ahead: bool = True) -> Stage:
-    """One reader's pipeline over a mix: per source, endless passes of read -> labels ->
-    audio -> transforms -> length filter -> shuffle; then :class:`Mix`; then batching."""
-    from .recipe import Reader
-
-    mix = setup.mix
-    assert mix is not None
-
-    def source_stream(source: int) -> Stage[Sample]:
-        def one_pass(number: int) -> Stage[Sample]:
-            units = source_plan(setup.table, mix, source, number, setup)[setup.rank][worker]
-            reader = Reader(setup, worker, number, units, read_ahead, stream=source)
-            return reader.shuffle(reader.filter_lengths(reader.transforms(reader.audio(reader.labels(reader.read())))))
-
-        return Passes(one_pass)
-
-    streams = [source_stream(source) for source in range(len(mix.names))]
-    batcher = Reader(setup, worker, 0, [], read_ahead)
-    return batcher.batch(Mix(streams, mix.shares, setup.config.seed, setup.rank, worker))
 
 
 def per_source_counts(samples: Sequence[Sample], lengths: Sequence[int], sources: int) -> list[list[int]]:

@@ -22,10 +22,11 @@ from ..formats import remote
 from .base import Stage
 from .batching import Batch, bucket_of
 from .collate import Collator, array_bytes
-from .mixing import mixed_pipeline, per_source_counts
+from .mixing import Mix, per_source_counts, source_plan
 from .passes import Passes
 from .protocol import BatchItem, EndItem, ErrorItem, Item
 from .recipe import Reader, default_recipe
+from .sample import Sample
 from .setup import WorkerSetup
 from .shards import Unit
 from .transfer import ALIGN
@@ -72,6 +73,25 @@ def build_pipeline(
         return Passes(lambda number: recipe(Reader(setup, worker, number, setup.units(number, worker), read_ahead)))
     planned = units if units is not None else setup.units(epoch, worker)
     return recipe(Reader(setup, worker, epoch, planned, read_ahead))
+
+
+def mixed_pipeline(setup: WorkerSetup, worker: int, read_ahead: bool = True) -> Stage:
+    """One reader's pipeline over a mix: per source, endless passes of read -> labels ->
+    audio -> transforms -> length filter -> shuffle; then :class:`~.mixing.Mix`; then batching."""
+    mix = setup.mix
+    assert mix is not None
+
+    def source_stream(source: int) -> Stage[Sample]:
+        def one_pass(number: int) -> Stage[Sample]:
+            plan = source_plan(setup.table, mix, source, number, setup.config, setup.world_size)
+            reader = Reader(setup, worker, number, plan[setup.rank][worker], read_ahead, stream=source)
+            return reader.shuffle(reader.filter_lengths(reader.transforms(reader.audio(reader.labels(reader.read())))))
+
+        return Passes(one_pass)
+
+    streams = [source_stream(source) for source in range(len(mix.names))]
+    batcher = Reader(setup, worker, 0, [], read_ahead)
+    return batcher.batch(Mix(streams, mix.shares, setup.config.seed, setup.rank, worker))
 
 
 def iterate_worker(
