@@ -22,6 +22,7 @@ _EXPORTS = {
     "make_token_loader": "seqshard.tokens.loader",
     "TokenLoader": "seqshard.tokens.loader",
     "binarize": "seqshard.prep.binarize",
+    "build_loaders": "seqshard.config",
     "ShardLoader": "seqshard.loader",
     "Sample": "seqshard.pipeline.sample",
     "Stage": "seqshard.pipeline.base",
@@ -44,10 +45,14 @@ _EXPORTS = {
     "StateMismatchError": "seqshard.errors",
 }
 
+_MODULES = ("config", "trainer", "testing")  # seqshard.config.build_loaders(...) after `import seqshard`
+
 __all__ = [*_EXPORTS, "__version__"]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MODULES:
+        return importlib.import_module(f"seqshard.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'seqshard' has no attribute {name!r}")
