@@ -156,7 +156,7 @@ def _read_through_cache(url, cache, barrier):
     access = RemoteAccess(cache=ShardCache(cache))
     remote.use(access)
     barrier.wait()
-    access.local_copy(url)
+    access.cached_copy(url).close()
 
 
 def test_two_processes_do_not_fetch_one_shard_twice(packed, tmp_path):
@@ -250,3 +250,35 @@ def test_pipe_sources_run_only_when_allowed(packed, tmp_path):
     failing = make_loader(f"pipe:head -c 3000 {packed}/{names[0]}; exit 3", num_workers=0, allow_pipes=True, **OPTIONS)
     with pytest.raises(ShardError, match="exited with status 3"):
         keys_of(failing)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_tight_cache_limit_loses_nothing(packed, tmp_path, num_workers):
+    """Readers fetch, prefetch and evict concurrently; a copy evicted before its reader read
+    it must still be read (it was opened first)."""
+    size = max(p.stat().st_size for p in packed.glob("data-*.tar"))
+    with ShardServer(packed.parent) as server:
+        url = f"{server.url}/shards/"
+        tight = make_loader(
+            url, num_workers=num_workers, cache_dir=str(tmp_path / "c"), cache_limit=size + 10, **OPTIONS
+        )
+        for epoch in range(3):
+            seen = keys_of(tight, epoch)
+            assert len(seen) == len(set(seen)) == 48 and tight.stats()["damaged_shards"] == 0
+        tiny = make_loader(url, num_workers=0, cache_dir=str(tmp_path / "d"), cache_limit=size // 2, **OPTIONS)
+        with pytest.raises(ConfigError, match="raise cache_limit"):
+            keys_of(tiny)
+
+
+def test_a_shard_changed_on_the_server_since_its_index_is_not_read(packed, tmp_path):
+    names = shard_names(packed)
+    copy = tmp_path / "copy"
+    shutil.copytree(packed, copy)
+    (copy / names[2]).write_bytes((copy / names[3]).read_bytes()[:-1024])  # other content, other size
+    with ShardServer(tmp_path) as server:
+        url = f"{server.url}/copy/"
+        with pytest.raises(ShardError, match=rf"{names[2]}.*changed since it was indexed"):
+            keys_of(make_loader(url, num_workers=0, **OPTIONS))
+        loader = make_loader(url, num_workers=2, skip_bad=True, max_bad_shards=1, **OPTIONS)
+        seen = keys_of(loader)
+        assert len(seen) == len(set(seen)) == 42 and loader.stats()["damaged_shards"] == 1

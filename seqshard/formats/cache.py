@@ -4,7 +4,9 @@ A shard is fetched whole into ``DIR/NAME.part-PID``, checked against its index's
 CRC-32 while it is written, and renamed to ``DIR/NAME`` only then: a reader never sees a
 half-written file. One process per machine fetches a given shard at a time (an ``flock`` on
 ``DIR/.locks/NAME``); the others wait for it and then read the file it wrote. Using a cached
-file sets its access time, and the least recently used files are removed beyond the limit.
+file sets its access time, and the least recently used files are removed beyond the limit; a
+reader opens its copy before using it, so a copy removed while it is being read stays readable
+until closed (its disk space is freed then). A limit below one shard's size is an error.
 
 A cached file is checked against the index's size every time it is used, and its CRC once:
 ``DIR/.locks/NAME.ok`` records the (inode, size, mtime) of the file whose CRC was checked, so
@@ -24,7 +26,7 @@ import time
 import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import ConfigError, ShardError
 
@@ -59,25 +61,49 @@ class ShardCache:
         digest = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
         return self.root / f"{digest}-{url.rstrip('/').rsplit('/', 1)[-1]}"
 
-    def get(
+    def open(
         self, url: str, expected: tuple[int, str | None] | None, open_source: Callable[[], Any], chunk_bytes: int
-    ) -> Path:
-        """The local copy of ``url``, fetched (once per machine at a time) when absent or
-        damaged; ``expected``: its (bytes, checksum) from the index, if known; ``open_source()``
-        gives a byte source over the remote object (``read(n)``, ``close()``)."""
+    ) -> BinaryIO:
+        """The local copy of ``url``, open for reading (fetched, once per machine at a time,
+        when absent or damaged). Once open it stays readable even if evicted meanwhile.
+        ``expected``: its (bytes, checksum) from the index, if known; ``open_source()`` gives a
+        byte source over the remote object (``read(n)``, ``close()``)."""
+        if expected is not None and self.limit is not None and expected[0] > self.limit:
+            raise ConfigError(
+                f"cache_limit is {self.limit} bytes but {url} alone is {expected[0]}: raise cache_limit above the "
+                "size of a few shards (each reader holds one open and fetches the next)."
+            )
         final = self.path_for(url)
-        if self._usable(final, expected):
-            return self._touch(final)
-        with self._locked(final.name):
-            if self._usable(final, expected):  # another process fetched it while we waited
-                return self._touch(final)
-            if final.exists():
-                _LOG.warning("%s: the cached copy %s is damaged (size or CRC); fetching it again", url, final)
-                final.unlink()
-            for stale in self.root.glob(final.name + ".part-*"):  # left by a killed process
-                stale.unlink(missing_ok=True)
-            self._fetch(url, final, open_source(), chunk_bytes, expected)
-        return final
+        for _ in range(3):  # evicted between the fetch and the open: fetch again
+            opened = self._open_usable(final, expected)
+            if opened is None:
+                with self._locked(final.name):
+                    opened = self._open_usable(final, expected)  # did another process fetch it meanwhile?
+                    if opened is None:
+                        if final.exists():
+                            _LOG.warning(
+                                "%s: the cached copy %s is damaged (size or CRC); fetching it again", url, final
+                            )
+                            final.unlink()
+                        for stale in self.root.glob(final.name + ".part-*"):  # left by a killed process
+                            stale.unlink(missing_ok=True)
+                        self._fetch(url, final, open_source(), chunk_bytes, expected)
+                        opened = self._open_usable(final, expected)
+            if opened is not None:
+                self._touch(final)
+                return opened
+        raise ShardError(url, None, f"its cached copy in {self.root} kept being removed at once: raise cache_limit.")
+
+    def _open_usable(self, path: Path, expected: tuple[int, str | None] | None) -> BinaryIO | None:
+        """``path`` opened, if it is there and matches the index; else None."""
+        try:
+            file = open(path, "rb")  # noqa: SIM115 (returned open)
+        except FileNotFoundError:
+            return None
+        if os.fstat(file.fileno()).st_nlink == 0 or not self._usable(path, expected):
+            file.close()
+            return None
+        return file
 
     def _usable(self, path: Path, expected: tuple[int, str | None] | None) -> bool:
         try:
@@ -135,10 +161,10 @@ class ShardCache:
                     None,
                     f"the fetched copy has CRC crc32:{crc:08x}, its index says {expected[1]} (changed on the server?)",
                 )
+            info = partial.stat()  # the same inode, size and mtime once renamed
             with self._locked(".evict"):  # make room, then appear: the limit holds at every moment
-                self._evict(room=info_size(partial))
+                self._evict(room=info.st_size)
                 os.replace(partial, final)
-            info = final.stat()
             if expected is not None and expected[1] is not None:
                 marker = self.root / ".locks" / f"{final.name}.ok"
                 marker.write_text(f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {expected[1]}")
@@ -162,12 +188,8 @@ class ShardCache:
         for _, size, path in sorted(files):
             if total <= self.limit:
                 break
-            path.unlink(missing_ok=True)  # a reader that has it mapped keeps its pages until it closes
+            path.unlink(missing_ok=True)  # a reader that has it open keeps reading it until it closes
             total -= size
-
-
-def info_size(path: Path) -> int:
-    return path.stat().st_size
 
 
 def _crc_of(path: Path) -> str:

@@ -29,8 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from ..errors import ConfigError, ShardError, option
 
@@ -130,6 +129,10 @@ class RemoteAccess:
             return known[0]
         if is_pipe(url):
             return 0
+        return self.server_size(url)
+
+    def server_size(self, url: str) -> int:
+        """The object's size as the store reports it now."""
         fs, path = self.filesystem(url)
         try:
             return int(self.retrying(url, "asking its size", lambda: fs.size(path)))
@@ -167,15 +170,16 @@ class RemoteAccess:
         return sorted(m if "://" in m else f"{protocol}://{m}" for m in found)
 
     # -- reading -------------------------------------------------------------------------
-    def local_copy(self, url: str) -> Path | None:
-        """The cached copy of ``url`` (fetched now if needed), or None without a cache."""
+    def cached_copy(self, url: str) -> BinaryIO | None:
+        """The cached copy of ``url`` (fetched now if needed), open and marked in use; None
+        without a cache."""
         if self.cache is None or is_pipe(url):
             return None
-        return self.cache.get(url, self.expected.get(url), lambda: RemoteBytes(url, self), self.chunk_bytes)
+        return self.cache.open(url, self.expected.get(url), lambda: RemoteBytes(url, self), self.chunk_bytes)
 
     def open_bytes(self, url: str) -> Any:
         """A byte source over ``url`` read from the network: a command's output, or ranged
-        reads (a cached copy is read by the tar reader as a local file: :meth:`local_copy`)."""
+        reads (a cached copy is read by the tar reader as a local file: :meth:`cached_copy`)."""
         if is_pipe(url):
             check_pipes_allowed(url, self.allow_pipes)
             return PipeBytes(url)
@@ -186,12 +190,13 @@ class RemoteAccess:
         if is_pipe(url):
             return
         if self.cache is not None:
-            _pool().submit(_quietly, self.local_copy, url)
+            _pool().submit(_quietly, lambda: self.cached_copy(url).close())
         else:
             _early_chunks(self, url)
 
 
 def _quietly(function: Any, *args: Any) -> None:
+    """Run ``function`` ignoring its failure."""
     with contextlib.suppress(Exception):  # the reader meets the same failure when it opens the shard, and reports it
         function(*args)
 
@@ -246,6 +251,19 @@ class RemoteBytes:
         self._chunk = access.chunk_bytes
         self._chunks: dict[int, Future] = _EARLY.pop(url, {})
         self._pos = 0
+        # the index's size is used for planning reads; the server's is checked once, alongside
+        # the first chunk, so that a shard replaced since it was indexed is not read as it
+        self._checked: Future | None = _pool().submit(access.server_size, url) if url in access.expected else None
+
+    def _check_size(self) -> None:
+        checked, self._checked = self._checked, None
+        if checked is not None and checked.result() != self.size:
+            raise ShardError(
+                self.path,
+                None,
+                f"the server has {checked.result()} bytes, its index.json says {self.size}: the shard changed since "
+                "it was indexed. Fix: re-index the source and upload the new index.json (or put the shard back).",
+            )
 
     def _future(self, number: int) -> Future:
         if number not in self._chunks:
@@ -269,6 +287,8 @@ class RemoteBytes:
         self._pos += size
 
     def read(self, size: int) -> bytes | memoryview:
+        if self._checked is not None:
+            self._check_size()
         end = min(self._pos + size, self.size)
         if end <= self._pos:
             return b""

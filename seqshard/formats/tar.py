@@ -178,10 +178,10 @@ class _MappedBytes:
     not copies. A chunk is unmapped when the last view into it is gone, so the mapped pages
     a reader keeps are those its buffered samples use."""
 
-    def __init__(self, path: str, read_ahead: bool = True):
+    def __init__(self, path: str, read_ahead: bool = True, file: BinaryIO | None = None):
         self.path = path
         self._read_ahead = read_ahead
-        self._file = open(path, "rb")  # noqa: SIM115 (open until close(): chunks are mapped from it)
+        self._file = file or open(path, "rb")  # noqa: SIM115 (open until close(): chunks are mapped from it)
         self.size = os.fstat(self._file.fileno()).st_size
         self._chunk = memoryview(b"")
         self._chunk_start = self._chunk_end = 0
@@ -381,14 +381,16 @@ class _FileOver:
 
 def _open_for_reading(path: str, read_ahead: bool) -> Any:
     if is_remote(path):
-        local = current_remote().local_copy(path)
-        if local is not None:
-            path = str(local)  # read like any local shard
-        else:
-            source = current_remote().open_bytes(path)
-            if path.endswith((".gz", ".tgz")):
-                return _StreamedBytes(gzip.GzipFile(fileobj=_FileOver(source), mode="rb"))  # type: ignore[arg-type]
-            return source
+        compressed = path.endswith((".gz", ".tgz"))
+        cached = current_remote().cached_copy(path)
+        if cached is not None:  # read like a local shard
+            if compressed:
+                return _StreamedBytes(gzip.GzipFile(fileobj=cached, mode="rb"))  # type: ignore[arg-type]
+            return _MappedBytes(cached.name, read_ahead, file=cached)
+        source = current_remote().open_bytes(path)
+        if compressed:
+            return _StreamedBytes(gzip.GzipFile(fileobj=_FileOver(source), mode="rb"))  # type: ignore[arg-type]
+        return source
     try:
         if path.endswith((".gz", ".tgz")):
             return _StreamedBytes(gzip.open(path, "rb"))  # type: ignore[arg-type]

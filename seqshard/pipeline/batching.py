@@ -174,21 +174,14 @@ class SortBatch(WindowStage[Batch]):
         super().reset(state)
 
     def arrange(self, items: list[Sample], number: int, fresh: bool) -> list[Batch]:
-        # A window of a mixed stream can hold several passes of a small source: the n-th copy
-        # of a key in the window is sorted with the other n-th copies, so copies never sort
-        # next to each other (without copies this is the plain length sort).
-        copies: dict[str, int] = {}
-        ranked = []
-        for i, sample in enumerate(items):
-            copy = copies.get(sample.key, 0)
-            copies[sample.key] = copy + 1
-            ranked.append((copy, self.length(sample), sample.key, i))
-        measured = sorted(ranked)
-        lengths = [length for _, length, _, _ in measured]
-        indices, oversize = cut_batches(lengths, self.cost, [key for _, _, key, _ in measured])
-        batches = [Batch([items[measured[i][3]] for i in batch], [lengths[i] for i in batch]) for batch in indices]
+        measured = sorted(((self.length(s), s.key, i) for i, s in enumerate(items)))
+        lengths = [length for length, _, _ in measured]
+        # A window of a mixed stream can hold several passes of a small source: copies of one
+        # utterance sort next to each other, and cut_batches keeps them in different batches.
+        indices, oversize = cut_batches(lengths, self.cost, [key for _, key, _ in measured])
+        batches = [Batch([items[measured[i][2]] for i in batch], [lengths[i] for i in batch]) for batch in indices]
         if self.oversize == "alone":
-            batches.extend(Batch([items[measured[i][3]]], [lengths[i]]) for i in oversize)
+            batches.extend(Batch([items[measured[i][2]]], [lengths[i]]) for i in oversize)
         elif fresh and oversize:  # a restored window was counted when first formed
             self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + len(oversize)
         if self.shuffle:
