@@ -47,38 +47,15 @@ TRAINER_KEYS: dict[str, tuple[Any, tuple[str, ...], str]] = {
     "hidden": (256, ("int",), "model width"),
     "layers": (2, ("int",), "LSTM layers of the model"),
 }
-NOT_FROM_FILES = ("recipe", "transforms")  # Python objects: give them to make_loader directly
-SHARD_ONLY = (
-    "batch_frames",
-    "quadratic_frames",
-    "sort_window",
-    "shuffle_window",
-    "interleave",
-    "split_shards",
-    "oversize",
-    "uneven",
-    "epoch_steps",
-    "epoch_hours",
-    "epoch_source",
-    "bucket_sync",
-    "num_buckets",
-    "fields",
-    "feature_field",
-    "skip_bad",
-    "max_bad_shards",
-    "storage_options",
-    "cache_dir",
-    "cache_limit",
-    "remote_retries",
-    "remote_timeout",
-    "allow_pipes",
-    "min_frames",
-    "max_frames",
-    "max_tokens",
-    "min_frames_per_token",
-    "max_frames_per_token",
-    "shared_slots",
-)
+NOT_FROM_FILES = ("recipe", "transforms")
+MAP_STYLE_KEYS = (
+    "batch_size",
+    "shuffle",
+    "seed",
+    "num_workers",
+    "split",
+    "strip_spaces",
+)  # large_dataset: false  # Python objects: give them to make_loader directly
 
 
 @dataclass
@@ -139,6 +116,11 @@ def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
             raise ConfigError(f"{where}: train.option.{key} is required ({DATA_KEYS[key][2]}).")
         config.data[key] = option.get(key, default)
     config.trainer = {key: option.get(key, default) for key, (default, _, _) in TRAINER_KEYS.items()}
+    for key, value in config.trainer.items():
+        if (value <= 0 and key != "warmup_steps") or value < 0:
+            raise ConfigError(f"{where}: train.option.{key} must be > 0, got {value}.")
+    if config.data["dev_batch_size"] < 1:
+        raise ConfigError(f"{where}: train.option.dev_batch_size must be >= 1, got {config.data['dev_batch_size']}.")
     config.loader = {key: option[key] for key in loaders if key in option}
     for key in ("fields", "speed_perturb", "noise_snr"):
         if isinstance(config.loader.get(key), list):
@@ -147,15 +129,26 @@ def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
         options = dict(config.loader)
         if "batch_size" not in options and "batch_frames" not in options:
             options["batch_frames"] = 20000  # make_loader's default
+        if isinstance(config.data["trset"], dict):  # a mix: make_loader runs it as an endless stream
+            _patterns(where, config.data["trset"])
+            if all(options.get(n) is None for n in ("epoch_steps", "epoch_hours", "epoch_source")):
+                raise ConfigError(
+                    f"{where}: train.option.trset is a mix, which never runs out: give epoch_steps, epoch_hours or "
+                    "epoch_source (one pass's worth of one source)."
+                )
+            options["uneven"] = "repeat"
         try:
             LoaderConfig(**options)
         except ConfigError as error:
             raise ConfigError(f"{where}: train.option: {error}") from None
-    elif "batch_frames" in config.loader:
-        raise ConfigError(
-            f"{where}: train.option.batch_frames is for shards (large_dataset: true); the map-style loader over "
-            "feats.scp batches by batch_size."
-        )
+    else:
+        unused = sorted(set(config.loader) - set(MAP_STYLE_KEYS))
+        if unused:
+            state = "false" if "large_dataset" in option else "not set (false)"
+            raise ConfigError(
+                f"{where}: train.option.{unused[0]} is for shards, and large_dataset is {state}: the map-style loader "
+                f"over feats.scp takes only {', '.join(MAP_STYLE_KEYS)}. Set large_dataset: true to read shards."
+            )
     return config
 
 
@@ -177,9 +170,6 @@ def build_loaders(
             **config.loader,
         )
     else:
-        unused = sorted(k for k in config.loader if k in SHARD_ONLY)
-        if unused:
-            _LOG.info("large_dataset is false: %s apply to shards only and are not used", ", ".join(unused))
         feats, text = _kaldi_dir(config.source, "trset", data["trset"])
         train = MapStyleLoader(
             feats,
@@ -201,6 +191,16 @@ def _dev_loader(config: TrainConfig, rank: int | None, world_size: int | None) -
     devset = config.data["devset"]
     if devset is None:
         return None
+    if (
+        not isinstance(devset, dict)
+        and "://" not in devset
+        and not Path(devset).exists()
+        and not any(c in devset for c in "*?[{")
+    ):
+        raise ConfigError(
+            f"{config.source}: train.option.devset = {devset!r} does not exist (from {Path.cwd()}): a Kaldi data dir "
+            'with feats.scp, {"feats": ..., "text": ...}, or shards.'
+        )
     if isinstance(devset, dict) or (Path(devset) / "feats.scp").is_file():
         feats, text = _kaldi_dir(config.source, "devset", devset)
         return MapStyleLoader(
@@ -318,7 +318,7 @@ def explain(source: str | Path | dict[str, Any]) -> str:
         value = config.loader.get(key, default)
         if key == "batch_frames" and "batch_size" not in config.loader and value is None:
             value = 20000 if config.data["large_dataset"] else None
-        note = "not used (shards only)" if not config.data["large_dataset"] and key in SHARD_ONLY else ""
+        note = "not used (shards only)" if not config.data["large_dataset"] and key not in MAP_STYLE_KEYS else ""
         row(key, value, note)
     lines += ["", "trainer (seqshard.trainer)"]
     for key, (_, _, meaning) in TRAINER_KEYS.items():

@@ -91,8 +91,6 @@ def make_loader(
         if options.get(name) is not None and not isinstance(options[name], str):
             options[name] = tuple(options[name])
     check_transforms(options.get("transforms", ()))
-    access = remote_access(options)
-    remote.use(access)
     mix = None
     if isinstance(patterns, Mux):
         if options.get("uneven", "repeat") != "repeat":
@@ -105,11 +103,13 @@ def make_loader(
             raise ConfigError(
                 "a mux never runs out: give epoch_steps, epoch_hours or epoch_source (one pass's worth of one source)."
             )
-        table, mix = mixed_table(patterns)
     elif options.get("epoch_source") is not None:
         raise ConfigError("epoch_source is for mixed sources (make_loader(seqshard.mux([...]), ...)).")
     config = LoaderConfig(**options)
-    if mix is None:
+    remote.use(remote_access(options))
+    if isinstance(patterns, Mux):
+        table, mix = mixed_table(patterns)
+    else:
         table = ShardTable.from_patterns(patterns)
     if table.missing:
         if not config.skip_bad:
@@ -316,15 +316,19 @@ class ShardLoader:
 
     # -- stats and the end of an epoch -------------------------------------------------------
     def planned_utts(self) -> int | None:
-        """Utterances this rank's plan holds for the current epoch (for progress bars); None
-        when unknown (shards without an index, streams that go on across epochs)."""
+        """Utterances this rank's plan holds for the current epoch, less those a loaded state
+        had already handed out (for progress bars); None when unknown (shards without an
+        index, streams that go on across epochs)."""
         if self._end.continues_stream or self.mix is not None:
             return None
         counts = [
             planned_utts(self.table, self._setup.units(self._epoch, worker))
             for worker in range(self._setup.readers_per_rank)
         ]
-        return None if any(c is None for c in counts) else sum(counts)  # type: ignore[misc]
+        if any(c is None for c in counts):
+            return None
+        done = self._resume.utts if self._resume is not None and self._resume.epoch == self._epoch else 0
+        return max(0, sum(counts) - done)  # type: ignore[arg-type]
 
     def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
         """This rank's progress in the current epoch: utterances (and per second), steps,

@@ -48,15 +48,18 @@ def test_large_dataset_gives_make_loader_with_the_same_options(corpus, tmp_path)
 
 
 def test_large_dataset_false_gives_the_map_style_loader_over_feats_scp(corpus):
-    config = hyper(corpus, large_dataset=False, trset=str(corpus["train"].root), batch_size=4, num_workers=0,
-                   shuffle_window=10)  # fmt: skip
+    config = hyper(corpus, large_dataset=False, trset=str(corpus["train"].root), batch_size=4, num_workers=0)
     train, _ = build_loaders(config)
     first, second = keys(train, 0), keys(train, 1)
     assert sorted(first) == sorted(corpus["train"].keys) and first != second  # shuffled per epoch
     batch = next(iter(train))
     assert batch["feats"].shape[0] == 4 and batch["labels"].shape[0] == 4
-    with pytest.raises(ConfigError, match="batch_frames is for shards"):
+    with pytest.raises(ConfigError, match="batch_frames is for shards, and large_dataset is false"):
         load_config(hyper(corpus, large_dataset=False, trset=str(corpus["train"].root), batch_frames=1000))
+    with pytest.raises(ConfigError, match="epoch_steps is for shards, and large_dataset is not set"):
+        unset = hyper(corpus, trset=str(corpus["train"].root), batch_size=4, epoch_steps=3)
+        del unset["train"]["option"]["large_dataset"]
+        load_config(unset)
     with pytest.raises(ConfigError, match="not a Kaldi data dir"):
         build_loaders(hyper(corpus, large_dataset=False, batch_size=4))
 
@@ -73,13 +76,18 @@ def test_dev_sets_in_file_order_from_a_data_dir_or_shards(corpus):
 
 
 def test_a_mix_in_trset(corpus):
+    by_source = {"mux": [f"{corpus['root']}/shards", f"{corpus['root']}/dev-shards"], "weights": [1, 1]}
+    train, _ = build_loaders(hyper(corpus, trset=by_source, batch_size=4, num_workers=0, epoch_source=1))
+    assert sum(k.startswith("dev") for k in keys(train)) >= 8  # an epoch: one pass's worth of the dev shards
     trset = {"mux": [f"{corpus['root']}/shards", f"{corpus['root']}/dev-shards"], "weights": [0.5, 0.5]}
     small = dict(shuffle_window=8, sort_window=8, interleave=2)
     train, _ = build_loaders(hyper(corpus, trset=trset, batch_size=4, num_workers=0, epoch_steps=50, **small))
     seen = keys(train)
     assert len(seen) >= 180 and abs(sum(k.startswith("dev") for k in seen) / len(seen) - 0.5) <= 0.05
     with pytest.raises(ConfigError, match="is a mix"):
-        build_loaders(hyper(corpus, trset={"sources": ["a"]}, batch_size=4))
+        build_loaders(hyper(corpus, trset={"sources": ["a"]}, batch_size=4, epoch_steps=3))
+    with pytest.raises(ConfigError, match="trset is a mix, which never runs out"):
+        load_config(hyper(corpus, trset=by_source, batch_size=4))
 
 
 @pytest.mark.parametrize(
@@ -94,6 +102,10 @@ def test_a_mix_in_trset(corpus):
         ({"epochs": 2.5}, r"train\.option\.epochs must be a whole number"),
         ({"lr": "fast"}, r"train\.option\.lr must be a number"),
         ({"large_dataset": "true"}, r"train\.option\.large_dataset must be true or false"),
+        ({"epochs": -1}, r"train\.option\.epochs must be > 0"),
+        ({"remote_timeout": 0}, r"remote_timeout must be a number of seconds > 0"),
+        ({"remote_retries": -1}, r"remote_retries must be a whole number >= 0"),
+        ({"storage_options": "anon"}, r"train\.option\.storage_options must be an object or null"),
     ],
 )
 def test_wrong_keys_and_types_are_named(corpus, option, message):
@@ -114,6 +126,8 @@ def test_structure_errors(corpus, tmp_path):
         load_config(bad)
     with pytest.raises(ConfigError, match="no such config file"):
         load_config(tmp_path / "absent.json")
+    with pytest.raises(ConfigError, match=r"devset = .* does not exist"):
+        build_loaders(hyper(corpus, batch_size=4, devset=str(tmp_path / "nodev")))
 
 
 def test_explain_marks_what_is_set_and_what_is_default(corpus, tmp_path, capsys):
@@ -121,7 +135,7 @@ def test_explain_marks_what_is_set_and_what_is_default(corpus, tmp_path, capsys)
     assert "batch_size             4" in text and "(set)" in text
     assert "shuffle_window         3000" in text and "epochs                 5" in text
     assert "lr                     0.001" in text
-    map_style = explain(hyper(corpus, large_dataset=False, trset="x", batch_size=4, shuffle_window=10))
+    map_style = explain(hyper(corpus, large_dataset=False, trset="x", batch_size=4))
     assert "not used (shards only)" in map_style
     path = tmp_path / "hyper-p.json"
     path.write_text(json.dumps(hyper(corpus, batch_size=4)))

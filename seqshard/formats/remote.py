@@ -107,6 +107,8 @@ class RemoteAccess:
                 return call()
             except FileNotFoundError:
                 raise
+            except TypeError as error:  # options the backend does not take: no retry mends that
+                raise ConfigError(f"{url}: {what} failed: {error}. Check storage_options.") from None
             except Exception as error:
                 status = getattr(error, "status", None) or getattr(error, "code", None)
                 if status == 404:
@@ -114,7 +116,11 @@ class RemoteAccess:
                 last = attempt == self.retries or status in NOT_RETRIED
                 if last:
                     raise ShardError(
-                        url, None, f"{what} failed after {attempt + 1} attempt(s): {_describe(error)}"
+                        url,
+                        None,
+                        f"{what} failed after {attempt + 1} attempt(s): {_describe(error)}. Fix: check the host, port "
+                        f"and path, and the credentials; a slow or flaky store may need {option('remote_retries', 8)} "
+                        f"or {option('remote_timeout', 120)}; {option('skip_bad')} skips such shards (counted).",
                     ) from None
                 wait = self.backoff_s * 2**attempt * random.uniform(0.5, 1.5)
                 _LOG.info("%s: %s failed (%s); retrying in %.2f s", url, what, _describe(error), wait)

@@ -141,6 +141,16 @@ class LoaderConfig:
             raise ConfigError(
                 f"max_bad_shards must be a fraction of the shards (< 1) or a count (>= 1), got {self.max_bad_shards!r}."
             )
+        if isinstance(self.remote_retries, bool) or not isinstance(self.remote_retries, int) or self.remote_retries < 0:
+            raise ConfigError(f"remote_retries must be a whole number >= 0, got {self.remote_retries!r}.")
+        if isinstance(self.remote_timeout, bool) or not (
+            isinstance(self.remote_timeout, (int, float)) and self.remote_timeout > 0
+        ):
+            raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {self.remote_timeout!r}.")
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ConfigError(
+                f"storage_options must be a dict of fsspec options (e.g. {{'anon': True}}), got {self.storage_options!r}."
+            )
         if self.cache_limit is not None and self.cache_dir is None:
             raise ConfigError("cache_limit needs cache_dir (where remote shards are kept).")
 
