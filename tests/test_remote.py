@@ -247,7 +247,12 @@ def test_pipe_sources_run_only_when_allowed(packed, tmp_path):
         loader = make_loader(pattern, num_workers=workers, allow_pipes=True, **OPTIONS)
         assert sorted(keys_of(loader)) == expected
     assert marker.exists()
-    failing = make_loader(f"pipe:head -c 3000 {packed}/{names[0]}; exit 3", num_workers=0, allow_pipes=True, **OPTIONS)
+    with pytest.raises(ConfigError, match="exited with status 3"):
+        make_loader(f"pipe:head -c 3000 {packed}/{names[0]}; exit 3", num_workers=0, allow_pipes=True, **OPTIONS)
+    half = (packed / names[0]).stat().st_size // 2
+    failing = make_loader(
+        f"pipe:head -c {half} {packed}/{names[0]}; exit 3", num_workers=0, allow_pipes=True, **OPTIONS
+    )
     with pytest.raises(ShardError, match="exited with status 3"):
         keys_of(failing)
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, SeqshardError
 from ..formats.index import bin_bounds, histogram_percentile
 from ..formats.remote import RemoteAccess
 from .audio import AudioOptions
@@ -141,6 +141,11 @@ def make_setup(
         )
     features = "feats" if audio.features == "fbank" else fields.features
     length = _measure(features, fields.audio, tokenizer is not None)
+    if not any(suffixes for _, suffixes in table.field_sets):
+        raise ConfigError(
+            f"no sample could be read from the first shard of each folder ({_first_problem(table.shards[0].path)}): "
+            "not tar shards, or damaged? `seqshard verify PATTERN` names what is wrong with each."
+        )
     if config.batch_frames is not None and length.unit != "frames":
         raise ConfigError(
             "batch_frames counts frames of the feature field (or 10 ms of audio), which these shards or fields= "
@@ -176,3 +181,15 @@ def _measure(features: str | None, audio: str | None, tokens: bool) -> Measure:
     if audio is not None:
         return Duration("audio")
     return Length("tokens", "tokens") if tokens else Length(None, "samples")
+
+
+def _first_problem(path: str) -> str:
+    """Why the first sample of ``path`` cannot be read (for a message)."""
+    from ..formats.streams import open_samples
+
+    try:
+        with open_samples(path, read_data=False) as stream:
+            stream.next_sample()
+    except SeqshardError as error:
+        return str(error)
+    return f"{path} holds no sample"
