@@ -375,6 +375,10 @@ class MapStyleLoader:
     def __len__(self) -> int:
         return len(self._loader)
 
+    def planned_utts(self) -> int:
+        """Utterances this rank reads in an epoch."""
+        return len(self.sampler)
+
     def __iter__(self):
         self._utts = 0
         for batch in self._loader:

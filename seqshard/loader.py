@@ -315,6 +315,11 @@ class ShardLoader:
         return item
 
     # -- stats and the end of an epoch -------------------------------------------------------
+    @property
+    def dim(self) -> int | None:
+        """The feature dimension the index records (None for shards without features)."""
+        return self.table.dim
+
     def planned_utts(self) -> int | None:
         """Utterances this rank's plan holds for the current epoch, less those a loaded state
         had already handed out (for progress bars); None when unknown (shards without an

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import TRAINER_KEYS, build_loaders
+from .config import build_loaders, load_config
 from .errors import SeqshardError
 from .progress import Progress
 
@@ -197,7 +197,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     checkpoint_path = args.out / "ckpt.pt"
     config = load_settings(args, rank)
     loader, dev = build_loaders(config)
-    settings = {k: config["train"]["option"].get(k, default) for k, (default, _, _) in TRAINER_KEYS.items()}
+    settings = load_config(config).trainer
     checkpoint, epoch, step = None, 0, 0  # epoch: the one to run next; step: optimizer steps done
     if checkpoint_path.exists():
         checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=False)
@@ -210,10 +210,9 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
             return 0
     args.out.mkdir(parents=True, exist_ok=True)
 
-    dim = loader.table.dim if hasattr(loader, "table") else loader.dim
     torch.manual_seed(int(config["train"]["option"].get("seed", 0)))
     model = nn.parallel.DistributedDataParallel(
-        SmallCTC(dim, loader.tokenizer.vocab_size, settings["hidden"], settings["layers"]).to(device),
+        SmallCTC(loader.dim, loader.tokenizer.vocab_size, settings["hidden"], settings["layers"]).to(device),
         device_ids=[device.index] if cuda else None,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=settings["lr"])
@@ -255,7 +254,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     steps_this_run = 0
     while epoch < settings["epochs"]:
         loader.set_epoch(epoch)
-        planned = loader.planned_utts() if hasattr(loader, "planned_utts") else None
+        planned = loader.planned_utts()
         with Progress(rank == 0 and planned is not None, interval=30) as bars:
             advance = bars.bar(f"epoch {epoch}", planned or 0, unit="utt")
             for batch, waited in timed(loader):

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ConfigError, ShardError
+from .files import crc32_of
 
 _LOG = logging.getLogger("seqshard")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
@@ -193,8 +194,5 @@ class ShardCache:
 
 
 def _crc_of(path: Path) -> str:
-    crc = 0
     with open(path, "rb") as file:
-        while block := file.read(8 << 20):
-            crc = zlib.crc32(block, crc)
-    return f"crc32:{crc:08x}"
+        return f"crc32:{crc32_of(file.read)[0]:08x}"

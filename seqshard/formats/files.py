@@ -8,7 +8,8 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Iterator
+import zlib
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -84,3 +85,13 @@ def fsync_directory(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def crc32_of(read: Callable[[int], bytes | memoryview], block: int = 8 << 20) -> tuple[int, int]:
+    """``(crc32, size)`` of what ``read(n)`` gives until it gives nothing (a file's ``read``,
+    a remote byte source's)."""
+    crc = size = 0
+    while chunk := read(block):
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
+    return crc, size

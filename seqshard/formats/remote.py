@@ -27,6 +27,7 @@ import random
 import subprocess
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -231,15 +232,17 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL[1]
 
 
-_EARLY: dict[str, dict[int, Future]] = {}  # first chunks of shards a reader will open next
+EARLY_SHARDS = 4  # shards whose first chunks are kept fetched ahead, per process
+_EARLY: OrderedDict[str, dict[int, Future]] = OrderedDict()  # first chunks of shards readers open next
 
 
 def _early_chunks(access: RemoteAccess, url: str) -> None:
-    if url in _EARLY or len(_EARLY) > 8:
-        return
     size = access.expected.get(url, (None, None))[0]
-    if size is None:
+    if url in _EARLY or size is None:
         return
+    while len(_EARLY) >= EARLY_SHARDS:  # one a reader did not open after all (its epoch ended): let it go
+        for future in _EARLY.popitem(last=False)[1].values():
+            future.cancel()
     _EARLY[url] = {
         k: _pool().submit(access.fetch, url, k * access.chunk_bytes, min(size, (k + 1) * access.chunk_bytes))
         for k in range(min(access.ahead, -(-size // access.chunk_bytes)))

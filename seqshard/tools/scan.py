@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,12 +10,11 @@ from ..errors import ShardError
 from ..formats import remote
 from ..formats.audio import audio_seconds
 from ..formats.fields import AUDIO_EXTENSIONS
+from ..formats.files import crc32_of
 from ..formats.index import ShardEntry, length_bin
 from ..formats.lists import SEGMENT_FIELD
 from ..formats.npy import decode_npy
 from ..formats.streams import open_samples
-
-CHUNK = 8 << 20
 
 
 @dataclass
@@ -35,22 +33,14 @@ class ShardScan:
 
 def file_crc32(path: str | Path) -> tuple[int, int]:
     """``(crc32, size)`` of a file (or a remote shard), read sequentially in large chunks."""
-    crc = 0
-    size = 0
     if remote.is_remote(str(path)):
         source = remote.RemoteBytes(str(path), remote.current())
         try:
-            while chunk := source.read(CHUNK):
-                crc = zlib.crc32(chunk, crc)
-                size += len(chunk)
+            return crc32_of(source.read)
         finally:
             source.close()
-        return crc, size
     with open(path, "rb", buffering=0) as stream:
-        while chunk := stream.read(CHUNK):
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
-    return crc, size
+        return crc32_of(stream.read)
 
 
 def scan_shard(path: str | Path, feature_field: str | None = None) -> ShardScan:
