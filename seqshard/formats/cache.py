@@ -75,25 +75,19 @@ class ShardCache:
                 "size of a few shards (each reader holds one open and fetches the next)."
             )
         final = self.path_for(url)
-        for _ in range(3):  # evicted between the fetch and the open: fetch again
-            opened = self._open_usable(final, expected)
-            if opened is None:
-                with self._locked(final.name):
-                    opened = self._open_usable(final, expected)  # did another process fetch it meanwhile?
-                    if opened is None:
-                        if final.exists():
-                            _LOG.warning(
-                                "%s: the cached copy %s is damaged (size or CRC); fetching it again", url, final
-                            )
-                            final.unlink()
-                        for stale in self.root.glob(final.name + ".part-*"):  # left by a killed process
-                            stale.unlink(missing_ok=True)
-                        self._fetch(url, final, open_source(), chunk_bytes, expected)
-                        opened = self._open_usable(final, expected)
-            if opened is not None:
-                self._touch(final)
-                return opened
-        raise ShardError(url, None, f"its cached copy in {self.root} kept being removed at once: raise cache_limit.")
+        opened = self._open_usable(final, expected)
+        if opened is None:
+            with self._locked(final.name):
+                opened = self._open_usable(final, expected)  # did another process fetch it meanwhile?
+                if opened is None:
+                    if final.exists():
+                        _LOG.warning("%s: the cached copy %s is damaged (size or CRC); fetching it again", url, final)
+                        final.unlink()
+                    for stale in self.root.glob(final.name + ".part-*"):  # left by a killed process
+                        stale.unlink(missing_ok=True)
+                    opened = self._fetch(url, final, open_source(), chunk_bytes, expected)
+        self._touch(final)
+        return opened
 
     def _open_usable(self, path: Path, expected: tuple[int, str | None] | None) -> BinaryIO | None:
         """``path`` opened, if it is there and matches the index; else None."""
@@ -145,7 +139,8 @@ class ShardCache:
 
     def _fetch(
         self, url: str, final: Path, source: Any, chunk_bytes: int, expected: tuple[int, str | None] | None
-    ) -> None:
+    ) -> BinaryIO:
+        """Fetch ``url`` into ``final`` (checked against ``expected``) and return it open."""
         partial = final.with_name(f"{final.name}.part-{os.getpid()}")
         crc = 0
         try:
@@ -163,12 +158,14 @@ class ShardCache:
                     f"the fetched copy has CRC crc32:{crc:08x}, its index says {expected[1]} (changed on the server?)",
                 )
             info = partial.stat()  # the same inode, size and mtime once renamed
-            with self._locked(".evict"):  # make room, then appear: the limit holds at every moment
+            with self._locked(".evict"):  # make room, appear, and be opened before anyone can evict it
                 self._evict(room=info.st_size)
                 os.replace(partial, final)
+                opened = open(final, "rb")  # noqa: SIM115 (returned open)
             if expected is not None and expected[1] is not None:
                 marker = self.root / ".locks" / f"{final.name}.ok"
                 marker.write_text(f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {expected[1]}")
+            return opened
         except OSError as error:
             raise ShardError(url, None, f"cannot write the cache file {partial}: {error.strerror or error}") from None
         finally:
