@@ -106,7 +106,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _index(args: argparse.Namespace) -> int:
     from .tools.reindex import rebuild_index
 
-    for path in rebuild_index(args.folder, jobs=args.jobs, progress=not args.quiet):
+    written = rebuild_index(args.folder, jobs=args.jobs, progress=not args.quiet, move_sidecars=args.move_sidecars)
+    for path in written:
         print(f"wrote {path}")
     return 0
 
@@ -297,6 +298,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     index.add_argument("folder", help="the folder (its sub-folders with shards are indexed too)")
     index.add_argument("--jobs", type=int, default=1, help="processes reading shards")
+    index.add_argument(
+        "--move-sidecars",
+        action="store_true",
+        help="move add-field sidecars of the old layout (data-00042.NAME.tar) to fields/NAME/data-00042.tar",
+    )
     index.add_argument("--quiet", action="store_true", help="no progress bars")
     index.set_defaults(run=_index)
 

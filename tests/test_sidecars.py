@@ -55,7 +55,7 @@ def test_fields_from_an_scp_a_text_file_and_json_lines_come_with_the_batches(wit
     packed, ali = with_fields
     index = ShardIndex.load(packed.out)
     assert sorted(index.field_sets) == ["ali", "meta", "spk"]
-    assert index.shards[0].sidecars["ali"].name == "data-00000.ali.tar"
+    assert index.shards[0].sidecars["ali"].name == "fields/ali/data-00000.tar"
     assert [p.name for p in select_shards(packed.pattern).paths] == [f"data-0000{i}.tar" for i in range(5)]
     for workers in (0, 2):
         loader = make_loader(
@@ -87,14 +87,14 @@ def test_asking_only_for_sidecar_fields_never_opens_the_shards(with_fields, monk
     batches = list(loader)
     assert sorted(k for b in batches for k in b["keys"]) == sorted(packed.data.keys)
     assert sorted(batches[0]) == ["keys", "spk"]
-    assert opened and all(".spk.tar" in p for p in opened)
+    assert opened and all("/fields/spk/" in p for p in opened)
     with pytest.raises(ConfigError, match=r"fields: no field set holds 'speed'.*spk \(spk\)"):
         make_loader(packed.pattern, fields=["speed"])
 
 
 def test_field_files_out_of_step_are_an_error_naming_both_files_and_the_key(with_fields):
     packed, _ = with_fields
-    sidecar = packed.out / "data-00001.spk.tar"
+    sidecar = packed.out / "fields/spk/data-00001.tar"
     with tarfile.open(sidecar) as tar:
         members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
     members[2], members[3] = members[3], members[2]  # two samples swapped in the sidecar
@@ -103,7 +103,7 @@ def test_field_files_out_of_step_are_an_error_naming_both_files_and_the_key(with
             tar.addfile(member, __import__("io").BytesIO(data))
     with pytest.raises(
         ShardError,
-        match=r"data-00001\.spk\.tar at byte \d+: field files disagree: sample 2 is '.*' in .*data-00001\.tar but '.*' here",
+        match=r"fields/spk/data-00001\.tar at byte \d+: field files disagree: sample 2 is '.*' in .*data-00001\.tar but '.*' here",
     ):
         list(make_loader(packed.pattern, fields=["feats", "spk"], batch_size=4, num_workers=0, shuffle=False))
     assert main(["verify", "--quiet", str(packed.out)]) == 1
@@ -180,7 +180,7 @@ def test_add_field_on_the_command_line_index_rebuild_and_foreign_readers(with_fi
     import webdataset as wds
 
     keys = [s["__key__"] for s in wds.WebDataset(str(packed.out / "data-00000.tar"), shardshuffle=False)]
-    with tarfile.open(packed.out / "data-00000.spk.tar") as tar:
+    with tarfile.open(packed.out / "fields/spk/data-00000.tar") as tar:
         names = tar.getnames()
     assert names == [f"{k}.spk.txt" for k in keys]
 

@@ -1,21 +1,31 @@
 """The per-folder shard index (``index.json``): what each shard holds and how to check it.
 
-Per shard: name, utterance count, total frames, byte size, CRC-32 and a histogram of
-utterance lengths (8 log-spaced bins per octave, so percentiles are known to about 4% without
-storing every length). Dataset facts: feature field, dim, dtype, frame shift, and how and when
-the folder was made. The loader plans from it (balanced assignment, epoch length); ``verify``
-checks shards against it.
+Per shard: name, utterance count, total frames, byte size, CRC-32, its first and last key
+(what readers check a file against when they open and finish it: a shard replaced by a copy
+of another is caught) and a histogram of utterance lengths (8 log-spaced bins per octave, so
+percentiles are known to about 4% without storing every length). Dataset facts: feature
+field, dim, dtype, frame shift, and how and when the folder was made. The loader plans from it
+(balanced assignment, epoch length); ``verify`` checks shards against it. Fields added later
+are optional: older readers ignore them and older indexes (without keys) load, unchecked.
 
 Field sets: a shard's members are its main field set; ``seqshard add-field`` adds a field set
-``NAME`` as a sidecar shard beside each shard (``data-00042.tar`` -> ``data-00042.NAME.tar``)
-holding the same keys in the same order. The index lists each field set, with each sidecar's
-size and checksum under its shard's entry (format version 2; version 1 has no field sets).
+``NAME`` as a sidecar shard per shard, ``fields/NAME/data-00042.tar`` for ``data-00042.tar``
+(in a sub-folder, so that no glob of the shards such as ``data-*.tar`` selects it), holding
+the same keys in the same order. Folders made before that have ``data-00042.NAME.tar`` beside
+the shard: still read, and moved by ``seqshard index --move-sidecars``. The index lists each
+field set, with each sidecar's size, checksum and keys under its shard's entry (format
+version 2; version 1 has no field sets).
+
+Names read from data never point outside their folder: loading an index refuses a shard name
+that is not a plain file name and a sidecar name other than the two layouts above
+(:func:`check_name`); writers check the real path too (:func:`check_inside`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +33,7 @@ from typing import Any
 
 from ..errors import SeqshardError
 from .files import write_json_atomic
+from .patterns import FIELD_SET_NAME, FIELDS_DIR, shard_stem
 
 INDEX_NAME = "index.json"
 FORMAT = "seqshard-index"
@@ -31,11 +42,37 @@ BINS_PER_OCTAVE = 8
 
 
 def sidecar_name(shard_name: str, field_set: str) -> str:
-    """The file of field set ``field_set`` beside shard ``shard_name``."""
-    for suffix in (".tar.gz", ".tgz", ".tar"):
-        if shard_name.endswith(suffix):
-            return f"{shard_name[: -len(suffix)]}.{field_set}.tar"
-    return f"{shard_name}.{field_set}.tar"
+    """The file of field set ``field_set`` of shard ``shard_name``, relative to the shard's
+    folder: ``fields/NAME/STEM.tar``."""
+    return f"{FIELDS_DIR}/{field_set}/{shard_stem(shard_name)}.tar"
+
+
+def old_sidecar_name(shard_name: str, field_set: str) -> str:
+    """Where ``add-field`` put that file before: ``STEM.NAME.tar`` beside the shard."""
+    return f"{shard_stem(shard_name)}.{field_set}.tar"
+
+
+def check_name(name: Any, where: str | Path, what: str, fix: str) -> str:
+    """``name``, read from data (an index, a pack's plan), if it is a plain file name: a
+    non-empty string without ``/``, ``\\`` or NUL, other than ``.`` and ``..``, so that it
+    cannot point outside its folder. Else a SeqshardError naming ``where``, ``what`` and ``fix``."""
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in "/\\\0"):
+        raise SeqshardError(
+            f"{where}: {what} is named {name!r}, not a plain file name: it could point outside its folder. {fix}"
+        )
+    return name
+
+
+def check_inside(folder: str | Path, path: str | Path) -> Path:
+    """``path`` if, with every symbolic link resolved, it lies inside ``folder`` (checked
+    before a file is written there); else a SeqshardError naming both."""
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    if os.path.commonpath([real, root]) != root or real == root:
+        raise SeqshardError(
+            f"{path} resolves to {real}, outside {folder}: refusing to write there (a symbolic link inside the "
+            "folder points out of it; replace it with a real folder)."
+        )
+    return Path(path)
 
 
 def length_bin(frames: int) -> int:
@@ -75,15 +112,26 @@ def histogram_percentile(histogram: dict[int, int], q: float) -> float:
 
 @dataclass
 class SidecarEntry:
-    """The file of one field set beside a shard."""
+    """The file of one field set of a shard (``name`` relative to the shard's folder)."""
 
     name: str
     bytes: int
     checksum: str
+    first_key: str | None = None  # None in indexes written before keys were recorded
+    last_key: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> SidecarEntry:
-        return cls(str(entry["name"]), int(entry["bytes"]), str(entry["checksum"]))
+        return cls(
+            str(entry["name"]),
+            int(entry["bytes"]),
+            str(entry["checksum"]),
+            _optional_str(entry.get("first_key")),
+            _optional_str(entry.get("last_key")),
+        )
 
 
 @dataclass
@@ -120,10 +168,13 @@ class ShardEntry:
     min_frames: int | None = None  # exact, for percentiles clamped to the real range
     max_frames: int | None = None
     sidecars: dict[str, SidecarEntry] = field(default_factory=dict)  # field set -> its file
+    first_key: str | None = None  # as stored (escaped keys escaped); None in older indexes
+    last_key: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         entry = asdict(self)
         entry["length_hist"] = {str(k): v for k, v in sorted(self.length_hist.items())}
+        entry["sidecars"] = {name: car.to_json() for name, car in self.sidecars.items()}
         return {k: v for k, v in entry.items() if (v is not None and v != {}) or k == "length_hist"}
 
     @classmethod
@@ -138,11 +189,31 @@ class ShardEntry:
             min_frames=_optional_int(entry.get("min_frames")),
             max_frames=_optional_int(entry.get("max_frames")),
             sidecars={k: SidecarEntry.from_json(v) for k, v in entry.get("sidecars", {}).items()},
+            first_key=_optional_str(entry.get("first_key")),
+            last_key=_optional_str(entry.get("last_key")),
         )
+
+    def check_names(self, where: str | Path, number: int, fix: str) -> None:
+        """Refuse a name that could point outside the folder (see the module docstring):
+        ``where`` is the index file, ``number`` the entry's position in it."""
+        what = f"shard entry {number}"
+        check_name(self.name, where, what, fix)
+        for field_set, car in self.sidecars.items():
+            if not FIELD_SET_NAME.fullmatch(field_set):
+                raise SeqshardError(f"{where}: {what} ({self.name}) has a field set named {field_set!r}. {fix}")
+            if car.name not in (sidecar_name(self.name, field_set), old_sidecar_name(self.name, field_set)):
+                raise SeqshardError(
+                    f"{where}: {what} ({self.name}) puts its field set {field_set!r} in {car.name!r}, not in "
+                    f"{sidecar_name(self.name, field_set)!r} where add-field writes it. {fix}"
+                )
 
 
 def _optional_int(value: Any) -> int | None:
     return None if value is None else int(value)
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value is None else str(value)
 
 
 @dataclass
@@ -228,13 +299,21 @@ class ShardIndex:
         that rebuilds it, for the message when it is not an index)."""
         if not isinstance(data, dict) or data.get("format") != FORMAT or int(data.get("version", 0)) > VERSION:
             raise SeqshardError(f"{where}: not a seqshard index of version <= {VERSION}. Rebuild it with `{rebuild}`.")
+        fix = f"The index was not written by seqshard, or was altered: rebuild it with `{rebuild}`."
+        shards = [ShardEntry.from_json(s) for s in data["shards"]]
+        for number, entry in enumerate(shards):
+            entry.check_names(where, number, fix)
+        field_sets = {k: FieldSet.from_json(v) for k, v in data.get("field_sets", {}).items()}
+        for name in field_sets:
+            if not FIELD_SET_NAME.fullmatch(name):
+                raise SeqshardError(f"{where}: a field set is named {name!r}. {fix}")
         return cls(
-            shards=[ShardEntry.from_json(s) for s in data["shards"]],
+            shards=shards,
             feature=data.get("feature", {}),
             created=data.get("created", ""),
             created_by=data.get("created_by", ""),
             source=data.get("source", {}),
             escaped_keys=bool(data.get("keys", {}).get("escaped", False)),
             fields=[str(f) for f in data.get("fields", [])],
-            field_sets={k: FieldSet.from_json(v) for k, v in data.get("field_sets", {}).items()},
+            field_sets=field_sets,
         )

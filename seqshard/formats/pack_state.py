@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .index import check_name
+
 STATE_DIR = ".seqshard-pack"
 PLANNED_NAME = "planned.json"
 REPORT_NAME = "pack_report.json"
@@ -27,12 +29,20 @@ def pack_root(folder: Path) -> Path | None:
 
 def planned_shards(root: Path) -> dict[str, dict[str, int]] | None:
     """``{group: {shard name: planned utterances}}`` recorded by the pack in ``root``
-    (group ``""`` without length groups), or None when the pack recorded no plan."""
+    (group ``""`` without length groups), or None when the pack recorded no plan. Names that
+    could point outside the folder are refused."""
+    path = root / STATE_DIR / PLANNED_NAME
     try:
-        data = json.loads((root / STATE_DIR / PLANNED_NAME).read_text(encoding="utf-8"))
+        data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return None
-    return {group: {name: int(count) for name, count in shards} for group, shards in data["groups"].items()}
+    fix = "It was not written by seqshard, or was altered: pack again into a new folder."
+    planned: dict[str, dict[str, int]] = {}
+    for group, shards in data["groups"].items():
+        if group:
+            check_name(group, path, "a length group", fix)
+        planned[group] = {check_name(name, path, "a planned shard", fix): int(count) for name, count in shards}
+    return planned
 
 
 def planned_record(groups: dict[str, list[tuple[str, int]]]) -> dict:

@@ -2,9 +2,11 @@
 
 ``data/{10_1000,1000_2000}/data-*.tar`` and ``data/10_1000/data-0000{0..9}.tar`` behave as in
 seed 01's ``trset``: braces expand first (bash-style, with ``{a..b}`` ranges), then each
-alternative is a folder (its shards and its sub-folders' shards), a glob, or a file. This
-module only looks at the file system; :mod:`seqshard.formats.selection` checks the result
-against the folders' indexes and refuses an alternative that selects nothing.
+alternative is a folder (its shards and its sub-folders' shards), a glob, or a file. A
+folder's ``fields/`` sub-folder is not one of its sub-folders of shards: it holds the sidecar
+field files of ``add-field`` (``fields/NAME/data-00042.tar``), read with their shards only.
+This module only looks at the file system; :mod:`seqshard.formats.selection` checks the
+result against the folders' indexes and refuses an alternative that selects nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..errors import ConfigError
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 LIST_SUFFIXES = (".list", ".scp")  # WeNet lists and Kaldi wav.scp, read directly (see formats/lists.py)
 FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
+FIELDS_DIR = "fields"  # FOLDER/fields/NAME/data-00042.tar: field set NAME of FOLDER/data-00042.tar
 
 Patterns = str | Path | Sequence[str | Path]
 
@@ -79,13 +82,13 @@ def _alternative(text: str) -> Alternative:
         folders = [Path(p) for p in sorted(glob.glob(parent))] if glob.has_magic(parent) else [path.parent]
         matches = [Path(p) for p in sorted(glob.glob(text))]
         files = [p for p in matches if is_shard_name(p.name) and p.is_file()]
-        for folder in (p for p in matches if p.is_dir()):  # a folder stands for its shards
+        for folder in (p for p in matches if p.is_dir() and p.name != FIELDS_DIR):  # a folder stands for its shards
             inner = _alternative(str(folder))
             files.extend(inner.files)
             folders.extend(inner.folders)
         return Alternative(text, "glob", files, [f for f in dict.fromkeys(folders) if f.is_dir()])
     if path.is_dir():
-        folders = [path, *sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith("."))]
+        folders = [path, *shard_subfolders(path)]
         return Alternative(text, "folder", [f for folder in folders for f in shards_in_folder(folder)], folders)
     files = [path] if path.is_file() else []
     if files and is_list_name(path.name):
@@ -97,18 +100,46 @@ def _alternative(text: str) -> Alternative:
     return Alternative(text, "file", files, [path.parent])
 
 
-def named_like_sidecar(path: Path) -> bool:
-    """``STEM.NAME.tar`` beside a shard ``STEM.tar``: the layout of ``add-field``'s field files
-    (recognised without an index: a sidecar written before its index entry, by a run that was
-    killed, is still not a shard)."""
+def shard_subfolders(folder: Path) -> list[Path]:
+    """The sub-folders of ``folder`` that may hold shards (length groups), sorted: not hidden
+    ones, and not its ``fields/`` folder of sidecars."""
+    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != FIELDS_DIR)
+
+
+def shard_stem(shard_name: str) -> str:
+    """A shard's name without its tar suffix (``data-00042.tar.gz`` -> ``data-00042``)."""
+    for suffix in SHARD_SUFFIXES:
+        if shard_name.endswith(suffix):
+            return shard_name[: -len(suffix)]
+    return shard_name
+
+
+def _shard_beside(folder: Path, stem: str) -> str | None:
+    """The name of the shard ``STEM.tar`` (or ``.tar.gz``, ``.tgz``) in ``folder``, if any."""
+    return next((f"{stem}{suffix}" for suffix in SHARD_SUFFIXES if (folder / f"{stem}{suffix}").is_file()), None)
+
+
+def old_layout_sidecar(path: Path) -> tuple[str, str] | None:
+    """``(shard name, field set)`` of ``STEM.NAME.tar`` beside a shard ``STEM.tar``, the layout
+    of ``add-field`` before ``fields/NAME/`` (``seqshard index --move-sidecars`` moves them)."""
     if not path.name.endswith(".tar"):
-        return False
+        return None
     base, dot, name = path.name[: -len(".tar")].rpartition(".")
-    return (
-        bool(dot)
-        and bool(FIELD_SET_NAME.fullmatch(name))
-        and any((path.parent / f"{base}{suffix}").is_file() for suffix in SHARD_SUFFIXES)
-    )
+    if not dot or not FIELD_SET_NAME.fullmatch(name):
+        return None
+    shard = _shard_beside(path.parent, base)
+    return None if shard is None else (shard, name)
+
+
+def named_like_sidecar(path: Path) -> bool:
+    """A field file of ``add-field``, recognised without an index (one written before its index
+    entry, by a run that was killed, is still not a shard): ``FOLDER/fields/NAME/STEM.tar`` of
+    a shard ``FOLDER/STEM.tar``, or the old layout ``STEM.NAME.tar`` beside it."""
+    fields = path.parent.parent
+    in_fields = fields.name == FIELDS_DIR and bool(FIELD_SET_NAME.fullmatch(path.parent.name))
+    if in_fields and path.name.endswith(".tar") and _shard_beside(fields.parent, shard_stem(path.name)):
+        return True
+    return old_layout_sidecar(path) is not None
 
 
 def shards_in_folder(folder: Path) -> list[Path]:

@@ -1,8 +1,9 @@
 """``seqshard add-field``: a new field for packed shards, without repacking them.
 
 For each shard of each indexed folder under ``DIR``, the field's values are looked up by key in
-a source and written, in the shard's key order, to a sidecar field shard beside it
-(``data-00042.tar`` -> ``data-00042.NAME.tar``, members ``KEY.NAME.EXT``). Sources: a Kaldi
+a source and written, in the shard's key order, to a sidecar field shard in the folder's
+``fields/NAME/`` (``data-00042.tar`` -> ``fields/NAME/data-00042.tar``, members
+``KEY.NAME.EXT``; no glob of the shards selects it). Sources: a Kaldi
 scp (matrices or vectors, e.g. alignments: ``.npy``), a ``text``-style file (``KEY value...``:
 ``.txt``), or JSON lines (``{"key": ..., ...}``: the object without its key, ``.json``). A key
 missing from the source is an error, or with ``allow_missing`` a ``KEY.NAME.nodata``
@@ -26,12 +27,12 @@ from typing import Any
 
 from ..errors import ConfigError, InputError, SeqshardError, SkipCounter, Where, option
 from ..formats.files import writing
-from ..formats.index import FieldSet, ShardIndex, SidecarEntry, sidecar_name
+from ..formats.index import FieldSet, ShardIndex, SidecarEntry, check_inside, sidecar_name
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import unescape_key
 from ..formats.npy import npy_parts
 from ..formats.pack_state import STATE_DIR
-from ..formats.patterns import FIELD_SET_NAME
+from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, old_layout_sidecar, shard_subfolders
 from ..formats.tar import SampleStream, ShardWriter, temporary_path
 from ..progress import Progress
 from .journal import Journal, finished_shards
@@ -244,7 +245,7 @@ def _add(
 def _indexed_folders(root: Path) -> list[Path]:
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder.")
-    folders = [f for f in [root, *sorted(p for p in root.iterdir() if p.is_dir())] if (f / "index.json").is_file()]
+    folders = [f for f in [root, *shard_subfolders(root)] if (f / "index.json").is_file()]
     if not folders:
         raise ConfigError(
             f"{root} and its sub-folders have no index.json: add-field needs the shards' index (run `seqshard index {root}`)."
@@ -271,9 +272,15 @@ def _already_added(folder: Path, index: ShardIndex, name: str, overwrite: bool, 
 
 
 def _remove_field(root: Path, folders: list[Path], name: str) -> None:
+    """Delete field set ``name``'s sidecars (both layouts) and journals."""
     for folder in folders:
+        fields = folder / FIELDS_DIR / name
+        if fields.is_dir():
+            for path in check_inside(folder, fields).glob("*.tar"):
+                path.unlink()
         for path in folder.glob(f"*.{name}.tar"):
-            path.unlink()
+            if old_layout_sidecar(path) is not None:
+                path.unlink()
     for journal in (root / STATE_DIR).glob(f"field-{name}-*.jsonl"):
         journal.unlink()
 
@@ -298,13 +305,15 @@ def _write_all(
 def _write_sidecar(root: Path, task: _Task, name: str, source: FieldSource, allow_missing: bool) -> dict[str, Any]:
     """Write the sidecar of one shard, journal it and return its record."""
     shard = task.folder / task.shard
-    target = task.folder / sidecar_name(task.shard, name)
+    target = check_inside(task.folder, task.folder / sidecar_name(task.shard, name))
     temporary_path(target).unlink(missing_ok=True)
     writer = ShardWriter(target)
     missing = 0
+    first_key = last_key = None  # as stored, what readers check the sidecar against
     try:
         with MatrixReader(allow_pipes=source.allow_pipes) as reader, SampleStream(shard, read_data=False) as stream:
             for sample in stream:
+                first_key, last_key = first_key or sample.key, sample.key
                 key = unescape_key(sample.key) if task.escaped_keys else sample.key
                 member = source.member(key, reader)
                 if member is None:
@@ -329,10 +338,12 @@ def _write_sidecar(root: Path, task: _Task, name: str, source: FieldSource, allo
         raise
     record = {
         "group": task.group,
-        "name": target.name,
+        "name": sidecar_name(task.shard, name),
         "shard": task.shard,
         "bytes": writer.size,
         "checksum": f"crc32:{writer.crc32:08x}",
+        "first_key": first_key,
+        "last_key": last_key,
         "num_utts": writer.num_samples,
         "missing": missing,
         "source": source.identity,
@@ -366,6 +377,12 @@ def _update_indexes(
                     f"{folder / entry.name}: its sidecar {record['name']} holds {record['num_utts']} samples where "
                     f"the index says {entry.num_utts}; verify the shard."
                 )
-            entry.sidecars[name] = SidecarEntry(record["name"], record["bytes"], record["checksum"])
+            entry.sidecars[name] = SidecarEntry(
+                sidecar_name(entry.name, name),
+                record["bytes"],
+                record["checksum"],
+                record.get("first_key"),
+                record.get("last_key"),
+            )
         with writing(folder):
             index.save(folder)

@@ -36,10 +36,14 @@ class _OpenShard:
     length_hist: dict[int, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
     members: dict[str, None] = field(default_factory=dict)  # member suffixes written, in first-seen order
+    first_key: str = ""  # as written (escaped), what readers check the file against
+    last_key: str = ""
 
-    def count(self, frames: int) -> None:
-        """Account for an utterance of ``frames`` frames just added to the shard."""
+    def count(self, key: str, frames: int) -> None:
+        """Account for utterance ``key`` (as written) of ``frames`` frames just added to the shard."""
         first = self.max_frames == 0  # zero-length matrices are refused, so no utterance yet
+        self.first_key = self.first_key or key
+        self.last_key = key
         self.min_frames = frames if first else min(self.min_frames, frames)
         self.max_frames = max(self.max_frames, frames)
         self.num_frames += frames
@@ -61,6 +65,7 @@ class _OpenShard:
             "dtype": dtype,
             "skipped": self.skipped,
             "members": list(self.members),
+            **({"first_key": self.first_key, "last_key": self.last_key} if self.first_key else {}),
         }
 
 
@@ -145,9 +150,10 @@ def _write_sweep(
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
                 else:
                     members.append((LABEL_MEMBER, [_label(plan, int(row), key).encode("utf-8")]))
-                    shard.writer.add(options.shard_key(key), members)
+                    shard_key = options.shard_key(key)
+                    shard.writer.add(shard_key, members)
                     shard.members.update(dict.fromkeys(name for name, _ in members))
-                    shard.count(length)
+                    shard.count(shard_key, length)
                 shard.remaining -= 1
                 if shard.remaining == 0:
                     committer.submit(open_shards.pop(ordinal))

@@ -3,6 +3,12 @@
 For a folder written by ``seqshard pack`` (also one packed in parts on several machines) the
 pack journal already describes each finished shard; shards it does not describe, and shards
 made by other tools, are read in full.
+
+Sidecars of ``add-field`` in the old layout (``data-00042.NAME.tar`` beside the shard, which
+globs of the shards select) are moved to ``fields/NAME/data-00042.tar`` on request: each gets
+its new name as a second link, the index naming the new names is saved, and only then are the
+old names removed, so a run killed at any point leaves an index whose files all exist (run
+it again to finish).
 """
 
 from __future__ import annotations
@@ -10,17 +16,25 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import logging
+import os
 from pathlib import Path
 
 from .. import __version__
 from ..errors import ConfigError, SeqshardError
-from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry
+from ..formats.files import writing
+from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, check_inside, sidecar_name
 from ..formats.pack_state import STATE_DIR, planned_shards
-from ..formats.patterns import SHARD_SUFFIXES, named_like_sidecar, shards_in_folder
+from ..formats.patterns import (
+    SHARD_SUFFIXES,
+    named_like_sidecar,
+    old_layout_sidecar,
+    shard_subfolders,
+    shards_in_folder,
+)
 from ..prep.journal import finished_shards
 from ..prep.sources import FEATURE_MEMBER, LABEL_MEMBER
 from .parallel import map_shards
-from .scan import file_crc32, scan_shard
+from .scan import scan_shard
 
 _LOG = logging.getLogger("seqshard")
 SHOWN = 5
@@ -29,12 +43,12 @@ PACKED_FIELDS = (FEATURE_MEMBER, LABEL_MEMBER)  # the members `seqshard pack` wr
 
 def shard_folders(root: Path) -> list[Path]:
     """``root`` and its direct sub-folders that hold shard files."""
-    folders = [root, *sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))]
-    return [f for f in folders if shards_in_folder(f)]
+    return [f for f in [root, *shard_subfolders(root)] if shards_in_folder(f)]
 
 
-def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> list[Path]:
-    """Write ``index.json`` in ``root`` and in each sub-folder of it that holds shards."""
+def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_sidecars: bool = False) -> list[Path]:
+    """Write ``index.json`` in ``root`` and in each sub-folder of it that holds shards;
+    ``move_sidecars`` moves sidecars of the old layout to the new one (module docstring)."""
     if "://" in str(root):
         raise ConfigError(
             f"{root}: `seqshard index` writes index.json beside the shards, so it needs a local folder: run it on a "
@@ -53,6 +67,19 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
     for folder in folders:
         prefix = "" if folder == root else f"{folder.name}/"
         previous = _previous_index(folder)
+        old_sidecars = _old_layout_sidecars(folder)
+        if move_sidecars:
+            _link_new_names(folder, old_sidecars, previous)
+        elif old_sidecars:
+            _LOG.warning(
+                "%s: %d sidecar(s) of add-field are in the old layout (e.g. %s), which globs of the shards such as "
+                "data-*.tar select (WebDataset readers take them for shards); `seqshard index --move-sidecars %s` "
+                "moves them to fields/NAME/",
+                folder,
+                len(old_sidecars),
+                old_sidecars[0][0].name,
+                root,
+            )
         shards = [s for s in shards_in_folder(folder) if not _is_sidecar(s, previous)]
         entries: dict[str, ShardEntry] = {}
         feature: dict = dict(previous.feature) if previous else {}
@@ -102,7 +129,39 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True) -> lis
             },
         )
         written.append(index.save(folder))
+        if move_sidecars:  # the index names the new names only now
+            for path, _, _ in old_sidecars:
+                path.unlink(missing_ok=True)
     return written
+
+
+def _old_layout_sidecars(folder: Path) -> list[tuple[Path, str, str]]:
+    """``(file, shard name, field set)`` of each sidecar in the old layout in ``folder``."""
+    found = ((path, old_layout_sidecar(path)) for path in sorted(folder.glob("*.tar")))
+    return [(path, *names) for path, names in found if names is not None]
+
+
+def _link_new_names(folder: Path, old: list[tuple[Path, str, str]], previous: ShardIndex | None) -> None:
+    """Give each old-layout sidecar its new name too, and point ``previous``'s entries there."""
+    for path, shard, field_set in old:
+        new = check_inside(folder, folder / sidecar_name(shard, field_set))
+        with writing(new):
+            new.parent.mkdir(parents=True, exist_ok=True)
+            if new.exists():
+                if not os.path.samefile(path, new):
+                    raise ConfigError(
+                        f"{path} and {new} are both sidecars of field set {field_set!r} of {shard}: delete the one "
+                        "that is not current (`seqshard verify` names one that differs from the index), then run again."
+                    )
+                continue
+            try:
+                os.link(path, new)
+            except OSError:  # no hard links on this file system: rename (a killed run is finished by a rerun)
+                os.replace(path, new)
+    for entry in previous.shards if previous else []:
+        for field_set, car in entry.sidecars.items():
+            if (folder / sidecar_name(entry.name, field_set)).is_file():
+                car.name = sidecar_name(entry.name, field_set)
 
 
 def _is_sidecar(path: Path, previous: ShardIndex | None) -> bool:
@@ -123,8 +182,13 @@ def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[st
                     f"{folder / shard_name} has no file for field set {name!r}; add the field again with "
                     f"`seqshard add-field {folder} --name {name} --overwrite ...`."
                 )
-            crc, size = file_crc32(folder / car.name)
-            entry.sidecars[name] = SidecarEntry(car.name, size, f"crc32:{crc:08x}")
+            scan = scan_shard(folder / car.name)
+            if scan.problems:
+                raise ConfigError(f"{folder / car.name} is damaged, not indexing it: {'; '.join(scan.problems)}")
+            measured = scan.entry
+            entry.sidecars[name] = SidecarEntry(
+                car.name, measured.bytes, measured.checksum, measured.first_key, measured.last_key
+            )
     return dict(previous.field_sets)
 
 

@@ -68,6 +68,8 @@ def scan_shard(path: str | Path, feature_field: str | None = None) -> ShardScan:
                 scan.problems.append("the tar end marker is missing (shard cut short?)")
     except ShardError as error:
         scan.problems.append(str(error))
+    if scan.keys:  # what a reader checks the file against
+        scan.entry.first_key, scan.entry.last_key = scan.keys[0], scan.keys[-1]
     return scan
 
 
