@@ -10,6 +10,8 @@ naming them, or (when the user asked to skip bad data) a counted, logged skip.
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,7 @@ from .lists import shard_list
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
 from .patterns import Alternative, Patterns, expand_pattern, named_like_sidecar, pattern_list
 
+_LOG = logging.getLogger("seqshard")
 SHOWN = 5
 
 
@@ -60,10 +63,12 @@ def missing_error(missing: Sequence[MissingShard]) -> ShardError:
 
 
 def select_shards(patterns: Patterns) -> ShardSelection:
-    """The shards named by ``patterns`` (see the module docstring); raises ConfigError for
-    an alternative that selects nothing at all."""
+    """The shards named by ``patterns`` (see the module docstring), each file once however
+    it is spelled (``a/../b``, a link); raises ConfigError for an alternative that selects
+    nothing at all."""
     selection = ShardSelection()
     missing: dict[Path, MissingShard] = {}
+    selected: dict[str, Path] = {}  # real path -> the spelling selected
     for pattern in pattern_list(patterns):
         for alternative in expand_pattern(pattern):
             if alternative.kind == "list":
@@ -79,9 +84,11 @@ def select_shards(patterns: Patterns) -> ShardSelection:
             for shard in absent:
                 missing.setdefault(shard.path, shard)
             for path in alternative.files:
-                shards = selection.folders.setdefault(path.parent, [])
-                if path not in shards:
-                    shards.append(path)
+                first = selected.setdefault(os.path.realpath(path), path)
+                if first is path:
+                    selection.folders.setdefault(path.parent, []).append(path)
+                elif first != path:
+                    _LOG.info("%s is %s (selected already): read once", path, first)
     for folder in selection.folders:
         _index_of(folder, selection)
     selection.missing = list(missing.values())

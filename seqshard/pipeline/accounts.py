@@ -50,6 +50,7 @@ class EpochAccounts:
             "tokens": counters.get("tokens", 0),
             "unknown_tokens": counters.get("unknown_tokens", 0),
             "damaged_shards": damaged_shards(counters),
+            "duplicate_keys": counters.get("duplicate_keys", 0),
             "missing_shards": len(self.table.missing),
         }
         if self.setup.mix is not None:

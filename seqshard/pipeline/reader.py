@@ -4,25 +4,81 @@
 samples (and so batches) come from several shards. A unit reads the field files the loader
 asks for (the main shard and/or sidecar field shards, see ``formats/index.py``) in lock step:
 each holds the same keys in the same order, and a key that differs is an error naming both
-files. The state is, per open unit, the byte offset of its next sample in each field file and
-its position: a restored reader seeks straight there.
+files. A file whose index records its first and last key is checked against them when its
+first sample is read and when it ends (a shard replaced by a copy of another is damaged).
+The state is, per open unit, the byte offset of its next sample in each field file and its
+position: a restored reader seeks straight there.
+
+A key read twice by one reader in one epoch (or one pass of ``uneven="repeat"`` and of a
+mix's source) is counted as ``duplicate_keys`` and warned about once: two selected shards
+hold the same samples. The keys read are kept as 64-bit hashes in a sorted array, 8 bytes
+per sample the reader reads (about three times that for a moment while the latest keys are
+merged in); they are not part of the state, so keys read before a resume are not compared
+with those read after it.
 """
 
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Sequence
 from dataclasses import replace
+
+import numpy as np
 
 from ..errors import ShardError, SkipCounter
 from ..formats import remote
 from ..formats.streams import AnyStream, open_samples, skip_samples
+from ..formats.tar import Sample as FileSample
 from .base import Stage, State
 from .sample import Sample
 from .shards import MAIN, ShardTable, Unit
 
 _LOG = logging.getLogger("seqshard")
 DAMAGED = "damaged."  # counter prefix: one counter per damaged shard, by its number in the table
+DUPLICATE_KEYS = "duplicate_keys"
+REPLACED = (
+    "the file was replaced (by a copy of another shard?). Fix: restore it; if it was replaced on purpose, "
+    "rebuild the index with `seqshard index`"
+)
+
+
+class KeyRepeats:
+    """The keys one reader has read, to find those read again: 64-bit hashes in a sorted array
+    (8 bytes a key), merged with the latest keys every few thousand keys and at the end."""
+
+    MERGE_EVERY = 4096  # or more: as many as were merged before, so merging costs O(1) a key
+
+    def __init__(self) -> None:
+        self._seen = np.empty(0, dtype=np.int64)
+        self._hashes = array("q")  # the latest keys' hashes, not merged yet
+        self._latest: list[tuple[str, str]] = []  # and (key, file) of each
+        self._merge_at = self.MERGE_EVERY
+
+    def add(self, key: str, file: str) -> list[tuple[str, str]]:
+        """Note ``key`` read from ``file``; returns the keys found read again by a merge."""
+        self._hashes.append(hash(key))  # salted per process: the table lives in one process
+        self._latest.append((key, file))
+        return self.merge() if len(self._latest) >= self._merge_at else []
+
+    def merge(self) -> list[tuple[str, str]]:
+        """Merge the latest keys; returns ``(key, file)`` of each that was read before."""
+        if not self._latest:
+            return []
+        latest = np.array(self._hashes, dtype=np.int64)
+        order = np.argsort(latest, kind="stable")
+        ordered = latest[order]
+        again = np.zeros(len(latest), dtype=bool)
+        again[order[1:]] = ordered[1:] == ordered[:-1]  # a later copy of a key among the latest
+        at = np.minimum(np.searchsorted(self._seen, latest), max(len(self._seen) - 1, 0))
+        if len(self._seen):
+            again |= self._seen[at] == latest
+        repeats = [self._latest[i] for i in np.flatnonzero(again)]
+        self._seen = np.sort(np.concatenate([self._seen, ordered]), kind="stable")  # two sorted runs: linear
+        self._hashes = array("q")
+        self._latest = []
+        self._merge_at = max(self.MERGE_EVERY, len(self._seen))
+        return repeats
 
 
 class _OpenUnit:
@@ -37,11 +93,14 @@ class _OpenUnit:
         ordinal: int,
         expected: int | None,
         read_ahead: bool,
+        key_ranges: Sequence[tuple[str, str] | None],
     ):
         self.index = index
         self.unit = unit
         self.sets = [name for name, _ in files]
         self.expected = expected  # samples the shard's index promises, when indexed
+        self.key_ranges = list(key_ranges)  # each file's (first key, last key), when its index records them
+        self.last_keys: list[str | None] = [None] * len(files)  # the last key read from each file
         self.streams: list[AnyStream] = []
         try:
             for (_, path), offset in zip(files, offsets):
@@ -76,6 +135,8 @@ class _OpenUnit:
             if first is None or any(part is None for part in parts):
                 self._check_end(parts)
                 return None
+            for number, part in enumerate(parts):
+                self._check_key(number, part)  # type: ignore[arg-type]
             for stream, part in zip(self.streams[1:], parts[1:]):
                 if part.key != first.key:  # type: ignore[union-attr]
                     raise ShardError(
@@ -100,13 +161,26 @@ class _OpenUnit:
             if part is None:
                 self._check_end([None])
                 return None
+            self._check_key(0, part)
             if part.ordinal >= unit.start and (part.ordinal - unit.start) % unit.step == 0:
                 return Sample(
                     part.key, part.fields, unit.shard, part.ordinal, ((self.sets[0], part.offset),), stream.path
                 )
 
+    def _check_key(self, number: int, part: FileSample) -> None:
+        """Remember the key read from file ``number``; the first sample of a file must have
+        the first key its index records."""
+        self.last_keys[number] = part.key
+        expected = self.key_ranges[number]
+        if part.ordinal == 0 and expected is not None and part.key != expected[0]:
+            raise ShardError(
+                self.streams[number].path,
+                part.offset,
+                f"its first sample is {part.key!r} where its index.json says {expected[0]!r}: {REPLACED}",
+            )
+
     def _check_end(self, parts: list) -> None:
-        for stream, part in zip(self.streams, parts):
+        for stream, part, expected, last in zip(self.streams, parts, self.key_ranges, self.last_keys):
             if part is not None:
                 raise ShardError(
                     stream.path,
@@ -123,6 +197,12 @@ class _OpenUnit:
                     None,
                     f"the shard holds {stream.ordinal} samples where its index.json says {self.expected} (cut short or replaced?)",
                 )
+            if expected is not None and last is not None and last != expected[1]:
+                raise ShardError(
+                    stream.path,
+                    None,
+                    f"its last sample is {last!r} where its index.json says {expected[1]!r}: {REPLACED}",
+                )
 
     def position(self) -> list:
         return [self.index, [stream.resume_offset for stream in self.streams], self.ordinal]
@@ -137,10 +217,11 @@ class ShardReader(Stage[Sample]):
     """Yields the samples of ``units``, ``interleave`` units at a time, reading the field
     files of ``field_sets`` (``MAIN`` is the shard itself; other names are sidecar field sets).
 
-    A damaged shard (unreadable, truncated, shorter than its index says) raises ShardError
-    naming it, or with ``skip`` is left at the damage: counted by shard (``damaged.<shard>``), its
-    planned samples not read under ``dropped.damaged``. ``read_ahead=False`` reads only what
-    is asked for.
+    A damaged shard (unreadable, truncated, shorter than its index says, other first or last
+    key than its index records) raises ShardError naming it, or with ``skip`` is left at the
+    damage: counted by shard (``damaged.<shard>``), its planned samples not read under
+    ``dropped.damaged``. Keys read twice are counted (see the module docstring).
+    ``read_ahead=False`` reads only what is asked for.
     """
 
     def __init__(
@@ -166,11 +247,13 @@ class ShardReader(Stage[Sample]):
         self._next_unit = 0
         self._slots: list[_OpenUnit] = []
         self._turn = 0
-        self._counts = {"utts_read": 0, "units_done": 0, "dropped.damaged": 0}
+        self._counts = {"utts_read": 0, "units_done": 0, "dropped.damaged": 0, DUPLICATE_KEYS: 0}
+        self._keys_read = KeyRepeats()
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
         self._close_all()
+        self._keys_read = KeyRepeats()
         state = state or {}
         self._next_unit = int(state.get("next", 0))
         self._turn = int(state.get("turn", 0))
@@ -184,7 +267,8 @@ class ShardReader(Stage[Sample]):
 
     def _open(self, index: int, unit: Unit, offsets: Sequence[int], ordinal: int) -> _OpenUnit:
         shard = self.table.shards[unit.shard]
-        return _OpenUnit(index, unit, self._files(unit), offsets, ordinal, shard.num_utts, self.read_ahead)
+        ranges = [shard.key_range(name) for name in self.field_sets]
+        return _OpenUnit(index, unit, self._files(unit), offsets, ordinal, shard.num_utts, self.read_ahead, ranges)
 
     def _close_all(self) -> None:
         for slot in self._slots:
@@ -237,13 +321,15 @@ class ShardReader(Stage[Sample]):
         while True:
             self._fill_slots()
             if not self._slots:
+                self._count_repeats(self._keys_read.merge())
                 raise StopIteration
             self._turn %= len(self._slots)
             slot = self._slots[self._turn]
+            at = slot.ordinal  # samples from here to the one that fails are not read (or not kept)
             try:
                 sample = slot.next_sample()
             except ShardError as error:
-                self._damaged(error, slot.unit, slot.ordinal)
+                self._damaged(error, slot.unit, at)
                 sample = None
             if sample is None:
                 slot.close()
@@ -252,7 +338,22 @@ class ShardReader(Stage[Sample]):
                 continue
             self._turn += 1
             self._counts["utts_read"] += 1
+            self._count_repeats(self._keys_read.add(sample.key, sample.file))
             return sample
+
+    def _count_repeats(self, repeats: list[tuple[str, str]]) -> None:
+        """Count keys this reader had read already; warn at the first."""
+        if not repeats:
+            return
+        if not self._counts[DUPLICATE_KEYS]:
+            _LOG.warning(
+                "key %r was read twice by one reader in one epoch (again from %s): two selected shards hold the "
+                "same samples (a copy of a shard under another name?). Such repeats are counted as %s in stats(); "
+                "select each shard once.",
+                *repeats[0],
+                DUPLICATE_KEYS,
+            )
+        self._counts[DUPLICATE_KEYS] += len(repeats)
 
     def get_state(self) -> State:
         return {

@@ -9,6 +9,9 @@ when there are fewer shards than readers. Shards without an index (their utteran
 unknown) cannot be cut by count: they are dealt whole to the least-loaded reader, or, when
 there are fewer shards than readers, read by several readers that each keep every k-th
 utterance.
+
+Two selected files that are one shard (a folder copied beside the original and both
+selected) are refused when the table is made: their samples would be read twice.
 """
 
 from __future__ import annotations
@@ -16,18 +19,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import ConfigError, ShardError
 from ..formats import remote
 from ..formats.index import ShardIndex, merge_histograms
 from ..formats.lists import scan_list
 from ..formats.patterns import Patterns, is_list_name
 from ..formats.selection import MissingShard, select_folders
-from ..formats.streams import first_sample_fields
+from ..formats.streams import first_sample_fields, open_samples
 from .base import SEED_PLAN, stage_rng
 
 _LOG = logging.getLogger("seqshard")
@@ -44,6 +48,16 @@ class ShardInfo:
     num_frames: int | None = None
     escaped_keys: bool = False  # keys were percent-encoded at pack time (shown unescaped)
     sidecars: tuple[tuple[str, str], ...] = ()  # (field set, path) of its sidecar field files
+    checksum: str | None = None  # from the index
+    key_ranges: tuple[tuple[str, str, str], ...] = ()  # (field set, first key, last key) the index records
+
+    def key_range(self, field_set: str) -> tuple[str, str] | None:
+        """The first and last key of the file of ``field_set``, when the index records them
+        (a reader checks the file against them)."""
+        for name, first, last in self.key_ranges:
+            if name == field_set:
+                return first, last
+        return None
 
     def file_of(self, field_set: str) -> str:
         """The file holding ``field_set`` of this shard (``MAIN``: the shard itself)."""
@@ -92,8 +106,22 @@ class _Gathered:
                 size = access.size(path) if remote.is_remote(path) else Path(path).stat().st_size
                 self.shards.append(ShardInfo(path, size, escaped_keys=escaped))
             else:
-                sidecars = tuple((name, f"{folder}/{car.name}") for name, car in sorted(entry.sidecars.items()))
-                self.shards.append(ShardInfo(path, entry.bytes, entry.num_utts, entry.num_frames, escaped, sidecars))
+                cars = sorted(entry.sidecars.items())
+                sidecars = tuple((name, f"{folder}/{car.name}") for name, car in cars)
+                ranges = [(MAIN, entry.first_key, entry.last_key)]
+                ranges += [(name, car.first_key, car.last_key) for name, car in cars]
+                self.shards.append(
+                    ShardInfo(
+                        path,
+                        entry.bytes,
+                        entry.num_utts,
+                        entry.num_frames,
+                        escaped,
+                        sidecars,
+                        entry.checksum,
+                        tuple((name, first, last) for name, first, last in ranges if first and last),
+                    )
+                )
                 self.histograms.append(entry.length_hist)
                 if remote.is_remote(path):  # what the cache checks its copies against
                     access.expected[path] = (entry.bytes, entry.checksum)
@@ -103,6 +131,47 @@ class _Gathered:
 
 def _name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _refuse_copies(shards: Sequence[ShardInfo]) -> None:
+    """Refuse two selected files that are one shard (a copied folder selected with its
+    original): their samples would be read twice each epoch. Only files of equal size are
+    compared, by their index's CRC-32 when every one of them is indexed, else by their first
+    sample (key and bytes, one small read each)."""
+    by_size: dict[int, list[ShardInfo]] = {}
+    for shard in shards:
+        if not is_list_name(shard.path):
+            by_size.setdefault(shard.bytes, []).append(shard)
+    for group in (g for g in by_size.values() if len(g) > 1):
+        indexed = all(shard.checksum for shard in group)
+        seen: dict[Any, str] = {}
+        for shard in group:
+            mark = shard.checksum if indexed else _first_sample_mark(shard.path)
+            if mark is None:
+                continue
+            first = seen.setdefault(mark, shard.path)
+            if first != shard.path:
+                raise ConfigError(
+                    f"{first} and {shard.path} are copies of one shard (the same size and "
+                    f"{'CRC-32' if indexed else 'first sample'}): its samples would be read twice each epoch. "
+                    "Fix: select one of them (leave the copy's folder or file out of the patterns)."
+                )
+
+
+def _first_sample_mark(path: str) -> tuple[str, int] | None:
+    """The first sample's key and the CRC-32 of its members, or None when it cannot be read
+    (the reader reports the damage)."""
+    try:
+        with open_samples(path, read_ahead=False) as stream:
+            sample = stream.next_sample()
+            if sample is None:
+                return None
+            crc = 0
+            for suffix, data in sample.fields.items():
+                crc = zlib.crc32(data, zlib.crc32(suffix.encode("utf-8"), crc))
+            return sample.key, crc
+    except ShardError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -128,6 +197,7 @@ class ShardTable:
             raise ConfigError(
                 f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in gathered.dims.items())}."
             )
+        _refuse_copies(gathered.shards)
         histogram = merge_histograms(gathered.histograms)
         return cls(
             tuple(gathered.shards),
