@@ -28,7 +28,7 @@ from ..formats.files import remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import INDEX_NAME, ShardEntry, ShardIndex
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
 from ..progress import Progress
-from .journal import Journal, finished_shards
+from .journal import Journal, finished_shards, shard_written
 from .plan import UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
 from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource
@@ -459,7 +459,8 @@ def _write_indexes(
     d_out: Path,
     text_files: Sequence[Path],
 ) -> bool:
-    """Write ``index.json`` in every group folder whose shards are all finished."""
+    """Write ``index.json`` in every group folder whose shards are all finished (listing those
+    written: a shard whose utterances were all dropped while writing has no file)."""
     complete = True
     facts, fields = plan.source.facts(dim)
     for name in plan.group_names:
@@ -469,7 +470,7 @@ def _write_indexes(
             continue
         folder = d_out / name if name else d_out
         folder.mkdir(parents=True, exist_ok=True)
-        written = [records[_relative(t)] for t in tasks]
+        written = [records[_relative(t)] for t in tasks if shard_written(records[_relative(t)])]
         members = dict.fromkeys(m for record in written for m in record.get("members", ()))
         index = ShardIndex(
             escaped_keys=options.escape_keys,
@@ -506,7 +507,9 @@ def _report(
     dropped = dict(plan.dropped)
     for reason, count in skipped.items():
         dropped[reason] = dropped.get(reason, 0) + count
-    written_now = [records[_relative(t)] for t in written if _relative(t) in records]
+    written_now = [
+        records[_relative(t)] for t in written if _relative(t) in records and shard_written(records[_relative(t)])
+    ]
     packed = sum(g.utts for g in groups.values())
     frames = sum(g.frames for g in groups.values())
     return PackReport(
@@ -521,11 +524,12 @@ def _report(
         groups={name: groups.get(name) or GroupTotals() for name in plan.group_names},
         shards_total=len(plan.tasks),
         shards_done=len(mine),
+        shards_empty=sum(not shard_written(record) for record in mine),
         shards_written_now=len(written_now),
         bytes_written_now=sum(r["bytes"] for r in written_now),
         wall_seconds=wall,
         dim=dim,
-        dtype=options.dtype if dim else f"audio ({options.audio_format})",
+        dtype=options.dtype if dim or plan.source.kind == "features" else f"audio ({options.audio_format})",
         float16_saved_bytes=frames * dim * 2 if options.dtype == "float16" else 0,
         length_hist=histogram,
     )

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..formats.index import merge_histograms
+from .journal import shard_written
 
 
 @dataclass
@@ -23,7 +24,9 @@ class PackReport:
     ``input_utts`` counts every scp line. When ``complete``, ``packed + sum(dropped) ==
     input_utts``: each entry either went into exactly one shard or is counted under a reason.
     ``frames_file_issues`` counts skipped ``utt2num_frames`` lines by reason; they drop no
-    utterance (its length is then read from its matrix header).
+    utterance (its length is then read from its matrix header). ``shards_empty`` counts the
+    finished shards that lost every utterance while writing: they have no file and no index
+    entry (``shards_done`` includes them).
     """
 
     output: str
@@ -42,6 +45,7 @@ class PackReport:
     dim: int
     dtype: str
     float16_saved_bytes: int = 0
+    shards_empty: int = 0
     length_hist: dict[int, int] = field(default_factory=dict)
     frames_file_issues: dict[str, int] = field(default_factory=dict)
 
@@ -74,6 +78,10 @@ class PackReport:
         lines.append(
             f"  shards           : {self.shards_done}/{self.shards_total} done, {self.shards_written_now} written by this run"
         )
+        if self.shards_empty:
+            lines.append(
+                f"  empty shards     : {self.shards_empty:>8}  (every utterance dropped while writing: no file, not indexed)"
+            )
         lines.append(
             f"  this run         : {self.bytes_written_now / 1e6:.1f} MB in {self.wall_seconds:.1f} s = {self.mb_per_s:.1f} MB/s"
         )
@@ -89,7 +97,7 @@ def summarize_records(records: list[dict[str, Any]]) -> tuple[dict[str, GroupTot
     for record in records:
         totals = groups.setdefault(record["group"], GroupTotals())
         totals.utts += record["num_utts"]
-        totals.shards += 1
+        totals.shards += shard_written(record)
         totals.frames += record["num_frames"]
         totals.bytes += record["bytes"]
         for reason, count in record.get("skipped", {}).items():

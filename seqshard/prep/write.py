@@ -3,7 +3,8 @@
 A sweep keeps up to ``max_open`` shards open and reads, in scp order (so the arks are read
 front to back), only the utterances planned for them, appending each to its shard. Reads are
 forward-only; writes go to many files, each written sequentially. A shard is committed (fsync,
-renamed to its final name, journaled) as soon as its last planned utterance is handled.
+renamed to its final name, journaled) as soon as its last planned utterance is handled; one
+whose utterances were all dropped while writing is journaled as empty and never gets a file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InputError, SkipCounter
+from ..formats.files import writing
 from ..formats.index import length_bin
 from ..formats.tar import ShardWriter, temporary_path
 from .journal import Journal
@@ -105,7 +107,12 @@ class _Committer:
         self._pending.append(self._pool.submit(self._commit, shard))
 
     def _commit(self, shard: _OpenShard) -> None:
-        shard.writer.commit()
+        if shard.writer.num_samples:
+            shard.writer.commit()
+        else:  # every planned utterance was dropped: an empty shard never gets its final name
+            shard.writer.abort()
+            with writing(shard.task.path):
+                shard.task.path.unlink(missing_ok=True)  # nor keeps an earlier run's file
         with self._lock:
             self._journal.append(shard.record(self._dim, self._dtype))
 
