@@ -11,18 +11,25 @@ blob stored in an ark (ESPnet's and k2's wav-in-ark).
 from __future__ import annotations
 
 import io
+import os
 import re
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InputError, Where, option
 
+if TYPE_CHECKING:
+    from soundfile import SoundFile
+
 ENCODINGS = ("flac", "keep")
 CONTAINERS = {"WAV": "wav", "WAVEX": "wav", "FLAC": "flac", "OGG": "ogg", "MPEG": "mp3", "MP3": "mp3", "RF64": "wav"}
 ESTIMATED_LENGTH_FORMATS = ("MP3", "OGG")  # their headers give an estimated frame count, not an exact one
+DECODE_BLOCK_SAMPLES = 1 << 20  # samples decoded at a time (4 MB of float32)
+MAX_FRAMES_PER_BYTE = 8192  # beyond any codec's reach (a FLAC frame holds <= 65535 frames in >= 10 bytes)
 
 
 @dataclass(frozen=True)
@@ -93,8 +100,8 @@ def read_location(location: WavLocation, where: Where, allow_pipes: bool = False
 
 def header_seconds(location: WavLocation, where: Where) -> float | None:
     """The duration a file's header gives, read without decoding the audio; None for pipes,
-    for formats whose headers only estimate it (MP3, OGG) and for anything unreadable (the
-    full read reports that)."""
+    for formats whose headers only estimate it (MP3, OGG), for a header that declares more
+    frames than its bytes can hold, and for anything unreadable (the full read reports those)."""
     import soundfile
 
     if location.is_pipe:
@@ -102,13 +109,15 @@ def header_seconds(location: WavLocation, where: Where) -> float | None:
     try:
         if location.offset is None:
             info = soundfile.info(location.path)
+            size = os.path.getsize(location.path)
         else:
             with open(location.path, "rb") as stream:
                 stream.seek(location.offset)
-                info = soundfile.info(io.BytesIO(_riff_blob(stream, location, where)))
+                blob = _riff_blob(stream, location, where)
+            info, size = soundfile.info(io.BytesIO(blob)), len(blob)
     except (OSError, RuntimeError, InputError):
         return None
-    if info.format in ESTIMATED_LENGTH_FORMATS or info.samplerate <= 0:
+    if info.format in ESTIMATED_LENGTH_FORMATS or info.samplerate <= 0 or info.frames > MAX_FRAMES_PER_BYTE * size:
         return None
     return info.frames / info.samplerate
 
@@ -127,10 +136,16 @@ def _riff_blob(stream: io.BufferedReader, location: WavLocation, where: Where) -
             else "regenerate the wav.scp with the ark (wav-copy).",
         )
     size = int.from_bytes(header[4:8], "little")
-    body = stream.read(size)
-    if len(body) < size:
-        raise InputError(where, "unreadable_audio", f"the wav blob at {location.path}:{location.offset} is cut short.")
-    return header + body
+    left = os.fstat(stream.fileno()).st_size - stream.tell()
+    if size > left:  # checked before reading: a read allocates the size it is asked for
+        raise InputError(
+            where,
+            "unreadable_audio",
+            f"the wav blob at {location.path}:{location.offset} declares {size} bytes after its RIFF header, but the "
+            f"ark holds {left} more bytes (cut short, or the header is damaged).",
+            "regenerate the ark and its wav.scp (wav-copy).",
+        )
+    return header + stream.read(size)
 
 
 def _run_pipe(location: WavLocation, where: Where, allow_pipes: bool) -> bytes:
@@ -156,14 +171,24 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
     """Encoded audio -> :class:`Audio` (mixed down, or ``channel``)."""
     import soundfile
 
+    header = ""  # what the header declares, once it was read: the context of a failure to decode
     try:
         with soundfile.SoundFile(io.BytesIO(bytes(data))) as sound:
-            samples = sound.read(dtype="float32", always_2d=True)
+            header = f" (its {sound.format} header declares {sound.frames} frames at {sound.samplerate} Hz)"
+            if sound.frames > MAX_FRAMES_PER_BYTE * len(data):
+                raise InputError(
+                    where,
+                    "unreadable_audio",
+                    f"the {sound.format} header declares {sound.frames} frames, more than {len(data)} bytes of audio "
+                    "can hold (a damaged header).",
+                    "check the file, or remove its line.",
+                )
+            samples = _read_samples(sound)
             rate, subtype, declared, container = sound.samplerate, sound.subtype, sound.frames, sound.format
             if sound.format in ESTIMATED_LENGTH_FORMATS:
                 declared = 0
     except (RuntimeError, soundfile.LibsndfileError, ValueError) as error:
-        why = "the file is empty (0 bytes)" if len(data) == 0 else _without_repr(str(error))
+        why = "the file is empty (0 bytes)" if len(data) == 0 else _without_repr(str(error)) + header
         raise InputError(
             where, "unreadable_audio", f"the audio cannot be decoded: {why}.", "check the file, or remove its line."
         ) from None
@@ -196,6 +221,21 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
     if len(mono) == 0:
         raise InputError(where, "zero_length", "the audio has no samples.")
     return Audio(np.ascontiguousarray(mono), rate, subtype, CONTAINERS.get(container, container.lower()))
+
+
+def _read_samples(sound: SoundFile) -> np.ndarray:
+    """Every sample (frames x channels, float32), decoded a block at a time, so that memory
+    follows the audio that is there and not the frame count its header declares (a FLAC
+    header may declare 2^36 frames; ``read()`` allocates them at once)."""
+    step = max(1, DECODE_BLOCK_SAMPLES // sound.channels)
+    blocks = []
+    while len(block := sound.read(step, dtype="float32", always_2d=True)):
+        blocks.append(block if block.base is None else block.copy())  # a short read is a view of the whole block
+        if len(block) < step:
+            break
+    if len(blocks) == 1:
+        return blocks[0]
+    return np.concatenate(blocks) if blocks else np.empty((0, sound.channels), dtype=np.float32)
 
 
 def _without_repr(message: str) -> str:

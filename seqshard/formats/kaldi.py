@@ -317,6 +317,8 @@ class MatrixReader:
             return self._read_pipe(location, where)
         stream, head = self._seek_value(location, where, vectors)
         start = location.offset or 0
+        if head.startswith(b"\0B"):
+            self._check_declared_size(stream, start, location, where)
         from kaldiio.matio import read_kaldi
 
         try:
@@ -330,23 +332,28 @@ class MatrixReader:
             raise InputError(where, "not_a_matrix", "the entry is not a 2-D matrix.")
         return _apply_ranges(array, location, where)
 
+    def _check_declared_size(self, stream: BinaryIO, start: int, location: ArkLocation, where: Where) -> None:
+        """Refuse a binary value whose header declares more bytes than the ark holds after its
+        start, before anything is allocated for it (kaldiio reads the declared size at once)."""
+        declared = _value_size(stream, start)
+        size = os.fstat(stream.fileno()).st_size
+        stream.seek(start)
+        if declared is not None and start + declared > size:
+            raise self._damaged(
+                location,
+                where,
+                f"its header declares {declared} bytes, so it would end at byte {start + declared}, past the "
+                f"end of the ark (byte {size}): bytes were removed from it, the ark is truncated, or the header "
+                "is damaged",
+            )
+
     def _undecodable(
         self, stream: BinaryIO, start: int, head: bytes, location: ArkLocation, where: Where, error: Exception
     ) -> InputError:
-        """The error for a value kaldiio cannot decode: ``damaged_value`` when it shows how the
-        value was changed (cut short, or CR bytes in a text matrix), else ``unreadable``."""
-        stopped = stream.tell()
-        if head.startswith(b"\0B"):
-            declared = _value_size(stream, start)
-            size = os.fstat(stream.fileno()).st_size
-            if declared is not None and start + declared > size:
-                return self._damaged(
-                    location,
-                    where,
-                    f"its header declares {declared} bytes, so it would end at byte {start + declared}, past the "
-                    f"end of the ark (byte {size}): bytes were removed from it, or the ark is truncated",
-                )
-        else:
+        """The error for a value kaldiio cannot decode: ``damaged_value`` when it shows how a
+        text value was changed (CR bytes in it), else ``unreadable``."""
+        if not head.startswith(b"\0B"):
+            stopped = stream.tell()
             stream.seek(start)
             if b"\r" in stream.read(max(stopped - start, 0)):
                 return self._damaged(
@@ -423,6 +430,7 @@ class MatrixReader:
         stream, head = self._seek_value(location, where)
         if not head.startswith(b"\0B"):
             return self.read(location, where).shape  # type: ignore[return-value]
+        self._check_declared_size(stream, location.offset or 0, location, where)
         token = head[2:].split(b" ", 1)[0]
         stream.seek((location.offset or 0) + 3 + len(token))
         if token in (b"FM", b"DM"):
