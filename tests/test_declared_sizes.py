@@ -105,6 +105,17 @@ def test_the_loader_counts_a_shard_member_with_such_a_header_as_a_bad_sample(tmp
     assert loader.stats()["dropped"] == {"unreadable_audio": 1}
 
 
+def test_indexing_a_shard_names_a_member_whose_header_declares_too_much(tmp_path):
+    from seqshard.formats.tar import ShardWriter
+    from seqshard.tools.scan import scan_shard
+
+    writer = ShardWriter(tmp_path / "a.tar")
+    writer.add("big", [("flac", [flac_declaring((1 << 36) - 1)]), ("txt", [b"x"])])
+    writer.commit()
+    (problem,) = scan_shard(tmp_path / "a.tar").problems
+    assert problem.startswith("big.flac: its header declares 68719476735 frames, more than")
+
+
 def test_decoding_in_blocks_gives_the_same_samples_without_holding_spare_blocks():
     long = tone(rate=8000, seconds=300)  # 2.4 M samples: three blocks
     samples, rate = soundfile.read(io.BytesIO(long), dtype="float32")

@@ -270,6 +270,8 @@ def audio_seconds(data: bytes | memoryview) -> float:
         info = soundfile.info(io.BytesIO(bytes(data)))
     except (RuntimeError, soundfile.LibsndfileError) as error:
         raise ValueError(f"the audio cannot be decoded ({error})") from None
+    if info.frames > MAX_FRAMES_PER_BYTE * len(data):
+        raise ValueError(f"its header declares {info.frames} frames, more than {len(data)} bytes of audio can hold")
     return info.frames / info.samplerate
 
 
