@@ -1,5 +1,5 @@
 """Audio in and out: Kaldi ``wav.scp`` entries, decoding (soundfile), cutting segments, and
-encoding for shards (FLAC, lossless for integer PCM).
+storing for shards (FLAC, lossless for integer PCM; lossy and float audio as it came).
 
 Samples are float32 in [-1, 1] (soundfile's scale); Kaldi's feature code works on the int16
 scale, which the fbank stage applies itself. Multi-channel audio is mixed down (the mean of the
@@ -14,19 +14,34 @@ import io
 import os
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InputError, Where, option
+from .fields import AUDIO_EXTENSIONS
 
 if TYPE_CHECKING:
     from soundfile import SoundFile
 
 ENCODINGS = ("flac", "keep")
-CONTAINERS = {"WAV": "wav", "WAVEX": "wav", "FLAC": "flac", "OGG": "ogg", "MPEG": "mp3", "MP3": "mp3", "RF64": "wav"}
+CONTAINERS = {
+    "WAV": "wav",
+    "WAVEX": "wav",
+    "FLAC": "flac",
+    "OGG": "ogg",
+    "MPEG": "mp3",
+    "MP3": "mp3",
+    "RF64": "wav",
+    "NIST": "sph",
+}
+PCM_BITS = {"PCM_S8": 8, "PCM_U8": 8, "PCM_16": 16, "PCM_24": 24}  # what FLAC holds exactly
+LOSSY_SUBTYPES = (  # codecs that decode to approximations of 16-bit (or fewer) PCM
+    *("MPEG_LAYER_I", "MPEG_LAYER_II", "MPEG_LAYER_III", "VORBIS", "OPUS"),
+    *("ULAW", "ALAW", "IMA_ADPCM", "MS_ADPCM", "GSM610", "G721_32", "G723_24", "G723_40", "VOX_ADPCM"),
+)
 ESTIMATED_LENGTH_FORMATS = ("MP3", "OGG")  # their headers give an estimated frame count, not an exact one
 DECODE_BLOCK_SAMPLES = 1 << 20  # samples decoded at a time (4 MB of float32)
 MAX_FRAMES_PER_BYTE = 8192  # beyond any codec's reach (a FLAC frame holds <= 65535 frames in >= 10 bytes)
@@ -41,6 +56,7 @@ class Audio:
     sample_rate: int
     subtype: str = "PCM_16"
     format: str = "wav"  # the container it was read from (wav, flac, mp3, ...)
+    channels: int = 1  # of the input (``samples`` holds its mixdown or one of them)
 
     @property
     def seconds(self) -> float:
@@ -220,7 +236,8 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
         )
     if len(mono) == 0:
         raise InputError(where, "zero_length", "the audio has no samples.")
-    return Audio(np.ascontiguousarray(mono), rate, subtype, CONTAINERS.get(container, container.lower()))
+    container = CONTAINERS.get(container, container.lower())
+    return Audio(np.ascontiguousarray(mono), rate, subtype, container, samples.shape[1])
 
 
 def _read_samples(sound: SoundFile) -> np.ndarray:
@@ -299,19 +316,48 @@ def cut(audio: Audio, start: float, end: float, where: Where) -> Audio:
             f"the segment {start:g} .. {end:g} s runs past the end of its recording ({audio.seconds:.3f} s).",
             "fix the segments file (its times are in seconds).",
         )
-    return Audio(audio.samples[first : min(last, total)], audio.sample_rate, audio.subtype, audio.format)
+    return replace(audio, samples=audio.samples[first : min(last, total)])
 
 
-def encode(audio: Audio, encoding: str) -> tuple[str, bytes]:
-    """``(extension, bytes)`` of ``audio`` for a shard: FLAC (lossless for integer PCM up to
-    24 bits), or for ``keep`` a WAV of the stored sample format."""
+@dataclass(frozen=True)
+class Stored:
+    """An utterance's audio as a shard member: its extension, its bytes, and how it was made
+    from the input (``kept mp3``: the original bytes; ``wav -> flac``: decoded, encoded)."""
+
+    extension: str
+    data: bytes
+    how: str
+
+
+def store(audio: Audio, encoding: str, original: bytes | None) -> Stored:
+    """``audio`` for a shard; ``original`` is the input's bytes when ``audio`` is all of it,
+    unchanged (None when it was cut, resampled or a channel was picked).
+
+    ``flac``: integer PCM up to 24 bits becomes FLAC of the same bits (lossless); anything FLAC
+    cannot hold exactly (lossy codecs, float, 32-bit PCM) keeps its original bytes, since a
+    re-encoding cannot make it better, in a container the loader decodes. Audio that changed
+    is encoded: PCM at its own bits, a lossy codec's as 16-bit FLAC (its rounding, below
+    -96 dBFS, is far under the codec's own noise), float and 32-bit PCM as float WAV; samples
+    beyond full scale (after resampling, or a lossy decoder's overshoot) go to float WAV rather
+    than be clipped. ``keep``: the original bytes, or for a cut a WAV made the same way.
+    """
     import soundfile
 
-    subtype = audio.subtype if audio.subtype in ("PCM_16", "PCM_24", "PCM_S8", "PCM_U8") else None
+    loadable = audio.format in AUDIO_EXTENSIONS  # a member the loader decodes
+    if original is not None and (encoding == "keep" or (audio.subtype not in PCM_BITS and loadable)):
+        return Stored(audio.format, bytes(original), f"kept {audio.format}")
+    bits = _integer_bits(audio)
+    container = "FLAC" if encoding == "flac" and bits else "WAV"
+    subtype = {8: "PCM_S8" if container == "FLAC" else "PCM_U8", 16: "PCM_16", 24: "PCM_24"}.get(bits, "FLOAT")
     buffer = io.BytesIO()
-    if encoding == "flac" and subtype is not None:
-        soundfile.write(buffer, audio.samples, audio.sample_rate, format="FLAC", subtype=subtype)
-        return "flac", buffer.getvalue()
-    # FLAC holds integer samples only: float (and 32-bit) audio stays WAV, losslessly
-    soundfile.write(buffer, audio.samples, audio.sample_rate, format="WAV", subtype=subtype or "FLOAT")
-    return "wav", buffer.getvalue()
+    soundfile.write(buffer, audio.samples, audio.sample_rate, format=container, subtype=subtype)
+    return Stored(container.lower(), buffer.getvalue(), f"{audio.format} -> {container.lower()}")
+
+
+def _integer_bits(audio: Audio) -> int | None:
+    """Bits of integer PCM that hold ``audio``'s samples: its own (PCM), 16 for a lossy codec;
+    None for float, 32-bit or unknown sample formats, and for samples beyond full scale."""
+    bits = PCM_BITS.get(audio.subtype) or (16 if audio.subtype in LOSSY_SUBTYPES else None)
+    if bits is not None and len(audio.samples) and float(np.abs(audio.samples).max()) > 1.0:
+        return None  # an integer format would clip them
+    return bits

@@ -74,8 +74,10 @@ def pack_data(
 
     ``filter_group=["10:1000", "1000:2000"]`` writes utterances of ``[10, 1000)`` frames (for
     audio: seconds) to ``d_out/10_1000/`` and so on (others are dropped and counted); without it
-    all go to ``d_out``. Audio is stored as FLAC (``audio_format="keep"``: the original bytes),
-    or as fbank features computed now (``features="fbank"``, ``num_mel_bins``, ``resample_to``).
+    all go to ``d_out``. Audio is stored as FLAC when it is integer PCM and as its original bytes
+    when FLAC cannot hold it exactly (MP3, Ogg, float; ``audio_format="keep"``: always the
+    original bytes), or as fbank features computed now (``features="fbank"``, ``num_mel_bins``,
+    ``resample_to``).
     Each folder gets ``index.json``; ``d_out/pack_report.json`` says what happened. Bad input
     raises InputError naming file, line and key, unless ``skip_bad`` (then it is counted in the
     report). See README for every option.
@@ -503,7 +505,7 @@ def _report(
     options: PackOptions,
 ) -> PackReport:
     mine = [records[_relative(t)] for t in plan.tasks if _relative(t) in records]
-    groups, skipped, histogram = summarize_records(mine)
+    groups, skipped, histogram, audio_stored = summarize_records(mine)
     dropped = dict(plan.dropped)
     for reason, count in skipped.items():
         dropped[reason] = dropped.get(reason, 0) + count
@@ -525,6 +527,7 @@ def _report(
         shards_total=len(plan.tasks),
         shards_done=len(mine),
         shards_empty=sum(not shard_written(record) for record in mine),
+        audio_stored=audio_stored,
         shards_written_now=len(written_now),
         bytes_written_now=sum(r["bytes"] for r in written_now),
         wall_seconds=wall,

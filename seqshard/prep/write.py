@@ -38,6 +38,7 @@ class _OpenShard:
     length_hist: dict[int, int] = field(default_factory=dict)
     skipped: dict[str, int] = field(default_factory=dict)
     members: dict[str, None] = field(default_factory=dict)  # member suffixes written, in first-seen order
+    audio_stored: dict[str, int] = field(default_factory=dict)  # utterances by how their audio was stored
 
     def count(self, frames: int) -> None:
         """Account for an utterance of ``frames`` frames just added to the shard."""
@@ -113,8 +114,11 @@ class _Committer:
             shard.writer.abort()
             with writing(shard.task.path):
                 shard.task.path.unlink(missing_ok=True)  # nor keeps an earlier run's file
+        record = shard.record(self._dim, self._dtype)
+        if shard.audio_stored:
+            record["audio_stored"] = dict(sorted(shard.audio_stored.items()))
         with self._lock:
-            self._journal.append(shard.record(self._dim, self._dtype))
+            self._journal.append(record)
 
     def finish(self) -> None:
         """Wait for every commit; raise the first failure."""
@@ -146,7 +150,7 @@ def _write_sweep(
                     shard = open_shards[ordinal] = _OpenShard(task, ShardWriter(task.path), task.num_planned)
                 key, value = plan.scp.record(int(row))
                 try:
-                    members, length = reader.read(int(row), key, value, plan.scp.where(int(row), key))
+                    members, length, stored = reader.read(int(row), key, value, plan.scp.where(int(row), key))
                 except InputError as error:
                     skip(error)
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
@@ -155,6 +159,8 @@ def _write_sweep(
                     shard.writer.add(options.shard_key(key), members)
                     shard.members.update(dict.fromkeys(name for name, _ in members))
                     shard.count(length)
+                    if stored:
+                        shard.audio_stored[stored] = shard.audio_stored.get(stored, 0) + 1
                 shard.remaining -= 1
                 if shard.remaining == 0:
                     committer.submit(open_shards.pop(ordinal))
