@@ -175,3 +175,24 @@ def test_a_matrix_header_claiming_10_to_9_rows_is_dropped_when_lengths_are_plann
                        skip_bad=True, progress=False)  # fmt: skip
     # not taken at its word (10^9 frames: outside the group, never read)
     assert report.packed == 1 and report.dropped == {"damaged_value": 1}
+
+
+# ---------------------------------------------------------------------------------------
+# lengths declared by utt2num_frames and utt2dur
+
+
+def test_lengths_beyond_int32_in_length_files_are_malformed_lines_not_wrapped(tmp_path):
+    from conftest import write_audio_dir, write_kaldi_dir
+
+    data = write_kaldi_dir(tmp_path / "k", speakers=1, per_speaker=3, frames=(20, 40))
+    lengths = [f"{key} {len(array)}\n" for key, array in data.arrays.items()]
+    lengths[0] = f"{data.keys[0]} {2**32 + len(data.arrays[data.keys[0]])}\n"  # int32 would read its true length
+    lengths[1] = f"{data.keys[1]} {3 * 10**9}\n"  # int32 would read -1294967296: "unknown"
+    (data.root / "utt2num_frames").write_text("".join(lengths))
+    report = pack_data(data.scp, data.text, tmp_path / "f", filter_group=["1:1000"], skip_bad=True, progress=False)
+    assert report.frames_file_issues == {"malformed_line": 2} and report.packed == 3
+
+    audio = write_audio_dir(tmp_path / "a", utts=2)
+    (audio.root / "utt2dur").write_text(f"utt000 {'9' * 400}\nutt001 1.0\n")  # float: inf
+    with pytest.raises(InputError, match=r"utt2dur:1 \(key 'utt000'\): the duration 9999.* is beyond any"):
+        pack_data(None, audio.text, tmp_path / "a_out", wav_scp=audio.wav_scp, filter_group=["0:100"], progress=False)
