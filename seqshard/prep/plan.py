@@ -58,6 +58,8 @@ class LengthGroup:
         low, sep, high = str(spec).partition(":")
         try:
             bounds = (float(low), float(high)) if seconds else (int(low), int(high))
+            if not all(map(math.isfinite, bounds)):
+                raise ValueError("NaN or infinite")
         except ValueError:
             raise ConfigError(
                 f"{option('filter_group', spec)}: expected 'LOW:HIGH' in {unit}, e.g. '{'1:5' if seconds else '10:1000'}'."
