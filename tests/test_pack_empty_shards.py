@@ -97,3 +97,20 @@ def test_a_file_left_under_an_empty_shards_name_is_removed(tmp_path):
     (out / "data-00001.tar").write_bytes(bytes(10240))  # what an earlier seqshard left: an empty tar
     pack_data(data.scp, data.text, out, utts_per_file=10, shuffle=False, skip_bad=True, progress=False)
     assert not (out / "data-00001.tar").exists()
+
+
+def test_after_a_pack_that_kept_nothing_the_fixed_inputs_pack_into_the_same_folder(tmp_path):
+    data = damaged_middle_shard(tmp_path)
+    text = data.text.read_text().splitlines(keepends=True)
+    scp = data.scp.read_text().splitlines(keepends=True)
+    data.scp.write_text("".join(scp[10:20]))  # only the damaged values: nothing is packed
+    data.text.write_text("".join(text[10:20]))
+    out = tmp_path / "out"
+    options = dict(utts_per_file=10, shuffle=False, skip_bad=True, progress=False)
+    with pytest.raises(SeqshardError, match="nothing was packed"):
+        pack_data(data.scp, data.text, out, **options)
+    data.scp.write_text("".join(scp[:10]))  # the user gives the intact part instead
+    data.text.write_text("".join(text[:10]))
+    report = pack_data(data.scp, data.text, out, **options)  # the empty data-00000.tar is not "finished"
+    assert (report.packed, report.shards_empty) == (10, 0)
+    assert sorted(read_shards(out.glob("*.tar"))) == sorted(data.keys[:10])

@@ -301,20 +301,21 @@ def _clear_output(d_out: Path, fmt: str) -> None:
 
 def _claim_output(d_out: Path, options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
     """Record what this folder is being packed from. A folder holding shards packed from other
-    inputs or options is refused; one where nothing was packed yet (a run that failed before
-    its first shard) is taken over. Returns the run record."""
+    inputs or options is refused; one where no shard file was written yet (a run that failed
+    before its first shard, or one that kept nothing) is taken over. Returns the run record."""
     run_file = d_out / STATE_DIR / RUN_FILE
     described = _describe_run(options, inputs)
     if run_file.exists():
         previous = json.loads(run_file.read_text(encoding="utf-8"))
         if previous.get("fingerprint") == described["fingerprint"]:
             return previous
-        if finished_shards(d_out):
+        if _any_shard_written(d_out):
             raise ConfigError(
                 f"{d_out} holds shards packed from other inputs or options ({'; '.join(_run_differences(previous, described))}; "
                 f"see {run_file}). Use a new output folder, or pass {option('overwrite')} to replace them."
             )
         _LOG.info("%s: the earlier run packed no shard; starting afresh with these inputs and options", d_out)
+        _forget_empty_shards(d_out)
     described["created"] = _now()
     with writing(run_file.parent):
         run_file.parent.mkdir(parents=True, exist_ok=True)
@@ -344,12 +345,14 @@ def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
     digest = hashlib.blake2b(plan.shard_of_row.tobytes(), digest_size=16)
     for task in plan.tasks:
         digest.update(f"{task.group}/{task.path.name}:{task.num_planned}\n".encode())
-    if run.get("plan") not in (None, digest.hexdigest()) and finished_shards(d_out):
-        raise ConfigError(
-            f"{d_out} holds shards of another plan: with these options other utterances go into its shards (did "
-            f"{option('skip_bad')} change which utterances are dropped?). Use a new output folder, or pass "
-            f"{option('overwrite')} to replace them."
-        )
+    if run.get("plan") not in (None, digest.hexdigest()):
+        if _any_shard_written(d_out):
+            raise ConfigError(
+                f"{d_out} holds shards of another plan: with these options other utterances go into its shards (did "
+                f"{option('skip_bad')} change which utterances are dropped?). Use a new output folder, or pass "
+                f"{option('overwrite')} to replace them."
+            )
+        _forget_empty_shards(d_out)
     if run.get("plan") != digest.hexdigest():
         run["plan"] = digest.hexdigest()
         write_json_atomic(d_out / STATE_DIR / RUN_FILE, run)
@@ -357,6 +360,18 @@ def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
     for task in plan.tasks:
         groups[task.group].append((task.path.name, task.num_planned))
     write_json_atomic(d_out / STATE_DIR / PLANNED_NAME, planned_record(groups))
+
+
+def _any_shard_written(d_out: Path) -> bool:
+    return any(shard_written(record) for record in finished_shards(d_out).values())
+
+
+def _forget_empty_shards(d_out: Path) -> None:
+    """Drop the journals of an earlier run that wrote no shard file: the shards they record as
+    empty (every utterance dropped) were planned from other inputs or another plan."""
+    for journal in (d_out / STATE_DIR).glob("journal-*.jsonl"):
+        with writing(journal):
+            journal.unlink()
 
 
 def _now() -> str:
