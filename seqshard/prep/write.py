@@ -36,9 +36,9 @@ class _OpenShard:
     min_frames: int = 0  # 0 while the shard holds no utterance
     max_frames: int = 0
     length_hist: dict[int, int] = field(default_factory=dict)
+    audio_stored: dict[str, int] = field(default_factory=dict)  # utterances by how their audio was stored
     skipped: dict[str, int] = field(default_factory=dict)
     members: dict[str, None] = field(default_factory=dict)  # member suffixes written, in first-seen order
-    audio_stored: dict[str, int] = field(default_factory=dict)  # utterances by how their audio was stored
 
     def count(self, frames: int) -> None:
         """Account for an utterance of ``frames`` frames just added to the shard."""
@@ -155,12 +155,12 @@ def _write_sweep(
                     skip(error)
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
                 else:
+                    if stored:
+                        shard.audio_stored[stored] = shard.audio_stored.get(stored, 0) + 1
                     members.append((LABEL_MEMBER, [_label(plan, int(row), key).encode("utf-8")]))
                     shard.writer.add(options.shard_key(key), members)
                     shard.members.update(dict.fromkeys(name for name, _ in members))
                     shard.count(length)
-                    if stored:
-                        shard.audio_stored[stored] = shard.audio_stored.get(stored, 0) + 1
                 shard.remaining -= 1
                 if shard.remaining == 0:
                     committer.submit(open_shards.pop(ordinal))
