@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--audio-format",
         choices=["flac", "keep"],
         default="flac",
-        help="store audio as FLAC (lossless) or the original bytes (default: %(default)s)",
+        help="flac: integer PCM as FLAC, lossy (MP3, Ogg) and float audio as its original bytes; keep: all as "
+        "their original bytes (default: %(default)s)",
     )
     pack.add_argument("--features", choices=["fbank"], help="store Kaldi-compatible fbank computed from the audio")
     pack.add_argument("--num-mel-bins", type=int, default=80, help="fbank mel bins (default: %(default)s)")

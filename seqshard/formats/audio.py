@@ -1,5 +1,5 @@
 """Audio in and out: Kaldi ``wav.scp`` entries, decoding (soundfile), cutting segments, and
-encoding for shards (FLAC, lossless for integer PCM).
+storing for shards (FLAC, lossless for integer PCM; lossy and float audio as it came).
 
 Samples are float32 in [-1, 1] (soundfile's scale); Kaldi's feature code works on the int16
 scale, which the fbank stage applies itself. Multi-channel audio is mixed down (the mean of the
@@ -11,18 +11,40 @@ blob stored in an ark (ESPnet's and k2's wav-in-ark).
 from __future__ import annotations
 
 import io
+import os
 import re
 import subprocess
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ..errors import InputError, Where, option
+from .fields import AUDIO_EXTENSIONS
+
+if TYPE_CHECKING:
+    from soundfile import SoundFile
 
 ENCODINGS = ("flac", "keep")
-CONTAINERS = {"WAV": "wav", "WAVEX": "wav", "FLAC": "flac", "OGG": "ogg", "MPEG": "mp3", "MP3": "mp3", "RF64": "wav"}
+CONTAINERS = {
+    "WAV": "wav",
+    "WAVEX": "wav",
+    "FLAC": "flac",
+    "OGG": "ogg",
+    "MPEG": "mp3",
+    "MP3": "mp3",
+    "RF64": "wav",
+    "NIST": "sph",
+}
+PCM_BITS = {"PCM_S8": 8, "PCM_U8": 8, "PCM_16": 16, "PCM_24": 24}  # what FLAC holds exactly
+LOSSY_SUBTYPES = (  # codecs that decode to approximations of 16-bit (or fewer) PCM
+    *("MPEG_LAYER_I", "MPEG_LAYER_II", "MPEG_LAYER_III", "VORBIS", "OPUS"),
+    *("ULAW", "ALAW", "IMA_ADPCM", "MS_ADPCM", "GSM610", "G721_32", "G723_24", "G723_40", "VOX_ADPCM"),
+)
 ESTIMATED_LENGTH_FORMATS = ("MP3", "OGG")  # their headers give an estimated frame count, not an exact one
+DECODE_BLOCK_SAMPLES = 1 << 20  # samples decoded at a time (4 MB of float32)
+MAX_FRAMES_PER_BYTE = 8192  # beyond any codec's reach (a FLAC frame holds <= 65535 frames in >= 10 bytes)
 
 
 @dataclass(frozen=True)
@@ -34,6 +56,7 @@ class Audio:
     sample_rate: int
     subtype: str = "PCM_16"
     format: str = "wav"  # the container it was read from (wav, flac, mp3, ...)
+    channels: int = 1  # of the input (``samples`` holds its mixdown or one of them)
 
     @property
     def seconds(self) -> float:
@@ -93,8 +116,8 @@ def read_location(location: WavLocation, where: Where, allow_pipes: bool = False
 
 def header_seconds(location: WavLocation, where: Where) -> float | None:
     """The duration a file's header gives, read without decoding the audio; None for pipes,
-    for formats whose headers only estimate it (MP3, OGG) and for anything unreadable (the
-    full read reports that)."""
+    for formats whose headers only estimate it (MP3, OGG), for a header that declares more
+    frames than its bytes can hold, and for anything unreadable (the full read reports those)."""
     import soundfile
 
     if location.is_pipe:
@@ -102,13 +125,15 @@ def header_seconds(location: WavLocation, where: Where) -> float | None:
     try:
         if location.offset is None:
             info = soundfile.info(location.path)
+            size = os.path.getsize(location.path)
         else:
             with open(location.path, "rb") as stream:
                 stream.seek(location.offset)
-                info = soundfile.info(io.BytesIO(_riff_blob(stream, location, where)))
+                blob = _riff_blob(stream, location, where)
+            info, size = soundfile.info(io.BytesIO(blob)), len(blob)
     except (OSError, RuntimeError, InputError):
         return None
-    if info.format in ESTIMATED_LENGTH_FORMATS or info.samplerate <= 0:
+    if info.format in ESTIMATED_LENGTH_FORMATS or info.samplerate <= 0 or info.frames > MAX_FRAMES_PER_BYTE * size:
         return None
     return info.frames / info.samplerate
 
@@ -127,10 +152,16 @@ def _riff_blob(stream: io.BufferedReader, location: WavLocation, where: Where) -
             else "regenerate the wav.scp with the ark (wav-copy).",
         )
     size = int.from_bytes(header[4:8], "little")
-    body = stream.read(size)
-    if len(body) < size:
-        raise InputError(where, "unreadable_audio", f"the wav blob at {location.path}:{location.offset} is cut short.")
-    return header + body
+    left = os.fstat(stream.fileno()).st_size - stream.tell()
+    if size > left:  # checked before reading: a read allocates the size it is asked for
+        raise InputError(
+            where,
+            "unreadable_audio",
+            f"the wav blob at {location.path}:{location.offset} declares {size} bytes after its RIFF header, but the "
+            f"ark holds {left} more bytes (cut short, or the header is damaged).",
+            "regenerate the ark and its wav.scp (wav-copy).",
+        )
+    return header + stream.read(size)
 
 
 def _run_pipe(location: WavLocation, where: Where, allow_pipes: bool) -> bytes:
@@ -156,14 +187,24 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
     """Encoded audio -> :class:`Audio` (mixed down, or ``channel``)."""
     import soundfile
 
+    header = ""  # what the header declares, once it was read: the context of a failure to decode
     try:
         with soundfile.SoundFile(io.BytesIO(bytes(data))) as sound:
-            samples = sound.read(dtype="float32", always_2d=True)
+            header = f" (its {sound.format} header declares {sound.frames} frames at {sound.samplerate} Hz)"
+            if sound.frames > MAX_FRAMES_PER_BYTE * len(data):
+                raise InputError(
+                    where,
+                    "unreadable_audio",
+                    f"the {sound.format} header declares {sound.frames} frames, more than {len(data)} bytes of audio "
+                    "can hold (a damaged header).",
+                    "check the file, or remove its line.",
+                )
+            samples = _read_samples(sound)
             rate, subtype, declared, container = sound.samplerate, sound.subtype, sound.frames, sound.format
             if sound.format in ESTIMATED_LENGTH_FORMATS:
                 declared = 0
     except (RuntimeError, soundfile.LibsndfileError, ValueError) as error:
-        why = "the file is empty (0 bytes)" if len(data) == 0 else _without_repr(str(error))
+        why = "the file is empty (0 bytes)" if len(data) == 0 else _without_repr(str(error)) + header
         raise InputError(
             where, "unreadable_audio", f"the audio cannot be decoded: {why}.", "check the file, or remove its line."
         ) from None
@@ -195,7 +236,23 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
         )
     if len(mono) == 0:
         raise InputError(where, "zero_length", "the audio has no samples.")
-    return Audio(np.ascontiguousarray(mono), rate, subtype, CONTAINERS.get(container, container.lower()))
+    container = CONTAINERS.get(container, container.lower())
+    return Audio(np.ascontiguousarray(mono), rate, subtype, container, samples.shape[1])
+
+
+def _read_samples(sound: SoundFile) -> np.ndarray:
+    """Every sample (frames x channels, float32), decoded a block at a time, so that memory
+    follows the audio that is there and not the frame count its header declares (a FLAC
+    header may declare 2^36 frames; ``read()`` allocates them at once)."""
+    step = max(1, DECODE_BLOCK_SAMPLES // sound.channels)
+    blocks = []
+    while len(block := sound.read(step, dtype="float32", always_2d=True)):
+        blocks.append(block if block.base is None else block.copy())  # a short read is a view of the whole block
+        if len(block) < step:
+            break
+    if len(blocks) == 1:
+        return blocks[0]
+    return np.concatenate(blocks) if blocks else np.empty((0, sound.channels), dtype=np.float32)
 
 
 def _without_repr(message: str) -> str:
@@ -230,6 +287,8 @@ def audio_seconds(data: bytes | memoryview) -> float:
         info = soundfile.info(io.BytesIO(bytes(data)))
     except (RuntimeError, soundfile.LibsndfileError) as error:
         raise ValueError(f"the audio cannot be decoded ({error})") from None
+    if info.frames > MAX_FRAMES_PER_BYTE * len(data):
+        raise ValueError(f"its header declares {info.frames} frames, more than {len(data)} bytes of audio can hold")
     return info.frames / info.samplerate
 
 
@@ -257,19 +316,48 @@ def cut(audio: Audio, start: float, end: float, where: Where) -> Audio:
             f"the segment {start:g} .. {end:g} s runs past the end of its recording ({audio.seconds:.3f} s).",
             "fix the segments file (its times are in seconds).",
         )
-    return Audio(audio.samples[first : min(last, total)], audio.sample_rate, audio.subtype, audio.format)
+    return replace(audio, samples=audio.samples[first : min(last, total)])
 
 
-def encode(audio: Audio, encoding: str) -> tuple[str, bytes]:
-    """``(extension, bytes)`` of ``audio`` for a shard: FLAC (lossless for integer PCM up to
-    24 bits), or for ``keep`` a WAV of the stored sample format."""
+@dataclass(frozen=True)
+class Stored:
+    """An utterance's audio as a shard member: its extension, its bytes, and how it was made
+    from the input (``kept mp3``: the original bytes; ``wav -> flac``: decoded, encoded)."""
+
+    extension: str
+    data: bytes
+    how: str
+
+
+def store(audio: Audio, encoding: str, original: bytes | None) -> Stored:
+    """``audio`` for a shard; ``original`` is the input's bytes when ``audio`` is all of it,
+    unchanged (None when it was cut, resampled or a channel was picked).
+
+    ``flac``: integer PCM up to 24 bits becomes FLAC of the same bits (lossless); anything FLAC
+    cannot hold exactly (lossy codecs, float, 32-bit PCM) keeps its original bytes, since a
+    re-encoding cannot make it better, in a container the loader decodes. Audio that changed
+    is encoded: PCM at its own bits, a lossy codec's as 16-bit FLAC (its rounding, below
+    -96 dBFS, is far under the codec's own noise), float and 32-bit PCM as float WAV; samples
+    beyond full scale (after resampling, or a lossy decoder's overshoot) go to float WAV rather
+    than be clipped. ``keep``: the original bytes, or for a cut a WAV made the same way.
+    """
     import soundfile
 
-    subtype = audio.subtype if audio.subtype in ("PCM_16", "PCM_24", "PCM_S8", "PCM_U8") else None
+    loadable = audio.format in AUDIO_EXTENSIONS  # a member the loader decodes
+    if original is not None and (encoding == "keep" or (audio.subtype not in PCM_BITS and loadable)):
+        return Stored(audio.format, bytes(original), f"kept {audio.format}")
+    bits = _integer_bits(audio)
+    container = "FLAC" if encoding == "flac" and bits else "WAV"
+    subtype = {8: "PCM_S8" if container == "FLAC" else "PCM_U8", 16: "PCM_16", 24: "PCM_24"}.get(bits, "FLOAT")
     buffer = io.BytesIO()
-    if encoding == "flac" and subtype is not None:
-        soundfile.write(buffer, audio.samples, audio.sample_rate, format="FLAC", subtype=subtype)
-        return "flac", buffer.getvalue()
-    # FLAC holds integer samples only: float (and 32-bit) audio stays WAV, losslessly
-    soundfile.write(buffer, audio.samples, audio.sample_rate, format="WAV", subtype=subtype or "FLOAT")
-    return "wav", buffer.getvalue()
+    soundfile.write(buffer, audio.samples, audio.sample_rate, format=container, subtype=subtype)
+    return Stored(container.lower(), buffer.getvalue(), f"{audio.format} -> {container.lower()}")
+
+
+def _integer_bits(audio: Audio) -> int | None:
+    """Bits of integer PCM that hold ``audio``'s samples: its own (PCM), 16 for a lossy codec;
+    None for float, 32-bit or unknown sample formats, and for samples beyond full scale."""
+    bits = PCM_BITS.get(audio.subtype) or (16 if audio.subtype in LOSSY_SUBTYPES else None)
+    if bits is not None and len(audio.samples) and float(np.abs(audio.samples).max()) > 1.0:
+        return None  # an integer format would clip them
+    return bits

@@ -71,8 +71,9 @@ def parse_line(raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
 
     Raises InputError (reason ``non_utf8`` or ``malformed_line``) naming the line.
     """
-    if raw.startswith(BOM) and where.line == 1:
-        raw = raw[len(BOM) :]
+    if where.line == 1:
+        raw = raw.removeprefix(BOM)
+        _refuse_archive(raw, where)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -95,6 +96,42 @@ def parse_line(raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
             "each line must be `KEY VALUE`.",
         )
     return key, value
+
+
+# The first line of an ark read as a table file: a key, then a binary value (its type), a wav
+# file or a text matrix.
+_ARCHIVE_START = re.compile(
+    rb"([^\x00-\x20\x7f\xff]+) (?:\0B(\x04|[A-Z0-9]*)|(RIFF)[\s\S]{4}WAVE| *(\[)[ \t\r\n]*$)"
+)
+_ARCHIVE_KINDS = {  # what the values are, and the Kaldi tool that copies them, writing an scp
+    b"FV": ("vectors", "copy-vector"),
+    b"DV": ("vectors", "copy-vector"),
+    b"\x04": ("integer vectors", "copy-int-vector"),
+    b"RIFF": ("WAV files (wav-in-ark)", "wav-copy"),
+    b"[": ("text matrices", "copy-feats"),
+}
+
+
+def _refuse_archive(raw: bytes, where: Where) -> None:
+    """Refuse an ark given where a table file (scp, text) is expected, saying what it holds
+    and how to write the scp that indexes it (else its binary values read as non-UTF-8 text)."""
+    match = _ARCHIVE_START.match(raw)
+    if match is None:
+        return
+    kind = next(group for group in match.groups()[1:] if group is not None)
+    what, tool = _ARCHIVE_KINDS.get(kind, ("matrices", "copy-feats"))
+    path = Path(where.path)
+    scp = path.with_suffix(".scp")
+    write_one = f"`{tool} ark:{path} ark,scp:{path.with_name(path.stem + '_copy.ark')},{scp}` (Kaldi) writes one"
+    raise InputError(
+        where,
+        "not_a_table",
+        f"the file is a Kaldi archive (ark) of {what}, not a table file of `KEY VALUE` lines (it starts with the "
+        f"key {match.group(1)[:80].decode('utf-8', 'replace')!r} and its value).",
+        f"pack reads an ark through the scp written with it (`KEY {path}:OFFSET` lines): give "
+        + (f"{scp} (beside it) if it is that one." if scp.is_file() else f"that scp; {write_one}."),
+        skippable=False,  # the whole file is of the wrong kind, not one bad line
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -280,6 +317,8 @@ class MatrixReader:
             return self._read_pipe(location, where)
         stream, head = self._seek_value(location, where, vectors)
         start = location.offset or 0
+        if head.startswith(b"\0B"):
+            self._check_declared_size(stream, start, location, where)
         from kaldiio.matio import read_kaldi
 
         try:
@@ -293,23 +332,28 @@ class MatrixReader:
             raise InputError(where, "not_a_matrix", "the entry is not a 2-D matrix.")
         return _apply_ranges(array, location, where)
 
+    def _check_declared_size(self, stream: BinaryIO, start: int, location: ArkLocation, where: Where) -> None:
+        """Refuse a binary value whose header declares more bytes than the ark holds after its
+        start, before anything is allocated for it (kaldiio reads the declared size at once)."""
+        declared = _value_size(stream, start)
+        size = os.fstat(stream.fileno()).st_size
+        stream.seek(start)
+        if declared is not None and start + declared > size:
+            raise self._damaged(
+                location,
+                where,
+                f"its header declares {declared} bytes, so it would end at byte {start + declared}, past the "
+                f"end of the ark (byte {size}): bytes were removed from it, the ark is truncated, or the header "
+                "is damaged",
+            )
+
     def _undecodable(
         self, stream: BinaryIO, start: int, head: bytes, location: ArkLocation, where: Where, error: Exception
     ) -> InputError:
-        """The error for a value kaldiio cannot decode: ``damaged_value`` when it shows how the
-        value was changed (cut short, or CR bytes in a text matrix), else ``unreadable``."""
-        stopped = stream.tell()
-        if head.startswith(b"\0B"):
-            declared = _value_size(stream, start)
-            size = os.fstat(stream.fileno()).st_size
-            if declared is not None and start + declared > size:
-                return self._damaged(
-                    location,
-                    where,
-                    f"its header declares {declared} bytes, so it would end at byte {start + declared}, past the "
-                    f"end of the ark (byte {size}): bytes were removed from it, or the ark is truncated",
-                )
-        else:
+        """The error for a value kaldiio cannot decode: ``damaged_value`` when it shows how a
+        text value was changed (CR bytes in it), else ``unreadable``."""
+        if not head.startswith(b"\0B"):
+            stopped = stream.tell()
             stream.seek(start)
             if b"\r" in stream.read(max(stopped - start, 0)):
                 return self._damaged(
@@ -386,6 +430,7 @@ class MatrixReader:
         stream, head = self._seek_value(location, where)
         if not head.startswith(b"\0B"):
             return self.read(location, where).shape  # type: ignore[return-value]
+        self._check_declared_size(stream, location.offset or 0, location, where)
         token = head[2:].split(b" ", 1)[0]
         stream.seek((location.offset or 0) + 3 + len(token))
         if token in (b"FM", b"DM"):

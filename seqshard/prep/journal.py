@@ -2,7 +2,9 @@
 
 Each writer process appends one JSON line per shard after the shard has been renamed to its
 final name. A rerun of the same command trusts a shard only when it has both its file (of the
-recorded size) and its journal line, and writes every other shard again.
+recorded size) and its journal line, and writes every other shard again. A shard whose planned
+utterances were all dropped while writing is journaled with 0 bytes and has no file (an empty
+shard is never given its final name): it is finished when no file has its name.
 """
 
 from __future__ import annotations
@@ -46,9 +48,21 @@ def finished_shards(d_out: Path, kind: str = "journal") -> dict[str, dict[str, A
                     continue  # a line cut short by a crash: its shard is redone
                 relative = record_path(record)
                 path = Path(d_out) / relative
-                if path.is_file() and path.stat().st_size == record["bytes"]:
+                if _on_disk_as_recorded(path, record):
                     records[relative] = record
     return records
+
+
+def _on_disk_as_recorded(path: Path, record: dict[str, Any]) -> bool:
+    if not shard_written(record):
+        return not path.exists()
+    return path.is_file() and path.stat().st_size == record["bytes"]
+
+
+def shard_written(record: dict[str, Any]) -> bool:
+    """Whether a journal record's file was written (False: every utterance planned for the
+    shard was dropped while writing, so no file has its name)."""
+    return record["bytes"] > 0
 
 
 def record_path(record: dict[str, Any]) -> str:

@@ -28,7 +28,7 @@ from ..formats.files import remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import INDEX_NAME, ShardEntry, ShardIndex
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
 from ..progress import Progress
-from .journal import Journal, finished_shards
+from .journal import Journal, finished_shards, shard_written
 from .plan import UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
 from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource
@@ -74,8 +74,10 @@ def pack_data(
 
     ``filter_group=["10:1000", "1000:2000"]`` writes utterances of ``[10, 1000)`` frames (for
     audio: seconds) to ``d_out/10_1000/`` and so on (others are dropped and counted); without it
-    all go to ``d_out``. Audio is stored as FLAC (``audio_format="keep"``: the original bytes),
-    or as fbank features computed now (``features="fbank"``, ``num_mel_bins``, ``resample_to``).
+    all go to ``d_out``. Audio is stored as FLAC when it is integer PCM and as its original bytes
+    when FLAC cannot hold it exactly (MP3, Ogg, float; ``audio_format="keep"``: always the
+    original bytes), or as fbank features computed now (``features="fbank"``, ``num_mel_bins``,
+    ``resample_to``).
     Each folder gets ``index.json``; ``d_out/pack_report.json`` says what happened. Bad input
     raises InputError naming file, line and key, unless ``skip_bad`` (then it is counted in the
     report). See README for every option.
@@ -299,20 +301,21 @@ def _clear_output(d_out: Path, fmt: str) -> None:
 
 def _claim_output(d_out: Path, options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
     """Record what this folder is being packed from. A folder holding shards packed from other
-    inputs or options is refused; one where nothing was packed yet (a run that failed before
-    its first shard) is taken over. Returns the run record."""
+    inputs or options is refused; one where no shard file was written yet (a run that failed
+    before its first shard, or one that kept nothing) is taken over. Returns the run record."""
     run_file = d_out / STATE_DIR / RUN_FILE
     described = _describe_run(options, inputs)
     if run_file.exists():
         previous = json.loads(run_file.read_text(encoding="utf-8"))
         if previous.get("fingerprint") == described["fingerprint"]:
             return previous
-        if finished_shards(d_out):
+        if _any_shard_written(d_out):
             raise ConfigError(
                 f"{d_out} holds shards packed from other inputs or options ({'; '.join(_run_differences(previous, described))}; "
                 f"see {run_file}). Use a new output folder, or pass {option('overwrite')} to replace them."
             )
         _LOG.info("%s: the earlier run packed no shard; starting afresh with these inputs and options", d_out)
+        _forget_empty_shards(d_out)
     described["created"] = _now()
     with writing(run_file.parent):
         run_file.parent.mkdir(parents=True, exist_ok=True)
@@ -342,12 +345,14 @@ def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
     digest = hashlib.blake2b(plan.shard_of_row.tobytes(), digest_size=16)
     for task in plan.tasks:
         digest.update(f"{task.group}/{task.path.name}:{task.num_planned}\n".encode())
-    if run.get("plan") not in (None, digest.hexdigest()) and finished_shards(d_out):
-        raise ConfigError(
-            f"{d_out} holds shards of another plan: with these options other utterances go into its shards (did "
-            f"{option('skip_bad')} change which utterances are dropped?). Use a new output folder, or pass "
-            f"{option('overwrite')} to replace them."
-        )
+    if run.get("plan") not in (None, digest.hexdigest()):
+        if _any_shard_written(d_out):
+            raise ConfigError(
+                f"{d_out} holds shards of another plan: with these options other utterances go into its shards (did "
+                f"{option('skip_bad')} change which utterances are dropped?). Use a new output folder, or pass "
+                f"{option('overwrite')} to replace them."
+            )
+        _forget_empty_shards(d_out)
     if run.get("plan") != digest.hexdigest():
         run["plan"] = digest.hexdigest()
         write_json_atomic(d_out / STATE_DIR / RUN_FILE, run)
@@ -355,6 +360,18 @@ def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
     for task in plan.tasks:
         groups[task.group].append((task.path.name, task.num_planned))
     write_json_atomic(d_out / STATE_DIR / PLANNED_NAME, planned_record(groups))
+
+
+def _any_shard_written(d_out: Path) -> bool:
+    return any(shard_written(record) for record in finished_shards(d_out).values())
+
+
+def _forget_empty_shards(d_out: Path) -> None:
+    """Drop the journals of an earlier run that wrote no shard file: the shards they record as
+    empty (every utterance dropped) were planned from other inputs or another plan."""
+    for journal in (d_out / STATE_DIR).glob("journal-*.jsonl"):
+        with writing(journal):
+            journal.unlink()
 
 
 def _now() -> str:
@@ -459,7 +476,8 @@ def _write_indexes(
     d_out: Path,
     text_files: Sequence[Path],
 ) -> bool:
-    """Write ``index.json`` in every group folder whose shards are all finished."""
+    """Write ``index.json`` in every group folder whose shards are all finished (listing those
+    written: a shard whose utterances were all dropped while writing has no file)."""
     complete = True
     facts, fields = plan.source.facts(dim)
     for name in plan.group_names:
@@ -469,7 +487,7 @@ def _write_indexes(
             continue
         folder = d_out / name if name else d_out
         folder.mkdir(parents=True, exist_ok=True)
-        written = [records[_relative(t)] for t in tasks]
+        written = [records[_relative(t)] for t in tasks if shard_written(records[_relative(t)])]
         members = dict.fromkeys(m for record in written for m in record.get("members", ()))
         index = ShardIndex(
             escaped_keys=options.escape_keys,
@@ -502,11 +520,13 @@ def _report(
     options: PackOptions,
 ) -> PackReport:
     mine = [records[_relative(t)] for t in plan.tasks if _relative(t) in records]
-    groups, skipped, histogram = summarize_records(mine)
+    groups, skipped, histogram, audio_stored = summarize_records(mine)
     dropped = dict(plan.dropped)
     for reason, count in skipped.items():
         dropped[reason] = dropped.get(reason, 0) + count
-    written_now = [records[_relative(t)] for t in written if _relative(t) in records]
+    written_now = [
+        records[_relative(t)] for t in written if _relative(t) in records and shard_written(records[_relative(t)])
+    ]
     packed = sum(g.utts for g in groups.values())
     frames = sum(g.frames for g in groups.values())
     return PackReport(
@@ -521,11 +541,13 @@ def _report(
         groups={name: groups.get(name) or GroupTotals() for name in plan.group_names},
         shards_total=len(plan.tasks),
         shards_done=len(mine),
+        shards_empty=sum(not shard_written(record) for record in mine),
+        audio_stored=audio_stored,
         shards_written_now=len(written_now),
         bytes_written_now=sum(r["bytes"] for r in written_now),
         wall_seconds=wall,
         dim=dim,
-        dtype=options.dtype if dim else f"audio ({options.audio_format})",
+        dtype=options.dtype if dim or plan.source.kind == "features" else f"audio ({options.audio_format})",
         float16_saved_bytes=frames * dim * 2 if options.dtype == "float16" else 0,
         length_hist=histogram,
     )

@@ -58,6 +58,8 @@ class LengthGroup:
         low, sep, high = str(spec).partition(":")
         try:
             bounds = (float(low), float(high)) if seconds else (int(low), int(high))
+            if not all(map(math.isfinite, bounds)):
+                raise ValueError("NaN or infinite")
         except ValueError:
             raise ConfigError(
                 f"{option('filter_group', spec)}: expected 'LOW:HIGH' in {unit}, e.g. '{'1:5' if seconds else '10:1000'}'."
@@ -114,6 +116,12 @@ class PackOptions:
             raise ConfigError(f"{option('features', self.features)}: the features pack computes are 'fbank'.")
         if self.utts_per_file < 1:
             raise ConfigError(f"{option('utts_per_file', self.utts_per_file)}: a shard holds at least 1 utterance.")
+        if self.resample_to is not None and self.resample_to < 1:
+            raise ConfigError(f"{option('resample_to', self.resample_to)}: a sample rate is at least 1 Hz.")
+        if self.channel is not None and self.channel < 0:
+            raise ConfigError(f"{option('channel', self.channel)}: channels are numbered from 0.")
+        if self.num_mel_bins < 3:
+            raise ConfigError(f"{option('num_mel_bins', self.num_mel_bins)}: fbank takes at least 3 mel bins (as Kaldi).")
         if self.dtype not in ("float32", "float16"):
             raise ConfigError(f"{option('dtype', self.dtype)}: the stored type is 'float32' or 'float16'.")
         try:

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..formats.index import merge_histograms
+from .journal import shard_written
 
 
 @dataclass
@@ -23,7 +24,11 @@ class PackReport:
     ``input_utts`` counts every scp line. When ``complete``, ``packed + sum(dropped) ==
     input_utts``: each entry either went into exactly one shard or is counted under a reason.
     ``frames_file_issues`` counts skipped ``utt2num_frames`` lines by reason; they drop no
-    utterance (its length is then read from its matrix header).
+    utterance (its length is then read from its matrix header). ``shards_empty`` counts the
+    finished shards that lost every utterance while writing: they have no file and no index
+    entry (``shards_done`` includes them). ``audio_stored`` counts packed utterances of audio by
+    how their audio was stored: ``kept mp3`` (the original bytes), ``wav -> flac`` (decoded,
+    encoded), ...
     """
 
     output: str
@@ -42,6 +47,8 @@ class PackReport:
     dim: int
     dtype: str
     float16_saved_bytes: int = 0
+    shards_empty: int = 0
+    audio_stored: dict[str, int] = field(default_factory=dict)
     length_hist: dict[int, int] = field(default_factory=dict)
     frames_file_issues: dict[str, int] = field(default_factory=dict)
 
@@ -74,25 +81,39 @@ class PackReport:
         lines.append(
             f"  shards           : {self.shards_done}/{self.shards_total} done, {self.shards_written_now} written by this run"
         )
+        if self.shards_empty:
+            lines.append(
+                f"  empty shards     : {self.shards_empty:>8}  (every utterance dropped while writing: no file, not indexed)"
+            )
         lines.append(
             f"  this run         : {self.bytes_written_now / 1e6:.1f} MB in {self.wall_seconds:.1f} s = {self.mb_per_s:.1f} MB/s"
         )
+        if self.audio_stored:
+            stored = ", ".join(f"{count} {how}" for how, count in self.audio_stored.items())
+            kept = any(how.startswith("kept ") for how in self.audio_stored)
+            lines.append(f"  audio stored     : {stored}" + (" (kept: the original bytes)" if kept else ""))
         if self.dtype == "float16":
             lines.append(f"  float16 saved    : {self.float16_saved_bytes / 1e6:.1f} MB against float32")
         return "\n".join(lines)
 
 
-def summarize_records(records: list[dict[str, Any]]) -> tuple[dict[str, GroupTotals], dict[str, int], dict[int, int]]:
-    """Per-group totals, write-time skips by reason and the length histogram of journal records."""
+def summarize_records(
+    records: list[dict[str, Any]],
+) -> tuple[dict[str, GroupTotals], dict[str, int], dict[int, int], dict[str, int]]:
+    """Per-group totals, write-time skips by reason, the length histogram and the counts of
+    how audio was stored, of journal records."""
     groups: dict[str, GroupTotals] = {}
     skipped: dict[str, int] = {}
+    stored: dict[str, int] = {}
     for record in records:
         totals = groups.setdefault(record["group"], GroupTotals())
         totals.utts += record["num_utts"]
-        totals.shards += 1
+        totals.shards += shard_written(record)
         totals.frames += record["num_frames"]
         totals.bytes += record["bytes"]
         for reason, count in record.get("skipped", {}).items():
             skipped[reason] = skipped.get(reason, 0) + count
+        for how, count in record.get("audio_stored", {}).items():
+            stored[how] = stored.get(how, 0) + count
     histogram = merge_histograms({int(k): v for k, v in r["length_hist"].items()} for r in records)
-    return groups, skipped, histogram
+    return groups, skipped, histogram, dict(sorted(stored.items(), key=lambda item: (-item[1], item[0])))

@@ -3,8 +3,9 @@
 - :class:`FeatureSource`: Kaldi matrices named by ``feats.scp``; lengths in frames (from
   ``utt2num_frames`` or matrix headers); each value's start and end checked against its ark.
 - :class:`AudioSource`: audio named by ``wav.scp``, cut by ``segments`` when given; lengths in
-  10 ms frames (from ``segments``, ``utt2dur`` or the audio); stored as FLAC (lossless), as the
-  original bytes, or as Kaldi-compatible fbank computed at pack time.
+  10 ms frames (from ``segments``, ``utt2dur`` or the audio); stored as FLAC (integer PCM,
+  lossless), as the original bytes (lossy and float audio, or ``--audio-format keep``), or as
+  Kaldi-compatible fbank computed at pack time (see ``formats.audio.store``).
 
 The plan (``plan.py``) and the writer (``write.py``) work through this interface only, so
 audio and features share the global shuffle, length groups, crash safety, jobs, parts, report
@@ -16,7 +17,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,11 +28,11 @@ from ..formats.audio import (
     Audio,
     cut,
     decode_audio,
-    encode,
     header_seconds,
     parse_wav_location,
     read_location,
     resample,
+    store,
 )
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import key_problem
@@ -165,7 +166,8 @@ class _FeatureReader:
     def __exit__(self, *exc: object) -> None:
         self.matrices.close()
 
-    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int]:
+    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int, None]:
+        """The utterance's members and length (frames); None: no audio was stored."""
         plan, options = self.plan, self.options
         array = self.matrices.read(options.location(value, where), where, self.source.successor(plan.scp, row))
         frames = array.shape[0]
@@ -186,7 +188,7 @@ class _FeatureReader:
                 f"the matrix has {array.shape[1]} columns where the dataset has {self.dim}.",
                 "pack features of one kind together.",
             )
-        return [(FEATURE_MEMBER, list(npy_parts(checked_features(array, options.dtype, where))))], frames
+        return [(FEATURE_MEMBER, list(npy_parts(checked_features(array, options.dtype, where))))], frames, None
 
 
 def checked_features(array: np.ndarray, dtype: str, where: Where) -> np.ndarray:
@@ -437,7 +439,9 @@ class _AudioReader:
             self._last = (segment.recording, self._recording(segment.recording, found[1], where)[1])
         return None, cut(self._last[1], segment.start, segment.end, where)
 
-    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int]:
+    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int, str | None]:
+        """The utterance's members, its length and how its audio was stored (``kept mp3``,
+        ``wav -> flac``; None for fbank features)."""
         original, audio = self._utterance(key, value, where)
         planned = int(self.plan.frames[row]) if self.plan is not None else -1
         frames = round(audio.seconds * 100)
@@ -451,16 +455,15 @@ class _AudioReader:
         options = self.options
         if options.features == "fbank":
             return self._fbank(audio, where)
-        if options.audio_format == "keep" and original is not None:
-            return [(audio.format, [original])], frames  # named by what it is, not by its file name
         if options.resample_to and audio.sample_rate != options.resample_to:
-            audio = Audio(
-                resample(audio.samples, audio.sample_rate, options.resample_to), options.resample_to, audio.subtype
-            )
-        encoded_as, data = encode(audio, options.audio_format)
-        return [(encoded_as, [data])], frames
+            samples = resample(audio.samples, audio.sample_rate, options.resample_to)
+            audio, original = replace(audio, samples=samples, sample_rate=options.resample_to), None
+        if options.channel is not None and audio.channels > 1:
+            original = None  # one channel of several
+        stored = store(audio, options.audio_format, original)  # named by what it is, not by its file name
+        return [(stored.extension, [stored.data])], frames, stored.how
 
-    def _fbank(self, audio: Audio, where: Where) -> tuple[Members, int]:
+    def _fbank(self, audio: Audio, where: Where) -> tuple[Members, int, None]:
         from ..features.fbank import FbankOptions
         from ..pipeline.audio import audio_fbank
 
@@ -473,7 +476,7 @@ class _AudioReader:
         if len(features) == 0:
             raise InputError(where, "zero_length", "the audio is shorter than one 25 ms frame.", "remove it.")
         features = checked_features(features, options.dtype, where)
-        return [(FEATURE_MEMBER, list(npy_parts(features)))], len(features)
+        return [(FEATURE_MEMBER, list(npy_parts(features)))], len(features), None
 
 
 # ---------------------------------------------------------------------------------------

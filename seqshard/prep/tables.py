@@ -24,6 +24,7 @@ from ..formats.keys import key_hash
 Parser = Callable[[bytes, Where, bool], tuple[str, str]]
 
 _COUNT = re.compile(r"[+-]?[0-9]+")
+MAX_LENGTH = 2**31 - 1  # utterance lengths are held as int32 (frames, or 10 ms of audio)
 
 
 class KeyTable:
@@ -223,6 +224,8 @@ def _parse_count(value: str, where: Where) -> int:
     count = int(text)
     if count < 0:
         raise InputError(where, "malformed_line", f"negative count {count}.")
+    if count > MAX_LENGTH:
+        raise InputError(where, "malformed_line", f"the count {text[:40]} is beyond any utterance's length.")
     return count
 
 
@@ -234,4 +237,7 @@ def _parse_milliseconds(value: str, where: Where) -> int:
     text = value.strip(ASCII_WHITESPACE)
     if not _SECONDS.fullmatch(text):
         raise InputError(where, "malformed_line", f"expected a duration in seconds, found {value!r}.")
-    return round(float(text) * 1000)
+    milliseconds = float(text) * 1000
+    if milliseconds > MAX_LENGTH * 10:  # lengths are counted in 10 ms frames
+        raise InputError(where, "malformed_line", f"the duration {text[:40]} s is beyond any utterance's length.")
+    return round(milliseconds)

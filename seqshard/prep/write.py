@@ -3,7 +3,8 @@
 A sweep keeps up to ``max_open`` shards open and reads, in scp order (so the arks are read
 front to back), only the utterances planned for them, appending each to its shard. Reads are
 forward-only; writes go to many files, each written sequentially. A shard is committed (fsync,
-renamed to its final name, journaled) as soon as its last planned utterance is handled.
+renamed to its final name, journaled) as soon as its last planned utterance is handled; one
+whose utterances were all dropped while writing is journaled as empty and never gets a file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..errors import InputError, SkipCounter
+from ..formats.files import writing
 from ..formats.index import length_bin
 from ..formats.tar import ShardWriter, temporary_path
 from .journal import Journal
@@ -34,6 +36,7 @@ class _OpenShard:
     min_frames: int = 0  # 0 while the shard holds no utterance
     max_frames: int = 0
     length_hist: dict[int, int] = field(default_factory=dict)
+    audio_stored: dict[str, int] = field(default_factory=dict)  # utterances by how their audio was stored
     skipped: dict[str, int] = field(default_factory=dict)
     members: dict[str, None] = field(default_factory=dict)  # member suffixes written, in first-seen order
     first_key: str = ""  # as written (escaped), what readers check the file against
@@ -110,9 +113,17 @@ class _Committer:
         self._pending.append(self._pool.submit(self._commit, shard))
 
     def _commit(self, shard: _OpenShard) -> None:
-        shard.writer.commit()
+        if shard.writer.num_samples:
+            shard.writer.commit()
+        else:  # every planned utterance was dropped: an empty shard never gets its final name
+            shard.writer.abort()
+            with writing(shard.task.path):
+                shard.task.path.unlink(missing_ok=True)  # nor keeps an earlier run's file
+        record = shard.record(self._dim, self._dtype)
+        if shard.audio_stored:
+            record["audio_stored"] = dict(sorted(shard.audio_stored.items()))
         with self._lock:
-            self._journal.append(shard.record(self._dim, self._dtype))
+            self._journal.append(record)
 
     def finish(self) -> None:
         """Wait for every commit; raise the first failure."""
@@ -144,11 +155,13 @@ def _write_sweep(
                     shard = open_shards[ordinal] = _OpenShard(task, ShardWriter(task.path), task.num_planned)
                 key, value = plan.scp.record(int(row))
                 try:
-                    members, length = reader.read(int(row), key, value, plan.scp.where(int(row), key))
+                    members, length, stored = reader.read(int(row), key, value, plan.scp.where(int(row), key))
                 except InputError as error:
                     skip(error)
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
                 else:
+                    if stored:
+                        shard.audio_stored[stored] = shard.audio_stored.get(stored, 0) + 1
                     members.append((LABEL_MEMBER, [_label(plan, int(row), key).encode("utf-8")]))
                     shard_key = options.shard_key(key)
                     shard.writer.add(shard_key, members)

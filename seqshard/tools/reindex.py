@@ -61,7 +61,7 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
     if not folders:
         raise ConfigError(f"{root} holds no shard files ({', '.join(SHARD_SUFFIXES)}), nor do its sub-folders.")
     journal = finished_shards(root) if (root / STATE_DIR).is_dir() else {}
-    _refuse_unfinished_pack(root)
+    _refuse_unfinished_pack(root, journal)
     run = _pack_run(root)
     written = []
     for folder in folders:
@@ -192,9 +192,10 @@ def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[st
     return dict(previous.field_sets)
 
 
-def _refuse_unfinished_pack(root: Path) -> None:
+def _refuse_unfinished_pack(root: Path, journal: dict[str, dict]) -> None:
     """An index of a pack whose parts have not all finished would make loaders read part of
-    the data as if it were all of it: refuse, naming the shards still to be written."""
+    the data as if it were all of it: refuse, naming the shards still to be written (a shard
+    the journal records as empty, every utterance dropped while writing, has no file)."""
     planned = planned_shards(root)
     if planned is None:
         return
@@ -203,6 +204,7 @@ def _refuse_unfinished_pack(root: Path) -> None:
         for group, shards in planned.items()
         for name in shards
         if not (root / group / name if group else root / name).is_file()
+        and (f"{group}/{name}" if group else name) not in journal
     ]
     if absent:
         total = sum(len(shards) for shards in planned.values())
