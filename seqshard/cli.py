@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -363,6 +365,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"seqshard {args.command}: interrupted", file=sys.stderr)
             return 130
+        except BrokenPipeError:  # whoever read the output stopped (`seqshard inspect ... | head`)
+            _discard_output()
+            return 128 + signal.SIGPIPE  # the status of a command that SIGPIPE ended, as for other tools
+
+
+def _discard_output() -> None:
+    """Send what is left to write (and the flush at exit) to /dev/null, so that a closed pipe
+    raises nothing more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        os.dup2(devnull, stream.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":
