@@ -149,12 +149,12 @@ def _cmvn(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from .config import explain, load_config
+    from .config import check_data, explain
 
     if args.explain:
         print(explain(args.file))
     else:
-        load_config(args.file)
+        check_data(args.file)
         print(f"{args.file}: OK (seqshard config --explain {args.file} shows every setting)")
     return 0
 
@@ -335,7 +335,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmvn.add_argument("--skip-bad", action="store_true", help="count and skip bad samples instead of stopping")
     cmvn.set_defaults(run=_cmvn)
 
-    config = commands.add_parser("config", help="check a hyper-p.json (train.option); --explain prints every setting")
+    config = commands.add_parser(
+        "config",
+        help="check a hyper-p.json (train.option, and that its Kaldi data dirs' arks can be read); "
+        "--explain prints every setting",
+    )
     config.add_argument("file", help="the hyper-p.json file")
     config.add_argument("--explain", action="store_true", help="print the resolved settings, set or default")
     config.set_defaults(run=_config)
