@@ -410,7 +410,9 @@ def _kaldi_dir(where: str, key: str, value: Any) -> tuple[Any, Any]:
                 )
             missing = [f for f in ([files] if isinstance(files, str) else files) if not Path(f).is_file()]
             if missing:
-                raise ConfigError(f"{where}: train.option.{key}.{part}: {missing[0]!r} is not a file (from {Path.cwd()}).")
+                raise ConfigError(
+                    f"{where}: train.option.{key}.{part}: {missing[0]!r} is not a file (from {Path.cwd()})."
+                )
         return value["feats"], value.get("text")
     if not isinstance(value, str) or not (Path(value) / "feats.scp").is_file():
         raise ConfigError(
