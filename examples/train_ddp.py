@@ -13,8 +13,12 @@ shows them. `--set KEY=JSON` overrides one.
 
 Kill it at any point and run the same command again: it continues from the last checkpoint
 with exactly the next batch, and the epoch and step counters where they were. Run again after
-the last epoch, it says the run is finished. Every log_every steps rank 0 prints the loss,
-utterances/s, frames/s and the data-wait fraction (time waiting for the next batch / step time).
+the last epoch, it says the run is finished. Run again with other settings and it names each
+change: a new learning rate or warm-up applies from the next step, another model shape
+(hidden, layers) or tokenizer is refused (the checkpoint's weights cannot take it).
+
+Every log_every steps rank 0 prints the loss, utterances/s, frames/s and the data-wait
+fraction (time waiting for the next batch / step time).
 
 The trainer itself is seqshard/trainer.py (so that `seqshard demo` runs it from an installed
 package too).

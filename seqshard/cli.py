@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -148,12 +150,12 @@ def _cmvn(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from .config import explain, load_config
+    from .config import check_data, explain
 
     if args.explain:
         print(explain(args.file))
     else:
-        load_config(args.file)
+        check_data(args.file)
         print(f"{args.file}: OK (seqshard config --explain {args.file} shows every setting)")
     return 0
 
@@ -340,7 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmvn.add_argument("--skip-bad", action="store_true", help="count and skip bad samples instead of stopping")
     cmvn.set_defaults(run=_cmvn)
 
-    config = commands.add_parser("config", help="check a hyper-p.json (train.option); --explain prints every setting")
+    config = commands.add_parser(
+        "config",
+        help="check a hyper-p.json (train.option, and that its Kaldi data dirs' arks can be read); "
+        "--explain prints every setting",
+    )
     config.add_argument("file", help="the hyper-p.json file")
     config.add_argument("--explain", action="store_true", help="print the resolved settings, set or default")
     config.set_defaults(run=_config)
@@ -370,6 +376,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"seqshard {args.command}: interrupted", file=sys.stderr)
             return 130
+        except BrokenPipeError:  # whoever read the output stopped (`seqshard inspect ... | head`)
+            _discard_output()
+            return 128 + signal.SIGPIPE  # the status of a command that SIGPIPE ended, as for other tools
+
+
+def _discard_output() -> None:
+    """Send what is left to write (and the flush at exit) to /dev/null, so that a closed pipe
+    raises nothing more."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for stream in (sys.stdout, sys.stderr):
+        os.dup2(devnull, stream.fileno())
+    os.close(devnull)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,15 @@ Seed 01's users switch to shards with three keys under ``train.option``: ``large
 (true: shards; false: the map-style loader over ``feats.scp``), ``tokenizer`` and ``trset``
 (a shard pattern, a list of them, or a mix). A dev set (``devset``) is a Kaldi data dir (or
 ``{"feats": ..., "text": ...}``), read the ordinary way in file order, or shards read with
-``shuffle=False``. Every :func:`seqshard.make_loader` option is a key of ``train.option``
-under its own name, and the example trainer's settings are keys too (:data:`TRAINER_KEYS`).
-Anything else in ``train.option`` is an error naming the key and the keys allowed; the other
-top-level sections of a CAT file (``data``, ``tokenizer``, ``inference``, ...) are not read.
+``shuffle=False``; ``path_root``/``path_map`` say where the arks of Kaldi data dirs are. Every
+:func:`seqshard.make_loader` option is a key of ``train.option`` under its own name, and the
+example trainer's settings are keys too (:data:`TRAINER_KEYS`). Anything else in
+``train.option`` is an error naming the key and the keys allowed; the other top-level sections
+of a CAT file (``data``, ``tokenizer``, ``inference``, ...) are not read.
+
+The file is read as written: a key given twice, ``NaN`` or ``Infinity`` (which Python's json
+accepts) are errors naming the key and the line, and values keep their JSON types (``"3"`` is
+no number, ``true`` no weight).
 
 ``seqshard config --explain hyper-p.json`` prints the resolved settings and their defaults.
 """
@@ -16,36 +21,57 @@ from __future__ import annotations
 
 import difflib
 import json
+import json.decoder
+import json.scanner
 import logging
+import math
 import re
+from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError, SeqshardError
 from .mix import mux
 from .pipeline.config import LoaderConfig
 
 _LOG = logging.getLogger("seqshard")
 
-#: seqshard's own keys of ``train.option``: (default, allowed JSON types, meaning)
-DATA_KEYS: dict[str, tuple[Any, tuple[str, ...], str]] = {
-    "large_dataset": (False, ("bool",), "true: stream shards (make_loader); false: map-style over feats.scp"),
-    "trset": (MISSING, ("str", "list", "dict"), "shard pattern(s) or mix (large_dataset), else a Kaldi data dir"),
-    "devset": (None, ("str", "dict", "None"), "dev set: a Kaldi data dir, {feats, text}, or shards"),
-    "tokenizer": (None, ("str", "None"), "SentencePiece .model or units file"),
-    "labels": (None, ("str", "list", "None"), "Kaldi text file(s) replacing the shards' labels"),
-    "dev_batch_size": (16, ("int",), "utterances per dev batch"),
+
+class Key(NamedTuple):
+    """A seqshard key of ``train.option``: default, the JSON kinds it takes, what it means, and
+    for numbers the range: above ``low`` (or at it, unless ``low_open``), at most ``high``."""
+
+    default: Any
+    kinds: tuple[str, ...]
+    meaning: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+
+
+#: seqshard's own keys of ``train.option``
+DATA_KEYS: dict[str, Key] = {
+    "large_dataset": Key(False, ("bool",), "true: stream shards (make_loader); false: map-style over feats.scp"),
+    "trset": Key(
+        MISSING, ("str", "list[str]", "dict"), "shard pattern(s) or mix (large_dataset), else a Kaldi data dir"
+    ),
+    "devset": Key(None, ("str", "dict", "None"), "dev set: a Kaldi data dir, {feats, text}, or shards"),
+    "tokenizer": Key(None, ("str", "None"), "SentencePiece .model or units file"),
+    "labels": Key(None, ("str", "list[str]", "None"), "Kaldi text file(s) replacing the shards' labels"),
+    "dev_batch_size": Key(16, ("int",), "utterances per dev batch", low=0, low_open=True),
+    "path_root": Key(None, ("str", "None"), "folder relative ark paths of Kaldi data dirs are taken from"),
+    "path_map": Key(None, ("dict[str]", "list[str]", "None"), 'ark path prefixes rewritten: {"OLD": "NEW"}'),
 }
 #: the example trainer's keys (seqshard.trainer)
-TRAINER_KEYS: dict[str, tuple[Any, tuple[str, ...], str]] = {
-    "epochs": (2, ("int",), "epochs to train"),
-    "lr": (1e-3, ("float",), "Adam learning rate (peak of the warm-up schedule)"),
-    "warmup_steps": (50, ("int",), "steps of linear learning-rate warm-up"),
-    "save_every": (50, ("int",), "steps between checkpoints"),
-    "log_every": (10, ("int",), "steps between log lines (loss, utts/s, frames/s, data-wait)"),
-    "hidden": (256, ("int",), "model width"),
-    "layers": (2, ("int",), "LSTM layers of the model"),
+TRAINER_KEYS: dict[str, Key] = {
+    "epochs": Key(2, ("int",), "epochs to train", low=0, low_open=True),
+    "lr": Key(1e-3, ("float",), "Adam learning rate (peak of the warm-up schedule)", low=0, low_open=True),
+    "warmup_steps": Key(50, ("int",), "steps of linear learning-rate warm-up", low=0, high=2**31 - 1),
+    "save_every": Key(50, ("int",), "steps between checkpoints", low=0, low_open=True),
+    "log_every": Key(10, ("int",), "steps between log lines (loss, utts/s, frames/s, data-wait)", low=0, low_open=True),
+    "hidden": Key(256, ("int",), "model width", low=0, high=8192, low_open=True),
+    "layers": Key(2, ("int",), "LSTM layers of the model", low=0, high=64, low_open=True),
 }
 NOT_FROM_FILES = ("recipe", "transforms")
 MAP_STYLE_KEYS = (
@@ -56,6 +82,8 @@ MAP_STYLE_KEYS = (
     "split",
     "strip_spaces",
 )  # large_dataset: false  # Python objects: give them to make_loader directly
+MAP_STYLE_BATCH_SIZE = 16  # the map-style loader's batch_size when none is given
+KALDI_SETS = {"trset": "with large_dataset false, trset", "devset": "devset"}
 
 
 @dataclass
@@ -80,48 +108,21 @@ def loader_keys() -> dict[str, tuple[Any, str]]:
     return keys
 
 
-def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
-    """Read and check ``train.option`` of a hyper-p.json file (or the same as a dict)."""
-    where = "the config" if isinstance(source, dict) else str(source)
-    document = source if isinstance(source, dict) else _read_json(Path(source))
-    if not isinstance(document, dict) or not isinstance(document.get("train"), dict):
-        raise ConfigError(f'{where}: no \'train\' section (expected {{"train": {{"option": {{...}}}}}}).')
-    train = document["train"]
-    unknown = set(train) - {"bin", "option"}
-    if unknown:
-        raise ConfigError(f"{where}: train.{sorted(unknown)[0]} is not a key of 'train' (allowed: bin, option).")
-    option = train.get("option")
-    if not isinstance(option, dict):
-        raise ConfigError(f"{where}: train.option must be an object of settings, got {option!r}.")
-    loaders = loader_keys()
-    allowed = [*DATA_KEYS, *TRAINER_KEYS, *loaders]
+def load_config(source: str | Path | dict[str, Any], *, name: str = "the config") -> TrainConfig:
+    """Read and check ``train.option`` of a hyper-p.json file (or the same as a dict, called
+    ``name`` in messages)."""
+    where = name if isinstance(source, dict) else str(source)
+    document = source if isinstance(source, dict) else read_json(Path(source))
+    option = _option_section(document, where)
     config = TrainConfig(where, {}, given=set(option))
     for key, value in option.items():
-        if key in NOT_FROM_FILES:
-            raise ConfigError(f"{where}: train.option.{key} is a Python object; give it to make_loader directly.")
-        if key not in allowed:
-            close = difflib.get_close_matches(key, allowed, n=3)
-            hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-            raise ConfigError(
-                f"{where}: train.option.{key} is not a setting.{hint} Allowed: {', '.join(sorted(allowed))}."
-            )
-        if key in DATA_KEYS:
-            _check_type(where, key, value, DATA_KEYS[key][1])
-        elif key in TRAINER_KEYS:
-            _check_type(where, key, value, TRAINER_KEYS[key][1])
-        else:
-            _check_type(where, key, value, _json_types(loaders[key][1]))
-    for key, (default, _, _) in DATA_KEYS.items():
-        if default is MISSING and key not in option:
-            raise ConfigError(f"{where}: train.option.{key} is required ({DATA_KEYS[key][2]}).")
-        config.data[key] = option.get(key, default)
-    config.trainer = {key: option.get(key, default) for key, (default, _, _) in TRAINER_KEYS.items()}
-    for key, value in config.trainer.items():
-        if (value <= 0 and key != "warmup_steps") or value < 0:
-            raise ConfigError(f"{where}: train.option.{key} must be > 0, got {value}.")
-    if config.data["dev_batch_size"] < 1:
-        raise ConfigError(f"{where}: train.option.dev_batch_size must be >= 1, got {config.data['dev_batch_size']}.")
-    config.loader = {key: option[key] for key in loaders if key in option}
+        check_option(where, key, value)
+    for key, spec in DATA_KEYS.items():
+        if spec.default is MISSING and key not in option:
+            raise ConfigError(f"{where}: train.option.{key} is required ({spec.meaning}).")
+        config.data[key] = option.get(key, spec.default)
+    config.trainer = {key: option.get(key, spec.default) for key, spec in TRAINER_KEYS.items()}
+    config.loader = {key: option[key] for key in loader_keys() if key in option}
     for key in ("fields", "speed_perturb", "noise_snr"):
         if isinstance(config.loader.get(key), list):
             config.loader[key] = tuple(config.loader[key])
@@ -149,14 +150,81 @@ def load_config(source: str | Path | dict[str, Any]) -> TrainConfig:
                 f"{where}: train.option.{unused[0]} is for shards, and large_dataset is {state}: the map-style loader "
                 f"over feats.scp takes only {', '.join(MAP_STYLE_KEYS)}. Set large_dataset: true to read shards."
             )
+        map_style_options(config)
+    _path_map(config)  # checks its form
     return config
 
 
+def check_option(where: str, key: str, value: Any) -> None:
+    """One key of ``train.option``: a setting, of its JSON type, every number in it finite, and
+    in its range (seqshard's and the trainer's keys; make_loader checks its own ranges)."""
+    if key in NOT_FROM_FILES:
+        raise ConfigError(f"{where}: train.option.{key} is a Python object; give it to make_loader directly.")
+    loaders = loader_keys()
+    spec = DATA_KEYS.get(key) or TRAINER_KEYS.get(key)
+    if spec is None and key not in loaders:
+        allowed = [*DATA_KEYS, *TRAINER_KEYS, *loaders]
+        close = difflib.get_close_matches(key, allowed, n=3)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        raise ConfigError(f"{where}: train.option.{key} is not a setting.{hint} Allowed: {', '.join(sorted(allowed))}.")
+    _check_type(where, key, value, spec.kinds if spec else _json_types(loaders[key][1]))
+    _check_finite(where, f"train.option.{key}", value)
+    if spec is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+        _check_range(where, key, value, spec)
+
+
+def apply_overrides(document: Any, where: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """``document`` (a config) with ``KEY=JSON`` overrides of ``train.option`` keys (the
+    trainer's ``--set``), each read as the file is and checked by :func:`check_option`."""
+    if isinstance(document, dict) and isinstance(document.setdefault("train", {}), dict):
+        document["train"].setdefault("option", {})
+    option = _option_section(document, where)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        label = f"--set {item}"
+        if not sep or not key:
+            raise ConfigError(f"{label}: expected KEY=JSON (e.g. --set lr=0.002, --set 'devset=\"data/dev\"').")
+        value = parse_json(text, label)
+        check_option(label, key, value)
+        option[key] = value
+    return document
+
+
+def _option_section(document: Any, where: str) -> dict[str, Any]:
+    if not isinstance(document, dict) or not isinstance(document.get("train"), dict):
+        raise ConfigError(f'{where}: no \'train\' section (expected {{"train": {{"option": {{...}}}}}}).')
+    train = document["train"]
+    unknown = set(train) - {"bin", "option"}
+    if unknown:
+        raise ConfigError(f"{where}: train.{sorted(unknown)[0]} is not a key of 'train' (allowed: bin, option).")
+    option = train.get("option")
+    if not isinstance(option, dict):
+        raise ConfigError(f"{where}: train.option must be an object of settings, got {option!r}.")
+    return option
+
+
+def map_style_options(config: TrainConfig) -> LoaderConfig:
+    """The map-style loader's options (``large_dataset: false``), checked as make_loader checks
+    them (``batch_size`` 16 when not given)."""
+    options = {key: config.loader[key] for key in MAP_STYLE_KEYS if key in config.loader}
+    if options.get("batch_size") is None:
+        options["batch_size"] = MAP_STYLE_BATCH_SIZE
+    try:
+        return LoaderConfig(**options)
+    except ConfigError as error:
+        raise ConfigError(f"{config.source}: train.option: {error}") from None
+
+
 def build_loaders(
-    source: str | Path | dict[str, Any], rank: int | None = None, world_size: int | None = None
+    source: str | Path | dict[str, Any],
+    rank: int | None = None,
+    world_size: int | None = None,
+    *,
+    name: str = "the config",
 ) -> tuple[Any, Any]:
-    """(train loader, dev loader or None) from a hyper-p.json file or dict."""
-    config = load_config(source)
+    """(train loader, dev loader or None) from a hyper-p.json file or dict (called ``name`` in
+    messages). A dev set of Kaldi data is checked now: the first value of each of its arks is read."""
+    config = load_config(source, name=name)
     data = config.data
     if data["large_dataset"]:
         from .loader import make_loader
@@ -170,27 +238,38 @@ def build_loaders(
             **config.loader,
         )
     else:
-        feats, text = _kaldi_dir(config.source, "trset", data["trset"])
+        options = map_style_options(config)
         train = MapStyleLoader(
-            feats,
-            text,
-            data["tokenizer"],
-            batch_size=int(config.loader.get("batch_size") or 16),
-            shuffle=bool(config.loader.get("shuffle", True)),
-            seed=int(config.loader.get("seed", 0)),
-            num_workers=int(config.loader.get("num_workers", 2)),
+            kaldi_dataset(config, "trset"),
+            batch_size=options.batch_size,  # type: ignore[arg-type]
+            shuffle=options.shuffle,
+            seed=options.seed,
+            num_workers=options.num_workers,
             rank=rank,
             world_size=world_size,
-            split=config.loader.get("split"),
-            strip_spaces=bool(config.loader.get("strip_spaces", False)),
         )
     return train, _dev_loader(config, rank, world_size)
 
 
-def _dev_loader(config: TrainConfig, rank: int | None, world_size: int | None) -> Any:
+def check_data(source: str | Path | dict[str, Any]) -> TrainConfig:
+    """:func:`load_config`, then the Kaldi data dirs it names read as the loaders will (``seqshard
+    config``): the first value of each ark of the dev set, and of the train set with
+    ``large_dataset: false`` (every line of its scp is read to find its arks)."""
+    config = load_config(source)
+    for key in KALDI_SETS:
+        if _is_kaldi_set(config, key):
+            check_readable(config, key, kaldi_dataset(config, key))
+    return config
+
+
+def _is_kaldi_set(config: TrainConfig, key: str) -> bool:
+    """Whether ``trset`` or ``devset`` is a Kaldi data dir (read by the map-style loader), not
+    shards; a dev set that names nothing there is an error."""
+    if key == "trset":
+        return not config.data["large_dataset"]
     devset = config.data["devset"]
     if devset is None:
-        return None
+        return False
     if (
         not isinstance(devset, dict)
         and "://" not in devset
@@ -201,25 +280,76 @@ def _dev_loader(config: TrainConfig, rank: int | None, world_size: int | None) -
             f"{config.source}: train.option.devset = {devset!r} does not exist (from {Path.cwd()}): a Kaldi data dir "
             'with feats.scp, {"feats": ..., "text": ...}, or shards.'
         )
-    if isinstance(devset, dict) or (Path(devset) / "feats.scp").is_file():
-        feats, text = _kaldi_dir(config.source, "devset", devset)
-        return MapStyleLoader(
+    return isinstance(devset, dict) or (Path(devset) / "feats.scp").is_file()
+
+
+def kaldi_dataset(config: TrainConfig, key: str) -> Any:
+    """The :class:`~seqshard.scp_dataset.ScpDataset` of a Kaldi data dir of the config
+    (``trset`` or ``devset``), with the config's tokenizer, label and ark path options."""
+    from .scp_dataset import ScpDataset
+
+    feats, text = _kaldi_dir(config.source, key, config.data[key])
+    try:
+        return ScpDataset(
             feats,
             text,
             config.data["tokenizer"],
+            split=config.loader.get("split"),
+            strip_spaces=bool(config.loader.get("strip_spaces", False)),
+            path_root=config.data["path_root"],
+            path_map=_path_map(config),
+        )
+    except InputError as error:
+        raise ConfigError(f"{config.source}: train.option.{key}: {error.describe(skip_hint=False)}") from None
+
+
+def check_readable(config: TrainConfig, key: str, dataset: Any) -> None:
+    """Read the first value of every ark ``dataset`` names, so that arks that cannot be found
+    (a relative path taken from another folder) fail now, not after an epoch of training."""
+    from .formats.kaldi import parse_location
+
+    first_rows: dict[str, int] = {}
+    ark = ""
+    try:
+        for row in range(len(dataset)):
+            utt, value = dataset.scp.record(row)
+            location = parse_location(value, dataset.scp.where(row, utt), dataset.path_map, dataset.path_root)
+            first_rows.setdefault(location.path, row)
+        for ark, row in first_rows.items():
+            dataset[row]
+    except InputError as error:
+        fix = error.fix
+        path_map = 'train.option.path_map ({"OLD_PREFIX": "NEW_PREFIX"}) rewrites ark paths of data dirs made elsewhere'
+        if error.reason == "missing_ark" and Path(ark).is_absolute():
+            fix = f"check that the ark exists; {path_map}."
+        elif error.reason == "missing_ark":
+            root = dataset.path_root or f"the current folder, {Path.cwd()}"
+            fix = f"relative ark paths start from {root}: set train.option.path_root to their folder; or {path_map}."
+        raise ConfigError(
+            f"{config.source}: train.option.{key} cannot be read: {error.where}: {error.problem}"
+            + (f" Fix: {fix}" if fix else "")
+        ) from None
+
+
+def _dev_loader(config: TrainConfig, rank: int | None, world_size: int | None) -> Any:
+    if _is_kaldi_set(config, "devset"):
+        dataset = kaldi_dataset(config, "devset")
+        check_readable(config, "devset", dataset)
+        return MapStyleLoader(
+            dataset,
             batch_size=config.data["dev_batch_size"],
             shuffle=False,
             num_workers=0,
             rank=rank,
             world_size=world_size,
-            split=config.loader.get("split"),
-            strip_spaces=bool(config.loader.get("strip_spaces", False)),
         )
+    if config.data["devset"] is None:
+        return None
     from .loader import make_loader
 
     shared = {k: v for k, v in config.loader.items() if k in ("split", "strip_spaces", "pad_label", "dtype")}
     return make_loader(
-        devset,
+        config.data["devset"],
         config.data["tokenizer"],
         rank=rank,
         world_size=world_size,
@@ -231,45 +361,158 @@ def _dev_loader(config: TrainConfig, rank: int | None, world_size: int | None) -
     )
 
 
-def _patterns(where: str, trset: Any) -> Any:
+def _patterns(where: str, trset: Any, name: str = "train.option.trset") -> Any:
     """A pattern, a list of patterns, or a mix: {"mux": [...], "weights": [...]} or
-    {"mux": [...], "temperature": T} (sources may be mixes themselves)."""
+    {"mux": [...], "temperature": T} (sources may be mixes themselves), checked part by part."""
     if isinstance(trset, (str, list)):
         return trset
     if set(trset) - {"mux", "weights", "temperature"} or "mux" not in trset:
         raise ConfigError(
-            f'{where}: train.option.trset as an object is a mix: {{"mux": [sources], "weights": [...]}} or '
+            f'{where}: {name} as an object is a mix: {{"mux": [sources], "weights": [...]}} or '
             f'{{"mux": [sources], "temperature": T}}; got keys {sorted(trset)}.'
         )
-    sources = [s if isinstance(s, str) else _patterns(where, s) for s in trset["mux"]]
-    return mux(sources, weights=trset.get("weights"), temperature=trset.get("temperature"))
+    sources = trset["mux"]
+    if not isinstance(sources, list) or not sources:
+        raise ConfigError(
+            f"{where}: {name}.mux must be a non-empty list of sources (patterns or mixes), got {json.dumps(sources)}."
+        )
+    for number, source in enumerate(sources):
+        if not (isinstance(source, (str, dict)) or _is_list_of(source, _is_string)):
+            raise ConfigError(
+                f"{where}: {name}.mux[{number}] must be a pattern (a string or a list of them) or a mix (an object), "
+                f"got {json.dumps(source)}."
+            )
+    weights, temperature = trset.get("weights"), trset.get("temperature")
+    if weights is not None and not _is_list_of(weights, _is_number):
+        raise ConfigError(f"{where}: {name}.weights must be a list of numbers, got {json.dumps(weights)}.")
+    if temperature is not None and not _is_number(temperature):
+        raise ConfigError(f"{where}: {name}.temperature must be a number > 0, got {json.dumps(temperature)}.")
+    parts = [_patterns(where, s, f"{name}.mux[{n}]") if isinstance(s, dict) else s for n, s in enumerate(sources)]
+    try:
+        return mux(parts, weights=weights, temperature=temperature)
+    except ConfigError as error:
+        raise ConfigError(f"{where}: {name}: {error}") from None
 
 
-def _kaldi_dir(where: str, key: str, value: Any) -> tuple[str, str | None]:
-    """(feats.scp, text) of a Kaldi data dir, or of {"feats": ..., "text": ...}."""
+def _kaldi_dir(where: str, key: str, value: Any) -> tuple[Any, Any]:
+    """(feats.scp, text) of a Kaldi data dir, or of {"feats": ..., "text": ...} (each a file or
+    a list of files)."""
     if isinstance(value, dict):
         extra = set(value) - {"feats", "text"}
         if extra or "feats" not in value:
             raise ConfigError(
                 f"{where}: train.option.{key} as an object needs 'feats' (and 'text'); got {sorted(value)}."
             )
+        for part, files in value.items():
+            if not (isinstance(files, str) or (_is_list_of(files, _is_string) and files)):
+                raise ConfigError(
+                    f"{where}: train.option.{key}.{part} must be a file or a list of files, got {json.dumps(files)}."
+                )
+            missing = [f for f in ([files] if isinstance(files, str) else files) if not Path(f).is_file()]
+            if missing:
+                raise ConfigError(
+                    f"{where}: train.option.{key}.{part}: {missing[0]!r} is not a file (from {Path.cwd()})."
+                )
         return value["feats"], value.get("text")
     if not isinstance(value, str) or not (Path(value) / "feats.scp").is_file():
         raise ConfigError(
-            f"{where}: train.option.{key} = {value!r} is not a Kaldi data dir with feats.scp (with large_dataset "
-            'false, trset is a data dir or {"feats": ..., "text": ...}).'
+            f"{where}: train.option.{key} = {value!r} is not a Kaldi data dir with feats.scp ({KALDI_SETS[key]} is a "
+            'data dir or {"feats": ..., "text": ...}).'
         )
     text = Path(value) / "text"
     return str(Path(value) / "feats.scp"), str(text) if text.is_file() else None
 
 
-def _read_json(path: Path) -> Any:
+def _path_map(config: TrainConfig) -> tuple[tuple[str, str], ...]:
+    from .prep.pack import parse_path_map
+
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return parse_path_map(config.data["path_map"])
+    except ConfigError as error:
+        raise ConfigError(f"{config.source}: train.option.{error}") from None
+
+
+# -- JSON as written ----------------------------------------------------------------------------
+
+
+class _JsonProblem(Exception):
+    """What is wrong with a JSON text, and on which line."""
+
+    def __init__(self, line: int, problem: str):
+        super().__init__(line, problem)
+        self.line = line
+        self.problem = problem
+
+
+class _JsonAsWritten(json.JSONDecoder):
+    """Python's JSON decoder made strict where it is lenient: a key given twice in one object
+    (Python keeps the last), ``NaN``, ``Infinity`` and numbers beyond a float's range (Python
+    reads them as such) raise :class:`_JsonProblem` with the key and its line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.parse_object = self._object
+        self.scan_once = json.scanner.py_make_scanner(self)  # the pure-Python scanner calls parse_object
+
+    @staticmethod
+    def _object(s_and_end, strict, scan_once, object_hook, object_pairs_hook, memo=None):
+        starts: list[int] = []
+
+        def value_at(text: str, index: int) -> Any:
+            starts.append(index)
+            return scan_once(text, index)
+
+        text = s_and_end[0]
+        pairs, end = json.decoder.JSONObject(s_and_end, strict, value_at, None, list, memo)
+        lines: dict[str, int] = {}
+        for (key, value), start in zip(pairs, starts):
+            line = text.count("\n", 0, start) + 1
+            if key in lines:
+                raise _JsonProblem(
+                    line, f"{key!r} is given twice in one object (lines {lines[key]} and {line}): remove one."
+                )
+            lines[key] = line
+            bad = _non_finite(value)
+            if bad is not None:
+                raise _JsonProblem(
+                    line,
+                    f"{key!r} holds {json.dumps(bad)}, which JSON does not have (Python reads NaN, Infinity and "
+                    "numbers beyond 1.8e308 as such): give a finite number.",
+                )
+        return dict(pairs), end
+
+
+def parse_json(text: str, where: str) -> Any:
+    """``text`` read as strict JSON (see :class:`_JsonAsWritten`); errors name ``where``."""
+    try:
+        return _JsonAsWritten().decode(text)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"{where}:{error.lineno}: not valid JSON ({error.msg}).") from None
+    except _JsonProblem as problem:
+        raise ConfigError(f"{where}:{problem.line}: {problem.problem}") from None
+
+
+def read_json(path: Path) -> Any:
+    """A config file, read by :func:`parse_json`."""
+    try:
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file.") from None
-    except json.JSONDecodeError as error:
-        raise ConfigError(f"{path}:{error.lineno}: not valid JSON ({error.msg}).") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start}); is it a JSON config?") from None
+    return parse_json(text, str(path))
+
+
+def _non_finite(value: Any) -> float | None:
+    """A NaN or infinite number in ``value`` or its lists, else None (objects check their own)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return value
+    if isinstance(value, list):
+        return next((bad for bad in map(_non_finite, value) if bad is not None), None)
+    return None
+
+
+# -- types and ranges ---------------------------------------------------------------------------
 
 
 def _json_types(annotation: str) -> tuple[str, ...]:
@@ -282,22 +525,60 @@ def _json_types(annotation: str) -> tuple[str, ...]:
     return tuple(kinds)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_string(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+def _is_list_of(value: Any, check: Any) -> bool:
+    return isinstance(value, list) and all(map(check, value))
+
+
+_KINDS = {
+    "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "int": (lambda v: isinstance(v, int) and not isinstance(v, bool), "a whole number"),
+    "float": (_is_number, "a number"),
+    "str": (_is_string, "a string"),
+    "None": (lambda v: v is None, "null"),
+    "dict": (lambda v: isinstance(v, dict), "an object"),
+    "dict[str]": (lambda v: isinstance(v, dict) and all(map(_is_string, v.values())), "an object of strings"),
+    "list": (lambda v: isinstance(v, list), "a list"),
+    "list[str]": (lambda v: _is_list_of(v, _is_string), "a list of strings"),
+    "any": (lambda v: True, "anything"),
+}
+
+
 def _check_type(where: str, key: str, value: Any, kinds: tuple[str, ...]) -> None:
-    checks = {
-        "bool": lambda v: isinstance(v, bool),
-        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-        "float": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "str": lambda v: isinstance(v, str),
-        "None": lambda v: v is None,
-        "dict": lambda v: isinstance(v, dict),
-        "list": lambda v: isinstance(v, list),
-        "any": lambda v: True,
-    }
-    if not any(checks.get(kind, lambda v: False)(value) for kind in kinds):
-        names = {"None": "null", "dict": "an object", "list": "a list", "str": "a string", "int": "a whole number",
-                 "float": "a number", "bool": "true or false", "any": "anything"}  # fmt: skip
-        allowed = " or ".join(names.get(kind, kind) for kind in kinds)
-        raise ConfigError(f"{where}: train.option.{key} must be {allowed}, got {json.dumps(value)}.")
+    if not any(_KINDS[kind][0](value) if kind in _KINDS else False for kind in kinds):
+        allowed = " or ".join(_KINDS[kind][1] if kind in _KINDS else kind for kind in kinds)
+        raise ConfigError(f"{where}: train.option.{key} must be {allowed}, got {_shown(value)}.")
+
+
+def _check_finite(where: str, name: str, value: Any) -> None:
+    """Every number in ``value`` (its lists and objects too) is finite: NaN and infinity are
+    refused wherever they come from (a dict given in Python, a file, ``--set``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: {name} must be a finite number, got {json.dumps(value)}.")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for part, item in items:
+        _check_finite(where, f"{name}.{part}" if isinstance(value, dict) else f"{name}[{part}]", item)
+
+
+def _check_range(where: str, key: str, value: float, spec: Key) -> None:
+    if spec.low is not None and (value <= spec.low if spec.low_open else value < spec.low):
+        bound = f"{'>' if spec.low_open else '>='} {spec.low}"
+        raise ConfigError(f"{where}: train.option.{key} must be {bound}, got {_shown(value)}.")
+    if spec.high is not None and value > spec.high:
+        raise ConfigError(f"{where}: train.option.{key} must be <= {spec.high}, got {_shown(value)}.")
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """``value`` as JSON, cut short when long (a number of 400 digits, a long list)."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def explain(source: str | Path | dict[str, Any]) -> str:
@@ -310,33 +591,36 @@ def explain(source: str | Path | dict[str, Any]) -> str:
         lines.append(f"  {key:22s} {json.dumps(value, default=str):40s} ({mark}){'  ' + note if note else ''}")
 
     lines.append("data")
-    for key, (_, _, meaning) in DATA_KEYS.items():
-        row(key, config.data[key], meaning)
-    kind = "make_loader (shards)" if config.data["large_dataset"] else "map-style loader over feats.scp"
+    for key, spec in DATA_KEYS.items():
+        row(key, config.data[key], spec.meaning)
+    large = config.data["large_dataset"]
+    kind = "make_loader (shards)" if large else "map-style loader over feats.scp"
     lines += ["", f"loader: {kind}"]
     for key, (default, _) in loader_keys().items():
         value = config.loader.get(key, default)
         if key == "batch_frames" and "batch_size" not in config.loader and value is None:
-            value = 20000 if config.data["large_dataset"] else None
-        note = "not used (shards only)" if not config.data["large_dataset"] and key not in MAP_STYLE_KEYS else ""
+            value = 20000 if large else None
+        if key == "batch_size" and not large and value is None:
+            value = MAP_STYLE_BATCH_SIZE
+        note = "not used (shards only)" if not large and key not in MAP_STYLE_KEYS else ""
         row(key, value, note)
     lines += ["", "trainer (seqshard.trainer)"]
-    for key, (_, _, meaning) in TRAINER_KEYS.items():
-        row(key, config.trainer[key], meaning)
+    for key, spec in TRAINER_KEYS.items():
+        row(key, config.trainer[key], spec.meaning)
     return "\n".join(lines)
 
 
 class MapStyleLoader:
-    """The ordinary loader over ``feats.scp`` (``large_dataset: false``): shuffled per epoch
-    (or in file order), split over ranks by torch's DistributedSampler (which repeats a few
-    utterances so every rank has as many), batches of ``batch_size`` in make_loader's format.
-    Its state is the epoch only: a resume restarts the epoch."""
+    """The ordinary loader over an :class:`~seqshard.scp_dataset.ScpDataset` (``large_dataset:
+    false``, and Kaldi dev sets): shuffled per epoch (or in file order), split over ranks by
+    torch's DistributedSampler (which repeats a few utterances so every rank has as many),
+    batches of ``batch_size`` in make_loader's format. An error in a worker is raised with its
+    own type (as make_loader's are), not as torch's RuntimeError. Its state is the epoch only:
+    a resume restarts the epoch."""
 
     def __init__(
         self,
-        feats: str,
-        text: str | None,
-        tokenizer: Any,
+        dataset: Any,
         *,
         batch_size: int,
         shuffle: bool,
@@ -344,22 +628,23 @@ class MapStyleLoader:
         rank: int | None,
         world_size: int | None,
         seed: int = 0,
-        split: str | None = None,
-        strip_spaces: bool = False,
     ):
         import torch.utils.data
 
         from .dist import discover
-        from .scp_dataset import ScpDataset, collate
 
         context = discover(rank, world_size)
-        self.dataset = ScpDataset(feats, text, tokenizer, split=split, strip_spaces=strip_spaces)
+        self.dataset = dataset
         self.tokenizer = self.dataset.labeler.tokenizer
         self.sampler = torch.utils.data.DistributedSampler(
             self.dataset, context.world_size, context.rank, shuffle=shuffle, seed=seed
         )
         self._loader = torch.utils.data.DataLoader(
-            self.dataset, batch_size=batch_size, sampler=self.sampler, num_workers=num_workers, collate_fn=collate
+            _ErrorsAsItems(dataset),
+            batch_size=batch_size,
+            sampler=self.sampler,
+            num_workers=num_workers,
+            collate_fn=_collate_or_error,
         )
         self._epoch = 0
         self._utts = 0
@@ -382,6 +667,8 @@ class MapStyleLoader:
     def __iter__(self):
         self._utts = 0
         for batch in self._loader:
+            if isinstance(batch, SeqshardError):
+                raise batch
             self._utts += len(batch["keys"])
             yield batch
 
@@ -394,3 +681,30 @@ class MapStyleLoader:
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
         _LOG.warning("the map-style loader restarts epoch %d from its beginning (no position is kept)", state["epoch"])
         self._epoch = int(state["epoch"])
+
+
+class _ErrorsAsItems:
+    """A map-style dataset whose seqshard errors are items, so that they leave a DataLoader
+    worker as they are (torch turns an exception it cannot rebuild into a RuntimeError);
+    bad input is never skipped here, so no message offers skip_bad."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except SeqshardError as error:
+            if isinstance(error, InputError):
+                error.skippable = False
+            return error
+
+
+def _collate_or_error(samples: list[Any]) -> Any:
+    """A batch of samples as make_loader's, or the first error among them."""
+    from .scp_dataset import collate
+
+    return next((s for s in samples if isinstance(s, SeqshardError)), None) or collate(samples)

@@ -299,7 +299,15 @@ class ShardLoader:
         """Turn a worker's arrays into tensors (those in a shared slot are that memory, not a
         copy); raise the error a worker reported."""
         if isinstance(item, ErrorItem):
-            raise item.error
+            # Raised without a reference cycle (error -> traceback -> this frame -> item -> error),
+            # which would keep the DataLoader iterator alive until a garbage collection; one that
+            # ran in a worker forked later stopped workers not its own ("Exception ignored ...
+            # can only test a child process"). Freed with the error, the iterator stops its workers.
+            error, item.error = item.error, None
+            try:
+                raise error
+            finally:
+                del error
         if not isinstance(item, BatchItem):
             return item
         pin = self.config.pin_memory and _cuda_available()

@@ -4,8 +4,11 @@ with DDP from seqshard loaders, with a dev set evaluated each epoch.
     torchrun --nproc_per_node 2 examples/train_ddp.py --config hyper-p.json --out exp/
     python examples/train_ddp.py                     # one process, a made-up corpus in train-out/
 
-Checkpoints (``OUT/ckpt.pt``) hold the model, optimizer, scheduler, loader state, epoch and
-step; run the same command again after a crash and it goes on with exactly the next batch.
+Checkpoints (``OUT/ckpt.pt``) hold the model, optimizer, loader state, epoch and step, and the
+settings they were trained with (model shape, tokenizer fingerprint, learning rate schedule);
+run the same command again after a crash and it goes on with exactly the next batch. A resume
+with other settings names each change: a new learning rate or schedule is applied from the
+next step, another model shape or tokenizer is refused.
 Every ``log_every`` steps rank 0 prints loss, utterances/s, frames/s and the **data-wait
 fraction**: the time spent waiting for the next batch over the step time, the number that says
 whether the loader starves the model. Runs on CPU (gloo) or GPU (nccl), under torchrun or as
@@ -15,6 +18,7 @@ one process.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -29,9 +33,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .config import build_loaders, load_config
-from .errors import SeqshardError
+from .config import apply_overrides, build_loaders, load_config, read_json
+from .errors import ConfigError, SeqshardError
+from .pipeline.labels import Tokenizer, UnitsTokenizer
 from .progress import Progress
+
+#: sections of a checkpoint's recorded settings whose change a resume refuses (the saved weights
+#: cannot take it); changes of the others (schedule, run) are applied with a note
+REFUSED_CHANGES = ("model", "tokenizer")
 
 
 class SmallCTC(nn.Module):
@@ -104,7 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--stop-after-steps", type=int, help="end this run after N steps, with a checkpoint; running again goes on"
     )
-    parser.add_argument("--steps-file", type=Path, help="write every step's batch keys and loss here (JSON lines)")
+    parser.add_argument(
+        "--steps-file", type=Path, help="write every step's batch keys, loss and learning rate here (JSON lines)"
+    )
     return parser.parse_args(argv)
 
 
@@ -161,21 +172,68 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(code)
 
 
-def load_settings(args: argparse.Namespace, rank: int) -> dict[str, Any]:
-    """The config (a file, or the made-up corpus's) with ``--set`` overrides applied."""
+def load_settings(args: argparse.Namespace, rank: int) -> tuple[dict[str, Any], str]:
+    """The config (a file, or the made-up corpus's) with ``--set`` overrides applied, checked
+    as the file is; and how messages name it."""
     if args.config is not None:
-        config = json.loads(Path(args.config).read_text(encoding="utf-8"))
+        name = str(args.config)
+        config = read_json(Path(args.config))
     else:
+        name = "the made-up corpus's config"
         args.out.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             demo_config(args.out / "data", args.demo_utts)
         dist.barrier()
         config = demo_config(args.out / "data", args.demo_utts)  # made by rank 0: paths only
-    option = config.setdefault("train", {}).setdefault("option", {})
-    for item in args.set:
-        key, _, value = item.partition("=")
-        option[key] = json.loads(value)
-    return config
+    return apply_overrides(config, name, args.set), name + (" with --set" if args.set else "")
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
+    """A short hash of which token has which id: a units file's units, ids and split, or a
+    SentencePiece model's bytes (a tokenizer of the same size with other ids differs)."""
+    if isinstance(tokenizer, UnitsTokenizer):
+        content = json.dumps([sorted(tokenizer.ids.items()), tokenizer.split]).encode()
+    else:
+        content = Path(tokenizer.model).read_bytes()
+    return hashlib.sha256(content).hexdigest()[:16]
+
+
+def run_settings(settings: dict[str, Any], loader: Any) -> dict[str, dict[str, Any]]:
+    """What a checkpoint records of the run, by section (see :func:`changes_since`)."""
+    return {
+        "model": {
+            "dim": loader.dim,
+            "vocab_size": loader.tokenizer.vocab_size,
+            "hidden": settings["hidden"],
+            "layers": settings["layers"],
+        },
+        "tokenizer": {"tokenizer ids": tokenizer_fingerprint(loader.tokenizer)},
+        "schedule": {"lr": settings["lr"], "warmup_steps": settings["warmup_steps"]},
+        "run": {key: settings[key] for key in ("epochs", "save_every", "log_every")},
+    }
+
+
+def changes_since(path: Path, saved: dict[str, Any] | None, current: dict[str, dict[str, Any]]) -> str | None:
+    """A line naming the settings changed since the checkpoint at ``path`` was saved (they
+    apply from the next step), None when none did; a change of model shape or tokenizer,
+    which the saved weights cannot take, raises ConfigError."""
+    if saved is None:
+        return f"{path} records no settings (saved by an older trainer): changes since then are not checked"
+    refused, applied = [], []
+    for section, values in current.items():
+        for key, value in values.items():
+            before = saved.get(section, {}).get(key)
+            if before != value:
+                (refused if section in REFUSED_CHANGES else applied).append(f"{key} {before} -> {value}")
+    if refused:
+        tokenizer = " (and the tokenizer file it began with)" if saved.get("tokenizer") != current["tokenizer"] else ""
+        raise ConfigError(
+            f"{path} was trained with another model shape or tokenizer: {'; '.join(refused)}. Its weights cannot "
+            f"take that: set them back as they were{tokenizer}, or give another --out to train afresh."
+        )
+    if not applied:
+        return None
+    return f"settings changed since the checkpoint, applied from the next step: {'; '.join(applied)}"
 
 
 def lr_schedule(step: int, warmup: int) -> float:
@@ -195,10 +253,13 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
             print(message, flush=True)
 
     checkpoint_path = args.out / "ckpt.pt"
-    config = load_settings(args, rank)
-    loader, dev = build_loaders(config)
-    settings = load_config(config).trainer
-    checkpoint, epoch, step = None, 0, 0  # epoch: the one to run next; step: optimizer steps done
+    config, name = load_settings(args, rank)
+    loader, dev = build_loaders(config, name=name)
+    settings = load_config(config, name=name).trainer
+    if loader.tokenizer is None:
+        raise ConfigError(f"{name}: the trainer needs train.option.tokenizer (its CTC targets are token ids).")
+    recorded = run_settings(settings, loader)
+    checkpoint, epoch, step, changes = None, 0, 0, None  # epoch: the one to run next; step: optimizer steps done
     if checkpoint_path.exists():
         checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=False)
         epoch, step = checkpoint["epoch"], checkpoint["step"]
@@ -208,6 +269,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
                 f"nothing to train (set epochs above {epoch} to train on, or remove it to start afresh)"
             )
             return 0
+        changes = changes_since(checkpoint_path, checkpoint.get("settings"), recorded)
     args.out.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(int(config["train"]["option"].get("seed", 0)))
@@ -216,16 +278,22 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         device_ids=[device.index] if cuda else None,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=settings["lr"])
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_schedule(s, settings["warmup_steps"]))
-    ctc = nn.CTCLoss(zero_infinity=True)
-
     if checkpoint is not None:
         model.module.load_state_dict(checkpoint["model"])
         optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
+    for group in optimizer.param_groups:  # the schedule is a function of the step: the settings' rate applies
+        group["initial_lr"] = settings["lr"]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_schedule(s, settings["warmup_steps"]), last_epoch=step - 1
+    )
+    ctc = nn.CTCLoss(zero_infinity=True)
+
+    if checkpoint is not None:
         if checkpoint["loader"]["epoch"] == epoch:  # saved inside this epoch: go on at the next batch
             loader.load_state_dict(checkpoint["loader"])  # every rank's position
         say(f"resumed from {checkpoint_path}: epoch {epoch}, after step {step}")
+        if changes is not None:
+            say(changes)
     else:
         say(f"training from scratch: {settings['epochs']} epochs, checkpoints in {checkpoint_path}")
 
@@ -241,7 +309,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
             state = {
                 "model": model.module.state_dict(),
                 "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
+                "settings": recorded,
                 "loader": loader_state,
                 "epoch": next_epoch,
                 "step": step,
@@ -263,6 +331,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
                 loss = loss_of(batch)
                 optimizer.zero_grad()
                 loss.backward()
+                rate = optimizer.param_groups[0]["lr"]
                 optimizer.step()
                 scheduler.step()
                 step += 1
@@ -273,7 +342,8 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
                 )
                 advance(len(batch["keys"]))
                 if steps_file is not None:
-                    steps_file.write(json.dumps({"step": step, "keys": list(batch["keys"]), "loss": value}) + "\n")
+                    record = {"step": step, "keys": list(batch["keys"]), "loss": value, "lr": rate}
+                    steps_file.write(json.dumps(record) + "\n")
                 stopping = args.stop_after_steps is not None and steps_this_run >= args.stop_after_steps
                 if step % settings["log_every"] == 0:
                     say(f"epoch {epoch} step {step} {meter.line()}")

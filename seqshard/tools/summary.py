@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,9 @@ def plot_lengths(summary: dict[str, Any], path: str | Path) -> None:
         low, high = bin_bounds(index)
         axes.bar(low * shift_s, count, width=(high - low) * shift_s, align="edge", color="tab:blue", edgecolor="white")
     axes.set_xscale("log")
+    ticks = length_ticks(*axes.get_xlim())
+    axes.set_xticks(ticks, [f"{tick:g}" for tick in ticks])  # plain numbers, never 3x10^-1 next to 4x10^-1
+    axes.xaxis.set_minor_formatter(plt.NullFormatter())
     axes.set_xlabel("utterance length (s)")
     axes.set_ylabel("utterances")
     hours = "unknown hours" if summary["hours"] is None else f"{summary['hours']:.1f} h"
@@ -183,3 +187,16 @@ def plot_lengths(summary: dict[str, Any], path: str | Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def length_ticks(low: float, high: float, most: int = 8) -> list[float]:
+    """Tick values from ``low`` to ``high`` on a log axis: the densest of 1-2-3-5-like steps per
+    decade that gives at most ``most`` ticks, so that their labels stay apart."""
+    decades = range(math.floor(math.log10(low)), math.ceil(math.log10(high)) + 1)
+    for steps in ((1, 1.5, 2, 3, 4, 5, 6, 8), (1, 2, 3, 5), (1, 2, 5), (1, 3), (1,)):
+        ticks = [step * 10.0**decade for decade in decades for step in steps if low <= step * 10.0**decade <= high]
+        if len(ticks) <= most:
+            break
+    if len(ticks) < 2:  # a range within one step: its ends, rounded
+        ticks = sorted({float(f"{low:.2g}"), float(f"{high:.2g}")})
+    return ticks

@@ -1,0 +1,73 @@
+"""The example trainer's checkpoint records the run's settings: a resume names each change,
+applies a new learning rate or schedule from the next step, and refuses another model shape or
+tokenizer (one of the same size with other ids too) with an error instead of torch's traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from seqshard.errors import ConfigError
+from seqshard.trainer import changes_since, lr_schedule
+
+ROOT = Path(__file__).parent.parent
+SETTINGS = {"batch_frames": 3000, "epochs": 1, "save_every": 50, "log_every": 50, "hidden": 32, "layers": 1,
+            "lr": 0.004, "warmup_steps": 4, "num_workers": 0}  # fmt: skip
+OPTIONS = ["--demo-utts", "60"] + [f"--set={k}={json.dumps(v)}" for k, v in SETTINGS.items()]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+
+
+def trainer(folder: Path, *args: str | Path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "seqshard.trainer", *OPTIONS, "--out", str(folder / "run"), *map(str, args)]
+    return subprocess.run(command, cwd=folder, env=ENV, capture_output=True, text=True, timeout=150)
+
+
+def same_size_other_ids(units: Path, out: Path) -> Path:
+    """The units file with its characters' ids rotated (same tokens, same vocabulary size)."""
+    pairs = [line.split() for line in units.read_text(encoding="utf-8").splitlines()]
+    fixed = [p for p in pairs if p[0].startswith("<")]
+    moved = [p for p in pairs if not p[0].startswith("<")]
+    ids = [i for _, i in moved]
+    rotated = [(token, unit_id) for (token, _), unit_id in zip(moved, ids[1:] + ids[:1])]
+    out.write_text("".join(f"{t} {i}\n" for t, i in fixed + rotated), encoding="utf-8")
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_a_resume_applies_a_new_schedule_and_refuses_another_model_or_tokenizer(tmp_path):
+    first = trainer(tmp_path, "--stop-after-steps", "3")
+    assert first.returncode == 0, first.stdout + first.stderr
+
+    steps = tmp_path / "steps.jsonl"
+    changed = trainer(tmp_path, "--set=lr=0.05", "--set=warmup_steps=2", "--stop-after-steps=2", "--steps-file", steps)
+    assert changed.returncode == 0, changed.stdout + changed.stderr
+    assert (
+        "settings changed since the checkpoint, applied from the next step: lr 0.004 -> 0.05; warmup_steps 4 -> 2"
+    ) in changed.stdout.splitlines()
+    rates = {r["step"]: r["lr"] for r in map(json.loads, steps.read_text().splitlines())}
+    assert rates == pytest.approx({4: 0.05 * lr_schedule(3, 2), 5: 0.05 * lr_schedule(4, 2)})  # not the old rate
+
+    other = same_size_other_ids(tmp_path / "run/data/kaldi/units.txt", tmp_path / "other-units.txt")
+    refused = trainer(tmp_path, "--set=hidden=64", f"--set=tokenizer={json.dumps(str(other))}")
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    named = "ckpt.pt was trained with another model shape or tokenizer: hidden 32 -> 64; tokenizer ids "
+    assert named in refused.stderr, refused.stderr
+    assert "Traceback" not in refused.stderr, refused.stderr
+    assert "resumed from" not in refused.stdout
+
+
+def test_changes_named_and_refused_by_section(tmp_path):
+    saved = {"model": {"hidden": 32}, "tokenizer": {"tokenizer ids": "a"}, "schedule": {"lr": 0.1}}
+    saved["run"] = {"epochs": 2}
+    same = json.loads(json.dumps(saved))
+    assert changes_since(tmp_path, saved, same) is None
+    more = {**same, "run": {"epochs": 4}, "schedule": {"lr": 0.2}}
+    assert changes_since(tmp_path, saved, more).endswith("lr 0.1 -> 0.2; epochs 2 -> 4")
+    with pytest.raises(ConfigError, match="another model shape or tokenizer: tokenizer ids a -> b"):
+        changes_since(tmp_path, saved, {**same, "tokenizer": {"tokenizer ids": "b"}})
+    assert "records no settings (saved by an older trainer)" in changes_since(tmp_path, None, same)
