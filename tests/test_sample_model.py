@@ -31,7 +31,7 @@ def test_fields_are_named_by_suffix_and_decoded_by_extension_never_unpickled():
     assert split_suffix("feats.npy") == ("feats", "npy", False)
     assert split_suffix("txt") == ("txt", "txt", False)
     assert split_suffix("txt.gz") == ("txt", "txt", True)
-    assert split_suffix("audio.pth") == ("audio", "pth", False)
+    assert split_suffix("audio.pth") == ("audio.pth", "pth", False)  # undecoded: named by its whole suffix (issue 17)
     array = np.arange(12, dtype=np.float32).reshape(3, 4)
     np.testing.assert_array_equal(decode_field("feats.npy", npy_bytes(array)), array)
     assert decode_field("txt", "héllo wörld".encode()) == "héllo wörld"

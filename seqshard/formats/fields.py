@@ -2,15 +2,18 @@
 
 Decoding is explicit and safe: ``.npy`` arrays without pickle (a view of the bytes read, no
 copy), ``.txt`` UTF-8 text, ``.json`` JSON, audio (``.wav``, ``.flac``, ...) kept as its encoded
-bytes until an audio stage decodes it, ``.gz`` decompressed first, and any other extension
-passed through as bytes (never unpickled: a ``.pth`` or ``.pickle`` member stays bytes).
+bytes until an audio stage decodes it, ``.gz`` decompressed first (within limits: at most
+:data:`MAX_INFLATION` times the member's size and :data:`MAX_INFLATED_BYTES`, so a small member
+cannot fill memory). A member whose extension has no decoder is passed through as its bytes,
+still compressed if it is, under its whole suffix as its name (``KEY.audio.pth`` is field
+``audio.pth``, never ``audio``, the name of decoded waveforms; nothing is ever unpickled).
 A ``.nodata`` member marks a field that a sample does not have (``add-field --allow-missing``).
 """
 
 from __future__ import annotations
 
-import gzip
 import json
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
@@ -20,6 +23,8 @@ from .npy import decode_npy
 
 AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "opus", "sph", "m4a")
 NODATA = "nodata"
+MAX_INFLATION = 200  # a gzip'd member may inflate to this many times its size (text and JSON: 3-20x)
+MAX_INFLATED_BYTES = 1 << 30  # and never beyond this (an hour of 80-dim float32 features is 115 MB)
 
 
 @dataclass(frozen=True)
@@ -61,29 +66,69 @@ DECODERS: dict[str, Callable[[bytes | memoryview], Any]] = {
 }
 
 
+class InflationError(ValueError):
+    """A compressed member that would inflate beyond the limits (a bad sample)."""
+
+
 @lru_cache(maxsize=1024)
 def split_suffix(suffix: str) -> tuple[str, str, bool]:
     """``(name, extension, gzipped)`` of a member suffix: ``feats.npy`` -> ``("feats", "npy",
-    False)``, ``txt`` -> ``("txt", "txt", False)``, ``txt.gz`` -> ``("txt", "txt", True)``."""
+    False)``, ``txt`` -> ``("txt", "txt", False)``, ``txt.gz`` -> ``("txt", "txt", True)``.
+    A suffix whose extension has no decoder is its own name: ``audio.pth`` -> ``("audio.pth",
+    "pth", False)``, ``blob.gz`` -> ``("blob.gz", "blob", True)``."""
     gzipped = suffix.endswith(".gz")
-    if gzipped:
-        suffix = suffix[:-3]
-    name, dot, extension = suffix.rpartition(".")
-    return (name, extension, gzipped) if dot else (suffix, suffix, gzipped)
+    inner = suffix[:-3] if gzipped else suffix
+    name, dot, extension = inner.rpartition(".")
+    if not dot:
+        name = extension = inner
+    if extension not in DECODERS:
+        return suffix, extension, gzipped
+    return name, extension, gzipped
 
 
 def field_name(suffix: str) -> str:
-    """The field a member suffix holds (``feats.npy`` -> ``feats``)."""
+    """The field a member suffix holds (``feats.npy`` -> ``feats``; see :func:`split_suffix`)."""
     return split_suffix(suffix)[0]
+
+
+def inflate(data: bytes | memoryview, limit: int | None = None) -> bytes:
+    """A gzip member's content, refusing (InflationError) output beyond ``limit`` bytes
+    (default: :data:`MAX_INFLATION` x its size, at most :data:`MAX_INFLATED_BYTES`) before
+    more than that is held."""
+    if limit is None:
+        limit = min(MAX_INFLATED_BYTES, MAX_INFLATION * max(len(data), 1))
+    parts: list[bytes] = []
+    size, rest = 0, bytes(data)
+    while rest:  # a gzip file may hold several members back to back
+        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing
+        try:
+            part = inflater.decompress(rest, limit + 1 - size)
+        except zlib.error as error:
+            raise ValueError(f"not valid gzip ({error})") from None
+        size += len(part)
+        if size > limit:
+            raise InflationError(
+                f"the gzip'd member of {len(data)} bytes inflates beyond {limit} bytes (limits: {MAX_INFLATION}x its "
+                f"size, at most {MAX_INFLATED_BYTES} bytes)"
+            )
+        if not inflater.eof:
+            raise ValueError("not valid gzip (it ends early)")
+        parts.append(part)
+        rest = inflater.unused_data
+    return b"".join(parts)
 
 
 def decode_field(suffix: str, data: bytes | memoryview) -> Any:
     """The value of a member with this suffix (see the module docstring); ValueError when the
-    bytes do not decode as their extension says."""
+    bytes do not decode as their extension says (InflationError when a compressed member would
+    inflate beyond the limits)."""
     _, extension, gzipped = split_suffix(suffix)
+    decoder = DECODERS.get(extension)
+    if decoder is None:
+        return bytes(data)  # passed through as it is, compressed or not
     try:
-        if gzipped:
-            data = gzip.decompress(data)
-        return DECODERS.get(extension, bytes)(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, OSError, EOFError) as error:
+        return decoder(inflate(data) if gzipped else data)
+    except (UnicodeDecodeError, json.JSONDecodeError, EOFError) as error:
         raise ValueError(f"not valid .{extension}{'.gz' if gzipped else ''} ({error})") from None
+    except RecursionError:
+        raise ValueError(f"not valid .{extension}: nested too deeply to decode") from None

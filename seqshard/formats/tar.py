@@ -36,6 +36,8 @@ BLOCK = 512
 RECORD = 20 * BLOCK
 _ZERO_BLOCK = bytes(BLOCK)
 READ_AHEAD = 64 << 20  # bytes read ahead of the cursor (prefetch thread)
+MAX_EXTENSION_BYTES = 1 << 20  # a pax or long-name header beyond this is damage, not a name
+MAX_STREAMED_MEMBER = 1 << 30  # a member read from a stream of unknown length (.tar.gz, a pipe) is held whole
 MAP_CHUNK = 64 << 20  # bytes mapped at once
 
 BytesLike = bytes | bytearray | memoryview
@@ -303,7 +305,9 @@ class TarStream:
             kind = header[156:157]
             if "size" in pax:
                 size = int(pax["size"])
-            if kind in (b"x", b"g", b"L", b"K"):
+            extension = kind in (b"x", b"g", b"L", b"K")
+            self._check_declared(size, header_at, "a tar extension header" if extension else "a member")
+            if extension:
                 data = bytes(self._read_exact(size, "a tar extension header"))
                 self._skip(-size % BLOCK)
                 if kind == b"x":
@@ -323,6 +327,26 @@ class TarStream:
                 data = b""
                 self._skip(size + (-size % BLOCK))
             return Member(name, start, data)
+
+    def _check_declared(self, size: int, header_at: int, what: str) -> None:
+        """A declared size must fit the bytes that exist (where the file's length is known) and
+        the limit of its kind (extension headers; members of a stream, which are held whole),
+        before anything is read or allocated for it."""
+        total = getattr(self._source, "size", None)
+        if size < 0:
+            raise ShardError(self.path, header_at, f"tar header declares a negative size ({size}): a damaged shard")
+        if total is not None and self.position + size > total:
+            raise ShardError(
+                self.path,
+                header_at,
+                f"tar header declares {what} of {size} bytes but the file has {max(total - self.position, 0)} left "
+                "(truncated or damaged shard?)",
+            )
+        limit = MAX_EXTENSION_BYTES if what != "a member" else MAX_STREAMED_MEMBER if total is None else None
+        if limit is not None and size > limit:
+            raise ShardError(
+                self.path, header_at, f"tar header declares {what} of {size} bytes, beyond {limit} (a damaged shard?)"
+            )
 
     def _skip(self, size: int) -> None:
         if size:

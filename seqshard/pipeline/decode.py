@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Collection
 
 from ..errors import InputError, Where
-from ..formats.fields import ABSENT, decode_field, field_name, split_suffix
+from ..formats.fields import ABSENT, InflationError, decode_field, field_name, split_suffix
 from ..formats.keys import unescape_key
 from ..formats.lists import READ_ERROR_FIELD
 from .sample import Sample
@@ -52,6 +52,13 @@ class Decoder:
                 raise InputError(self._where(sample), "bad_field", f"two members hold field {name!r}.")
             try:
                 value = decode_field(suffix, data)
+            except InflationError as error:
+                raise InputError(
+                    self._where(sample),
+                    "decompression_limit",
+                    f"member .{suffix} is not decoded: {error}.",
+                    f"if such members are real, read only the fields you need (fields= without {name!r}).",
+                ) from None
             except ValueError as error:
                 raise InputError(
                     self._where(sample), self._reason(name, suffix), f"member .{suffix} cannot be read: {error}."

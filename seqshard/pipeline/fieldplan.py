@@ -44,6 +44,8 @@ def plan_fields(
         raise ConfigError(
             f"feature_field {feature_field!r}: the shards have no such field (they have: {', '.join(everywhere)})."
         )
+    if fields is not None:  # names or member suffixes, as `seqshard inspect` lists them
+        fields = [field_name(f) if f in _suffixes(table) else f for f in fields]
     audio = _audio_field(table, None if fields is None else set(fields))
     if fields is None:
         return FieldPlan((MAIN,), None, features if features in main or not main else None, audio)
@@ -66,6 +68,10 @@ def plan_fields(
                 )
     ordered = tuple(s for s in (MAIN, *sorted(sets)) if s in sets)
     return FieldPlan(ordered, frozenset(wanted), features if features in wanted else None, audio)
+
+
+def _suffixes(table: ShardTable) -> set[str]:
+    return {suffix for _, suffixes in table.field_sets for suffix in suffixes}
 
 
 def _audio_field(table: ShardTable, wanted: set[str] | None) -> str | None:

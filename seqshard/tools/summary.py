@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..formats.fields import field_name
 from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
 from ..formats.selection import MissingShard, select_folders
 from .parallel import map_shards
@@ -24,6 +25,9 @@ class FolderSummary:
     frame_shift_ms: float
     has_features: bool = True  # False for shards without a feature array (frames unknown)
     selected: ShardIndex = field(default_factory=lambda: ShardIndex([]))
+    fields: dict[str, list[str]] = field(
+        default_factory=dict
+    )  # member suffixes: of the shards ("") and of each sidecar set
 
     @property
     def entries(self) -> list[ShardEntry]:
@@ -74,6 +78,9 @@ def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -
         summary.has_features = (feature.get("field") is not None if index else True) and all(
             scan.feature_field is not None for scan in scans
         )
+        main = index.fields if index and index.fields else [s for scan in scans for s in scan.fields]
+        summary.fields = {"": list(dict.fromkeys(main))}
+        summary.fields.update({name: list(fs.fields) for name, fs in (index.field_sets.items() if index else [])})
         folders.append(summary)
     return Summary(folders, missing)
 
@@ -124,6 +131,10 @@ def to_json(summary: Summary) -> dict[str, Any]:
                 "num_frames": f.num_frames,
                 "hours": None if f.hours is None else round(f.hours, 4),
                 "median_frames": length_percentiles(f.entries, f.histogram)["p50"] if f.has_features else None,
+                "fields": {
+                    name or "shard": [{"member": s, "field": field_name(s)} for s in suffixes]
+                    for name, suffixes in f.fields.items()
+                },
             }
             for f in folders
         ],
@@ -146,6 +157,13 @@ def format_text(summary: dict[str, Any]) -> str:
         lines.append(
             f"{group['folder']:<40} {group['num_shards']:>7} {group['num_utts']:>10} {group_hours:>9} {median:>7}  {'yes' if group['indexed'] else 'no'}"
         )
+    for group in summary["groups"]:
+        for where, members in group["fields"].items():
+            if members:
+                shown = ", ".join(
+                    m["field"] if m["field"] == m["member"] else f"{m['field']} (.{m['member']})" for m in members
+                )
+                lines.append(f"fields of {group['folder']} ({where}): {shown}")
     for missing in summary["missing_shards"]:
         lines.append(f"MISSING {missing['path']}: {missing['why']}")
     return "\n".join(lines)
