@@ -2,8 +2,11 @@
 one that restarts, shards a server does not have, and failures whose advice follows what
 happened (status, timeout, connection)."""
 
+import gc
 import logging
+import multiprocessing as mp
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -16,6 +19,7 @@ from http_server import ShardServer
 from conftest import write_kaldi_dir
 from seqshard import make_loader, pack_data
 from seqshard.errors import ShardError
+from seqshard.formats import remote
 from seqshard.tools.verify import verify
 
 OPTIONS = dict(batch_size=4, shuffle_window=16, sort_window=8, seed=1)
@@ -31,31 +35,40 @@ def packed(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def large(tmp_path_factory):
-    """3 shards of about 9 MB: each is more than one 8 MB ranged request."""
-    root = tmp_path_factory.mktemp("large")
-    data = write_kaldi_dir(root / "kaldi", speakers=3, per_speaker=30, dim=80, frames=(950, 1000))
+def medium(tmp_path_factory):
+    """3 shards of about 250 KB, read in requests of 64 KB (:func:`in_small_requests`)."""
+    root = tmp_path_factory.mktemp("medium")
+    data = write_kaldi_dir(root / "kaldi", speakers=3, per_speaker=30, dim=80, frames=(20, 30))
     pack_data(data.scp, data.text, root / "shards", utts_per_file=30, progress=False)
-    assert min(p.stat().st_size for p in (root / "shards").glob("data-*.tar")) > 8 << 20
     return root / "shards"
 
 
-@pytest.fixture(scope="module")
-def plain_server(large):
-    """The real ``python -m http.server`` over the large shards' parent folder (it ignores Range)."""
+def in_small_requests(loader):
+    """The loader, reading remote shards in requests of 64 KB (8 MB by default), so that each
+    shard takes several."""
+    remote.current().chunk_bytes = 64 << 10
+    return loader
+
+
+def python_http_server(folder):
+    """The real ``python -m http.server`` over ``folder`` (it ignores Range): its URL and process."""
     process = subprocess.Popen(
-        [sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(large.parent), "0"],
+        [sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(folder), "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
     )
-    try:
-        port = re.search(r" port (\d+) ", process.stdout.readline()).group(1)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(10)
-        process.stdout.close()
+    port = re.search(r" port (\d+) ", process.stdout.readline()).group(1)
+    return f"http://127.0.0.1:{port}", process
+
+
+@pytest.fixture(scope="module")
+def plain_server(medium):
+    url, process = python_http_server(medium.parent)
+    yield url
+    process.terminate()
+    process.wait(10)
+    process.stdout.close()
 
 
 def keys_of(loader, epoch=0):
@@ -84,25 +97,42 @@ def shard_names(folder):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("cached", [False, True])
-def test_a_plain_web_server_gives_the_local_batches(large, plain_server, tmp_path, num_workers, cached):
-    """Shards larger than a ranged request, from a server that answers every request with the
-    whole file: with two workers the middle shard is split, so a reader starts inside it."""
+def test_a_plain_web_server_gives_the_local_batches(medium, plain_server, tmp_path, num_workers, cached):
+    """A server that answers every request with the whole file: with two workers the middle
+    shard is split, so a reader starts inside it."""
     options = dict(OPTIONS, num_workers=num_workers, batch_size=8)
     if cached:
         options["cache_dir"] = str(tmp_path / "cache")
-    local = batches_of(make_loader(str(large), **options))
-    assert_same_batches(batches_of(make_loader(f"{plain_server}/shards/", **options)), local)
-    braces = f"{plain_server}/shards/data-{{00000..00002}}.tar"
-    assert_same_batches(batches_of(make_loader(braces, **options)), local)
+    local = batches_of(make_loader(str(medium), **options))
+    by_folder = in_small_requests(make_loader(f"{plain_server}/shards/", **options))
+    assert_same_batches(batches_of(by_folder), local)
+    braces = in_small_requests(make_loader(f"{plain_server}/shards/data-{{00000..00002}}.tar", **options))
+    assert_same_batches(batches_of(braces), local)
 
 
-def test_a_resume_inside_a_shard_on_a_plain_web_server(large, plain_server, caplog):
+def test_shards_larger_than_a_request_from_python_http_server(tmp_path):
+    """As users meet it: shards of 9 MB (more than one 8 MB request), split between two workers."""
+    data = write_kaldi_dir(tmp_path / "kaldi", speakers=3, per_speaker=30, dim=80, frames=(950, 1000))
+    pack_data(data.scp, data.text, tmp_path / "shards", utts_per_file=30, progress=False)
+    assert min(p.stat().st_size for p in (tmp_path / "shards").glob("data-*.tar")) > 8 << 20
+    options = dict(OPTIONS, num_workers=2, batch_size=8)
+    local = batches_of(make_loader(str(tmp_path / "shards"), **options))
+    url, process = python_http_server(tmp_path)
+    try:
+        assert_same_batches(batches_of(make_loader(f"{url}/shards/", **options)), local)
+    finally:
+        process.terminate()
+        process.wait(10)
+        process.stdout.close()
+
+
+def test_a_resume_inside_a_shard_on_a_plain_web_server(medium, plain_server, caplog):
     options = dict(OPTIONS, num_workers=0, batch_size=8)
-    local = batches_of(make_loader(str(large), **options))
-    first = make_loader(f"{plain_server}/shards/", **options)
+    local = batches_of(make_loader(str(medium), **options))
+    first = in_small_requests(make_loader(f"{plain_server}/shards/", **options))
     done = batches_of(first, steps=5)  # 40 of 90 utterances: inside the second shard
     state = first.state_dict()
-    again = make_loader(f"{plain_server}/shards/", **options)
+    again = in_small_requests(make_loader(f"{plain_server}/shards/", **options))
     again.load_state_dict(state)
     with caplog.at_level(logging.WARNING, "seqshard"):
         rest = batches_of(again)
@@ -111,15 +141,15 @@ def test_a_resume_inside_a_shard_on_a_plain_web_server(large, plain_server, capl
     assert len(restarts) == 1 and "downloads the shard's first bytes again" in restarts[0]
 
 
-def test_range_support_is_learnt_once_per_server(large, caplog):
+def test_range_support_is_learnt_once_per_server(medium, caplog):
     """One ranged request learns that the server ignores ranges (its body is not read); then
     every shard is read as a stream: one GET each, no retries."""
-    names = shard_names(large)
-    with ShardServer(large.parent, ranges=False) as server, caplog.at_level(logging.INFO, "seqshard"):
-        loader = make_loader(f"{server.url}/shards/", num_workers=0, **OPTIONS)
+    names = shard_names(medium)
+    with ShardServer(medium.parent, ranges=False) as server, caplog.at_level(logging.INFO, "seqshard"):
+        loader = in_small_requests(make_loader(f"{server.url}/shards/", num_workers=0, **OPTIONS))
         assert len(keys_of(loader)) == 90
         gets = [server.gets(name) for name in names]
-    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert not [r for r in caplog.records if "retrying" in r.getMessage() and server.url in r.getMessage()]
     learnt = [r for r in caplog.records if "ignores Range requests (it answers with the whole file)" in r.getMessage()]
     assert len(learnt) == 1
     assert sum(gets) == len(names) + 1
@@ -152,7 +182,9 @@ def test_a_shard_the_server_does_not_have_is_missing_at_once(packed, caplog):
         with pytest.raises(ShardError, match=rf"{names[0]}: not found on the server"):
             keys_of(make_loader(f"{server.url}/shards/", num_workers=0, shuffle=False, **OPTIONS))
         assert time.monotonic() - started < 5
-        assert server.gets(names[0]) <= 2 and not [r for r in caplog.records if "retrying" in r.getMessage()]
+        url = f"{server.url}/shards/{names[0]}"
+        retried = [r for r in caplog.records if "retrying" in r.getMessage() and url in r.getMessage()]
+        assert server.gets(names[0]) <= 2 and not retried
 
 
 def test_missing_urls_follow_the_rule_of_missing_files(packed, tmp_path):
@@ -202,3 +234,52 @@ def test_the_advice_follows_what_happened(packed):
     down = server.url
     text = _failure(f"{down}/shards/data-00000.tar?token=1", remote_retries=0)
     assert "connection failed" in text and "check the host and port" in text and "credentials" not in text
+
+
+def _collect_garbage(times):
+    started = time.monotonic()
+    gc.collect()
+    times.put(time.monotonic() - started)
+
+
+def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
+    """A loader dropped in a reference cycle and not yet collected when workers fork: the
+    workers' first collection used to close its http session on the parent's event loop (1 s
+    each, so every such earlier loader delayed every worker's start by a second)."""
+    context = mp.get_context("fork")
+    times = context.SimpleQueue()
+    with ShardServer(packed.parent) as server:
+        gc.disable()
+        try:
+            for _ in range(2):
+                dropped = remote.RemoteAccess()
+                dropped.server_size(f"{server.url}/shards/{shard_names(packed)[0]}")
+                cycle = [dropped]
+                cycle.append(cycle)
+            del dropped, cycle
+            child = context.Process(target=_collect_garbage, args=(times,))
+            child.start()
+        finally:
+            gc.enable()
+        child.join(30)
+    assert child.exitcode == 0 and times.get() < 0.5
+
+
+def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):
+    """Once its reader has given up on a shard, nobody retries its other requests (here the
+    first chunk, fetched early while the shard before was read): they kept a fetch thread, and
+    a worker's exit, busy for seconds."""
+    names = shard_names(packed)
+    shutil.copytree(packed, tmp_path / "copy")
+    (tmp_path / "copy" / names[1]).write_bytes((packed / names[2]).read_bytes()[:-1024])  # shorter than indexed
+
+    def retries():
+        return sum("/copy/" in r.getMessage() and "retrying in" in r.getMessage() for r in caplog.records)
+
+    with ShardServer(tmp_path) as server, caplog.at_level(logging.INFO, "seqshard"):
+        with pytest.raises(ShardError, match="changed since it was indexed"):
+            keys_of(make_loader(f"{server.url}/copy/", num_workers=0, shuffle=False, **OPTIONS))
+        time.sleep(0.2)
+        seen = retries()
+        time.sleep(1.5)
+        assert retries() == seen

@@ -90,7 +90,7 @@ class RangesIgnored(Exception):
 
 
 class _Closed(Exception):
-    """A stream closed by its reader while a read ahead was under way (nothing to retry)."""
+    """A read ahead whose reader closed the object meanwhile (nothing to retry)."""
 
 
 class _BodyError(OSError):
@@ -215,33 +215,34 @@ class RemoteAccess:
 
     # -- file systems --------------------------------------------------------------------
     def filesystem(self, url: str) -> tuple[Any, str]:
-        """fsspec's file system for ``url`` (one per protocol, made once) and the path in it."""
+        """fsspec's file system for ``url`` (one per process, protocol and options) and the path in it."""
         import fsspec
 
         protocol = url.split("://", 1)[0]
-        systems = self.__dict__.setdefault("_systems", {})
-        key = (os.getpid(), protocol)  # async file systems are not fork-safe: one per process
-        if key not in systems:
-            options = dict(self.storage_options)
-            if protocol in ("http", "https"):
-                options.setdefault("client_kwargs", {"timeout": _aiohttp_timeout(self.timeout_s)})
-            try:
-                systems[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-            except TypeError as error:
-                raise ConfigError(f"storage_options do not suit {protocol}:// ({error}).") from None
-            except (ImportError, ValueError) as error:
-                raise ConfigError(
-                    f"cannot read {protocol}:// URLs: {error}. Fix: pip install 'seqshard[remote]' "
-                    "(aiohttp for http, s3fs for s3, gcsfs for gs)."
-                ) from None
-        fs = systems[key]
+        options = dict(self.storage_options)
+        if protocol in ("http", "https"):
+            options.setdefault("client_kwargs", {"timeout": _aiohttp_timeout(self.timeout_s)})
+        key = (os.getpid(), protocol, repr(sorted(options.items())))  # async file systems are not fork-safe
+        with _SYSTEMS_LOCK:
+            if key not in _SYSTEMS:
+                try:
+                    _SYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+                except TypeError as error:
+                    raise ConfigError(f"storage_options do not suit {protocol}:// ({error}).") from None
+                except (ImportError, ValueError) as error:
+                    raise ConfigError(
+                        f"cannot read {protocol}:// URLs: {error}. Fix: pip install 'seqshard[remote]' "
+                        "(aiohttp for http, s3fs for s3, gcsfs for gs)."
+                    ) from None
+            fs = _SYSTEMS[key]
         return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
 
     # -- requests with retries -----------------------------------------------------------
-    def retrying(self, url: str, what: str, call: Any) -> Any:
+    def retrying(self, url: str, what: str, call: Any, abandoned: threading.Event | None = None) -> Any:
         """``call()``, retried with jittered exponential backoff on transient failures (see
         :class:`Failure`); an object the store says does not exist raises :class:`NotOnServer` at
-        once, anything else in the end a ShardError saying what happened and what to do."""
+        once, anything else in the end a ShardError saying what happened and what to do. No
+        retry is made once ``abandoned`` is set (its reader closed: nobody waits for it)."""
         for attempt in range(self.retries + 1):
             try:
                 return call()
@@ -260,9 +261,13 @@ class RemoteAccess:
                         f"{what} failed after {attempt + 1} attempt(s): {_describe(failure.error)}: "
                         f"{failure.advice(self)}; {option('skip_bad')} skips such shards (counted).",
                     ) from None
+                abandoned = abandoned or threading.Event()
+                if abandoned.is_set():
+                    raise _Closed(url) from None
                 wait = self.backoff_s * 2**attempt * random.uniform(0.5, 1.5)
                 _LOG.info("%s: %s failed (%s); retrying in %.2f s", url, what, _describe(failure.error), wait)
-                time.sleep(wait)
+                if abandoned.wait(wait):
+                    raise _Closed(url) from None
         raise AssertionError("unreachable")
 
     def size(self, url: str) -> int:
@@ -277,10 +282,10 @@ class RemoteAccess:
             self.sizes[url] = self.server_size(url)
         return self.sizes[url]
 
-    def server_size(self, url: str) -> int:
+    def server_size(self, url: str, abandoned: threading.Event | None = None) -> int:
         """The object's size as the store reports it now (NotOnServer when it has none)."""
         fs, path = self.filesystem(url)
-        size = self.retrying(url, "asking its size", lambda: fs.size(path))
+        size = self.retrying(url, "asking its size", lambda: fs.size(path), abandoned)
         if size is None:
             raise ShardError(
                 url, None, "the server does not say its size (no Content-Length). Fix: index the folder (run "
@@ -288,9 +293,10 @@ class RemoteAccess:
             )
         return int(size)
 
-    def fetch(self, url: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``url``; a short body is a failure (retried). RangesIgnored
-        when the server answers with the whole object (the server is noted: :meth:`ranges`)."""
+    def fetch(self, url: str, start: int, end: int, abandoned: threading.Event | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``url``; a short body is a failure (retried, until
+        ``abandoned`` is set). RangesIgnored when the server answers with the whole object (the
+        server is noted: :meth:`ranges`)."""
         fs, path = self.filesystem(url)
         get = _http_range if url.startswith(("http://", "https://")) else _store_range
 
@@ -303,7 +309,7 @@ class RemoteAccess:
             return data
 
         try:
-            return self.retrying(url, f"reading bytes {start}-{end}", call)
+            return self.retrying(url, f"reading bytes {start}-{end}", call, abandoned)
         except RangesIgnored:
             if self._servers().get(_host(url)) is not False:
                 self._servers()[_host(url)] = False
@@ -428,6 +434,11 @@ def _aiohttp_timeout(seconds: float) -> Any:
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 _POOL_LOCK = threading.Lock()
+# File systems are kept for the life of the process, shared by its loaders: one made per loader
+# and dropped was finalized in each forked worker (fsspec closes its session there, waiting 1 s
+# on the parent's event loop), so every earlier loader delayed every worker's start by a second.
+_SYSTEMS: dict[tuple[int, str, str], Any] = {}
+_SYSTEMS_LOCK = threading.Lock()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -440,7 +451,8 @@ def _pool() -> ThreadPoolExecutor:
 
 
 EARLY_SHARDS = 4  # shards whose first chunks are kept fetched ahead, per process
-_EARLY: OrderedDict[str, dict[int, Future]] = OrderedDict()  # first chunks of shards readers open next
+# first chunks of shards readers open next, and the event that says nobody will read them
+_EARLY: OrderedDict[str, tuple[threading.Event, dict[int, Future]]] = OrderedDict()
 
 
 def _early_chunks(access: RemoteAccess, url: str) -> None:
@@ -448,12 +460,20 @@ def _early_chunks(access: RemoteAccess, url: str) -> None:
     if url in _EARLY or size is None or (size > access.chunk_bytes and not access.ranges(url)):
         return  # a server not known to serve ranges is asked by one request first
     while len(_EARLY) >= EARLY_SHARDS:  # one a reader did not open after all (its epoch ended): let it go
-        for future in _EARLY.popitem(last=False)[1].values():
+        abandoned, chunks = _EARLY.popitem(last=False)[1]
+        abandoned.set()
+        for future in chunks.values():
             future.cancel()
-    _EARLY[url] = {
-        k: _pool().submit(access.fetch, url, k * access.chunk_bytes, min(size, (k + 1) * access.chunk_bytes))
-        for k in range(min(access.ahead, -(-size // access.chunk_bytes)))
-    }
+    abandoned = threading.Event()
+    _EARLY[url] = (
+        abandoned,
+        {
+            k: _pool().submit(
+                access.fetch, url, k * access.chunk_bytes, min(size, (k + 1) * access.chunk_bytes), abandoned
+            )
+            for k in range(min(access.ahead, -(-size // access.chunk_bytes)))
+        },
+    )
 
 
 class RemoteBytes:
@@ -466,12 +486,14 @@ class RemoteBytes:
         self._access = access
         self.size = access.size(url)
         self._chunk = access.chunk_bytes
-        self._chunks: dict[int, Future] = _EARLY.pop(url, {})
+        self._abandoned, self._chunks = _EARLY.pop(url, None) or (threading.Event(), {})  # set when closed
         self._stream: RemoteStream | None = None  # reads on a server that ignores ranges
         self._pos = 0
         # the index's size is used for planning reads; the server's is checked once, alongside
         # the first chunk, so that a shard replaced since it was indexed is not read as it
-        self._checked: Future | None = _pool().submit(access.server_size, url) if url in access.expected else None
+        self._checked: Future | None = None
+        if url in access.expected:
+            self._checked = _pool().submit(access.server_size, url, self._abandoned)
 
     def _check_size(self) -> None:
         checked, self._checked = self._checked, None
@@ -487,7 +509,7 @@ class RemoteBytes:
         if number not in self._chunks:
             start = number * self._chunk
             end = min(self.size, start + self._chunk)
-            self._chunks[number] = _pool().submit(self._access.fetch, self.path, start, end)
+            self._chunks[number] = _pool().submit(self._access.fetch, self.path, start, end, self._abandoned)
         return self._chunks[number]
 
     def _data(self, number: int) -> bytes:
@@ -506,6 +528,13 @@ class RemoteBytes:
         self._pos += size
 
     def read(self, size: int) -> bytes | memoryview:
+        try:
+            return self._read(size)
+        except ShardError:
+            self.close()  # nobody will read the rest: stop its reads ahead and their retries
+            raise
+
+    def _read(self, size: int) -> bytes | memoryview:
         if self._checked is not None:
             self._check_size()
         end = min(self._pos + size, self.size)
@@ -519,7 +548,7 @@ class RemoteBytes:
             except RangesIgnored:
                 pass
         if self._stream is None:
-            self.close()
+            self._cancel_chunks()
             self._stream = RemoteStream(self.path, self._access, self.size)
         data = self._stream.read_at(self._pos, end - self._pos)
         self._pos = end
@@ -536,10 +565,14 @@ class RemoteBytes:
             parts.append(chunk[max(self._pos, base) - base : min(end, base + len(chunk)) - base])
         return memoryview(b"".join(parts))
 
-    def close(self) -> None:
+    def _cancel_chunks(self) -> None:
         for future in self._chunks.values():
             future.cancel()
         self._chunks = {}
+
+    def close(self) -> None:
+        self._abandoned.set()
+        self._cancel_chunks()
         if self._stream is not None:
             self._stream.close()
 
@@ -557,7 +590,7 @@ class RemoteStream:
         self._lock = threading.Lock()  # the GET is read by one thread at a time
         self._file: Any = None
         self._at = 0  # bytes of the current GET read so far
-        self._closed = False
+        self._closed = threading.Event()
         self._failed = False  # the last read of the GET failed (it is opened again, no restart to report)
         self._chunk: tuple[int, bytes] = (0, b"")
         self._ahead: tuple[int, Future] | None = None
@@ -593,11 +626,11 @@ class RemoteStream:
     def _pull(self, start: int) -> bytes:
         want = min(self._access.chunk_bytes, self.size - start)
         what = f"reading bytes {start}-{start + want}"
-        return self._access.retrying(self.path, what, lambda: self._read(start, want))
+        return self._access.retrying(self.path, what, lambda: self._read(start, want), self._closed)
 
     def _read(self, start: int, want: int) -> bytes:
         with self._lock:
-            if self._closed:
+            if self._closed.is_set():
                 raise _Closed(self.path)
             try:
                 if self._file is None or self._at > start:
@@ -636,8 +669,8 @@ class RemoteStream:
         if self._ahead is not None:
             self._ahead[1].cancel()
             self._ahead = None
+        self._closed.set()
         with self._lock:
-            self._closed = True
             self._drop()
 
 
