@@ -19,7 +19,8 @@ class ShardServer:
 
     ``faults[name]`` is a list of actions used up by successive GETs of that file: a status
     such as ``"500"``, ``"404"`` or ``"403"``, ``"truncate"`` (half the body, then the
-    connection closes), ``"slow:S"`` (wait S seconds first). ``latency`` delays every request.
+    connection closes), ``"short"`` (a whole answer of half the bytes asked for), ``"slow:S"``
+    (wait S seconds first). ``latency`` delays every request.
     ``requests`` logs (method, path, range).
     ``ranges=False`` ignores Range headers (200 with the whole file, as ``python -m http.server``).
     """
@@ -108,6 +109,8 @@ class ShardServer:
                     start = int(match.group(1))
                     end = min(size, int(match.group(2)) + 1) if match.group(2) else size
                     status = 206
+                if action == "short":
+                    end = start + (end - start) // 2
                 with open(file, "rb") as stream:
                     stream.seek(start)
                     part = stream.read(end - start) if body else b""

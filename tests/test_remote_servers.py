@@ -230,6 +230,9 @@ def test_the_advice_follows_what_happened(packed):
         server.faults[names[0]] = ["slow:2"] * 3
         text = _failure(url, remote_retries=1, remote_timeout=0.3)
         assert "no answer within 0.3 s" in text and "remote_timeout=120" in text and "credentials" not in text
+        server.faults[names[0]] = ["short"] * 10
+        text = _failure(url, remote_retries=1)
+        assert "ended before the bytes asked for" in text and "credentials" not in text
         server.faults[names[0]] = []
     down = server.url
     text = _failure(f"{down}/shards/data-00000.tar?token=1", remote_retries=0)
