@@ -37,7 +37,6 @@ import os
 import random
 import subprocess
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
