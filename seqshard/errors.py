@@ -5,11 +5,59 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 _LOG = logging.getLogger("seqshard")
+
+# What redact() hides: the user info of a URL (``user:password@``), the values of query
+# parameters whose names say they carry a secret (``sig``, ``X-Amz-Signature``, ``token``,
+# ``api_key``, ``password``, ``X-Amz-Credential``, ...: any name containing sig, token, key,
+# secret, pass, credential or auth), ``Authorization:`` header values and ``AWS_SECRET_ACCESS_KEY=...``
+# style assignments (in pipe commands). Names are kept, so a message still says what was there.
+_SECRETS = (
+    (re.compile(r"(?<=://)[^/?#\s@'\"<>]+@"), "***@"),
+    (  # a value ends before &, #, a quote or a space, and before punctuation that ends a sentence
+        re.compile(
+            r"([?&;][\w.\-]*(?:sig|token|key|secret|pass|credential|auth)[\w.\-]*=)"
+            r"[^&#\s'\"<>]*?(?=[:.,;)\]]*(?:[&#\s'\"<>]|$))",
+            re.I,
+        ),
+        r"\1***",
+    ),
+    (re.compile(r"(authorization:\s*(?:bearer\s+|basic\s+|token\s+)?)[^\s'\"]+", re.I), r"\1***"),
+    (
+        re.compile(r"\b((?=\w*(?:SECRET|TOKEN|PASSWORD|PASSWD|KEY|CREDENTIAL))[A-Z][A-Z0-9]*_[A-Z0-9_]*=)[^\s'\"]+"),
+        r"\1***",
+    ),
+)
+
+
+def redact(text: str) -> str:
+    """``text`` with the secrets of any URL or command in it replaced by ``***``:
+    ``http://alice:pw@host/a.tar?sig=XY&n=1`` -> ``http://***@host/a.tar?sig=***&n=1``."""
+    for pattern, replacement in _SECRETS:
+        text = pattern.sub(replacement, text)
+    return text
+
+
+class _Redacting(logging.Filter):
+    """Redacts every record of seqshard's logger (its URLs may carry credentials)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a malformed record: the handler reports it
+            return True
+        shown = redact(message)
+        if shown != message:
+            record.msg, record.args = shown, None
+        return True
+
+
+_LOG.addFilter(_Redacting())
 
 # How options are spelled in messages: ``None`` from Python (``skip_bad=True``), else the
 # command line's flags by Python name (``--skip-bad``), set by ``seqshard.cli`` for one command.
@@ -40,7 +88,14 @@ def command_line_flags(flags: Mapping[str, str]) -> Iterator[None]:
 
 
 class SeqshardError(Exception):
-    """Base class of every error seqshard raises on purpose."""
+    """Base class of every error seqshard raises on purpose. Its text is redacted (see
+    :func:`redact`): a URL's credentials never reach a message, a log or a traceback."""
+
+    def __init__(self, *args: object):
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
+
+    def __str__(self) -> str:
+        return redact(super().__str__())
 
 
 @dataclass(frozen=True)
@@ -81,7 +136,7 @@ class InputError(SeqshardError):
             message += f" Fix: {self.fix}"
         if skip_hint and self.skippable:
             message += f" Or pass {option('skip_bad')} to count and skip such cases."
-        return message
+        return redact(message)
 
     def __str__(self) -> str:
         return self.describe()
@@ -123,7 +178,7 @@ class OutputError(SeqshardError):
         return cls(path, f"cannot write: {error.strerror or error}.", fix)
 
     def __str__(self) -> str:
-        return f"{self.path}: {self.problem}" + (f" Fix: {self.fix}" if self.fix else "")
+        return redact(f"{self.path}: {self.problem}" + (f" Fix: {self.fix}" if self.fix else ""))
 
 
 class ConfigError(SeqshardError, ValueError):

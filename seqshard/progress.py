@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
+from .errors import redact
+
 
 class Progress:
     """Creates progress bars on stderr and closes them all at the end.
@@ -30,9 +32,11 @@ class Progress:
         self._bars: list = []
 
     def bar(self, description: str, total: int, unit: str = "it") -> Callable[[int], None]:
-        """A new bar; returns the function that advances it."""
+        """A new bar; returns the function that advances it. A URL in ``description`` is
+        shown redacted."""
         if not self.enabled:
             return _ignore
+        description = redact(description)
         stream = sys.stderr
         if not _is_terminal(stream):
             line = _LineProgress(description, total, unit, stream, self.interval, self.clock)

@@ -1,9 +1,12 @@
 """A threaded HTTP server over a folder, started by tests and benchmarks on loopback, with
-ranged reads and injectable faults (per file: 500s, 404s, truncated or dropped bodies, delays)."""
+ranged reads (or none, as plain web servers) and injectable faults (per file: 500s, 404s,
+truncated or dropped bodies, delays). Stopping it closes its open connections too, as a
+server that goes down does."""
 
 from __future__ import annotations
 
 import re
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -14,14 +17,19 @@ from pathlib import Path
 class ShardServer:
     """``with ShardServer(root) as server: server.url`` serves ``root``.
 
-    ``faults[name]`` is a list of actions used up by successive GETs of that file: ``"500"``,
-    ``"404"``, ``"truncate"`` (half the body, then the connection closes), ``"slow:S"`` (wait S
-    seconds first). ``latency`` delays every request. ``requests`` logs (method, path, range).
+    ``faults[name]`` is a list of actions used up by successive GETs of that file: a status
+    such as ``"500"``, ``"404"`` or ``"403"``, ``"truncate"`` (half the body, then the
+    connection closes), ``"short"`` (a whole answer of half the bytes asked for), ``"slow:S"``
+    (wait S seconds first). ``latency`` delays every request.
+    ``requests`` logs (method, path, range).
+    ``ranges=False`` ignores Range headers (200 with the whole file, as ``python -m http.server``).
     """
 
-    def __init__(self, root: str | Path, latency: float = 0.0, port: int = 0):
+    def __init__(self, root: str | Path, latency: float = 0.0, port: int = 0, ranges: bool = True):
         self.root = Path(root)
         self.latency = latency
+        self.ranges = ranges
+        self.connections: set[socket.socket] = set()
         self.faults: dict[str, list[str]] = defaultdict(list)
         self.requests: list[tuple[str, str, str | None]] = []
         self.missing: set[str] = set()  # names answered with 404 every time
@@ -31,8 +39,12 @@ class ShardServer:
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property
+    def port(self) -> int:
+        return self._server.server_address[1]
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.server_address[1]}"
+        return f"http://127.0.0.1:{self.port}"
 
     def gets(self, name: str) -> int:
         """How many GETs reached the server for a file name."""
@@ -45,6 +57,12 @@ class ShardServer:
     def __exit__(self, *exc: object) -> None:
         self._server.shutdown()
         self._server.server_close()
+        with self._lock:
+            for connection in self.connections:  # kept-alive connections end with the server
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
 
     def _handler(self):
         server = self
@@ -54,6 +72,16 @@ class ShardServer:
 
             def log_message(self, *args: object) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                with server._lock:
+                    server.connections.add(self.connection)
+
+            def finish(self) -> None:
+                with server._lock:
+                    server.connections.discard(self.connection)
+                super().finish()
 
             def do_HEAD(self) -> None:
                 self._serve(body=False)
@@ -70,23 +98,26 @@ class ShardServer:
                 file = server.root / path.lstrip("/")
                 if action.startswith("slow:"):
                     time.sleep(float(action.split(":", 1)[1]))
-                if action == "500":
-                    return self._status(500)
+                if action.isdigit() and action != "404":
+                    return self._status(int(action))
                 if action == "404" or Path(path).name in server.missing or not file.is_file():
                     return self._status(404)
                 size = file.stat().st_size
                 start, end, status = 0, size, 200
                 match = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
-                if match:
+                if match and server.ranges:
                     start = int(match.group(1))
                     end = min(size, int(match.group(2)) + 1) if match.group(2) else size
                     status = 206
+                if action == "short":
+                    end = start + (end - start) // 2
                 with open(file, "rb") as stream:
                     stream.seek(start)
                     part = stream.read(end - start) if body else b""
                 self.send_response(status)
                 self.send_header("Content-Length", str(end - start))
-                self.send_header("Accept-Ranges", "bytes")
+                if server.ranges:
+                    self.send_header("Accept-Ranges", "bytes")
                 if status == 206:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
                 self.end_headers()

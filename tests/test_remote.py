@@ -12,6 +12,7 @@ from http_server import ShardServer
 from conftest import write_kaldi_dir
 from seqshard import make_loader, pack_data
 from seqshard.errors import ConfigError, ShardError
+from seqshard.formats.cache import TAG
 
 OPTIONS = dict(batch_size=4, shuffle_window=16, sort_window=8, seed=1)
 
@@ -115,9 +116,9 @@ def test_the_cache_serves_the_second_epoch_without_the_server(packed, tmp_path):
         assert shard_gets == len(shard_names(packed))  # each fetched once, whole (one chunk)
         assert keys_of(loader, epoch=1) == local
         assert sum(server.gets(n) for n in shard_names(packed)) == shard_gets
-        cached = [p for p in (tmp_path / "cache").iterdir() if p.is_file()]
+        cached = [p for p in (tmp_path / "cache" / "seqshard-cache").iterdir() if p.is_file() and p.name != TAG]
         assert sorted(p.name.split("-", 1)[1] for p in cached) == shard_names(packed)
-        assert not list((tmp_path / "cache").glob("*.part-*"))
+        assert not list((tmp_path / "cache" / "seqshard-cache").glob("*.part-*"))
 
 
 def test_a_damaged_cache_file_is_fetched_again(packed, tmp_path):
@@ -126,7 +127,7 @@ def test_a_damaged_cache_file_is_fetched_again(packed, tmp_path):
         url = f"{server.url}/shards/"
         first = make_loader(url, num_workers=0, cache_dir=str(tmp_path / "cache"), **OPTIONS)
         expected = keys_of(first)
-        victim = next(p for p in (tmp_path / "cache").iterdir() if p.name.endswith(names[4]))
+        victim = next(p for p in (tmp_path / "cache" / "seqshard-cache").iterdir() if p.name.endswith(names[4]))
         data = bytearray(victim.read_bytes())
         data[700] ^= 0xFF  # inside the first member's data: same size, other bytes
         victim.write_bytes(bytes(data))
@@ -144,7 +145,7 @@ def test_the_cache_keeps_to_its_limit(packed, tmp_path):
             f"{server.url}/shards/", num_workers=0, cache_dir=str(tmp_path / "c"), cache_limit=3 * size + 100, **OPTIONS
         )
         assert len(keys_of(loader)) == 48
-        kept = [p for p in (tmp_path / "c").iterdir() if p.is_file()]
+        kept = [p for p in (tmp_path / "c" / "seqshard-cache").iterdir() if p.is_file() and p.name != TAG]
         assert 1 <= len(kept) <= 3 and sum(p.stat().st_size for p in kept) <= 3 * size + 100
 
 

@@ -1,15 +1,23 @@
 """A local disk cache of remote shards (``cache_dir=``, ``cache_limit=``).
 
-A shard is fetched whole into ``DIR/NAME.part-PID``, checked against its index's size and
-CRC-32 while it is written, and renamed to ``DIR/NAME`` only then: a reader never sees a
+The cache lives in a folder of its own, ``DIR/seqshard-cache/`` (tagged with a
+``CACHEDIR.TAG``, which backup tools skip), and only ever removes files it wrote there: cached
+shards (``HASH-NAME``, the hash of the whole URL and the shard's file name), its markers, and
+partial files of fetches that were killed. Other files in ``DIR`` or in its folder are never
+touched, nor counted in the limit.
+
+A shard is fetched whole into ``HASH-NAME.part-PID``, checked against its index's size and
+CRC-32 while it is written, and renamed to ``HASH-NAME`` only then: a reader never sees a
 half-written file. One process per machine fetches a given shard at a time (an ``flock`` on
-``DIR/.locks/NAME``); the others wait for it and then read the file it wrote. Using a cached
-file sets its access time, and the least recently used files are removed beyond the limit; a
-reader opens its copy before using it, so a copy removed while it is being read stays readable
-until closed (its disk space is freed then). A limit below one shard's size is an error.
+``.locks/HASH-NAME``); the others wait for it and then read the file it wrote. Using a cached
+file sets its access time, and the least recently used files are removed beyond the limit
+(partial files being written count in it; those whose fetch died, their lock free, are
+removed); a reader opens its copy before using it, so a copy removed while it is being read
+stays readable until closed (its disk space is freed then). A limit below one shard's size is
+an error.
 
 A cached file is checked against the index's size every time it is used, and its CRC once:
-``DIR/.locks/NAME.ok`` records the (inode, size, mtime) of the file whose CRC was checked, so
+``.locks/HASH-NAME.ok`` records the (inode, size, mtime) of the file whose CRC was checked, so
 a file rewritten since (damaged, truncated, replaced) is checked again, and fetched again when
 it no longer matches.
 """
@@ -27,6 +35,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
+from urllib.parse import urlsplit
 
 from ..errors import ConfigError, ShardError
 from .files import crc32_of
@@ -34,6 +43,13 @@ from .files import crc32_of
 _LOG = logging.getLogger("seqshard")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
 _UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+FOLDER = "seqshard-cache"  # the cache's own folder inside cache_dir
+TAG = "CACHEDIR.TAG"
+_TAG_TEXT = (
+    "Signature: 8a477f597d28d172789f06886806bc55\n"
+    "# This folder holds seqshard's cache of remote shards (cache_dir=); its files can be deleted.\n"
+)
+_CACHED = re.compile(r"[0-9a-f]{16}-[^/]+")  # the names of cached shards (and, with .part-PID, of partial ones)
 
 
 def parse_bytes(text: str | int | float) -> int:
@@ -47,20 +63,28 @@ def parse_bytes(text: str | int | float) -> int:
 
 
 class ShardCache:
-    """Remote shards kept under ``root``, at most ``limit`` bytes (None: no limit)."""
+    """Remote shards kept in ``DIR/seqshard-cache/`` (``root``), at most ``limit`` bytes
+    (None: no limit)."""
 
-    def __init__(self, root: str | Path, limit: str | int | None = None):
-        self.root = Path(root)
+    def __init__(self, cache_dir: str | Path, limit: str | int | None = None):
+        self.root = Path(cache_dir) / FOLDER
         self.limit = None if limit is None else parse_bytes(limit)
         try:
+            if self.root.is_dir() and not (self.root / TAG).is_file() and _foreign(self.root):
+                raise ConfigError(
+                    f"cache_dir: {self.root} holds files that seqshard's cache did not write (it has no {TAG}); "
+                    "choose another cache_dir, or move that folder away."
+                )
             (self.root / ".locks").mkdir(parents=True, exist_ok=True)
+            if not (self.root / TAG).is_file():
+                (self.root / TAG).write_text(_TAG_TEXT)
         except OSError as error:
             raise ConfigError(f"cache_dir {self.root} cannot be created: {error.strerror}.") from None
 
     def path_for(self, url: str) -> Path:
-        """Where ``url`` is cached: its file name after a hash of the whole URL."""
+        """Where ``url`` is cached: its file name (without a query) after a hash of the whole URL."""
         digest = hashlib.blake2b(url.encode(), digest_size=8).hexdigest()
-        return self.root / f"{digest}-{url.rstrip('/').rsplit('/', 1)[-1]}"
+        return self.root / f"{digest}-{urlsplit(url).path.rstrip('/').rsplit('/', 1)[-1]}"
 
     def open(
         self, url: str, expected: tuple[int, str | None] | None, open_source: Callable[[], Any], chunk_bytes: int
@@ -159,7 +183,7 @@ class ShardCache:
                 )
             info = partial.stat()  # the same inode, size and mtime once renamed
             with self._locked(".evict"):  # make room, appear, and be opened before anyone can evict it
-                self._evict(room=info.st_size)
+                self._make_room(info.st_size, fetching=partial)
                 os.replace(partial, final)
                 opened = open(final, "rb")  # noqa: SIM115 (returned open)
             if expected is not None and expected[1] is not None:
@@ -172,22 +196,49 @@ class ShardCache:
             source.close()
             partial.unlink(missing_ok=True)
 
-    def _evict(self, room: int) -> None:
-        """Remove the least recently used files until ``room`` more bytes fit in the limit."""
+    def _make_room(self, room: int, fetching: Path) -> None:
+        """Remove partial files whose fetch died, then (under a limit) the least recently used
+        cached shards until ``room`` more bytes fit, counting the partial files of fetches under
+        way (``fetching`` is this one's)."""
+        cached, total = [], room
+        for path in self.root.iterdir():
+            name, _, pid = path.name.partition(".part-")
+            if not _CACHED.fullmatch(name) or path == fetching:
+                continue  # not the cache's own file (its markers and locks are in .locks/)
+            try:
+                info = path.stat()
+            except FileNotFoundError:
+                continue
+            if not pid:
+                cached.append((info.st_atime_ns, info.st_size, path))
+                total += info.st_size
+            elif self._being_fetched(name):
+                total += info.st_size
+            else:  # left by a fetch that was killed before it could remove it
+                path.unlink(missing_ok=True)
         if self.limit is None:
             return
-        files = []
-        for path in self.root.iterdir():
-            if path.is_file() and ".part-" not in path.name:
-                with contextlib.suppress(FileNotFoundError):
-                    info = path.stat()
-                    files.append((info.st_atime_ns, info.st_size, path))
-        total = sum(size for _, size, _ in files) + room
-        for _, size, path in sorted(files):
+        for _, size, path in sorted(cached):
             if total <= self.limit:
                 break
             path.unlink(missing_ok=True)  # a reader that has it open keeps reading it until it closes
+            (self.root / ".locks" / f"{path.name}.ok").unlink(missing_ok=True)
             total -= size
+
+    def _being_fetched(self, name: str) -> bool:
+        """Whether a process (this one included) holds the fetch lock of ``name``."""
+        with open(self.root / ".locks" / name, "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            return False
+
+
+def _foreign(folder: Path) -> bool:
+    """Whether a folder holds entries that a cache being set up beside it would not have made."""
+    return any(path.name not in (TAG, ".locks") for path in folder.iterdir())
 
 
 def _crc_of(path: Path) -> str:

@@ -2,10 +2,19 @@
 
 A remote shard is read in large ranged requests (``chunk_bytes`` each), several fetched ahead
 of the reader on a small thread pool, so latency is hidden and nothing is downloaded whole
-before reading starts. Each request is retried on a 5xx, a timeout, a dropped connection or a
-short body, with bounded, jittered exponential backoff; a missing object (404) is not retried.
-What still fails is a :class:`~seqshard.errors.ShardError` naming the URL and the byte range,
-which ``skip_bad`` turns into a counted skip like any damaged shard.
+before reading starts. A web server that ignores ``Range`` (``python -m http.server``, many
+CDNs) answers the first such request with the whole file (HTTP 200); its body is not read, the
+host is noted, and its shards are read front to back through one plain GET each
+(:class:`RemoteStream`), which is how shards are read anyway; only starting inside a shard
+then costs the download of the bytes before it.
+
+Each request is retried on a 5xx, a timeout, a refused or dropped connection or a short body,
+with bounded, jittered exponential backoff. Only an answer that says the object does not exist
+(HTTP 404, S3's NoSuchKey) means a missing shard (:class:`NotOnServer`, not retried); fsspec's
+http backend reports any failure to learn a size as FileNotFoundError, so its cause decides.
+What still fails is a :class:`~seqshard.errors.ShardError` naming the URL and what happened
+(status, timeout, connection, body length) with the advice that fits it, which ``skip_bad``
+turns into a counted skip like any damaged shard.
 
 With a :class:`~.cache.ShardCache` a shard is instead fetched whole into the local cache
 (verified against its index's size and CRC) and read from there memory-mapped; the reader
@@ -14,11 +23,13 @@ starts fetching the next shard while it reads the current one.
 The process-wide :class:`RemoteAccess` (options, cache) is set by the loader with :func:`use`
 in the training process and in each worker. Credentials and endpoints come from fsspec's
 backends (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...) or ``storage_options``; neither is
-ever logged.
+ever logged, and credentials in a URL (``user:password@``, signed query parameters) are
+redacted wherever a URL is shown (:func:`seqshard.errors.redact`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -26,13 +37,13 @@ import os
 import random
 import subprocess
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
+from urllib.parse import urlsplit
 
-from ..errors import ConfigError, ShardError, option
+from ..errors import ConfigError, ShardError, option, redact
 
 if TYPE_CHECKING:
     from .cache import ShardCache
@@ -43,7 +54,6 @@ _LOG = logging.getLogger("seqshard")
 CHUNK_BYTES = 8 << 20
 AHEAD = 4  # chunks fetched ahead of the reader
 FETCH_THREADS = 8
-NOT_RETRIED = {400, 401, 403, 404, 405, 410, 416}  # HTTP statuses a retry cannot fix
 
 
 def is_remote(path: str) -> bool:
@@ -56,11 +66,137 @@ def is_pipe(path: str) -> bool:
     return path.startswith("pipe:")
 
 
+def url_name(url: str) -> str:
+    """The file name of a URL: the last segment of its path, without a query (a signature)."""
+    return urlsplit(url).path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def has_query(url: str) -> bool:
+    """Whether a URL carries a query (a signed URL): its folder's other objects are not
+    reachable by swapping its file name, so no index.json is looked up for it."""
+    return bool(urlsplit(url).query)
+
+
+class NotOnServer(ShardError):
+    """The store answered that the object does not exist (HTTP 404, S3's NoSuchKey)."""
+
+    def __init__(self, url: str, offset: int | None = None, problem: str = "not found on the server (missing shard?)"):
+        super().__init__(url, offset, problem)
+
+
+class RangesIgnored(Exception):
+    """The server answered a ranged request with the whole object (HTTP 200)."""
+
+
+class _Closed(Exception):
+    """A read ahead whose reader closed the object meanwhile (nothing to retry)."""
+
+
+class _BodyError(OSError):
+    """An answer whose body is not as long as asked for."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a failed request met, in the terms that decide whether to retry and what to advise.
+    ``kind``: missing, denied (401/403), rejected (other 4xx), server (5xx, 408, 429), timeout,
+    connection (refused, reset, dropped), body (shorter than asked) or other; ``error`` is the
+    exception that says so."""
+
+    kind: str
+    error: BaseException
+    status: int | None = None
+
+    @classmethod
+    def of(cls, error: BaseException) -> Failure:
+        if isinstance(error, FileNotFoundError):
+            cause = error.__cause__
+            status = None if cause is None else _status(cause)
+            if cause is None or status == 404 or (status is None and not _network_error(cause)):
+                return cls("missing", error, 404)
+            error = cause  # fsspec's http size() reports any failure (a refused connection too) as not found
+        status = _status(error)
+        if status == 404:
+            return cls("missing", error, status)
+        if status in (401, 403) or isinstance(error, PermissionError):
+            return cls("denied", error, status)
+        if status is not None:
+            return cls("rejected" if 400 <= status < 500 and status not in (408, 429) else "server", error, status)
+        if isinstance(error, _BodyError):
+            return cls("body", error)
+        if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
+            return cls("timeout", error)
+        return cls("connection" if _network_error(error) else "other", error)
+
+    @property
+    def retried(self) -> bool:
+        return self.kind not in ("missing", "denied", "rejected")
+
+    def advice(self, access: RemoteAccess) -> str:
+        """What happened and what to do, after the retries."""
+        retries = option("remote_retries", max(8, 2 * access.retries))
+        timeout = option("remote_timeout", max(120, round(2 * access.timeout_s)))
+        if self.kind == "denied":
+            return (
+                f"the server refuses access (HTTP {self.status or 403}). Fix: check the credentials: "
+                "storage_options, the backend's environment (AWS_ACCESS_KEY_ID, ...), the user:password in the URL, "
+                "or a signed URL's expiry"
+            )
+        if self.kind == "rejected" and self.status == 416:
+            return (
+                "the server has fewer bytes than were asked for (HTTP 416): the shard is shorter than its index.json "
+                "says. Fix: re-index the source and upload the new index.json (or put the shard back)"
+            )
+        if self.kind == "rejected":
+            return f"the server rejects the request (HTTP {self.status}). Fix: check the URL and storage_options"
+        if self.kind == "server":
+            return (
+                f"the server kept answering HTTP {self.status} (overloaded or restarting?). Fix: try again later, "
+                f"or wait longer with {retries}"
+            )
+        if self.kind == "timeout":
+            return f"no answer within {access.timeout_s:g} s. Fix: for a slow store or network raise {timeout}"
+        if self.kind == "connection":
+            return (
+                "the connection failed or dropped. Fix: check the host and port and that the server is up; a server "
+                f"that restarts is waited for longer with {retries}"
+            )
+        if self.kind == "body":
+            return (
+                "the answers ended before the bytes asked for (a flaky network, or a proxy cutting long responses). "
+                f"Fix: retry with {retries}"
+            )
+        return f"Fix: check the URL and storage_options; a flaky store may need {retries} or {timeout}"
+
+
+def _status(error: BaseException) -> int | None:
+    """The HTTP status an error carries (aiohttp's ``status``, botocore's response), if any."""
+    value = getattr(error, "status", None)
+    if not isinstance(value, int):
+        value = getattr(error, "code", None)  # urllib's spelling (aiohttp's is deprecated: asked only without status)
+    if isinstance(value, int) and 100 <= value < 600:
+        return value
+    response = getattr(error, "response", None)
+    if isinstance(response, dict):
+        value = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _network_error(error: BaseException) -> bool:
+    """A failure to get an answer: refused, reset or dropped connection, timeout."""
+    return isinstance(error, (OSError, TimeoutError, asyncio.TimeoutError)) or type(error).__module__.startswith(
+        "aiohttp"
+    )
+
+
 @dataclass
 class RemoteAccess:
     """How remote shards are read: fsspec ``storage_options``, retries, request timeout,
     chunk size and read-ahead, and an optional local cache. ``expected`` maps a shard URL to
-    its ``(bytes, checksum)`` from the index (the cache verifies against it)."""
+    its ``(bytes, checksum)`` from the index (the cache verifies against it); ``sizes`` holds
+    the sizes the store reported for shards without an index entry."""
 
     storage_options: dict[str, Any] = field(default_factory=dict)
     retries: int = 4
@@ -71,102 +207,148 @@ class RemoteAccess:
     cache: ShardCache | None = None
     allow_pipes: bool = False
     expected: dict[str, tuple[int, str | None]] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=dict)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}  # no file systems or threads
 
     # -- file systems --------------------------------------------------------------------
     def filesystem(self, url: str) -> tuple[Any, str]:
-        """fsspec's file system for ``url`` (one per protocol, made once) and the path in it."""
+        """fsspec's file system for ``url`` (one per process, protocol and options) and the path in it."""
         import fsspec
 
         protocol = url.split("://", 1)[0]
-        systems = self.__dict__.setdefault("_systems", {})
-        key = (os.getpid(), protocol)  # async file systems are not fork-safe: one per process
-        if key not in systems:
-            options = dict(self.storage_options)
-            if protocol in ("http", "https"):
-                options.setdefault("client_kwargs", {"timeout": _aiohttp_timeout(self.timeout_s)})
-            try:
-                systems[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-            except TypeError as error:
-                raise ConfigError(f"storage_options do not suit {protocol}:// ({error}).") from None
-            except (ImportError, ValueError) as error:
-                raise ConfigError(
-                    f"cannot read {protocol}:// URLs: {error}. Fix: pip install 'seqshard[remote]' "
-                    "(aiohttp for http, s3fs for s3, gcsfs for gs)."
-                ) from None
-        fs = systems[key]
+        options = dict(self.storage_options)
+        if protocol in ("http", "https"):
+            options.setdefault("client_kwargs", {"timeout": _aiohttp_timeout(self.timeout_s)})
+        key = (os.getpid(), protocol, repr(sorted(options.items())))  # async file systems are not fork-safe
+        with _SYSTEMS_LOCK:
+            if key not in _SYSTEMS:
+                try:
+                    _SYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+                except TypeError as error:
+                    raise ConfigError(f"storage_options do not suit {protocol}:// ({error}).") from None
+                except (ImportError, ValueError) as error:
+                    raise ConfigError(
+                        f"cannot read {protocol}:// URLs: {error}. Fix: pip install 'seqshard[remote]' "
+                        "(aiohttp for http, s3fs for s3, gcsfs for gs)."
+                    ) from None
+            fs = _SYSTEMS[key]
         return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
 
     # -- requests with retries -----------------------------------------------------------
-    def retrying(self, url: str, what: str, call: Any) -> Any:
-        """``call()``, retried with jittered exponential backoff on transient failures;
-        FileNotFoundError is raised as is; anything else in the end as a ShardError."""
+    def retrying(self, url: str, what: str, call: Any, abandoned: threading.Event | None = None) -> Any:
+        """``call()``, retried with jittered exponential backoff on transient failures (see
+        :class:`Failure`); an object the store says does not exist raises :class:`NotOnServer` at
+        once, anything else in the end a ShardError saying what happened and what to do. No
+        retry is made once ``abandoned`` is set (its reader closed: nobody waits for it)."""
         for attempt in range(self.retries + 1):
             try:
                 return call()
-            except FileNotFoundError:
+            except (RangesIgnored, _Closed):
                 raise
             except TypeError as error:  # options the backend does not take: no retry mends that
                 raise ConfigError(f"{url}: {what} failed: {error}. Check storage_options.") from None
             except Exception as error:
-                status = getattr(error, "status", None) or getattr(error, "code", None)
-                if status == 404:
-                    raise FileNotFoundError(url) from error
-                last = attempt == self.retries or status in NOT_RETRIED
-                if last:
+                failure = Failure.of(error)
+                if failure.kind == "missing":
+                    raise NotOnServer(url) from None
+                if attempt == self.retries or not failure.retried:
                     raise ShardError(
                         url,
                         None,
-                        f"{what} failed after {attempt + 1} attempt(s): {_describe(error)}. Fix: check the host, port "
-                        f"and path, and the credentials; a slow or flaky store may need {option('remote_retries', 8)} "
-                        f"or {option('remote_timeout', 120)}; {option('skip_bad')} skips such shards (counted).",
+                        f"{what} failed after {attempt + 1} attempt(s): {_describe(failure.error)}: "
+                        f"{failure.advice(self)}; {option('skip_bad')} skips such shards (counted).",
                     ) from None
+                abandoned = abandoned or threading.Event()
+                if abandoned.is_set():
+                    raise _Closed(url) from None
                 wait = self.backoff_s * 2**attempt * random.uniform(0.5, 1.5)
-                _LOG.info("%s: %s failed (%s); retrying in %.2f s", url, what, _describe(error), wait)
-                time.sleep(wait)
+                _LOG.info("%s: %s failed (%s); retrying in %.2f s", url, what, _describe(failure.error), wait)
+                if abandoned.wait(wait):
+                    raise _Closed(url) from None
         raise AssertionError("unreachable")
 
     def size(self, url: str) -> int:
-        """The object's size: from the index when known, else asked of the store (0 for a
-        command's output, unknown until read)."""
+        """The object's size: from the index when known, else asked of the store once (0 for
+        a command's output, unknown until read)."""
         known = self.expected.get(url)
         if known is not None:
             return known[0]
         if is_pipe(url):
             return 0
-        return self.server_size(url)
+        if url not in self.sizes:
+            self.sizes[url] = self.server_size(url)
+        return self.sizes[url]
 
-    def server_size(self, url: str) -> int:
-        """The object's size as the store reports it now."""
+    def server_size(self, url: str, abandoned: threading.Event | None = None) -> int:
+        """The object's size as the store reports it now (NotOnServer when it has none)."""
         fs, path = self.filesystem(url)
-        try:
-            return int(self.retrying(url, "asking its size", lambda: fs.size(path)))
-        except FileNotFoundError:
-            raise ShardError(url, None, "not found on the server (missing shard?)") from None
+        size = self.retrying(url, "asking its size", lambda: fs.size(path), abandoned)
+        if size is None:
+            raise ShardError(
+                url, None, "the server does not say its size (no Content-Length). Fix: index the folder (run "
+                "`seqshard index` on a local copy and upload its index.json), which records every shard's size."
+            )
+        return int(size)
 
-    def fetch(self, url: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of ``url``; a short body is a failure (retried)."""
+    def fetch(self, url: str, start: int, end: int, abandoned: threading.Event | None = None) -> bytes:
+        """Bytes ``[start, end)`` of ``url``; a short body is a failure (retried, until
+        ``abandoned`` is set). RangesIgnored when the server answers with the whole object (the
+        server is noted: :meth:`ranges`)."""
         fs, path = self.filesystem(url)
+        get = _http_range if url.startswith(("http://", "https://")) else _store_range
 
         def call() -> bytes:
-            data = fs.cat_file(path, start=start, end=end)
+            data, ranged = get(fs, path, start, end)
             if len(data) != end - start:
-                raise OSError(f"short body: {len(data)} of {end - start} bytes")
+                raise _BodyError(f"short body: {len(data)} of {end - start} bytes")
+            if ranged:
+                self._servers()[_host(url)] = True
             return data
 
         try:
-            return self.retrying(url, f"reading bytes {start}-{end}", call)
-        except FileNotFoundError:
-            raise ShardError(url, start, "not found on the server (missing shard?)") from None
+            return self.retrying(url, f"reading bytes {start}-{end}", call, abandoned)
+        except RangesIgnored:
+            if self._servers().get(_host(url)) is not False:
+                self._servers()[_host(url)] = False
+                _LOG.info(
+                    "%s ignores Range requests (it answers with the whole file): its shards are read front to back",
+                    _host(url),
+                )
+            raise
+
+    def ranges(self, url: str) -> bool | None:
+        """Whether ``url``'s server answers ranged requests with the range: True for object
+        stores, learnt from the first partial read for a web server (None until then)."""
+        if not url.startswith(("http://", "https://")):
+            return True
+        return self._servers().get(_host(url))
+
+    def _servers(self) -> dict[str, bool]:
+        return self.__dict__.setdefault("_ranges", {})  # per process, learnt again in each worker
+
+    def note_restart(self, url: str, skipped: int) -> None:
+        """Say (once per server) that starting inside a shard on a server without ranges
+        downloads the bytes before the start again."""
+        hosts = self.__dict__.setdefault("_restarts", set())
+        if _host(url) not in hosts:
+            hosts.add(_host(url))
+            _LOG.warning(
+                "%s ignores Range requests, so starting inside a shard (split shards, a resumed epoch) downloads "
+                "the shard's first bytes again (%d bytes of %s): serve the shards with a server that supports "
+                "ranges, or pass cache_dir= to keep whole copies locally",
+                _host(url),
+                skipped,
+                url,
+            )
 
     def read_text(self, url: str) -> str | None:
         """A small text object (an index.json), or None when there is none."""
         fs, path = self.filesystem(url)
         try:
             return self.retrying(url, "reading", lambda: fs.cat_file(path)).decode("utf-8")
-        except FileNotFoundError:
+        except NotOnServer:
             return None
 
     def glob(self, pattern: str) -> list[str]:
@@ -209,8 +391,38 @@ def _quietly(function: Any, *args: Any) -> None:
 
 
 def _describe(error: BaseException) -> str:
-    text = str(error) or type(error).__name__
+    text = redact(str(error) or type(error).__name__)  # redacted before it is cut short
     return text if len(text) < 300 else text[:300] + "..."
+
+
+def _host(url: str) -> str:
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def _store_range(fs: Any, path: str, start: int, end: int) -> tuple[bytes, bool]:
+    return fs.cat_file(path, start=start, end=end), True
+
+
+def _http_range(fs: Any, url: str, start: int, end: int) -> tuple[bytes, bool]:
+    """Bytes ``[start, end)`` through fsspec's http session, and whether the answer was a range
+    (206); a whole object (200) raises RangesIgnored without its body being read, unless the
+    whole object was asked for."""
+    from fsspec.asyn import sync
+
+    async def get() -> tuple[bytes, bool]:
+        session = await fs.set_session()
+        options = dict(fs.kwargs)
+        headers = {**(options.pop("headers", None) or {}), "Range": f"bytes={start}-{end - 1}"}
+        async with session.get(fs.encode_url(url), headers=headers, **options) as response:
+            if response.status == 404:
+                raise FileNotFoundError(url)
+            response.raise_for_status()
+            if response.status != 206 and (start > 0 or response.content_length != end):
+                raise RangesIgnored(url)
+            return await response.read(), response.status == 206
+
+    return sync(fs.loop, get)
 
 
 def _aiohttp_timeout(seconds: float) -> Any:
@@ -221,6 +433,11 @@ def _aiohttp_timeout(seconds: float) -> Any:
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 _POOL_LOCK = threading.Lock()
+# File systems are kept for the life of the process, shared by its loaders: one made per loader
+# and dropped was finalized in each forked worker (fsspec closes its session there, waiting 1 s
+# on the parent's event loop), so every earlier loader delayed every worker's start by a second.
+_SYSTEMS: dict[tuple[int, str, str], Any] = {}
+_SYSTEMS_LOCK = threading.Lock()
 
 
 def _pool() -> ThreadPoolExecutor:
@@ -233,36 +450,49 @@ def _pool() -> ThreadPoolExecutor:
 
 
 EARLY_SHARDS = 4  # shards whose first chunks are kept fetched ahead, per process
-_EARLY: OrderedDict[str, dict[int, Future]] = OrderedDict()  # first chunks of shards readers open next
+# first chunks of shards readers open next, and the event that says nobody will read them
+_EARLY: OrderedDict[str, tuple[threading.Event, dict[int, Future]]] = OrderedDict()
 
 
 def _early_chunks(access: RemoteAccess, url: str) -> None:
     size = access.expected.get(url, (None, None))[0]
-    if url in _EARLY or size is None:
-        return
+    if url in _EARLY or size is None or (size > access.chunk_bytes and not access.ranges(url)):
+        return  # a server not known to serve ranges is asked by one request first
     while len(_EARLY) >= EARLY_SHARDS:  # one a reader did not open after all (its epoch ended): let it go
-        for future in _EARLY.popitem(last=False)[1].values():
+        abandoned, chunks = _EARLY.popitem(last=False)[1]
+        abandoned.set()
+        for future in chunks.values():
             future.cancel()
-    _EARLY[url] = {
-        k: _pool().submit(access.fetch, url, k * access.chunk_bytes, min(size, (k + 1) * access.chunk_bytes))
-        for k in range(min(access.ahead, -(-size // access.chunk_bytes)))
-    }
+    abandoned = threading.Event()
+    _EARLY[url] = (
+        abandoned,
+        {
+            k: _pool().submit(
+                access.fetch, url, k * access.chunk_bytes, min(size, (k + 1) * access.chunk_bytes), abandoned
+            )
+            for k in range(min(access.ahead, -(-size // access.chunk_bytes)))
+        },
+    )
 
 
 class RemoteBytes:
     """A remote object read through ranged requests of ``chunk_bytes``, ``ahead`` of them in
-    flight: the byte-source interface of the tar reader (seek, read, skip, close)."""
+    flight: the byte-source interface of the tar reader (seek, read, skip, close). On a server
+    that ignores ranges it reads through a :class:`RemoteStream` instead."""
 
     def __init__(self, url: str, access: RemoteAccess):
         self.path = url
         self._access = access
         self.size = access.size(url)
         self._chunk = access.chunk_bytes
-        self._chunks: dict[int, Future] = _EARLY.pop(url, {})
+        self._abandoned, self._chunks = _EARLY.pop(url, None) or (threading.Event(), {})  # set when closed
+        self._stream: RemoteStream | None = None  # reads on a server that ignores ranges
         self._pos = 0
         # the index's size is used for planning reads; the server's is checked once, alongside
         # the first chunk, so that a shard replaced since it was indexed is not read as it
-        self._checked: Future | None = _pool().submit(access.server_size, url) if url in access.expected else None
+        self._checked: Future | None = None
+        if url in access.expected:
+            self._checked = _pool().submit(access.server_size, url, self._abandoned)
 
     def _check_size(self) -> None:
         checked, self._checked = self._checked, None
@@ -278,12 +508,13 @@ class RemoteBytes:
         if number not in self._chunks:
             start = number * self._chunk
             end = min(self.size, start + self._chunk)
-            self._chunks[number] = _pool().submit(self._access.fetch, self.path, start, end)
+            self._chunks[number] = _pool().submit(self._access.fetch, self.path, start, end, self._abandoned)
         return self._chunks[number]
 
     def _data(self, number: int) -> bytes:
         last = (self.size - 1) // self._chunk
-        for ahead in range(number, min(last, number + self._access.ahead) + 1):
+        depth = self._access.ahead if self._access.ranges(self.path) else 0  # one request learns a server's ways
+        for ahead in range(number, min(last, number + depth) + 1):
             self._future(ahead)
         for old in [k for k in self._chunks if k < number]:
             self._chunks.pop(old).cancel()
@@ -296,34 +527,168 @@ class RemoteBytes:
         self._pos += size
 
     def read(self, size: int) -> bytes | memoryview:
+        try:
+            return self._read(size)
+        except ShardError:
+            self.close()  # nobody will read the rest: stop its reads ahead and their retries
+            raise
+
+    def _read(self, size: int) -> bytes | memoryview:
         if self._checked is not None:
             self._check_size()
         end = min(self._pos + size, self.size)
         if end <= self._pos:
             return b""
-        first, last = self._pos // self._chunk, (end - 1) // self._chunk
-        if first == last:
-            data = memoryview(self._data(first))[self._pos - first * self._chunk : end - first * self._chunk]
-        else:
-            parts = []
-            for number in range(first, last + 1):
-                chunk = self._data(number)
-                base = number * self._chunk
-                parts.append(chunk[max(self._pos, base) - base : min(end, base + len(chunk)) - base])
-            data = memoryview(b"".join(parts))
+        if self._stream is None and self._access.ranges(self.path) is not False:
+            try:
+                data = self._ranged(end)
+                self._pos = end
+                return data
+            except RangesIgnored:
+                pass
+        if self._stream is None:
+            self._cancel_chunks()
+            self._stream = RemoteStream(self.path, self._access, self.size)
+        data = self._stream.read_at(self._pos, end - self._pos)
         self._pos = end
         return data
 
-    def close(self) -> None:
+    def _ranged(self, end: int) -> bytes | memoryview:
+        first, last = self._pos // self._chunk, (end - 1) // self._chunk
+        if first == last:
+            return memoryview(self._data(first))[self._pos - first * self._chunk : end - first * self._chunk]
+        parts = []
+        for number in range(first, last + 1):
+            chunk = self._data(number)
+            base = number * self._chunk
+            parts.append(chunk[max(self._pos, base) - base : min(end, base + len(chunk)) - base])
+        return memoryview(b"".join(parts))
+
+    def _cancel_chunks(self) -> None:
         for future in self._chunks.values():
             future.cancel()
         self._chunks = {}
+
+    def close(self) -> None:
+        self._abandoned.set()
+        self._cancel_chunks()
+        if self._stream is not None:
+            self._stream.close()
+
+
+class RemoteStream:
+    """An object on a server that ignores ranges, read front to back through one GET,
+    ``chunk_bytes`` at a time with the next chunk fetched ahead. Reading at an earlier position,
+    or after a failure (retried like a ranged read), starts the GET again and discards the
+    bytes before the position."""
+
+    def __init__(self, url: str, access: RemoteAccess, size: int):
+        self.path = url
+        self.size = size
+        self._access = access
+        self._lock = threading.Lock()  # the GET is read by one thread at a time
+        self._file: Any = None
+        self._at = 0  # bytes of the current GET read so far
+        self._closed = threading.Event()
+        self._failed = False  # the last read of the GET failed (it is opened again, no restart to report)
+        self._chunk: tuple[int, bytes] = (0, b"")
+        self._ahead: tuple[int, Future] | None = None
+
+    def read_at(self, position: int, size: int) -> bytes | memoryview:
+        """Bytes ``[position, position + size)`` (fewer at the end of the object)."""
+        end = min(position + size, self.size)
+        parts = []
+        while position < end:
+            start, data = self._chunk
+            if not start <= position < start + len(data):
+                start, data = self._chunk = self._next(position)
+            parts.append(memoryview(data)[position - start : min(end, start + len(data)) - start])
+            position += len(parts[-1])
+        return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+
+    def _next(self, position: int) -> tuple[int, bytes]:
+        """The chunk holding ``position``: the one read ahead if it does, else one read now."""
+        ahead, self._ahead = self._ahead, None
+        start, data = position, b""
+        if ahead is not None:
+            try:
+                start, data = ahead[0], ahead[1].result()
+            except Exception:
+                if ahead[0] == position:
+                    raise  # the chunk needed failed after its retries
+        if not start <= position < start + len(data):
+            start, data = position, self._pull(position)
+        if start + len(data) < self.size:
+            self._ahead = (start + len(data), _pool().submit(self._pull, start + len(data)))
+        return start, data
+
+    def _pull(self, start: int) -> bytes:
+        want = min(self._access.chunk_bytes, self.size - start)
+        what = f"reading bytes {start}-{start + want}"
+        return self._access.retrying(self.path, what, lambda: self._read(start, want), self._closed)
+
+    def _read(self, start: int, want: int) -> bytes:
+        with self._lock:
+            if self._closed.is_set():
+                raise _Closed(self.path)
+            try:
+                if self._file is None or self._at > start:
+                    self._open()
+                    if start and not self._failed:
+                        self._access.note_restart(self.path, start)
+                while self._at < start:  # a skip forward, or the bytes before a (re)start
+                    skipped = len(_read_up_to(self._file, min(self._access.chunk_bytes, start - self._at)))
+                    if not skipped:
+                        break
+                    self._at += skipped
+                data = _read_up_to(self._file, want) if self._at == start else b""
+                self._at += len(data)
+                if len(data) != want:
+                    raise _BodyError(f"short body: it ended at byte {self._at} of {self.size}")
+                self._failed = False
+                return data
+            except BaseException:
+                self._failed = True
+                self._drop()
+                raise
+
+    def _open(self) -> None:
+        self._drop()
+        fs, path = self._access.filesystem(self.path)
+        self._file = fs.open(path, "rb", block_size=0, size=self.size)  # a plain GET, read as it arrives
+        self._at = 0
+
+    def _drop(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(Exception):
+                self._file.close()
+            self._file = None
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead[1].cancel()
+            self._ahead = None
+        self._closed.set()
+        with self._lock:
+            self._drop()
+
+
+def _read_up_to(file: Any, size: int) -> bytes:
+    """``size`` bytes of a stream, fewer only at its end (a stream's read may return less)."""
+    parts, got = [], 0
+    while got < size:
+        data = file.read(size - got)
+        if not data:
+            break
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
 
 
 def check_pipes_allowed(source: str, allowed: bool) -> None:
     if not allowed:
         raise ConfigError(
-            f"{source[:120]!r} is a command; seqshard runs commands named by data only when asked: pass "
+            f"{redact(source)[:120]!r} is a command; seqshard runs commands named by data only when asked: pass "
             f"{option('allow_pipes')} if you trust it."
         )
 

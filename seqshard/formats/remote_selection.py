@@ -4,6 +4,11 @@ A remote pattern is a URL with braces (always) and globs (where the store can li
 not plain http). An alternative that names a folder (no shard suffix) stands for the shards
 of its ``index.json``. Every alternative must select at least one shard. List files
 (``.list``, one shard per line, as WeNet's ``data.list``) may mix URLs and local paths.
+
+A selected URL that its folder's index does not list has its size asked of the store now (the
+plan needs it); one the store says does not exist is a :class:`~.selection.MissingShard`, as a
+named local file that does not exist is. A URL with a query (a signed URL) is a shard without
+an index: no ``index.json`` is looked up beside it.
 """
 
 from __future__ import annotations
@@ -16,7 +21,17 @@ from ..errors import ConfigError
 from .index import ShardEntry, ShardIndex
 from .lists import resolve
 from .patterns import SHARD_SUFFIXES, is_list_name, is_shard_name, pattern_list
-from .remote import check_pipes_allowed, current, is_pipe, is_remote, load_remote_index
+from .remote import (
+    NotOnServer,
+    check_pipes_allowed,
+    current,
+    has_query,
+    is_pipe,
+    is_remote,
+    load_remote_index,
+    url_name,
+)
+from .selection import MissingShard
 
 
 @dataclass(frozen=True)
@@ -60,13 +75,15 @@ def _list_lines(pattern: str) -> list[str] | None:
 
 
 class RemoteSelection:
-    """The remote shards of some patterns, in order, each once; the folders' indexes."""
+    """The remote shards of some patterns, in order, each once; the folders' indexes; the
+    selected shards that the store does not have."""
 
     def __init__(self, patterns: list[str]):
         from braceexpand import braceexpand
 
         self.indexes: dict[str, ShardIndex | None] = {}
         self.shards: list[RemoteShard] = []
+        self.missing: list[MissingShard] = []
         seen: set[str] = set()
         for pattern in patterns:
             for text in dict.fromkeys(braceexpand(pattern)):
@@ -82,12 +99,17 @@ class RemoteSelection:
                     seen.add(url)
                     if is_pipe(url):  # a command's output: no folder, no index
                         self.shards.append(RemoteShard(url, "pipe:", None))
-                    else:
-                        folder = url.rsplit("/", 1)[0]
-                        index = self.index_of(folder)
-                        self.shards.append(
-                            RemoteShard(url, folder, index.entry(url.rsplit("/", 1)[1]) if index else None)
-                        )
+                        continue
+                    folder = url.split("?", 1)[0].rsplit("/", 1)[0]
+                    index = None if has_query(url) else self.index_of(folder)
+                    entry = index.entry(url_name(url)) if index else None
+                    if entry is None:
+                        try:
+                            current().size(url)
+                        except NotOnServer:
+                            self.missing.append(MissingShard(url, "named, but the server does not have it"))
+                            continue
+                    self.shards.append(RemoteShard(url, folder, entry))
 
     def index_of(self, folder: str) -> ShardIndex | None:
         if folder not in self.indexes:
@@ -98,15 +120,15 @@ class RemoteSelection:
         if is_pipe(text):
             check_pipes_allowed(text, current().allow_pipes)
             return [text]
-        name = text.rstrip("/").rsplit("/", 1)[-1]
-        if glob.has_magic(text.split("://", 1)[1]):
+        name = url_name(text)
+        if glob.has_magic(text.split("?", 1)[0].split("://", 1)[1]):
             if text.startswith(("http://", "https://")):
                 raise ConfigError(
                     f"{text}: an http server cannot be listed, so wildcards do not work there; use braces "
                     "({00000..00099}), the folder's URL (its index.json lists the shards) or a .list file."
                 )
             return [url for url in current().glob(text) if is_shard_name(url.rsplit("/", 1)[-1])]
-        if is_shard_name(name):
+        if is_shard_name(name) or has_query(text):
             return [text]
         index = self.index_of(text.rstrip("/"))
         if index is None:

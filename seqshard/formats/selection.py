@@ -28,11 +28,20 @@ SHOWN = 5
 
 @dataclass(frozen=True)
 class MissingShard:
-    """A shard that the patterns select but that is not on disk, and why it should be."""
+    """A shard that the patterns select but that is not on disk (or on its server: ``path``
+    is then its URL), and why it should be."""
 
-    path: Path
+    path: Path | str
     why: str
     num_utts: int | None = None
+
+    @property
+    def place(self) -> tuple[str, str]:
+        """(folder, file name) of the path or URL."""
+        if isinstance(self.path, Path):
+            return str(self.path.parent), self.path.name
+        folder, _, name = self.path.split("?", 1)[0].rpartition("/")
+        return folder, name
 
 
 @dataclass
@@ -51,11 +60,11 @@ class ShardSelection:
 
 def missing_error(missing: Sequence[MissingShard]) -> ShardError:
     """The error that names missing shards (the first few) and what to do."""
-    folders = {m.path.parent for m in missing}
-    shown = "; ".join(f"{m.path.name if len(folders) == 1 else m.path} ({m.why})" for m in missing[:SHOWN])
+    folders = {m.place[0] for m in missing}
+    shown = "; ".join(f"{m.place[1] if len(folders) == 1 else m.path} ({m.why})" for m in missing[:SHOWN])
     more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
     return ShardError(
-        missing[0].path.parent if len(folders) == 1 else "the selected shards",
+        missing[0].place[0] if len(folders) == 1 else "the selected shards",
         None,
         f"{len(missing)} selected shard(s) are missing: {shown}{more}. Fix: restore them or finish the pack that "
         f"writes them; or pass {option('skip_bad')} to read the others (the missing ones are counted).",
@@ -175,10 +184,12 @@ def select_folders(patterns: Patterns) -> tuple[list[SelectedFolder], list[Missi
         SelectedFolder(str(folder), selection.indexes[folder], [str(p) for p in paths])
         for folder, paths in selection.folders.items()
     ]
+    missing = selection.missing
     if remote:
         chosen = RemoteSelection(remote)
         by_folder: dict[str, list[str]] = {}
         for shard in chosen.shards:
             by_folder.setdefault(shard.folder, []).append(shard.url)
         folders += [SelectedFolder(name, chosen.indexes.get(name), urls) for name, urls in by_folder.items()]
-    return folders, selection.missing
+        missing = missing + chosen.missing
+    return folders, missing

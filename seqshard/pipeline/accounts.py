@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from ..dist import Collectives
-from ..errors import ShardError, option
+from ..errors import ShardError, option, redact
 from ..formats.streams import count_samples
 from .epochs import EpochEnd
 from .labels import UNKNOWN_WARN_AFTER, unknown_tokens_warning
@@ -68,7 +68,7 @@ class EpochAccounts:
             utts, length = position.sources[number] if position.sources else (0, 0)
             total = position.sources_all[number][0] if position.sources_all else 0
             size = mix.sizes[number]
-            found[name] = {
+            found[redact(name)] = {  # a source named by a URL may carry credentials
                 "utts": utts,
                 "hours": length * hours_per_unit if hours_per_unit is not None else None,
                 "utts_total": total,
@@ -127,7 +127,7 @@ class EpochAccounts:
         summary: dict[str, Any] = {"epoch": position.epoch, "ranks": ranks}
         missing = self.table.missing
         if missing:
-            summary["missing_shards"] = [str(m.path) for m in missing]
+            summary["missing_shards"] = [redact(str(m.path)) for m in missing]
         if rank == 0:
             _LOG.info(
                 "seqshard epoch %d: %s%s",

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..errors import redact
 from ..formats.fields import field_name
 from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
 from ..formats.selection import MissingShard, select_folders
@@ -104,6 +105,7 @@ def length_range(entries: list[ShardEntry], histogram: dict[int, int]) -> tuple[
 
 
 def to_json(summary: Summary) -> dict[str, Any]:
+    """What ``inspect`` prints (``--json`` as is); URLs are shown redacted."""
     folders = summary.folders
     entries = [e for f in folders for e in f.entries]
     histogram = merge_histograms(f.histogram for f in folders)
@@ -124,7 +126,7 @@ def to_json(summary: Summary) -> dict[str, Any]:
         "percentiles_exact": False,
         "groups": [
             {
-                "folder": f.folder,
+                "folder": redact(f.folder),
                 "indexed": f.indexed,
                 "num_shards": len(f.entries),
                 "num_utts": f.num_utts,
@@ -138,7 +140,9 @@ def to_json(summary: Summary) -> dict[str, Any]:
             }
             for f in folders
         ],
-        "missing_shards": [{"path": str(m.path), "why": m.why, "num_utts": m.num_utts} for m in summary.missing],
+        "missing_shards": [
+            {"path": redact(str(m.path)), "why": m.why, "num_utts": m.num_utts} for m in summary.missing
+        ],
         "length_hist": {str(k): v for k, v in histogram.items()},
     }
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import redact
 from ..formats import remote
 from ..formats.index import SidecarEntry
 from ..formats.selection import select_folders
@@ -75,6 +76,7 @@ def _sidecar_problems(path: str, name: str, expected: SidecarEntry, shard: Shard
 
 
 def format_result(result: VerifyResult) -> str:
+    """The report ``seqshard verify`` prints (URLs redacted)."""
     lines = [f"checked {result.checked} shards: {len(result.damaged)} damaged, {len(result.missing)} missing"]
     for shard, problems in result.damaged.items():
         lines.append(f"DAMAGED {shard}")
@@ -82,4 +84,4 @@ def format_result(result: VerifyResult) -> str:
     lines.extend(f"MISSING {shard}\n    {why}" for shard, why in result.missing.items())
     for shard in result.unindexed:
         lines.append(f"not in its folder's index.json (run `seqshard index`): {shard}")
-    return "\n".join(lines)
+    return redact("\n".join(lines))

@@ -1,0 +1,288 @@
+"""Servers as they are: a plain web server that ignores Range (the real ``python -m http.server``),
+one that restarts, shards a server does not have, and failures whose advice follows what
+happened (status, timeout, connection)."""
+
+import gc
+import logging
+import multiprocessing as mp
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from http_server import ShardServer
+
+from conftest import write_kaldi_dir
+from seqshard import make_loader, pack_data
+from seqshard.errors import ShardError
+from seqshard.formats import remote
+from seqshard.tools.verify import verify
+
+OPTIONS = dict(batch_size=4, shuffle_window=16, sort_window=8, seed=1)
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    """8 small shards of 6 utterances (48 in all), indexed."""
+    root = tmp_path_factory.mktemp("servers")
+    data = write_kaldi_dir(root / "kaldi", speakers=6, per_speaker=8)
+    pack_data(data.scp, data.text, root / "shards", utts_per_file=6, progress=False)
+    return root / "shards"
+
+
+@pytest.fixture(scope="module")
+def medium(tmp_path_factory):
+    """3 shards of about 250 KB, read in requests of 64 KB (:func:`in_small_requests`)."""
+    root = tmp_path_factory.mktemp("medium")
+    data = write_kaldi_dir(root / "kaldi", speakers=3, per_speaker=30, dim=80, frames=(20, 30))
+    pack_data(data.scp, data.text, root / "shards", utts_per_file=30, progress=False)
+    return root / "shards"
+
+
+def in_small_requests(loader):
+    """The loader, reading remote shards in requests of 64 KB (8 MB by default), so that each
+    shard takes several."""
+    remote.current().chunk_bytes = 64 << 10
+    return loader
+
+
+def python_http_server(folder):
+    """The real ``python -m http.server`` over ``folder`` (it ignores Range): its URL and process."""
+    process = subprocess.Popen(
+        [sys.executable, "-u", "-m", "http.server", "--bind", "127.0.0.1", "--directory", str(folder), "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    port = re.search(r" port (\d+) ", process.stdout.readline()).group(1)
+    return f"http://127.0.0.1:{port}", process
+
+
+@pytest.fixture(scope="module")
+def plain_server(medium):
+    url, process = python_http_server(medium.parent)
+    yield url
+    process.terminate()
+    process.wait(10)
+    process.stdout.close()
+
+
+def keys_of(loader, epoch=0):
+    loader.set_epoch(epoch)
+    return [key for batch in loader for key in batch["keys"]]
+
+
+def batches_of(loader, epoch=0, steps=None):
+    loader.set_epoch(epoch)
+    found = []
+    for batch in loader:
+        found.append((list(batch["keys"]), batch["feats"].numpy().copy()))
+        if steps is not None and len(found) == steps:
+            break
+    return found
+
+
+def assert_same_batches(got, expected):
+    assert [keys for keys, _ in got] == [keys for keys, _ in expected] and got
+    assert all(np.array_equal(a, b) for (_, a), (_, b) in zip(got, expected))
+
+
+def shard_names(folder):
+    return sorted(p.name for p in folder.glob("data-*.tar"))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_plain_web_server_gives_the_local_batches(medium, plain_server, tmp_path, num_workers, cached):
+    """A server that answers every request with the whole file: with two workers the middle
+    shard is split, so a reader starts inside it."""
+    options = dict(OPTIONS, num_workers=num_workers, batch_size=8)
+    if cached:
+        options["cache_dir"] = str(tmp_path / "cache")
+    local = batches_of(make_loader(str(medium), **options))
+    by_folder = in_small_requests(make_loader(f"{plain_server}/shards/", **options))
+    assert_same_batches(batches_of(by_folder), local)
+    braces = in_small_requests(make_loader(f"{plain_server}/shards/data-{{00000..00002}}.tar", **options))
+    assert_same_batches(batches_of(braces), local)
+
+
+def test_shards_larger_than_a_request_from_python_http_server(tmp_path):
+    """As users meet it: shards of 9 MB (more than one 8 MB request), split between two workers."""
+    data = write_kaldi_dir(tmp_path / "kaldi", speakers=3, per_speaker=30, dim=80, frames=(950, 1000))
+    pack_data(data.scp, data.text, tmp_path / "shards", utts_per_file=30, progress=False)
+    assert min(p.stat().st_size for p in (tmp_path / "shards").glob("data-*.tar")) > 8 << 20
+    options = dict(OPTIONS, num_workers=2, batch_size=8)
+    local = batches_of(make_loader(str(tmp_path / "shards"), **options))
+    url, process = python_http_server(tmp_path)
+    try:
+        assert_same_batches(batches_of(make_loader(f"{url}/shards/", **options)), local)
+    finally:
+        process.terminate()
+        process.wait(10)
+        process.stdout.close()
+
+
+def test_a_resume_inside_a_shard_on_a_plain_web_server(medium, plain_server, caplog):
+    options = dict(OPTIONS, num_workers=0, batch_size=8)
+    local = batches_of(make_loader(str(medium), **options))
+    first = in_small_requests(make_loader(f"{plain_server}/shards/", **options))
+    done = batches_of(first, steps=5)  # 40 of 90 utterances: inside the second shard
+    state = first.state_dict()
+    again = in_small_requests(make_loader(f"{plain_server}/shards/", **options))
+    again.load_state_dict(state)
+    with caplog.at_level(logging.WARNING, "seqshard"):
+        rest = batches_of(again)
+    assert_same_batches(done + rest, local)
+    restarts = [r.getMessage() for r in caplog.records if "ignores Range requests" in r.getMessage()]
+    assert len(restarts) == 1 and "downloads the shard's first bytes again" in restarts[0]
+
+
+def test_range_support_is_learnt_once_per_server(medium, caplog):
+    """One ranged request learns that the server ignores ranges (its body is not read); then
+    every shard is read as a stream: one GET each, no retries."""
+    names = shard_names(medium)
+    with ShardServer(medium.parent, ranges=False) as server, caplog.at_level(logging.INFO, "seqshard"):
+        loader = in_small_requests(make_loader(f"{server.url}/shards/", num_workers=0, **OPTIONS))
+        assert len(keys_of(loader)) == 90
+        gets = [server.gets(name) for name in names]
+    assert not [r for r in caplog.records if "retrying" in r.getMessage() and server.url in r.getMessage()]
+    learnt = [r for r in caplog.records if "ignores Range requests (it answers with the whole file)" in r.getMessage()]
+    assert len(learnt) == 1
+    assert sum(gets) == len(names) + 1
+
+
+def test_a_server_that_restarts_is_waited_for(packed):
+    """Down for half a second while the epoch runs: refused connections are retried, nothing is
+    called missing or damaged."""
+    local = keys_of(make_loader(str(packed), num_workers=0, **OPTIONS))
+    server = ShardServer(packed.parent).__enter__()
+    loader = make_loader(f"{server.url}/shards/", num_workers=0, skip_bad=True, **OPTIONS)
+    server.__exit__()
+    restarted = []
+    timer = threading.Timer(0.5, lambda: restarted.append(ShardServer(packed.parent, port=server.port).__enter__()))
+    timer.start()
+    try:
+        assert keys_of(loader) == local
+        assert loader.stats()["damaged_shards"] == 0 and restarted
+    finally:
+        timer.join()
+        for again in restarted:
+            again.__exit__()
+
+
+def test_a_shard_the_server_does_not_have_is_missing_at_once(packed, caplog):
+    names = shard_names(packed)
+    with ShardServer(packed.parent) as server, caplog.at_level(logging.INFO, "seqshard"):
+        server.missing.add(names[0])
+        started = time.monotonic()
+        with pytest.raises(ShardError, match=rf"{names[0]}: not found on the server"):
+            keys_of(make_loader(f"{server.url}/shards/", num_workers=0, shuffle=False, **OPTIONS))
+        assert time.monotonic() - started < 5
+        url = f"{server.url}/shards/{names[0]}"
+        retried = [r for r in caplog.records if "retrying" in r.getMessage() and url in r.getMessage()]
+        assert server.gets(names[0]) <= 2 and not retried
+
+
+def test_missing_urls_follow_the_rule_of_missing_files(packed, tmp_path):
+    """Shards named in a brace or list that the server does not have are missing shards:
+    an error naming them, or with skip_bad counted against max_bad_shards with local ones."""
+    with ShardServer(packed.parent) as server:
+        braces = f"{server.url}/shards/data-{{00000..00009}}.tar"  # the folder has 8
+        with pytest.raises(ShardError, match=r"2 selected shard\(s\) are missing: data-00008.tar \(.*data-00009.tar"):
+            make_loader(braces, num_workers=0, **OPTIONS)
+        loader = make_loader(braces, num_workers=0, skip_bad=True, max_bad_shards=2, **OPTIONS)
+        assert len(keys_of(loader)) == 48 and loader.stats()["missing_shards"] == 2
+        mixed = [braces, str(tmp_path / "data-00000.tar")]  # and a local file that does not exist
+        with pytest.raises(ShardError, match=r"3 of 11 shards are missing, more than max_bad_shards=2"):
+            make_loader(mixed, num_workers=0, skip_bad=True, max_bad_shards=2, **OPTIONS)
+        assert make_loader(mixed, num_workers=0, skip_bad=True, max_bad_shards=3, **OPTIONS).stats()[
+            "missing_shards"
+        ] == 3
+        listing = tmp_path / "data.list"
+        listing.write_text(f"{server.url}/shards/data-00000.tar\n{server.url}/shards/gone.tar\n")
+        with pytest.raises(ShardError, match=r"1 selected shard\(s\) are missing: gone.tar"):
+            make_loader(str(listing), num_workers=0, **OPTIONS)
+        result = verify(braces, progress=False)
+        assert sorted(result.missing) == [f"{server.url}/shards/data-{n:05d}.tar" for n in (8, 9)]
+
+
+def _failure(url, **options):
+    with pytest.raises(ShardError) as raised:
+        keys_of(make_loader(url, num_workers=0, shuffle=False, **OPTIONS, **options))
+    return str(raised.value)
+
+
+def test_the_advice_follows_what_happened(packed):
+    names = shard_names(packed)
+    with ShardServer(packed.parent) as server:
+        url = f"{server.url}/shards/"
+        server.faults[names[0]] = ["503"] * 10
+        text = _failure(url, remote_retries=1)
+        assert "failed after 2 attempt(s)" in text and "kept answering HTTP 503" in text
+        assert "credentials" not in text and "remote_retries=8" in text
+        server.faults[names[0]] = ["403"] * 10
+        text = _failure(url, remote_retries=3)
+        assert "failed after 1 attempt(s)" in text and "refuses access (HTTP 403)" in text and "credentials" in text
+        server.faults[names[0]] = ["slow:2"] * 3
+        text = _failure(url, remote_retries=1, remote_timeout=0.3)
+        assert "no answer within 0.3 s" in text and "remote_timeout=120" in text and "credentials" not in text
+        server.faults[names[0]] = ["short"] * 10
+        text = _failure(url, remote_retries=1)
+        assert "ended before the bytes asked for" in text and "credentials" not in text
+        server.faults[names[0]] = []
+    down = server.url
+    text = _failure(f"{down}/shards/data-00000.tar?token=1", remote_retries=0)
+    assert "connection failed" in text and "check the host and port" in text and "credentials" not in text
+
+
+def _collect_garbage(times):
+    started = time.monotonic()
+    gc.collect()
+    times.put(time.monotonic() - started)
+
+
+def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
+    """A loader dropped in a reference cycle and not yet collected when workers fork: the
+    workers' first collection used to close its http session on the parent's event loop (1 s
+    each, so every such earlier loader delayed every worker's start by a second)."""
+    context = mp.get_context("fork")
+    times = context.SimpleQueue()
+    with ShardServer(packed.parent) as server:
+        gc.disable()
+        try:
+            for _ in range(2):
+                dropped = remote.RemoteAccess()
+                dropped.server_size(f"{server.url}/shards/{shard_names(packed)[0]}")
+                cycle = [dropped]
+                cycle.append(cycle)
+            del dropped, cycle
+            child = context.Process(target=_collect_garbage, args=(times,))
+            child.start()
+        finally:
+            gc.enable()
+        child.join(30)
+    assert child.exitcode == 0 and times.get() < 0.5
+
+
+def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):
+    """Once its reader has given up on a shard, nobody retries its other requests (here the
+    first chunk, fetched early while the shard before was read): they kept a fetch thread, and
+    a worker's exit, busy for seconds."""
+    names = shard_names(packed)
+    shutil.copytree(packed, tmp_path / "copy")
+    (tmp_path / "copy" / names[1]).write_bytes((packed / names[2]).read_bytes()[:-1024])  # shorter than indexed
+
+    def retries():
+        return sum("/copy/" in r.getMessage() and "retrying in" in r.getMessage() for r in caplog.records)
+
+    with ShardServer(tmp_path) as server, caplog.at_level(logging.INFO, "seqshard"):
+        with pytest.raises(ShardError, match="changed since it was indexed"):
+            keys_of(make_loader(f"{server.url}/copy/", num_workers=0, shuffle=False, **OPTIONS))
+        time.sleep(0.2)
+        seen = retries()
+        time.sleep(1.5)
+        assert retries() == seen
