@@ -257,7 +257,8 @@ class ShardLoader:
         stream = MergedStream(iter(self._loader()), position, self._receive)
         self._timing = {"started": time.perf_counter(), "seconds": 0.0}
         while True:
-            item = self._next_item(stream)
+            cut = self._length.over(stream.position)  # the epoch's length reached, not the data's end
+            item = None if cut else self._next_item(stream)
             if item is None:
                 break
             stream.emit(item)
@@ -269,7 +270,7 @@ class ShardLoader:
         self._accounts.check_bad_shards(position)
         if not self._end.continues_stream:
             position.completed = True
-        self._finish_epoch(position)
+        self._finish_epoch(position, cut)
 
     def _check_ranks_agree(self) -> None:
         """Once, where the ranks talk anyway: every rank must read the same shards with the
@@ -287,10 +288,8 @@ class ShardLoader:
         self._ranks_agree = True
 
     def _next_item(self, stream: MergedStream) -> BatchItem | None:
-        """The batch for this step, or None when the epoch ends (on every rank at once,
-        except with ``uneven='join'``)."""
-        if self._length.over(stream.position):
-            return None
+        """The batch for this step, or None when the data ends the epoch (on every rank at
+        once, except with ``uneven='join'``)."""
         if self._bucket_sync is not None:
             return self._end.settle(self._bucket_sync.next(stream), agreed=True)
         return self._end.settle(stream.pull(), agreed=False)
@@ -341,8 +340,8 @@ class ShardLoader:
         (and how many were unknown to the tokenizer), selected shards that are missing."""
         return self._accounts.stats(position or self._position, self._timing["seconds"])
 
-    def _finish_epoch(self, position: RankPosition) -> None:
-        self.last_summary = self._accounts.finish(position, self._timing["seconds"])
+    def _finish_epoch(self, position: RankPosition, cut: bool) -> None:
+        self.last_summary = self._accounts.finish(position, self._timing["seconds"], cut)
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
