@@ -13,11 +13,12 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .checks import check_number
 from .dist import Collectives, DistContext, discover
 from .errors import ConfigError, ShardError, StateMismatchError, option
 from .formats import remote
@@ -88,8 +89,8 @@ def make_loader(
     if callable(options.get("transforms")):
         options["transforms"] = (options["transforms"],)  # one transform given alone
     for name in ("fields", "transforms", "speed_perturb", "noise_snr"):
-        if options.get(name) is not None and not isinstance(options[name], str):
-            options[name] = tuple(options[name])
+        if isinstance(options.get(name), Iterable) and not isinstance(options[name], (str, bytes, dict)):
+            options[name] = tuple(options[name])  # other values are refused by name in LoaderConfig
     check_transforms(options.get("transforms", ()))
     mix = None
     if isinstance(patterns, Mux):
@@ -106,6 +107,8 @@ def make_loader(
     elif options.get("epoch_source") is not None:
         raise ConfigError("epoch_source is for mixed sources (make_loader(seqshard.mux([...]), ...)).")
     config = LoaderConfig(**options)
+    check_number("rank", rank, whole=True, at_least=0, optional=True)
+    check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     remote.use(remote_access(options))
     if isinstance(patterns, Mux):
         table, mix = mixed_table(patterns)
@@ -440,10 +443,18 @@ def _source_rule(config: LoaderConfig, mix: MixSetup | None) -> tuple[int, int] 
         return None
     source = mix.source_of(config.epoch_source)
     size = mix.sizes[source]
+    name = mix.names[source]
     if size is None:
         raise ConfigError(
-            f"epoch_source {mix.names[source]!r} has shards without an index, so its size is unknown: "
+            f"epoch_source {name!r} has shards without an index, so its size is unknown: "
             "run `seqshard index` on its folder."
+        )
+    if not size or not mix.shares[source]:  # an epoch that never ends, or ends before it starts
+        raise ConfigError(
+            f"epoch_source {name!r} "
+            + ("holds no utterances" if not size else "has weight 0 in the mux, so none of it is ever read")
+            + ": an epoch of one pass of it could never be counted. Choose a source that is read, or use "
+            "epoch_steps or epoch_hours."
         )
     return source, size
 

@@ -19,6 +19,7 @@ from collections import Counter, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from ..checks import check_number
 from ..errors import ConfigError
 from .base import SEED_BATCH_ORDER, Stage, State, WindowStage, merge_counts, stage_rng
 from .lengths import Length, Measure
@@ -42,8 +43,7 @@ class FixedSize(BatchCost):
     size: int
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {self.size}.")
+        check_number("batch_size", self.size, whole=True, at_least=1)
 
     def fits(self, count: int, longest: int) -> bool:
         return count <= self.size
@@ -58,10 +58,8 @@ class LengthBudget(BatchCost):
     quadratic: float | None = None
 
     def __post_init__(self) -> None:
-        if self.budget < 1:
-            raise ConfigError(f"batch_frames must be >= 1, got {self.budget}.")
-        if self.quadratic is not None and self.quadratic <= 0:
-            raise ConfigError(f"quadratic_frames must be > 0, got {self.quadratic}.")
+        check_number("batch_frames", self.budget, whole=True, at_least=1)
+        check_number("quadratic_frames", self.quadratic, above=0, optional=True)
 
     def cost(self, count: int, longest: int) -> float:
         per_item = longest if self.quadratic is None else longest + longest * longest / self.quadratic

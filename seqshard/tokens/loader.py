@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import MAX_WORKERS, check_flag, check_number
 from ..dist import Collectives, DistContext, discover
 from ..errors import ConfigError, StateMismatchError
 from ..mix import Mux, flatten
@@ -74,8 +75,15 @@ def make_token_loader(
                 tgt_lang_id if tgt_lang_id is not None else pair.tgt_lang_id,
             )
         pairs, mixed = [pair], None
-    if num_workers < 0:
-        raise ConfigError(f"num_workers must be >= 0, got {num_workers}.")
+    for pair in pairs:
+        check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
+        check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
+    check_number("pad_id", pad_id, whole=True, at_least=0)
+    check_number("eos_id", eos_id, whole=True, at_least=0)
+    check_flag("left_pad_source", left_pad_source)
+    check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+    check_number("rank", rank, whole=True, at_least=0, optional=True)
+    check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     rules = BatchRules(max_tokens, max_sentences, max_positions, shuffle, seed, virtual_size)
     return TokenLoader(
         pairs, mixed, rules, CollateRules(pad_id, eos_id, left_pad_source), num_workers, discover(rank, world_size)
