@@ -1,4 +1,5 @@
-"""uneven="stop" warns once per epoch when the ranks left much of it unread (issue 17, item 8)."""
+"""uneven="stop" warns once per epoch when the ranks left much of it unread (issue 17, item 8), and
+so does the token loader when its plan leaves much of an epoch out."""
 
 import logging
 import time
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from distributed import kill, start_ranks
-from seqshard import make_loader
+from seqshard import make_loader, make_token_loader
+from seqshard.formats.mmidx import TokenDatasetWriter
 from seqshard.formats.npy import npy_parts
 from seqshard.formats.tar import ShardWriter
 from seqshard.pipeline.accounts import unread_warning
@@ -70,3 +72,20 @@ def test_an_epoch_cut_by_its_length_is_not_a_loss(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="seqshard"):
         assert len(list(loader)) == 3
     assert loader.last_summary["ranks"][0]["left"] == 17 and "unread" not in caplog.text
+
+
+def test_a_token_epoch_that_leaves_much_unread_is_warned(tmp_path, caplog):
+    """29 sentences in 6 batches for 4 ranks: 2 batches (5 sentences) are left out."""
+    writer = TokenDatasetWriter(tmp_path / "lm", np.uint16)
+    for length in range(1, 30):
+        writer.add(np.arange(length) + 3)
+    writer.finish()
+    loader = make_token_loader(str(tmp_path / "lm"), max_tokens=100, rank=0, world_size=4)
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        assert sum(len(batch["id"]) for batch in loader) == 10
+    assert loader.stats()["left"] == 5
+    assert "token epoch 0: 5 of 29 sentences (17%) are not read: 5 in the last batches" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        list(make_token_loader(str(tmp_path / "lm"), max_tokens=100, rank=0, world_size=1))
+    assert "not read" not in caplog.text

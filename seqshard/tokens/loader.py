@@ -28,6 +28,7 @@ from .plan import BatchRules, EpochPlan, plan_epoch
 
 _LOG = logging.getLogger("seqshard")
 STATE_VERSION = 1
+UNREAD_WARN_SHARE = 0.05  # of an epoch's sentences dropped or left out before a warning
 
 
 def make_token_loader(
@@ -133,6 +134,29 @@ class _Batches:
         return self.plan.num_batches
 
 
+def unread_warning(plan: EpochPlan, epoch: int, world_size: int) -> str | None:
+    """A warning when the plan leaves more than UNREAD_WARN_SHARE of the epoch's sentences
+    unread (dropped as too long, or left out so that every rank takes as many batches)."""
+    total = len(plan.index)
+    unread = plan.left + sum(plan.dropped.values())
+    if not total or unread / total <= UNREAD_WARN_SHARE:
+        return None
+    parts = []
+    if plan.dropped:
+        dropped = ", ".join(f"{reason}={count}" for reason, count in plan.dropped.items())
+        parts.append(f"dropped {dropped} (raise max_positions or max_tokens, or leave them out when binarizing)")
+    if plan.left:
+        parts.append(
+            f"{plan.left} in the last batches, left out so that each of {world_size} ranks takes as many "
+            "(a smaller max_tokens or max_sentences, or fewer ranks, leave fewer)"
+        )
+    return (
+        f"seqshard token epoch {epoch}: {unread} of {total} sentences ({unread / total:.0%}) are not read: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
 def _as_built(batch: dict[str, Any]) -> dict[str, Any]:
     return batch
 
@@ -213,6 +237,10 @@ class TokenLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         import torch.utils.data
 
+        if self.context.rank == 0 and self._start == 0 and self._history is None:
+            warning = unread_warning(self.plan(), self._epoch, self.context.world_size)
+            if warning:
+                _LOG.warning("%s", warning)
         numbers = self._lists()[self.context.rank][self._start :]
         self._step, self._start = self._start, 0
         dataset = _Batches(self.pairs, self.plan(), self.collate, self.shares is not None)
