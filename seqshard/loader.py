@@ -449,12 +449,14 @@ def _source_rule(config: LoaderConfig, mix: MixSetup | None) -> tuple[int, int] 
             f"epoch_source {name!r} has shards without an index, so its size is unknown: "
             "run `seqshard index` on its folder."
         )
-    if not size or not mix.shares[source]:  # an epoch that never ends, or ends before it starts
+    if not size or not mix.shares[source]:
+        problem = (
+            "holds no utterances, so every epoch would be empty"
+            if not size
+            else "has weight 0 in the mux, so none of it is read and an epoch would never end"
+        )
         raise ConfigError(
-            f"epoch_source {name!r} "
-            + ("holds no utterances" if not size else "has weight 0 in the mux, so none of it is ever read")
-            + ": an epoch of one pass of it could never be counted. Choose a source that is read, or use "
-            "epoch_steps or epoch_hours."
+            f"epoch_source {name!r} {problem}: choose a source the mux reads, or give epoch_steps or epoch_hours."
         )
     return source, size
 

@@ -14,7 +14,9 @@ from seqshard.checks import check_number
 from seqshard.errors import ConfigError
 from seqshard.features.fbank import FbankOptions
 from seqshard.formats.mmidx import TokenDatasetWriter
+from seqshard.formats.tar import ShardWriter
 from seqshard.pipeline.config import NUMBERS, LoaderConfig
+from seqshard.tools.reindex import rebuild_index
 
 NAN, INF = float("nan"), float("inf")
 NOT_NUMBERS = ["3", True, None, [1]]
@@ -225,10 +227,17 @@ def test_epochs_that_could_never_end_are_refused_when_the_loader_is_made(sources
     a, b, c = sources
     with pytest.raises(ConfigError, match="epoch_hours must be a finite number, got nan"):
         make_loader(a, batch_size=2, uneven="repeat", epoch_hours=NAN)
-    with pytest.raises(ConfigError, match=r"epoch_source '.*' has weight 0 in the mux, so none of it is ever read"):
+    with pytest.raises(ConfigError, match=r"epoch_source '.*' has weight 0 in the mux, so .* would never end"):
         make_loader(mux([a, b], weights=[1, 0]), batch_size=2, epoch_source=b)
     nested = mux([mux([a, b], weights=[1, 0]), c], weights=[1, 1])
     with pytest.raises(ConfigError, match="has weight 0 in the mux"):
         make_loader(nested, batch_size=2, epoch_source=1)  # b, the second leaf
     loader = make_loader(mux([a, b], weights=[1, 0]), batch_size=2, epoch_source=a, num_workers=0)
     assert sum(len(batch["keys"]) for batch in loader) >= 8  # the read source ends the epoch
+
+
+def test_an_epoch_source_without_utterances_is_refused(sources, tmp_path):
+    ShardWriter(tmp_path / "data-00000.tar").commit()  # an indexed shard of no samples
+    rebuild_index(tmp_path, progress=False)
+    with pytest.raises(ConfigError, match="holds no utterances, so every epoch would be empty"):
+        make_loader(mux([sources[0], f"{tmp_path}/data-*.tar"], weights=[1, 1]), batch_size=2, epoch_source=1)
