@@ -27,11 +27,12 @@ def check_number(
     at_most: float | None = None,
     optional: bool = False,
     what: str | None = None,
-) -> Any:
-    """``value``, checked: a number (``whole``: a whole number), finite, ``>= at_least``,
-    ``> above`` and ``<= at_most`` (each bound when given); ``None`` too when ``optional``.
-    Else ConfigError ``"NAME must be WHAT, got VALUE."``, WHAT saying what failed unless
-    ``what`` says what the option is (e.g. "a number of seconds > 0")."""
+) -> int | float | None:
+    """``value`` as a Python int or float (numpy's numbers too, so a state stays JSON-safe),
+    checked: a number (``whole``: a whole number), finite, ``>= at_least``, ``> above`` and
+    ``<= at_most`` (each bound when given); ``None`` too when ``optional``. Else ConfigError
+    ``"NAME must be WHAT, got VALUE."``, WHAT saying what failed unless ``what`` says what the
+    option is (e.g. "a number of seconds > 0")."""
     if value is None and optional:
         return value
     bounds = [f">= {at_least}"] if at_least is not None else []
@@ -48,7 +49,7 @@ def check_number(
     ):
         problem = " and ".join(bounds)
     else:
-        return value
+        return int(value) if isinstance(value, numbers.Integral) else float(value)
     raise ConfigError(f"{name} must be {what or problem}, got {value!r}.")
 
 

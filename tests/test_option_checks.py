@@ -3,6 +3,7 @@ not a string), finite, in range, with seqshard's ConfigError naming it, never a 
 ValueError from Python or torch later on; and an epoch that could never end is refused
 (issue 17, item 12)."""
 
+import json
 from dataclasses import fields
 
 import numpy as np
@@ -63,6 +64,11 @@ def loader_cases():
             if value is None and LoaderConfig.__dataclass_fields__[name].default is None:
                 continue  # None is that option's default
             yield name, value
+
+
+def test_numpy_numbers_are_taken_as_pythons_so_states_stay_json():
+    config = LoaderConfig(batch_size=np.int64(4), seed=np.int64(1), noise_prob=np.float64(0.5))
+    assert json.loads(json.dumps(config.batch_defining()))["seed"] == 1 and type(config.batch_size) is int
 
 
 def test_the_table_covers_every_numeric_loader_option():
@@ -203,7 +209,8 @@ def test_fbank_sizes_are_bounded_before_anything_is_allocated():
 def test_the_checker_names_the_option_and_what_it_must_be():
     assert check_number("n", 3, whole=True, at_least=1) == 3
     assert check_number("n", None, optional=True) is None
-    assert check_number("n", np.int64(3), whole=True) == 3
+    assert type(check_number("n", np.int64(3), whole=True)) is int
+    assert type(check_number("n", np.float32(0.5))) is float and type(check_number("n", 2)) is int
     for value, message in [
         (True, "n must be a number, got True."),
         ("1", "n must be a number, got '1'."),

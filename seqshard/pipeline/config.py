@@ -196,12 +196,13 @@ class LoaderConfig:
         self._check_cache_limit()
 
     def _check_numbers(self) -> None:
-        """Every numeric option: its kind, finite, in its range (None where that is the default)."""
+        """Every numeric option: its kind, finite, in its range (None where that is the default);
+        numpy numbers become Python's (the options go into JSON states)."""
         for option in fields(self):
             if option.name in NUMBERS:
-                check_number(
-                    option.name, getattr(self, option.name), optional=option.default is None, **NUMBERS[option.name]
-                )
+                value = getattr(self, option.name)
+                checked = check_number(option.name, value, optional=option.default is None, **NUMBERS[option.name])
+                object.__setattr__(self, option.name, checked)
         if self.speed_perturb is not None and not isinstance(self.speed_perturb, (tuple, list)):
             raise ConfigError(
                 f"speed_perturb must be a list of factors (e.g. [0.9, 1.0, 1.1]), got {self.speed_perturb!r}."
