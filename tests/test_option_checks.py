@@ -202,7 +202,7 @@ def test_every_fbank_option_of_the_wrong_kind_is_named(name):
 def test_fbank_sizes_are_bounded_before_anything_is_allocated():
     with pytest.raises(ConfigError, match="num_mel_bins=1000000000 is too many for a 512-point FFT"):
         FbankOptions(num_mel_bins=10**9)
-    with pytest.raises(ConfigError, match="frame_length_ms=25.0 at sample_rate=1e\\+40 gives .* samples; at most 262144"):
+    with pytest.raises(ConfigError, match=r"frame_length_ms=25.0 at sample_rate=1e\+40 gives .* samples; at most"):
         FbankOptions(sample_rate=1e40)
 
 
