@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
@@ -91,7 +92,6 @@ def make_loader(
     for name in ("fields", "transforms", "speed_perturb", "noise_snr"):
         if isinstance(options.get(name), Iterable) and not isinstance(options[name], (str, bytes, dict)):
             options[name] = tuple(options[name])  # other values are refused by name in LoaderConfig
-    check_transforms(options.get("transforms", ()))
     mix = None
     if isinstance(patterns, Mux):
         if options.get("uneven", "repeat") != "repeat":
@@ -107,8 +107,11 @@ def make_loader(
     elif options.get("epoch_source") is not None:
         raise ConfigError("epoch_source is for mixed sources (make_loader(seqshard.mux([...]), ...)).")
     config = LoaderConfig(**options)
+    check_transforms(config.transforms)
     check_number("rank", rank, whole=True, at_least=0, optional=True)
     check_number("world_size", world_size, whole=True, at_least=1, optional=True)
+    if labels is not None and not all(isinstance(f, (str, os.PathLike)) for f in _listed(labels)):
+        raise ConfigError(f"labels must be a Kaldi text file or a list of them, got {labels!r}.")
     remote.use(remote_access(options))
     if isinstance(patterns, Mux):
         table, mix = mixed_table(patterns)
@@ -459,6 +462,11 @@ def _source_rule(config: LoaderConfig, mix: MixSetup | None) -> tuple[int, int] 
             f"epoch_source {name!r} {problem}: choose a source the mux reads, or give epoch_steps or epoch_hours."
         )
     return source, size
+
+
+def _listed(value: Any) -> list[Any]:
+    """``value`` as a list: the items of a list or tuple, else the value alone."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _unchanged(item: Any) -> Any:

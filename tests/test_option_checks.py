@@ -111,9 +111,15 @@ def test_a_bad_number_for_a_loader_option_is_named(name, value):
         (dict(quadratic_frames=100.0), "with batch_size it would do nothing"),
         (dict(rank="0", world_size=2), "rank must be a whole number"),
         (dict(world_size=0), "world_size must be >= 1"),
+        (dict(split="chars"), "split must be 'char', 'word' or None"),
+        (dict(feature_field=5), "feature_field must be a field name"),
+        (dict(cmvn=5), "cmvn must be a path"),
+        (dict(cache_dir=5), "cache_dir must be a path"),
+        (dict(transforms=5), "transforms must be a list"),
+        (dict(labels=["text", 5]), "labels must be a Kaldi text file or a list of them"),
     ],
 )
-def test_other_options_with_numbers_are_named(options, message):
+def test_other_options_are_named(options, message):
     with pytest.raises(ConfigError, match=message):
         make_loader("no/such/*.tar", **{"batch_size": 4, **options})
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
@@ -253,6 +254,15 @@ class LoaderConfig:
             "bucket_sync",
         ):
             check_flag(name, getattr(self, name))
+        if not isinstance(self.feature_field, (str, type(None))):
+            raise ConfigError(f"feature_field must be a field name or None, got {self.feature_field!r}.")
+        for name in ("cmvn", "cache_dir"):
+            if not isinstance(getattr(self, name), (str, os.PathLike, type(None))):
+                raise ConfigError(f"{name} must be a path or None, got {getattr(self, name)!r}.")
+        if self.split not in (None, "char", "word"):
+            raise ConfigError(f"split must be 'char', 'word' or None (chosen from the units), got {self.split!r}.")
+        if not isinstance(self.transforms, (tuple, list)):
+            raise ConfigError(f"transforms must be a list of transforms, got {self.transforms!r}.")
         if self.recipe is not None and not callable(self.recipe):
             raise ConfigError(f"recipe must be a function (reader) -> Stage, got {self.recipe!r}.")
         limits = self.limits()
