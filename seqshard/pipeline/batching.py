@@ -5,7 +5,8 @@ measure: frames of a feature field, tokens, ...), cuts batches along that order 
 is padded only up to its neighbours' lengths) and, when shuffling, emits the window's batches
 in a seeded random order. What a batch may hold is a small strategy object
 (:class:`BatchCost`): a fixed count, or a budget of padded length where cost may grow with
-the square of the length (attention).
+the square of the length (attention). A window of a mixed stream can hold copies of one
+utterance: they go to different batches, and batches stay full (:func:`cut_batches`).
 
 State: the source's state where the window began, the window's number and how many of its
 batches were emitted; a restore re-reads the window and skips those.
