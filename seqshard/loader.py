@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .checks import check_number
 from .dist import Collectives, DistContext, discover
 from .errors import ConfigError, ShardError, StateMismatchError, option
 from .formats import remote
@@ -88,9 +90,8 @@ def make_loader(
     if callable(options.get("transforms")):
         options["transforms"] = (options["transforms"],)  # one transform given alone
     for name in ("fields", "transforms", "speed_perturb", "noise_snr"):
-        if options.get(name) is not None and not isinstance(options[name], str):
-            options[name] = tuple(options[name])
-    check_transforms(options.get("transforms", ()))
+        if isinstance(options.get(name), Iterable) and not isinstance(options[name], (str, bytes, dict)):
+            options[name] = tuple(options[name])  # other values are refused by name in LoaderConfig
     mix = None
     if isinstance(patterns, Mux):
         if options.get("uneven", "repeat") != "repeat":
@@ -106,6 +107,11 @@ def make_loader(
     elif options.get("epoch_source") is not None:
         raise ConfigError("epoch_source is for mixed sources (make_loader(seqshard.mux([...]), ...)).")
     config = LoaderConfig(**options)
+    check_transforms(config.transforms)
+    check_number("rank", rank, whole=True, at_least=0, optional=True)
+    check_number("world_size", world_size, whole=True, at_least=1, optional=True)
+    if labels is not None and not all(isinstance(f, (str, os.PathLike)) for f in _listed(labels)):
+        raise ConfigError(f"labels must be a Kaldi text file or a list of them, got {labels!r}.")
     remote.use(remote_access(options))
     if isinstance(patterns, Mux):
         table, mix = mixed_table(patterns)
@@ -257,7 +263,8 @@ class ShardLoader:
         stream = MergedStream(iter(self._loader()), position, self._receive)
         self._timing = {"started": time.perf_counter(), "seconds": 0.0}
         while True:
-            item = self._next_item(stream)
+            cut = self._length.over(stream.position)  # the epoch's length reached, not the data's end
+            item = None if cut else self._next_item(stream)
             if item is None:
                 break
             stream.emit(item)
@@ -269,7 +276,7 @@ class ShardLoader:
         self._accounts.check_bad_shards(position)
         if not self._end.continues_stream:
             position.completed = True
-        self._finish_epoch(position)
+        self._finish_epoch(position, cut)
 
     def _check_ranks_agree(self) -> None:
         """Once, where the ranks talk anyway: every rank must read the same shards with the
@@ -287,10 +294,8 @@ class ShardLoader:
         self._ranks_agree = True
 
     def _next_item(self, stream: MergedStream) -> BatchItem | None:
-        """The batch for this step, or None when the epoch ends (on every rank at once,
-        except with ``uneven='join'``)."""
-        if self._length.over(stream.position):
-            return None
+        """The batch for this step, or None when the data ends the epoch (on every rank at
+        once, except with ``uneven='join'``)."""
         if self._bucket_sync is not None:
             return self._end.settle(self._bucket_sync.next(stream), agreed=True)
         return self._end.settle(stream.pull(), agreed=False)
@@ -349,8 +354,8 @@ class ShardLoader:
         (and how many were unknown to the tokenizer), selected shards that are missing."""
         return self._accounts.stats(position or self._position, self._timing["seconds"])
 
-    def _finish_epoch(self, position: RankPosition) -> None:
-        self.last_summary = self._accounts.finish(position, self._timing["seconds"])
+    def _finish_epoch(self, position: RankPosition, cut: bool) -> None:
+        self.last_summary = self._accounts.finish(position, self._timing["seconds"], cut)
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
@@ -449,12 +454,27 @@ def _source_rule(config: LoaderConfig, mix: MixSetup | None) -> tuple[int, int] 
         return None
     source = mix.source_of(config.epoch_source)
     size = mix.sizes[source]
+    name = mix.names[source]
     if size is None:
         raise ConfigError(
-            f"epoch_source {mix.names[source]!r} has shards without an index, so its size is unknown: "
+            f"epoch_source {name!r} has shards without an index, so its size is unknown: "
             "run `seqshard index` on its folder."
         )
+    if not size or not mix.shares[source]:
+        problem = (
+            "holds no utterances, so every epoch would be empty"
+            if not size
+            else "has weight 0 in the mux, so none of it is read and an epoch would never end"
+        )
+        raise ConfigError(
+            f"epoch_source {name!r} {problem}: choose a source the mux reads, or give epoch_steps or epoch_hours."
+        )
     return source, size
+
+
+def _listed(value: Any) -> list[Any]:
+    """``value`` as a list: the items of a list or tuple, else the value alone."""
+    return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
 def _unchanged(item: Any) -> Any:

@@ -16,12 +16,15 @@ one sample of every source's target) in a seeded random order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import numbers
+import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from .checks import check_number
 from .errors import ConfigError
 
 BLOCK = 64  # positions whose order is shuffled together; quotas are exact per block
@@ -52,21 +55,28 @@ class Mux:
 def mux(sources: Sequence[Any], weights: Sequence[float] | None = None, temperature: float | None = None) -> Mux:
     """Mix ``sources`` (patterns, token pairs or other muxes) by ``weights`` or by size at a
     ``temperature``; with neither, by size (temperature 1)."""
+    if isinstance(sources, (str, bytes, os.PathLike)) or not isinstance(sources, Iterable):
+        raise ConfigError(f"mux takes a list of sources (patterns, token pairs or muxes), got {sources!r}.")
     sources = tuple(sources)
     if len(sources) < 1:
         raise ConfigError("mux needs at least one source.")
+    for source in sources:
+        if source is None or isinstance(source, (bool, numbers.Number, dict)):
+            raise ConfigError(
+                f"a mux source is a pattern (a path, a glob or a list of them), a token pair or a mux, not {source!r}."
+            )
     if weights is not None and temperature is not None:
         raise ConfigError("give mux weights= or temperature=, not both.")
     if weights is not None:
-        weights = tuple(float(w) for w in weights)
+        if isinstance(weights, (str, bytes)) or not isinstance(weights, Iterable):
+            raise ConfigError(f"mux weights must be a list of numbers, one per source, got {weights!r}.")
+        weights = tuple(float(check_number("mux weights", w, at_least=0)) for w in weights)
         if len(weights) != len(sources):
             raise ConfigError(f"mux has {len(sources)} sources but {len(weights)} weights.")
-        if any(not np.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        if sum(weights) <= 0:
             raise ConfigError(f"mux weights must be >= 0 and not all 0, got {list(weights)}.")
         return Mux(sources, weights=weights)
-    temperature = 1.0 if temperature is None else float(temperature)
-    if not temperature > 0:
-        raise ConfigError(f"mux temperature must be > 0, got {temperature}.")
+    temperature = 1.0 if temperature is None else float(check_number("mux temperature", temperature, above=0))
     return Mux(sources, temperature=temperature)
 
 

@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from .checks import MAX_WORKERS, check_flag, check_number
 from .errors import SkipCounter
 from .formats.kaldi import MatrixReader, parse_location
 from .pipeline.batching import Batch
@@ -35,6 +36,7 @@ class ScpDataset:
         path_root: str | Path | None = None,
         path_map: Sequence[tuple[str, str]] = (),
     ):
+        check_flag("strip_spaces", strip_spaces)
         files = [Path(feats_scp)] if isinstance(feats_scp, (str, Path)) else [Path(f) for f in feats_scp]
         self.scp = KeyTable.scan(files, SkipCounter(False))
         self.labeler = Labeler(
@@ -77,6 +79,10 @@ def make_scp_loader(
 ):
     """A torch DataLoader over :class:`ScpDataset` in file order, batches as ``make_loader``'s."""
     import torch.utils.data
+
+    check_number("batch_size", batch_size, whole=True, at_least=1)
+    check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+    check_number("pad_label", pad_label, whole=True)
 
     dataset = ScpDataset(feats_scp, text, tokenizer, **dataset_options)
     return torch.utils.data.DataLoader(

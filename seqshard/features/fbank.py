@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from ..checks import check_flag, check_number
+from ..errors import ConfigError
 
 __all__ = ["WINDOWS", "FbankOptions", "fbank", "num_frames"]
 
@@ -25,6 +28,8 @@ _FLT_EPSILON = float(np.finfo(np.float32).eps)
 # Frames per block: big enough to amortise numpy's per-call cost, small enough that a block's
 # buffers (~1 MB) stay in cache between the steps instead of streaming through memory each time.
 _BLOCK_FRAMES = 256
+# Samples per frame at most (5.5 s at 48 kHz): the window, FFT and mel banks are sized from it.
+_MAX_WINDOW = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class FbankOptions:
     energy_floor: float = 0.0  # --energy-floor
 
     def __post_init__(self) -> None:
+        _check_kinds(self)
         _check_framing(self)
         _check_spectrum(self)
 
@@ -91,50 +97,72 @@ def _samples(sample_rate: float, ms: float) -> int:
 
 def _require_positive(name: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+        raise ConfigError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _check_kinds(opts: FbankOptions) -> None:
+    """Raise ConfigError for an option that is not a finite number, a flag or a name."""
+    for option in fields(opts):
+        value = getattr(opts, option.name)
+        if isinstance(option.default, bool):
+            check_flag(option.name, value)
+        elif isinstance(option.default, (int, float)):
+            check_number(option.name, value, whole=isinstance(option.default, int))
 
 
 def _check_framing(opts: FbankOptions) -> None:
-    """Raise ValueError for options that make framing impossible or differ from what Kaldi allows."""
+    """Raise ConfigError (a ValueError) for options that make framing impossible or differ from Kaldi's."""
     _require_positive("sample_rate", opts.sample_rate)
     _require_positive("frame_length_ms", opts.frame_length_ms)
     _require_positive("frame_shift_ms", opts.frame_shift_ms)
+    for name in ("frame_length_ms", "frame_shift_ms"):
+        samples = opts.sample_rate * 0.001 * getattr(opts, name)
+        if samples > _MAX_WINDOW:
+            raise ConfigError(
+                f"{name}={getattr(opts, name)} at sample_rate={opts.sample_rate} gives {samples:.0f} samples; "
+                f"at most {_MAX_WINDOW}"
+            )
     if opts.window_size < 2:
-        raise ValueError(f"frame_length_ms={opts.frame_length_ms} gives {opts.window_size} samples; need >= 2")
+        raise ConfigError(f"frame_length_ms={opts.frame_length_ms} gives {opts.window_size} samples; need >= 2")
     if opts.window_shift < 1:
-        raise ValueError(f"frame_shift_ms={opts.frame_shift_ms} gives 0 samples; need >= 1")
+        raise ConfigError(f"frame_shift_ms={opts.frame_shift_ms} gives 0 samples; need >= 1")
     if opts.fft_size % 2:
         # Kaldi's real FFT needs an even length; refuse what Kaldi itself would refuse.
-        raise ValueError(
+        raise ConfigError(
             f"frame_length_ms={opts.frame_length_ms} gives an odd frame of {opts.window_size} samples, "
             "which Kaldi accepts only with round_to_power_of_two=True"
         )
     if not (math.isfinite(opts.dither) and opts.dither >= 0):
-        raise ValueError(f"dither must be a finite number >= 0, got {opts.dither!r}")
+        raise ConfigError(f"dither must be a finite number >= 0, got {opts.dither!r}")
     if not 0 <= opts.preemphasis <= 1:
-        raise ValueError(f"preemphasis must be in [0, 1], got {opts.preemphasis!r}")
+        raise ConfigError(f"preemphasis must be in [0, 1], got {opts.preemphasis!r}")
     if opts.window not in WINDOWS:
-        raise ValueError(f"window must be one of {', '.join(WINDOWS)}; got {opts.window!r}")
+        raise ConfigError(f"window must be one of {', '.join(WINDOWS)}; got {opts.window!r}")
 
 
 def _check_spectrum(opts: FbankOptions) -> None:
-    """Raise ValueError for bad mel bank or energy options."""
-    if not (isinstance(opts.num_mel_bins, int) and opts.num_mel_bins >= 3):
-        raise ValueError(f"num_mel_bins must be an integer >= 3 (as in Kaldi), got {opts.num_mel_bins!r}")
+    """Raise ConfigError (a ValueError) for bad mel bank or energy options."""
+    if opts.num_mel_bins < 3:
+        raise ConfigError(f"num_mel_bins must be an integer >= 3 (as in Kaldi), got {opts.num_mel_bins!r}")
+    if opts.num_mel_bins > opts.fft_size // 2:
+        raise ConfigError(
+            f"num_mel_bins={opts.num_mel_bins} is too many for a {opts.fft_size}-point FFT: "
+            f"at most {opts.fft_size // 2}"
+        )
     nyquist = 0.5 * opts.sample_rate
     if not 0 <= opts.low_freq < nyquist:
-        raise ValueError(f"low_freq must be in [0, nyquist={nyquist}), got {opts.low_freq!r}")
+        raise ConfigError(f"low_freq must be in [0, nyquist={nyquist}), got {opts.low_freq!r}")
     high = opts.high_freq_hz
     if not opts.low_freq < high <= nyquist:
-        raise ValueError(
+        raise ConfigError(
             f"high_freq={opts.high_freq!r} puts the upper mel edge at {high} Hz; "
             f"it must be in (low_freq={opts.low_freq}, nyquist={nyquist}]"
         )
     if not (math.isfinite(opts.energy_floor) and opts.energy_floor >= 0):
-        raise ValueError(f"energy_floor must be a finite number >= 0, got {opts.energy_floor!r}")
+        raise ConfigError(f"energy_floor must be a finite number >= 0, got {opts.energy_floor!r}")
     empty = np.flatnonzero(~_mel_banks(opts).any(axis=0))
     if empty.size:
-        raise ValueError(
+        raise ConfigError(
             f"num_mel_bins={opts.num_mel_bins} is too many for a {opts.fft_size}-point FFT "
             f"between {opts.low_freq} and {high} Hz: mel bin {empty[0]} covers no FFT bin"
         )

@@ -1,5 +1,6 @@
 """What a rank's epoch did: its stats, its summary (planned, read, dropped, filtered, left),
-and warnings drawn from the counters (too many unknown label tokens).
+and warnings drawn from the counters (too many unknown label tokens) and the summary (much of
+an epoch left unread).
 
 Everything comes from the workers' counters in the rank's position and from the plan, so a
 summary is right after a resume too. What an epoch left unread is counted also for shards
@@ -22,6 +23,7 @@ from .setup import WorkerSetup
 from .shards import Unit, planned_utts
 
 _LOG = logging.getLogger("seqshard")
+UNREAD_WARN_SHARE = 0.05  # of the epoch's planned utterances left unread when the ranks stop
 
 
 class EpochAccounts:
@@ -115,8 +117,10 @@ class EpochAccounts:
         if warning:
             _LOG.warning("%s", warning)
 
-    def finish(self, position: RankPosition, seconds: float) -> dict[str, Any]:
-        """The epoch's summary (every rank's, gathered, unless the ranks do not talk); logged."""
+    def finish(self, position: RankPosition, seconds: float, cut: bool = False) -> dict[str, Any]:
+        """The epoch's summary (every rank's, gathered, unless the ranks do not talk); logged,
+        with a warning when much was left unread (unless ``cut``: the epoch's length, not the
+        data, ended it)."""
         self.judge_unknown_tokens(position, final=True)
         rank = self.setup.rank
         local = self._rank_summary(position, seconds)
@@ -135,6 +139,9 @@ class EpochAccounts:
                 "; ".join(f"rank {r['rank']}: {describe(r)}" for r in ranks),
                 f"; {len(missing)} selected shard(s) missing, not read" if missing else "",
             )
+            warning = None if cut else unread_warning(position.epoch, ranks, self.setup.config)
+            if warning:
+                _LOG.warning("%s", warning)
         return summary
 
     def _rank_summary(self, position: RankPosition, seconds: float) -> dict[str, Any]:
@@ -190,6 +197,31 @@ def describe(summary: dict[str, Any]) -> str:
         if summary[kind]:
             text += f", {kind} " + ", ".join(f"{k}={v}" for k, v in summary[kind].items())
     return text
+
+
+def unread_warning(epoch: int, ranks: list[dict[str, Any]], config: Any) -> str | None:
+    """A warning when the ranks, stopping together, left more than UNREAD_WARN_SHARE of the
+    epoch's planned utterances unread (``ranks``: every rank's summary; ``config``: the
+    loader's options), naming what would leave less; else None."""
+    if not ranks or any("left" not in r for r in ranks):
+        return None
+    planned = sum(r["planned"] for r in ranks)
+    left = sum(r["left"] for r in ranks)
+    if not planned or left / planned <= UNREAD_WARN_SHARE:
+        return None
+    worst = max(ranks, key=lambda r: r["left"] / r["planned"] if r["planned"] else 0.0)
+    remedies = [] if config.split_shards else [f"{option('split_shards', True)} (shards spread evenly over readers)"]
+    if config.num_workers > 1:
+        remedies.append("fewer num_workers")
+    remedies.append(f"a smaller {'batch_size' if config.batch_size is not None else 'batch_frames'}")
+    return (
+        f"seqshard epoch {epoch}: {left} of {planned} planned utterances ({left / planned:.0%}) were left unread "
+        f"(rank {worst['rank']}: {worst['left']} of its {worst['planned']}). With {option('uneven', 'stop')} all "
+        "ranks end the epoch at the step where the first runs out of batches, so what other ranks hold beyond "
+        f"that step is not read. To leave less: {', '.join(remedies)} (each reader, rank x worker, ends its "
+        f"data on a part batch); or {option('uneven', 'join')} (each rank reads all of its data, under torch's "
+        f"Join) or {option('uneven', 'repeat')} with epoch_steps (readers go round their data)."
+    )
 
 
 def damaged_shards(counters: dict[str, int]) -> int:

@@ -5,7 +5,8 @@ measure: frames of a feature field, tokens, ...), cuts batches along that order 
 is padded only up to its neighbours' lengths) and, when shuffling, emits the window's batches
 in a seeded random order. What a batch may hold is a small strategy object
 (:class:`BatchCost`): a fixed count, or a budget of padded length where cost may grow with
-the square of the length (attention).
+the square of the length (attention). A window of a mixed stream can hold copies of one
+utterance: they go to different batches, and batches stay full (:func:`cut_batches`).
 
 State: the source's state where the window began, the window's number and how many of its
 batches were emitted; a restore re-reads the window and skips those.
@@ -14,9 +15,12 @@ batches were emitted; a restore re-reads the window and skips those.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import math
+from collections import Counter, deque
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from ..checks import check_number
 from ..errors import ConfigError
 from .base import SEED_BATCH_ORDER, Stage, State, WindowStage, merge_counts, stage_rng
 from .lengths import Length, Measure
@@ -40,8 +44,7 @@ class FixedSize(BatchCost):
     size: int
 
     def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ConfigError(f"batch_size must be >= 1, got {self.size}.")
+        check_number("batch_size", self.size, whole=True, at_least=1)
 
     def fits(self, count: int, longest: int) -> bool:
         return count <= self.size
@@ -56,10 +59,8 @@ class LengthBudget(BatchCost):
     quadratic: float | None = None
 
     def __post_init__(self) -> None:
-        if self.budget < 1:
-            raise ConfigError(f"batch_frames must be >= 1, got {self.budget}.")
-        if self.quadratic is not None and self.quadratic <= 0:
-            raise ConfigError(f"quadratic_frames must be > 0, got {self.quadratic}.")
+        check_number("batch_frames", self.budget, whole=True, at_least=1)
+        check_number("quadratic_frames", self.quadratic, above=0, optional=True)
 
     def cost(self, count: int, longest: int) -> float:
         per_item = longest if self.quadratic is None else longest + longest * longest / self.quadratic
@@ -94,49 +95,139 @@ def cut_batches(
 ) -> tuple[list[list[int]], list[int]]:
     """Batches of indices into ``lengths`` (sorted ascending, or in ascending runs), and the
     indices of samples that do not fit even alone. With ``keys``, no batch holds one key
-    twice: a copy of a key already in the batch waits for the next one."""
+    twice, and copies of a key still leave every batch but the last full (see
+    :class:`_CopiesApart`) whenever the copies allow it."""
+    fitting = [index for index, length in enumerate(lengths) if cost.fits(1, length)]
+    oversize = [index for index, length in enumerate(lengths) if not cost.fits(1, length)]
+    if keys is None or len({keys[index] for index in fitting}) == len(fitting):
+        return _cut_in_order(lengths, cost, fitting), oversize
+    return _CopiesApart(lengths, cost, keys, fitting).cut(), oversize
+
+
+def _cut_in_order(lengths: Sequence[int], cost: BatchCost, order: Iterable[int]) -> list[list[int]]:
+    """Greedy batches along ``order``: each takes the next sample while the cost allows."""
     batches: list[list[int]] = []
-    oversize: list[int] = []
     current: list[int] = []
-    taken: set[str] = set()
-    waiting: list[int] = []  # copies of a key already in the current batch
     longest = 0
-
-    def close() -> None:
-        nonlocal current, taken, waiting, longest
-        batches.append(current)
-        current, taken, longest = [], set(), 0
-        again, waiting = waiting, []
-        for index in again:
-            place(index)
-
-    def place(index: int) -> None:
-        nonlocal longest
-        if keys is not None and keys[index] in taken:
-            waiting.append(index)
-            return
+    for index in order:
         if current and not cost.fits(len(current) + 1, max(longest, lengths[index])):
-            close()
-            place(index)
-            return
+            batches.append(current)
+            current, longest = [], 0
         current.append(index)
         longest = max(longest, lengths[index])
-        if keys is not None:
-            taken.add(keys[index])
+    if current:
+        batches.append(current)
+    return batches
 
-    for index, length in enumerate(lengths):
-        if not cost.fits(1, length):
-            oversize.append(index)
-            continue
-        place(index)
-    while current or waiting:
-        if current:
-            close()
-        else:
-            again, waiting = waiting, []
-            for index in again:
-                place(index)
-    return batches, oversize
+
+class _CopiesApart:
+    """Batches along ``order`` with no key twice in one (a window of a mixed stream can hold
+    several passes of a small source, and copies of one utterance sort next to each other).
+
+    Each batch takes the shortest samples left whose keys it does not hold yet: a copy waits
+    for the next batch and another sample takes its place. A key's copies need as many
+    batches as there are copies, so a key with as many copies left as batches left goes into
+    the current batch whatever its length, and so do enough keys with one copy fewer for the
+    last batch to hold the rest of them. Copies never pile up at the end as a run of short
+    batches: with a fixed batch size every batch but the last is full whenever any
+    arrangement allows it (no key with more copies than batches).
+    """
+
+    def __init__(self, lengths: Sequence[int], cost: BatchCost, keys: Sequence[str], order: list[int]):
+        self.lengths = lengths
+        self.cost = cost
+        self.keys = keys
+        self.order = order
+        self.copies: dict[str, deque[int]] = {}  # each key's copies not yet placed, in order
+        for index in order:
+            self.copies.setdefault(keys[index], deque()).append(index)
+        self.keys_with = Counter(map(len, self.copies.values()))  # copies left -> keys with as many
+        self.most_copies = max(self.keys_with)
+        self.placed = [False] * len(lengths)
+        self.front = 0  # order[:front] is placed
+        self.left = len(order)
+        # a lower bound of the batches left: each sample takes at least 1 / (the most samples
+        # of its length a batch holds) of one
+        self._share = {length: 1 / _most_per_batch(cost, length) for length in {lengths[i] for i in order}}
+        self.lower = sum(self._share[lengths[index]] for index in order)
+
+    def cut(self) -> list[list[int]]:
+        batches = []
+        while self.left:
+            while self.placed[self.order[self.front]]:
+                self.front += 1
+            batches.append(self._next_batch())
+        return batches
+
+    def _next_batch(self) -> list[int]:
+        batch: list[int] = []
+        taken: set[str] = set()
+        longest = 0
+        keys_left = len(self.copies)
+
+        def add(index: int) -> bool:
+            nonlocal longest
+            if batch and not self.cost.fits(len(batch) + 1, max(longest, self.lengths[index])):
+                return False
+            batch.append(index)
+            longest = max(longest, self.lengths[index])
+            taken.add(self.keys[index])
+            return True
+
+        for key in self._due_keys():
+            add(self.copies[key][0])  # one that does not fit is due again for the next batch
+        for index in self._unplaced(taken):
+            if len(taken) == keys_left or not add(index):
+                break
+        for index in batch:
+            key = self.keys[index]
+            self.copies[key].popleft()
+            count = len(self.copies[key])
+            self.keys_with[count + 1] -= 1
+            self.keys_with[count] += 1
+            if not count:
+                del self.copies[key]
+            self.placed[index] = True
+            self.lower -= self._share[self.lengths[index]]
+        self.left -= len(batch)
+        while self.most_copies > 1 and not self.keys_with[self.most_copies]:
+            self.most_copies -= 1
+        return sorted(batch)
+
+    def _unplaced(self, taken: Container[str] = ()) -> Iterator[int]:
+        """The samples not yet placed whose keys are not ``taken``, in order."""
+        for position in range(self.front, len(self.order)):
+            index = self.order[position]
+            if not self.placed[index] and self.keys[index] not in taken:
+                yield index
+
+    def _due_keys(self) -> list[str]:
+        """The keys that must go into the next batch for the batches left to hold every key's
+        copies apart, earliest first."""
+        if self.most_copies < 2 or self.most_copies + 1 < math.ceil(self.lower - 1e-6):
+            return []  # fewer copies of any key than batches left, by far
+        rest = [self.lengths[index] for index in self._unplaced()]
+        cut = _cut_in_order(rest, self.cost, range(len(rest)))
+        batches_left, last_size = len(cut), len(cut[-1])
+        if batches_left < 2:
+            return []
+        first = {key: waiting[0] for key, waiting in self.copies.items()}
+        must = [key for key, waiting in self.copies.items() if len(waiting) >= batches_left]
+        tight = sorted((key for key, waiting in self.copies.items() if len(waiting) == batches_left - 1), key=first.get)
+        return sorted(must + tight[: max(0, len(must) + len(tight) - last_size)], key=first.get)
+
+
+def _most_per_batch(cost: BatchCost, length: int) -> int:
+    """The most samples of ``length`` one batch can hold."""
+    count = 1
+    while cost.fits(count * 2, length):
+        count *= 2
+    step = count // 2
+    while step:
+        if cost.fits(count + step, length):
+            count += step
+        step //= 2
+    return count
 
 
 class SortBatch(WindowStage[Batch]):

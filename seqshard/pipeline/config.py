@@ -2,17 +2,58 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
+from ..checks import MAX_WORKERS, check_flag, check_number
 from ..errors import ConfigError
 from ..features.fbank import FbankOptions
+from ..formats.cache import parse_bytes
 from .audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .batching import BatchCost, FixedSize, LengthBudget
 from .filters import LengthLimits
 
 UNEVEN_MODES = ("stop", "repeat", "join")
+START_METHODS = tuple(multiprocessing.get_all_start_methods())
+MAX_PREFETCH = 256  # batches each worker prepares ahead (each takes a slot of shared memory)
+CACHE_LIMIT = "a size such as '200GB' or '500MiB', or a number of bytes > 0"
+
+# The numeric options: what kind of number, and its bounds (check_number's arguments). An option
+# whose default is None may also be None.
+NUMBERS: dict[str, dict[str, Any]] = {
+    "batch_size": dict(whole=True, at_least=1),
+    "batch_frames": dict(whole=True, at_least=1),
+    "quadratic_frames": dict(above=0),
+    "seed": dict(whole=True, at_least=0),
+    "shuffle_window": dict(whole=True, at_least=1),
+    "sort_window": dict(whole=True, at_least=1),
+    "interleave": dict(whole=True, at_least=1),
+    "min_frames": dict(whole=True, at_least=0),
+    "max_frames": dict(whole=True, above=0),
+    "max_tokens": dict(whole=True, above=0),
+    "min_frames_per_token": dict(above=0),
+    "max_frames_per_token": dict(above=0),
+    "pad_label": dict(whole=True),
+    "num_mel_bins": dict(whole=True),  # ranges: FbankOptions
+    "frame_length_ms": dict(),
+    "frame_shift_ms": dict(),
+    "dither": dict(),
+    "resample_to": dict(whole=True, at_least=1000, what="a sample rate in Hz (a whole number >= 1000)"),
+    "noise_prob": dict(at_least=0, at_most=1),
+    "channel": dict(whole=True, at_least=0),
+    "max_bad_shards": dict(at_least=0, what="a fraction of the shards (< 1) or a count (>= 1)"),
+    "remote_retries": dict(whole=True, at_least=0, what="a whole number >= 0"),
+    "remote_timeout": dict(above=0, what="a number of seconds > 0"),
+    "num_workers": dict(whole=True, at_least=0, at_most=MAX_WORKERS),
+    "prefetch_factor": dict(whole=True, at_least=1, at_most=MAX_PREFETCH),
+    "timeout": dict(at_least=0, what="a number of seconds >= 0 (0: no limit)"),
+    "epoch_steps": dict(whole=True, at_least=1),
+    "epoch_hours": dict(above=0),
+    "num_buckets": dict(whole=True, at_least=1),
+}
 
 # Options that change which batches are produced: a saved state must match them to resume
 # exactly. The others (prefetch, pinning, worker persistence) only change how fast.
@@ -94,16 +135,24 @@ class LoaderConfig:
     num_buckets: int = 8
 
     def __post_init__(self) -> None:
+        self._check_numbers()
         if (self.batch_size is None) == (self.batch_frames is None):
             raise ConfigError(
                 "give exactly one of batch_size (fixed) or batch_frames (dynamic, padded frames per batch)."
             )
         self.cost()  # checks the batch sizes
-        for name in ("shuffle_window", "sort_window", "interleave", "num_buckets"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}.")
-        if self.num_workers < 0:
-            raise ConfigError(f"num_workers must be >= 0, got {self.num_workers}.")
+        if self.batch_size is not None and self.batch_size > self.sort_window:
+            raise ConfigError(
+                f"batch_size {self.batch_size} is above sort_window {self.sort_window}: batches are cut from windows "
+                "of sort_window samples, so none could be full. Raise sort_window."
+            )
+        if self.batch_size is not None and self.quadratic_frames is not None:
+            raise ConfigError("quadratic_frames shapes a batch_frames budget; with batch_size it would do nothing.")
+        if self.timeout and not self.num_workers:
+            raise ConfigError(
+                f"timeout={self.timeout!r} bounds the wait for a worker's batch, and num_workers=0 makes batches in "
+                "this process: give num_workers > 0, or leave timeout at 0."
+            )
         if self.uneven not in UNEVEN_MODES:
             raise ConfigError(f"uneven must be one of {UNEVEN_MODES}, got {self.uneven!r}.")
         lengths = [n for n in ("epoch_steps", "epoch_hours", "epoch_source") if getattr(self, n) is not None]
@@ -117,14 +166,15 @@ class LoaderConfig:
             )
         if self.epoch_source is not None and self.uneven != "repeat":
             raise ConfigError("epoch_source is for mixed sources (make_loader(seqshard.mux([...]), ...)).")
+        if isinstance(self.epoch_source, bool) or not isinstance(self.epoch_source, (int, str, type(None))):
+            raise ConfigError(
+                f"epoch_source must be a mixed source's position or pattern text, got {self.epoch_source!r}."
+            )
         if self.uneven == "join" and self.epoch_hours is not None:
             raise ConfigError(
                 "epoch_hours counts hours over all ranks, which needs the ranks to talk at each step; "
                 "uneven='join' does not: use epoch_steps, or uneven='stop'."
             )
-        for name in ("epoch_steps", "epoch_hours"):
-            if getattr(self, name) is not None and getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}.")
         self._check_types()
         self.audio()  # checks the audio options
         if self.fields is not None and (isinstance(self.fields, str) or not self.fields):
@@ -135,24 +185,50 @@ class LoaderConfig:
             raise ConfigError(f"dtype must be 'float32' or 'float16', got {self.dtype!r}.")
         if self.oversize not in ("alone", "drop"):
             raise ConfigError(f"oversize must be 'alone' or 'drop', got {self.oversize!r}.")
-        if isinstance(self.max_bad_shards, bool) or not (
-            isinstance(self.max_bad_shards, (int, float)) and self.max_bad_shards >= 0
-        ):
+        if self.multiprocessing_context is not None and self.multiprocessing_context not in START_METHODS:
             raise ConfigError(
-                f"max_bad_shards must be a fraction of the shards (< 1) or a count (>= 1), got {self.max_bad_shards!r}."
+                f"multiprocessing_context must be one of {', '.join(START_METHODS)} or None, "
+                f"got {self.multiprocessing_context!r}."
             )
-        if isinstance(self.remote_retries, bool) or not isinstance(self.remote_retries, int) or self.remote_retries < 0:
-            raise ConfigError(f"remote_retries must be a whole number >= 0, got {self.remote_retries!r}.")
-        if isinstance(self.remote_timeout, bool) or not (
-            isinstance(self.remote_timeout, (int, float)) and self.remote_timeout > 0
-        ):
-            raise ConfigError(f"remote_timeout must be a number of seconds > 0, got {self.remote_timeout!r}.")
         if self.storage_options is not None and not isinstance(self.storage_options, dict):
             raise ConfigError(
                 f"storage_options must be a dict of fsspec options (e.g. {{'anon': True}}), got {self.storage_options!r}."
             )
-        if self.cache_limit is not None and self.cache_dir is None:
+        self._check_cache_limit()
+
+    def _check_numbers(self) -> None:
+        """Every numeric option: its kind, finite, in its range (None where that is the default);
+        numpy numbers become Python's (the options go into JSON states)."""
+        for option in fields(self):
+            if option.name in NUMBERS:
+                value = getattr(self, option.name)
+                checked = check_number(option.name, value, optional=option.default is None, **NUMBERS[option.name])
+                object.__setattr__(self, option.name, checked)
+        if self.speed_perturb is not None and not isinstance(self.speed_perturb, (tuple, list)):
+            raise ConfigError(
+                f"speed_perturb must be a list of factors (e.g. [0.9, 1.0, 1.1]), got {self.speed_perturb!r}."
+            )
+        for factor in self.speed_perturb or ():
+            check_number("speed_perturb factors", factor, at_least=0.5, at_most=2, what="in [0.5, 2]")
+        if not isinstance(self.noise_snr, (tuple, list)) or len(self.noise_snr) != 2:
+            raise ConfigError(f"noise_snr must be (low, high) in dB, got {self.noise_snr!r}.")
+        for bound in self.noise_snr:
+            check_number("noise_snr", bound, what="(low, high) in dB, finite numbers")
+
+    def _check_cache_limit(self) -> None:
+        if self.cache_limit is None:
+            return
+        if self.cache_dir is None:
             raise ConfigError("cache_limit needs cache_dir (where remote shards are kept).")
+        if isinstance(self.cache_limit, str):
+            try:
+                limit = parse_bytes(self.cache_limit)
+            except (ValueError, OverflowError):
+                limit = None
+        else:
+            limit = check_number("cache_limit", self.cache_limit, above=0, what=CACHE_LIMIT)
+        if limit is None or limit <= 0:
+            raise ConfigError(f"cache_limit must be {CACHE_LIMIT}, got {self.cache_limit!r}.")
 
     def bad_shard_budget(self, num_shards: int) -> int:
         """How many bad (damaged, missing) shards an epoch may skip before the run stops."""
@@ -174,15 +250,19 @@ class LoaderConfig:
             "persistent_workers",
             "pin_memory",
             "allow_pipes",
+            "shared_slots",
+            "bucket_sync",
         ):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}.")
-        for name in ("seed", "pad_label"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ConfigError(f"{name} must be a whole number, got {value!r}.")
-        if self.seed < 0:
-            raise ConfigError(f"seed must be >= 0, got {self.seed}.")
+            check_flag(name, getattr(self, name))
+        if not isinstance(self.feature_field, (str, type(None))):
+            raise ConfigError(f"feature_field must be a field name or None, got {self.feature_field!r}.")
+        for name in ("cmvn", "cache_dir"):
+            if not isinstance(getattr(self, name), (str, os.PathLike, type(None))):
+                raise ConfigError(f"{name} must be a path or None, got {getattr(self, name)!r}.")
+        if self.split not in (None, "char", "word"):
+            raise ConfigError(f"split must be 'char', 'word' or None (chosen from the units), got {self.split!r}.")
+        if not isinstance(self.transforms, (tuple, list)):
+            raise ConfigError(f"transforms must be a list of transforms, got {self.transforms!r}.")
         if self.recipe is not None and not callable(self.recipe):
             raise ConfigError(f"recipe must be a function (reader) -> Stage, got {self.recipe!r}.")
         limits = self.limits()
@@ -190,10 +270,6 @@ class LoaderConfig:
             raise ConfigError(
                 f"min_frames {limits.min_frames} is above max_frames {limits.max_frames}: nothing would pass."
             )
-        for name in ("min_frames_per_token", "max_frames_per_token", "max_tokens", "max_frames"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"{name} must be > 0, got {value}.")
 
     def audio(self) -> AudioOptions:
         """The audio options, checked (fbank options, factors, SNR range, masks)."""
@@ -210,25 +286,23 @@ class LoaderConfig:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         factors = tuple(float(f) for f in self.speed_perturb or ())
-        if any(not 0.5 <= f <= 2 for f in factors):
-            raise ConfigError(f"speed_perturb factors must be in [0.5, 2], got {self.speed_perturb!r}.")
-        if len(self.noise_snr) != 2 or self.noise_snr[0] > self.noise_snr[1]:
+        if self.noise_snr[0] > self.noise_snr[1]:
             raise ConfigError(f"noise_snr must be (low, high) in dB, got {self.noise_snr!r}.")
-        if not 0 <= self.noise_prob <= 1:
-            raise ConfigError(f"noise_prob must be in [0, 1], got {self.noise_prob}.")
-        if self.resample_to is not None and self.resample_to < 1000:
-            raise ConfigError(f"resample_to is a sample rate in Hz, got {self.resample_to}.")
         masks = self.spec_augment
         if isinstance(masks, dict):
-            unknown = set(masks) - set(SpecAugmentOptions.__dataclass_fields__)
+            known = SpecAugmentOptions.__dataclass_fields__
+            unknown = set(masks) - set(known)
             if unknown:
                 raise ConfigError(
-                    f"spec_augment: unknown option(s) {', '.join(sorted(unknown))}; "
-                    f"known: {', '.join(SpecAugmentOptions.__dataclass_fields__)}."
+                    f"spec_augment: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}."
                 )
+            for name, value in masks.items():
+                check_number(f"spec_augment {name}", value, whole=isinstance(known[name].default, int))
             spec = SpecAugmentOptions(**masks)
-        else:
+        elif isinstance(masks, bool):
             spec = SpecAugmentOptions() if masks else None
+        else:
+            raise ConfigError(f"spec_augment must be True, False or a dict of mask options, got {masks!r}.")
         return AudioOptions(
             self.features,
             fbank,

@@ -3,7 +3,7 @@
 An :class:`EpochEnd` decides, step by step, whether this rank goes on (one per ``uneven``
 mode); an :class:`EpochLength` caps an epoch at a number of steps or hours of audio; a
 :class:`BucketSync` makes every rank take a batch of the same length bucket at each step.
-The loader combines one of each (see ``ShardLoader._next_item``):
+The loader combines one of each (see ``ShardLoader._iterate``):
 
 - ``"stop"``: every rank ends the epoch at the step where any rank runs out (one all-reduce
   of one integer per step);

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import MAX_WORKERS, check_flag, check_number
 from ..dist import Collectives, DistContext, discover
 from ..errors import ConfigError, StateMismatchError
 from ..mix import Mux, flatten
@@ -27,6 +28,7 @@ from .plan import BatchRules, EpochPlan, plan_epoch
 
 _LOG = logging.getLogger("seqshard")
 STATE_VERSION = 1
+UNREAD_WARN_SHARE = 0.05  # of an epoch's sentences dropped or left out before a warning
 
 
 def make_token_loader(
@@ -74,8 +76,15 @@ def make_token_loader(
                 tgt_lang_id if tgt_lang_id is not None else pair.tgt_lang_id,
             )
         pairs, mixed = [pair], None
-    if num_workers < 0:
-        raise ConfigError(f"num_workers must be >= 0, got {num_workers}.")
+    for pair in pairs:
+        check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
+        check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
+    check_number("pad_id", pad_id, whole=True, at_least=0)
+    check_number("eos_id", eos_id, whole=True, at_least=0)
+    check_flag("left_pad_source", left_pad_source)
+    check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+    check_number("rank", rank, whole=True, at_least=0, optional=True)
+    check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     rules = BatchRules(max_tokens, max_sentences, max_positions, shuffle, seed, virtual_size)
     return TokenLoader(
         pairs, mixed, rules, CollateRules(pad_id, eos_id, left_pad_source), num_workers, discover(rank, world_size)
@@ -123,6 +132,29 @@ class _Batches:
 
     def __len__(self) -> int:
         return self.plan.num_batches
+
+
+def unread_warning(plan: EpochPlan, epoch: int, world_size: int) -> str | None:
+    """A warning when the plan leaves more than UNREAD_WARN_SHARE of the epoch's sentences
+    unread (dropped as too long, or left out so that every rank takes as many batches)."""
+    total = len(plan.index)
+    unread = plan.left + sum(plan.dropped.values())
+    if not total or unread / total <= UNREAD_WARN_SHARE:
+        return None
+    parts = []
+    if plan.dropped:
+        dropped = ", ".join(f"{reason}={count}" for reason, count in plan.dropped.items())
+        parts.append(f"dropped {dropped} (raise max_positions or max_tokens, or leave them out when binarizing)")
+    if plan.left:
+        parts.append(
+            f"{plan.left} in the last batches, left out so that each of {world_size} ranks takes as many "
+            "(a smaller max_tokens or max_sentences, or fewer ranks, leave fewer)"
+        )
+    return (
+        f"seqshard token epoch {epoch}: {unread} of {total} sentences ({unread / total:.0%}) are not read: "
+        + "; ".join(parts)
+        + "."
+    )
 
 
 def _as_built(batch: dict[str, Any]) -> dict[str, Any]:
@@ -205,6 +237,10 @@ class TokenLoader:
     def __iter__(self) -> Iterator[dict[str, Any]]:
         import torch.utils.data
 
+        if self.context.rank == 0 and self._start == 0 and self._history is None:
+            warning = unread_warning(self.plan(), self._epoch, self.context.world_size)
+            if warning:
+                _LOG.warning("%s", warning)
         numbers = self._lists()[self.context.rank][self._start :]
         self._step, self._start = self._start, 0
         dataset = _Batches(self.pairs, self.plan(), self.collate, self.shares is not None)

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..checks import check_flag, check_number
 from ..errors import ConfigError
 from .pairs import OpenPair
 
@@ -41,14 +42,20 @@ class BatchRules:
     virtual_size: int | None = None
 
     def __post_init__(self) -> None:
+        checked = {
+            "max_tokens": check_number("max_tokens", self.max_tokens, whole=True),
+            "max_positions": check_number("max_positions", self.max_positions, whole=True),
+            "max_sentences": check_number("max_sentences", self.max_sentences, whole=True, at_least=1, optional=True),
+            "virtual_size": check_number("virtual_size", self.virtual_size, whole=True, at_least=1, optional=True),
+            "seed": check_number("seed", self.seed, whole=True, at_least=0),
+        }
         if self.max_tokens < 1 or self.max_positions < 1:
             raise ConfigError(
                 f"max_tokens and max_positions must be >= 1, got {self.max_tokens}, {self.max_positions}."
             )
-        if self.max_sentences is not None and self.max_sentences < 1:
-            raise ConfigError(f"max_sentences must be >= 1, got {self.max_sentences}.")
-        if self.virtual_size is not None and self.virtual_size < 1:
-            raise ConfigError(f"virtual_size must be >= 1, got {self.virtual_size}.")
+        check_flag("shuffle", self.shuffle)
+        for name, value in checked.items():  # numpy's numbers as Python's: the rules go into JSON states
+            object.__setattr__(self, name, value)
 
 
 @dataclass
