@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from seqshard.pipeline.batching import FrameBudget, cut_batches
-from seqshard.pipeline.shards import Plan, ShardInfo, ShardTable, Unit, plan_epoch
+from seqshard.pipeline.plan import Plan, ShardInfo, ShardTable, Unit, plan_epoch
+from seqshard.pipeline.stages.batching import FrameBudget, cut_batches
 
 
 def synthetic(shards: int, per_shard: int, seed: int = 0) -> tuple[ShardTable, np.ndarray]:

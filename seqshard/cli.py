@@ -84,7 +84,7 @@ def _add_field(args: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from .tools.summary import format_text, plot_lengths, summarize, to_json
+    from .tools.inspect import format_text, plot_lengths, summarize, to_json
 
     summary = to_json(summarize(args.patterns, jobs=args.jobs, progress=not args.quiet))
     print(json.dumps(summary, indent=1) if args.json else format_text(summary))
@@ -106,7 +106,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from .tools.reindex import rebuild_index
+    from .tools.index import rebuild_index
 
     written = rebuild_index(args.folder, jobs=args.jobs, progress=not args.quiet, move_sidecars=args.move_sidecars)
     for path in written:

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 from .errors import ConfigError, InputError, SeqshardError
 from .mix import mux
-from .pipeline.config import LoaderConfig
+from .options import LoaderConfig
 
 _LOG = logging.getLogger("seqshard")
 

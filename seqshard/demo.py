@@ -97,7 +97,7 @@ def run_demo(
     out: str | Path, num_utts: int = 1200, num_workers: int = 2, train_epochs: int = 6, train_ranks: int = 2
 ) -> None:
     from . import make_loader, pack_data
-    from .tools.summary import format_text, summarize, to_json
+    from .tools.inspect import format_text, summarize, to_json
     from .tools.verify import format_result, verify
 
     out = Path(out)
@@ -187,7 +187,7 @@ def run_demo(
 
 def _plot(pattern: str, path: Path) -> Path | None:
     """The length histogram of the shards, when matplotlib is installed."""
-    from .tools.summary import plot_lengths, summarize, to_json
+    from .tools.inspect import plot_lengths, summarize, to_json
 
     try:
         import matplotlib  # noqa: F401

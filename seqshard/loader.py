@@ -28,20 +28,20 @@ from .formats.patterns import Patterns
 from .formats.remote import RemoteAccess
 from .formats.selection import missing_error
 from .mix import Mux
-from .pipeline import checkpoint
-from .pipeline.accounts import EpochAccounts
-from .pipeline.collate import to_tensors
-from .pipeline.config import LoaderConfig
-from .pipeline.epochs import BucketSync, epoch_end, epoch_length
-from .pipeline.labels import LabelOverride, Tokenizer, make_tokenizer
-from .pipeline.merge import MergedStream, RankPosition
-from .pipeline.mixing import MixSetup, mixed_table
-from .pipeline.protocol import BatchItem, ErrorItem, Item
-from .pipeline.recipe import check_transforms
-from .pipeline.setup import make_setup
-from .pipeline.shards import ShardTable, Unit, planned_utts
-from .pipeline.transfer import BatchSlots
-from .pipeline.worker import IterationChannel
+from .options import LoaderConfig
+from .pipeline.plan import ShardTable, Unit, planned_utts
+from .pipeline.rank import checkpoint
+from .pipeline.rank.accounts import EpochAccounts
+from .pipeline.rank.epochs import BucketSync, epoch_end, epoch_length
+from .pipeline.rank.merge import MergedStream, RankPosition
+from .pipeline.stages.collate import to_tensors
+from .pipeline.stages.labels import LabelOverride, Tokenizer, make_tokenizer
+from .pipeline.stages.mixing import MixSetup, mixed_table
+from .pipeline.workers.protocol import BatchItem, ErrorItem, Item
+from .pipeline.workers.recipe import check_transforms
+from .pipeline.workers.setup import make_setup
+from .pipeline.workers.transfer import BatchSlots
+from .pipeline.workers.worker import IterationChannel
 
 _LOG = logging.getLogger("seqshard")
 MAX_SLOT_BYTES = 64 << 20
@@ -225,7 +225,7 @@ class ShardLoader:
         if self._dataloader is None:
             import torch.utils.data
 
-            from .pipeline.dataset import ReaderDataset
+            from .pipeline.workers.dataset import ReaderDataset
 
             workers = self.config.num_workers
             self._dataloader = torch.utils.data.DataLoader(
@@ -410,7 +410,7 @@ class ShardLoader:
         self._epoch = resumed.epoch
 
     def _elastic_position(self, state: dict[str, Any]) -> RankPosition:
-        from .pipeline.elastic import remainder_plan
+        from .pipeline.rank.elastic import remainder_plan
 
         old_config = checkpoint.saved_config(state, self.config)
         if self._end.continues_stream or old_config.uneven == "repeat":

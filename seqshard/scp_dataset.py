@@ -14,11 +14,11 @@ from typing import Any
 from .checks import MAX_WORKERS, check_flag, check_number
 from .errors import SkipCounter
 from .formats.kaldi import MatrixReader, parse_location
-from .pipeline.batching import Batch
-from .pipeline.collate import Collator, speech_rules, to_tensors
-from .pipeline.labels import Labeler, LabelOverride, Tokenizer, make_tokenizer
-from .pipeline.sample import Sample
-from .prep.tables import KeyTable
+from .formats.keytable import KeyTable
+from .pipeline.stages.batching import Batch
+from .pipeline.stages.collate import Collator, speech_rules, to_tensors
+from .pipeline.stages.labels import Labeler, LabelOverride, Tokenizer, make_tokenizer
+from .pipeline.stages.sample import Sample
 
 
 class ScpDataset:

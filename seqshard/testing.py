@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .pipeline.base import Stage, State
+from .pipeline.stages.base import Stage, State
 
 
 class ListSource(Stage[Any]):

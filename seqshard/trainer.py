@@ -35,7 +35,7 @@ from torch import nn
 
 from .config import apply_overrides, build_loaders, load_config, read_json
 from .errors import ConfigError, SeqshardError
-from .pipeline.labels import Tokenizer, UnitsTokenizer
+from .pipeline.stages.labels import Tokenizer, UnitsTokenizer
 from .progress import Progress
 
 #: sections of a checkpoint's recorded settings whose change a resume refuses (the saved weights

@@ -16,7 +16,7 @@ from seqshard.errors import ConfigError, InputError
 from seqshard.features.fbank import FbankOptions, fbank
 from seqshard.formats.audio import resample
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.audio import SpecAugmentOptions, mix, spec_augment
+from seqshard.pipeline.stages.audio import SpecAugmentOptions, mix, spec_augment
 
 SMALL = dict(shuffle_window=8, sort_window=4, interleave=2)
 

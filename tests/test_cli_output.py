@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from seqshard.formats.index import length_bin
-from seqshard.tools.summary import length_ticks, plot_lengths
+from seqshard.tools.inspect import length_ticks, plot_lengths
 
 ROOT = Path(__file__).parent.parent
 

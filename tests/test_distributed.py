@@ -10,8 +10,8 @@ import pytest
 from distributed import kill, run_ranks, start_ranks
 from seqshard.formats.npy import npy_parts
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.shards import ShardTable, plan_epoch, planned_utts
-from seqshard.tools.reindex import rebuild_index
+from seqshard.pipeline.plan import ShardTable, plan_epoch, planned_utts
+from seqshard.tools.index import rebuild_index
 
 pytestmark = pytest.mark.distributed
 DIM = 4
@@ -207,7 +207,7 @@ def test_bucket_sync_gives_all_ranks_the_same_length_bucket_each_step(tmp_path):
         batch_size=4, num_workers=2, bucket_sync=True, num_buckets=3, shuffle_window=16, sort_window=16, seed=2
     )
     ranks = run_ranks(2, {"pattern": pattern, "options": options, "epochs": [0]}, tmp_path / "run")
-    from seqshard.pipeline.setup import bucket_bounds
+    from seqshard.pipeline.workers.setup import bucket_bounds
 
     bounds = bucket_bounds(ShardTable.from_patterns(pattern), 3)
     steps = [r["epochs"][0]["steps"] for r in ranks]

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from conftest import assert_resumes_everywhere, write_kaldi_dir
 from seqshard import make_loader, mux, pack_data
-from seqshard.pipeline.batching import FixedSize, LengthBudget, SortBatch, cut_batches
-from seqshard.pipeline.sample import Sample
+from seqshard.pipeline.stages.batching import FixedSize, LengthBudget, SortBatch, cut_batches
+from seqshard.pipeline.stages.sample import Sample
 from seqshard.testing import ListSource
 
 

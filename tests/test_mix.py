@@ -149,7 +149,7 @@ def test_a_stream_kept_across_epochs_gives_what_a_restore_gives(sources, monkeyp
     """Without workers an endless stream (a mix, uneven="repeat") goes on across epochs as it
     is; its batches are those of loaders rebuilt from the saved state at each epoch, and a
     state from elsewhere in the stream is restored, not ignored."""
-    import seqshard.pipeline.worker as worker
+    import seqshard.pipeline.workers.worker as worker
 
     built = []
     build = worker.build_pipeline
@@ -202,7 +202,7 @@ def test_no_batch_holds_an_utterance_twice_when_a_window_spans_passes(sources):
 
 
 def test_cutting_batches_keeps_copies_apart():
-    from seqshard.pipeline.batching import FixedSize, cut_batches
+    from seqshard.pipeline.stages.batching import FixedSize, cut_batches
 
     keys = ["a", "a", "a", "b", "c", "c", "d"]
     batches, oversize = cut_batches([1, 1, 1, 2, 3, 3, 4], FixedSize(3), keys)

@@ -16,8 +16,8 @@ from seqshard.errors import ConfigError
 from seqshard.features.fbank import FbankOptions
 from seqshard.formats.mmidx import TokenDatasetWriter
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.config import NUMBERS, LoaderConfig
-from seqshard.tools.reindex import rebuild_index
+from seqshard.options import NUMBERS, LoaderConfig
+from seqshard.tools.index import rebuild_index
 
 NAN, INF = float("nan"), float("inf")
 NOT_NUMBERS = ["3", True, None, [1]]

@@ -3,7 +3,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqshard.pipeline.shards import ShardInfo, ShardTable, plan_epoch, planned_utts
+from seqshard.pipeline.plan import ShardInfo, ShardTable, plan_epoch, planned_utts
 
 
 def coverage(sizes, plan):

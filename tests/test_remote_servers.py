@@ -199,9 +199,9 @@ def test_missing_urls_follow_the_rule_of_missing_files(packed, tmp_path):
         mixed = [braces, str(tmp_path / "data-00000.tar")]  # and a local file that does not exist
         with pytest.raises(ShardError, match=r"3 of 11 shards are missing, more than max_bad_shards=2"):
             make_loader(mixed, num_workers=0, skip_bad=True, max_bad_shards=2, **OPTIONS)
-        assert make_loader(mixed, num_workers=0, skip_bad=True, max_bad_shards=3, **OPTIONS).stats()[
-            "missing_shards"
-        ] == 3
+        assert (
+            make_loader(mixed, num_workers=0, skip_bad=True, max_bad_shards=3, **OPTIONS).stats()["missing_shards"] == 3
+        )
         listing = tmp_path / "data.list"
         listing.write_text(f"{server.url}/shards/data-00000.tar\n{server.url}/shards/gone.tar\n")
         with pytest.raises(ShardError, match=r"1 selected shard\(s\) are missing: gone.tar"):

@@ -13,9 +13,9 @@ from conftest import pack_small
 from seqshard import Reader, Sample, Stage, default_recipe, keep_if, make_loader
 from seqshard.errors import ConfigError, StateMismatchError
 from seqshard.formats.fields import ABSENT, AudioBytes, decode_field, split_suffix
-from seqshard.pipeline.batching import Batch, LengthBudget, SortBatch
-from seqshard.pipeline.collate import Collator, FieldRule, speech_rules
-from seqshard.pipeline.lengths import Length, TotalLength
+from seqshard.pipeline.stages.batching import Batch, LengthBudget, SortBatch
+from seqshard.pipeline.stages.collate import Collator, FieldRule, speech_rules
+from seqshard.pipeline.stages.lengths import Length, TotalLength
 from seqshard.testing import ListSource, assert_resumes_everywhere
 
 SMALL = dict(shuffle_window=12, sort_window=8, interleave=2)

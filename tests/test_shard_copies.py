@@ -12,7 +12,7 @@ from conftest import pack_small
 from seqshard import make_loader, mux
 from seqshard.errors import ConfigError
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.reader import KeyRepeats
+from seqshard.pipeline.stages.reader import KeyRepeats
 
 OPTIONS = dict(batch_size=4, num_workers=0, shuffle_window=8, sort_window=4, interleave=2)
 

@@ -14,9 +14,9 @@ from seqshard import add_field, make_loader
 from seqshard.errors import ShardError
 from seqshard.formats.index import ShardIndex
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.reader import ShardReader
-from seqshard.pipeline.shards import ShardTable, Unit
-from seqshard.tools.reindex import rebuild_index
+from seqshard.pipeline.plan import ShardTable, Unit
+from seqshard.pipeline.stages.reader import ShardReader
+from seqshard.tools.index import rebuild_index
 
 OPTIONS = dict(batch_size=4, num_workers=0, shuffle_window=8, sort_window=4, interleave=2)
 

@@ -7,16 +7,16 @@ from hypothesis import strategies as st
 
 from conftest import assert_resumes_everywhere
 from seqshard.errors import SkipCounter
-from seqshard.pipeline.base import Map, Stage
-from seqshard.pipeline.batching import FixedSize, LengthBudget, SortBatch, cut_batches
-from seqshard.pipeline.decode import Decoder
-from seqshard.pipeline.filters import LengthLimits, length_filter
-from seqshard.pipeline.lengths import Length
-from seqshard.pipeline.passes import Passes
-from seqshard.pipeline.reader import ShardReader
-from seqshard.pipeline.sample import Sample
-from seqshard.pipeline.shards import ShardTable, Unit
-from seqshard.pipeline.shuffle import WindowShuffle
+from seqshard.pipeline.plan import ShardTable, Unit
+from seqshard.pipeline.stages.base import Map, Stage
+from seqshard.pipeline.stages.batching import FixedSize, LengthBudget, SortBatch, cut_batches
+from seqshard.pipeline.stages.decode import Decoder
+from seqshard.pipeline.stages.filters import LengthLimits, length_filter
+from seqshard.pipeline.stages.lengths import Length
+from seqshard.pipeline.stages.passes import Passes
+from seqshard.pipeline.stages.reader import ShardReader
+from seqshard.pipeline.stages.sample import Sample
+from seqshard.pipeline.stages.shuffle import WindowShuffle
 from seqshard.testing import ListSource
 
 

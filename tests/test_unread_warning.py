@@ -13,9 +13,9 @@ from seqshard import make_loader, make_token_loader
 from seqshard.formats.mmidx import TokenDatasetWriter
 from seqshard.formats.npy import npy_parts
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.accounts import unread_warning
-from seqshard.pipeline.config import LoaderConfig
-from seqshard.tools.reindex import rebuild_index
+from seqshard.options import LoaderConfig
+from seqshard.pipeline.rank.accounts import unread_warning
+from seqshard.tools.index import rebuild_index
 
 
 def write_shards(folder: Path, sizes: list[int]) -> str:

@@ -100,9 +100,7 @@ def parse_line(raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
 
 # The first line of an ark read as a table file: a key, then a binary value (its type), a wav
 # file or a text matrix.
-_ARCHIVE_START = re.compile(
-    rb"([^\x00-\x20\x7f\xff]+) (?:\0B(\x04|[A-Z0-9]*)|(RIFF)[\s\S]{4}WAVE| *(\[)[ \t\r\n]*$)"
-)
+_ARCHIVE_START = re.compile(rb"([^\x00-\x20\x7f\xff]+) (?:\0B(\x04|[A-Z0-9]*)|(RIFF)[\s\S]{4}WAVE| *(\[)[ \t\r\n]*$)")
 _ARCHIVE_KINDS = {  # what the values are, and the Kaldi tool that copies them, writing an scp
     b"FV": ("vectors", "copy-vector"),
     b"DV": ("vectors", "copy-vector"),

@@ -58,7 +58,9 @@ def check_sequences(
     negative = np.flatnonzero(sizes < 0)
     if len(negative):
         first = int(negative[0])
-        raise ShardError(idx_path, None, f"sequence {first} has a negative size ({int(sizes[first])}): a damaged index.")
+        raise ShardError(
+            idx_path, None, f"sequence {first} has a negative size ({int(sizes[first])}): a damaged index."
+        )
     ends = pointers + sizes.astype(np.int64) * itemsize
     starts = np.concatenate(([0], ends[:-1]))
     wrong = np.flatnonzero(pointers != starts)

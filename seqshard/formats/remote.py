@@ -287,8 +287,10 @@ class RemoteAccess:
         size = self.retrying(url, "asking its size", lambda: fs.size(path), abandoned)
         if size is None:
             raise ShardError(
-                url, None, "the server does not say its size (no Content-Length). Fix: index the folder (run "
-                "`seqshard index` on a local copy and upload its index.json), which records every shard's size."
+                url,
+                None,
+                "the server does not say its size (no Content-Length). Fix: index the folder (run "
+                "`seqshard index` on a local copy and upload its index.json), which records every shard's size.",
             )
         return int(size)
 

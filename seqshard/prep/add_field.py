@@ -30,6 +30,7 @@ from ..formats.files import writing
 from ..formats.index import FieldSet, ShardIndex, SidecarEntry, check_inside, sidecar_name
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import unescape_key
+from ..formats.keytable import KeyTable
 from ..formats.npy import npy_parts
 from ..formats.pack_state import STATE_DIR
 from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, old_layout_sidecar, shard_subfolders
@@ -37,7 +38,6 @@ from ..formats.tar import SampleStream, ShardWriter, temporary_path
 from ..progress import Progress
 from .journal import Journal, finished_shards
 from .pack import content_hash
-from .tables import KeyTable
 
 _LOG = logging.getLogger("seqshard")
 SOURCE_KINDS = ("scp", "text", "jsonl")

@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, Where, option
 from ..formats.mmidx import TokenDataset, TokenDatasetWriter, paths_of, token_dtype
-from ..pipeline.labels import Tokenizer, make_tokenizer, unknown_tokens_warning
+from ..pipeline.stages.labels import Tokenizer, make_tokenizer, unknown_tokens_warning
 from ..progress import Progress
 
 _LOG = logging.getLogger("seqshard")

@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.kaldi import ArkLocation, parse_location
 from ..formats.keys import escape_key
-from .tables import KeyTable
+from ..formats.keytable import KeyTable
 
 if TYPE_CHECKING:
     from .sources import AudioSource, FeatureSource
@@ -121,7 +121,9 @@ class PackOptions:
         if self.channel is not None and self.channel < 0:
             raise ConfigError(f"{option('channel', self.channel)}: channels are numbered from 0.")
         if self.num_mel_bins < 3:
-            raise ConfigError(f"{option('num_mel_bins', self.num_mel_bins)}: fbank takes at least 3 mel bins (as Kaldi).")
+            raise ConfigError(
+                f"{option('num_mel_bins', self.num_mel_bins)}: fbank takes at least 3 mel bins (as Kaldi)."
+            )
         if self.dtype not in ("float32", "float16"):
             raise ConfigError(f"{option('dtype', self.dtype)}: the stored type is 'float32' or 'float16'.")
         try:

@@ -36,8 +36,8 @@ from ..formats.audio import (
 )
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import key_problem
+from ..formats.keytable import KeyTable
 from ..formats.npy import npy_parts
-from .tables import KeyTable
 
 if TYPE_CHECKING:
     from .plan import PackOptions, PackPlan
@@ -465,7 +465,7 @@ class _AudioReader:
 
     def _fbank(self, audio: Audio, where: Where) -> tuple[Members, int, None]:
         from ..features.fbank import FbankOptions
-        from ..pipeline.audio import audio_fbank
+        from ..pipeline.stages.audio import audio_fbank
 
         options = self.options
         rate = options.resample_to or audio.sample_rate

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from ...errors import InputError
 from .batching import Batch
 from .sample import Sample
 

@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import SeqshardError
-from .protocol import BatchItem, EndItem, Item
-from .shards import Unit
+from ...errors import SeqshardError
+from ..plan import Unit
+from ..workers.protocol import BatchItem, EndItem, Item
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .base import Stage, State, merge_counts
 
 T = TypeVar("T")

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .collate import aligned
+from ..stages.collate import aligned
 
 ALIGN = 64
 FREE, LEASED = 0, -1

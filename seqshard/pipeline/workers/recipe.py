@@ -34,18 +34,18 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, SkipCounter
-from ..formats.keys import key_hash
-from .audio import signal_stages
-from .base import SEED_SAMPLE, Filter, Map, Stage, stage_rng
-from .batching import SortBatch
-from .decode import Decoder
-from .filters import length_filter
-from .labels import Labeler, Labels
-from .sample import Sample
+from ...errors import ConfigError, SkipCounter
+from ...formats.keys import key_hash
+from ..plan import Unit
+from ..stages.audio import signal_stages
+from ..stages.base import SEED_SAMPLE, Filter, Map, Stage, stage_rng
+from ..stages.batching import SortBatch
+from ..stages.decode import Decoder
+from ..stages.filters import length_filter
+from ..stages.labels import Labeler, Labels
+from ..stages.sample import Sample
+from ..stages.shuffle import WindowShuffle
 from .setup import WorkerSetup
-from .shards import Unit
-from .shuffle import WindowShuffle
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class Reader:
     # -- built-in stages ---------------------------------------------------------------------
     def read(self) -> Stage[Sample]:
         """This reader's units, read and decoded into samples of the requested fields."""
-        from .reader import ShardReader
+        from ..stages.reader import ShardReader
 
         fields = self.setup.fields
         reader = ShardReader(self.table, self.units, self.config.interleave, self.skip, self.read_ahead, fields.sets)

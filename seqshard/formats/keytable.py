@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError, SkipCounter, Where
-from ..formats.kaldi import ASCII_WHITESPACE, iter_lines, parse_line
-from ..formats.keys import key_hash
+from .kaldi import ASCII_WHITESPACE, iter_lines, parse_line
+from .keys import key_hash
 
 Parser = Callable[[bytes, Where, bool], tuple[str, str]]
 

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, SkipCounter
+from ...errors import ConfigError, InputError, SkipCounter
 
 T = TypeVar("T")
 U = TypeVar("U")

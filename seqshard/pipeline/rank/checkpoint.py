@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import StateMismatchError
-from .config import LoaderConfig
+from ...errors import StateMismatchError
+from ...options import LoaderConfig
+from ..plan import ShardTable
 from .merge import RankPosition
-from .shards import ShardTable
 
 STATE_VERSION = 2  # 2: units hold one byte offset per field file; sample fields
 

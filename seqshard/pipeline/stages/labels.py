@@ -13,8 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, SkipCounter, Where, option
-from ..prep.tables import KeyTable
+from ...errors import ConfigError, InputError, SkipCounter, Where, option
+from ...formats.keytable import KeyTable
 from .base import Map, Stage
 from .decode import LABEL_FIELD
 from .filters import TOKENS_FIELD

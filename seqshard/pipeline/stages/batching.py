@@ -20,8 +20,8 @@ from collections import Counter, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from ..checks import check_number
-from ..errors import ConfigError
+from ...checks import check_number
+from ...errors import ConfigError
 from .base import SEED_BATCH_ORDER, Stage, State, WindowStage, merge_counts, stage_rng
 from .lengths import Length, Measure
 from .sample import Sample

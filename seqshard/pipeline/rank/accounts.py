@@ -12,15 +12,15 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..dist import Collectives
-from ..errors import ShardError, option, redact
-from ..formats.streams import count_samples
+from ...dist import Collectives
+from ...errors import ShardError, option, redact
+from ...formats.streams import count_samples
+from ..plan import Unit, planned_utts
+from ..stages.labels import UNKNOWN_WARN_AFTER, unknown_tokens_warning
+from ..stages.reader import DAMAGED
+from ..workers.setup import WorkerSetup
 from .epochs import EpochEnd
-from .labels import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from .merge import RankPosition
-from .reader import DAMAGED
-from .setup import WorkerSetup
-from .shards import Unit, planned_utts
 
 _LOG = logging.getLogger("seqshard")
 UNREAD_WARN_SHARE = 0.05  # of the epoch's planned utterances left unread when the ranks stop

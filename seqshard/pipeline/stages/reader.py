@@ -26,13 +26,13 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..errors import ShardError, SkipCounter
-from ..formats import remote
-from ..formats.streams import AnyStream, open_samples, skip_samples
-from ..formats.tar import Sample as FileSample
+from ...errors import ShardError, SkipCounter
+from ...formats import remote
+from ...formats.streams import AnyStream, open_samples, skip_samples
+from ...formats.tar import Sample as FileSample
+from ..plan import MAIN, ShardTable, Unit
 from .base import Stage, State
 from .sample import Sample
-from .shards import MAIN, ShardTable, Unit
 
 _LOG = logging.getLogger("seqshard")
 DAMAGED = "damaged."  # counter prefix: one counter per damaged shard, by its number in the table

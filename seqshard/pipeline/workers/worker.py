@@ -17,18 +17,18 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, SeqshardError
-from ..formats import remote
-from .base import Stage
-from .batching import Batch, bucket_of
-from .collate import Collator, array_bytes
-from .mixing import Mix, per_source_counts, source_plan
-from .passes import Passes
+from ...errors import ConfigError, SeqshardError
+from ...formats import remote
+from ..plan import Unit
+from ..stages.base import Stage
+from ..stages.batching import Batch, bucket_of
+from ..stages.collate import Collator, array_bytes
+from ..stages.mixing import Mix, per_source_counts, source_plan
+from ..stages.passes import Passes
+from ..stages.sample import Sample
 from .protocol import BatchItem, EndItem, ErrorItem, Item
 from .recipe import Reader, default_recipe
-from .sample import Sample
 from .setup import WorkerSetup
-from .shards import Unit
 from .transfer import ALIGN
 
 CHANNEL_BYTES = 4 << 20

@@ -8,13 +8,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..checks import MAX_WORKERS, check_flag, check_number
-from ..errors import ConfigError
-from ..features.fbank import FbankOptions
-from ..formats.cache import parse_bytes
-from .audio import AudioOptions, Cmvn, SpecAugmentOptions
-from .batching import BatchCost, FixedSize, LengthBudget
-from .filters import LengthLimits
+from .checks import MAX_WORKERS, check_flag, check_number
+from .errors import ConfigError
+from .features.fbank import FbankOptions
+from .formats.cache import parse_bytes
+from .pipeline.stages.audio import AudioOptions, Cmvn, SpecAugmentOptions
+from .pipeline.stages.batching import BatchCost, FixedSize, LengthBudget
+from .pipeline.stages.filters import LengthLimits
 
 UNEVEN_MODES = ("stop", "repeat", "join")
 START_METHODS = tuple(multiprocessing.get_all_start_methods())

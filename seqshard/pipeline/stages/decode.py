@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from ..errors import InputError, Where
-from ..formats.fields import ABSENT, InflationError, decode_field, field_name, split_suffix
-from ..formats.keys import unescape_key
-from ..formats.lists import READ_ERROR_FIELD
+from ...errors import InputError, Where
+from ...formats.fields import ABSENT, InflationError, decode_field, field_name, split_suffix
+from ...formats.keys import unescape_key
+from ...formats.lists import READ_ERROR_FIELD
+from ..plan import ShardTable
 from .sample import Sample
-from .shards import ShardTable
 
 LABEL_FIELD = "txt"
 LEGACY_FEATURE_FIELDS = ("feats", "npy")  # `feats.npy` as packed; `npy` in shards of other tools

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from ..formats.fields import AUDIO_EXTENSIONS, field_name, split_suffix
+from ...errors import ConfigError
+from ...formats.fields import AUDIO_EXTENSIONS, field_name, split_suffix
+from ..plan import MAIN, ShardTable
 from .decode import LABEL_FIELD, LEGACY_FEATURE_FIELDS
-from .shards import MAIN, ShardTable
 
 
 @dataclass(frozen=True)

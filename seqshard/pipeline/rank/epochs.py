@@ -14,10 +14,10 @@ The loader combines one of each (see ``ShardLoader._iterate``):
 
 from __future__ import annotations
 
-from ..dist import Collectives
-from ..errors import ConfigError
+from ...dist import Collectives
+from ...errors import ConfigError
+from ..workers.protocol import BatchItem
 from .merge import MergedStream, RankPosition
-from .protocol import BatchItem
 
 
 class EpochEnd:

@@ -32,7 +32,7 @@ from ..formats.lists import scan_list
 from ..formats.patterns import Patterns, is_list_name
 from ..formats.selection import MissingShard, select_folders
 from ..formats.streams import first_sample_fields, open_samples
-from .base import SEED_PLAN, stage_rng
+from .stages.base import SEED_PLAN, stage_rng
 
 _LOG = logging.getLogger("seqshard")
 MAIN = ""  # the field set of the shard file itself (sidecar field sets have names)

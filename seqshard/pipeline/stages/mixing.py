@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError
-from ..formats.patterns import Patterns
-from ..mix import Mux, flatten, next_block
+from ...errors import ConfigError
+from ...formats.patterns import Patterns
+from ...mix import Mux, flatten, next_block
+from ..plan import Plan, ShardTable, Unit, spread_units
 from .base import SEED_PLAN, Stage, State, merge_counts, stage_rng
 from .sample import Sample
-from .shards import Plan, ShardTable, Unit, spread_units
 
 SEED_MIX = 14
 

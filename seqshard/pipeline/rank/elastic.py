@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import StateMismatchError
+from ...errors import StateMismatchError
+from ..plan import Plan, ShardTable, Unit, spread_units
+from ..stages.reader import ShardReader
+from ..workers.setup import WorkerSetup
+from ..workers.worker import build_pipeline
 from .merge import RankPosition, WorkerPosition
-from .reader import ShardReader
-from .setup import WorkerSetup
-from .shards import Plan, ShardTable, Unit, spread_units
-from .worker import build_pipeline
 
 
 def reader_remainder(setup: WorkerSetup, worker: int, position: RankPosition, spot: WorkerPosition) -> list[Unit]:

@@ -11,18 +11,18 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
-from ..errors import ConfigError, SeqshardError
-from ..formats.index import bin_bounds, histogram_percentile
-from ..formats.remote import RemoteAccess
-from .audio import AudioOptions
-from .base import Stage, State
-from .collate import Collator, speech_rules
-from .config import LoaderConfig
-from .fieldplan import FieldPlan, plan_fields
-from .labels import LabelOverride, Tokenizer
-from .lengths import Duration, Length, Measure
-from .mixing import MixSetup
-from .shards import ShardTable, Unit, plan_epoch
+from ...errors import ConfigError, SeqshardError
+from ...formats.index import bin_bounds, histogram_percentile
+from ...formats.remote import RemoteAccess
+from ...options import LoaderConfig
+from ..plan import ShardTable, Unit, plan_epoch
+from ..stages.audio import AudioOptions
+from ..stages.base import Stage, State
+from ..stages.collate import Collator, speech_rules
+from ..stages.fieldplan import FieldPlan, plan_fields
+from ..stages.labels import LabelOverride, Tokenizer
+from ..stages.lengths import Duration, Length, Measure
+from ..stages.mixing import MixSetup
 from .transfer import BatchSlots
 
 
@@ -185,7 +185,7 @@ def _measure(features: str | None, audio: str | None, tokens: bool) -> Measure:
 
 def _first_problem(path: str) -> str:
     """Why the first sample of ``path`` cannot be read (for a message)."""
-    from ..formats.streams import open_samples
+    from ...formats.streams import open_samples
 
     try:
         with open_samples(path, read_data=False) as stream:

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, Where, option
-from ..features.fbank import FbankOptions, fbank
-from ..formats.audio import cut, decode_audio, resample
-from ..formats.fields import AudioBytes, field_name
-from ..formats.lists import SEGMENT_FIELD
+from ...errors import ConfigError, InputError, Where, option
+from ...features.fbank import FbankOptions, fbank
+from ...formats.audio import cut, decode_audio, resample
+from ...formats.fields import AudioBytes, field_name
+from ...formats.lists import SEGMENT_FIELD
 from .base import (
     SEED_DITHER,
     SEED_NOISE,
@@ -38,8 +38,8 @@ from .base import (
 from .sample import Sample
 
 if TYPE_CHECKING:
-    from .recipe import Reader
-    from .shards import ShardTable
+    from ..plan import ShardTable
+    from ..workers.recipe import Reader
 
 AUDIO, SAMPLE_RATE, FEATS = "audio", "sample_rate", "feats"
 SEGMENT = field_name(SEGMENT_FIELD)
@@ -239,10 +239,10 @@ def mix(audio: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
 
 def _noise_stream(reader: Reader, table: ShardTable) -> Stage[Sample]:
     """Every noise shard, pass after pass, each pass in an order of this reader's own."""
+    from ..plan import Unit
     from .decode import Decoder
     from .passes import Passes
     from .reader import ShardReader
-    from .shards import Unit
 
     def one_pass(number: int) -> Stage[Sample]:
         order = stage_rng(reader.config.seed, SEED_NOISE_ORDER, reader.rank, reader.worker, number).permutation(
