@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
-from seqshard.pipeline.plan import Plan, ShardInfo, ShardTable, Unit, plan_epoch
+from seqshard.formats.table import ShardInfo, ShardTable
+from seqshard.pipeline.plan import Plan, Unit, plan_epoch
 from seqshard.pipeline.stages.batching import FrameBudget, cut_batches
 
 

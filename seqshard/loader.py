@@ -27,9 +27,10 @@ from .formats.cache import ShardCache
 from .formats.patterns import Patterns
 from .formats.remote import RemoteAccess
 from .formats.selection import missing_error
+from .formats.table import ShardTable
 from .mix import Mux
 from .options import LoaderConfig
-from .pipeline.plan import ShardTable, Unit, planned_utts
+from .pipeline.plan import Unit, planned_utts
 from .pipeline.rank import checkpoint
 from .pipeline.rank.accounts import EpochAccounts
 from .pipeline.rank.epochs import BucketSync, epoch_end, epoch_length

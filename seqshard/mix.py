@@ -26,6 +26,7 @@ import numpy as np
 
 from .checks import check_number
 from .errors import ConfigError
+from .seeds import Seed, stage_rng
 
 BLOCK = 64  # positions whose order is shuffled together; quotas are exact per block
 
@@ -130,5 +131,5 @@ def next_block(shares: np.ndarray, counts: np.ndarray, seed: int, block: int, *s
             if quotas[i] > 0:
                 quotas[i] -= 1
                 short += 1
-    rng = np.random.default_rng([seed, 0x6D7578, block, *salt])
+    rng = stage_rng(seed, Seed.MIX_ORDER, block, *salt)
     return rng.permutation(np.repeat(np.arange(len(shares)), quotas))

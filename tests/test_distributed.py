@@ -9,8 +9,9 @@ import pytest
 
 from distributed import kill, run_ranks, start_ranks
 from seqshard.formats.npy import npy_parts
+from seqshard.formats.table import ShardTable
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.plan import ShardTable, plan_epoch, planned_utts
+from seqshard.pipeline.plan import plan_epoch, planned_utts
 from seqshard.tools.index import rebuild_index
 
 pytestmark = pytest.mark.distributed

@@ -3,7 +3,8 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from seqshard.pipeline.plan import ShardInfo, ShardTable, plan_epoch, planned_utts
+from seqshard.formats.table import ShardInfo, ShardTable
+from seqshard.pipeline.plan import plan_epoch, planned_utts
 
 
 def coverage(sizes, plan):

@@ -13,8 +13,9 @@ from conftest import pack_small
 from seqshard import add_field, make_loader
 from seqshard.errors import ShardError
 from seqshard.formats.index import ShardIndex
+from seqshard.formats.table import ShardTable
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.plan import ShardTable, Unit
+from seqshard.pipeline.plan import Unit
 from seqshard.pipeline.stages.reader import ShardReader
 from seqshard.tools.index import rebuild_index
 

@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 
 from conftest import assert_resumes_everywhere
 from seqshard.errors import SkipCounter
-from seqshard.pipeline.plan import ShardTable, Unit
+from seqshard.formats.table import ShardTable
+from seqshard.pipeline.plan import Unit
 from seqshard.pipeline.stages.base import Map, Stage
 from seqshard.pipeline.stages.batching import FixedSize, LengthBudget, SortBatch, cut_batches
 from seqshard.pipeline.stages.decode import Decoder

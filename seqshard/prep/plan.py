@@ -24,6 +24,7 @@ from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.kaldi import ArkLocation, parse_location
 from ..formats.keys import escape_key
 from ..formats.keytable import KeyTable
+from ..seeds import pack_order_rng
 
 if TYPE_CHECKING:
     from .sources import AudioSource, FeatureSource
@@ -290,8 +291,8 @@ def build_plan(
         positions = np.arange(len(rows))
         if options.shuffle:
             group = options.groups[number] if options.groups else None
-            entropy = [options.seed, group.low, group.high] if group else [options.seed]
-            positions = np.random.Generator(np.random.PCG64(np.random.SeedSequence(entropy))).permutation(len(rows))
+            bounds = (group.low, group.high) if group else ()
+            positions = pack_order_rng(options.seed, *bounds).permutation(len(rows))
         shard_in_group = positions // options.utts_per_file
         num_shards = math.ceil(len(rows) / options.utts_per_file)
         counts = np.bincount(shard_in_group, minlength=num_shards)

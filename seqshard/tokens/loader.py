@@ -22,6 +22,7 @@ from ..checks import MAX_WORKERS, check_flag, check_number
 from ..dist import Collectives, DistContext, discover
 from ..errors import ConfigError, StateMismatchError
 from ..mix import Mux, flatten
+from ..seeds import Seed, stage_rng
 from .collate import CollateRules, as_tensors, collate_batch, padded
 from .pairs import OpenPair, TokenPair, as_pair
 from .plan import BatchRules, EpochPlan, plan_epoch
@@ -229,7 +230,7 @@ class TokenLoader:
             for rank in range(after):
                 mine = rest[rank::after][:equal]
                 if self.rules.shuffle:
-                    mine = np.random.default_rng([self.rules.seed, 13, self._epoch, number, rank]).permutation(mine)
+                    mine = stage_rng(self.rules.seed, Seed.TOKEN_REDEAL, self._epoch, number, rank).permutation(mine)
                 lists.append(mine)
         return lists
 

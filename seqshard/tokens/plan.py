@@ -25,9 +25,8 @@ import numpy as np
 
 from ..checks import check_flag, check_number
 from ..errors import ConfigError
+from ..seeds import Seed, stage_rng
 from .pairs import OpenPair
-
-SEED_VIRTUAL, SEED_BATCH_ORDER = 11, 12
 
 
 @dataclass(frozen=True)
@@ -109,7 +108,7 @@ def plan_epoch(
     for rank in range(world_size):
         numbers = np.arange(rank, usable, world_size)
         if rules.shuffle:
-            numbers = np.random.default_rng([rules.seed, SEED_BATCH_ORDER, epoch, rank]).permutation(numbers)
+            numbers = stage_rng(rules.seed, Seed.TOKEN_BATCH_ORDER, epoch, rank).permutation(numbers)
         ranks.append(numbers)
     return EpochPlan(
         source, index, src_len, tgt_len, order, bounds, ranks, {k: v for k, v in dropped.items() if v}, left
@@ -126,7 +125,7 @@ def _sentences(
     counts = largest_remainder(shares, total)
     sources, indices = [], []
     for number, (count, size) in enumerate(zip(counts, sizes)):
-        rng = np.random.default_rng([rules.seed, SEED_VIRTUAL, epoch, number])
+        rng = stage_rng(rules.seed, Seed.TOKEN_VIRTUAL, epoch, number)
         whole, rest = divmod(int(count), int(size))
         chosen = [rng.permutation(size) for _ in range(whole)] + [rng.permutation(size)[:rest]]
         indices.append(np.concatenate(chosen).astype(np.int64))

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...errors import StateMismatchError
+from ...formats.table import ShardTable
 from ...options import LoaderConfig
-from ..plan import ShardTable
 from .merge import RankPosition
 
 STATE_VERSION = 2  # 2: units hold one byte offset per field file; sample fields

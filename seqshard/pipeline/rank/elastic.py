@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from ...errors import StateMismatchError
-from ..plan import Plan, ShardTable, Unit, spread_units
+from ...formats.table import ShardTable
+from ..plan import Plan, Unit, spread_units
 from ..stages.reader import ShardReader
 from ..workers.setup import WorkerSetup
 from ..workers.worker import build_pipeline

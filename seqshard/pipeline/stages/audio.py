@@ -24,21 +24,16 @@ from ...features.fbank import FbankOptions, fbank
 from ...formats.audio import cut, decode_audio, resample
 from ...formats.fields import AudioBytes, field_name
 from ...formats.lists import SEGMENT_FIELD
+from ...seeds import Seed, stage_rng
 from .base import (
-    SEED_DITHER,
-    SEED_NOISE,
-    SEED_NOISE_ORDER,
-    SEED_SPEC_AUGMENT,
-    SEED_SPEED,
     Map,
     Stage,
     State,
-    stage_rng,
 )
 from .sample import Sample
 
 if TYPE_CHECKING:
-    from ..plan import ShardTable
+    from ...formats.table import ShardTable
     from ..workers.recipe import Reader
 
 AUDIO, SAMPLE_RATE, FEATS = "audio", "sample_rate", "feats"
@@ -208,7 +203,7 @@ class AddNoise(Stage[Sample]):
 
     def next(self) -> Sample:
         sample = self.source.next()
-        rng = self.reader.sample_rng(SEED_NOISE, sample)
+        rng = self.reader.sample_rng(Seed.NOISE, sample)
         if rng.random() >= self.prob:
             return sample
         noise = to_rate(self.noise.next(), sample.fields[SAMPLE_RATE]).fields[AUDIO]
@@ -245,7 +240,7 @@ def _noise_stream(reader: Reader, table: ShardTable) -> Stage[Sample]:
     from .reader import ShardReader
 
     def one_pass(number: int) -> Stage[Sample]:
-        order = stage_rng(reader.config.seed, SEED_NOISE_ORDER, reader.rank, reader.worker, number).permutation(
+        order = stage_rng(reader.config.seed, Seed.NOISE_ORDER, reader.rank, reader.worker, number).permutation(
             len(table.shards)
         )
         units = [Unit(int(i)) for i in order]
@@ -269,20 +264,20 @@ def signal_stages(source: Stage[Sample], reader: Reader, options: AudioOptions, 
         if options.speed_perturb:
             factors = options.speed_perturb
             stage = Map(
-                stage, lambda s: speed(s, factors[int(reader.sample_rng(SEED_SPEED, s).integers(len(factors)))])
+                stage, lambda s: speed(s, factors[int(reader.sample_rng(Seed.SPEED, s).integers(len(factors)))])
             )
         if options.noise is not None:
             stage = AddNoise(stage, reader, reader.setup.noise_table, options.noise_snr, options.noise_prob)  # type: ignore[arg-type]
         if options.features == "fbank":
             fbank_options = options.fbank
-            stage = Map(stage, lambda s: to_fbank(s, fbank_options, reader.sample_rng(SEED_DITHER, s)), skip)
+            stage = Map(stage, lambda s: to_fbank(s, fbank_options, reader.sample_rng(Seed.DITHER, s)), skip)
     if options.cmvn is not None:
         stage = Map(stage, options.cmvn.apply, skip)
     if options.spec_augment is not None:
         masks = options.spec_augment
 
         def augment(sample: Sample) -> Sample:
-            rng = reader.sample_rng(SEED_SPEC_AUGMENT, sample)
+            rng = reader.sample_rng(Seed.SPEC_AUGMENT, sample)
             sample.fields[FEATS] = spec_augment(sample.fields[FEATS], masks, rng)
             return sample
 

@@ -19,29 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any, Generic, TypeVar
 
-import numpy as np
-
 from ...errors import ConfigError, InputError, SkipCounter
 
 T = TypeVar("T")
 U = TypeVar("U")
 State = dict[str, Any]
-
-# Stage identifiers mixed into seeds: stable numbers, never reused for another purpose.
-SEED_PLAN = 1
-SEED_SHUFFLE = 2
-SEED_BATCH_ORDER = 3
-SEED_SAMPLE = 4  # per-sample generators (Reader.sample_rng); user stages pass their own id >= 100
-SEED_SPEED = 5
-SEED_NOISE = 6
-SEED_NOISE_ORDER = 7
-SEED_DITHER = 8
-SEED_SPEC_AUGMENT = 9
-
-
-def stage_rng(seed: int, stage: int, *position: int) -> np.random.Generator:
-    """A generator keyed by (seed, stage, *position); seeds are derived, never added."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, stage, *position])))
 
 
 class Stage(Generic[T]):

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from ...checks import check_number
 from ...errors import ConfigError
-from .base import SEED_BATCH_ORDER, Stage, State, WindowStage, merge_counts, stage_rng
+from ...seeds import Seed, stage_rng
+from .base import Stage, State, WindowStage, merge_counts
 from .lengths import Length, Measure
 from .sample import Sample
 
@@ -276,7 +277,7 @@ class SortBatch(WindowStage[Batch]):
         elif fresh and oversize:  # a restored window was counted when first formed
             self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + len(oversize)
         if self.shuffle:
-            order = stage_rng(self.seed, SEED_BATCH_ORDER, *self.position, number).permutation(len(batches))
+            order = stage_rng(self.seed, Seed.BATCH_ORDER, *self.position, number).permutation(len(batches))
             batches = [batches[i] for i in order]
         return batches
 

@@ -12,7 +12,7 @@ from ...errors import InputError, Where
 from ...formats.fields import ABSENT, InflationError, decode_field, field_name, split_suffix
 from ...formats.keys import unescape_key
 from ...formats.lists import READ_ERROR_FIELD
-from ..plan import ShardTable
+from ...formats.table import ShardTable
 from .sample import Sample
 
 LABEL_FIELD = "txt"

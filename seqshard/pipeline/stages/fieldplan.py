@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...formats.fields import AUDIO_EXTENSIONS, field_name, split_suffix
-from ..plan import MAIN, ShardTable
+from ...formats.table import MAIN, ShardTable
 from .decode import LABEL_FIELD, LEGACY_FEATURE_FIELDS
 
 

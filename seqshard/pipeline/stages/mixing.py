@@ -21,12 +21,12 @@ import numpy as np
 
 from ...errors import ConfigError
 from ...formats.patterns import Patterns
+from ...formats.table import ShardTable
 from ...mix import Mux, flatten, next_block
-from ..plan import Plan, ShardTable, Unit, spread_units
-from .base import SEED_PLAN, Stage, State, merge_counts, stage_rng
+from ...seeds import Seed, stage_rng
+from ..plan import Plan, Unit, spread_units
+from .base import Stage, State, merge_counts
 from .sample import Sample
-
-SEED_MIX = 14
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ def source_plan(table: ShardTable, mix: MixSetup, source: int, number: int, conf
     start, stop = mix.ranges[source]
     order = np.arange(start, stop)
     if config.shuffle:
-        order = start + stage_rng(config.seed, SEED_PLAN, SEED_MIX, source, number).permutation(stop - start)
+        order = start + stage_rng(config.seed, Seed.PLAN, Seed.MIX_PASS, source, number).permutation(stop - start)
     units = [Unit(int(i)) for i in order]
     return spread_units(table, units, world_size, max(1, config.num_workers), config.split_shards)
 

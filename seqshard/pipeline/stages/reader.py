@@ -29,8 +29,9 @@ import numpy as np
 from ...errors import ShardError, SkipCounter
 from ...formats import remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
+from ...formats.table import MAIN, ShardTable
 from ...formats.tar import Sample as FileSample
-from ..plan import MAIN, ShardTable, Unit
+from ..plan import Unit
 from .base import Stage, State
 from .sample import Sample
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from .base import SEED_SHUFFLE, Stage, WindowStage, stage_rng
+from ...seeds import Seed, stage_rng
+from .base import Stage, WindowStage
 
 T = TypeVar("T")
 
@@ -25,5 +26,5 @@ class WindowShuffle(WindowStage[T]):
         self.position = position
 
     def arrange(self, items: list[T], number: int, fresh: bool) -> list[T]:
-        order = stage_rng(self.seed, SEED_SHUFFLE, *self.position, number).permutation(len(items))
+        order = stage_rng(self.seed, Seed.SHUFFLE, *self.position, number).permutation(len(items))
         return [items[i] for i in order]

@@ -36,9 +36,10 @@ import numpy as np
 
 from ...errors import ConfigError, SkipCounter
 from ...formats.keys import key_hash
+from ...seeds import Seed, stage_rng
 from ..plan import Unit
 from ..stages.audio import signal_stages
-from ..stages.base import SEED_SAMPLE, Filter, Map, Stage, stage_rng
+from ..stages.base import Filter, Map, Stage
 from ..stages.batching import SortBatch
 from ..stages.decode import Decoder
 from ..stages.filters import length_filter
@@ -103,7 +104,7 @@ class Reader:
     def sample_rng(self, stage_id: int, sample: Sample) -> np.random.Generator:
         """A generator for one sample (SpecAugment masks, speed factors): the same for the
         sample in a given epoch whatever reader, worker count or resume read it."""
-        return stage_rng(self.config.seed, SEED_SAMPLE, stage_id, self.epoch, key_hash(sample.key))
+        return stage_rng(self.config.seed, Seed.SAMPLE, stage_id, self.epoch, key_hash(sample.key))
 
     # -- built-in stages ---------------------------------------------------------------------
     def read(self) -> Stage[Sample]:

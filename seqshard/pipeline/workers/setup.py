@@ -14,8 +14,9 @@ from typing import Any
 from ...errors import ConfigError, SeqshardError
 from ...formats.index import bin_bounds, histogram_percentile
 from ...formats.remote import RemoteAccess
+from ...formats.table import ShardTable
 from ...options import LoaderConfig
-from ..plan import ShardTable, Unit, plan_epoch
+from ..plan import Unit, plan_epoch
 from ..stages.audio import AudioOptions
 from ..stages.base import Stage, State
 from ..stages.collate import Collator, speech_rules

@@ -1,0 +1,48 @@
+"""Every stage that draws random numbers has a fixed id here; its generator is a pure function
+of (seed, stage id, position), never a global RNG and never ``seed + something``.
+
+``stage_rng(seed, Seed.SHUFFLE, epoch, rank, worker, window)`` is the same on any machine and
+after any resume, so a restored stage needs no RNG state. The ids are stable numbers, never
+reused (``@unique`` refuses two stages with one id when the module is imported); a user's own
+stage picks an id from :data:`USER_IDS` on (``Reader.rng``).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum, unique
+
+import numpy as np
+
+USER_IDS = 100  # ids of stages written by users start here
+
+
+@unique
+class Seed(IntEnum):
+    """The stage ids of seqshard's own random choices."""
+
+    PLAN = 1  # the epoch's shard order (pipeline/plan.py)
+    SHUFFLE = 2  # the shuffle window's order
+    BATCH_ORDER = 3  # the order of a sort window's batches
+    SAMPLE = 4  # per-sample generators (Reader.sample_rng), followed by the stage's own id
+    SPEED = 5  # speed perturbation factor, per sample
+    NOISE = 6  # noise stretch and SNR, per sample
+    NOISE_ORDER = 7  # the order of the noise shards in each pass
+    DITHER = 8  # fbank dither, per sample
+    SPEC_AUGMENT = 9  # SpecAugment masks, per sample
+    TOKEN_VIRTUAL = 11  # the sentences of a mixed token epoch
+    TOKEN_BATCH_ORDER = 12  # each rank's order of token batches
+    TOKEN_REDEAL = 13  # the order of token batches dealt again after an elastic resume
+    MIX_PASS = 14  # a mixed source's shard order in each pass (after PLAN)
+    MIX_ORDER = 0x6D7578  # which source each position of a mixed stream takes (seqshard.mix)
+
+
+def stage_rng(seed: int, stage: int, *position: int) -> np.random.Generator:
+    """A generator keyed by (seed, stage, *position); seeds are derived, never added."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, int(stage), *position])))
+
+
+def pack_order_rng(seed: int, *group: float) -> np.random.Generator:
+    """The pack-time shuffle of a length group (``group``: its bounds): keyed by (seed, group)
+    without a stage id, as packs have always been, so a pack resumed by this version writes the
+    same shards as the version that started it."""
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *group])))
