@@ -36,13 +36,14 @@ from .pipeline.rank.accounts import EpochAccounts
 from .pipeline.rank.epochs import BucketSync, epoch_end, epoch_length
 from .pipeline.rank.merge import MergedStream, RankPosition
 from .pipeline.stages.collate import to_tensors
-from .pipeline.stages.labels import LabelOverride, Tokenizer, make_tokenizer
 from .pipeline.stages.mixing import MixSetup, mixed_table
 from .pipeline.workers.protocol import BatchItem, ErrorItem, Item
 from .pipeline.workers.recipe import check_transforms
 from .pipeline.workers.setup import make_setup
 from .pipeline.workers.transfer import BatchSlots
 from .pipeline.workers.worker import IterationChannel
+from .text.labels import LabelOverride
+from .text.tokenizers import Tokenizer, make_tokenizer
 
 _LOG = logging.getLogger("seqshard")
 MAX_SLOT_BYTES = 64 << 20

@@ -10,9 +10,9 @@ from typing import Any
 
 from .checks import MAX_WORKERS, check_flag, check_number
 from .errors import ConfigError
+from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .formats.cache import parse_bytes
-from .pipeline.stages.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .pipeline.stages.batching import BatchCost, FixedSize, LengthBudget
 from .pipeline.stages.filters import LengthLimits
 

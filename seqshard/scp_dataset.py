@@ -17,8 +17,10 @@ from .formats.kaldi import MatrixReader, parse_location
 from .formats.keytable import KeyTable
 from .pipeline.stages.batching import Batch
 from .pipeline.stages.collate import Collator, speech_rules, to_tensors
-from .pipeline.stages.labels import Labeler, LabelOverride, Tokenizer, make_tokenizer
+from .pipeline.stages.labels import Labeler
 from .pipeline.stages.sample import Sample
+from .text.labels import LabelOverride
+from .text.tokenizers import Tokenizer, make_tokenizer
 
 
 class ScpDataset:

@@ -35,8 +35,8 @@ from torch import nn
 
 from .config import apply_overrides, build_loaders, load_config, read_json
 from .errors import ConfigError, SeqshardError
-from .pipeline.stages.labels import Tokenizer, UnitsTokenizer
 from .progress import Progress
+from .text.tokenizers import Tokenizer, UnitsTokenizer
 
 #: sections of a checkpoint's recorded settings whose change a resume refuses (the saved weights
 #: cannot take it); changes of the others (schedule, run) are applied with a note

@@ -24,7 +24,7 @@ from .audio import WavLocation, parse_wav_location, read_location
 from .kaldi import BOM, parse_line
 from .keys import key_hash
 from .patterns import SHARD_SUFFIXES
-from .tar import Sample
+from .tar import TarRecord
 
 _LOG = logging.getLogger("seqshard")
 SEGMENT_FIELD = "segment.json"  # start and end of a sample cut from its audio file
@@ -129,7 +129,7 @@ class ListSampleStream:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def next_sample(self) -> Sample | None:
+    def next_sample(self) -> TarRecord | None:
         while True:
             offset = self._offset
             line = self._stream.readline()
@@ -158,7 +158,7 @@ class ListSampleStream:
                     fields["txt"] = str(record["txt"]).encode("utf-8")
                 if "start" in record or "end" in record:
                     fields[SEGMENT_FIELD] = json.dumps({"start": record["start"], "end": record["end"]}).encode()
-        sample = Sample(str(record["key"]), fields, offset, self.ordinal)
+        sample = TarRecord(str(record["key"]), fields, offset, self.ordinal)
         self.ordinal += 1
         return sample
 

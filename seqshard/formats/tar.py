@@ -424,8 +424,9 @@ def _open_for_reading(path: str, read_ahead: bool) -> Any:
 
 
 @dataclass
-class Sample:
-    """Members sharing one key, in file order: ``fields`` maps ``FIELD`` to its bytes."""
+class TarRecord:
+    """Members sharing one key, in file order: ``fields`` maps ``FIELD`` to its bytes (the
+    loader's stages work on :class:`seqshard.pipeline.stages.sample.Sample`, made from it)."""
 
     key: str
     fields: dict[str, bytes | memoryview] = field(default_factory=dict)
@@ -472,7 +473,7 @@ class SampleStream:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __iter__(self) -> Iterator[Sample]:
+    def __iter__(self) -> Iterator[TarRecord]:
         while (sample := self.next_sample()) is not None:
             yield sample
 
@@ -486,13 +487,13 @@ class SampleStream:
             if split is not None:
                 return member, split[0], split[1]
 
-    def next_sample(self) -> Sample | None:
+    def next_sample(self) -> TarRecord | None:
         """The next sample, or None at the end of the shard."""
         first = self._next_split_member()
         if first is None:
             return None
         member, key, name = first
-        sample = Sample(key, {name: member.data}, member.offset, self.ordinal)
+        sample = TarRecord(key, {name: member.data}, member.offset, self.ordinal)
         while True:
             following = self._tar.next_member(self._read_data)
             if following is None:

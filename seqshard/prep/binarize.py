@@ -24,8 +24,8 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, Where, option
 from ..formats.mmidx import TokenDataset, TokenDatasetWriter, paths_of, token_dtype
-from ..pipeline.stages.labels import Tokenizer, make_tokenizer, unknown_tokens_warning
 from ..progress import Progress
+from ..text.tokenizers import Tokenizer, make_tokenizer, unknown_tokens_warning
 
 _LOG = logging.getLogger("seqshard")
 BLOCK_BYTES = 1 << 20  # text read, decoded and handed to the tokenizer at once

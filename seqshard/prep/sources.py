@@ -464,8 +464,8 @@ class _AudioReader:
         return [(stored.extension, [stored.data])], frames, stored.how
 
     def _fbank(self, audio: Audio, where: Where) -> tuple[Members, int, None]:
+        from ..features.audio import audio_fbank
         from ..features.fbank import FbankOptions
-        from ..pipeline.stages.audio import audio_fbank
 
         options = self.options
         rate = options.resample_to or audio.sample_rate

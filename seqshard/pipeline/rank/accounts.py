@@ -15,8 +15,8 @@ from typing import Any
 from ...dist import Collectives
 from ...errors import ShardError, option, redact
 from ...formats.streams import count_samples
+from ...text.tokenizers import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from ..plan import Unit, planned_utts
-from ..stages.labels import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from ..stages.reader import DAMAGED
 from ..workers.setup import WorkerSetup
 from .epochs import EpochEnd

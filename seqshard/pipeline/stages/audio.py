@@ -11,25 +11,19 @@ stream's position in its state.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ...errors import ConfigError, InputError, Where, option
-from ...features.fbank import FbankOptions, fbank
+from ...errors import InputError
+from ...features.audio import AudioOptions, audio_fbank, spec_augment
+from ...features.fbank import FbankOptions
 from ...formats.audio import cut, decode_audio, resample
 from ...formats.fields import AudioBytes, field_name
 from ...formats.lists import SEGMENT_FIELD
 from ...seeds import Seed, stage_rng
-from .base import (
-    Map,
-    Stage,
-    State,
-)
+from .base import Map, Stage, State
 from .sample import Sample
 
 if TYPE_CHECKING:
@@ -38,43 +32,6 @@ if TYPE_CHECKING:
 
 AUDIO, SAMPLE_RATE, FEATS = "audio", "sample_rate", "feats"
 SEGMENT = field_name(SEGMENT_FIELD)
-KALDI_SCALE = 32768.0  # Kaldi's features work on int16-scale samples
-
-
-@dataclass(frozen=True)
-class SpecAugmentOptions:
-    """Frequency and time masks (SpecAugment): ``freq_masks`` bands of up to ``max_freq_width``
-    bins and ``time_masks`` spans of up to ``max_time_width`` frames (at most
-    ``max_time_ratio`` of the utterance), set to zero. Defaults are WeNet's."""
-
-    freq_masks: int = 2
-    max_freq_width: int = 10
-    time_masks: int = 2
-    max_time_width: int = 50
-    max_time_ratio: float = 0.2
-
-    def __post_init__(self) -> None:
-        for name in ("freq_masks", "max_freq_width", "time_masks", "max_time_width"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"spec_augment {name} must be >= 0, got {getattr(self, name)}.")
-        if not 0 <= self.max_time_ratio <= 1:
-            raise ConfigError(f"spec_augment max_time_ratio must be in [0, 1], got {self.max_time_ratio}.")
-
-
-@dataclass(frozen=True)
-class AudioOptions:
-    """How audio becomes model input (the audio options of ``make_loader``, parsed once)."""
-
-    features: str | None = None  # "fbank", or None for padded waveforms
-    fbank: FbankOptions = field(default_factory=FbankOptions)
-    resample_to: int | None = None
-    speed_perturb: tuple[float, ...] = ()
-    noise: Any = None  # patterns of noise shards
-    noise_snr: tuple[float, float] = (5.0, 20.0)
-    noise_prob: float = 1.0
-    cmvn: Cmvn | None = None  # from a file written by `seqshard cmvn`
-    spec_augment: SpecAugmentOptions | None = None
-    channel: int | None = None
 
 
 def decode(sample: Sample, channel: int | None = None) -> Sample:
@@ -115,74 +72,11 @@ def speed(sample: Sample, factor: float) -> Sample:
     return sample
 
 
-def audio_fbank(
-    samples: np.ndarray, rate: int, options: FbankOptions, where: Where, rng: np.random.Generator | None = None
-) -> np.ndarray:
-    """Kaldi fbank of float ``samples`` in [-1, 1] at ``rate``, which must be the rate the
-    options are set for (else InputError, reason ``sample_rate_mismatch``): the one function
-    behind pack-time and on-the-fly fbank."""
-    if rate != options.sample_rate:
-        raise InputError(
-            where,
-            "sample_rate_mismatch",
-            f"the audio is at {rate} Hz where fbank is set for {options.sample_rate:g} Hz.",
-            f"pass {option('resample_to', int(options.sample_rate))}.",
-        )
-    return fbank(samples * KALDI_SCALE, options, rng if options.dither > 0 else None)
-
-
 def to_fbank(sample: Sample, options: FbankOptions, rng: np.random.Generator | None) -> Sample:
     audio = sample.fields.pop(AUDIO)
     rate = sample.fields.pop(SAMPLE_RATE)
     sample.fields[FEATS] = audio_fbank(audio, rate, options, sample.where(), rng)
     return sample
-
-
-@dataclass(frozen=True)
-class Cmvn:
-    """Global mean and standard deviation per feature dimension (``seqshard cmvn``)."""
-
-    mean: np.ndarray
-    std: np.ndarray
-
-    @classmethod
-    def load(cls, path: str | Path) -> Cmvn:
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-            mean = np.asarray(data["mean"], dtype=np.float32)
-            std = np.asarray(data["std"], dtype=np.float32)
-        except (OSError, ValueError, KeyError) as error:
-            raise ConfigError(f"cmvn {str(path)!r}: not a file written by `seqshard cmvn` ({error}).") from None
-        if mean.shape != std.shape or mean.ndim != 1 or (std <= 0).any():
-            raise ConfigError(f"cmvn {str(path)!r}: mean and std must be vectors of one length, std > 0.")
-        return cls(mean, std)
-
-    def apply(self, sample: Sample) -> Sample:
-        feats = sample.fields[FEATS]
-        if feats.shape[1] != len(self.mean):
-            raise InputError(
-                sample.where(),
-                "dim_mismatch",
-                f"the features have {feats.shape[1]} dimensions, the CMVN statistics {len(self.mean)}.",
-            )
-        sample.fields[FEATS] = (feats - self.mean) / self.std
-        return sample
-
-
-def spec_augment(feats: np.ndarray, options: SpecAugmentOptions, rng: np.random.Generator) -> np.ndarray:
-    """A copy of ``feats`` (T x D) with frequency and time masks set to zero."""
-    out = np.array(feats, dtype=feats.dtype, copy=True)
-    frames, bins = out.shape
-    for _ in range(options.freq_masks):
-        width = int(rng.integers(0, min(options.max_freq_width, bins) + 1))
-        start = int(rng.integers(0, bins - width + 1))
-        out[:, start : start + width] = 0
-    longest = min(options.max_time_width, int(frames * options.max_time_ratio))
-    for _ in range(options.time_masks):
-        width = int(rng.integers(0, longest + 1))
-        start = int(rng.integers(0, frames - width + 1))
-        out[start : start + width] = 0
-    return out
 
 
 class AddNoise(Stage[Sample]):
@@ -272,7 +166,16 @@ def signal_stages(source: Stage[Sample], reader: Reader, options: AudioOptions, 
             fbank_options = options.fbank
             stage = Map(stage, lambda s: to_fbank(s, fbank_options, reader.sample_rng(Seed.DITHER, s)), skip)
     if options.cmvn is not None:
-        stage = Map(stage, options.cmvn.apply, skip)
+        cmvn = options.cmvn
+
+        def normalize(sample: Sample) -> Sample:
+            try:
+                sample.fields[FEATS] = cmvn.normalize(sample.fields[FEATS])
+            except ValueError as error:
+                raise InputError(sample.where(), "dim_mismatch", str(error)) from None
+            return sample
+
+        stage = Map(stage, normalize, skip)
     if options.spec_augment is not None:
         masks = options.spec_augment
 

@@ -30,7 +30,7 @@ from ...errors import ShardError, SkipCounter
 from ...formats import remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
 from ...formats.table import MAIN, ShardTable
-from ...formats.tar import Sample as FileSample
+from ...formats.tar import TarRecord
 from ..plan import Unit
 from .base import Stage, State
 from .sample import Sample
@@ -168,7 +168,7 @@ class _OpenUnit:
                     part.key, part.fields, unit.shard, part.ordinal, ((self.sets[0], part.offset),), stream.path
                 )
 
-    def _check_key(self, number: int, part: FileSample) -> None:
+    def _check_key(self, number: int, part: TarRecord) -> None:
         """Remember the key read from file ``number``; the first sample of a file must have
         the first key its index records."""
         self.last_keys[number] = part.key

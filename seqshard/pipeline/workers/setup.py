@@ -12,16 +12,17 @@ from functools import lru_cache
 from typing import Any
 
 from ...errors import ConfigError, SeqshardError
+from ...features.audio import AudioOptions
 from ...formats.index import bin_bounds, histogram_percentile
 from ...formats.remote import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderConfig
+from ...text.labels import LabelOverride
+from ...text.tokenizers import Tokenizer
 from ..plan import Unit, plan_epoch
-from ..stages.audio import AudioOptions
 from ..stages.base import Stage, State
 from ..stages.collate import Collator, speech_rules
 from ..stages.fieldplan import FieldPlan, plan_fields
-from ..stages.labels import LabelOverride, Tokenizer
 from ..stages.lengths import Duration, Length, Measure
 from ..stages.mixing import MixSetup
 from .transfer import BatchSlots

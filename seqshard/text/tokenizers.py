@@ -1,0 +1,182 @@
+"""Tokenizers behind one protocol: a SentencePiece ``.model``, or a units file (``token id``
+per line, as WeNet and ESPnet write) splitting into characters or words, unknowns to ``<unk>``.
+
+Anything with the :class:`Tokenizer` protocol's methods may be given instead (``make_loader(...,
+tokenizer=my_tokenizer)``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from ..errors import ConfigError, option
+
+EOS_UNITS = ("</s>", "<eos>", "<sos/eos>")
+SPACE_UNITS = ("▁", "<space>")
+UNKNOWN_WARN_AFTER = 2000  # tokens seen before the share of unknown tokens is judged
+UNKNOWN_WARN_SHARE = 0.05
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model, loaded lazily (in each DataLoader worker, not pickled)."""
+
+    def __init__(self, model: str | Path):
+        self.model = str(model)
+        if not Path(self.model).is_file():
+            raise ConfigError(f"tokenizer model {self.model!r} does not exist.")
+        self._processor = None
+        try:
+            self._load()  # here, once: a file that is no model fails now, not in a worker
+        except (RuntimeError, OSError) as error:
+            raise ConfigError(f"tokenizer {self.model!r} is not a SentencePiece model ({error}).") from None
+
+    def __getstate__(self) -> dict:
+        return {"model": self.model, "_processor": None}
+
+    def _load(self):
+        if self._processor is None:
+            import sentencepiece
+
+            self._processor = sentencepiece.SentencePieceProcessor(model_file=self.model)
+        return self._processor
+
+    def encode(self, text: str) -> list[int]:
+        return self._load().encode(text, out_type=int)
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        """``encode`` of each text, in one call into SentencePiece (one thread)."""
+        return self._load().encode(texts, out_type=int, num_threads=1)
+
+    @property
+    def eos_id(self) -> int | None:
+        """The model's end-of-sentence id (None when it has none)."""
+        eos = int(self._load().eos_id())
+        return eos if eos >= 0 else None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._load().get_piece_size())
+
+    @property
+    def unk_id(self) -> int:
+        return int(self._load().unk_id())
+
+    def describe(self) -> str:
+        return f"SentencePiece model {self.model}"
+
+
+class UnitsTokenizer:
+    """A units file (``token id`` per line). ``split="char"`` maps each character (spaces to
+    ``▁`` or ``<space>`` when the units have one, else to ``<unk>``); ``"word"`` maps each
+    whitespace-separated word. ``split=None`` chooses from the units: ``"char"`` when every
+    unit other than ``<...>`` symbols is one character, else ``"word"``."""
+
+    def __init__(self, units: str | Path, split: str | None = None, unk: str = "<unk>"):
+        if split not in (None, "char", "word"):
+            raise ConfigError(f"split must be 'char', 'word' or None (chosen from the units), got {split!r}.")
+        self.units = str(units)
+        self.ids: dict[str, int] = {}
+        try:
+            lines = Path(units).read_text(encoding="utf-8").splitlines()
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{units}: not UTF-8 text (byte {error.start}); is it a units file?") from None
+        owners: dict[int, str] = {}
+        for number, line in enumerate(lines, start=1):
+            parts = line.split()
+            if not parts:
+                continue
+            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
+                raise ConfigError(f"{units}:{number}: expected 'TOKEN ID', found {line!r}.")
+            token, unit_id = parts[0], int(parts[1])
+            if token in self.ids or unit_id in owners:
+                clash = (
+                    f"unit {token!r} again" if token in self.ids else f"id {unit_id} already for {owners[unit_id]!r}"
+                )
+                raise ConfigError(f"{units}:{number}: {clash}; each unit needs one id of its own.")
+            self.ids[token] = unit_id
+            owners[unit_id] = token
+        if unk not in self.ids:
+            raise ConfigError(f"{units} has no {unk!r} unit for unknown tokens.")
+        self.unk = self.ids[unk]
+        self.space = next((self.ids[u] for u in SPACE_UNITS if u in self.ids), self.unk)
+        self.split = split or self._split_of_units()
+
+    def _split_of_units(self) -> str:
+        plain = [u for u in self.ids if not (u.startswith("<") and u.endswith(">")) and u not in SPACE_UNITS]
+        return "char" if all(len(u) == 1 for u in plain) else "word"
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(text) for text in texts]
+
+    @property
+    def eos_id(self) -> int | None:
+        """The id of ``</s>``, ``<eos>`` or ``<sos/eos>`` (None when the units have none)."""
+        return next((self.ids[u] for u in EOS_UNITS if u in self.ids), None)
+
+    def encode(self, text: str) -> list[int]:
+        if self.split == "word":
+            return [self.ids.get(word, self.unk) for word in text.split()]
+        return [self.space if ch.isspace() else self.ids.get(ch, self.unk) for ch in text]
+
+    @property
+    def vocab_size(self) -> int:
+        return max(self.ids.values()) + 1
+
+    @property
+    def unk_id(self) -> int:
+        return self.unk
+
+    def describe(self) -> str:
+        return f"units file {self.units} split into {self.split}s"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What a loader asks of a tokenizer: ids of a text (one or many), the vocabulary size, the
+    unknown and end-of-sentence ids, and a line saying what it is (for messages)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_many(self, texts: list[str]) -> list[list[int]]: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def unk_id(self) -> int: ...
+
+    @property
+    def eos_id(self) -> int | None: ...
+
+    def describe(self) -> str: ...
+
+
+def unknown_tokens_warning(tokenizer: Tokenizer, tokens: int, unknown: int) -> str | None:
+    """A warning when too many label tokens are unknown to the tokenizer, else None."""
+    if tokens == 0 or unknown / tokens <= UNKNOWN_WARN_SHARE:
+        return None
+    hint = "check that the labels are in the language and case the tokenizer was trained on"
+    if isinstance(tokenizer, UnitsTokenizer):
+        other = "word" if tokenizer.split == "char" else "char"
+        hint = f"a units file of {other}s needs {option('split', other)}; or " + hint
+    return (
+        f"{unknown / tokens:.0%} of the first {tokens} label tokens map to the unknown token of the "
+        f"{tokenizer.describe()}: {hint}."
+    )
+
+
+def make_tokenizer(spec: str | Path | Tokenizer | None, split: str | None = None) -> Tokenizer | None:
+    """A tokenizer from a SentencePiece ``.model`` path, a units file path, or as given."""
+    if spec is None or not isinstance(spec, (str, Path)):
+        return spec  # a tokenizer object (anything with encode(text) -> list[int])
+    path = Path(spec)
+    if path.is_dir():
+        raise ConfigError(f"tokenizer {str(spec)!r} is a folder; give a SentencePiece .model or a units file.")
+    if not path.is_file():
+        raise ConfigError(f"tokenizer {str(spec)!r}: no such file (give a SentencePiece .model or a units file).")
+    with open(path, "rb") as stream:
+        head = stream.read(64)
+    if path.suffix in (".model", ".bpemodel") or b"\0" in head:
+        return SentencePieceTokenizer(path)
+    return UnitsTokenizer(path, split=split)
