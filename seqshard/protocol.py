@@ -1,0 +1,68 @@
+"""The one shape of every loader: shard streams, token batches and the map-style dev loader.
+
+A loader is iterated once per epoch and yields batches (dicts). Code written for
+``torch.utils.data.DataLoader`` works unchanged:
+
+- ``set_epoch(n)`` chooses the epoch the next ``iter()`` runs; without it, an ``iter()`` after a
+  finished epoch runs the next one (never the same order again by accident);
+- ``state_dict()`` / ``load_state_dict(state, strict=True)`` save and restore the position; a
+  state saved after an epoch's last batch resumes into the next epoch;
+- ``len(loader)`` is the number of batches of the current epoch on this rank where that is
+  known exactly; where it is not, ``len()`` raises TypeError saying why, and
+  ``planned_batches()`` gives an estimate with its error;
+- ``stats()`` says what the epoch did so far (at least ``epoch`` and ``steps``);
+- ``close()`` stops worker processes and releases files (iterating again starts them anew).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class PlannedBatches:
+    """How many batches an epoch holds on this rank: ``total`` in the whole epoch and
+    ``remaining`` after what a loaded state had already handed out. ``exact`` when the count is
+    known; otherwise an estimate from the shards' index, within ``error`` (a fraction of
+    ``total``, e.g. 0.05) of the real count, with ``why`` it is not exact."""
+
+    total: int
+    remaining: int
+    exact: bool = True
+    error: float = 0.0
+    why: str = ""
+
+
+@runtime_checkable
+class Loader(Protocol):
+    """What the trainer, the config and user code may rely on for any seqshard loader."""
+
+    @property
+    def epoch(self) -> int: ...
+
+    def set_epoch(self, epoch: int) -> None: ...
+
+    def __iter__(self) -> Iterator[dict[str, Any]]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None: ...
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def planned_batches(self) -> PlannedBatches: ...
+
+    def close(self) -> None: ...
+
+
+def length_of(planned: PlannedBatches, loader: str) -> int:
+    """``len()`` of a loader with this plan: its total when exact, else TypeError saying why
+    and pointing at ``planned_batches()``."""
+    if not planned.exact:
+        raise TypeError(
+            f"the number of batches of this {loader} is not known before the epoch is read ({planned.why}); "
+            f"loader.planned_batches() estimates it: about {planned.total} (within {planned.error:.0%})."
+        )
+    return planned.total
