@@ -23,19 +23,17 @@ import difflib
 import json
 import json.decoder
 import json.scanner
-import logging
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import ConfigError, InputError, SeqshardError
+from .errors import ConfigError, InputError
 from .mix import mux
-from .options import LoaderConfig
-
-_LOG = logging.getLogger("seqshard")
+from .options import LoaderOptions
+from .scp_dataset import MapStyleLoader
 
 
 class Key(NamedTuple):
@@ -100,7 +98,7 @@ class TrainConfig:
 def loader_keys() -> dict[str, tuple[Any, str]]:
     """make_loader options settable from a file: name -> (default, type annotation)."""
     keys = {}
-    for item in fields(LoaderConfig):
+    for item in LoaderOptions.option_fields():
         if item.name in NOT_FROM_FILES:
             continue
         default = item.default if item.default is not MISSING else None
@@ -139,7 +137,7 @@ def load_config(source: str | Path | dict[str, Any], *, name: str = "the config"
                 )
             options["uneven"] = "repeat"
         try:
-            LoaderConfig(**options)
+            LoaderOptions(mixed=isinstance(config.data["trset"], dict), **options)
         except ConfigError as error:
             raise ConfigError(f"{where}: train.option: {error}") from None
     else:
@@ -203,14 +201,14 @@ def _option_section(document: Any, where: str) -> dict[str, Any]:
     return option
 
 
-def map_style_options(config: TrainConfig) -> LoaderConfig:
+def map_style_options(config: TrainConfig) -> LoaderOptions:
     """The map-style loader's options (``large_dataset: false``), checked as make_loader checks
     them (``batch_size`` 16 when not given)."""
     options = {key: config.loader[key] for key in MAP_STYLE_KEYS if key in config.loader}
     if options.get("batch_size") is None:
         options["batch_size"] = MAP_STYLE_BATCH_SIZE
     try:
-        return LoaderConfig(**options)
+        return LoaderOptions(**options)
     except ConfigError as error:
         raise ConfigError(f"{config.source}: train.option: {error}") from None
 
@@ -241,10 +239,10 @@ def build_loaders(
         options = map_style_options(config)
         train = MapStyleLoader(
             kaldi_dataset(config, "trset"),
-            batch_size=options.batch_size,  # type: ignore[arg-type]
-            shuffle=options.shuffle,
-            seed=options.seed,
-            num_workers=options.num_workers,
+            batch_size=options.batching.batch_size,  # type: ignore[arg-type]
+            shuffle=options.shuffling.shuffle,
+            seed=options.shuffling.seed,
+            num_workers=options.workers.num_workers,
             rank=rank,
             world_size=world_size,
         )
@@ -315,8 +313,8 @@ def check_readable(config: TrainConfig, key: str, dataset: Any) -> None:
             utt, value = dataset.scp.record(row)
             location = parse_location(value, dataset.scp.where(row, utt), dataset.path_map, dataset.path_root)
             first_rows.setdefault(location.path, row)
-        for ark, row in first_rows.items():
-            dataset[row]
+        for ark in first_rows:
+            dataset[first_rows[ark]]
     except InputError as error:
         fix = error.fix
         path_map = 'train.option.path_map ({"OLD_PREFIX": "NEW_PREFIX"}) rewrites ark paths of data dirs made elsewhere'
@@ -608,103 +606,3 @@ def explain(source: str | Path | dict[str, Any]) -> str:
     for key, spec in TRAINER_KEYS.items():
         row(key, config.trainer[key], spec.meaning)
     return "\n".join(lines)
-
-
-class MapStyleLoader:
-    """The ordinary loader over an :class:`~seqshard.scp_dataset.ScpDataset` (``large_dataset:
-    false``, and Kaldi dev sets): shuffled per epoch (or in file order), split over ranks by
-    torch's DistributedSampler (which repeats a few utterances so every rank has as many),
-    batches of ``batch_size`` in make_loader's format. An error in a worker is raised with its
-    own type (as make_loader's are), not as torch's RuntimeError. Its state is the epoch only:
-    a resume restarts the epoch."""
-
-    def __init__(
-        self,
-        dataset: Any,
-        *,
-        batch_size: int,
-        shuffle: bool,
-        num_workers: int,
-        rank: int | None,
-        world_size: int | None,
-        seed: int = 0,
-    ):
-        import torch.utils.data
-
-        from .dist import discover
-
-        context = discover(rank, world_size)
-        self.dataset = dataset
-        self.tokenizer = self.dataset.labeler.tokenizer
-        self.sampler = torch.utils.data.DistributedSampler(
-            self.dataset, context.world_size, context.rank, shuffle=shuffle, seed=seed
-        )
-        self._loader = torch.utils.data.DataLoader(
-            _ErrorsAsItems(dataset),
-            batch_size=batch_size,
-            sampler=self.sampler,
-            num_workers=num_workers,
-            collate_fn=_collate_or_error,
-        )
-        self._epoch = 0
-        self._utts = 0
-
-    @property
-    def dim(self) -> int:
-        return int(self.dataset[0]["feats"].shape[1])
-
-    def set_epoch(self, epoch: int) -> None:
-        self._epoch = epoch
-        self.sampler.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        return len(self._loader)
-
-    def planned_utts(self) -> int:
-        """Utterances this rank reads in an epoch."""
-        return len(self.sampler)
-
-    def __iter__(self):
-        self._utts = 0
-        for batch in self._loader:
-            if isinstance(batch, SeqshardError):
-                raise batch
-            self._utts += len(batch["keys"])
-            yield batch
-
-    def stats(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "utts": self._utts}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "map_style": True}
-
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
-        _LOG.warning("the map-style loader restarts epoch %d from its beginning (no position is kept)", state["epoch"])
-        self._epoch = int(state["epoch"])
-
-
-class _ErrorsAsItems:
-    """A map-style dataset whose seqshard errors are items, so that they leave a DataLoader
-    worker as they are (torch turns an exception it cannot rebuild into a RuntimeError);
-    bad input is never skipped here, so no message offers skip_bad."""
-
-    def __init__(self, dataset: Any):
-        self.dataset = dataset
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int) -> Any:
-        try:
-            return self.dataset[index]
-        except SeqshardError as error:
-            if isinstance(error, InputError):
-                error.skippable = False
-            return error
-
-
-def _collate_or_error(samples: list[Any]) -> Any:
-    """A batch of samples as make_loader's, or the first error among them."""
-    from .scp_dataset import collate
-
-    return next((s for s in samples if isinstance(s, SeqshardError)), None) or collate(samples)

@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from .checks import check_number
 from .errors import ConfigError
 
 
@@ -35,6 +36,8 @@ class DistContext:
 def discover(rank: int | None = None, world_size: int | None = None) -> DistContext:
     """Rank and world size: explicit arguments win, then torch.distributed, then torchrun's
     environment, then a single process."""
+    check_number("rank", rank, whole=True, at_least=0, optional=True)
+    check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     found = DistContext()
     try:
         import torch.distributed as dist
@@ -105,6 +108,12 @@ class Collectives:
 
     def all_sum(self, values: list[int]) -> list[int]:
         return self._all_reduce(values, "SUM")
+
+    def ready(self) -> bool:
+        """Whether torch.distributed runs (collectives can be used)."""
+        import torch.distributed as dist
+
+        return dist.is_available() and dist.is_initialized()
 
     def all_gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (picklable), in rank order."""

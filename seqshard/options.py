@@ -1,24 +1,35 @@
-"""Every loader option, parsed and checked once (frozen), with defaults for a big corpus."""
+"""The options of :func:`seqshard.make_loader`, in groups, each default in one place, every value
+checked once, when the options are made.
+
+The friendly spelling is flat (``make_loader(..., batch_frames=20000, num_workers=2)``);
+:class:`LoaderOptions` sorts flat keywords into their groups (``options.batching``,
+``options.workers``, ...), and a group may also be given whole
+(``LoaderOptions(workers=Workers(num_workers=4))``). Each group checks its own values (kind,
+finite, range, choices); :class:`LoaderOptions` checks what involves several groups. What
+involves the data (the shards' fields, a tokenizer) is checked once more, when the loader's
+readers are set up (``pipeline/workers/setup.py``).
+"""
 
 from __future__ import annotations
 
+import difflib
 import multiprocessing
 import os
-from collections.abc import Callable
-from dataclasses import dataclass, fields
-from typing import Any
+from collections.abc import Callable, Iterator
+from dataclasses import MISSING, Field, dataclass, fields
+from typing import Any, ClassVar
 
 from .checks import MAX_WORKERS, check_flag, check_number
 from .errors import ConfigError
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .formats.cache import parse_bytes
-from .pipeline.stages.batching import BatchCost, FixedSize, LengthBudget
-from .pipeline.stages.filters import LengthLimits
+from .formats.remote import RemoteAccess
 
 UNEVEN_MODES = ("stop", "repeat", "join")
 START_METHODS = tuple(multiprocessing.get_all_start_methods())
 MAX_PREFETCH = 256  # batches each worker prepares ahead (each takes a slot of shared memory)
+DEFAULT_BATCH_FRAMES = 20000  # when neither batch_size nor batch_frames is given
 CACHE_LIMIT = "a size such as '200GB' or '500MiB', or a number of bytes > 0"
 
 # The numeric options: what kind of number, and its bounds (check_number's arguments). An option
@@ -55,47 +66,170 @@ NUMBERS: dict[str, dict[str, Any]] = {
     "num_buckets": dict(whole=True, at_least=1),
 }
 
-# Options that change which batches are produced: a saved state must match them to resume
-# exactly. The others (prefetch, pinning, worker persistence) only change how fast.
-RUNTIME_ONLY = (
-    "prefetch_factor",
-    "persistent_workers",
-    "pin_memory",
-    "multiprocessing_context",
-    "timeout",
-    "shared_slots",
-    "storage_options",
-    "cache_dir",
-    "cache_limit",
-    "remote_retries",
-    "remote_timeout",
-)
+
+class OptionGroup:
+    """A frozen group of options: numbers and flags are checked (numpy numbers become Python's,
+    so that states stay JSON) before the group's own :meth:`check`."""
+
+    #: the group's options that only change how fast batches come, not which ones
+    runtime_only: ClassVar[tuple[str, ...]] = ()
+
+    def __post_init__(self) -> None:
+        for option in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, option.name)
+            if option.name in NUMBERS:
+                checked = check_number(option.name, value, optional=option.default is None, **NUMBERS[option.name])
+                object.__setattr__(self, option.name, checked)
+            elif option.type == "bool":
+                check_flag(option.name, value)
+        self.check()
+
+    def check(self) -> None:
+        """What the group's values must satisfy together (ConfigError naming the option)."""
 
 
 @dataclass(frozen=True)
-class LoaderConfig:
-    """Options of :func:`seqshard.make_loader` (see its docstring)."""
+class Batching(OptionGroup):
+    """How samples become batches: a fixed count or a budget of padded frames (``batch_frames``,
+    20000 when neither is given; ``quadratic_frames`` makes the cost grow with the square of the
+    length), cut from length-sorted windows of ``sort_window`` samples; samples over the budget
+    go ``"alone"`` or are ``"drop"``ped; ``bucket_sync`` gives every rank batches of one length
+    bucket (of ``num_buckets``) at each step."""
 
     batch_size: int | None = None
     batch_frames: int | None = None
     quadratic_frames: float | None = None
+    sort_window: int = 2000
+    oversize: str = "alone"
+    bucket_sync: bool = False
+    num_buckets: int = 8
+
+    def __post_init__(self) -> None:
+        if self.batch_size is None and self.batch_frames is None:
+            object.__setattr__(self, "batch_frames", DEFAULT_BATCH_FRAMES)
+        super().__post_init__()
+
+    def check(self) -> None:
+        if self.batch_size is not None and self.batch_frames is not None:
+            raise ConfigError(
+                "give exactly one of batch_size (fixed) or batch_frames (dynamic, padded frames per batch)."
+            )
+        if self.batch_size is not None and self.batch_size > self.sort_window:
+            raise ConfigError(
+                f"batch_size {self.batch_size} is above sort_window {self.sort_window}: batches are cut from windows "
+                "of sort_window samples, so none could be full. Raise sort_window."
+            )
+        if self.batch_size is not None and self.quadratic_frames is not None:
+            raise ConfigError("quadratic_frames shapes a batch_frames budget; with batch_size it would do nothing.")
+        if self.oversize not in ("alone", "drop"):
+            raise ConfigError(f"oversize must be 'alone' or 'drop', got {self.oversize!r}.")
+
+
+@dataclass(frozen=True)
+class Shuffling(OptionGroup):
+    """Randomness: the epoch's shard order and the ``shuffle_window`` (samples) are drawn from
+    ``seed``; ``interleave`` shards are read at once; ``split_shards`` cuts shards between
+    readers at utterance boundaries (False: whole shards, as CAT and WebDataset deal them)."""
+
     shuffle: bool = True
     seed: int = 0
     shuffle_window: int = 3000
-    sort_window: int = 2000
     interleave: int = 4
     split_shards: bool = True
+
+
+@dataclass(frozen=True)
+class Limits(OptionGroup):
+    """Bounds a sample must meet, lengths in the batching measure's unit (frames for feature
+    shards); ``None`` means no bound. Checked in this order; a sample out of bounds is counted
+    under ``filtered.<reason>``."""
+
     min_frames: int | None = None
     max_frames: int | None = None
     max_tokens: int | None = None
     min_frames_per_token: float | None = None
     max_frames_per_token: float | None = None
-    oversize: str = "alone"
+
+    def check(self) -> None:
+        if None not in (self.min_frames, self.max_frames) and self.min_frames > self.max_frames:  # type: ignore[operator]
+            raise ConfigError(
+                f"min_frames {self.min_frames} is above max_frames {self.max_frames}: nothing would pass."
+            )
+
+    @property
+    def active(self) -> bool:
+        return any(getattr(self, f.name) is not None for f in fields(self))
+
+    @property
+    def count_tokens(self) -> bool:
+        """Whether a bound counts label tokens (which needs a tokenizer)."""
+        return any(v is not None for v in (self.max_tokens, self.min_frames_per_token, self.max_frames_per_token))
+
+    def violation(self, length: int, tokens: int | None) -> str | None:
+        """The name of the first bound broken by a sample of ``length`` with ``tokens`` label
+        tokens (None when not tokenized), or None."""
+        if self.min_frames is not None and length < self.min_frames:
+            return "too_few_frames"
+        if self.max_frames is not None and length > self.max_frames:
+            return "too_many_frames"
+        if tokens is None:
+            return None
+        if self.max_tokens is not None and tokens > self.max_tokens:
+            return "too_many_tokens"
+        if tokens > 0:
+            ratio = length / tokens
+            if self.min_frames_per_token is not None and ratio < self.min_frames_per_token:
+                return "too_few_frames_per_token"
+            if self.max_frames_per_token is not None and ratio > self.max_frames_per_token:
+                return "too_many_frames_per_token"
+        return None
+
+
+@dataclass(frozen=True)
+class Labels(OptionGroup):
+    """How labels become tokens: a units file's ``split`` (``"char"``/``"word"``, else chosen
+    from the units), ``strip_spaces`` before tokenizing."""
+
     split: str | None = None
     strip_spaces: bool = False
-    pad_label: int = -1
-    dtype: str = "float32"
+
+    def check(self) -> None:
+        if self.split not in (None, "char", "word"):
+            raise ConfigError(f"split must be 'char', 'word' or None (chosen from the units), got {self.split!r}.")
+
+
+@dataclass(frozen=True)
+class Reading(OptionGroup):
+    """Which fields are read (``fields``: names or member suffixes as ``inspect`` lists them;
+    None: the shards' own) and which is the feature field."""
+
+    fields: tuple[str, ...] | None = None
     feature_field: str | None = None
+
+    def check(self) -> None:
+        if self.fields is not None and (isinstance(self.fields, str) or not self.fields):
+            raise ConfigError(f"fields must be a non-empty list of field names, got {self.fields!r}.")
+        if not isinstance(self.feature_field, (str, type(None))):
+            raise ConfigError(f"feature_field must be a field name or None, got {self.feature_field!r}.")
+
+
+@dataclass(frozen=True)
+class Collation(OptionGroup):
+    """How a batch is laid out: ``dtype`` of the padded features, ``pad_label`` padding ``labels``."""
+
+    dtype: str = "float32"
+    pad_label: int = -1
+
+    def check(self) -> None:
+        if self.dtype not in ("float32", "float16"):
+            raise ConfigError(f"dtype must be 'float32' or 'float16', got {self.dtype!r}.")
+
+
+@dataclass(frozen=True)
+class Audio(OptionGroup):
+    """How audio becomes model input (README, Audio): ``features="fbank"`` on the fly (else
+    padded waveforms), resampling, speed perturbation, noise, CMVN, SpecAugment, a channel."""
+
     features: str | None = None
     num_mel_bins: int = 80
     frame_length_ms: float = 25.0
@@ -109,17 +243,167 @@ class LoaderConfig:
     cmvn: str | None = None
     spec_augment: bool | dict[str, Any] = False
     channel: int | None = None
-    fields: tuple[str, ...] | None = None
+
+    def check(self) -> None:
+        if self.speed_perturb is not None and not isinstance(self.speed_perturb, (tuple, list)):
+            raise ConfigError(
+                f"speed_perturb must be a list of factors (e.g. [0.9, 1.0, 1.1]), got {self.speed_perturb!r}."
+            )
+        for factor in self.speed_perturb or ():
+            check_number("speed_perturb factors", factor, at_least=0.5, at_most=2, what="in [0.5, 2]")
+        if not isinstance(self.noise_snr, (tuple, list)) or len(self.noise_snr) != 2:
+            raise ConfigError(f"noise_snr must be (low, high) in dB, got {self.noise_snr!r}.")
+        for bound in self.noise_snr:
+            check_number("noise_snr", bound, what="(low, high) in dB, finite numbers")
+        if not isinstance(self.cmvn, (str, os.PathLike, type(None))):
+            raise ConfigError(f"cmvn must be a path or None, got {self.cmvn!r}.")
+        self.parsed()
+
+    def parsed(self) -> AudioOptions:
+        """The audio options as the stages use them (fbank options, factors, loaded CMVN, masks)."""
+        if self.features not in (None, "fbank"):
+            raise ConfigError(f"features must be 'fbank' or None, got {self.features!r}.")
+        try:
+            fbank = FbankOptions(
+                sample_rate=float(self.resample_to or FbankOptions.sample_rate),
+                num_mel_bins=self.num_mel_bins,
+                frame_length_ms=self.frame_length_ms,
+                frame_shift_ms=self.frame_shift_ms,
+                dither=self.dither,
+            )
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        if self.noise_snr[0] > self.noise_snr[1]:
+            raise ConfigError(f"noise_snr must be (low, high) in dB, got {self.noise_snr!r}.")
+        return AudioOptions(
+            self.features,
+            fbank,
+            self.resample_to,
+            tuple(float(f) for f in self.speed_perturb or ()),
+            self.noise,
+            tuple(self.noise_snr),
+            self.noise_prob,
+            Cmvn.load(self.cmvn) if self.cmvn else None,
+            _spec_augment(self.spec_augment),
+            self.channel,
+        )
+
+
+def _spec_augment(masks: Any) -> SpecAugmentOptions | None:
+    if isinstance(masks, dict):
+        known = SpecAugmentOptions.__dataclass_fields__
+        unknown = set(masks) - set(known)
+        if unknown:
+            raise ConfigError(
+                f"spec_augment: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}."
+            )
+        for name, value in masks.items():
+            check_number(f"spec_augment {name}", value, whole=isinstance(known[name].default, int))
+        return SpecAugmentOptions(**masks)
+    if isinstance(masks, bool):
+        return SpecAugmentOptions() if masks else None
+    raise ConfigError(f"spec_augment must be True, False or a dict of mask options, got {masks!r}.")
+
+
+@dataclass(frozen=True)
+class Pipeline(OptionGroup):
+    """Stages of the user's: ``transforms`` (functions, ``keep_if(...)``, Stage classes) where
+    the default recipe says, or a whole ``recipe`` (README, Recipes)."""
+
     transforms: tuple[Any, ...] = ()
     recipe: Callable[..., Any] | None = None
+
+    def check(self) -> None:
+        if not isinstance(self.transforms, (tuple, list)):
+            raise ConfigError(f"transforms must be a list of transforms, got {self.transforms!r}.")
+        for transform in self.transforms:
+            if not callable(transform) and not callable(getattr(transform, "predicate", None)):
+                raise ConfigError(
+                    f"transforms takes functions (sample -> sample), keep_if(...) and Stage subclasses, not {transform!r}."
+                )
+        if self.recipe is not None and not callable(self.recipe):
+            raise ConfigError(f"recipe must be a function (reader) -> Stage, got {self.recipe!r}.")
+
+
+@dataclass(frozen=True)
+class BadData(OptionGroup):
+    """``skip_bad``: count and skip bad samples and damaged shards instead of stopping, within
+    ``max_bad_shards`` (a fraction of the shards below 1, or a count) per epoch."""
+
     skip_bad: bool = False
     max_bad_shards: float = 0.05
+
+    def shard_budget(self, num_shards: int) -> int:
+        """How many bad (damaged, missing) shards an epoch may skip before the run stops."""
+        if self.max_bad_shards >= 1:
+            return int(self.max_bad_shards)
+        return int(self.max_bad_shards * num_shards)
+
+
+@dataclass(frozen=True)
+class Remote(OptionGroup):
+    """How remote shards are read (README, Remote shards): fsspec ``storage_options``, a local
+    cache (``cache_dir``, ``cache_limit``), retries and timeout, and whether ``pipe:`` commands
+    may run. None of it changes which batches come out."""
+
+    runtime_only = ("storage_options", "cache_dir", "cache_limit", "remote_retries", "remote_timeout", "allow_pipes")
+
     storage_options: dict[str, Any] | None = None
     cache_dir: str | None = None
     cache_limit: str | int | None = None
     remote_retries: int = 4
     remote_timeout: float = 60.0
     allow_pipes: bool = False
+
+    def check(self) -> None:
+        if self.storage_options is not None and not isinstance(self.storage_options, dict):
+            raise ConfigError(
+                f"storage_options must be a dict of fsspec options (e.g. {{'anon': True}}), got {self.storage_options!r}."
+            )
+        if not isinstance(self.cache_dir, (str, os.PathLike, type(None))):
+            raise ConfigError(f"cache_dir must be a path or None, got {self.cache_dir!r}.")
+        if self.cache_limit is None:
+            return
+        if self.cache_dir is None:
+            raise ConfigError("cache_limit needs cache_dir (where remote shards are kept).")
+        if isinstance(self.cache_limit, str):
+            try:
+                limit = parse_bytes(self.cache_limit)
+            except (ValueError, OverflowError):
+                limit = None
+        else:
+            limit = check_number("cache_limit", self.cache_limit, above=0, what=CACHE_LIMIT)
+        if limit is None or limit <= 0:
+            raise ConfigError(f"cache_limit must be {CACHE_LIMIT}, got {self.cache_limit!r}.")
+
+    def access(self) -> RemoteAccess:
+        """How a loader with these options reads remote shards (made in each process that reads)."""
+        from .formats.cache import ShardCache
+
+        cache = ShardCache(self.cache_dir, self.cache_limit) if self.cache_dir is not None else None
+        return RemoteAccess(
+            storage_options=dict(self.storage_options or {}),
+            retries=self.remote_retries,
+            timeout_s=self.remote_timeout,
+            cache=cache,
+            allow_pipes=self.allow_pipes,
+        )
+
+
+@dataclass(frozen=True)
+class Workers(OptionGroup):
+    """The DataLoader worker processes of each rank and how batches reach the training process.
+    Only ``num_workers`` changes which batches come out (it sets the readers)."""
+
+    runtime_only = (
+        "prefetch_factor",
+        "persistent_workers",
+        "pin_memory",
+        "multiprocessing_context",
+        "timeout",
+        "shared_slots",
+    )
+
     num_workers: int = 2
     prefetch_factor: int = 4
     persistent_workers: bool = False
@@ -127,32 +411,37 @@ class LoaderConfig:
     multiprocessing_context: str | None = None
     timeout: float = 0
     shared_slots: bool = True
-    uneven: str = "stop"
-    epoch_steps: int | None = None
-    epoch_hours: float | None = None
-    epoch_source: int | str | None = None
-    bucket_sync: bool = False
-    num_buckets: int = 8
 
-    def __post_init__(self) -> None:
-        self._check_numbers()
-        if (self.batch_size is None) == (self.batch_frames is None):
-            raise ConfigError(
-                "give exactly one of batch_size (fixed) or batch_frames (dynamic, padded frames per batch)."
-            )
-        self.cost()  # checks the batch sizes
-        if self.batch_size is not None and self.batch_size > self.sort_window:
-            raise ConfigError(
-                f"batch_size {self.batch_size} is above sort_window {self.sort_window}: batches are cut from windows "
-                "of sort_window samples, so none could be full. Raise sort_window."
-            )
-        if self.batch_size is not None and self.quadratic_frames is not None:
-            raise ConfigError("quadratic_frames shapes a batch_frames budget; with batch_size it would do nothing.")
+    def check(self) -> None:
         if self.timeout and not self.num_workers:
             raise ConfigError(
                 f"timeout={self.timeout!r} bounds the wait for a worker's batch, and num_workers=0 makes batches in "
                 "this process: give num_workers > 0, or leave timeout at 0."
             )
+        if self.multiprocessing_context is not None and self.multiprocessing_context not in START_METHODS:
+            raise ConfigError(
+                f"multiprocessing_context must be one of {', '.join(START_METHODS)} or None, "
+                f"got {self.multiprocessing_context!r}."
+            )
+
+    @property
+    def readers(self) -> int:
+        """Readers per rank: one per worker process, one without workers."""
+        return max(1, self.num_workers)
+
+
+@dataclass(frozen=True)
+class Epochs(OptionGroup):
+    """How an epoch ends across ranks (``uneven``: ``"stop"`` together, ``"repeat"`` the data
+    without end, ``"join"`` each rank alone) and how long it is (``epoch_steps``,
+    ``epoch_hours``, or for a mix ``epoch_source``: one pass's worth of that source)."""
+
+    uneven: str = "stop"
+    epoch_steps: int | None = None
+    epoch_hours: float | None = None
+    epoch_source: int | str | None = None
+
+    def check(self) -> None:
         if self.uneven not in UNEVEN_MODES:
             raise ConfigError(f"uneven must be one of {UNEVEN_MODES}, got {self.uneven!r}.")
         lengths = [n for n in ("epoch_steps", "epoch_hours", "epoch_source") if getattr(self, n) is not None]
@@ -175,175 +464,134 @@ class LoaderConfig:
                 "epoch_hours counts hours over all ranks, which needs the ranks to talk at each step; "
                 "uneven='join' does not: use epoch_steps, or uneven='stop'."
             )
-        self._check_types()
-        self.audio()  # checks the audio options
-        if self.fields is not None and (isinstance(self.fields, str) or not self.fields):
-            raise ConfigError(f"fields must be a non-empty list of field names, got {self.fields!r}.")
-        if self.bucket_sync and self.uneven == "join":
+
+    @property
+    def continues_stream(self) -> bool:
+        """Whether each reader's stream goes on across epochs (``"repeat"``, and every mix)."""
+        return self.uneven == "repeat"
+
+
+GROUPS: dict[str, type[OptionGroup]] = {
+    "batching": Batching,
+    "shuffling": Shuffling,
+    "limits": Limits,
+    "labels": Labels,
+    "reading": Reading,
+    "collation": Collation,
+    "audio": Audio,
+    "pipeline": Pipeline,
+    "bad_data": BadData,
+    "remote": Remote,
+    "workers": Workers,
+    "epochs": Epochs,
+}
+GROUP_OF: dict[str, str] = {option.name: group for group, kind in GROUPS.items() for option in fields(kind)}  # type: ignore[arg-type]
+SEQUENCES = ("fields", "transforms", "speed_perturb", "noise_snr")  # lists are taken as tuples
+
+
+@dataclass(frozen=True, init=False)
+class LoaderOptions:
+    """Every option of a shard loader, by group; made from flat keywords
+    (``LoaderOptions(batch_size=8, num_workers=0)``) or whole groups. ``mixed=True`` for the
+    options of a mix (``seqshard.mux``): its stream never runs out, so ``uneven`` is
+    ``"repeat"`` and an epoch length is needed."""
+
+    mixed: bool
+    batching: Batching
+    shuffling: Shuffling
+    limits: Limits
+    labels: Labels
+    reading: Reading
+    collation: Collation
+    audio: Audio
+    pipeline: Pipeline
+    bad_data: BadData
+    remote: Remote
+    workers: Workers
+    epochs: Epochs
+
+    def __init__(self, *, mixed: bool = False, **given: Any) -> None:
+        flat = {name: value for name, value in given.items() if name not in GROUPS}
+        unknown = sorted(set(flat) - set(GROUP_OF))
+        if unknown:
+            close = [m for name in unknown for m in difflib.get_close_matches(name, GROUP_OF, n=1)]
+            hint = f" Did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(f"unknown loader option(s): {', '.join(unknown)}.{hint}")
+        if callable(flat.get("transforms")):
+            flat["transforms"] = (flat["transforms"],)  # one transform given alone
+        for name in SEQUENCES:
+            if isinstance(flat.get(name), list):
+                flat[name] = tuple(flat[name])
+        if mixed:
+            _check_mixed(flat)
+        elif flat.get("epoch_source") is not None:
+            raise ConfigError("epoch_source is for mixed sources (make_loader(seqshard.mux([...]), ...)).")
+        object.__setattr__(self, "mixed", mixed)
+        for group, kind in GROUPS.items():
+            mine = {name: value for name, value in flat.items() if GROUP_OF[name] == group}
+            made = given.get(group)
+            if made is not None and mine:
+                raise ConfigError(f"give {', '.join(sorted(mine))} inside {group}=, or {group}= not at all.")
+            object.__setattr__(self, group, made if made is not None else kind(**mine))
+        self._check_across()
+
+    def _check_across(self) -> None:
+        if self.batching.bucket_sync and self.epochs.uneven == "join":
             raise ConfigError("bucket_sync needs the ranks to step together; it cannot be used with uneven='join'.")
-        if self.dtype not in ("float32", "float16"):
-            raise ConfigError(f"dtype must be 'float32' or 'float16', got {self.dtype!r}.")
-        if self.oversize not in ("alone", "drop"):
-            raise ConfigError(f"oversize must be 'alone' or 'drop', got {self.oversize!r}.")
-        if self.multiprocessing_context is not None and self.multiprocessing_context not in START_METHODS:
-            raise ConfigError(
-                f"multiprocessing_context must be one of {', '.join(START_METHODS)} or None, "
-                f"got {self.multiprocessing_context!r}."
-            )
-        if self.storage_options is not None and not isinstance(self.storage_options, dict):
-            raise ConfigError(
-                f"storage_options must be a dict of fsspec options (e.g. {{'anon': True}}), got {self.storage_options!r}."
-            )
-        self._check_cache_limit()
 
-    def _check_numbers(self) -> None:
-        """Every numeric option: its kind, finite, in its range (None where that is the default);
-        numpy numbers become Python's (the options go into JSON states)."""
-        for option in fields(self):
-            if option.name in NUMBERS:
-                value = getattr(self, option.name)
-                checked = check_number(option.name, value, optional=option.default is None, **NUMBERS[option.name])
-                object.__setattr__(self, option.name, checked)
-        if self.speed_perturb is not None and not isinstance(self.speed_perturb, (tuple, list)):
-            raise ConfigError(
-                f"speed_perturb must be a list of factors (e.g. [0.9, 1.0, 1.1]), got {self.speed_perturb!r}."
-            )
-        for factor in self.speed_perturb or ():
-            check_number("speed_perturb factors", factor, at_least=0.5, at_most=2, what="in [0.5, 2]")
-        if not isinstance(self.noise_snr, (tuple, list)) or len(self.noise_snr) != 2:
-            raise ConfigError(f"noise_snr must be (low, high) in dB, got {self.noise_snr!r}.")
-        for bound in self.noise_snr:
-            check_number("noise_snr", bound, what="(low, high) in dB, finite numbers")
+    def flat(self) -> dict[str, Any]:
+        """Every option by its flat name."""
+        return {name: getattr(getattr(self, group), name) for name, group in GROUP_OF.items()}
 
-    def _check_cache_limit(self) -> None:
-        if self.cache_limit is None:
-            return
-        if self.cache_dir is None:
-            raise ConfigError("cache_limit needs cache_dir (where remote shards are kept).")
-        if isinstance(self.cache_limit, str):
-            try:
-                limit = parse_bytes(self.cache_limit)
-            except (ValueError, OverflowError):
-                limit = None
-        else:
-            limit = check_number("cache_limit", self.cache_limit, above=0, what=CACHE_LIMIT)
-        if limit is None or limit <= 0:
-            raise ConfigError(f"cache_limit must be {CACHE_LIMIT}, got {self.cache_limit!r}.")
-
-    def bad_shard_budget(self, num_shards: int) -> int:
-        """How many bad (damaged, missing) shards an epoch may skip before the run stops."""
-        if self.max_bad_shards >= 1:
-            return int(self.max_bad_shards)
-        return int(self.max_bad_shards * num_shards)
-
-    def cost(self) -> BatchCost:
-        if self.batch_size is not None:
-            return FixedSize(self.batch_size)
-        return LengthBudget(int(self.batch_frames), self.quadratic_frames)  # type: ignore[arg-type]
-
-    def _check_types(self) -> None:
-        for name in (
-            "shuffle",
-            "split_shards",
-            "skip_bad",
-            "strip_spaces",
-            "persistent_workers",
-            "pin_memory",
-            "allow_pipes",
-            "shared_slots",
-            "bucket_sync",
-        ):
-            check_flag(name, getattr(self, name))
-        if not isinstance(self.feature_field, (str, type(None))):
-            raise ConfigError(f"feature_field must be a field name or None, got {self.feature_field!r}.")
-        for name in ("cmvn", "cache_dir"):
-            if not isinstance(getattr(self, name), (str, os.PathLike, type(None))):
-                raise ConfigError(f"{name} must be a path or None, got {getattr(self, name)!r}.")
-        if self.split not in (None, "char", "word"):
-            raise ConfigError(f"split must be 'char', 'word' or None (chosen from the units), got {self.split!r}.")
-        if not isinstance(self.transforms, (tuple, list)):
-            raise ConfigError(f"transforms must be a list of transforms, got {self.transforms!r}.")
-        if self.recipe is not None and not callable(self.recipe):
-            raise ConfigError(f"recipe must be a function (reader) -> Stage, got {self.recipe!r}.")
-        limits = self.limits()
-        if None not in (limits.min_frames, limits.max_frames) and limits.min_frames > limits.max_frames:  # type: ignore[operator]
-            raise ConfigError(
-                f"min_frames {limits.min_frames} is above max_frames {limits.max_frames}: nothing would pass."
-            )
-
-    def audio(self) -> AudioOptions:
-        """The audio options, checked (fbank options, factors, SNR range, masks)."""
-        if self.features not in (None, "fbank"):
-            raise ConfigError(f"features must be 'fbank' or None, got {self.features!r}.")
-        try:
-            fbank = FbankOptions(
-                sample_rate=float(self.resample_to or FbankOptions.sample_rate),
-                num_mel_bins=self.num_mel_bins,
-                frame_length_ms=self.frame_length_ms,
-                frame_shift_ms=self.frame_shift_ms,
-                dither=self.dither,
-            )
-        except ValueError as error:
-            raise ConfigError(str(error)) from None
-        factors = tuple(float(f) for f in self.speed_perturb or ())
-        if self.noise_snr[0] > self.noise_snr[1]:
-            raise ConfigError(f"noise_snr must be (low, high) in dB, got {self.noise_snr!r}.")
-        masks = self.spec_augment
-        if isinstance(masks, dict):
-            known = SpecAugmentOptions.__dataclass_fields__
-            unknown = set(masks) - set(known)
-            if unknown:
-                raise ConfigError(
-                    f"spec_augment: unknown option(s) {', '.join(sorted(unknown))}; known: {', '.join(known)}."
-                )
-            for name, value in masks.items():
-                check_number(f"spec_augment {name}", value, whole=isinstance(known[name].default, int))
-            spec = SpecAugmentOptions(**masks)
-        elif isinstance(masks, bool):
-            spec = SpecAugmentOptions() if masks else None
-        else:
-            raise ConfigError(f"spec_augment must be True, False or a dict of mask options, got {masks!r}.")
-        return AudioOptions(
-            self.features,
-            fbank,
-            self.resample_to,
-            factors,
-            self.noise,
-            tuple(self.noise_snr),
-            self.noise_prob,
-            Cmvn.load(self.cmvn) if self.cmvn else None,
-            spec,
-            self.channel,
-        )
-
-    def limits(self) -> LengthLimits:
-        return LengthLimits(
-            self.min_frames, self.max_frames, self.max_tokens, self.min_frames_per_token, self.max_frames_per_token
-        )
+    def replace(self, **flat: Any) -> LoaderOptions:
+        """These options with some changed (by flat name)."""
+        return LoaderOptions(mixed=self.mixed, **{**self.flat(), **flat})
 
     def batch_defining(self) -> dict[str, Any]:
-        """The options a saved state must agree with (see RUNTIME_ONLY), JSON-safe: functions
-        and classes (transforms, recipe) by their qualified names."""
+        """The options a saved state must agree with (all but the runtime-only ones), JSON-safe:
+        functions and classes (transforms, recipe) by their qualified names."""
         described = {}
-        for option in fields(self):
-            key, value = option.name, getattr(self, option.name)
-            if key in RUNTIME_ONLY:
+        for name, value in self.flat().items():
+            if name in GROUPS[GROUP_OF[name]].runtime_only:
                 continue
-            if key == "transforms":
-                value = [_qualified_name(t) for t in value]
-            elif key == "recipe":
-                value = None if value is None else _qualified_name(value)
-            elif key in ("fields", "speed_perturb", "noise_snr") and value is not None:
+            if name == "transforms":
+                value = [qualified_name(t) for t in value]
+            elif name == "recipe":
+                value = None if value is None else qualified_name(value)
+            elif name in SEQUENCES and value is not None:
                 value = list(value)
-            described[key] = value
+            described[name] = value
         return described
 
-    @classmethod
-    def option_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+    @staticmethod
+    def option_fields() -> Iterator[Field]:
+        """Every option's dataclass field (name, default, type annotation), group by group."""
+        for kind in GROUPS.values():
+            yield from fields(kind)  # type: ignore[arg-type]
+
+    @staticmethod
+    def default_of(name: str) -> Any:
+        """The default of option ``name`` (``MISSING`` for none)."""
+        option = GROUPS[GROUP_OF[name]].__dataclass_fields__[name]  # type: ignore[attr-defined]
+        return option.default if option.default is not MISSING else MISSING
 
 
-def _qualified_name(item: Any) -> str:
-    target = getattr(item, "predicate", item)  # keep_if(...) by its predicate
+def _check_mixed(flat: dict[str, Any]) -> None:
+    """A mix is an endless stream of its sources: its epochs are cut by a length."""
+    if flat.get("uneven", "repeat") != "repeat":
+        raise ConfigError(
+            "a mux is an endless stream of its sources: its epochs are cut by epoch_steps, epoch_hours or "
+            f"epoch_source, not by uneven={flat['uneven']!r}."
+        )
+    if all(flat.get(n) is None for n in ("epoch_steps", "epoch_hours", "epoch_source")):
+        raise ConfigError(
+            "a mux never runs out: give epoch_steps, epoch_hours or epoch_source (one pass's worth of one source)."
+        )
+    flat["uneven"] = "repeat"
+
+
+def qualified_name(item: Any) -> str:
+    """A function's or class's importable name (``keep_if(...)`` by its predicate)."""
+    target = getattr(item, "predicate", item)
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
     return f"keep_if({name})" if target is not item else name

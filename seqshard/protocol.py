@@ -11,6 +11,7 @@ A loader is iterated once per epoch and yields batches (dicts). Code written for
   known exactly; where it is not, ``len()`` raises TypeError saying why, and
   ``planned_batches()`` gives an estimate with its error;
 - ``stats()`` says what the epoch did so far (at least ``epoch`` and ``steps``);
+- ``dim`` is the feature dimension of batched features (None where batches hold none);
 - ``close()`` stops worker processes and releases files (iterating again starts them anew).
 """
 
@@ -41,6 +42,9 @@ class Loader(Protocol):
 
     @property
     def epoch(self) -> int: ...
+
+    @property
+    def dim(self) -> int | None: ...
 
     def set_epoch(self, epoch: int) -> None: ...
 

@@ -6,19 +6,22 @@ map-style ``Dataset`` is the simplest right tool; batches come out as the stream
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
 
 from .checks import MAX_WORKERS, check_flag, check_number
-from .errors import SkipCounter
+from .dist import discover
+from .errors import InputError, SeqshardError, SkipCounter, StateMismatchError
 from .formats.kaldi import MatrixReader, parse_location
 from .formats.keytable import KeyTable
 from .pipeline.stages.batching import Batch
 from .pipeline.stages.collate import Collator, speech_rules, to_tensors
 from .pipeline.stages.labels import Labeler
 from .pipeline.stages.sample import Sample
+from .protocol import PlannedBatches
 from .text.labels import LabelOverride
 from .text.tokenizers import Tokenizer, make_tokenizer
 
@@ -94,3 +97,130 @@ def make_scp_loader(
         num_workers=num_workers,
         collate_fn=partial(collate, pad_label=pad_label),
     )
+
+
+class MapStyleLoader:
+    """The ordinary loader over an :class:`ScpDataset` (``large_dataset: false``, and Kaldi dev
+    sets), in the :class:`seqshard.protocol.Loader` shape: shuffled per epoch (or in file order),
+    split over ranks by torch's DistributedSampler (which repeats a few utterances so every rank
+    has as many), batches of ``batch_size`` in make_loader's format. An error in a worker is
+    raised with its own type (as make_loader's are), not as torch's RuntimeError. Its state is
+    the epoch and the batches taken: a resume goes on at the next batch."""
+
+    def __init__(
+        self,
+        dataset: ScpDataset,
+        *,
+        batch_size: int,
+        shuffle: bool,
+        num_workers: int,
+        rank: int | None,
+        world_size: int | None,
+        seed: int = 0,
+    ):
+        import torch.utils.data
+
+        context = discover(rank, world_size)
+        self.dataset = dataset
+        self.tokenizer = dataset.labeler.tokenizer
+        self.batch_size = check_number("batch_size", batch_size, whole=True, at_least=1)
+        self.num_workers = check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+        self.sampler = torch.utils.data.DistributedSampler(
+            dataset, context.world_size, context.rank, shuffle=check_flag("shuffle", shuffle), seed=seed
+        )
+        self._epoch = 0
+        self._chosen = False  # set_epoch was called since the last iteration began
+        self._step = 0  # batches taken in the current epoch
+        self._completed = False  # the current epoch ran to its end
+        self._utts = 0
+        self._active: Any = None
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def dim(self) -> int:
+        return int(self.dataset[0]["feats"].shape[1])
+
+    def set_epoch(self, epoch: int) -> None:
+        self._epoch, self._chosen = epoch, True
+
+    def planned_batches(self) -> PlannedBatches:
+        total = math.ceil(len(self.sampler) / self.batch_size)
+        return PlannedBatches(total, 0 if self._completed else total - self._step)
+
+    def __len__(self) -> int:
+        return self.planned_batches().total
+
+    def planned_utts(self) -> int:
+        """Utterances this rank reads in an epoch."""
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        import torch.utils.data
+
+        if self._completed and not self._chosen:
+            self._epoch += 1  # iterating again after a finished epoch runs the next one
+        if self._completed or self._chosen:
+            self._step = 0
+        self._chosen, self._completed, self._utts = False, False, 0
+        self.sampler.set_epoch(self._epoch)
+        indices = list(self.sampler)[self._step * self.batch_size :]
+        loader = torch.utils.data.DataLoader(
+            _ErrorsAsItems(self.dataset),
+            batch_size=self.batch_size,
+            sampler=indices,
+            num_workers=self.num_workers,
+            collate_fn=_collate_or_error,
+        )
+        self._active = iter(loader)
+        for batch in self._active:
+            if isinstance(batch, SeqshardError):
+                raise batch
+            self._step += 1
+            self._utts += len(batch["keys"])
+            yield batch
+        self._completed, self._active = True, None
+
+    def stats(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "steps": self._step, "utts": self._utts}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seqshard_map_style_state": 1, "epoch": self._epoch, "step": self._step, "completed": self._completed}
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Go on at the batch after the saved one (the next epoch when the saved one had ended)."""
+        if state.get("seqshard_map_style_state") != 1:
+            raise StateMismatchError("not a map-style loader state of this version (seqshard_map_style_state).")
+        self._epoch, self._step, self._completed = int(state["epoch"]), int(state["step"]), bool(state["completed"])
+        self._chosen = False
+
+    def close(self) -> None:
+        """Stop worker processes (an iteration after this starts them again)."""
+        self._active = None
+
+
+class _ErrorsAsItems:
+    """A map-style dataset whose seqshard errors are items, so that they leave a DataLoader
+    worker as they are (torch turns an exception it cannot rebuild into a RuntimeError);
+    bad input is never skipped here, so no message offers skip_bad."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        try:
+            return self.dataset[index]
+        except SeqshardError as error:
+            if isinstance(error, InputError):
+                error.skippable = False
+            return error
+
+
+def _collate_or_error(samples: list[Any]) -> Any:
+    """A batch of samples as make_loader's, or the first error among them."""
+    return next((s for s in samples if isinstance(s, SeqshardError)), None) or collate(samples)

@@ -16,7 +16,7 @@ from seqshard.errors import ConfigError
 from seqshard.features.fbank import FbankOptions
 from seqshard.formats.mmidx import TokenDatasetWriter
 from seqshard.formats.tar import ShardWriter
-from seqshard.options import NUMBERS, LoaderConfig
+from seqshard.options import NUMBERS, LoaderOptions
 from seqshard.tools.index import rebuild_index
 
 NAN, INF = float("nan"), float("inf")
@@ -61,21 +61,21 @@ NEEDS = {"quadratic_frames": dict(batch_frames=1000), "batch_frames": {}, "batch
 def loader_cases():
     for name in NUMBERS:
         for value in [*NOT_NUMBERS, NAN, INF, -INF, *OUT_OF_RANGE[name]]:
-            if value is None and LoaderConfig.__dataclass_fields__[name].default is None:
+            if value is None and LoaderOptions.default_of(name) is None:
                 continue  # None is that option's default
             yield name, value
 
 
 def test_numpy_numbers_are_taken_as_pythons_so_states_stay_json():
-    config = LoaderConfig(batch_size=np.int64(4), seed=np.int64(1), noise_prob=np.float64(0.5))
-    assert json.loads(json.dumps(config.batch_defining()))["seed"] == 1 and type(config.batch_size) is int
+    config = LoaderOptions(batch_size=np.int64(4), seed=np.int64(1), noise_prob=np.float64(0.5))
+    assert json.loads(json.dumps(config.batch_defining()))["seed"] == 1 and type(config.batching.batch_size) is int
 
 
 def test_the_table_covers_every_numeric_loader_option():
     numeric = {
         f.name
-        for f in fields(LoaderConfig)
-        if isinstance(f.default, (int, float)) and not isinstance(f.default, bool) or f.name in NUMBERS
+        for f in LoaderOptions.option_fields()
+        if (isinstance(f.default, (int, float)) and not isinstance(f.default, bool)) or f.name in NUMBERS
     }
     assert numeric <= set(OUT_OF_RANGE) == set(NUMBERS)
 

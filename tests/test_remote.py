@@ -150,12 +150,10 @@ def test_the_cache_keeps_to_its_limit(packed, tmp_path):
 
 
 def _read_through_cache(url, cache, barrier):
-    from seqshard.formats import remote
     from seqshard.formats.cache import ShardCache
     from seqshard.formats.remote import RemoteAccess
 
     access = RemoteAccess(cache=ShardCache(cache))
-    remote.use(access)
     barrier.wait()
     access.cached_copy(url).close()
 

@@ -46,7 +46,7 @@ def medium(tmp_path_factory):
 def in_small_requests(loader):
     """The loader, reading remote shards in requests of 64 KB (8 MB by default), so that each
     shard takes several."""
-    remote.current().chunk_bytes = 64 << 10
+    loader._access.chunk_bytes = 64 << 10  # the access object its readers (and worker processes) get
     return loader
 
 
@@ -265,7 +265,7 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
         finally:
             gc.enable()
         child.join(30)
-    assert child.exitcode == 0 and times.get() < 0.5
+    assert child.exitcode == 0 and times.get() < 1.5  # 1 s per dropped loader before (2 s here); loose for loaded machines
 
 
 def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):

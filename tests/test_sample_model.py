@@ -193,8 +193,8 @@ def test_a_custom_recipe_and_a_user_stage_resume_everywhere(corpus):
     loader = make_loader(corpus.pattern, batch_size=5, recipe=my_recipe, num_workers=0, **SMALL)
     setup = loader._setup
     units = setup.units(0, 0)
-    assert_resumes_everywhere(lambda: my_recipe(Reader(setup, 0, 0, units)))
-    assert_resumes_everywhere(lambda: default_recipe(Reader(setup, 0, 0, units)))
+    assert_resumes_everywhere(lambda: my_recipe(Reader(setup, 0, 0, units=units)))
+    assert_resumes_everywhere(lambda: default_recipe(Reader(setup, 0, 0, units=units)))
     keys = [k for b in loader for k in b["keys"]]
     assert sorted(keys) == sorted(corpus.data.keys)
     assert all(
@@ -225,7 +225,7 @@ def test_epoch_steps_and_hours_cut_epochs_in_any_mode_where_they_make_sense(corp
 
 def test_batches_are_the_shared_memory_the_worker_wrote_and_views_outlive_slot_reuse(corpus):
     loader = make_loader(corpus.pattern, batch_size=3, num_workers=2, prefetch_factor=1, **SMALL)
-    slots = loader._setup.slots
+    slots = loader._pool.runtime.slots
     start, end = slots._buffer.data_ptr(), slots._buffer.data_ptr() + slots._buffer.numel()
     reference = []
     for batch in loader:

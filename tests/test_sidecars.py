@@ -83,7 +83,9 @@ def test_asking_only_for_sidecar_fields_never_opens_the_shards(with_fields, monk
     import seqshard.formats.tar as tar
 
     real = tar._open_for_reading
-    monkeypatch.setattr(tar, "_open_for_reading", lambda path, ahead: opened.append(path) or real(path, ahead))
+    monkeypatch.setattr(
+        tar, "_open_for_reading", lambda path, ahead, access: opened.append(path) or real(path, ahead, access)
+    )
     batches = list(loader)
     assert sorted(k for b in batches for k in b["keys"]) == sorted(packed.data.keys)
     assert sorted(batches[0]) == ["keys", "spk"]

@@ -8,11 +8,12 @@ from hypothesis import strategies as st
 from conftest import assert_resumes_everywhere
 from seqshard.errors import SkipCounter
 from seqshard.formats.table import ShardTable
+from seqshard.options import Limits as LengthLimits
 from seqshard.pipeline.plan import Unit
 from seqshard.pipeline.stages.base import Map, Stage
 from seqshard.pipeline.stages.batching import FixedSize, LengthBudget, SortBatch, cut_batches
 from seqshard.pipeline.stages.decode import Decoder
-from seqshard.pipeline.stages.filters import LengthLimits, length_filter
+from seqshard.pipeline.stages.filters import length_filter
 from seqshard.pipeline.stages.lengths import Length
 from seqshard.pipeline.stages.passes import Passes
 from seqshard.pipeline.stages.reader import ShardReader

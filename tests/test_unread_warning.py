@@ -13,7 +13,7 @@ from seqshard import make_loader, make_token_loader
 from seqshard.formats.mmidx import TokenDatasetWriter
 from seqshard.formats.npy import npy_parts
 from seqshard.formats.tar import ShardWriter
-from seqshard.options import LoaderConfig
+from seqshard.options import LoaderOptions
 from seqshard.pipeline.rank.accounts import unread_warning
 from seqshard.tools.index import rebuild_index
 
@@ -56,7 +56,7 @@ def test_stopping_ranks_that_leave_much_unread_are_warned(tmp_path):
 
 
 def test_the_warning_needs_more_than_five_percent_left():
-    config = LoaderConfig(batch_frames=1000, split_shards=True, num_workers=1)
+    config = LoaderOptions(batch_frames=1000, split_shards=True, num_workers=1)
     ranks = [{"rank": 0, "planned": 50, "left": 0}, {"rank": 1, "planned": 50, "left": 5}]
     assert unread_warning(3, ranks, config) is None
     ranks[1]["left"] = 6

@@ -23,7 +23,8 @@ from ..errors import ConfigError, InputError, Where
 from .audio import WavLocation, parse_wav_location, read_location
 from .kaldi import BOM, parse_line
 from .keys import key_hash
-from .patterns import SHARD_SUFFIXES
+from .patterns import SHARD_SUFFIXES, is_shard_name
+from .remote import has_query, is_remote, url_name
 from .tar import TarRecord
 
 _LOG = logging.getLogger("seqshard")
@@ -41,9 +42,10 @@ def resolve(path: str, listed_in: Path) -> Path:
     return beside if beside.exists() else candidate
 
 
-def shard_list(path: Path) -> list[Path] | None:
-    """The shards a shard list names, or None when the file is a list of samples (a raw list,
-    whose first line is a JSON object, or a wav.scp)."""
+def shard_list(path: Path) -> list[str] | None:
+    """The shards a shard list names (local paths resolved, URLs as written), or None when the
+    file is a list of samples (a raw list, whose first line is a JSON object, or a wav.scp).
+    The one reader of shard lists, for local and remote selections alike."""
     if path.name.endswith(".scp"):
         return None
     with open(path, encoding="utf-8") as stream:
@@ -53,12 +55,12 @@ def shard_list(path: Path) -> list[Path] | None:
         stream.seek(0)
         lines = [(number, line.strip()) for number, line in enumerate(stream, 1) if line.strip()]
     for number, line in lines:
-        if not line.endswith(SHARD_SUFFIXES):
+        if not (is_shard_name(url_name(line)) or (is_remote(line) and has_query(line))):
             raise ConfigError(
                 f"{path} line {number}: {line[:80]!r} is not a shard path (a list holds shard paths ending in "
                 f'{", ".join(SHARD_SUFFIXES)}, or JSON samples with "key" and "wav").'
             )
-    return [resolve(line, path) for _, line in lines]
+    return [line if is_remote(line) else str(resolve(line, path)) for _, line in lines]
 
 
 def _problem(error: InputError) -> bytes:

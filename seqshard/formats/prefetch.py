@@ -18,12 +18,16 @@ _CHUNK = 8 << 20
 _PAGE = 4096
 
 
-class _Prefetcher:
+class ReadAhead:
+    """One thread of this process reading file ranges ahead of their readers (see the module
+    docstring); made by the process that reads (threads do not survive a fork)."""
+
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
         threading.Thread(target=self._run, name="seqshard-prefetch", daemon=True).start()
 
     def submit(self, fd: int, offset: int, length: int) -> None:
+        """Have ``length`` bytes of ``fd`` from ``offset`` read into the page cache soon."""
         self._jobs.put((os.dup(fd), offset, length))  # its own descriptor: the reader may close first
 
     def _run(self) -> None:
@@ -59,17 +63,3 @@ def _cached(fd: int, offset: int, length: int, buffer: memoryview) -> bool:
         except OSError:  # EAGAIN: not in memory; EOPNOTSUPP: cannot tell
             return False
     return True
-
-
-_instance: _Prefetcher | None = None
-_owner_pid = -1
-_lock = threading.Lock()
-
-
-def read_ahead(fd: int, offset: int, length: int) -> None:
-    """Have ``length`` bytes of ``fd`` from ``offset`` read into the page cache soon."""
-    global _instance, _owner_pid
-    with _lock:
-        if _owner_pid != os.getpid():  # threads do not survive fork: one per process
-            _instance, _owner_pid = _Prefetcher(), os.getpid()
-    _instance.submit(fd, offset, length)

@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, ShardError, option, redact
+from .prefetch import ReadAhead
 
 if TYPE_CHECKING:
     from .cache import ShardCache
@@ -193,10 +194,12 @@ def _network_error(error: BaseException) -> bool:
 
 @dataclass
 class RemoteAccess:
-    """How remote shards are read: fsspec ``storage_options``, retries, request timeout,
-    chunk size and read-ahead, and an optional local cache. ``expected`` maps a shard URL to
-    its ``(bytes, checksum)`` from the index (the cache verifies against it); ``sizes`` holds
-    the sizes the store reported for shards without an index entry."""
+    """How a process reads shards, passed to every reader that opens one: for remote shards
+    fsspec ``storage_options``, retries, request timeout, chunk size and read-ahead, and an
+    optional local cache; for local ones the thread that reads ahead of them
+    (:meth:`read_ahead`). ``expected`` maps a shard URL to its ``(bytes, checksum)`` from the
+    index (the cache verifies against it); ``sizes`` holds the sizes the store reported for
+    shards without an index entry."""
 
     storage_options: dict[str, Any] = field(default_factory=dict)
     retries: int = 4
@@ -211,6 +214,14 @@ class RemoteAccess:
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}  # no file systems or threads
+
+    def read_ahead(self) -> ReadAhead:
+        """This process's thread reading local shards ahead of their readers (made on first use
+        in each process: threads do not survive a fork)."""
+        made = self.__dict__.get("_read_ahead")
+        if made is None or made[0] != os.getpid():
+            made = self.__dict__["_read_ahead"] = (os.getpid(), ReadAhead())
+        return made[1]
 
     # -- file systems --------------------------------------------------------------------
     def filesystem(self, url: str) -> tuple[Any, str]:
@@ -743,25 +754,12 @@ class PipeBytes:
             self._process = None
 
 
-_CURRENT = RemoteAccess()
-
-
-def use(access: RemoteAccess) -> None:
-    """Make ``access`` the way this process reads remote shards."""
-    global _CURRENT
-    _CURRENT = access
-
-
-def current() -> RemoteAccess:
-    return _CURRENT
-
-
-def load_remote_index(folder_url: str) -> ShardIndex | None:
+def load_remote_index(folder_url: str, access: RemoteAccess) -> ShardIndex | None:
     """The ``index.json`` of a remote folder, or None when it has none."""
     from .index import INDEX_NAME, ShardIndex
 
     url = folder_url.rstrip("/") + "/" + INDEX_NAME
-    text = current().read_text(url)
+    text = access.read_text(url)
     if text is None:
         return None
     try:

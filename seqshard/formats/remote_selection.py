@@ -19,12 +19,12 @@ from pathlib import Path
 
 from ..errors import ConfigError
 from .index import ShardEntry, ShardIndex
-from .lists import resolve
-from .patterns import SHARD_SUFFIXES, is_list_name, is_shard_name, pattern_list
+from .lists import shard_list
+from .patterns import is_list_name, is_shard_name, pattern_list
 from .remote import (
     NotOnServer,
+    RemoteAccess,
     check_pipes_allowed,
-    current,
     has_query,
     is_pipe,
     is_remote,
@@ -52,35 +52,26 @@ def split_patterns(patterns) -> tuple[list[str], list[str]]:
         if is_remote(pattern):
             remote.append(pattern)
             continue
-        lines = _list_lines(pattern)
-        if lines is None or not any(is_remote(line) for line in lines):
-            local.append(pattern)
+        path = Path(pattern)
+        listed = (
+            shard_list(path) if is_list_name(path.name) and not glob.has_magic(pattern) and path.is_file() else None
+        )
+        if listed is None or not any(is_remote(entry) for entry in listed):
+            local.append(pattern)  # the local selection reads the list (and reports on it)
             continue
-        for line in lines:
-            (remote if is_remote(line) else local).append(
-                line if is_remote(line) else str(resolve(line, Path(pattern)))
-            )
+        for entry in listed:
+            (remote if is_remote(entry) else local).append(entry)
     return local, remote
-
-
-def _list_lines(pattern: str) -> list[str] | None:
-    path = Path(pattern)
-    if not is_list_name(path.name) or glob.has_magic(pattern) or not path.is_file():
-        return None
-    with open(path, encoding="utf-8") as stream:
-        lines = [line.strip() for line in stream if line.strip()]
-    if not lines or lines[0].startswith("{") or not all(line.endswith(SHARD_SUFFIXES) for line in lines):
-        return None  # a raw list of samples, or a list the local selection reports on
-    return lines
 
 
 class RemoteSelection:
     """The remote shards of some patterns, in order, each once; the folders' indexes; the
     selected shards that the store does not have."""
 
-    def __init__(self, patterns: list[str]):
+    def __init__(self, patterns: list[str], access: RemoteAccess):
         from braceexpand import braceexpand
 
+        self.access = access
         self.indexes: dict[str, ShardIndex | None] = {}
         self.shards: list[RemoteShard] = []
         self.missing: list[MissingShard] = []
@@ -105,7 +96,7 @@ class RemoteSelection:
                     entry = index.entry(url_name(url)) if index else None
                     if entry is None:
                         try:
-                            current().size(url)
+                            access.size(url)
                         except NotOnServer:
                             self.missing.append(MissingShard(url, "named, but the server does not have it"))
                             continue
@@ -113,12 +104,12 @@ class RemoteSelection:
 
     def index_of(self, folder: str) -> ShardIndex | None:
         if folder not in self.indexes:
-            self.indexes[folder] = load_remote_index(folder)
+            self.indexes[folder] = load_remote_index(folder, self.access)
         return self.indexes[folder]
 
     def _alternative(self, text: str) -> list[str]:
         if is_pipe(text):
-            check_pipes_allowed(text, current().allow_pipes)
+            check_pipes_allowed(text, self.access.allow_pipes)
             return [text]
         name = url_name(text)
         if glob.has_magic(text.split("?", 1)[0].split("://", 1)[1]):
@@ -127,7 +118,7 @@ class RemoteSelection:
                     f"{text}: an http server cannot be listed, so wildcards do not work there; use braces "
                     "({00000..00099}), the folder's URL (its index.json lists the shards) or a .list file."
                 )
-            return [url for url in current().glob(text) if is_shard_name(url.rsplit("/", 1)[-1])]
+            return [url for url in self.access.glob(text) if is_shard_name(url.rsplit("/", 1)[-1])]
         if is_shard_name(name) or has_query(text):
             return [text]
         index = self.index_of(text.rstrip("/"))

@@ -119,9 +119,10 @@ def _is_sidecar(path: Path, selection: ShardSelection) -> bool:
 def _read_list(alternative: Alternative) -> list[MissingShard]:
     """A WeNet shard list stands for the shards it names (those not on disk are returned); a
     raw list of samples is read as one shard."""
-    listed = shard_list(alternative.files[0])
-    if listed is None:
+    entries = shard_list(alternative.files[0])
+    if entries is None:
         return []
+    listed = [Path(entry) for entry in entries]
     alternative.files = [path for path in listed if path.is_file()]
     return [
         MissingShard(path, f"named in {alternative.text}, but it does not exist")
@@ -161,35 +162,3 @@ def _unfinished_without_record(folder: Path) -> bool:
     seqshard) and has no report: it cannot be told complete."""
     root = pack_root(folder)
     return root is not None and not (root / REPORT_NAME).is_file() and any(folder.glob("*.tar"))
-
-
-@dataclass
-class SelectedFolder:
-    """One folder of selected shards, local or remote: its name (a path or URL), its index,
-    and its shards (paths or URLs), in pattern order."""
-
-    name: str
-    index: ShardIndex | None
-    shards: list[str]
-
-
-def select_folders(patterns: Patterns) -> tuple[list[SelectedFolder], list[MissingShard]]:
-    """The shards of ``patterns``, local ones (see :func:`select_shards`) then remote ones
-    (URLs, lists naming URLs: :mod:`.remote_selection`), grouped by folder; and the missing."""
-    from .remote_selection import RemoteSelection, split_patterns
-
-    local, remote = split_patterns(patterns)
-    selection = select_shards(local) if local else ShardSelection()
-    folders = [
-        SelectedFolder(str(folder), selection.indexes[folder], [str(p) for p in paths])
-        for folder, paths in selection.folders.items()
-    ]
-    missing = selection.missing
-    if remote:
-        chosen = RemoteSelection(remote)
-        by_folder: dict[str, list[str]] = {}
-        for shard in chosen.shards:
-            by_folder.setdefault(shard.folder, []).append(shard.url)
-        folders += [SelectedFolder(name, chosen.indexes.get(name), urls) for name, urls in by_folder.items()]
-        missing = missing + chosen.missing
-    return folders, missing

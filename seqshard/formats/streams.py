@@ -11,21 +11,28 @@ from pathlib import Path
 from ..errors import ShardError
 from .lists import ListSampleStream
 from .patterns import is_list_name
+from .remote import RemoteAccess
 from .tar import SampleStream
 
 AnyStream = SampleStream | ListSampleStream
 
 
 def open_samples(
-    path: str | Path, start: int = 0, ordinal: int = 0, read_data: bool = True, read_ahead: bool = True
+    path: str | Path,
+    start: int = 0,
+    ordinal: int = 0,
+    read_data: bool = True,
+    read_ahead: bool = True,
+    access: RemoteAccess | None = None,
 ) -> AnyStream:
-    """A sample stream over a shard (or a raw list), from byte ``start`` (sample ``ordinal``)."""
+    """A sample stream over a shard (or a raw list), from byte ``start`` (sample ``ordinal``);
+    ``access`` reads remote shards (and reads local ones ahead)."""
     if is_list_name(str(path)):
         return ListSampleStream(path, start, ordinal, read_data=read_data)
-    return SampleStream(path, start, ordinal, read_data=read_data, read_ahead=read_ahead)
+    return SampleStream(path, start, ordinal, read_data=read_data, read_ahead=read_ahead, access=access)
 
 
-def skip_samples(path: str | Path, count: int) -> tuple[int, int]:
+def skip_samples(path: str | Path, count: int, access: RemoteAccess | None = None) -> tuple[int, int]:
     """Offset of the ``count``-th sample, found by reading headers only (lines of a list).
 
     Returns ``(offset, ordinal)`` to pass to :func:`open_samples`; the ordinal is smaller than
@@ -33,26 +40,26 @@ def skip_samples(path: str | Path, count: int) -> tuple[int, int]:
     """
     if count == 0:
         return 0, 0
-    with open_samples(path, read_data=False) as stream:
+    with open_samples(path, read_data=False, access=access) as stream:
         for _ in range(count):
             if stream.next_sample() is None:
                 break
         return stream.resume_offset, stream.ordinal
 
 
-def count_samples(path: str | Path) -> int:
+def count_samples(path: str | Path, access: RemoteAccess | None = None) -> int:
     """How many samples a shard (or list) holds, found by reading its headers only."""
-    with open_samples(path, read_data=False) as stream:
+    with open_samples(path, read_data=False, access=access) as stream:
         while stream.next_sample() is not None:
             pass
         return stream.ordinal
 
 
-def first_sample_fields(path: str | Path) -> list[str]:
+def first_sample_fields(path: str | Path, access: RemoteAccess | None = None) -> list[str]:
     """Member suffixes of the first sample (empty for an empty or unreadable shard: reading
     it later reports the damage)."""
     try:
-        with open_samples(path, read_data=False) as stream:
+        with open_samples(path, read_data=False, access=access) as stream:
             sample = stream.next_sample()
     except ShardError:
         return []

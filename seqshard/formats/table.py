@@ -20,7 +20,9 @@ from . import remote
 from .index import ShardIndex, merge_histograms
 from .lists import scan_list
 from .patterns import Patterns, is_list_name
-from .selection import MissingShard, select_folders
+from .remote import RemoteAccess
+from .remote_selection import RemoteSelection, split_patterns
+from .selection import MissingShard, ShardSelection, select_shards
 from .streams import first_sample_fields, open_samples
 
 _LOG = logging.getLogger("seqshard")
@@ -58,10 +60,43 @@ class ShardInfo:
         raise ConfigError(f"{self.path} has no field set {field_set!r} (add it with `seqshard add-field`).")
 
 
+@dataclass
+class SelectedFolder:
+    """One folder of selected shards, local or remote: its name (a path or URL), its index,
+    and its shards (paths or URLs), in pattern order."""
+
+    name: str
+    index: ShardIndex | None
+    shards: list[str]
+
+
+def select_folders(
+    patterns: Patterns, access: RemoteAccess | None = None
+) -> tuple[list[SelectedFolder], list[MissingShard]]:
+    """The shards of ``patterns``, local ones (see :func:`select_shards`) then remote ones
+    (URLs, lists naming URLs: :mod:`.remote_selection`), grouped by folder; and the missing."""
+    local, remote = split_patterns(patterns)
+    selection = select_shards(local) if local else ShardSelection()
+    folders = [
+        SelectedFolder(str(folder), selection.indexes[folder], [str(p) for p in paths])
+        for folder, paths in selection.folders.items()
+    ]
+    missing = selection.missing
+    if remote:
+        chosen = RemoteSelection(remote, access or RemoteAccess())
+        by_folder: dict[str, list[str]] = {}
+        for shard in chosen.shards:
+            by_folder.setdefault(shard.folder, []).append(shard.url)
+        folders += [SelectedFolder(name, chosen.indexes.get(name), urls) for name, urls in by_folder.items()]
+        missing = missing + chosen.missing
+    return folders, missing
+
+
 class _Gathered:
     """Shards and dataset facts collected folder by folder (local or remote) for a table."""
 
-    def __init__(self) -> None:
+    def __init__(self, access: RemoteAccess) -> None:
+        self.access = access
         self.shards: list[ShardInfo] = []
         self.dims: dict[int, str] = {}
         self.histograms: list[dict[int, int]] = []
@@ -73,7 +108,7 @@ class _Gathered:
             self.dims.setdefault(int(index.feature["dim"]), folder)
             self.shift = float(index.feature.get("frame_shift_ms") or self.shift)
         escaped = index is not None and index.escaped_keys
-        main_fields = index.fields if index and index.fields else first_sample_fields(paths[0])
+        main_fields = index.fields if index and index.fields else first_sample_fields(paths[0], self.access)
         for name, suffixes in [(MAIN, main_fields)] + [
             (name, fs.fields) for name, fs in (index.field_sets.items() if index else [])
         ]:
@@ -86,7 +121,7 @@ class _Gathered:
                 folder,
                 len(unindexed),
             )
-        access = remote.current()
+        access = self.access
         for path in paths:
             entry = index.entry(_name(path)) if index else None
             if is_list_name(path):  # a raw list, read as a shard of its lines
@@ -122,7 +157,7 @@ def _name(path: str) -> str:
     return path.rstrip("/").rsplit("/", 1)[-1]
 
 
-def _refuse_copies(shards: Sequence[ShardInfo]) -> None:
+def _refuse_copies(shards: Sequence[ShardInfo], access: RemoteAccess) -> None:
     """Refuse two selected files that are one shard (a copied folder selected with its
     original): their samples would be read twice each epoch. Only files of equal size are
     compared, by their index's CRC-32 when every one of them is indexed, else by their first
@@ -135,7 +170,7 @@ def _refuse_copies(shards: Sequence[ShardInfo]) -> None:
         indexed = all(shard.checksum for shard in group)
         seen: dict[Any, str] = {}
         for shard in group:
-            mark = shard.checksum if indexed else _first_sample_mark(shard.path)
+            mark = shard.checksum if indexed else _first_sample_mark(shard.path, access)
             if mark is None:
                 continue
             first = seen.setdefault(mark, shard.path)
@@ -147,11 +182,11 @@ def _refuse_copies(shards: Sequence[ShardInfo]) -> None:
                 )
 
 
-def _first_sample_mark(path: str) -> tuple[str, int] | None:
+def _first_sample_mark(path: str, access: RemoteAccess) -> tuple[str, int] | None:
     """The first sample's key and the CRC-32 of its members, or None when it cannot be read
     (the reader reports the damage)."""
     try:
-        with open_samples(path, read_ahead=False) as stream:
+        with open_samples(path, read_ahead=False, access=access) as stream:
             sample = stream.next_sample()
             if sample is None:
                 return None
@@ -175,18 +210,20 @@ class ShardTable:
     field_sets: tuple[tuple[str, tuple[str, ...]], ...] = ()  # set -> member suffixes, from the indexes
 
     @classmethod
-    def from_patterns(cls, patterns: Patterns) -> ShardTable:
+    def from_patterns(cls, patterns: Patterns, access: RemoteAccess | None = None) -> ShardTable:
         """Expand brace/glob ``patterns`` (local paths, URLs, lists) and read each folder's
-        ``index.json``. Local shards come first, then remote ones, each in pattern order."""
-        folders, missing = select_folders(patterns)
-        gathered = _Gathered()
+        ``index.json``; remote sizes and index facts go into ``access`` (the cache checks its
+        copies against them). Local shards come first, then remote ones, each in pattern order."""
+        access = access or RemoteAccess()
+        folders, missing = select_folders(patterns, access)
+        gathered = _Gathered(access)
         for folder in folders:
             gathered.add_folder(folder.name, folder.index, folder.shards)
         if len(gathered.dims) > 1:
             raise ConfigError(
                 f"the shards mix feature dimensions: {', '.join(f'{d} in {f}' for d, f in gathered.dims.items())}."
             )
-        _refuse_copies(gathered.shards)
+        _refuse_copies(gathered.shards, access)
         histogram = merge_histograms(gathered.histograms)
         return cls(
             tuple(gathered.shards),

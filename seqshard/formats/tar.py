@@ -28,9 +28,8 @@ from typing import Any, BinaryIO
 from ..errors import ShardError
 from .files import fsync_directory, writing
 from .keys import split_member_name
-from .prefetch import read_ahead
-from .remote import current as current_remote
-from .remote import is_remote
+from .prefetch import ReadAhead
+from .remote import RemoteAccess, is_remote
 
 BLOCK = 512
 RECORD = 20 * BLOCK
@@ -180,9 +179,9 @@ class _MappedBytes:
     not copies. A chunk is unmapped when the last view into it is gone, so the mapped pages
     a reader keeps are those its buffered samples use."""
 
-    def __init__(self, path: str, read_ahead: bool = True, file: BinaryIO | None = None):
+    def __init__(self, path: str, ahead: ReadAhead | None = None, file: BinaryIO | None = None):
         self.path = path
-        self._read_ahead = read_ahead
+        self._ahead = ahead
         self._file = file or open(path, "rb")  # noqa: SIM115 (open until close(): chunks are mapped from it)
         self.size = os.fstat(self._file.fileno()).st_size
         self._chunk = memoryview(b"")
@@ -210,8 +209,8 @@ class _MappedBytes:
             self._map(self._pos, end)
         view = self._chunk[self._pos - self._chunk_start : end - self._chunk_start]
         self._pos = end
-        if self._read_ahead and self._pos + READ_AHEAD // 2 > self._advised and self._advised < self.size:
-            read_ahead(self._file.fileno(), self._advised, min(READ_AHEAD, self.size - self._advised))
+        if self._ahead is not None and self._pos + READ_AHEAD // 2 > self._advised and self._advised < self.size:
+            self._ahead.submit(self._file.fileno(), self._advised, min(READ_AHEAD, self.size - self._advised))
             self._advised += READ_AHEAD
         return view
 
@@ -252,9 +251,9 @@ class TarStream:
     ``read_ahead=False`` (for walks over headers only).
     """
 
-    def __init__(self, path: str | Path, start: int = 0, read_ahead: bool = True):
+    def __init__(self, path: str | Path, start: int = 0, read_ahead: bool = True, access: RemoteAccess | None = None):
         self.path = str(path)
-        self._source = _open_for_reading(self.path, read_ahead)
+        self._source = _open_for_reading(self.path, read_ahead, access)
         self.position = 0
         self.ended_cleanly = False  # True once the end-of-archive block has been read
         if start:
@@ -403,22 +402,26 @@ class _FileOver:
         self._source.close()
 
 
-def _open_for_reading(path: str, read_ahead: bool) -> Any:
+def _open_for_reading(path: str, read_ahead: bool, access: RemoteAccess | None) -> Any:
+    """A byte source over ``path``: a mapped local file (read ahead by ``access``'s thread), a
+    cached copy of a remote shard, ranged reads or a command's output; gzip streams of them."""
     if is_remote(path):
+        if access is None:
+            raise ShardError(path, None, "a remote shard needs the loader's remote access to be read (no access given)")
         compressed = path.endswith((".gz", ".tgz"))
-        cached = current_remote().cached_copy(path)
+        cached = access.cached_copy(path)
         if cached is not None:  # read like a local shard
             if compressed:
                 return _StreamedBytes(gzip.GzipFile(fileobj=cached, mode="rb"))  # type: ignore[arg-type]
-            return _MappedBytes(cached.name, read_ahead, file=cached)
-        source = current_remote().open_bytes(path)
+            return _MappedBytes(cached.name, access.read_ahead() if read_ahead else None, file=cached)
+        source = access.open_bytes(path)
         if compressed:
             return _StreamedBytes(gzip.GzipFile(fileobj=_FileOver(source), mode="rb"))  # type: ignore[arg-type]
         return source
     try:
         if path.endswith((".gz", ".tgz")):
             return _StreamedBytes(gzip.open(path, "rb"))  # type: ignore[arg-type]
-        return _MappedBytes(path, read_ahead)
+        return _MappedBytes(path, access.read_ahead() if read_ahead and access is not None else None)
     except OSError as error:
         raise ShardError(path, None, f"cannot open shard: {error.strerror}") from error
 
@@ -444,9 +447,15 @@ class SampleStream:
     """
 
     def __init__(
-        self, path: str | Path, start: int = 0, ordinal: int = 0, read_data: bool = True, read_ahead: bool = True
+        self,
+        path: str | Path,
+        start: int = 0,
+        ordinal: int = 0,
+        read_data: bool = True,
+        read_ahead: bool = True,
+        access: RemoteAccess | None = None,
     ):
-        self._tar = TarStream(path, start, read_ahead=read_ahead and read_data)
+        self._tar = TarStream(path, start, read_ahead=read_ahead and read_data, access=access)
         self._read_data = read_data
         self._pending: Member | None = None
         self.ordinal = ordinal

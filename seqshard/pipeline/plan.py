@@ -18,8 +18,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from ..errors import ConfigError
 from ..formats.table import ShardTable
+from ..options import Shuffling
 from ..seeds import Seed, stage_rng
 
 
@@ -108,6 +111,25 @@ def plan_epoch(
     if shuffle:
         order = [int(i) for i in stage_rng(seed, Seed.PLAN, epoch).permutation(len(order))]
     return spread_units(table, [Unit(i) for i in order], world_size, num_workers, split_shards)
+
+
+def source_plan(
+    table: ShardTable,
+    start: int,
+    stop: int,
+    source: int,
+    number: int,
+    shuffling: Shuffling,
+    world_size: int,
+    num_workers: int,
+) -> Plan:
+    """Pass ``number`` of the mixed source whose shards are ``[start, stop)`` of ``table``:
+    those shards in an order of their own, spread over every reader like an epoch's plan."""
+    order = np.arange(start, stop)
+    if shuffling.shuffle:
+        order = start + stage_rng(shuffling.seed, Seed.PLAN, Seed.MIX_PASS, source, number).permutation(stop - start)
+    units = [Unit(int(i)) for i in order]
+    return spread_units(table, units, world_size, num_workers, shuffling.split_shards)
 
 
 def spread_units(

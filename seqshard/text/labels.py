@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +15,10 @@ class LabelOverride:
     """Labels from Kaldi ``text`` files, looked up by key (compact: no per-key Python objects)."""
 
     def __init__(self, files: str | Path | Sequence[str | Path]):
-        paths = [Path(files)] if isinstance(files, (str, Path)) else [Path(f) for f in files]
+        listed = list(files) if isinstance(files, (list, tuple)) else [files]
+        if not all(isinstance(f, (str, os.PathLike)) for f in listed):
+            raise ConfigError(f"labels must be a Kaldi text file or a list of them, got {files!r}.")
+        paths = [Path(f) for f in listed]
         for path in paths:
             if path.is_dir():
                 raise ConfigError(f"label file {str(path)!r} is a folder; give Kaldi text file(s).")

@@ -10,7 +10,8 @@ from typing import Any
 from ..errors import redact
 from ..formats.fields import field_name
 from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
-from ..formats.selection import MissingShard, select_folders
+from ..formats.selection import MissingShard
+from ..formats.table import select_folders
 from .parallel import map_shards
 from .scan import scan_shard
 

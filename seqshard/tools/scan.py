@@ -31,10 +31,10 @@ class ShardScan:
     audio: bool = False  # lengths are audio durations in 10 ms frames
 
 
-def file_crc32(path: str | Path) -> tuple[int, int]:
+def file_crc32(path: str | Path, access: remote.RemoteAccess | None = None) -> tuple[int, int]:
     """``(crc32, size)`` of a file (or a remote shard), read sequentially in large chunks."""
     if remote.is_remote(str(path)):
-        source = remote.RemoteBytes(str(path), remote.current())
+        source = remote.RemoteBytes(str(path), access or remote.RemoteAccess())
         try:
             return crc32_of(source.read)
         finally:
@@ -43,19 +43,22 @@ def file_crc32(path: str | Path) -> tuple[int, int]:
         return crc32_of(stream.read)
 
 
-def scan_shard(path: str | Path, feature_field: str | None = None) -> ShardScan:
+def scan_shard(
+    path: str | Path, feature_field: str | None = None, access: remote.RemoteAccess | None = None
+) -> ShardScan:
     """Read every member of ``path`` (a shard, local or a URL, or a raw list and its audio);
     lengths come from the first ``.npy`` field found, else the first audio field (or
     ``feature_field``). Damage is reported in ``problems``, never raised."""
     name = str(path).rstrip("/").rsplit("/", 1)[-1]
+    access = access or remote.RemoteAccess()
     try:
-        crc, size = file_crc32(path)
+        crc, size = file_crc32(path, access)
     except ShardError as error:  # a remote shard that cannot be fetched
         return ShardScan(ShardEntry(name, 0, 0, 0, ""), feature_field, problems=[str(error)])
     scan = ShardScan(ShardEntry(name, 0, 0, size, f"crc32:{crc:08x}"), feature_field)
     keys_seen: set[str] = set()
     try:
-        with open_samples(path) as stream:
+        with open_samples(path, access=access) as stream:
             while (sample := stream.next_sample()) is not None:
                 scan.entry.num_utts += 1
                 if sample.key in keys_seen:

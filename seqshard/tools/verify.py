@@ -8,7 +8,7 @@ from pathlib import Path
 from ..errors import redact
 from ..formats import remote
 from ..formats.index import SidecarEntry
-from ..formats.selection import select_folders
+from ..formats.table import select_folders
 from .parallel import map_shards
 from .scan import ShardScan, scan_shard
 

@@ -14,7 +14,9 @@ from typing import Any
 
 from ...dist import Collectives
 from ...errors import ShardError, option, redact
+from ...formats.remote import RemoteAccess
 from ...formats.streams import count_samples
+from ...options import LoaderOptions
 from ...text.tokenizers import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from ..plan import Unit, planned_utts
 from ..stages.reader import DAMAGED
@@ -29,8 +31,9 @@ UNREAD_WARN_SHARE = 0.05  # of the epoch's planned utterances left unread when t
 class EpochAccounts:
     """The bookkeeping of one rank's epochs for a loader."""
 
-    def __init__(self, setup: WorkerSetup, end: EpochEnd, collectives: Collectives):
+    def __init__(self, setup: WorkerSetup, end: EpochEnd, collectives: Collectives, access: RemoteAccess | None = None):
         self.setup = setup
+        self.access = access
         self.table = setup.table
         self.end = end
         self.collectives = collectives
@@ -85,12 +88,12 @@ class EpochAccounts:
     def check_bad_shards(self, position: RankPosition) -> None:
         """Stop the run when this rank skipped more damaged shards this epoch than its share
         of ``max_bad_shards`` (what missing shards left of it, split evenly over the ranks)."""
-        config = self.setup.config
-        if not config.skip_bad:
+        bad_data = self.setup.options.bad_data
+        if not bad_data.skip_bad:
             return
         damaged = damaged_shards(counters_of(position)) - self._bad_before
         shards = len(self.table.shards) + len(self.table.missing)
-        budget = config.bad_shard_budget(shards)
+        budget = bad_data.shard_budget(shards)
         share = (budget - len(self.table.missing)) / self.setup.world_size
         if damaged > share:
             raise ShardError(
@@ -98,7 +101,7 @@ class EpochAccounts:
                 None,
                 f"{damaged} damaged shard(s) skipped on rank {self.setup.rank} this epoch"
                 + (f" (and {len(self.table.missing)} missing)" if self.table.missing else "")
-                + f": more than {option('max_bad_shards', config.max_bad_shards)} allows ({budget} of {shards} shards"
+                + f": more than {option('max_bad_shards', bad_data.max_bad_shards)} allows ({budget} of {shards} shards"
                 + (f", {share:g} per rank" if self.setup.world_size > 1 else "")
                 + "). The warnings above name them; repair or re-upload them, or raise max_bad_shards.",
             )
@@ -139,7 +142,7 @@ class EpochAccounts:
                 "; ".join(f"rank {r['rank']}: {describe(r)}" for r in ranks),
                 f"; {len(missing)} selected shard(s) missing, not read" if missing else "",
             )
-            warning = None if cut else unread_warning(position.epoch, ranks, self.setup.config)
+            warning = None if cut else unread_warning(position.epoch, ranks, self.setup.options)
             if warning:
                 _LOG.warning("%s", warning)
         return summary
@@ -175,7 +178,7 @@ class EpochAccounts:
             _LOG.info("counting the samples of %d unindexed shard(s); `seqshard index` records them", len(todo))
         for shard in sorted(todo):
             try:
-                self._counted[shard] = count_samples(self.table.shards[shard].path)
+                self._counted[shard] = count_samples(self.table.shards[shard].path, self.access)
             except ShardError as error:
                 _LOG.warning("cannot count the samples of a damaged shard: %s", error)
 
@@ -199,9 +202,9 @@ def describe(summary: dict[str, Any]) -> str:
     return text
 
 
-def unread_warning(epoch: int, ranks: list[dict[str, Any]], config: Any) -> str | None:
+def unread_warning(epoch: int, ranks: list[dict[str, Any]], options: LoaderOptions) -> str | None:
     """A warning when the ranks, stopping together, left more than UNREAD_WARN_SHARE of the
-    epoch's planned utterances unread (``ranks``: every rank's summary; ``config``: the
+    epoch's planned utterances unread (``ranks``: every rank's summary; ``options``: the
     loader's options), naming what would leave less; else None."""
     if not ranks or any("left" not in r for r in ranks):
         return None
@@ -210,10 +213,11 @@ def unread_warning(epoch: int, ranks: list[dict[str, Any]], config: Any) -> str 
     if not planned or left / planned <= UNREAD_WARN_SHARE:
         return None
     worst = max(ranks, key=lambda r: r["left"] / r["planned"] if r["planned"] else 0.0)
-    remedies = [] if config.split_shards else [f"{option('split_shards', True)} (shards spread evenly over readers)"]
-    if config.num_workers > 1:
+    split = options.shuffling.split_shards
+    remedies = [] if split else [f"{option('split_shards', True)} (shards spread evenly over readers)"]
+    if options.workers.num_workers > 1:
         remedies.append("fewer num_workers")
-    remedies.append(f"a smaller {'batch_size' if config.batch_size is not None else 'batch_frames'}")
+    remedies.append(f"a smaller {'batch_size' if options.batching.batch_size is not None else 'batch_frames'}")
     return (
         f"seqshard epoch {epoch}: {left} of {planned} planned utterances ({left / planned:.0%}) were left unread "
         f"(rank {worst['rank']}: {worst['left']} of its {worst['planned']}). With {option('uneven', 'stop')} all "

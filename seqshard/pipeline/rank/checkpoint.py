@@ -10,24 +10,79 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...dist import Collectives
 from ...errors import StateMismatchError
+from ...formats.remote import RemoteAccess
 from ...formats.table import ShardTable
-from ...options import LoaderConfig
+from ...options import LoaderOptions
+from ..workers.setup import WorkerSetup
 from .merge import RankPosition
 
 STATE_VERSION = 2  # 2: units hold one byte offset per field file; sample fields
+MIXING = "source stage"  # how a mix is composed: since its sources became one stage under the windows
 
 
-def identity(table: ShardTable, config: LoaderConfig, world_size: int, mix: Any = None) -> dict[str, Any]:
+def identity(table: ShardTable, options: LoaderOptions, world_size: int, mix: Any = None) -> dict[str, Any]:
     found = {
         "shards": table.fingerprint(),
         "num_shards": len(table.shards),
         "world_size": world_size,
-        "options": config.batch_defining(),
+        "options": options.batch_defining(),
     }
     if mix is not None:  # the sources of a mux and their shares
         found["mix"] = [[name, round(share, 12)] for name, share in zip(mix.names, mix.shares)]
+        found["mixing"] = MIXING
     return found
+
+
+def state(position: RankPosition, identity: dict[str, Any], collectives: Collectives, gather: bool) -> dict[str, Any]:
+    """A loader's state: this rank's position (every rank's with ``gather``, a collective) and
+    the identity of the loader."""
+    local = position.to_json()
+    ranks = collectives.all_gather(local) if gather else [local]
+    rank = collectives.context.rank
+    return {
+        "seqshard_loader_state": STATE_VERSION,
+        "identity": identity,
+        "epoch": position.epoch,
+        "ranks": {str(r): s for r, s in enumerate(ranks)} if gather else {str(rank): local},
+    }
+
+
+def restore(
+    state: dict[str, Any],
+    identity: dict[str, Any],
+    setup: WorkerSetup,
+    access: RemoteAccess,
+    collectives: Collectives,
+    strict: bool,
+) -> RankPosition:
+    """Where this rank goes on from ``state``, saved by a loader of ``identity``'s shards: its
+    own saved position, or (``strict=False``, other ranks, workers or options) an elastic one."""
+    check_state(state)
+    if "mix" in state["identity"] and state["identity"].get("mixing") != MIXING:
+        raise StateMismatchError(
+            "the state was saved by a seqshard that composed mixes otherwise (a shuffle window per source): "
+            "its positions do not fit this one's pipeline; start the epoch afresh."
+        )
+    found = differences(state["identity"], identity)
+    if found and (strict or state["identity"]["shards"] != identity["shards"]):
+        raise StateMismatchError(
+            "the saved loader state does not fit this loader: "
+            + "; ".join(found)
+            + ". Resume with the same shards and settings, pass strict=False to resume the epoch elastically "
+            "(same shards, other ranks/workers/options), or start the epoch afresh."
+        )
+    if found:
+        from .elastic import elastic_position
+
+        return elastic_position(state, setup, access, collectives)
+    mine = state["ranks"].get(str(setup.rank))
+    if mine is None:
+        raise StateMismatchError(
+            f"the saved state has no position for rank {setup.rank} (saved with gather=False on another rank?)."
+        )
+    return RankPosition.from_json(mine)
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -65,9 +120,10 @@ def saved_positions(state: dict[str, Any]) -> list[RankPosition]:
     return [RankPosition.from_json(state["ranks"][str(r)]) for r in range(world_size)]
 
 
-def saved_config(state: dict[str, Any], current: LoaderConfig) -> LoaderConfig:
-    """The options the state was saved with. Transforms and recipes are saved by name: they
-    must be the current ones (their code cannot be rebuilt from a name)."""
+def saved_options(state: dict[str, Any], current: LoaderOptions) -> LoaderOptions:
+    """The options the state was saved with (the current runtime-only ones). Transforms and
+    recipes are saved by name: they must be the current ones (their code cannot be rebuilt from
+    a name)."""
     options = dict(state["identity"]["options"])
     now = current.batch_defining()
     for name in ("transforms", "recipe"):
@@ -75,7 +131,5 @@ def saved_config(state: dict[str, Any], current: LoaderConfig) -> LoaderConfig:
             raise StateMismatchError(
                 f"elastic resume needs the {name} the state was saved with ({options.get(name)!r}, now {now[name]!r})."
             )
-        options[name] = getattr(current, name)
-    if options.get("fields") is not None:
-        options["fields"] = tuple(options["fields"])
-    return LoaderConfig(**options)
+        del options[name]
+    return current.replace(**options)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from ...dist import Collectives
 from ...errors import ConfigError
+from ...options import Epochs
 from ..workers.protocol import BatchItem
 from .merge import MergedStream, RankPosition
 
@@ -157,3 +158,40 @@ class BucketSync:
             if mins[-1] == 0:
                 return None
             stream.pull_into_reservoir()
+
+
+class EpochRules:
+    """One loader's epoch rules together: how an epoch ends across ranks (``end``), how long it
+    is (``length``), and whether the ranks take batches of one length bucket at each step."""
+
+    def __init__(self, end: EpochEnd, length: EpochLength, bucket_sync: BucketSync | None = None):
+        self.end = end
+        self.length = length
+        self.bucket_sync = bucket_sync
+
+    def over(self, position: RankPosition) -> bool:
+        """Whether the epoch's length is reached (not the data's end)."""
+        return self.length.over(position)
+
+    def next_item(self, stream: MergedStream) -> BatchItem | None:
+        """The batch for this step, or None when the data ends the epoch (on every rank at
+        once, except with ``uneven='join'``)."""
+        if self.bucket_sync is not None:
+            return self.end.settle(self.bucket_sync.next(stream), agreed=True)
+        return self.end.settle(stream.pull(), agreed=False)
+
+
+def epoch_rules(
+    epochs: Epochs,
+    frame_shift_ms: float,
+    collectives: Collectives,
+    buckets: int = 0,
+    source: tuple[int, int] | None = None,
+) -> EpochRules:
+    """The rules the ``epochs`` options describe (``buckets``: length buckets synchronised over
+    ranks, 0 for none; ``source``: ``epoch_source``'s (index, utterances) for a mix)."""
+    return EpochRules(
+        epoch_end(epochs.uneven, collectives),
+        epoch_length(epochs.epoch_steps, epochs.epoch_hours, frame_shift_ms, collectives, source),
+        BucketSync(buckets, collectives) if buckets else None,
+    )

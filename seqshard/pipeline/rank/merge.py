@@ -47,16 +47,27 @@ class RankPosition:
     padded_frames: int = 0
     completed: bool = False
     plan: list[list[list]] | None = None  # per worker, units replacing the epoch's plan (elastic resume)
+    carry: list[list | None] | None = (
+        None  # per worker, what is left of each source's pass (elastic resume of a stream)
+    )
     sources: list[list[int]] = field(default_factory=list)  # per source of a mix: [utts, length] this epoch
     sources_all: list[list[int]] = field(default_factory=list)  # the same since the stream began
 
     @classmethod
-    def fresh(cls, epoch: int, workers: int, buckets: int, plan: list[list[Unit]] | None = None) -> RankPosition:
+    def fresh(
+        cls,
+        epoch: int,
+        workers: int,
+        buckets: int,
+        plan: list[list[Unit]] | None = None,
+        carry: list[list | None] | None = None,
+    ) -> RankPosition:
         return cls(
             epoch,
             [WorkerPosition() for _ in range(workers)],
             queues=[[] for _ in range(buckets)],
             plan=None if plan is None else [[u.to_json() for u in units] for units in plan],
+            carry=carry,
         )
 
     def units_of(self, worker: int) -> list[Unit] | None:
@@ -88,7 +99,12 @@ class RankPosition:
 
     def worker_request(self) -> list[dict[str, Any]]:
         return [
-            {"state": w.state, "seq": w.low, "units": None if self.plan is None else self.plan[i]}
+            {
+                "state": w.state,
+                "seq": w.low,
+                "units": None if self.plan is None else self.plan[i],
+                "carry": None if self.carry is None else self.carry[i],
+            }
             for i, w in enumerate(self.workers)
         ]
 

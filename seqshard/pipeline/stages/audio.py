@@ -3,7 +3,7 @@
 Each is an ordinary stage (or a function mapped over samples) between labels and the length
 filter. Audio is the ``audio`` field (float32 samples in [-1, 1]) with its ``sample_rate``;
 fbank replaces them with ``feats`` (T x D frames). Random choices (speed factor, noise, SNR,
-dither, masks) come from ``reader.sample_rng``: the same for a sample in a given epoch
+dither, masks) come from ``draw(stage, sample)`` (``Reader.sample_rng``): the same for a sample in a given epoch
 whatever worker reads it or when, so exact resume needs no state for them. The noise stage
 reads its noise as an endless stream of its own shards (never by random access) and keeps that
 stream's position in its state.
@@ -11,24 +11,21 @@ stream's position in its state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ...errors import InputError
+from ...errors import InputError, SkipCounter
 from ...features.audio import AudioOptions, audio_fbank, spec_augment
 from ...features.fbank import FbankOptions
 from ...formats.audio import cut, decode_audio, resample
 from ...formats.fields import AudioBytes, field_name
 from ...formats.lists import SEGMENT_FIELD
-from ...seeds import Seed, stage_rng
+from ...seeds import Seed
 from .base import Map, Stage, State
 from .sample import Sample
 
-if TYPE_CHECKING:
-    from ...formats.table import ShardTable
-    from ..workers.recipe import Reader
+SampleRng = Callable[[int, Sample], np.random.Generator]  # (stage id, sample) -> its generator for that stage
 
 AUDIO, SAMPLE_RATE, FEATS = "audio", "sample_rate", "feats"
 SEGMENT = field_name(SEGMENT_FIELD)
@@ -84,12 +81,12 @@ class AddNoise(Stage[Sample]):
     ``snr`` (dB): the next sample of an endless stream over the noise shards (each pass in an
     order of its own), looped when shorter than the audio, a random stretch when longer."""
 
-    def __init__(self, source: Stage[Sample], reader: Reader, table: ShardTable, snr: Sequence[float], prob: float):
+    def __init__(self, source: Stage[Sample], noise: Stage[Sample], draw: SampleRng, snr: Sequence[float], prob: float):
         super().__init__(source)
-        self.reader = reader
+        self.noise = noise  # decoded noise samples, without end
+        self.draw = draw
         self.snr = (float(snr[0]), float(snr[1]))
         self.prob = prob
-        self.noise = _noise_stream(reader, table)
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
@@ -97,7 +94,7 @@ class AddNoise(Stage[Sample]):
 
     def next(self) -> Sample:
         sample = self.source.next()
-        rng = self.reader.sample_rng(Seed.NOISE, sample)
+        rng = self.draw(Seed.NOISE, sample)
         if rng.random() >= self.prob:
             return sample
         noise = to_rate(self.noise.next(), sample.fields[SAMPLE_RATE]).fields[AUDIO]
@@ -126,28 +123,18 @@ def mix(audio: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
     return (audio + scale * noise).astype(np.float32)
 
 
-def _noise_stream(reader: Reader, table: ShardTable) -> Stage[Sample]:
-    """Every noise shard, pass after pass, each pass in an order of this reader's own."""
-    from ..plan import Unit
-    from .decode import Decoder
-    from .passes import Passes
-    from .reader import ShardReader
-
-    def one_pass(number: int) -> Stage[Sample]:
-        order = stage_rng(reader.config.seed, Seed.NOISE_ORDER, reader.rank, reader.worker, number).permutation(
-            len(table.shards)
-        )
-        units = [Unit(int(i)) for i in order]
-        skip = reader.skip  # bad noise files are counted and skipped like bad samples
-        return Map(Map(ShardReader(table, units, 1, skip), Decoder(table), skip), decode, skip)
-
-    return Passes(one_pass)
-
-
-def signal_stages(source: Stage[Sample], reader: Reader, options: AudioOptions, decode_audio: bool) -> Stage[Sample]:
+def signal_stages(
+    source: Stage[Sample],
+    options: AudioOptions,
+    decode_audio: bool,
+    draw: SampleRng,
+    noise: Stage[Sample] | None = None,
+    skip: SkipCounter | None = None,
+) -> Stage[Sample]:
     """The stages the options ask for, in order: with ``decode_audio`` (the shards hold audio)
-    decode, resample, speed, noise and fbank; then CMVN and SpecAugment of the features."""
-    skip = reader.skip
+    decode, resample, speed, ``noise`` (a stream of noise samples, when the options add noise)
+    and fbank; then CMVN and SpecAugment of the features. ``draw(stage_id, sample)`` gives each
+    sample's generator for a stage; ``skip`` counts bad samples instead of raising."""
     stage = source
     if decode_audio:
         channel = options.channel
@@ -157,14 +144,12 @@ def signal_stages(source: Stage[Sample], reader: Reader, options: AudioOptions, 
             stage = Map(stage, lambda s: to_rate(s, target), skip)
         if options.speed_perturb:
             factors = options.speed_perturb
-            stage = Map(
-                stage, lambda s: speed(s, factors[int(reader.sample_rng(Seed.SPEED, s).integers(len(factors)))])
-            )
-        if options.noise is not None:
-            stage = AddNoise(stage, reader, reader.setup.noise_table, options.noise_snr, options.noise_prob)  # type: ignore[arg-type]
+            stage = Map(stage, lambda s: speed(s, factors[int(draw(Seed.SPEED, s).integers(len(factors)))]))
+        if noise is not None:
+            stage = AddNoise(stage, noise, draw, options.noise_snr, options.noise_prob)
         if options.features == "fbank":
             fbank_options = options.fbank
-            stage = Map(stage, lambda s: to_fbank(s, fbank_options, reader.sample_rng(Seed.DITHER, s)), skip)
+            stage = Map(stage, lambda s: to_fbank(s, fbank_options, draw(Seed.DITHER, s)), skip)
     if options.cmvn is not None:
         cmvn = options.cmvn
 
@@ -180,7 +165,7 @@ def signal_stages(source: Stage[Sample], reader: Reader, options: AudioOptions, 
         masks = options.spec_augment
 
         def augment(sample: Sample) -> Sample:
-            rng = reader.sample_rng(Seed.SPEC_AUGMENT, sample)
+            rng = draw(Seed.SPEC_AUGMENT, sample)
             sample.fields[FEATS] = spec_augment(sample.fields[FEATS], masks, rng)
             return sample
 

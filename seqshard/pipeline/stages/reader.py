@@ -27,7 +27,7 @@ from dataclasses import replace
 import numpy as np
 
 from ...errors import ShardError, SkipCounter
-from ...formats import remote
+from ...formats.remote import RemoteAccess, is_remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
 from ...formats.table import MAIN, ShardTable
 from ...formats.tar import TarRecord
@@ -95,6 +95,7 @@ class _OpenUnit:
         expected: int | None,
         read_ahead: bool,
         key_ranges: Sequence[tuple[str, str] | None],
+        access: RemoteAccess | None,
     ):
         self.index = index
         self.unit = unit
@@ -105,7 +106,7 @@ class _OpenUnit:
         self.streams: list[AnyStream] = []
         try:
             for (_, path), offset in zip(files, offsets):
-                self.streams.append(open_samples(path, offset, ordinal, read_ahead=read_ahead))
+                self.streams.append(open_samples(path, offset, ordinal, read_ahead=read_ahead, access=access))
         except BaseException:
             self.close()
             raise
@@ -233,6 +234,7 @@ class ShardReader(Stage[Sample]):
         skip: SkipCounter | None = None,
         read_ahead: bool = True,
         field_sets: Sequence[str] = (MAIN,),
+        access: RemoteAccess | None = None,
     ):
         super().__init__(None)
         if interleave < 1:
@@ -244,6 +246,7 @@ class ShardReader(Stage[Sample]):
         self.skip = skip
         self.read_ahead = read_ahead
         self.field_sets = tuple(field_sets)
+        self.access = access
         self._units = units
         self._next_unit = 0
         self._slots: list[_OpenUnit] = []
@@ -269,7 +272,9 @@ class ShardReader(Stage[Sample]):
     def _open(self, index: int, unit: Unit, offsets: Sequence[int], ordinal: int) -> _OpenUnit:
         shard = self.table.shards[unit.shard]
         ranges = [shard.key_range(name) for name in self.field_sets]
-        return _OpenUnit(index, unit, self._files(unit), offsets, ordinal, shard.num_utts, self.read_ahead, ranges)
+        return _OpenUnit(
+            index, unit, self._files(unit), offsets, ordinal, shard.num_utts, self.read_ahead, ranges, self.access
+        )
 
     def _close_all(self) -> None:
         for slot in self._slots:
@@ -282,15 +287,15 @@ class ShardReader(Stage[Sample]):
         index = self._next_unit
         self._next_unit += 1
         unit = self._units[index]
-        if self.read_ahead and self._next_unit < len(self._units):  # remote: start on the shard after this one
+        if self.read_ahead and self.access and self._next_unit < len(self._units):  # remote: start on the next one
             for _, path in self._files(self._units[self._next_unit]):
-                if remote.is_remote(path):
-                    remote.current().prefetch(path)
+                if is_remote(path):
+                    self.access.prefetch(path)
         known = dict(unit.offsets or ())
         if all(name in known for name in self.field_sets):
             offsets, ordinal = [known[name] for name in self.field_sets], unit.at
         elif unit.first() and unit.step == 1:
-            found = [skip_samples(path, unit.first()) for _, path in self._files(unit)]
+            found = [skip_samples(path, unit.first(), self.access) for _, path in self._files(unit)]
             offsets, ordinal = [offset for offset, _ in found], found[0][1]
         else:
             offsets, ordinal = [0] * len(self.field_sets), 0

@@ -26,6 +26,7 @@ class Sample:
     offsets: tuple[tuple[str, int], ...] = ()
     file: str = ""  # the shard file it was read from, for messages
     stream: int = 0  # which source of a mix (seqshard.mux) it came from
+    pass_number: int = -1  # which pass of an endless stream read it (-1: an epoch that ends)
 
     def where(self) -> Where:
         """Where the sample came from, for an error about it: shard file, position and key."""

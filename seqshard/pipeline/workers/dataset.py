@@ -11,6 +11,7 @@ from typing import Any
 
 import torch.utils.data
 
+from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .worker import IterationChannel, iterate_worker
 
@@ -18,11 +19,12 @@ from .worker import IterationChannel, iterate_worker
 class ReaderDataset(torch.utils.data.IterableDataset):
     """Yields the items of the calling worker's reader (worker 0 without worker processes)."""
 
-    def __init__(self, setup: WorkerSetup, channel: IterationChannel):
+    def __init__(self, setup: WorkerSetup, runtime: WorkerRuntime, channel: IterationChannel):
         self.setup = setup
+        self.runtime = runtime
         self.channel = channel
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         info = torch.utils.data.get_worker_info()
         worker = info.id if info is not None else 0
-        return iterate_worker(self.setup, worker, self.channel.read(), in_worker_process=info is not None)
+        return iterate_worker(self.setup, self.runtime, worker, self.channel.read(), in_worker_process=info is not None)

@@ -3,7 +3,12 @@
 A recipe is a function ``recipe(reader) -> Stage`` of batches. :func:`default_recipe` is what
 ``make_loader``'s options describe::
 
-    read (shards -> decoded samples) -> labels -> audio -> transforms -> length filter -> shuffle -> batch
+    read (the source: decoded samples) -> labels -> audio -> transforms -> length filter -> shuffle -> batch
+
+The source a recipe starts from is one stage whatever the loader reads: this reader's units of
+the epoch (or of one pass, with ``uneven="repeat"``), or a mix of endless streams of passes
+over each source (``seqshard.mux``); every later stage, the user's included, works on it the
+same way, so ``recipe=`` and ``transforms=`` serve mixes as they serve one source.
 
 A :class:`Reader` hands a recipe the built-in stages, already configured from the loader's
 options, and the reader's seeds; a recipe may put its own stages anywhere between them::
@@ -17,18 +22,15 @@ options, and the reader's seeds; a recipe may put its own stages anywhere betwee
 
 Most needs are met by ``transforms=[...]`` instead, inserted where the default recipe says:
 a function (sample -> sample), :func:`keep_if` (a predicate), or a Stage subclass (built as
-``cls(source, reader)``). A stage keeps the contract of ``base.py``; its randomness comes from
-``reader.rng(stage_id, ...)`` or, per sample, ``reader.sample_rng(stage_id, sample)``, so
+``cls(source, reader)``). A stage keeps the contract of ``stages/base.py``; its randomness comes
+from ``reader.rng(stage_id, ...)`` or, per sample, ``reader.sample_rng(stage_id, sample)``, so
 exact and elastic resume keep their guarantees. Recipes and transforms must be picklable
-(module-level functions and classes) for spawned workers. Where the next kinds of data plug
-in: audio stages (resample, fbank, SpecAugment) are transforms between ``labels`` and
-``filter_lengths``; several sources feeding one stream replace ``read``; token batches are
-``batch`` with a token-count measure.
+(module-level functions and classes) for spawned workers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,17 +38,24 @@ import numpy as np
 
 from ...errors import ConfigError, SkipCounter
 from ...formats.keys import key_hash
+from ...formats.remote import RemoteAccess
+from ...options import Batching
 from ...seeds import Seed, stage_rng
 from ..plan import Unit
-from ..stages.audio import signal_stages
+from ..stages.audio import decode, signal_stages
 from ..stages.base import Filter, Map, Stage
-from ..stages.batching import SortBatch
+from ..stages.batching import BatchCost, FixedSize, LengthBudget, SortBatch
 from ..stages.decode import Decoder
 from ..stages.filters import length_filter
 from ..stages.labels import Labeler, Labels
+from ..stages.mixing import Mix
+from ..stages.passes import Passes
+from ..stages.reader import ShardReader
 from ..stages.sample import Sample
 from ..stages.shuffle import WindowShuffle
 from .setup import WorkerSetup
+
+Carry = dict[int, tuple[int, list[Unit]]]  # source -> (its pass, the units left of that pass): an elastic resume
 
 
 @dataclass(frozen=True)
@@ -64,10 +73,13 @@ def keep_if(predicate: Callable[[Sample], bool], name: str = "custom") -> KeepIf
 
 
 class Reader:
-    """One reader (rank x DataLoader worker) building its pipeline for one epoch (or pass).
+    """One reader (rank x DataLoader worker) building its pipeline for one epoch.
 
-    ``units`` are the shard pieces it reads. Its built-in stages are configured from the
-    loader's options; :meth:`rng` gives the seeds a stage of the user's must use.
+    Its built-in stages are configured from the loader's options; :meth:`rng` gives the seeds a
+    stage of the user's must use. ``units`` replace the reader's planned units of the epoch, and
+    ``carry`` the units left of each source's current pass of an endless stream (both: an
+    elastic resume); ``access`` reads the shards; ``read_ahead=False`` reads only what the
+    stages ask for.
     """
 
     def __init__(
@@ -75,85 +87,144 @@ class Reader:
         setup: WorkerSetup,
         worker: int,
         epoch: int,
-        units: list[Unit],
+        access: RemoteAccess | None = None,
+        units: list[Unit] | None = None,
+        carry: Carry | None = None,
         read_ahead: bool = True,
-        stream: int | None = None,
     ):
         self.setup = setup
-        self.config = setup.config
+        self.options = setup.options
         self.table = setup.table
         self.rank = setup.rank
         self.worker = worker
         self.epoch = epoch
+        self.access = access
         self.units = units
+        self.carry = carry or {}
         self.read_ahead = read_ahead
-        self.stream = stream  # the source of a mix this reader reads (None: no mix)
-        self.skip = SkipCounter(True) if self.config.skip_bad else None
+        self.skip = SkipCounter(True) if self.options.bad_data.skip_bad else None
 
     @property
     def seed_position(self) -> tuple[int, ...]:
-        """(epoch, rank, worker), and the source of a mix: the position every seed of this
-        reader is derived from."""
-        return (self.epoch, self.rank, self.worker) + (() if self.stream is None else (self.stream,))
+        """(epoch, rank, worker): the position every seed of this reader is derived from."""
+        return (self.epoch, self.rank, self.worker)
+
+    @property
+    def seed(self) -> int:
+        return self.options.shuffling.seed
 
     def rng(self, stage_id: int, *more: int) -> np.random.Generator:
         """A generator for stage ``stage_id`` of this reader (use a fixed id per stage, >= 100
-        for stages of your own)."""
-        return stage_rng(self.config.seed, stage_id, *self.seed_position, *more)
+        for stages of your own: ``seqshard.seeds.USER_IDS``)."""
+        return stage_rng(self.seed, stage_id, *self.seed_position, *more)
 
     def sample_rng(self, stage_id: int, sample: Sample) -> np.random.Generator:
         """A generator for one sample (SpecAugment masks, speed factors): the same for the
-        sample in a given epoch whatever reader, worker count or resume read it."""
-        return stage_rng(self.config.seed, Seed.SAMPLE, stage_id, self.epoch, key_hash(sample.key))
+        sample in a given epoch (or pass of an endless stream) whatever reader, worker count or
+        resume read it."""
+        epoch = sample.pass_number if sample.pass_number >= 0 else self.epoch
+        return stage_rng(self.seed, Seed.SAMPLE, stage_id, epoch, key_hash(sample.key))
 
-    # -- built-in stages ---------------------------------------------------------------------
+    # -- the source ---------------------------------------------------------------------------
     def read(self) -> Stage[Sample]:
-        """This reader's units, read and decoded into samples of the requested fields."""
-        from ..stages.reader import ShardReader
+        """This reader's samples, decoded: its units of the epoch (of the pass, with
+        ``uneven="repeat"``); for a mix, the mix of every source's endless stream of passes."""
+        mix = self.setup.mix
+        if mix is not None:
+            streams = [self._passes(source) for source in range(len(mix.names))]
+            return Mix(streams, mix.shares, self.seed, self.rank, self.worker)
+        return self.decoded(self.units if self.units is not None else self.setup.units(self.epoch, self.worker))
 
+    def decoded(self, units: list[Unit]) -> Stage[Sample]:
+        """``units`` read and decoded into samples of the requested fields."""
         fields = self.setup.fields
-        reader = ShardReader(self.table, self.units, self.config.interleave, self.skip, self.read_ahead, fields.sets)
+        reader = ShardReader(
+            self.table,
+            units,
+            self.options.shuffling.interleave,
+            self.skip,
+            self.read_ahead,
+            fields.sets,
+            self.access,
+        )
         return Map(reader, Decoder(self.table, fields.wanted, fields.features), self.skip)
 
+    def _passes(self, source: int) -> Passes:
+        """Endless passes over this reader's share of a mix's ``source``."""
+        first, carried = self.carry.get(source, (0, None))
+
+        def one_pass(number: int) -> Stage[Sample]:
+            if carried is not None and number == first:
+                return self.decoded(carried)
+            return self.decoded(self.setup.source_units(source, number, self.worker))
+
+        return Passes(one_pass, first)
+
+    # -- built-in stages ------------------------------------------------------------------
     def labels(self, source: Stage[Sample]) -> Stage[Sample]:
         """Labels from the override file and tokens from the tokenizer (when given)."""
-        setup = self.setup
-        if setup.tokenizer is None and setup.override is None and not self.config.strip_spaces:
+        setup, strip = self.setup, self.options.labels.strip_spaces
+        if setup.tokenizer is None and setup.override is None and not strip:
             return source
-        return Labels(source, Labeler(setup.tokenizer, setup.override, self.config.strip_spaces), self.skip)
+        return Labels(source, Labeler(setup.tokenizer, setup.override, strip), self.skip)
 
     def audio(self, source: Stage[Sample]) -> Stage[Sample]:
         """Audio decoding and processing (resample, speed, noise, fbank) and feature
         normalisation and masking (CMVN, SpecAugment), as the loader's options ask."""
-        return signal_stages(source, self, self.setup.audio, self.setup.decodes_audio)
+        setup = self.setup
+        noise = self._noise() if setup.noise_table is not None and setup.decodes_audio else None
+        return signal_stages(source, setup.audio, setup.decodes_audio, self.sample_rng, noise, self.skip)
+
+    def _noise(self) -> Stage[Sample]:
+        """Every noise shard, pass after pass, each pass in an order of this reader's own; bad
+        noise files are counted and skipped like bad samples."""
+        table = self.setup.noise_table
+        assert table is not None
+
+        def one_pass(number: int) -> Stage[Sample]:
+            order = stage_rng(self.seed, Seed.NOISE_ORDER, self.rank, self.worker, number).permutation(
+                len(table.shards)
+            )
+            reader = ShardReader(table, [Unit(int(i)) for i in order], 1, self.skip, access=self.access)
+            return Map(Map(reader, Decoder(table), self.skip), decode, self.skip)
+
+        return Passes(one_pass)
 
     def transforms(self, source: Stage[Sample]) -> Stage[Sample]:
         """The loader's ``transforms``, in order."""
-        for transform in self.config.transforms:
+        for transform in self.options.pipeline.transforms:
             source = apply_transform(transform, source, self)
         return source
 
     def filter_lengths(self, source: Stage[Sample]) -> Stage[Sample]:
-        limits = self.config.limits()
+        limits = self.options.limits
         return length_filter(source, limits, self.setup.length) if limits.active else source
 
     def shuffle(self, source: Stage[Sample]) -> Stage[Sample]:
-        if not self.config.shuffle:
+        shuffling = self.options.shuffling
+        if not shuffling.shuffle:
             return source
-        return WindowShuffle(source, self.config.shuffle_window, self.config.seed, *self.seed_position)
+        return WindowShuffle(source, shuffling.shuffle_window, self.seed, *self.seed_position)
 
     def batch(self, source: Stage[Sample]) -> SortBatch:
-        config = self.config
+        batching = self.options.batching
         return SortBatch(
             source,
-            config.sort_window,
-            config.cost(),
-            config.seed,
+            batching.sort_window,
+            batch_cost(batching),
+            self.seed,
             *self.seed_position,
             length=self.setup.length,
-            shuffle=config.shuffle,
-            oversize=config.oversize,
+            shuffle=self.options.shuffling.shuffle,
+            oversize=batching.oversize,
         )
+
+
+def batch_cost(batching: Batching) -> BatchCost:
+    """What a batch may hold: a fixed count, or a budget of padded length."""
+    if batching.batch_size is not None:
+        return FixedSize(batching.batch_size)
+    return LengthBudget(int(batching.batch_frames), batching.quadratic_frames)  # type: ignore[arg-type]
 
 
 def default_recipe(reader: Reader) -> Stage:
@@ -174,12 +245,3 @@ def apply_transform(transform: Any, source: Stage[Sample], reader: Reader) -> St
     raise ConfigError(
         f"transforms takes functions (sample -> sample), keep_if(...) and Stage subclasses, not {transform!r}."
     )
-
-
-def check_transforms(transforms: Sequence[Any]) -> None:
-    """Refuse entries that cannot be transforms before any worker starts."""
-    for transform in transforms:
-        if not (isinstance(transform, KeepIf) or callable(transform)):
-            raise ConfigError(
-                f"transforms takes functions (sample -> sample), keep_if(...) and Stage subclasses, not {transform!r}."
-            )

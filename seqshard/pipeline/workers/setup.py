@@ -1,13 +1,13 @@
 """What every reader of a loader needs, decided once in the training process.
 
-A :class:`WorkerSetup` holds the shard table, the options, this rank's place, the tokenizer and
-label override, the field plan, the length measure and the bucket bounds; it is pickled to
-spawned DataLoader workers and handed to recipes (``recipe.Reader``).
+A frozen :class:`WorkerSetup` holds the shard table, the options, this rank's place, the
+tokenizer and label override, the field plan, the length measure and the bucket bounds; it is
+pickled to spawned DataLoader workers and handed to recipes (``recipe.Reader``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -15,43 +15,26 @@ from ...errors import ConfigError, SeqshardError
 from ...features.audio import AudioOptions
 from ...formats.index import bin_bounds, histogram_percentile
 from ...formats.remote import RemoteAccess
+from ...formats.streams import open_samples
 from ...formats.table import ShardTable
-from ...options import LoaderConfig
+from ...options import LoaderOptions
 from ...text.labels import LabelOverride
 from ...text.tokenizers import Tokenizer
-from ..plan import Unit, plan_epoch
-from ..stages.base import Stage, State
+from ..plan import Unit, plan_epoch, source_plan
+from ..sources import MixSetup
 from ..stages.collate import Collator, speech_rules
 from ..stages.fieldplan import FieldPlan, plan_fields
 from ..stages.lengths import Duration, Length, Measure
-from ..stages.mixing import MixSetup
-from .transfer import BatchSlots
 
 
-class LivePipelines:
-    """The pipeline of each reader whose stream goes on across epochs (``uneven="repeat"``,
-    mixes), with its state after the last batch it made. When the next epoch starts from that
-    state (no batch was made ahead and dropped: no worker processes), the pipeline continues as
-    it is, instead of being rebuilt from the state, which re-reads its windows."""
-
-    def __init__(self) -> None:
-        self._kept: dict[int, tuple[State, Stage]] = {}
-
-    def keep(self, worker: int, state: State, pipeline: Stage) -> None:
-        self._kept[worker] = (state, pipeline)
-
-    def take(self, worker: int, state: State | None) -> Stage | None:
-        """The kept pipeline of ``worker`` if it stands at ``state``, else None."""
-        kept = self._kept.pop(worker, None)
-        return kept[1] if kept is not None and state is not None and kept[0] == state else None
-
-
-@dataclass
+@dataclass(frozen=True)
 class WorkerSetup:
-    """Everything a worker needs to build its pipeline (pickled to spawned workers)."""
+    """Everything a reader needs to build its pipeline, decided once in the training process
+    (pickled to spawned workers); what a process holds while it reads is its
+    :class:`~.runtime.WorkerRuntime`."""
 
     table: ShardTable
-    config: LoaderConfig
+    options: LoaderOptions
     rank: int
     world_size: int
     tokenizer: Tokenizer | None
@@ -60,30 +43,33 @@ class WorkerSetup:
     length: Measure
     audio: AudioOptions
     bucket_bounds: tuple[int, ...] = ()
-    slots: BatchSlots | None = None
     noise_table: ShardTable | None = None  # noise shards mixed into the audio
     mix: MixSetup | None = None  # the sources of a seqshard.mux, when the loader mixes
-    remote: RemoteAccess = field(default_factory=lambda: RemoteAccess())  # how remote shards are read
-    live: LivePipelines = field(default_factory=lambda: LivePipelines())  # streams kept across epochs
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "live": LivePipelines()}  # open pipelines stay in their process
 
     @property
     def readers_per_rank(self) -> int:
-        return max(1, self.config.num_workers)
+        return self.options.workers.readers
 
     def units(self, plan_epoch_number: int, worker: int) -> list[Unit]:
-        config = self.config
+        """The units reader ``worker`` of this rank reads in epoch (or pass) ``plan_epoch_number``."""
+        shuffling = self.options.shuffling
         return _cached_plan(
             self.table,
             plan_epoch_number,
-            config.seed,
+            shuffling.seed,
             self.world_size,
             self.readers_per_rank,
-            config.shuffle,
-            config.split_shards,
+            shuffling.shuffle,
+            shuffling.split_shards,
         )[self.rank][worker]
+
+    def source_units(self, source: int, number: int, worker: int) -> list[Unit]:
+        """The units reader ``worker`` reads in pass ``number`` of source ``source`` of a mix."""
+        assert self.mix is not None
+        shuffling = self.options.shuffling
+        start, stop = self.mix.ranges[source]
+        plan = source_plan(self.table, start, stop, source, number, shuffling, self.world_size, self.readers_per_rank)
+        return plan[self.rank][worker]
 
     @property
     def decodes_audio(self) -> bool:
@@ -91,8 +77,8 @@ class WorkerSetup:
         return self.fields.audio is not None and self.fields.features is None
 
     def collator(self) -> Collator:
-        config = self.config
-        return Collator(speech_rules(self.fields.features or "feats", config.pad_label, config.dtype))
+        rules = speech_rules(self.fields.features or "feats", self.options.collation.pad_label, self.options.collation.dtype)
+        return Collator(rules)
 
 
 @lru_cache(maxsize=2)
@@ -115,18 +101,21 @@ def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
 
 def make_setup(
     table: ShardTable,
-    config: LoaderConfig,
+    options: LoaderOptions,
     rank: int,
     world_size: int,
     tokenizer: Tokenizer | None,
     override: LabelOverride | None,
     mix: MixSetup | None = None,
+    access: RemoteAccess | None = None,
 ) -> WorkerSetup:
-    """What every reader of a loader with these options needs (checked here, once)."""
-    fields = plan_fields(table, config.fields, config.feature_field, tokenizer is not None and override is None)
-    audio = config.audio()
-    limits = config.limits()
-    if tokenizer is None and (limits.max_tokens or limits.min_frames_per_token or limits.max_frames_per_token):
+    """What every reader of a loader with these options needs; the checks that involve the data
+    (its fields, a tokenizer, the noise set) run here, once."""
+    fields = plan_fields(
+        table, options.reading.fields, options.reading.feature_field, tokenizer is not None and override is None
+    )
+    audio = options.audio.parsed()
+    if tokenizer is None and options.limits.count_tokens:
         raise ConfigError(
             "max_tokens, min_frames_per_token and max_frames_per_token count label tokens: give a tokenizer."
         )
@@ -145,30 +134,34 @@ def make_setup(
     length = _measure(features, fields.audio, tokenizer is not None)
     if not any(suffixes for _, suffixes in table.field_sets):
         raise ConfigError(
-            f"no sample could be read from the first shard of each folder ({_first_problem(table.shards[0].path)}): "
+            f"no sample could be read from the first shard of each folder ({_first_problem(table.shards[0].path, access)}): "
             "not tar shards, or damaged? `seqshard verify PATTERN` names what is wrong with each."
         )
-    if config.batch_frames is not None and length.unit != "frames":
+    batching = options.batching
+    if batching.batch_frames is not None and length.unit != "frames":
         raise ConfigError(
             "batch_frames counts frames of the feature field (or 10 ms of audio), which these shards or fields= "
             "do not include; batch by batch_size."
         )
-    if config.bucket_sync and length.unit != "frames":
+    if batching.bucket_sync and length.unit != "frames":
         raise ConfigError(
             "bucket_sync buckets the frames of the feature field, which these shards or fields= do not include."
         )
-    bounds = bucket_bounds(table, config.num_buckets) if config.bucket_sync else ()
-    noise = _noise_table(audio.noise) if audio.noise is not None else None
-    if mix is not None and config.recipe is not None:
-        raise ConfigError("a mix composes each source's pipeline itself; use transforms= instead of recipe=.")
+    if options.epochs.epoch_hours is not None and length.unit != "frames":
+        raise ConfigError(
+            "epoch_hours counts hours of the feature field's frames (or of audio), which these shards or fields= "
+            "do not include: give epoch_steps."
+        )
+    bounds = bucket_bounds(table, batching.num_buckets) if batching.bucket_sync else ()
+    noise = _noise_table(audio.noise, access) if audio.noise is not None else None
     return WorkerSetup(
-        table, config, rank, world_size, tokenizer, override, fields, length, audio, bounds, noise_table=noise, mix=mix
+        table, options, rank, world_size, tokenizer, override, fields, length, audio, bounds, noise_table=noise, mix=mix
     )
 
 
-def _noise_table(patterns: Any) -> ShardTable:
+def _noise_table(patterns: Any, access: RemoteAccess | None) -> ShardTable:
     """The noise set's shards; all of them must be there (a noise set is not skipped in part)."""
-    table = ShardTable.from_patterns(patterns)
+    table = ShardTable.from_patterns(patterns, access)
     if table.missing:
         shown = "; ".join(f"{m.path} ({m.why})" for m in table.missing[:5])
         raise ConfigError(f"noise: {len(table.missing)} file(s) of the noise set are missing: {shown}.")
@@ -185,12 +178,10 @@ def _measure(features: str | None, audio: str | None, tokens: bool) -> Measure:
     return Length("tokens", "tokens") if tokens else Length(None, "samples")
 
 
-def _first_problem(path: str) -> str:
+def _first_problem(path: str, access: RemoteAccess | None) -> str:
     """Why the first sample of ``path`` cannot be read (for a message)."""
-    from ...formats.streams import open_samples
-
     try:
-        with open_samples(path, read_data=False) as stream:
+        with open_samples(path, read_data=False, access=access) as stream:
             stream.next_sample()
     except SeqshardError as error:
         return str(error)

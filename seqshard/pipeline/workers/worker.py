@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, SeqshardError
-from ...formats import remote
+from ...formats.remote import RemoteAccess
 from ..plan import Unit
 from ..stages.base import Stage
 from ..stages.batching import Batch, bucket_of
 from ..stages.collate import Collator, array_bytes
-from ..stages.mixing import Mix, per_source_counts, source_plan
+from ..stages.mixing import per_source_counts
 from ..stages.passes import Passes
-from ..stages.sample import Sample
 from .protocol import BatchItem, EndItem, ErrorItem, Item
-from .recipe import Reader, default_recipe
+from .recipe import Carry, Reader, default_recipe
+from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import ALIGN
 
@@ -57,57 +57,48 @@ class IterationChannel:
 
 
 def build_pipeline(
-    setup: WorkerSetup, worker: int, epoch: int, units: list[Unit] | None = None, read_ahead: bool = True
+    setup: WorkerSetup,
+    worker: int,
+    epoch: int,
+    access: RemoteAccess | None = None,
+    units: list[Unit] | None = None,
+    carry: Carry | None = None,
+    read_ahead: bool = True,
 ) -> Stage:
-    """The pipeline of one reader for ``epoch``: the loader's recipe over its planned units.
+    """The pipeline of one reader for ``epoch``: the loader's recipe over its source (its units
+    of the epoch, or a mix; see ``recipe.Reader.read``). With ``uneven="repeat"`` and one source,
+    an endless stream of passes of the whole recipe instead, pass ``p`` over plan ``p``: no
+    window, hence no batch, spans two passes (a reader holding less than a window still never
+    batches an utterance twice). ``units`` and ``carry`` replace what the reader reads (an
+    elastic resume); ``read_ahead=False`` reads only what the stages ask for."""
+    recipe = setup.options.pipeline.recipe or default_recipe
+    if setup.options.epochs.continues_stream:  # endless streams: seeds come from passes, not epoch labels
+        if setup.mix is not None:
+            return recipe(Reader(setup, worker, 0, access, None, carry, read_ahead))
+        first, carried = (carry or {}).get(0, (0, None))
 
-    With ``uneven="repeat"`` an endless stream of passes instead, pass ``p`` being the
-    pipeline of plan ``p`` (the epoch label does not matter: the stream goes on across
-    epochs). ``units`` replaces the reader's planned units for this epoch (an elastic
-    resume); ``read_ahead=False`` reads only what the stages ask for.
-    """
-    if setup.mix is not None:
-        return mixed_pipeline(setup, worker, read_ahead)
-    recipe = setup.config.recipe or default_recipe
-    if setup.config.uneven == "repeat":
-        return Passes(lambda number: recipe(Reader(setup, worker, number, setup.units(number, worker), read_ahead)))
-    planned = units if units is not None else setup.units(epoch, worker)
-    return recipe(Reader(setup, worker, epoch, planned, read_ahead))
+        def one_pass(number: int) -> Stage:
+            planned = carried if carried is not None and number == first else None
+            return recipe(Reader(setup, worker, number, access, planned, None, read_ahead))
 
-
-def mixed_pipeline(setup: WorkerSetup, worker: int, read_ahead: bool = True) -> Stage:
-    """One reader's pipeline over a mix: per source, endless passes of read -> labels ->
-    audio -> transforms -> length filter -> shuffle; then :class:`~.mixing.Mix`; then batching."""
-    mix = setup.mix
-    assert mix is not None
-
-    def source_stream(source: int) -> Stage[Sample]:
-        def one_pass(number: int) -> Stage[Sample]:
-            plan = source_plan(setup.table, mix, source, number, setup.config, setup.world_size)
-            reader = Reader(setup, worker, number, plan[setup.rank][worker], read_ahead, stream=source)
-            return reader.shuffle(reader.filter_lengths(reader.transforms(reader.audio(reader.labels(reader.read())))))
-
-        return Passes(one_pass)
-
-    streams = [source_stream(source) for source in range(len(mix.names))]
-    batcher = Reader(setup, worker, 0, [], read_ahead)
-    return batcher.batch(Mix(streams, mix.shares, setup.config.seed, setup.rank, worker))
+        return Passes(one_pass, first)
+    return recipe(Reader(setup, worker, epoch, access, units, None, read_ahead))
 
 
 def iterate_worker(
-    setup: WorkerSetup, worker: int, request: dict[str, Any], in_worker_process: bool = False
+    setup: WorkerSetup, runtime: WorkerRuntime, worker: int, request: dict[str, Any], in_worker_process: bool = False
 ) -> Iterator[Item]:
     """Items for the training process: batches, then an end marker (or an error)."""
-    remote.use(setup.remote)
     spec = request["workers"][worker]
     units = None if spec.get("units") is None else [Unit.from_json(u) for u in spec["units"]]
+    carry = carry_from_json(spec.get("carry"))
     seq = spec["seq"]
     collator = setup.collator()
-    continuing = units is None and (setup.mix is not None or setup.config.uneven == "repeat")
+    continuing = units is None and setup.options.epochs.continues_stream
     try:
-        pipeline = setup.live.take(worker, spec["state"]) if continuing else None
+        pipeline = runtime.live.take(worker, spec["state"]) if continuing else None
         if pipeline is None:
-            pipeline = build_pipeline(setup, worker, request["epoch"], units)
+            pipeline = build_pipeline(setup, worker, request["epoch"], runtime.access, units, carry)
             pipeline.reset(spec["state"])
         while True:
             try:
@@ -115,10 +106,10 @@ def iterate_worker(
             except StopIteration:
                 break
             seq += 1
-            arrays, slot = _collate(batch, collator, setup, worker, request["iteration"], in_worker_process)
+            arrays, slot = _collate(batch, collator, runtime, worker, request["iteration"], in_worker_process)
             state = pipeline.get_state()
             if continuing:
-                setup.live.keep(worker, state, pipeline)
+                runtime.live.keep(worker, state, pipeline)
             yield BatchItem(
                 worker,
                 seq,
@@ -142,15 +133,29 @@ def iterate_worker(
     yield EndItem(worker, seq, pipeline.get_state(), pipeline.stats())
 
 
+def carry_to_json(carry: Carry | None) -> list | None:
+    return (
+        None
+        if carry is None
+        else [[source, first, [u.to_json() for u in units]] for source, (first, units) in carry.items()]
+    )
+
+
+def carry_from_json(data: list | None) -> Carry | None:
+    if data is None:
+        return None
+    return {int(source): (int(first), [Unit.from_json(u) for u in units]) for source, first, units in data}
+
+
 def _collate(
-    batch: Batch, collator: Collator, setup: WorkerSetup, worker: int, iteration: int, in_worker_process: bool
+    batch: Batch, collator: Collator, runtime: WorkerRuntime, worker: int, iteration: int, in_worker_process: bool
 ) -> tuple[dict[str, Any], int | None]:
     """The batch's arrays and the slot holding them: they are collated into a slot when one
     is free and large enough (sent as places in it), else into new arrays (in a worker
     process torch tensors, which the DataLoader moves through shared memory of their own).
     Without worker processes slots still pay: their pages are reused, not faulted in anew."""
     columns = collator.layout(batch)
-    arena = setup.slots.acquire(worker, array_bytes(columns, ALIGN), iteration) if setup.slots else None
+    arena = runtime.slots.acquire(worker, array_bytes(columns, ALIGN), iteration) if runtime.slots else None
     if arena is None:
         arrays = collator.fill(batch, columns)
         if not in_worker_process:

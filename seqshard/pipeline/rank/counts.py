@@ -1,0 +1,137 @@
+"""How many batches an epoch holds on this rank: exact where the plan decides it, else an
+estimate from the shards' index (``loader.planned_batches()``, ``len(loader)``).
+
+Exact: ``epoch_steps``; fixed ``batch_size`` over indexed shards without length filters,
+``skip_bad`` or copies of a mix (a sorted window of ``n`` samples gives ``ceil(n / batch_size)``
+batches, and the plan gives every reader's ``n``). Otherwise the batches of each reader are
+counted on lengths drawn from the index's histogram (8 bins per octave), once with every
+length at its bin's low end and once at its high end: the count lies between the two, and the
+estimate is their middle with half their spread as its error.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ...formats.index import bin_bounds
+from ...protocol import PlannedBatches
+from ...seeds import Seed, stage_rng
+from ..plan import plan_epoch, planned_utts
+from ..stages.batching import cut_batches
+from ..workers.recipe import batch_cost
+from ..workers.setup import WorkerSetup
+
+SIMULATED_WINDOWS = 20  # windows of drawn lengths cut per reader (the rest is scaled from them)
+
+
+def planned_batches(setup: WorkerSetup, epoch: int, done_steps: int) -> PlannedBatches:
+    """The batches of ``epoch`` on this rank (``done_steps`` already taken by a loaded state)."""
+    options = setup.options
+    steps = options.epochs.epoch_steps
+    if steps is not None:
+        return PlannedBatches(steps, max(0, steps - done_steps))
+    if options.epochs.continues_stream:
+        return _stream_estimate(setup, done_steps)
+    plan = plan_epoch(
+        setup.table,
+        epoch,
+        options.shuffling.seed,
+        setup.world_size,
+        setup.readers_per_rank,
+        options.shuffling.shuffle,
+        options.shuffling.split_shards,
+    )
+    utts = [[planned_utts(setup.table, units) for units in rank] for rank in plan]
+    if any(n is None for rank in utts for n in rank):
+        return _unknown("some shards have no index.json (run `seqshard index` on their folders)")
+    why = _why_not_exact(setup)
+    per_rank = [sum(_reader_batches(setup, int(n)) for n in rank) for rank in utts]  # type: ignore[arg-type]
+    lows = [sum(low for low, _ in rank) for rank in per_rank]
+    highs = [sum(high for _, high in rank) for rank in per_rank]
+    if options.epochs.uneven == "join":
+        low, high = lows[setup.rank], highs[setup.rank]
+    else:  # the ranks step together until the first runs out
+        low, high = min(lows), min(highs)
+    return _planned(low, high, done_steps, why)
+
+
+def _reader_batches(setup: WorkerSetup, count: int) -> list[tuple[int, int]]:
+    """(low, high) batches of a reader of ``count`` samples (one pair per window)."""
+    batching = setup.options.batching
+    window = batching.sort_window
+    sizes = [window] * (count // window) + ([count % window] if count % window else [])
+    if batching.batch_size is not None:
+        return [(math.ceil(n / batching.batch_size),) * 2 for n in sizes]
+    low, high = _per_sample_batches(setup)
+    return [(round(n * low), round(n * high)) for n in sizes]
+
+
+def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
+    """Batches per sample of budget batches, on lengths drawn from the index's histogram at
+    their bins' low and high ends (the table's histogram, one draw per loader)."""
+    histogram = dict(setup.table.length_hist)
+    if not histogram:
+        return math.nan, math.nan
+    window = setup.options.batching.sort_window
+    bins = np.fromiter(histogram, dtype=np.int64)
+    mass = np.fromiter(histogram.values(), dtype=np.float64)
+    rng = stage_rng(setup.options.shuffling.seed, Seed.ESTIMATE)
+    drawn = rng.choice(bins, size=window * SIMULATED_WINDOWS, p=mass / mass.sum())
+    cost = batch_cost(setup.options.batching)
+    found = []
+    for end in (0, 1):
+        lengths = np.array([max(1, math.floor(bin_bounds(int(b))[end])) for b in drawn])
+        batches = 0
+        for part in np.split(lengths, SIMULATED_WINDOWS):
+            cut, alone = cut_batches(np.sort(part).tolist(), cost)
+            batches += len(cut) + len(alone)  # oversize samples go alone (or are dropped: an estimate)
+        found.append(batches / len(drawn))
+    return found[0], found[1]
+
+
+def _stream_estimate(setup: WorkerSetup, done_steps: int) -> PlannedBatches:
+    """Steps of an endless stream's epoch cut by hours or by one source's pass: the frames (or
+    utterances) an epoch reads over every rank, at the frames (utterances) per batch drawn."""
+    options, table = setup.options, setup.table
+    low, high = _per_sample_batches(setup)
+    histogram = dict(table.length_hist)
+    if math.isnan(low) or not histogram:
+        return _unknown("the shards' index.json has no length histogram")
+    mean = sum(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1]) * n for b, n in histogram.items()) / sum(
+        histogram.values()
+    )
+    if options.epochs.epoch_hours is not None:
+        samples = options.epochs.epoch_hours * 3.6e6 / table.frame_shift_ms / mean
+    else:
+        assert setup.mix is not None and options.epochs.epoch_source is not None
+        source, size = setup.mix.epoch_source(options.epochs.epoch_source)
+        samples = size / setup.mix.shares[source]
+    per_rank = samples / setup.world_size
+    return _planned(
+        round(per_rank * low), round(per_rank * high), done_steps, "an endless stream's epoch is cut by length"
+    )
+
+
+def _why_not_exact(setup: WorkerSetup) -> str:
+    options = setup.options
+    if options.batching.batch_size is None:
+        return "batch_frames batches hold as many samples as their lengths allow"
+    if options.limits.active:
+        return "length filters drop samples the index cannot count"
+    if options.bad_data.skip_bad:
+        return "skip_bad drops bad samples only found while reading"
+    if options.batching.bucket_sync:
+        return "bucket_sync holds batches back to match the ranks' buckets"
+    return ""
+
+
+def _planned(low: int, high: int, done_steps: int, why: str) -> PlannedBatches:
+    total = round((low + high) / 2)
+    error = (high - low) / 2 / total if total else 0.0
+    return PlannedBatches(total, max(0, total - done_steps), exact=not why, error=error, why=why)
+
+
+def _unknown(why: str) -> PlannedBatches:
+    return PlannedBatches(0, 0, exact=False, error=math.inf, why=why)

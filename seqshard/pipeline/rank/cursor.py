@@ -1,0 +1,73 @@
+"""Which epoch a rank's next iteration runs, and where in it it starts.
+
+An iteration starts a fresh epoch, a position loaded from a state, or (streams that go on
+across epochs) the position the last epoch ended at. As with a torch DataLoader, code that never
+calls ``set_epoch`` still trains on new orders: an iteration after a finished epoch runs the
+next epoch, unless ``set_epoch`` chose one since; a state saved after an epoch's last batch
+resumes into the next epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from .merge import RankPosition
+
+_LOG = logging.getLogger("seqshard")
+
+
+class EpochCursor:
+    """The epoch of the next iteration and the position it starts from (see the module
+    docstring). ``fresh(epoch)`` makes the position of an epoch's start."""
+
+    def __init__(self, fresh: Callable[[int], RankPosition], continues_stream: bool):
+        self._fresh = fresh
+        self._continues = continues_stream
+        self.epoch = 0
+        self.position = fresh(0)  # the position of the current (or last) iteration
+        self.resume: RankPosition | None = None  # a loaded position, until an iteration starts from it
+        self._chosen = False  # set_epoch was called since the last iteration started
+
+    def set_epoch(self, epoch: int) -> None:
+        if self.resume is not None and self.resume.epoch != epoch and not self._continues:
+            _LOG.warning(
+                "the loaded state is for epoch %d; set_epoch(%d) starts epoch %d from its beginning",
+                self.resume.epoch,
+                epoch,
+                epoch,
+            )
+            self.resume = None
+        self.epoch = epoch
+        self._chosen = True
+
+    def load(self, position: RankPosition) -> None:
+        """Start the next iteration from ``position`` (a state's)."""
+        self.resume = position
+        self.position = RankPosition.from_json(position.to_json())
+        self.epoch = position.epoch
+        self._chosen = False
+
+    def start(self) -> RankPosition:
+        """The position the next iteration starts from (it becomes :attr:`position`)."""
+        resumed, self.resume = self.resume, None
+        chosen, self._chosen = self._chosen, False
+        last = resumed or self.position
+        if not chosen and last.completed and last.epoch == self.epoch:
+            self.epoch += 1  # iterating again after a finished epoch runs the next one
+        if resumed is not None and resumed.epoch == self.epoch:
+            position = resumed
+        elif self._continues:
+            position = last.continuing(self.epoch)
+        else:
+            position = self._fresh(self.epoch)
+        self.position = position
+        return position
+
+    def resumed_utts(self) -> int:
+        """Utterances a loaded position for the current epoch had already handed out."""
+        return self.resume.utts if self.resume is not None and self.resume.epoch == self.epoch else 0
+
+    def resumed_steps(self) -> int:
+        """Steps a loaded position for the current epoch had already taken."""
+        return self.resume.step if self.resume is not None and self.resume.epoch == self.epoch else 0

@@ -1,0 +1,193 @@
+"""One rank's shard loader: its readers (``workers/``), their batches merged into one
+deterministic stream (``merge.py``), epochs that end as the options say (``epochs.py``), and a
+small position saved and restored exactly (``checkpoint.py``, ``elastic.py``). It follows the
+:class:`seqshard.protocol.Loader` shape; :func:`seqshard.make_loader` makes it.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from ...dist import Collectives, DistContext
+from ...errors import ConfigError
+from ...formats.remote import RemoteAccess
+from ...formats.table import ShardTable
+from ...options import LoaderOptions
+from ...protocol import PlannedBatches, length_of
+from ...text.labels import LabelOverride
+from ...text.tokenizers import Tokenizer
+from ..plan import planned_utts
+from ..sources import MixSetup
+from ..workers.pool import WorkerPool
+from ..workers.setup import make_setup
+from . import checkpoint
+from .accounts import EpochAccounts
+from .counts import planned_batches
+from .cursor import EpochCursor
+from .epochs import epoch_rules
+from .merge import MergedStream, RankPosition
+
+
+class ShardLoader:
+    """Iterate it once per epoch (``set_epoch`` chooses which); see :func:`seqshard.make_loader`."""
+
+    def __init__(
+        self,
+        table: ShardTable,
+        options: LoaderOptions,
+        context: DistContext,
+        tokenizer: Tokenizer | None,
+        override: LabelOverride | None,
+        mix: MixSetup | None,
+        access: RemoteAccess,
+    ):
+        self.table, self.options, self.context, self.mix = table, options, context, mix
+        self.collectives = Collectives(context)
+        self._setup = make_setup(table, options, context.rank, context.world_size, tokenizer, override, mix, access)
+        self._access = access
+        self._pool = WorkerPool(self._setup, access)
+        buckets = len(self._setup.bucket_bounds) + 1 if options.batching.bucket_sync else 0
+        source = (
+            mix.epoch_source(options.epochs.epoch_source) if mix and options.epochs.epoch_source is not None else None
+        )
+        self._rules = epoch_rules(options.epochs, table.frame_shift_ms, self.collectives, buckets, source)
+        readers = self._setup.readers_per_rank
+        self._cursor = EpochCursor(lambda e: RankPosition.fresh(e, readers, buckets), self._rules.end.continues_stream)
+        self._accounts = EpochAccounts(self._setup, self._rules.end, self.collectives, access)
+        self._active: weakref.ref | None = None
+        self._seconds = 0.0
+        self._ranks_agree = False
+        self.last_summary: dict[str, Any] | None = None
+
+    # -- epochs and their size -----------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        return self._cursor.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Choose the epoch the next ``iter()`` runs (its shard order and shuffles)."""
+        self._cursor.set_epoch(epoch)
+
+    def planned_batches(self) -> PlannedBatches:
+        """The batches of the current epoch on this rank, exact or estimated (``protocol.py``)."""
+        return planned_batches(self._setup, self.epoch, self._cursor.resumed_steps())
+
+    def __len__(self) -> int:
+        return length_of(self.planned_batches(), "shard loader")
+
+    def planned_utts(self) -> int | None:
+        """Utterances this rank's plan holds for the current epoch, less those a loaded state
+        had handed out (for progress bars); None when unknown (shards without an index,
+        streams that go on across epochs)."""
+        if self._rules.end.continues_stream:
+            return None
+        counts = [
+            planned_utts(self.table, self._setup.units(self.epoch, w)) for w in range(self._setup.readers_per_rank)
+        ]
+        if any(c is None for c in counts):
+            return None
+        return max(0, sum(counts) - self._cursor.resumed_utts())  # type: ignore[arg-type]
+
+    @property
+    def dim(self) -> int | None:
+        """The feature dimension the index records (None for shards without features)."""
+        return self.table.dim
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        """The tokenizer labels go through (its ``vocab_size`` sizes an output layer)."""
+        return self._setup.tokenizer
+
+    @property
+    def holds_audio(self) -> bool:
+        """Whether the shards hold audio (batched as waveforms unless ``features="fbank"``)."""
+        return self._setup.fields.audio is not None
+
+    # -- iteration -------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        previous = self._active() if self._active is not None else None
+        if previous is not None:
+            previous.close()  # an abandoned iteration: stop its workers before slots are reused
+        iteration = self._iterate(self._cursor.start())
+        self._active = weakref.ref(iteration)
+        return iteration
+
+    def _iterate(self, position: RankPosition) -> Iterator[dict[str, Any]]:
+        if position.completed:  # a state saved at the end of the epoch set_epoch chose: nothing is left
+            return
+        self._check_ranks_agree()
+        self._accounts.start_bad_shard_count(position)
+        items = self._pool.items(position.epoch, position.worker_request())
+        stream = MergedStream(items, position, self._pool.receive)
+        started, self._seconds = time.perf_counter(), 0.0
+        while True:
+            cut = self._rules.over(stream.position)  # the epoch's length reached, not the data's end
+            item = None if cut else self._rules.next_item(stream)
+            if item is None:
+                break
+            stream.emit(item)
+            self._seconds = time.perf_counter() - started
+            self._accounts.judge_unknown_tokens(position)
+            self._accounts.check_bad_shards(position)
+            yield item.batch
+        del stream, items  # stops non-persistent workers now, not at garbage collection
+        self._accounts.check_bad_shards(position)
+        position.completed = True
+        self.last_summary = self._accounts.finish(position, self._seconds, cut)
+
+    def _check_ranks_agree(self) -> None:
+        """Once, where the ranks talk anyway: every rank must read the same shards with the
+        same options (a rank given other shards would otherwise go unnoticed)."""
+        if self._ranks_agree or not self.context.distributed or not self._rules.end.gathers_summary:
+            return
+        identities = self.collectives.all_gather(json.dumps(self._identity(), sort_keys=True))
+        differing = [rank for rank, identity in enumerate(identities) if identity != identities[0]]
+        if differing:
+            found = checkpoint.differences(json.loads(identities[differing[0]]), json.loads(identities[0]))
+            raise ConfigError(
+                f"rank(s) {differing} made their loader with other shards or options than rank 0 "
+                f"({'; '.join(found)}). Give every rank the same patterns and options."
+            )
+        self._ranks_agree = True
+
+    def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
+        """This rank's progress in the current epoch: utterances (and per second), steps,
+        shard units finished, dropped and filtered by reason, padding fraction, label tokens
+        (and how many were unknown to the tokenizer), selected shards that are missing."""
+        return self._accounts.stats(position or self._cursor.position, self._seconds)
+
+    def close(self) -> None:
+        """Stop worker processes (an iteration after this starts them again)."""
+        previous = self._active() if self._active is not None else None
+        if previous is not None:
+            previous.close()
+        self._pool.close()
+
+    # -- checkpointing ------------------------------------------------------------------------
+    def _identity(self) -> dict[str, Any]:
+        return checkpoint.identity(self.table, self.options, self.context.world_size, self.mix)
+
+    def state_dict(self, gather: bool = True) -> dict[str, Any]:
+        """The loader's position: a small JSON-safe dict (no sample data).
+
+        With several ranks and ``gather=True`` (the default) this is a collective: call it on
+        every rank at the same step; every rank gets every rank's position, so rank 0 can save
+        one dict for all. ``gather=False`` returns this rank's alone.
+        """
+        return checkpoint.state(self._cursor.position, self._identity(), self.collectives, gather)
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
+        """Continue from ``state`` at the next ``iter()``; a state saved at an epoch's end goes
+        on with the next epoch. A state saved with other shards, world size, workers or
+        batch-defining options is refused with StateMismatchError naming what differs; with
+        ``strict=False`` a state of the same shards saved with another world size, worker count
+        or options is resumed elastically: what the saved ranks had not handed out is spread
+        over the new ranks and workers, each utterance read once (other batches than an
+        uninterrupted run would give). That needs every rank's state (``gather=True``)."""
+        self._cursor.load(
+            checkpoint.restore(state, self._identity(), self._setup, self._access, self.collectives, strict)
+        )

@@ -1,0 +1,122 @@
+"""The worker processes of one rank: the torch DataLoader that runs the readers (or, without
+workers, runs them in this process), the channel that tells them where each iteration starts,
+and the conversion of what they send into tensors (shared slots are received without a copy).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+from typing import Any
+
+from ...formats.remote import RemoteAccess
+from ...formats.table import ShardTable
+from ...options import LoaderOptions
+from ..stages.collate import to_tensors
+from .protocol import BatchItem, ErrorItem, Item
+from .runtime import WorkerRuntime
+from .setup import WorkerSetup
+from .transfer import BatchSlots
+from .worker import IterationChannel
+
+MAX_SLOT_BYTES = 64 << 20
+
+
+class WorkerPool:
+    """A rank's readers, as DataLoader worker processes (or this process)."""
+
+    def __init__(self, setup: WorkerSetup, access: RemoteAccess):
+        options = setup.options.workers
+        self.options = options
+        self._context = multiprocessing.get_context(options.multiprocessing_context)
+        self.runtime = WorkerRuntime(access, _slots(setup.table, setup.options, self._context))
+        self._setup = setup
+        self._channel = IterationChannel(self._context)
+        self._iteration = 0
+        self._dataloader: Any = None
+
+    def items(self, epoch: int, requests: list[dict[str, Any]]) -> Iterator[Item]:
+        """What the readers send for this iteration (``requests``: where each starts)."""
+        self._iteration += 1
+        self._channel.publish({"epoch": epoch, "iteration": self._iteration, "workers": requests})
+        return iter(self._loader())
+
+    def _loader(self) -> Any:
+        if self._dataloader is None:
+            import torch.utils.data
+
+            from .dataset import ReaderDataset
+
+            options, workers = self.options, self.options.num_workers
+            self._dataloader = torch.utils.data.DataLoader(
+                ReaderDataset(self._setup, self.runtime, self._channel),
+                batch_size=None,
+                num_workers=workers,
+                collate_fn=_unchanged,
+                pin_memory=False,  # batches are pinned as they are received (see receive)
+                persistent_workers=options.persistent_workers and workers > 0,
+                prefetch_factor=options.prefetch_factor if workers > 0 else None,
+                multiprocessing_context=self._context if workers > 0 else None,
+                timeout=options.timeout,
+            )
+        return self._dataloader
+
+    def receive(self, item: Item) -> Item:
+        """Turn a worker's arrays into tensors (those in a shared slot are that memory, not a
+        copy); raise the error a worker reported."""
+        if isinstance(item, ErrorItem):
+            # Raised without a reference cycle (error -> traceback -> this frame -> item -> error),
+            # which would keep the DataLoader iterator alive until a garbage collection; one that
+            # ran in a worker forked later stopped workers not its own ("Exception ignored ...
+            # can only test a child process"). Freed with the error, the iterator stops its workers.
+            error, item.error = item.error, None
+            try:
+                raise error
+            finally:
+                del error
+        if not isinstance(item, BatchItem):
+            return item
+        pin = self.options.pin_memory and _cuda_available()
+        batch = item.batch
+        if item.slot is not None:
+            places = {k: v for k, v in batch.items() if not isinstance(v, list)}
+            batch.update(self.runtime.slots.receive(item.slot, places, pin))  # type: ignore[union-attr]
+        else:
+            batch = to_tensors(batch)
+            if pin:
+                batch = {k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in batch.items()}
+        item.batch = batch
+        return item
+
+    def close(self) -> None:
+        """Stop persistent workers (the next iteration starts them anew)."""
+        self._dataloader = None
+
+
+def _slots(table: ShardTable, options: LoaderOptions, context: Any) -> BatchSlots | None:
+    """Shared slots for workers' batches, sized for the largest batch the options allow
+    (feature arrays, plus room for labels and other fields)."""
+    workers, batching = options.workers, options.batching
+    if not workers.shared_slots:
+        return None
+    itemsize = 2 if options.collation.dtype == "float16" else 4
+    if batching.batch_frames is not None:
+        frames = batching.batch_frames
+    else:
+        longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=2000)
+        frames = int(batching.batch_size * longest) + 1  # type: ignore[operator]
+    feature_bytes = frames * (table.dim or 80) * itemsize
+    slot_bytes = min(MAX_SLOT_BYTES, int(feature_bytes * 1.25) + (1 << 20))
+    if workers.num_workers == 0:  # batches made in this process: a ring for what training still holds
+        return BatchSlots(1, 4, slot_bytes, context)
+    return BatchSlots(workers.num_workers, workers.prefetch_factor + 3, slot_bytes, context)
+
+
+def _unchanged(item: Any) -> Any:
+    return item
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

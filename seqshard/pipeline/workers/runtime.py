@@ -1,0 +1,43 @@
+"""What a process holds while it reads for a loader: how it reads shards (remote access, the
+cache, the read-ahead thread), the shared slots its batches travel in, and the pipelines it
+keeps alive across epochs. Made in the training process and pickled to worker processes, which
+then make their own threads and file systems (nothing open crosses a process boundary)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...formats.remote import RemoteAccess
+from ..stages.base import Stage, State
+from .transfer import BatchSlots
+
+
+class LivePipelines:
+    """The pipeline of each reader whose stream goes on across epochs (``uneven="repeat"``,
+    mixes), with its state after the last batch it made. When the next epoch starts from that
+    state (no batch was made ahead and dropped: no worker processes), the pipeline continues as
+    it is, instead of being rebuilt from the state, which re-reads its windows."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[State, Stage]] = {}
+
+    def keep(self, worker: int, state: State, pipeline: Stage) -> None:
+        self._kept[worker] = (state, pipeline)
+
+    def take(self, worker: int, state: State | None) -> Stage | None:
+        """The kept pipeline of ``worker`` if it stands at ``state``, else None."""
+        kept = self._kept.pop(worker, None)
+        return kept[1] if kept is not None and state is not None and kept[0] == state else None
+
+
+@dataclass
+class WorkerRuntime:
+    """A loader's per-process reading resources (see the module docstring)."""
+
+    access: RemoteAccess
+    slots: BatchSlots | None = None
+    live: LivePipelines = field(default_factory=LivePipelines)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "live": LivePipelines()}  # open pipelines stay in their process
