@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,8 +26,27 @@ from ..formats.keys import escape_key
 from ..formats.keytable import KeyTable
 from ..seeds import pack_order_rng
 
-if TYPE_CHECKING:
-    from .sources import AudioSource, FeatureSource
+
+class PackSource(Protocol):
+    """Where a pack's utterances come from (``sources.py``: feature matrices of a feats.scp, or
+    audio of a wav.scp): its table files, the scan of their lines, each row's length, the
+    feature dim, a reader of rows for writing, and the facts the index records."""
+
+    kind: str  # "features" or "audio", as the report names the inputs
+    files: Sequence[Path]
+
+    def scan(self, drops: SkipCounter, progress: Callable[[int], None] | None) -> KeyTable: ...
+
+    def lengths(
+        self, table: KeyTable, keep: np.ndarray, drops: SkipCounter, issues: SkipCounter, progress: Any
+    ) -> np.ndarray: ...
+
+    def dim(self, plan: PackPlan) -> int: ...
+
+    def reader(self, plan: PackPlan, dim: int) -> Any: ...
+
+    def facts(self, dim: int) -> tuple[dict[str, Any], list[str]]: ...
+
 
 _LOG = logging.getLogger("seqshard")
 
@@ -162,7 +181,7 @@ class PackPlan:
     """Per utterance row (of ``scp``: the feats.scp, wav.scp or segments lines): its label
     row, length (-1 unknown) and shard ordinal (-1 dropped); ``source`` reads the rows."""
 
-    source: FeatureSource | AudioSource
+    source: PackSource
     scp: KeyTable
     labels: KeyTable
     label_rows: np.ndarray
@@ -182,7 +201,7 @@ class PackPlan:
 
 
 def build_plan(
-    source: FeatureSource | AudioSource,
+    source: PackSource,
     text_files: Sequence[Path],
     d_out: Path,
     options: PackOptions,

@@ -16,6 +16,7 @@ from ...formats.remote import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
 from ..workers.setup import WorkerSetup
+from .elastic import elastic_position
 from .merge import RankPosition
 
 STATE_VERSION = 2  # 2: units hold one byte offset per field file; sample fields
@@ -74,8 +75,6 @@ def restore(
             "(same shards, other ranks/workers/options), or start the epoch afresh."
         )
     if found:
-        from .elastic import elastic_position
-
         return elastic_position(state, setup, access, collectives)
     mine = state["ranks"].get(str(setup.rank))
     if mine is None:
@@ -108,28 +107,3 @@ def check_state(state: dict[str, Any]) -> None:
                 else "."
             )
         )
-
-
-def saved_positions(state: dict[str, Any]) -> list[RankPosition]:
-    """Every saved rank's position, in rank order (elastic resume needs them all)."""
-    world_size = state["identity"]["world_size"]
-    if sorted(state["ranks"], key=int) != [str(r) for r in range(world_size)]:
-        raise StateMismatchError(
-            "elastic resume needs the position of every saved rank: save with state_dict(gather=True)."
-        )
-    return [RankPosition.from_json(state["ranks"][str(r)]) for r in range(world_size)]
-
-
-def saved_options(state: dict[str, Any], current: LoaderOptions) -> LoaderOptions:
-    """The options the state was saved with (the current runtime-only ones). Transforms and
-    recipes are saved by name: they must be the current ones (their code cannot be rebuilt from
-    a name)."""
-    options = dict(state["identity"]["options"])
-    now = current.batch_defining()
-    for name in ("transforms", "recipe"):
-        if options.get(name) != now[name]:
-            raise StateMismatchError(
-                f"elastic resume needs the {name} the state was saved with ({options.get(name)!r}, now {now[name]!r})."
-            )
-        del options[name]
-    return current.replace(**options)

@@ -25,6 +25,7 @@ from ...dist import Collectives
 from ...errors import StateMismatchError
 from ...formats.remote import RemoteAccess
 from ...formats.table import ShardTable
+from ...options import LoaderOptions
 from ..plan import Plan, Unit, spread_units
 from ..stages.base import Stage
 from ..stages.passes import Passes
@@ -32,7 +33,6 @@ from ..stages.reader import ShardReader
 from ..stages.sample import Sample
 from ..workers.setup import WorkerSetup, make_setup
 from ..workers.worker import build_pipeline, carry_from_json
-from .checkpoint import saved_options, saved_positions
 from .merge import RankPosition, WorkerPosition
 
 _LOG = logging.getLogger("seqshard")
@@ -169,3 +169,28 @@ def elastic_position(
     ]
     fresh = RankPosition.fresh(epoch, setup.readers_per_rank, buckets, carry=carry)
     return replace(fresh, completed=all(p.completed for p in positions))
+
+
+def saved_positions(state: dict[str, Any]) -> list[RankPosition]:
+    """Every saved rank's position, in rank order (elastic resume needs them all)."""
+    world_size = state["identity"]["world_size"]
+    if sorted(state["ranks"], key=int) != [str(r) for r in range(world_size)]:
+        raise StateMismatchError(
+            "elastic resume needs the position of every saved rank: save with state_dict(gather=True)."
+        )
+    return [RankPosition.from_json(state["ranks"][str(r)]) for r in range(world_size)]
+
+
+def saved_options(state: dict[str, Any], current: LoaderOptions) -> LoaderOptions:
+    """The options the state was saved with (the current runtime-only ones). Transforms and
+    recipes are saved by name: they must be the current ones (their code cannot be rebuilt from
+    a name)."""
+    options = dict(state["identity"]["options"])
+    now = current.batch_defining()
+    for name in ("transforms", "recipe"):
+        if options.get(name) != now[name]:
+            raise StateMismatchError(
+                f"elastic resume needs the {name} the state was saved with ({options.get(name)!r}, now {now[name]!r})."
+            )
+        del options[name]
+    return current.replace(**options)

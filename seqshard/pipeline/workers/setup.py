@@ -77,7 +77,9 @@ class WorkerSetup:
         return self.fields.audio is not None and self.fields.features is None
 
     def collator(self) -> Collator:
-        rules = speech_rules(self.fields.features or "feats", self.options.collation.pad_label, self.options.collation.dtype)
+        rules = speech_rules(
+            self.fields.features or "feats", self.options.collation.pad_label, self.options.collation.dtype
+        )
         return Collator(rules)
 
 
