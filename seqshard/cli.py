@@ -9,6 +9,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
 from .errors import SeqshardError, command_line_flags
@@ -175,7 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"seqshard {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (skips, resumed shards, planning)")
     commands = parser.add_subparsers(dest="command", required=True)
+    for add in (
+        _pack_command,
+        _add_field_command,
+        _inspect_command,
+        _verify_command,
+        _index_command,
+        _binarize_command,
+        _cmvn_command,
+        _config_command,
+        _demo_command,
+    ):
+        add(commands)
+    return parser
 
+
+def _pack_command(commands: Any) -> None:
     pack = commands.add_parser("pack", help="pack feats.scp + text into shuffled, indexed tar shards")
     pack.add_argument("--scp", nargs="+", action="extend", help="Kaldi feats.scp file(s); repeat or list several")
     pack.add_argument("--wav-scp", nargs="+", action="extend", help="Kaldi wav.scp file(s) of audio, instead of --scp")
@@ -250,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     pack.add_argument("--quiet", action="store_true", help="no progress bars")
     pack.set_defaults(run=_pack)
 
+
+def _add_field_command(commands: Any) -> None:
     add_field = commands.add_parser(
         "add-field", help="add a field (alignments, speaker labels, ...) to packed shards as sidecar shards"
     )
@@ -276,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_field.add_argument("--quiet", action="store_true", help="no progress bars")
     add_field.set_defaults(run=_add_field)
 
+
+def _inspect_command(commands: Any) -> None:
     inspect = commands.add_parser("inspect", help="counts, hours and length percentiles of shards")
     inspect.add_argument(
         "patterns", nargs="+", help="shard patterns, e.g. 'data/{10_1000,1000_2000}/data-*.tar' or a folder"
@@ -288,6 +308,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--quiet", action="store_true", help="no progress bars")
     inspect.set_defaults(run=_inspect)
 
+
+def _verify_command(commands: Any) -> None:
     verify = commands.add_parser(
         "verify", help="read shards fully and check them against their index; exit 1 if any is damaged"
     )
@@ -296,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--quiet", action="store_true", help="no progress bars")
     verify.set_defaults(run=_verify)
 
+
+def _index_command(commands: Any) -> None:
     index = commands.add_parser(
         "index", help="build index.json for a folder of shards (merges a pack's parts; reads foreign shards)"
     )
@@ -309,6 +333,8 @@ def build_parser() -> argparse.ArgumentParser:
     index.add_argument("--quiet", action="store_true", help="no progress bars")
     index.set_defaults(run=_index)
 
+
+def _binarize_command(commands: Any) -> None:
     binarize = commands.add_parser(
         "binarize",
         help="tokenize a text file (a sentence per line) into PREFIX.bin/.idx (fairseq/Megatron mmap format)",
@@ -330,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     binarize.add_argument("--quiet", action="store_true", help="no progress bars")
     binarize.set_defaults(run=_binarize)
 
+
+def _cmvn_command(commands: Any) -> None:
     cmvn = commands.add_parser("cmvn", help="global CMVN statistics of a shard set, for the loader's cmvn= option")
     cmvn.add_argument("patterns", nargs="+", help="shard patterns, folders or .list files")
     cmvn.add_argument("-o", "--out", required=True, help="the JSON file to write (mean and std per dimension)")
@@ -342,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     cmvn.add_argument("--skip-bad", action="store_true", help="count and skip bad samples instead of stopping")
     cmvn.set_defaults(run=_cmvn)
 
+
+def _config_command(commands: Any) -> None:
     config = commands.add_parser(
         "config",
         help="check a hyper-p.json (train.option, and that its Kaldi data dirs' arks can be read); "
@@ -351,6 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--explain", action="store_true", help="print the resolved settings, set or default")
     config.set_defaults(run=_config)
 
+
+def _demo_command(commands: Any) -> None:
     demo = commands.add_parser("demo", help="make a small Kaldi dataset, pack it, stream it, and say what happened")
     demo.add_argument("--out", default="seqshard-demo", help="working folder (default: %(default)s)")
     demo.add_argument("--utts", type=int, default=1200, help="utterances in the demo dataset")
@@ -359,7 +391,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--train-epochs", type=int, default=6, help="epochs of the example model (2 processes); 0: no training"
     )
     demo.set_defaults(run=_demo)
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

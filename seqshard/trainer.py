@@ -36,7 +36,7 @@ from torch import nn
 from .config import apply_overrides, build_loaders, load_config, read_json
 from .errors import ConfigError, SeqshardError
 from .progress import Progress
-from .text.tokenizers import Tokenizer, UnitsTokenizer
+from .text.tokenizers import Tokenizer, UnitsTokenizer, make_tokenizer
 
 #: sections of a checkpoint's recorded settings whose change a resume refuses (the saved weights
 #: cannot take it); changes of the others (schedule, run) are applied with a note
@@ -198,16 +198,16 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(content).hexdigest()[:16]
 
 
-def run_settings(settings: dict[str, Any], loader: Any) -> dict[str, dict[str, Any]]:
+def run_settings(settings: dict[str, Any], dim: int | None, tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
     """What a checkpoint records of the run, by section (see :func:`changes_since`)."""
     return {
         "model": {
-            "dim": loader.dim,
-            "vocab_size": loader.tokenizer.vocab_size,
+            "dim": dim,
+            "vocab_size": tokenizer.vocab_size,
             "hidden": settings["hidden"],
             "layers": settings["layers"],
         },
-        "tokenizer": {"tokenizer ids": tokenizer_fingerprint(loader.tokenizer)},
+        "tokenizer": {"tokenizer ids": tokenizer_fingerprint(tokenizer)},
         "schedule": {"lr": settings["lr"], "warmup_steps": settings["warmup_steps"]},
         "run": {key: settings[key] for key in ("epochs", "save_every", "log_every")},
     }
@@ -255,10 +255,12 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     checkpoint_path = args.out / "ckpt.pt"
     config, name = load_settings(args, rank)
     loader, dev = build_loaders(config, name=name)
-    settings = load_config(config, name=name).trainer
-    if loader.tokenizer is None:
+    loaded = load_config(config, name=name)
+    settings = loaded.trainer
+    if loaded.data["tokenizer"] is None:
         raise ConfigError(f"{name}: the trainer needs train.option.tokenizer (its CTC targets are token ids).")
-    recorded = run_settings(settings, loader)
+    tokenizer = make_tokenizer(loaded.data["tokenizer"], loaded.loader.get("split"))
+    recorded = run_settings(settings, loader.dim, tokenizer)
     checkpoint, epoch, step, changes = None, 0, 0, None  # epoch: the one to run next; step: optimizer steps done
     if checkpoint_path.exists():
         checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=False)
@@ -274,7 +276,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
 
     torch.manual_seed(int(config["train"]["option"].get("seed", 0)))
     model = nn.parallel.DistributedDataParallel(
-        SmallCTC(loader.dim, loader.tokenizer.vocab_size, settings["hidden"], settings["layers"]).to(device),
+        SmallCTC(loader.dim, tokenizer.vocab_size, settings["hidden"], settings["layers"]).to(device),
         device_ids=[device.index] if cuda else None,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=settings["lr"])
@@ -322,9 +324,9 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     steps_this_run = 0
     while epoch < settings["epochs"]:
         loader.set_epoch(epoch)
-        planned = loader.planned_utts()
-        with Progress(rank == 0 and planned is not None, interval=30) as bars:
-            advance = bars.bar(f"epoch {epoch}", planned or 0, unit="utt")
+        planned = loader.planned_batches()
+        with Progress(rank == 0 and planned.total > 0, interval=30) as bars:
+            advance = bars.bar(f"epoch {epoch}", planned.remaining, unit="batch")
             for batch, waited in timed(loader):
                 started = time.perf_counter() - waited
                 model.train()
@@ -340,7 +342,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
                 meter.add(
                     waited, time.perf_counter() - started, len(batch["keys"]), int(batch["feat_lens"].sum()), value
                 )
-                advance(len(batch["keys"]))
+                advance(1)
                 if steps_file is not None:
                     record = {"step": step, "keys": list(batch["keys"]), "loss": value, "lr": rate}
                     steps_file.write(json.dumps(record) + "\n")

@@ -8,10 +8,11 @@ decide which batches come out. A strict resume needs the same identity; an elast
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ...dist import Collectives
-from ...errors import StateMismatchError
+from ...errors import ConfigError, StateMismatchError
 from ...formats.remote import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
@@ -82,6 +83,21 @@ def restore(
             f"the saved state has no position for rank {setup.rank} (saved with gather=False on another rank?)."
         )
     return RankPosition.from_json(mine)
+
+
+def check_ranks_agree(identity: dict[str, Any], collectives: Collectives) -> bool:
+    """Every rank must read the same shards with the same options (a rank given other shards
+    would otherwise go unnoticed): checked once, where the ranks talk anyway; True, or
+    ConfigError naming the ranks and what differs."""
+    identities = collectives.all_gather(json.dumps(identity, sort_keys=True))
+    differing = [rank for rank, found in enumerate(identities) if found != identities[0]]
+    if differing:
+        found = differences(json.loads(identities[differing[0]]), json.loads(identities[0]))
+        raise ConfigError(
+            f"rank(s) {differing} made their loader with other shards or options than rank 0 "
+            f"({'; '.join(found)}). Give every rank the same patterns and options."
+        )
+    return True
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -47,7 +47,7 @@ def planned_batches(setup: WorkerSetup, epoch: int, done_steps: int) -> PlannedB
     if any(n is None for rank in utts for n in rank):
         return _unknown("some shards have no index.json (run `seqshard index` on their folders)")
     why = _why_not_exact(setup)
-    per_rank = [sum(_reader_batches(setup, int(n)) for n in rank) for rank in utts]  # type: ignore[arg-type]
+    per_rank = [[pair for n in rank for pair in _reader_batches(setup, int(n))] for rank in utts]  # type: ignore[arg-type]
     lows = [sum(low for low, _ in rank) for rank in per_rank]
     highs = [sum(high for _, high in rank) for rank in per_rank]
     if options.epochs.uneven == "join":

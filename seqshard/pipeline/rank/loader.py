@@ -6,14 +6,12 @@ small position saved and restored exactly (``checkpoint.py``, ``elastic.py``). I
 
 from __future__ import annotations
 
-import json
 import time
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 from ...dist import Collectives, DistContext
-from ...errors import ConfigError
 from ...formats.remote import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
@@ -119,7 +117,8 @@ class ShardLoader:
     def _iterate(self, position: RankPosition) -> Iterator[dict[str, Any]]:
         if position.completed:  # a state saved at the end of the epoch set_epoch chose: nothing is left
             return
-        self._check_ranks_agree()
+        if not self._ranks_agree and self.context.distributed and self._rules.end.gathers_summary:
+            self._ranks_agree = checkpoint.check_ranks_agree(self._identity(), self.collectives)
         self._accounts.start_bad_shard_count(position)
         items = self._pool.items(position.epoch, position.worker_request())
         stream = MergedStream(items, position, self._pool.receive)
@@ -138,21 +137,6 @@ class ShardLoader:
         self._accounts.check_bad_shards(position)
         position.completed = True
         self.last_summary = self._accounts.finish(position, self._seconds, cut)
-
-    def _check_ranks_agree(self) -> None:
-        """Once, where the ranks talk anyway: every rank must read the same shards with the
-        same options (a rank given other shards would otherwise go unnoticed)."""
-        if self._ranks_agree or not self.context.distributed or not self._rules.end.gathers_summary:
-            return
-        identities = self.collectives.all_gather(json.dumps(self._identity(), sort_keys=True))
-        differing = [rank for rank, identity in enumerate(identities) if identity != identities[0]]
-        if differing:
-            found = checkpoint.differences(json.loads(identities[differing[0]]), json.loads(identities[0]))
-            raise ConfigError(
-                f"rank(s) {differing} made their loader with other shards or options than rank 0 "
-                f"({'; '.join(found)}). Give every rank the same patterns and options."
-            )
-        self._ranks_agree = True
 
     def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
         """This rank's progress in the current epoch: utterances (and per second), steps,
