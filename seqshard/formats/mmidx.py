@@ -25,6 +25,7 @@ tokens were made with: vocabulary size, pad/eos/bos/unk, the tokenizer or dictio
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 import struct
@@ -47,6 +48,7 @@ DTYPE_OF_CODE = {"megatron": _INTEGERS, "fairseq": {**_INTEGERS, 9: np.uint32, 1
 CODE_OF_DTYPE = {layout: {np.dtype(t): code for code, t in codes.items()} for layout, codes in DTYPE_OF_CODE.items()}
 FLOAT_CODES = {"megatron": {6: "float64", 7: "float32"}, "fairseq": {6: "float64", 7: "float64"}}
 META_VERSION = 1
+FINGERPRINT_BYTES = 1 << 20  # of the .bin's head and tail in data_fingerprint
 
 
 def check_layout(layout: str) -> str:
@@ -131,13 +133,14 @@ class TokenMeta:
     """``PREFIX.json``: what ``seqshard binarize`` made the tokens with. ``eos_id`` is the
     tokenizer's or dictionary's end-of-sentence id and ``eos_appended`` whether each line ends
     with it; ``pad_id``/``bos_id``/``unk_id`` are None where the vocabulary has none;
-    ``tokenizer``/``dictionary`` are ``{"path", "sha256"}`` of the files used. ``sequences``
-    and ``tokens`` tie it to its ``.bin``/``.idx``."""
+    ``tokenizer``/``dictionary`` are ``{"path", "sha256"}`` of the files used. ``sequences``,
+    ``tokens`` and ``data`` (:func:`data_fingerprint`) tie it to its ``.bin``/``.idx``."""
 
     layout: str
     dtype: str
     sequences: int
     tokens: int
+    data: str
     vocab_size: int
     eos_id: int | None
     eos_appended: bool
@@ -168,6 +171,21 @@ class TokenMeta:
             return cls(**data)
         except TypeError as error:
             raise ShardError(path, None, f"unexpected fields ({error}).") from None
+
+
+def data_fingerprint(prefix: str | Path, part: int = FINGERPRINT_BYTES) -> str:
+    """sha256 of the ``.idx`` and of the first and last ``part`` bytes of the ``.bin``: cheap for
+    any size, and different for other tokens of the same lengths."""
+    digest = hashlib.sha256()
+    bin_path, idx_path = paths_of(prefix)
+    with open(idx_path, "rb") as stream:
+        while chunk := stream.read(8 << 20):
+            digest.update(chunk)
+    with open(bin_path, "rb") as stream:
+        digest.update(stream.read(part))
+        stream.seek(max(bin_path.stat().st_size - part, 0))
+        digest.update(stream.read(part))
+    return digest.hexdigest()
 
 
 def _bad_magic(head: bytes) -> str:
@@ -295,14 +313,15 @@ class TokenDataset:
         if not path.is_file():
             return None
         meta = TokenMeta.read(path)
-        mine = (self.layout, str(self.dtype), len(self), self.num_tokens)
-        if (meta.layout, meta.dtype, meta.sequences, meta.tokens) != mine:
+        mine = (self.layout, str(self.dtype), len(self), self.num_tokens, data_fingerprint(self.bin_path))
+        if (meta.layout, meta.dtype, meta.sequences, meta.tokens, meta.data) != mine:
             raise ShardError(
                 path,
                 None,
                 f"describes {meta.sequences} sequences, {meta.tokens} tokens of {meta.dtype} in {meta.layout}'s "
-                f"layout, but {self.bin_path.name}/.idx hold {mine[2]} sequences, {mine[3]} tokens of {mine[1]} in "
-                f"{mine[0]}'s: it belongs to other files; delete it, or binarize again.",
+                f"layout (sha256 {meta.data[:12]}...), but {self.bin_path.name}/.idx hold {mine[2]} sequences, "
+                f"{mine[3]} tokens of {mine[1]} in {mine[0]}'s (sha256 {mine[4][:12]}...): it belongs to other "
+                "files; delete it, or binarize again.",
             )
         return meta
 
