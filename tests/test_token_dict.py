@@ -13,7 +13,7 @@ import sentencepiece
 from test_token_layouts import fairseq_read, fairseq_write
 
 from conftest import REALDATA
-from seqshard import TokenDataset, binarize
+from seqshard import TokenDataset, binarize, make_token_loader
 from seqshard.cli import main
 from seqshard.errors import ConfigError, ShardError
 from seqshard.text.fairseq_dict import FairseqDictionary
@@ -127,3 +127,26 @@ def test_a_bad_dictionary_line_is_named(tmp_path, corpus):
     overwritten = FairseqDictionary(corpus / "dict.txt")
     assert len(overwritten) == 4 + len((corpus / "dict.txt").read_text().splitlines())
     assert np.array_equal([overwritten.index(p) for p in ("<s>", "<pad>", "</s>", "<unk>", "nothing")], [0, 1, 2, 3, 3])
+
+
+@pytest.mark.parametrize(("layout", "num_workers"), [("fairseq", 0), ("megatron", 2)])
+def test_a_parallel_corpus_from_the_command_line_to_batches(corpus, tmp_path, layout, num_workers):
+    """As a fairseq user: binarize both sides with the dictionary, then batch them."""
+    (tmp_path / "train.en").write_text("\n".join(LINES) + "\n", encoding="utf-8")
+    (tmp_path / "train.de").write_text("\n".join(reversed(LINES)) + "\n", encoding="utf-8")
+    for side in ("de", "en"):
+        assert main(["binarize", "--in", str(tmp_path / f"train.{side}"), "--out", str(tmp_path / f"data.{side}"),
+                     "--tokenizer", str(BPE), "--dict", str(corpus / "dict.txt"), "--layout", layout, "--json",
+                     "--quiet"]) == 0  # fmt: skip
+    src, tgt = TokenDataset(tmp_path / "data.de"), TokenDataset(tmp_path / "data.en")
+    loader = make_token_loader(str(tmp_path / "data.de"), str(tmp_path / "data.en"), num_workers=num_workers)
+    assert (loader.batching.collate.pad_id, loader.batching.collate.eos_id) == (1, 2)  # from PREFIX.json
+    seen = []
+    for batch in loader:
+        for row, index in enumerate(batch["id"].tolist()):
+            mask = batch["src_mask"][row]
+            assert batch["src_tokens"][row][mask].tolist() == src[index].tolist()
+            assert (batch["src_tokens"][row][~mask] == 1).all()
+            assert batch["target"][row][batch["target_mask"][row]].tolist() == tgt[index].tolist()
+            seen.append(index)
+    assert sorted(seen) == list(range(len(LINES)))
