@@ -186,3 +186,10 @@ def test_two_gloo_ranks_on_openwebtext(tmp_path, monkeypatch):
     rest = [i for batch in resumed for i in batch["id"].tolist()]
     before = [i for r in ranks for step in r["steps"][:100] for i in step]
     assert sorted(before + rest) == sorted(blocks)
+
+
+def test_a_drop_of_two_percent_by_max_positions_is_warned(tmp_path, caplog):
+    lm = _lm(tmp_path / "lm", [5] * 98 + [40, 40])  # 2 of 100 sentences longer than max_positions
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        assert sum(b["nsentences"] for b in make_token_loader(lm, max_positions=30)) == 98
+    assert "2 of 100 sentences (2%) are not read: 2 longer than max_positions=30 dropped" in caplog.text
