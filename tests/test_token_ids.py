@@ -34,13 +34,15 @@ def test_ids_come_from_the_metadata(tmp_path):
     src, tgt = _sides(tmp_path, tmp_path / "dict.txt")
     loader = make_token_loader(src, tgt)
     assert (loader.batching.collate.pad_id, loader.batching.collate.eos_id) == (1, 2)  # the fairseq dictionary's
+    assert loader.stats()["ids"] == {"pad_id": 1, "eos_id": 2, "pad_from": "metadata", "eos_from": "metadata"}
     (tmp_path / "spm").mkdir()
     src, tgt = _sides(tmp_path / "spm")  # SentencePiece's ids: no pad piece; <s> (1) never in encoded text
     loader = make_token_loader(src, tgt)
     assert (loader.batching.collate.pad_id, loader.batching.collate.eos_id) == (1, 2)
     batch = next(iter(loader))
     assert (batch["prev_output_tokens"][:, 0] == 2).all()
-    assert make_token_loader(src, tgt, pad_id=7, eos_id=5).batching.collate.pad_id == 7  # given: as given
+    assert loader.stats()["ids"]["pad_from"] == "default"  # checked: never in the data
+    assert make_token_loader(src, tgt, pad_id=7, eos_id=5).stats()["ids"]["pad_from"] == "given"
 
 
 def test_datasets_whose_metadata_disagree_are_refused(tmp_path):

@@ -121,7 +121,7 @@ def make_token_loader(
     datasets = [d for o in opened for d in (o.src, o.tgt) if d is not None]
     ids = special_ids(datasets, pad_id, eos_id)
     collate = CollateRules(ids.pad_id, ids.eos_id, left_pad_source)
-    return TokenLoader(SentenceBatching(pairs, opened, mixed, rules, collate), num_workers, context)
+    return TokenLoader(SentenceBatching(pairs, opened, mixed, rules, collate, ids), num_workers, context)
 
 
 class Batching(Protocol):

@@ -7,11 +7,13 @@ from __future__ import annotations
 import hashlib
 import itertools
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 import numpy as np
 
 from .collate import CollateRules, collate_batch, padded
+from .ids import SpecialIds
 from .pairs import OpenPair, TokenPair
 from .plan import BatchRules, EpochPlan, plan_epoch
 
@@ -102,12 +104,14 @@ class SentenceBatching:
         shares: np.ndarray | None,
         rules: BatchRules,
         collate: CollateRules,
+        ids: SpecialIds,
     ):
         self.pairs = pairs
         self.opened = opened
         self.shares = shares
         self.rules = rules
         self.collate = collate
+        self.ids = ids
 
     def plan(self, epoch: int, world_size: int) -> EpochPlan:
         return plan_epoch(self.opened, self.shares, self.rules, epoch, world_size)
@@ -142,7 +146,8 @@ class SentenceBatching:
             counts["tgt_padded"] += batch["target"].size
 
     def stats(self, plan: EpochPlan, counts: dict[str, int]) -> dict[str, Any]:
-        """Sentences, tokens and padding so far; the plan's sentences per source, drops and leftovers."""
+        """Sentences, tokens and padding so far; the plan's sentences per source, drops and
+        leftovers; the pad and eos ids and where they came from."""
         padding = {
             side: 1 - counts[f"{side}_tokens"] / counts[f"{side}_padded"]
             for side in ("src", "tgt")
@@ -156,4 +161,5 @@ class SentenceBatching:
             "epoch_sentences_per_source": per_source,
             "dropped": dict(plan.dropped),
             "left": plan.left,
+            "ids": asdict(self.ids),
         }
