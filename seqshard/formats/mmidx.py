@@ -174,17 +174,16 @@ class TokenMeta:
 
 
 def data_fingerprint(prefix: str | Path, part: int = FINGERPRINT_BYTES) -> str:
-    """sha256 of the ``.idx`` and of the first and last ``part`` bytes of the ``.bin``: cheap for
-    any size, and different for other tokens of the same lengths."""
+    """sha256 of the first and last ``part`` bytes of the ``.idx`` and of the ``.bin``, with
+    their sizes: cheap for any size, and different for other tokens of the same lengths."""
     digest = hashlib.sha256()
-    bin_path, idx_path = paths_of(prefix)
-    with open(idx_path, "rb") as stream:
-        while chunk := stream.read(8 << 20):
-            digest.update(chunk)
-    with open(bin_path, "rb") as stream:
-        digest.update(stream.read(part))
-        stream.seek(max(bin_path.stat().st_size - part, 0))
-        digest.update(stream.read(part))
+    for path in paths_of(prefix)[::-1]:
+        size = path.stat().st_size
+        digest.update(f"{size}\n".encode())
+        with open(path, "rb") as stream:
+            digest.update(stream.read(part))
+            stream.seek(max(size - part, part))
+            digest.update(stream.read(part))
     return digest.hexdigest()
 
 
