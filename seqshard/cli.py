@@ -122,6 +122,8 @@ def _binarize(args: argparse.Namespace) -> int:
         args.input,
         args.out,
         args.tokenizer,
+        dictionary=args.dictionary,
+        layout=args.layout,
         jobs=args.jobs,
         append_eos=not args.no_eos,
         eos_id=args.eos_id,
@@ -337,12 +339,28 @@ def _index_command(commands: Any) -> None:
 def _binarize_command(commands: Any) -> None:
     binarize = commands.add_parser(
         "binarize",
-        help="tokenize a text file (a sentence per line) into PREFIX.bin/.idx (fairseq/Megatron mmap format)",
+        help="tokenize a text file (a sentence per line) into PREFIX.bin/.idx (Megatron's or fairseq's mmap layout)",
     )
     binarize.add_argument("--in", dest="input", required=True, help="the text file, UTF-8, one sentence per line")
-    binarize.add_argument("--out", required=True, help="output prefix: writes PREFIX.bin and PREFIX.idx")
     binarize.add_argument(
-        "--tokenizer", required=True, help="a SentencePiece .model, or a units file (token id per line)"
+        "--out", required=True, help="output prefix: writes PREFIX.bin, PREFIX.idx and PREFIX.json (the ids used)"
+    )
+    binarize.add_argument(
+        "--tokenizer",
+        help="a SentencePiece .model, or a units file (token id per line); with --dict, the SentencePiece model "
+        "whose pieces the dictionary lists (leave it out for text already split into pieces)",
+    )
+    binarize.add_argument(
+        "--dict",
+        "--dictionary",
+        dest="dictionary",
+        help="a fairseq dict.txt: store its ids (<s> 0, <pad> 1, </s> 2, <unk> 3, then its lines), as fairseq-preprocess does",
+    )
+    binarize.add_argument(
+        "--layout",
+        choices=["megatron", "fairseq"],
+        default="megatron",
+        help="the .idx layout: Megatron's (with a document index) or fairseq's MMapIndexedDataset (default: %(default)s)",
     )
     binarize.add_argument(
         "--split", choices=["char", "word"], help="how a units file splits text (default: from the units)"

@@ -33,7 +33,8 @@ class Seed(IntEnum):
     TOKEN_BATCH_ORDER = 12  # each rank's order of token batches
     TOKEN_REDEAL = 13  # the order of token batches dealt again after an elastic resume
     MIX_PASS = 14  # a mixed source's shard order in each pass (after PLAN)
-    ESTIMATE = 15  # lengths drawn from the index to estimate an epoch's batches (rank/counts.py)
+    TOKEN_BLOCKS = 15  # the order of a language-model epoch's blocks (tokens/blocks.py)
+    ESTIMATE = 16  # lengths drawn from the index to estimate an epoch's batches (rank/counts.py)
     MIX_ORDER = 0x6D7578  # which source each position of a mixed stream takes (seqshard.mix)
 
 

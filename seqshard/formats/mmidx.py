@@ -1,47 +1,82 @@
 """fairseq's and Megatron's memory-mapped token datasets: ``PREFIX.bin`` + ``PREFIX.idx``.
 
-``.bin`` is every sequence's tokens back to back, of one integer dtype. ``.idx`` is, all
-little-endian: the magic ``MMIDIDX\\0\\0``, version (u64 = 1), a dtype code (u8), the
-sequence count (u64), the document count (u64), then the sizes (int32, tokens per sequence),
-the pointers (int64, byte offset of each sequence in ``.bin``) and the document index
-(int64, the first sequence of each document, plus the count at the end). Both projects write
-and read exactly this (fairseq ``MMapIndexedDataset``, Megatron ``preprocess_data.py``).
-:class:`TokenDataset` maps both files and hands out views (no copy);
-:class:`TokenDatasetWriter` writes them, crash-safe (the final names appear complete or not at all).
+``.bin`` is every sequence's tokens back to back, of one integer dtype. ``.idx`` starts, all
+little-endian, with the magic ``MMIDIDX\\0\\0``, the version (u64 = 1), a dtype code (u8) and
+the sequence count (u64); then the two projects differ:
+
+- **Megatron** (``megatron/core/datasets/indexed_dataset.py``, ``preprocess_data.py``): the
+  document count (u64), the sizes (int32, tokens per sequence), the pointers (int64, byte
+  offset of each sequence in ``.bin``) and the document index (int64, the first sequence of
+  each document, plus the sequence count at the end).
+- **fairseq** (``MMapIndexedDataset`` of fairseq 0.12.x, ``fairseq-preprocess --dataset-impl
+  mmap``): the sizes and the pointers, no document count and no document index.
+
+Both sizes follow from the header, and never agree (Megatron's is 8 bytes longer than
+fairseq's with no document at all), so :class:`TokenDataset` tells the layouts apart by the
+file size and reads both; :class:`TokenDatasetWriter` writes either, crash-safe (the final
+names appear complete or not at all). dtype codes 1-5 and 8 mean the same to both; 9 and 10
+(uint32, uint64) are fairseq's; 6 and 7 are floats (7 is float64 to fairseq but float32 to
+Megatron), refused because token ids are integers.
+
+``PREFIX.json`` (:class:`TokenMeta`, written by ``seqshard binarize``) records the ids the
+tokens were made with: vocabulary size, pad/eos/bos/unk, the tokenizer or dictionary.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
 import struct
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from ..errors import ConfigError, ShardError
-from .files import fsync_directory, writing
+from .files import fsync_directory, write_json_atomic, writing
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-# Codes both projects agree on. 6 is float64 in both; 7 is float64 in fairseq but float32 in
-# Megatron, so it is refused rather than guessed.
-DTYPE_OF_CODE = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 8: np.uint16}
-CODE_OF_DTYPE = {np.dtype(dtype): code for code, dtype in DTYPE_OF_CODE.items()}
-HEADER = struct.Struct("<9sQBQQ")
+LAYOUTS = ("megatron", "fairseq")
+HEADER = struct.Struct("<9sQBQQ")  # Megatron: magic, version, dtype code, sequences, documents
+FAIRSEQ_HEADER = struct.Struct("<9sQBQ")  # fairseq: magic, version, dtype code, sequences
+_INTEGERS = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 8: np.uint16}
+DTYPE_OF_CODE = {"megatron": _INTEGERS, "fairseq": {**_INTEGERS, 9: np.uint32, 10: np.uint64}}
+CODE_OF_DTYPE = {layout: {np.dtype(t): code for code, t in codes.items()} for layout, codes in DTYPE_OF_CODE.items()}
+FLOAT_CODES = {"megatron": {6: "float64", 7: "float32"}, "fairseq": {6: "float64", 7: "float64"}}
+META_VERSION = 1
+FINGERPRINT_BYTES = 1 << 20  # of the .bin's head and tail in data_fingerprint
 
 
-def token_dtype(vocab_size: int) -> np.dtype:
-    """The dtype fairseq and Megatron choose for a vocabulary: uint16 below 65,500, else int32."""
-    return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise ConfigError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}.")
+    return layout
+
+
+def token_dtype(vocab_size: int, layout: str = "megatron") -> np.dtype:
+    """The dtype each project chooses for a vocabulary: uint16 below 65,500 ids, else int32
+    (Megatron) or uint32 (fairseq 0.12's ``best_fitting_int_dtype``)."""
+    if vocab_size < 65500:
+        return np.dtype(np.uint16)
+    return np.dtype(np.uint32 if check_layout(layout) == "fairseq" else np.int32)
 
 
 def paths_of(prefix: str | Path) -> tuple[Path, Path]:
+    """``PREFIX.bin`` and ``PREFIX.idx`` (``prefix`` may end in either suffix)."""
     prefix = str(prefix)
     for suffix in (".bin", ".idx"):
         if prefix.endswith(suffix):
             prefix = prefix[: -len(suffix)]
     return Path(prefix + ".bin"), Path(prefix + ".idx")
+
+
+def meta_path_of(prefix: str | Path) -> Path:
+    """``PREFIX.json``, the ids the tokens were made with (:class:`TokenMeta`)."""
+    return paths_of(prefix)[0].with_suffix(".json")
 
 
 def check_sequences(
@@ -93,10 +128,135 @@ def check_documents(doc_index: np.ndarray, count: int, idx_path: Path) -> None:
         )
 
 
+@dataclass(frozen=True)
+class TokenMeta:
+    """``PREFIX.json``: what ``seqshard binarize`` made the tokens with. ``eos_id`` is the
+    tokenizer's or dictionary's end-of-sentence id and ``eos_appended`` whether each line ends
+    with it; ``pad_id``/``bos_id``/``unk_id`` are None where the vocabulary has none;
+    ``tokenizer``/``dictionary`` are ``{"path", "sha256"}`` of the files used. ``sequences``,
+    ``tokens`` and ``data`` (:func:`data_fingerprint`) tie it to its ``.bin``/``.idx``."""
+
+    layout: str
+    dtype: str
+    sequences: int
+    tokens: int
+    data: str
+    vocab_size: int
+    eos_id: int | None
+    eos_appended: bool
+    pad_id: int | None = None
+    bos_id: int | None = None
+    unk_id: int | None = None
+    tokenizer: dict[str, str] | None = None
+    dictionary: dict[str, str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"seqshard_token_meta": META_VERSION, **asdict(self)}
+
+    def write(self, prefix: str | Path) -> None:
+        """Write ``PREFIX.json`` atomically."""
+        write_json_atomic(meta_path_of(prefix), self.to_json())
+
+    @classmethod
+    def read(cls, path: Path) -> TokenMeta:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (ValueError, UnicodeDecodeError) as error:
+            raise ShardError(path, None, f"not the JSON seqshard binarize writes ({error}).") from None
+        if not isinstance(data, dict) or data.pop("seqshard_token_meta", None) != META_VERSION:
+            raise ShardError(
+                path, None, f"not a seqshard token metadata file of version {META_VERSION} (seqshard_token_meta)."
+            )
+        try:
+            return cls(**data)
+        except TypeError as error:
+            raise ShardError(path, None, f"unexpected fields ({error}).") from None
+
+
+def data_fingerprint(prefix: str | Path, part: int = FINGERPRINT_BYTES) -> str:
+    """sha256 of the first and last ``part`` bytes of the ``.idx`` and of the ``.bin``, with
+    their sizes: cheap for any size, and different for other tokens of the same lengths."""
+    digest = hashlib.sha256()
+    for path in paths_of(prefix)[::-1]:
+        size = path.stat().st_size
+        digest.update(f"{size}\n".encode())
+        with open(path, "rb") as stream:
+            digest.update(stream.read(part))
+            stream.seek(max(size - part, part))
+            digest.update(stream.read(part))
+    return digest.hexdigest()
+
+
+def _bad_magic(head: bytes) -> str:
+    if head.startswith(b"TNTIDX\x00\x00"):
+        return (
+            "fairseq's older IndexedDataset (magic TNTIDX, --dataset-impl lazy or cached), not the mmap layout: "
+            "binarize again with fairseq-preprocess --dataset-impl mmap, or with seqshard binarize."
+        )
+    return "not an MMIDIDX index (fairseq's or Megatron's mmap format): bad magic."
+
+
+def read_layout(index: np.ndarray, idx_path: Path) -> tuple[str, int, int, int]:
+    """``(layout, dtype code, sequences, documents)`` of a mapped ``.idx``: the layout is the
+    one whose size, computed from the header, is the file's (they never agree: see the module
+    docstring). ShardError naming both layouts when neither fits."""
+    size = len(index)
+    if size < FAIRSEQ_HEADER.size or bytes(index[:9]) != MAGIC:
+        raise ShardError(idx_path, 0, _bad_magic(bytes(index[:9])))
+    _, version, code, count = FAIRSEQ_HEADER.unpack(bytes(index[: FAIRSEQ_HEADER.size]))
+    if version != VERSION:
+        raise ShardError(idx_path, 9, f"index version {version}; only version {VERSION} is known.")
+    fairseq = FAIRSEQ_HEADER.size + 12 * count  # Python ints: a damaged count cannot overflow
+    if size == fairseq:
+        return "fairseq", code, count, 0
+    megatron = documents = None
+    if size >= HEADER.size:
+        documents = HEADER.unpack(bytes(index[: HEADER.size]))[4]
+        megatron = HEADER.size + 12 * count + 8 * documents
+        if size == megatron:
+            return "megatron", code, count, documents
+        if size == megatron + count:
+            raise ShardError(
+                idx_path,
+                None,
+                "Megatron's multimodal index (a mode byte per sequence after the document index): "
+                "seqshard reads token indexes only.",
+            )
+    megatron_size = f"{megatron} with its {documents} document entries" if megatron is not None else "at least 34"
+    raise ShardError(
+        idx_path,
+        None,
+        f"the index holds {size} bytes, which fits neither layout of its header ({count} sequences): fairseq's "
+        f"(sizes and pointers, no document index) takes {fairseq} bytes, Megatron's (with a document index) "
+        f"{megatron_size}: damaged or cut short?",
+    )
+
+
+def _dtype_of(layout: str, code: int, idx_path: Path) -> np.dtype:
+    if code in DTYPE_OF_CODE[layout]:
+        return np.dtype(DTYPE_OF_CODE[layout][code])
+    known = sorted(DTYPE_OF_CODE[layout])
+    if code in FLOAT_CODES[layout]:
+        problem = (
+            f"dtype code {code} means {FLOAT_CODES[layout][code]} in {layout}'s layout, but token ids are integers"
+            + (" (7 means float64 to fairseq but float32 to Megatron)" if code == 7 else "")
+        )
+    elif layout == "megatron" and code in DTYPE_OF_CODE["fairseq"]:
+        problem = (
+            f"dtype code {code} ({np.dtype(DTYPE_OF_CODE['fairseq'][code])}) is fairseq's, "
+            "but the index has Megatron's layout (with a document index)"
+        )
+    else:
+        problem = f"dtype code {code} is unknown to {layout}'s layout"
+    raise ShardError(idx_path, 17, f"{problem}; integer codes are {known}.")
+
+
 class TokenDataset:
-    """The sequences of ``PREFIX.bin``/``PREFIX.idx``: ``len(ds)``, ``ds[i]`` (a read-only
-    numpy view of the memory-mapped tokens), ``ds.sizes`` (tokens per sequence, int32),
-    ``ds.doc_index`` and ``ds.dtype``."""
+    """The sequences of ``PREFIX.bin``/``PREFIX.idx`` in either layout: ``len(ds)``, ``ds[i]``
+    (a read-only numpy view of the memory-mapped tokens), ``ds.sizes`` (tokens per sequence,
+    int32), ``ds.doc_index`` (fairseq's layout has none: each sequence is a document),
+    ``ds.dtype``, ``ds.layout`` (``"megatron"`` or ``"fairseq"``) and ``ds.meta`` (the
+    ``PREFIX.json`` of ``seqshard binarize``, or None)."""
 
     def __init__(self, prefix: str | Path):
         self.bin_path, self.idx_path = paths_of(prefix)
@@ -104,32 +264,15 @@ class TokenDataset:
             if not path.is_file():
                 raise ConfigError(f"{path} does not exist (a token dataset is PREFIX.bin + PREFIX.idx).")
         index = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
-        if len(index) < HEADER.size or bytes(index[:9]) != MAGIC:
-            raise ShardError(self.idx_path, 0, "not an MMIDIDX index (fairseq/Megatron mmap format): bad magic.")
-        _, version, code, count, documents = HEADER.unpack(bytes(index[: HEADER.size]))
-        if version != VERSION:
-            raise ShardError(self.idx_path, 9, f"index version {version}; only version {VERSION} is known.")
-        if code not in DTYPE_OF_CODE:
-            raise ShardError(
-                self.idx_path,
-                17,
-                f"dtype code {code} is not one of {sorted(DTYPE_OF_CODE)}"
-                + (" (7 means float64 to fairseq but float32 to Megatron)" if code == 7 else "")
-                + ".",
-            )
-        self.dtype = np.dtype(DTYPE_OF_CODE[code])
-        expected = HEADER.size + count * 4 + count * 8 + documents * 8  # Python ints: no overflow
-        if len(index) != expected:
-            raise ShardError(
-                self.idx_path,
-                None,
-                f"the index holds {len(index)} bytes where its header ({count} sequences, {documents} documents) "
-                f"implies {expected} (damaged, or another layout?).",
-            )
-        offset = HEADER.size
+        self.layout, code, count, documents = read_layout(index, self.idx_path)
+        self.dtype = _dtype_of(self.layout, code, self.idx_path)
+        offset = HEADER.size if self.layout == "megatron" else FAIRSEQ_HEADER.size
         self.sizes = np.frombuffer(index, dtype="<i4", count=count, offset=offset)
         self.pointers = np.frombuffer(index, dtype="<i8", count=count, offset=offset + count * 4)
-        self.doc_index = np.frombuffer(index, dtype="<i8", count=documents, offset=offset + count * 12)
+        if self.layout == "megatron":
+            self.doc_index = np.frombuffer(index, dtype="<i8", count=documents, offset=offset + count * 12)
+        else:
+            self.doc_index = np.arange(count + 1, dtype=np.int64)
         self._index = index
         actual = self.bin_path.stat().st_size
         check_sequences(self.sizes, self.pointers, self.dtype.itemsize, actual, self.idx_path, self.bin_path)
@@ -158,30 +301,53 @@ class TokenDataset:
         """All tokens back to back (the mapped ``.bin``)."""
         return self._data
 
-    @property
+    @functools.cached_property
     def num_tokens(self) -> int:
         return int(self.sizes.sum(dtype=np.int64))
 
+    @functools.cached_property
+    def meta(self) -> TokenMeta | None:
+        """``PREFIX.json`` when there is one; ShardError when it describes other files."""
+        path = meta_path_of(self.bin_path)
+        if not path.is_file():
+            return None
+        meta = TokenMeta.read(path)
+        mine = (self.layout, str(self.dtype), len(self), self.num_tokens, data_fingerprint(self.bin_path))
+        if (meta.layout, meta.dtype, meta.sequences, meta.tokens, meta.data) != mine:
+            raise ShardError(
+                path,
+                None,
+                f"describes {meta.sequences} sequences, {meta.tokens} tokens of {meta.dtype} in {meta.layout}'s "
+                f"layout (sha256 {meta.data[:12]}...), but {self.bin_path.name}/.idx hold {mine[2]} sequences, "
+                f"{mine[3]} tokens of {mine[1]} in {mine[0]}'s (sha256 {mine[4][:12]}...): it belongs to other "
+                "files; delete it, or binarize again.",
+            )
+        return meta
+
     def __repr__(self) -> str:
         return (
-            f"TokenDataset({str(self.bin_path)[:-4]!r}: {len(self)} sequences, {self.num_tokens} tokens, {self.dtype})"
+            f"TokenDataset({str(self.bin_path)[:-4]!r}: {len(self)} sequences, {self.num_tokens} tokens, {self.dtype}, "
+            f"{self.layout} layout)"
         )
 
 
 class TokenDatasetWriter:
-    """Appends sequences to ``PREFIX.bin`` and writes ``PREFIX.idx`` on :meth:`finish`.
+    """Appends sequences to ``PREFIX.bin`` and writes ``PREFIX.idx`` on :meth:`finish`, in
+    Megatron's ``layout`` (the default) or fairseq's.
 
     Both are written under temporary names and renamed when complete, index last, so a
     reader never sees half a dataset under the final names. ``end_document()`` closes a
     document (Megatron's document index); without it every sequence is one document.
     """
 
-    def __init__(self, prefix: str | Path, dtype: np.dtype | type):
+    def __init__(self, prefix: str | Path, dtype: np.dtype | type, layout: str = "megatron"):
         self.bin_path, self.idx_path = paths_of(prefix)
         self.dtype = np.dtype(dtype)
-        if self.dtype not in CODE_OF_DTYPE:
+        self.layout = check_layout(layout)
+        if self.dtype not in CODE_OF_DTYPE[layout]:
             raise ConfigError(
-                f"dtype {self.dtype} cannot be stored (codes exist for {sorted(map(str, CODE_OF_DTYPE))})."
+                f"dtype {self.dtype} cannot be stored in {layout}'s layout "
+                f"(codes exist for {sorted(map(str, CODE_OF_DTYPE[layout]))})."
             )
         self._temporary = self.bin_path.with_name(f".{self.bin_path.name}.partial")
         with writing(self._temporary):
@@ -218,6 +384,8 @@ class TokenDatasetWriter:
         self._count += len(sizes)
 
     def end_document(self) -> None:
+        if self.layout == "fairseq":
+            raise ConfigError("fairseq's layout has no document index: write layout='megatron' to keep documents.")
         self._explicit_documents = True
         self._doc_index.append(self._count)
 
@@ -226,19 +394,24 @@ class TokenDatasetWriter:
         sizes = np.concatenate(self._sizes) if self._sizes else np.zeros(0, np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
         np.cumsum(sizes[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        documents = (
-            np.asarray(self._doc_index, dtype=np.int64) if self._explicit_documents else np.arange(len(sizes) + 1)
-        )
+        code = CODE_OF_DTYPE[self.layout][self.dtype]
+        if self.layout == "megatron":
+            documents = (
+                np.asarray(self._doc_index, dtype=np.int64) if self._explicit_documents else np.arange(len(sizes) + 1)
+            )
+            parts = [HEADER.pack(MAGIC, VERSION, code, len(sizes), len(documents))]
+            tail = [documents.astype("<i8").tobytes()]
+        else:
+            parts, tail = [FAIRSEQ_HEADER.pack(MAGIC, VERSION, code, len(sizes))], []
+        parts += [sizes.astype("<i4").tobytes(), pointers.astype("<i8").tobytes(), *tail]
         with writing(self._temporary):
             self._stream.flush()
             os.fsync(self._stream.fileno())
             self._stream.close()
         index_temporary = self.idx_path.with_name(f".{self.idx_path.name}.partial")
         with writing(index_temporary), open(index_temporary, "wb") as stream:
-            stream.write(HEADER.pack(MAGIC, VERSION, CODE_OF_DTYPE[self.dtype], len(sizes), len(documents)))
-            stream.write(sizes.astype("<i4").tobytes())
-            stream.write(pointers.astype("<i8").tobytes())
-            stream.write(documents.astype("<i8").tobytes())
+            for part in parts:
+                stream.write(part)
             stream.flush()
             os.fsync(stream.fileno())
         self.idx_path.unlink(missing_ok=True)  # an old index never describes the new .bin

@@ -1,7 +1,11 @@
-"""``seqshard binarize``: a text file (one sentence per line) -> ``PREFIX.bin`` + ``PREFIX.idx``.
+"""``seqshard binarize``: a text file (one sentence per line) -> ``PREFIX.bin`` + ``PREFIX.idx``
+(Megatron's layout, or fairseq's) + ``PREFIX.json`` (the ids used: :class:`TokenMeta`).
 
-Each line becomes one sequence of token ids (the tokenizer's own ids) followed by the
-end-of-sentence id, one document per line (Megatron's document index; fairseq ignores it).
+Each line becomes one sequence of token ids followed by the end-of-sentence id, one document
+per line (Megatron's document index; fairseq's layout has none). The ids are the tokenizer's
+own, or with a fairseq ``dict.txt`` those of the dictionary (the line's SentencePiece pieces
+looked up in it, unknown ones to ``<unk>``: what ``fairseq-preprocess`` writes for the
+``spm_encode``'d text).
 Lines are never dropped or merged, so the source and target sides of a parallel corpus
 binarized separately stay aligned line for line; an empty line becomes ``[eos]`` and is
 counted. With ``jobs`` > 1 the file is cut into byte ranges at line ends, each encoded in a
@@ -11,6 +15,7 @@ depend on ``jobs``.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import multiprocessing as mp
@@ -23,13 +28,24 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, InputError, Where, option
-from ..formats.mmidx import TokenDataset, TokenDatasetWriter, paths_of, token_dtype
+from ..formats.mmidx import (
+    TokenDataset,
+    TokenDatasetWriter,
+    TokenMeta,
+    check_layout,
+    data_fingerprint,
+    meta_path_of,
+    paths_of,
+    token_dtype,
+)
 from ..progress import Progress
-from ..text.tokenizers import Tokenizer, make_tokenizer, unknown_tokens_warning
+from ..text.fairseq_dict import DictionaryTokenizer
+from ..text.tokenizers import SentencePieceTokenizer, Tokenizer, make_tokenizer, unknown_tokens_warning
 
 _LOG = logging.getLogger("seqshard")
 BLOCK_BYTES = 1 << 20  # text read, decoded and handed to the tokenizer at once
 RANGES_PER_JOB = 4  # byte ranges per process, so that uneven lines still share the work
+UNKNOWN_PIECES_WARN_SHARE = 0.01  # of the tokens, pieces missing from a --dict before a warning
 
 
 @dataclass
@@ -46,16 +62,23 @@ class BinarizeReport:
     eos_id: int | None
     bytes: int
     seconds: float
+    layout: str = "megatron"
+    vocab_size: int = 0
+    pad_id: int | None = None
+    dictionary: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
     def format_text(self) -> str:
+        ids = f"vocabulary {self.vocab_size}" + (f" of {self.dictionary}" if self.dictionary else "")
+        ids += f", pad {self.pad_id if self.pad_id is not None else 'none'}"
         return (
-            f"seqshard binarize -> {self.output}.bin/.idx\n"
+            f"seqshard binarize -> {self.output}.bin/.idx/.json ({self.layout} layout)\n"
             f"  lines -> sequences : {self.lines} -> {self.sequences} ({self.empty_lines} empty)\n"
             f"  tokens             : {self.tokens} ({self.unknown_tokens} unknown), {self.dtype}, "
             f"eos {self.eos_id if self.eos_id is not None else 'not appended'}\n"
+            f"  ids                : {ids}\n"
             f"  written            : {self.bytes / 1e6:.1f} MB in {self.seconds:.1f} s"
         )
 
@@ -81,39 +104,45 @@ class _Part:
 def binarize(
     text: str | Path,
     out_prefix: str | Path,
-    tokenizer: str | Path | Tokenizer,
+    tokenizer: str | Path | Tokenizer | None,
     *,
+    dictionary: str | Path | None = None,
+    layout: str = "megatron",
     jobs: int = 1,
     append_eos: bool = True,
     eos_id: int | None = None,
     split: str | None = None,
     progress: bool = True,
 ) -> BinarizeReport:
-    """Tokenize ``text`` line by line into ``out_prefix.bin``/``.idx`` (fairseq/Megatron
-    MMIDIDX); ``eos_id`` overrides the tokenizer's end-of-sentence id."""
+    """Tokenize ``text`` line by line into ``out_prefix.bin``/``.idx`` in Megatron's ``layout``
+    or fairseq's, and ``out_prefix.json`` (the ids used). With ``dictionary`` (a fairseq
+    ``dict.txt``) the ids are the dictionary's, of the tokenizer's pieces (a SentencePiece
+    model), or of the text's own whitespace-separated pieces when ``tokenizer`` is None.
+    ``eos_id`` overrides the end-of-sentence id."""
     started = time.perf_counter()
     text = Path(text)
     if not text.is_file():
         raise ConfigError(f"{text} does not exist (binarize reads a text file, one sentence per line).")
     if jobs < 1:
         raise ConfigError(f"need {option('jobs', 1)} or more, got {jobs}.")
-    encoder = make_tokenizer(tokenizer, split)
-    assert encoder is not None
+    check_layout(layout)
+    encoder = _encoder(tokenizer, dictionary, split)
     eos = (eos_id if eos_id is not None else encoder.eos_id) if append_eos else None
     if append_eos and eos is None:
         raise ConfigError(
             f"the {encoder.describe()} has no end-of-sentence id: pass {option('eos_id', 'ID')}, or "
             f"{option('append_eos', False)} to store the tokens alone."
         )
-    dtype = token_dtype(encoder.vocab_size)
+    dtype = token_dtype(encoder.vocab_size, layout)
     bin_path, _ = paths_of(out_prefix)
     ranges = [
         _Range(str(text), start, end, str(bin_path.with_name(f".{bin_path.name}.range{n}")), encoder, eos, dtype.str)
         for n, (start, end) in enumerate(_line_ranges(text, jobs * RANGES_PER_JOB if jobs > 1 else 1))
     ]
-    writer = TokenDatasetWriter(out_prefix, dtype)
+    writer = TokenDatasetWriter(out_prefix, dtype, layout)
     unknown = empty = lines = 0
     remove_parts(out_prefix)
+    meta_path_of(out_prefix).unlink(missing_ok=True)  # an old PREFIX.json never describes the new files
     try:
         with Progress(progress) as bars:
             advance = bars.bar(f"binarize {text.name}", text.stat().st_size, unit="B")
@@ -131,6 +160,22 @@ def binarize(
             Path(piece.part).unlink(missing_ok=True)
         raise
     written = TokenDataset(out_prefix)  # read back: the report counts what is on disk
+    meta = TokenMeta(
+        layout=layout,
+        dtype=str(dtype),
+        sequences=len(written),
+        tokens=written.num_tokens,
+        data=data_fingerprint(out_prefix),
+        vocab_size=encoder.vocab_size,
+        eos_id=eos_id if eos_id is not None else encoder.eos_id,
+        eos_appended=eos is not None,
+        pad_id=getattr(encoder, "pad_id", None),
+        bos_id=getattr(encoder, "bos_id", None),
+        unk_id=encoder.unk_id,
+        tokenizer=_identity(tokenizer, encoder if dictionary is None else getattr(encoder, "pieces", None)),
+        dictionary=_identity(dictionary, None),
+    )
+    meta.write(out_prefix)
     report = BinarizeReport(
         output=str(out_prefix),
         lines=lines,
@@ -142,13 +187,61 @@ def binarize(
         eos_id=eos,
         bytes=written.bin_path.stat().st_size,
         seconds=time.perf_counter() - started,
+        layout=layout,
+        vocab_size=encoder.vocab_size,
+        pad_id=meta.pad_id,
+        dictionary=str(dictionary) if dictionary is not None else None,
     )
-    warning = unknown_tokens_warning(encoder, report.tokens, unknown)
+    if dictionary is not None:
+        warning = _unknown_pieces_warning(encoder, report.tokens, unknown)
+    else:
+        warning = unknown_tokens_warning(encoder, report.tokens, unknown)
     if warning:
         _LOG.warning("%s", warning)
     if empty:
         _LOG.warning("%s: %d empty line(s), each stored as a sequence of its own (kept for alignment)", text, empty)
     return report
+
+
+def _encoder(tokenizer: str | Path | Tokenizer | None, dictionary: str | Path | None, split: str | None) -> Tokenizer:
+    """The tokenizer, or with a dictionary the tokenizer's pieces mapped through it."""
+    if dictionary is None:
+        if tokenizer is None:
+            raise ConfigError(
+                f"give a tokenizer (a SentencePiece .model or a units file), or {option('dictionary', 'dict.txt')}."
+            )
+        encoder = make_tokenizer(tokenizer, split)
+        assert encoder is not None
+        return encoder
+    pieces = make_tokenizer(tokenizer, split)
+    if pieces is not None and not isinstance(pieces, SentencePieceTokenizer):
+        raise ConfigError(
+            f"{option('dictionary', 'dict.txt')} maps the pieces of a SentencePiece model, not the ids of a {pieces.describe()}; "
+            "leave the tokenizer out if the text is already split into pieces."
+        )
+    return DictionaryTokenizer(dictionary, pieces)
+
+
+def _identity(path: str | Path | Tokenizer | None, encoder: Tokenizer | None) -> dict[str, str] | None:
+    """``{"path", "sha256"}`` of a tokenizer or dictionary file, what a tokenizer object says
+    of itself, or None."""
+    if isinstance(path, (str, Path)):
+        digest = hashlib.sha256()
+        with open(path, "rb") as stream:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+        return {"path": str(path), "sha256": digest.hexdigest()}
+    return {"describe": encoder.describe()} if encoder is not None else None
+
+
+def _unknown_pieces_warning(encoder: Tokenizer, tokens: int, unknown: int) -> str | None:
+    if not tokens or unknown / tokens <= UNKNOWN_PIECES_WARN_SHARE:
+        return None
+    return (
+        f"{unknown} of {tokens} tokens ({unknown / tokens:.1%}) are pieces the {encoder.describe()} does not hold, "
+        f"stored as <unk> ({encoder.unk_id}): was the dictionary made from this tokenizer's pieces "
+        "(fairseq-preprocess of the spm_encode'd training text)?"
+    )
 
 
 def _line_ranges(path: Path, pieces: int) -> list[tuple[int, int]]:

@@ -48,11 +48,26 @@ class SentencePieceTokenizer:
         """``encode`` of each text, in one call into SentencePiece (one thread)."""
         return self._load().encode(texts, out_type=int, num_threads=1)
 
+    def encode_pieces_many(self, texts: list[str]) -> list[list[str]]:
+        """The pieces (strings) of each text, as ``spm_encode --output_format=piece`` gives them."""
+        return self._load().encode(texts, out_type=str, num_threads=1)
+
     @property
     def eos_id(self) -> int | None:
         """The model's end-of-sentence id (None when it has none)."""
         eos = int(self._load().eos_id())
         return eos if eos >= 0 else None
+
+    @property
+    def pad_id(self) -> int | None:
+        """The model's padding id (None when it has none, SentencePiece's default)."""
+        pad = int(self._load().pad_id())
+        return pad if pad >= 0 else None
+
+    @property
+    def bos_id(self) -> int | None:
+        bos = int(self._load().bos_id())
+        return bos if bos >= 0 else None
 
     @property
     def vocab_size(self) -> int:

@@ -15,7 +15,8 @@ MODEL_INPUTS = ("src_tokens", "src_lengths", "prev_output_tokens")  # what fairs
 @dataclass(frozen=True)
 class CollateRules:
     """``pad_id`` fills padding; ``eos_id`` starts ``prev_output_tokens``; sources are padded
-    on the left (fairseq's default ``left_pad_source``), targets on the right."""
+    on the left (fairseq's default ``left_pad_source``), targets on the right. (The loader
+    chooses the ids: ``tokens/ids.py``.)"""
 
     pad_id: int = 1
     eos_id: int = 2
@@ -49,6 +50,13 @@ def padded(parts: Sequence[Rows], batch_size: int, pad_id: int, left: bool) -> t
     return out, lengths
 
 
+def mask_of(lengths: np.ndarray, width: int, left: bool) -> np.ndarray:
+    """The B x ``width`` boolean mask of the real tokens of rows of ``lengths``, padded on the
+    left or the right: from the lengths, never from the padding id."""
+    column = np.arange(width)[None, :]
+    return column >= (width - lengths)[:, None] if left else column < lengths[:, None]
+
+
 def _block(part: Rows, lengths: np.ndarray, longest: int, pad_id: int, left: bool) -> np.ndarray:
     """The part's rows as a len(rows) x longest matrix: one index matrix, one gather."""
     column = np.arange(longest)[None, :]
@@ -74,17 +82,21 @@ def collate_batch(
     ``nsentences``, ``ntokens`` (target tokens, or source tokens without a target),
     ``src_tokens``, ``src_lengths``, ``prev_output_tokens`` (the target with its last token,
     EOS, moved to the front), ``target``, and ``net_input`` holding the model's inputs;
-    ``source`` (which source of a mix) when given. Arrays are numpy (cheap to send from a
-    worker); :func:`as_tensors` makes them tensors."""
+    ``source`` (which source of a mix) when given. Beside fairseq's keys, ``src_mask`` and
+    ``target_mask`` (True at real tokens; ``prev_output_tokens`` has the target's) so that no
+    one masks by the padding id. Arrays are numpy (cheap to send from a worker);
+    :func:`as_tensors` makes them tensors."""
     src_tokens, src_lengths = src
     batch: dict[str, Any] = {
         "id": np.asarray(ids, dtype=np.int64),
         "nsentences": len(src_lengths),
         "src_tokens": src_tokens,
         "src_lengths": src_lengths,
+        "src_mask": mask_of(src_lengths, src_tokens.shape[1], rules.left_pad_source),
     }
     if tgt is not None:
         target, tgt_lengths = tgt
+        batch["target_mask"] = mask_of(tgt_lengths, target.shape[1], False)
         previous = np.full_like(target, rules.pad_id)
         if target.shape[1]:
             previous[:, 0] = rules.eos_id

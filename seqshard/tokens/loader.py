@@ -1,20 +1,20 @@
-"""``make_token_loader``: batches of token sequences by a token budget, for translation and LMs.
+"""``make_token_loader``: batches of token sequences by a token budget (translation), or
+fixed blocks of a token stream (language models).
 
-Each epoch's plan (``tokens/plan.py``) is a pure function of (seed, epoch, world size), so
-every rank computes it alone and the loader's state is how many batches each rank took.
-Batches are collated in DataLoader workers (``num_workers``) in the plan's order; a state saved
-mid-epoch resumes at the next batch, and with another world size (``strict=False``) the
-batches no rank had taken are dealt again to the new ranks, none lost and none repeated.
+Each epoch's plan (``tokens/plan.py`` for sentences, ``tokens/blocks.py`` for blocks) is a pure
+function of (seed, epoch, world size), so every rank computes it alone and the loader's state
+is how many batches each rank took. Batches are built in DataLoader workers (``num_workers``)
+in the plan's order; a state saved mid-epoch resumes at the next batch, and with another world
+size (``strict=False``) the batches no rank had taken are dealt again to the new ranks, none
+lost and none repeated. The loader follows :class:`seqshard.protocol.Loader`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import itertools
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -22,30 +22,35 @@ from ..checks import MAX_WORKERS, check_flag, check_number
 from ..dist import Collectives, DistContext, discover
 from ..errors import ConfigError, StateMismatchError
 from ..mix import Mux, flatten
+from ..protocol import PlannedBatches, length_of
 from ..seeds import Seed, stage_rng
-from .collate import CollateRules, as_tensors, collate_batch, padded
+from .blocks import BlockBatching, block_rules, separator_warning
+from .collate import CollateRules, as_tensors
+from .ids import special_ids
 from .pairs import OpenPair, TokenPair, as_pair
-from .plan import BatchRules, EpochPlan, plan_epoch
+from .plan import BatchRules
+from .sentences import SentenceBatching
 
 _LOG = logging.getLogger("seqshard")
 STATE_VERSION = 1
-UNREAD_WARN_SHARE = 0.05  # of an epoch's sentences dropped or left out before a warning
+DEFAULT_MAX_POSITIONS = 1024
 
 
 def make_token_loader(
     src: str | Path | TokenPair | Mux,
     tgt: str | Path | None = None,
     *,
+    block_size: int | None = None,
     max_tokens: int = 4096,
     max_sentences: int | None = None,
-    max_positions: int = 1024,
+    max_positions: int | None = None,
     shuffle: bool = True,
     seed: int = 0,
     virtual_size: int | None = None,
     src_lang_id: int | None = None,
     tgt_lang_id: int | None = None,
-    pad_id: int = 1,
-    eos_id: int = 2,
+    pad_id: int | None = None,
+    eos_id: int | None = None,
     left_pad_source: bool = True,
     num_workers: int = 0,
     rank: int | None = None,
@@ -57,10 +62,36 @@ def make_token_loader(
     temperature, drawn anew each epoch).
 
     Batches never hold more than ``max_tokens`` padded tokens on either side (B x longest),
-    nor more than ``max_sentences``; pairs longer than ``max_positions`` are dropped and
-    counted. Language token ids (``src_lang_id``/``tgt_lang_id``, or per pair) are prepended.
-    Every rank gets the same number of batches, drawn from every length range.
+    nor more than ``max_sentences``; pairs longer than ``max_positions`` (default 1024) are
+    dropped and counted. Language token ids (``src_lang_id``/``tgt_lang_id``, or per pair) are
+    prepended. Every rank gets the same number of batches, drawn from every length range.
+
+    ``block_size=N`` (one dataset, language modelling) reads every token instead: the stream
+    cut into blocks of N + 1 tokens (``input``/``target`` shifted by one), ``max_tokens // N``
+    blocks a batch (see ``tokens/blocks.py``).
+
+    ``pad_id``/``eos_id`` None: from the datasets' ``PREFIX.json``, else fairseq's 1 and 2, the
+    pad only if it never occurs in the data (``tokens/ids.py``); batches carry ``src_mask`` /
+    ``target_mask`` and lengths, so any pad id works.
     """
+    check_number("pad_id", pad_id, whole=True, at_least=0, optional=True)
+    check_number("eos_id", eos_id, whole=True, at_least=0, optional=True)
+    check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+    check_number("rank", rank, whole=True, at_least=0, optional=True)
+    check_number("world_size", world_size, whole=True, at_least=1, optional=True)
+    context = discover(rank, world_size)
+    if block_size is not None:
+        if isinstance(src, Mux) or tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
+            raise ConfigError("block_size reads one language-model dataset: no target, mux or language ids.")
+        pair = as_pair(src)
+        if pair.tgt is not None:
+            raise ConfigError(f"block_size reads one language-model dataset, not the pair {pair}.")
+        rules = block_rules(block_size, max_tokens, max_sentences, max_positions, shuffle, seed)
+        dataset = OpenPair(pair).src
+        warning = separator_warning(dataset)
+        if warning and context.rank == 0:
+            _LOG.warning("%s", warning)
+        return TokenLoader(BlockBatching(pair.src, dataset, rules), num_workers, context)
     if isinstance(src, Mux):
         if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
             raise ConfigError("with a mux, give targets and language ids in each TokenPair.")
@@ -80,82 +111,37 @@ def make_token_loader(
     for pair in pairs:
         check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
         check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
-    check_number("pad_id", pad_id, whole=True, at_least=0)
-    check_number("eos_id", eos_id, whole=True, at_least=0)
     check_flag("left_pad_source", left_pad_source)
-    check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
-    check_number("rank", rank, whole=True, at_least=0, optional=True)
-    check_number("world_size", world_size, whole=True, at_least=1, optional=True)
+    if max_positions is None:
+        max_positions = DEFAULT_MAX_POSITIONS
     rules = BatchRules(max_tokens, max_sentences, max_positions, shuffle, seed, virtual_size)
-    return TokenLoader(
-        pairs, mixed, rules, CollateRules(pad_id, eos_id, left_pad_source), num_workers, discover(rank, world_size)
-    )
+    opened = [OpenPair(p) for p in pairs]
+    if len({o.tgt is None for o in opened}) > 1:
+        raise ConfigError("mix pairs with targets or pairs without, not both.")
+    datasets = [d for o in opened for d in (o.src, o.tgt) if d is not None]
+    ids = special_ids(datasets, pad_id, eos_id)
+    collate = CollateRules(ids.pad_id, ids.eos_id, left_pad_source)
+    return TokenLoader(SentenceBatching(pairs, opened, mixed, rules, collate, ids), num_workers, context)
 
 
-class _Batches:
-    """Map-style dataset: batch number -> collated batch (runs in DataLoader workers)."""
+class Batching(Protocol):
+    """What :class:`TokenLoader` asks of a way of batching (sentences or blocks)."""
 
-    def __init__(self, pairs: Sequence[TokenPair], plan: EpochPlan, rules: CollateRules, mixed: bool):
-        self.pairs = list(pairs)
-        self.plan = plan
-        self.rules = rules
-        self.mixed = mixed
-        self._open: list[OpenPair] | None = None
+    rules: Any  # with ``shuffle`` and ``seed``
 
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_open": None}  # workers map the files themselves
+    def plan(self, epoch: int, world_size: int) -> Any: ...
 
-    def __getitem__(self, number: int) -> dict[str, Any]:
-        if self._open is None:
-            self._open = [OpenPair(p) for p in self.pairs]
-        positions = self.plan.batch(number)
-        sources = self.plan.source[positions]
-        indices = self.plan.index[positions]
-        size = len(positions)
-        if len(self._open) == 1:
-            groups = [(self._open[0], np.arange(size))]
-        else:  # the rows of each source, found with one sort
-            order = np.argsort(sources, kind="stable")
-            cuts = np.searchsorted(sources[order], np.arange(len(self._open) + 1))
-            groups = [(self._open[s], order[a:b]) for s, (a, b) in enumerate(itertools.pairwise(cuts)) if b > a]
-        src = padded(
-            [pair.rows("src", rows, indices[rows]) for pair, rows in groups],
-            size,
-            self.rules.pad_id,
-            self.rules.left_pad_source,
-        )
-        tgt = None
-        if self._open[0].tgt is not None:
-            tgt = padded(
-                [pair.rows("tgt", rows, indices[rows]) for pair, rows in groups], size, self.rules.pad_id, False
-            )
-        return collate_batch(indices, src, tgt, self.rules, sources if self.mixed else None)
+    def batches(self, plan: Any) -> Any: ...
 
-    def __len__(self) -> int:
-        return self.plan.num_batches
+    def warning(self, plan: Any, epoch: int, world_size: int) -> str | None: ...
 
+    def identity(self) -> dict[str, Any]: ...
 
-def unread_warning(plan: EpochPlan, epoch: int, world_size: int) -> str | None:
-    """A warning when the plan leaves more than UNREAD_WARN_SHARE of the epoch's sentences
-    unread (dropped as too long, or left out so that every rank takes as many batches)."""
-    total = len(plan.index)
-    unread = plan.left + sum(plan.dropped.values())
-    if not total or unread / total <= UNREAD_WARN_SHARE:
-        return None
-    parts = []
-    if plan.dropped:
-        dropped = ", ".join(f"{reason}={count}" for reason, count in plan.dropped.items())
-        parts.append(f"dropped {dropped} (raise max_positions or max_tokens, or leave them out when binarizing)")
-    if plan.left:
-        parts.append(
-            f"{plan.left} in the last batches, left out so that each of {world_size} ranks takes as many "
-            "(a smaller max_tokens or max_sentences, or fewer ranks, leave fewer)"
-        )
-    return (
-        f"seqshard token epoch {epoch}: {unread} of {total} sentences ({unread / total:.0%}) are not read: "
-        + "; ".join(parts)
-        + "."
-    )
+    def new_counts(self) -> dict[str, int]: ...
+
+    def count(self, counts: dict[str, int], batch: dict[str, Any]) -> None: ...
+
+    def stats(self, plan: Any, counts: dict[str, int]) -> dict[str, Any]: ...
 
 
 def _as_built(batch: dict[str, Any]) -> dict[str, Any]:
@@ -163,39 +149,29 @@ def _as_built(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 class TokenLoader:
-    """Iterate it once per epoch (after ``set_epoch``); see :func:`make_token_loader`."""
+    """Iterate it once per epoch; see :func:`make_token_loader` and :class:`seqshard.protocol.Loader`."""
 
-    def __init__(
-        self,
-        pairs: list[TokenPair],
-        shares: np.ndarray | None,
-        rules: BatchRules,
-        collate: CollateRules,
-        num_workers: int,
-        context: DistContext,
-    ):
-        self.pairs = pairs
-        self.opened = [OpenPair(p) for p in pairs]
-        if len({o.tgt is None for o in self.opened}) > 1:
-            raise ConfigError("mix pairs with targets or pairs without, not both.")
-        self.shares = shares
-        self.rules = rules
-        self.collate = collate
+    def __init__(self, batching: Batching, num_workers: int, context: DistContext):
+        self.batching = batching
+        self.rules = batching.rules
         self.num_workers = num_workers
         self.context = context
         self.collectives = Collectives(context)
         self._epoch = 0
-        self._plans: dict[tuple[int, int], EpochPlan] = {}
+        self._plans: dict[tuple[int, int], Any] = {}
         self._step = 0  # batches of this epoch this rank has taken
         self._start = 0  # where the next iteration starts in this rank's list (after a resume)
         self._history: list[dict[str, Any]] | None = None  # deals of this epoch before the current one
-        self._counts: dict[str, Any] = {}
+        self._finished = False  # the epoch's last batch was taken: the next iter() runs the next epoch
+        self._running: Iterator[dict[str, Any]] | None = None
+        self._counts = batching.new_counts()
 
     # -- plans ---------------------------------------------------------------------------
-    def plan(self, epoch: int | None = None, world_size: int | None = None) -> EpochPlan:
+    def plan(self, epoch: int | None = None, world_size: int | None = None) -> Any:
+        """The plan of ``epoch`` (default: the current one) for ``world_size`` ranks."""
         key = (self._epoch if epoch is None else epoch, world_size or self.context.world_size)
         if key not in self._plans:
-            self._plans = {key: plan_epoch(self.opened, self.shares, self.rules, *key)}  # keep one
+            self._plans = {key: self.batching.plan(*key)}  # keep one
         return self._plans[key]
 
     def set_epoch(self, epoch: int) -> None:
@@ -207,18 +183,27 @@ class TokenLoader:
             )
             self._history, self._start = None, 0
         self._epoch = epoch
+        self._finished = False
+        self._step = self._start
 
     @property
     def epoch(self) -> int:
         return self._epoch
 
+    def planned_batches(self) -> PlannedBatches:
+        """Batches of the current epoch on this rank (exact): ``total``, and ``remaining``: those
+        not taken yet (after a loaded state, those it had not taken; after the last batch, 0)."""
+        mine = len(self._lists()[self.context.rank])
+        taken_before = sum(max(int(s) for s in deal["steps"] if s is not None) for deal in self._history or [])
+        return PlannedBatches(taken_before + mine, 0 if self._finished else mine - self._step)
+
     def __len__(self) -> int:
-        """Batches this rank has still to take in the current epoch."""
-        return len(self._lists()[self.context.rank]) - self._start
+        """Batches of the current epoch on this rank."""
+        return length_of(self.planned_batches(), "token loader")
 
     def _lists(self) -> list[np.ndarray]:
         """Every rank's batch numbers for this epoch: the plan's, or after resumes with other
-        world sizes, the batches no rank had taken, dealt again (short to long, then shuffled)."""
+        world sizes, the batches no rank had taken, dealt again (in order, then shuffled)."""
         history = self._history or []
         world = self.context.world_size
         lists = self.plan(world_size=int(history[0]["world_size"]) if history else world).ranks
@@ -236,92 +221,82 @@ class TokenLoader:
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        import torch.utils.data
-
+        self.close()  # an iteration still open ends here (its workers stop)
+        if self._finished:  # without set_epoch, the next epoch (never the same order again by accident)
+            self._epoch += 1
+            self._finished = False
         if self.context.rank == 0 and self._start == 0 and self._history is None:
-            warning = unread_warning(self.plan(), self._epoch, self.context.world_size)
+            warning = self.batching.warning(self.plan(), self._epoch, self.context.world_size)
             if warning:
                 _LOG.warning("%s", warning)
         numbers = self._lists()[self.context.rank][self._start :]
         self._step, self._start = self._start, 0
-        dataset = _Batches(self.pairs, self.plan(), self.collate, self.shares is not None)
+        self._counts = self.batching.new_counts()
+        self._running = self._batches([int(n) for n in numbers], self._step + len(numbers))
+        return self._running
+
+    def _batches(self, numbers: list[int], end: int) -> Iterator[dict[str, Any]]:
+        """The batches ``numbers``, the last of them this rank's ``end``-th of the epoch."""
+        import torch.utils.data
+
+        dataset = self.batching.batches(self.plan())
         if self.num_workers == 0:  # batches cost a fraction of a millisecond: no DataLoader in between
-            built: Iterator[dict[str, Any]] = (dataset[int(n)] for n in numbers)
+            built: Iterator[dict[str, Any]] = (dataset[n] for n in numbers)
         else:
             built = iter(
                 torch.utils.data.DataLoader(
                     dataset,
                     batch_size=None,
-                    sampler=[int(n) for n in numbers],
+                    sampler=numbers,
                     num_workers=self.num_workers,
-                    collate_fn=_as_built,  # batches are built whole by _Batches
+                    collate_fn=_as_built,  # batches are built whole by the dataset
                 )
             )
-        self._counts = {"sentences": 0, "src_tokens": 0, "tgt_tokens": 0, "src_padded": 0, "tgt_padded": 0}
-        for arrays in built:
-            self._step += 1
-            self._count(arrays)
-            yield as_tensors(arrays)
-        self._history = None  # the epoch is done: the next starts from its plan
+        try:
+            for arrays in built:
+                self._step += 1
+                self.batching.count(self._counts, arrays)
+                self._finished = self._step == end  # a state saved now starts the next epoch
+                yield as_tensors(arrays)
+            self._history = None  # the epoch is done: the next starts from its plan
+            self._finished = True
+        finally:
+            del built  # a DataLoader iterator's workers stop when it goes
 
-    def _count(self, batch: dict[str, Any]) -> None:
-        counts = self._counts
-        counts["sentences"] += batch["nsentences"]
-        counts["src_tokens"] += int(batch["src_lengths"].sum())
-        counts["src_padded"] += batch["src_tokens"].size
-        if "target" in batch:
-            counts["tgt_tokens"] += batch["ntokens"]
-            counts["tgt_padded"] += batch["target"].size
+    def close(self) -> None:
+        """Stop the workers of an iteration still open (iterating again starts them anew)."""
+        running, self._running = self._running, None
+        if running is not None:
+            running.close()
 
     def stats(self) -> dict[str, Any]:
-        """This epoch so far: steps, sentences, tokens, padding; the plan's drops and leftovers."""
-        plan = self.plan()
-        counts = self._counts
-        padding = {
-            side: 1 - counts[f"{side}_tokens"] / counts[f"{side}_padded"]
-            for side in ("src", "tgt")
-            if counts.get(f"{side}_padded")
-        }
-        per_source: dict[str, int] = {}
-        for number, pair in enumerate(self.pairs):
-            per_source[str(pair)] = int(np.count_nonzero(plan.source == number))
+        """This epoch so far: ``epoch``, ``steps`` (batches taken), ``steps_in_epoch``, the
+        batching's counts and the plan's drops and leftovers."""
         return {
             "epoch": self._epoch,
             "steps": self._step,
-            "steps_in_epoch": len(plan.ranks[self.context.rank]),
-            **{k: v for k, v in counts.items() if not k.endswith("_padded")},
-            "padding_fraction": padding,
-            "epoch_sentences": len(plan.index),
-            "epoch_sentences_per_source": per_source,
-            "dropped": dict(plan.dropped),
-            "left": plan.left,
+            "steps_in_epoch": self.planned_batches().total,
+            **self.batching.stats(self.plan(), self._counts),
         }
 
     # -- checkpointing -------------------------------------------------------------------
-    def _identity(self) -> dict[str, Any]:
-        digest = hashlib.sha256()
-        for opened in self.opened:
-            digest.update(f"{opened.pair}\0{len(opened)}\0{opened.src.num_tokens}\n".encode())
-        return {
-            "pairs": digest.hexdigest()[:16],
-            "shares": None if self.shares is None else [round(float(s), 12) for s in self.shares],
-            "rules": {k: getattr(self.rules, k) for k in self.rules.__dataclass_fields__},
-        }
-
     def state_dict(self, gather: bool = True) -> dict[str, Any]:
         """How many batches each rank took this epoch: a collective with ``gather=True``;
-        ``gather=False`` fills in this rank's alone (enough to resume it with as many ranks)."""
+        ``gather=False`` fills in this rank's alone (enough to resume it with as many ranks).
+        Saved after the epoch's last batch, the state starts the next epoch."""
         if gather:
             steps: list[int | None] = [int(s) for s in self.collectives.all_gather(self._step)]
         else:
             steps = [None] * self.context.world_size
             steps[self.context.rank] = self._step
-        current = {"world_size": self.context.world_size, "steps": steps}
+        epoch, history = self._epoch, self._history or []
+        if self._finished:
+            epoch, history, steps = epoch + 1, [], [0 if s is not None else None for s in steps]
         return {
             "seqshard_token_loader_state": STATE_VERSION,
-            "identity": self._identity(),
-            "epoch": self._epoch,
-            "deals": [*(self._history or []), current],
+            "identity": self.batching.identity(),
+            "epoch": epoch,
+            "deals": [*history, {"world_size": self.context.world_size, "steps": steps}],
         }
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
@@ -329,21 +304,21 @@ class TokenLoader:
         another world size (the batches no rank had taken are dealt again to the new ranks)."""
         if state.get("seqshard_token_loader_state") != STATE_VERSION:
             raise StateMismatchError("not a token loader state of this version (seqshard_token_loader_state).")
-        mine = self._identity()
-        for name in ("pairs", "shares", "rules"):
-            if state["identity"].get(name) != mine[name]:
+        mine = self.batching.identity()
+        for name in sorted(set(mine) | set(state["identity"])):
+            if state["identity"].get(name) != mine.get(name):
                 raise StateMismatchError(
-                    f"the state was saved with other {name} ({state['identity'].get(name)} != {mine[name]})."
+                    f"the state was saved with other {name} ({state['identity'].get(name)} != {mine.get(name)})."
                 )
         *earlier, last = state["deals"]
         world = self.context.world_size
         if int(last["world_size"]) == world:
-            mine = last["steps"][self.context.rank]
-            if mine is None:
+            step = last["steps"][self.context.rank]
+            if step is None:
                 raise StateMismatchError(
                     f"the state holds no step for rank {self.context.rank} (saved with gather=False?)."
                 )
-            self._history, self._start = earlier, int(mine)
+            self._history, self._start = earlier, int(step)
         elif any(step is None for step in last["steps"]):
             raise StateMismatchError("resuming with another world size needs every rank's step: save with gather=True.")
         elif strict:
@@ -354,3 +329,5 @@ class TokenLoader:
         else:
             self._history, self._start = [*earlier, last], 0
         self._epoch = int(state["epoch"])
+        self._finished = False
+        self._step = self._start

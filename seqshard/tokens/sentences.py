@@ -1,0 +1,165 @@
+"""Sentences (or source/target pairs) batched by a token budget, collated as fairseq's
+``LanguagePairDataset`` does: the epoch plans of ``plan.py``, the batches they name, what an
+epoch leaves unread and why."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from .collate import CollateRules, collate_batch, padded
+from .ids import SpecialIds
+from .pairs import OpenPair, TokenPair
+from .plan import BatchRules, EpochPlan, plan_epoch
+
+UNREAD_WARN_SHARE = 0.01  # of an epoch's sentences dropped or left out before a warning
+
+
+class SentenceBatches:
+    """Map-style dataset: batch number -> collated batch (runs in DataLoader workers)."""
+
+    def __init__(self, pairs: Sequence[TokenPair], plan: EpochPlan, rules: CollateRules, mixed: bool):
+        self.pairs = list(pairs)
+        self.plan = plan
+        self.rules = rules
+        self.mixed = mixed
+        self._open: list[OpenPair] | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_open": None}  # workers map the files themselves
+
+    def __getitem__(self, number: int) -> dict[str, Any]:
+        if self._open is None:
+            self._open = [OpenPair(p) for p in self.pairs]
+        positions = self.plan.batch(number)
+        sources = self.plan.source[positions]
+        indices = self.plan.index[positions]
+        size = len(positions)
+        if len(self._open) == 1:
+            groups = [(self._open[0], np.arange(size))]
+        else:  # the rows of each source, found with one sort
+            order = np.argsort(sources, kind="stable")
+            cuts = np.searchsorted(sources[order], np.arange(len(self._open) + 1))
+            groups = [(self._open[s], order[a:b]) for s, (a, b) in enumerate(itertools.pairwise(cuts)) if b > a]
+        src = padded(
+            [pair.rows("src", rows, indices[rows]) for pair, rows in groups],
+            size,
+            self.rules.pad_id,
+            self.rules.left_pad_source,
+        )
+        tgt = None
+        if self._open[0].tgt is not None:
+            tgt = padded(
+                [pair.rows("tgt", rows, indices[rows]) for pair, rows in groups], size, self.rules.pad_id, False
+            )
+        return collate_batch(indices, src, tgt, self.rules, sources if self.mixed else None)
+
+    def __len__(self) -> int:
+        return self.plan.num_batches
+
+
+def unread_warning(plan: EpochPlan, rules: BatchRules, epoch: int, world_size: int) -> str | None:
+    """A warning when the plan leaves more than UNREAD_WARN_SHARE of the epoch's sentences
+    unread, naming the option behind each part (max_positions, max_tokens, the rank count)."""
+    total = len(plan.index)
+    unread = plan.left + sum(plan.dropped.values())
+    if not total or unread / total <= UNREAD_WARN_SHARE:
+        return None
+    parts = []
+    if plan.dropped.get("too_long"):
+        parts.append(
+            f"{plan.dropped['too_long']} longer than max_positions={rules.max_positions} dropped (raise "
+            "max_positions; for language-model data, make_token_loader(prefix, block_size=N) uses every token)"
+        )
+    if plan.dropped.get("over_max_tokens"):
+        parts.append(
+            f"{plan.dropped['over_max_tokens']} longer than max_tokens={rules.max_tokens} alone dropped "
+            "(raise max_tokens)"
+        )
+    if plan.left:
+        parts.append(
+            f"{plan.left} in the last batches, left out so that each of {world_size} ranks takes as many "
+            "(a smaller max_tokens or max_sentences, or fewer ranks, leave fewer)"
+        )
+    return (
+        f"seqshard token epoch {epoch}: {unread} of {total} sentences ({unread / total:.0%}) are not read: "
+        + "; ".join(parts)
+        + "."
+    )
+
+
+class SentenceBatching:
+    """What the token loader asks of a way of batching: the plan of an epoch, the dataset of
+    its batches, a warning about what it leaves unread, an identity for states, and counts."""
+
+    def __init__(
+        self,
+        pairs: list[TokenPair],
+        opened: list[OpenPair],
+        shares: np.ndarray | None,
+        rules: BatchRules,
+        collate: CollateRules,
+        ids: SpecialIds,
+    ):
+        self.pairs = pairs
+        self.opened = opened
+        self.shares = shares
+        self.rules = rules
+        self.collate = collate
+        self.ids = ids
+
+    def plan(self, epoch: int, world_size: int) -> EpochPlan:
+        return plan_epoch(self.opened, self.shares, self.rules, epoch, world_size)
+
+    def batches(self, plan: EpochPlan) -> SentenceBatches:
+        return SentenceBatches(self.pairs, plan, self.collate, self.shares is not None)
+
+    def warning(self, plan: EpochPlan, epoch: int, world_size: int) -> str | None:
+        return unread_warning(plan, self.rules, epoch, world_size)
+
+    def identity(self) -> dict[str, Any]:
+        digest = hashlib.sha256()
+        for opened in self.opened:
+            digest.update(f"{opened.pair}\0{len(opened)}\0{opened.src.num_tokens}\n".encode())
+        return {
+            "pairs": digest.hexdigest()[:16],
+            "shares": None if self.shares is None else [round(float(s), 12) for s in self.shares],
+            "rules": {k: getattr(self.rules, k) for k in self.rules.__dataclass_fields__},
+        }
+
+    @staticmethod
+    def new_counts() -> dict[str, int]:
+        return {"sentences": 0, "src_tokens": 0, "tgt_tokens": 0, "src_padded": 0, "tgt_padded": 0}
+
+    @staticmethod
+    def count(counts: dict[str, int], batch: dict[str, Any]) -> None:
+        counts["sentences"] += batch["nsentences"]
+        counts["src_tokens"] += int(batch["src_lengths"].sum())
+        counts["src_padded"] += batch["src_tokens"].size
+        if "target" in batch:
+            counts["tgt_tokens"] += batch["ntokens"]
+            counts["tgt_padded"] += batch["target"].size
+
+    def stats(self, plan: EpochPlan, counts: dict[str, int]) -> dict[str, Any]:
+        """Sentences, tokens and padding so far; the plan's sentences per source, drops and
+        leftovers; the pad and eos ids and where they came from."""
+        padding = {
+            side: 1 - counts[f"{side}_tokens"] / counts[f"{side}_padded"]
+            for side in ("src", "tgt")
+            if counts.get(f"{side}_padded")
+        }
+        per_source = {str(pair): int(np.count_nonzero(plan.source == n)) for n, pair in enumerate(self.pairs)}
+        return {
+            **{k: v for k, v in counts.items() if not k.endswith("_padded")},
+            "padding_fraction": padding,
+            "epoch_sentences": len(plan.index),
+            "epoch_sentences_per_source": per_source,
+            "dropped": dict(plan.dropped),
+            "left": plan.left,
+            "ids": asdict(self.ids),
+        }
