@@ -205,3 +205,57 @@ def test_cutting_batches_keeps_copies_apart():
     assert not oversize and sorted(i for b in batches for i in b) == list(range(7))
     assert all(len({keys[i] for i in b}) == len(b) for b in batches)
     assert cut_batches([1, 2, 3], FixedSize(2))[0] == [[0, 1], [2]]  # without keys: as before
+
+
+def _keys_of_units(table, units):
+    """The keys a list of units reads (shard by shard, by position)."""
+    from seqshard.formats.tar import SampleStream
+
+    found = []
+    for unit in units:
+        with SampleStream(table.shards[unit.shard].path) as stream:
+            for ordinal, sample in enumerate(stream):
+                stop = unit.stop if unit.stop is not None else ordinal + 1
+                if unit.first() <= ordinal < stop and (ordinal - unit.start) % unit.step == 0:
+                    found.append(sample.key)
+    return found
+
+
+def test_a_mix_resumes_elastically_with_other_workers(sources):
+    """What the saved readers held of each source's pass is read once by the new readers,
+    before the stream goes on (issue 18: mixes resume elastically as single sources do)."""
+    from seqshard.pipeline.plan import Unit
+
+    mixed = mux([sources["a"], sources["c"]], weights=[0.5, 0.5])
+    options = dict(batch_size=4, epoch_steps=100, num_workers=2, seed=1, **SMALL)
+    loader = make_loader(mixed, **options)
+    iterator = iter(loader)
+    head = [k for _ in range(3) for k in next(iterator)["keys"]]
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    resumed = make_loader(mixed, **{**options, "num_workers": 1})
+    with pytest.raises(StateMismatchError, match="num_workers"):
+        resumed.load_state_dict(state)
+    resumed.load_state_dict(state, strict=False)
+    (carry,) = resumed._cursor.resume.carry  # one worker now
+    carried = {source: _keys_of_units(resumed.table, [Unit.from_json(u) for u in units]) for source, _, units in carry}
+    a_keys = sorted(k for k in head if k.startswith("a")) + carried[0]
+    assert sorted(a_keys) == sorted(f"a{s:03d}-utt{u:03d}" for s in range(12) for u in range(5))  # a's pass 0, once
+    batches = [b["keys"] for b in resumed]
+    assert len(batches) == 100 - 3 and all(len(set(b)) == len(b) for b in batches)
+    assert all(k[0] in "ac" for b in batches for k in b)
+
+
+def test_a_recipe_of_the_users_works_with_a_mix(sources):
+    from seqshard import default_recipe
+
+    seen = []
+
+    def counting_recipe(reader):
+        seen.append(type(reader.read()).__name__)
+        return default_recipe(reader)
+
+    mixed = mux([sources["a"], sources["b"]], weights=[1, 1])
+    loader = make_loader(mixed, batch_size=4, epoch_steps=20, num_workers=0, recipe=counting_recipe, **SMALL)
+    keys = [k for b in loader for k in b["keys"]]
+    assert len(keys) == 80 and {k[0] for k in keys} == {"a", "b"} and "Mix" in seen

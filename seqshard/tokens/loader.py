@@ -187,6 +187,11 @@ class TokenLoader:
         self._step = self._start
 
     @property
+    def dim(self) -> None:
+        """Token batches hold no feature vectors (the Loader protocol's ``dim``)."""
+        return None
+
+    @property
     def epoch(self) -> int:
         return self._epoch
 

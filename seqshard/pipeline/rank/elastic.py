@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from ...dist import Collectives
@@ -144,7 +143,9 @@ def elastic_position(
     buckets = len(setup.bucket_bounds) + 1 if setup.options.batching.bucket_sync else 0
     stream = setup.options.epochs.continues_stream
     if not stream and all(p.completed for p in positions):
-        return replace(RankPosition.fresh(epoch, setup.readers_per_rank, buckets), completed=True)
+        done = RankPosition.fresh(epoch, setup.readers_per_rank, buckets)
+        done.completed = True
+        return done
     old_world = state["identity"]["world_size"]
     old_setups = [
         make_setup(setup.table, saved, rank, old_world, setup.tokenizer, setup.override, setup.mix, access)
@@ -162,13 +163,37 @@ def elastic_position(
         setup.readers_per_rank,
     )
     if not stream:
-        return RankPosition.fresh(epoch, setup.readers_per_rank, buckets, plans[0][1][setup.rank])
-    carry = [
-        [[source, first, [u.to_json() for u in plan[setup.rank][worker]]] for source, (first, plan) in plans.items()]
-        for worker in range(setup.readers_per_rank)
-    ]
-    fresh = RankPosition.fresh(epoch, setup.readers_per_rank, buckets, carry=carry)
-    return replace(fresh, completed=all(p.completed for p in positions))
+        fresh = RankPosition.fresh(epoch, setup.readers_per_rank, buckets, plans[0][1][setup.rank])
+    else:
+        carry = [
+            [
+                [source, first, [u.to_json() for u in plan[setup.rank][worker]]]
+                for source, (first, plan) in plans.items()
+            ]
+            for worker in range(setup.readers_per_rank)
+        ]
+        fresh = RankPosition.fresh(epoch, setup.readers_per_rank, buckets, carry=carry)
+        fresh.completed = all(p.completed for p in positions)
+    return _with_progress(fresh, positions, setup.rank)
+
+
+def _with_progress(fresh: RankPosition, positions: list[RankPosition], rank: int) -> RankPosition:
+    """``fresh`` at the saved epoch's step (the ranks' least), with what the saved ranks had read
+    (utterances, frames, per mixed source) on the first rank, so that epoch lengths counted over
+    all ranks (hours, a source's pass) go on where they stood."""
+    fresh.step = min(p.step for p in positions)
+    if rank == 0:
+        fresh.utts = sum(p.utts for p in positions)
+        fresh.frames = sum(p.frames for p in positions)
+        fresh.padded_frames = sum(p.padded_frames for p in positions)
+        for name in ("sources", "sources_all"):
+            counts = [getattr(p, name) for p in positions if getattr(p, name)]
+            setattr(
+                fresh,
+                name,
+                [[sum(c[i][k] for c in counts) for k in (0, 1)] for i in range(len(counts[0]))] if counts else [],
+            )
+    return fresh
 
 
 def saved_positions(state: dict[str, Any]) -> list[RankPosition]:

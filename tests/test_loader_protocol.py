@@ -1,0 +1,136 @@
+"""Every loader (shards, token batches, the map-style dev loader) follows seqshard.protocol.Loader:
+the same test runs on all three: a new epoch when iterated again, set_epoch choosing one,
+exact resume mid-epoch, a state saved at an epoch's end resuming into the next epoch, exact
+len() where the plan decides it, stats() and close()."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import pack_small, write_kaldi_dir
+from seqshard import make_loader, make_token_loader
+from seqshard.formats.mmidx import TokenDatasetWriter
+from seqshard.protocol import Loader
+from seqshard.scp_dataset import MapStyleLoader, ScpDataset
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    root = tmp_path_factory.mktemp("protocol")
+    packed = pack_small(root / "shards", utts_per_file=12, speakers=4, per_speaker=9)
+    writer = TokenDatasetWriter(root / "tokens", np.uint16)
+    rng = np.random.default_rng(0)
+    writer.add_many([np.append(rng.integers(3, 90, size=int(n)), 2) for n in rng.integers(1, 12, size=120)])
+    writer.finish()
+    kaldi = write_kaldi_dir(root / "scp", speakers=3, per_speaker=7)
+    return {"shards": packed.pattern, "tokens": str(root / "tokens"), "scp": kaldi}
+
+
+def loader_of(kind: str, made, workers: int = 0) -> Loader:
+    if kind == "shards":
+        return make_loader(made["shards"], batch_size=4, num_workers=workers, sort_window=8, shuffle_window=8)
+    if kind == "tokens":
+        return make_token_loader(made["tokens"], max_tokens=40, num_workers=workers)
+    scp = made["scp"]
+    return MapStyleLoader(
+        ScpDataset(scp.scp, scp.text), batch_size=4, shuffle=True, num_workers=workers, rank=None, world_size=None
+    )
+
+
+def keys_of(batch) -> list:
+    found = batch.get("keys", batch.get("id"))
+    return found.tolist() if hasattr(found, "tolist") else list(found)
+
+
+def epoch_of(loader) -> list:
+    return [keys_of(batch) for batch in loader]
+
+
+KINDS = ["shards", "tokens", "scp"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_iterating_again_runs_the_next_epoch_and_set_epoch_chooses_one(made, kind):
+    loader = loader_of(kind, made)
+    assert isinstance(loader, Loader)
+    first = epoch_of(loader)
+    assert loader.epoch == 0 and first
+    second = epoch_of(loader)  # no set_epoch: a DataLoader user's loop
+    assert loader.epoch == 1 and second != first
+    assert sorted(map(str, sum(first, []))) == sorted(map(str, sum(second, [])))  # the same data, another order
+    loader.set_epoch(0)
+    assert epoch_of(loader) == first
+    loader.set_epoch(0)
+    assert epoch_of(loader) == first  # set_epoch wins over going on
+    stats = loader.stats()
+    assert stats["epoch"] == 0 and stats["steps"] == len(first)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_len_is_the_epochs_batches_where_the_plan_decides_it(made, kind):
+    loader = loader_of(kind, made)
+    planned = loader.planned_batches()
+    assert planned.exact and len(loader) == planned.total == planned.remaining == len(epoch_of(loader))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_state_mid_epoch_resumes_at_the_next_batch(made, kind, workers):
+    uninterrupted = loader_of(kind, made, workers)
+    uninterrupted.set_epoch(3)
+    expected = epoch_of(uninterrupted)
+    loader = loader_of(kind, made, workers)
+    loader.set_epoch(3)
+    iterator = iter(loader)
+    head = [keys_of(next(iterator)) for _ in range(2)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    resumed = loader_of(kind, made, workers)
+    resumed.load_state_dict(state)
+    assert resumed.planned_batches().remaining == len(expected) - 2
+    assert head + epoch_of(resumed) == expected
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_state_saved_after_the_last_batch_resumes_into_the_next_epoch(made, kind):
+    reference = loader_of(kind, made)
+    epoch_of(reference)
+    following = epoch_of(reference)  # epoch 1
+    loader = loader_of(kind, made)
+    epoch_of(loader)
+    state = json.loads(json.dumps(loader.state_dict()))
+    resumed = loader_of(kind, made)
+    resumed.load_state_dict(state)
+    assert epoch_of(resumed) == following and resumed.epoch == 1
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_stops_the_workers_and_a_later_iteration_starts_again(made, kind):
+    loader = loader_of(kind, made, workers=2)
+    iterator = iter(loader)
+    next(iterator)
+    loader.close()
+    loader.close()  # twice is fine
+    loader.set_epoch(5)
+    assert epoch_of(loader) == _epoch(kind, made, 5)
+
+
+def _epoch(kind, made, epoch):
+    loader = loader_of(kind, made, workers=2)
+    loader.set_epoch(epoch)
+    return epoch_of(loader)
+
+
+def test_budget_batches_have_an_estimate_and_len_says_why_it_is_not_exact(made):
+    loader = make_loader(made["shards"], batch_frames=200, num_workers=0, sort_window=16)
+    planned = loader.planned_batches()
+    assert not planned.exact and "batch_frames" in planned.why and 0 < planned.error < 0.5
+    real = len(epoch_of(loader))
+    assert abs(planned.total - real) <= max(2, planned.error * planned.total + 1), (planned, real)
+    with pytest.raises(TypeError, match=r"planned_batches\(\) estimates it: about \d+"):
+        len(loader)
+    steps = make_loader(made["shards"], batch_frames=200, num_workers=0, uneven="repeat", epoch_steps=7)
+    assert len(steps) == 7 and len(epoch_of(steps)) == 7
