@@ -123,6 +123,8 @@ class ShardLoader:
         items = self._pool.items(position.epoch, position.worker_request())
         stream = MergedStream(items, position, self._pool.receive)
         started, self._seconds = time.perf_counter(), 0.0
+        planned = self.planned_batches()
+        last = planned.total if planned.exact else None  # a consumer may stop after len() batches
         while True:
             cut = self._rules.over(stream.position)  # the epoch's length reached, not the data's end
             item = None if cut else self._rules.next_item(stream)
@@ -132,8 +134,15 @@ class ShardLoader:
             self._seconds = time.perf_counter() - started
             self._accounts.judge_unknown_tokens(position)
             self._accounts.check_bad_shards(position)
+            if position.step == last:
+                self._finish(position, self._rules.over(stream.position))
             yield item.batch
         del stream, items  # stops non-persistent workers now, not at garbage collection
+        if not position.completed:
+            self._finish(position, cut)
+
+    def _finish(self, position: RankPosition, cut: bool) -> None:
+        """The epoch is complete (on every rank at the same step: the summary is a collective)."""
         self._accounts.check_bad_shards(position)
         position.completed = True
         self.last_summary = self._accounts.finish(position, self._seconds, cut)
