@@ -25,6 +25,7 @@ AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "opus", "sph", "m4a")
 NODATA = "nodata"
 MAX_INFLATION = 200  # a gzip'd member may inflate to this many times its size (text and JSON: 3-20x)
 MAX_INFLATED_BYTES = 1 << 30  # and never beyond this (an hour of 80-dim float32 features is 115 MB)
+_FEED = 16 << 10  # compressed bytes inflated at a time
 
 
 @dataclass(frozen=True)
@@ -94,15 +95,19 @@ def field_name(suffix: str) -> str:
 def inflate(data: bytes | memoryview, limit: int | None = None) -> bytes:
     """A gzip member's content, refusing (InflationError) output beyond ``limit`` bytes
     (default: :data:`MAX_INFLATION` x its size, at most :data:`MAX_INFLATED_BYTES`) before
-    more than that is held."""
+    more than that is held. The input is fed ``_FEED`` bytes at a time: zlib copies the input
+    left after each gzip member, so feeding it whole takes time quadratic in their number."""
     if limit is None:
         limit = min(MAX_INFLATED_BYTES, MAX_INFLATION * max(len(data), 1))
+    view = memoryview(data)
     parts: list[bytes] = []
-    size, rest = 0, bytes(data)
-    while rest:  # a gzip file may hold several members back to back
-        inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing
+    size = position = 0
+    inflater = None
+    while position < len(view):  # a gzip file may hold several members back to back
+        inflater = inflater or zlib.decompressobj(16 + zlib.MAX_WBITS)  # gzip framing
+        fed = view[position : position + _FEED]
         try:
-            part = inflater.decompress(rest, limit + 1 - size)
+            part = inflater.decompress(fed, limit + 1 - size)
         except zlib.error as error:
             raise ValueError(f"not valid gzip ({error})") from None
         size += len(part)
@@ -111,11 +116,13 @@ def inflate(data: bytes | memoryview, limit: int | None = None) -> bytes:
                 f"the gzip'd member of {len(data)} bytes inflates beyond {limit} bytes (limits: {MAX_INFLATION}x its "
                 f"size, at most {MAX_INFLATED_BYTES} bytes)"
             )
-        if not inflater.eof:
-            raise ValueError("not valid gzip (it ends early)")
         parts.append(part)
-        rest = inflater.unused_data
-    return b"".join(parts)
+        position += len(fed) - len(inflater.unused_data)  # all it was fed, but the next member's start
+        if inflater.eof:
+            inflater = None
+    if inflater is not None:
+        raise ValueError("not valid gzip (it ends early)")
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def decode_field(suffix: str, data: bytes | memoryview) -> Any:

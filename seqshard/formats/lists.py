@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from pathlib import Path
 
 import numpy as np
@@ -99,7 +100,7 @@ def _key_of(line: bytes) -> str:
             return (
                 str(record["key"]) if isinstance(record, dict) and "key" in record else line.decode("utf-8", "replace")
             )
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deeply, a number too long
             return line.decode("utf-8", "replace")
     return line.removeprefix(BOM).split(None, 1)[0].decode("utf-8", "replace")
 
@@ -195,8 +196,8 @@ class ListSampleStream:
             return {"key": key, "wav": value}
         try:
             record = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise InputError(where, "malformed_line", f"the line is not JSON ({error}).") from None
+        except (ValueError, RecursionError) as error:  # not JSON, not UTF-8, nested too deeply, a number too long
+            raise InputError(where, "malformed_line", f"the line is not JSON ({str(error)[:200]}).") from None
         if (
             not isinstance(record, dict)
             or not isinstance(record.get("key"), str)
@@ -205,11 +206,23 @@ class ListSampleStream:
             raise InputError(where, "malformed_line", f'the line needs "key" and "wav" strings (found {line[:80]!r}).')
         if "start" in record or "end" in record:
             start, end = record.get("start", 0), record.get("end", -1)
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (start, end)):
+            seconds = (_seconds(start), _seconds(end))
+            if None in seconds:
                 raise InputError(
                     Where(where.path, where.line, record["key"]),
                     "malformed_line",
-                    f'"start" and "end" must be numbers of seconds (found {start!r}, {end!r}).',
+                    f'"start" and "end" must be finite numbers of seconds (found {start!r:.40}, {end!r:.40}).',
                 )
-            record["start"], record["end"] = float(start), float(end)
+            record["start"], record["end"] = seconds
         return record
+
+
+def _seconds(value: object) -> float | None:
+    """A JSON number as seconds, or None when it is not a finite number (text, true, NaN, 1e999)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        seconds = float(value)
+    except OverflowError:  # an integer of hundreds of digits
+        return None
+    return seconds if math.isfinite(seconds) else None

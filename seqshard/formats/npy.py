@@ -34,7 +34,8 @@ def npy_parts(array: np.ndarray) -> tuple[bytes, memoryview]:
 def decode_npy(data: bytes | memoryview) -> np.ndarray:
     """Read an ``.npy`` member as an array viewing ``data`` (no copy, no pickle).
 
-    Raises ValueError on anything that is not a plain numeric ``.npy``.
+    Raises ValueError on anything that is not a plain numeric ``.npy``, or whose header
+    declares more bytes than ``data`` holds (checked before any array is made).
     """
     view = memoryview(data)
     if bytes(view[:6]) != _MAGIC:
@@ -51,7 +52,7 @@ def decode_npy(data: bytes | memoryview) -> np.ndarray:
     shape, fortran_order, dtype = _parse_header(bytes(view[: start + header_len]), start, major)
     if dtype.hasobject:
         raise ValueError("the .npy holds Python objects; seqshard never unpickles data")
-    count = math.prod(shape)
+    count = math.prod(shape)  # a Python int: huge dimensions cannot overflow before the check below
     payload = start + header_len
     if len(view) - payload < count * dtype.itemsize:
         raise ValueError(
@@ -73,6 +74,8 @@ def _parse_header(header: bytes, start: int, major: int) -> tuple[tuple[int, ...
         return shape, match.group(2) == b"True", np.dtype(match.group(1).decode())
     stream = io.BytesIO(header)
     stream.seek(8)
-    if major == 1:
-        return np.lib.format.read_array_header_1_0(stream)
-    return np.lib.format.read_array_header_2_0(stream)
+    read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+    shape, fortran_order, dtype = read(stream)
+    if any(dim < 0 for dim in shape):  # numpy's reader takes them (the pattern above has no minus sign)
+        raise ValueError(f".npy header has a negative dimension {shape}")
+    return shape, fortran_order, dtype

@@ -37,6 +37,7 @@ _ZERO_BLOCK = bytes(BLOCK)
 READ_AHEAD = 64 << 20  # bytes read ahead of the cursor (prefetch thread)
 MAX_EXTENSION_BYTES = 1 << 20  # a pax or long-name header beyond this is damage, not a name
 MAX_STREAMED_MEMBER = 1 << 30  # a member read from a stream of unknown length (.tar.gz, a pipe) is held whole
+STREAM_PIECE = 1 << 20  # and read this much at a time: a stream's read(n) allocates n bytes before reading
 MAP_CHUNK = 64 << 20  # bytes mapped at once
 
 BytesLike = bytes | bytearray | memoryview
@@ -169,8 +170,9 @@ def _parse_pax(data: bytes, path: str, offset: int) -> dict[str, str]:
             pos += length
     except (ValueError, UnicodeDecodeError) as error:
         raise ShardError(path, offset, f"malformed pax extended header ({error})") from None
-    if "size" in records and not records["size"].isdigit():
-        raise ShardError(path, offset, f"malformed pax size {records['size']!r}")
+    size = records.get("size", "0")
+    if not (size.isascii() and size.isdigit() and len(size) <= 20):  # int() refuses over 4300 digits
+        raise ShardError(path, offset, f"malformed pax size {size[:40]!r}")
     return records
 
 
@@ -274,7 +276,10 @@ class TarStream:
             yield member
 
     def _read_exact(self, size: int, what: str) -> bytes | memoryview:
-        data = self._source.read(size)
+        if getattr(self._source, "size", None) is None:  # a stream: memory grows with the bytes that arrive
+            data = _read_in_pieces(self._source, size)
+        else:
+            data = self._source.read(size)
         if len(data) != size:
             raise ShardError(self.path, self.position, f"file ends inside {what} (truncated shard?)")
         self.position += size
@@ -351,6 +356,15 @@ class TarStream:
         if size:
             self._source.skip(size)
             self.position += size
+
+
+def _read_in_pieces(source: Any, size: int) -> bytes:
+    """Up to ``size`` bytes of a stream of unknown length, read ``STREAM_PIECE`` at a time."""
+    pieces = []
+    while size > 0 and (piece := source.read(min(size, STREAM_PIECE))):
+        pieces.append(piece)
+        size -= len(piece)
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
 def _ustar_name(header: bytes) -> str:
