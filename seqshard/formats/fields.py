@@ -3,8 +3,8 @@
 Decoding is explicit and safe: ``.npy`` arrays without pickle (a view of the bytes read, no
 copy), ``.txt`` UTF-8 text, ``.json`` JSON, audio (``.wav``, ``.flac``, ...) kept as its encoded
 bytes until an audio stage decodes it, ``.gz`` decompressed first (within limits: at most
-:data:`MAX_INFLATION` times the member's size and :data:`MAX_INFLATED_BYTES`, so a small member
-cannot fill memory). A member whose extension has no decoder is passed through as its bytes,
+:data:`MAX_INFLATION` times the member's size, or 1 MiB, and :data:`MAX_INFLATED_BYTES`, so a
+small member cannot fill memory). A member whose extension has no decoder is passed through as its bytes,
 still compressed if it is, under its whole suffix as its name (``KEY.audio.pth`` is field
 ``audio.pth``, never ``audio``, the name of decoded waveforms; nothing is ever unpickled).
 A ``.nodata`` member marks a field that a sample does not have (``add-field --allow-missing``).
@@ -25,6 +25,7 @@ AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "opus", "sph", "m4a")
 NODATA = "nodata"
 MAX_INFLATION = 200  # a gzip'd member may inflate to this many times its size (text and JSON: 3-20x)
 MAX_INFLATED_BYTES = 1 << 30  # and never beyond this (an hour of 80-dim float32 features is 115 MB)
+MIN_INFLATION_LIMIT = 1 << 20  # small members may always inflate this far (short repetitive text or JSON)
 _FEED = 16 << 10  # compressed bytes inflated at a time
 
 
@@ -94,11 +95,12 @@ def field_name(suffix: str) -> str:
 
 def inflate(data: bytes | memoryview, limit: int | None = None) -> bytes:
     """A gzip member's content, refusing (InflationError) output beyond ``limit`` bytes
-    (default: :data:`MAX_INFLATION` x its size, at most :data:`MAX_INFLATED_BYTES`) before
+    (default: :data:`MAX_INFLATION` x its size, at least :data:`MIN_INFLATION_LIMIT`, at most
+    :data:`MAX_INFLATED_BYTES`) before
     more than that is held. The input is fed ``_FEED`` bytes at a time: zlib copies the input
     left after each gzip member, so feeding it whole takes time quadratic in their number."""
     if limit is None:
-        limit = min(MAX_INFLATED_BYTES, MAX_INFLATION * max(len(data), 1))
+        limit = min(MAX_INFLATED_BYTES, max(MIN_INFLATION_LIMIT, MAX_INFLATION * len(data)))
     view = memoryview(data)
     parts: list[bytes] = []
     size = position = 0
@@ -114,7 +116,7 @@ def inflate(data: bytes | memoryview, limit: int | None = None) -> bytes:
         if size > limit:
             raise InflationError(
                 f"the gzip'd member of {len(data)} bytes inflates beyond {limit} bytes (limits: {MAX_INFLATION}x its "
-                f"size, at most {MAX_INFLATED_BYTES} bytes)"
+                f"size or {MIN_INFLATION_LIMIT} bytes, at most {MAX_INFLATED_BYTES} bytes)"
             )
         parts.append(part)
         position += len(fed) - len(inflater.unused_data)  # all it was fed, but the next member's start
