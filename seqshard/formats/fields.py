@@ -37,6 +37,11 @@ class AudioBytes:
     def __len__(self) -> int:
         return len(self.data)
 
+    def __reduce__(self) -> tuple:
+        """Pickled as bytes (a view cannot be): batches holding encoded audio cross to the
+        training process."""
+        return (AudioBytes, (bytes(self.data), self.format))
+
 
 class _Absent:
     """The value of a ``.nodata`` member: the sample has no such field."""

@@ -66,7 +66,7 @@ def plan_fields(
                 raise ConfigError(
                     f"fields: {lacking} has no field set {set_name!r} (add it with `seqshard add-field` to every folder read)."
                 )
-    ordered = tuple(s for s in (MAIN, *sorted(sets)) if s in sets)
+    ordered = tuple(s for s in (MAIN, *sorted(sets.keys() - {MAIN})) if s in sets)  # each set opened once
     return FieldPlan(ordered, frozenset(wanted), features if features in wanted else None, audio)
 
 
