@@ -1,8 +1,9 @@
 """Sample fields: a member ``KEY.NAME.EXT`` (or ``KEY.EXT``) is field ``NAME`` decoded by ``EXT``.
 
 Decoding is explicit and safe: ``.npy`` arrays without pickle (a view of the bytes read, no
-copy), ``.txt`` UTF-8 text, ``.json`` JSON, audio (``.wav``, ``.flac``, ...) kept as its encoded
-bytes until an audio stage decodes it, ``.gz`` decompressed first (within limits: at most
+copy), ``.llc`` arrays (lilcom-compressed, as lhotse stores features; needs ``lilcom``),
+``.txt`` UTF-8 text, ``.json`` JSON, audio (``.wav``, ``.flac``, ...) kept as its encoded bytes
+until an audio stage decodes it, ``.gz`` decompressed first (within limits: at most
 :data:`MAX_INFLATION` times the member's size, or 1 MiB, and :data:`MAX_INFLATED_BYTES`, so a
 small member cannot fill memory). A member whose extension has no decoder is passed through as its bytes,
 still compressed if it is, under its whole suffix as its name (``KEY.audio.pth`` is field
@@ -39,6 +40,11 @@ class AudioBytes:
     def __len__(self) -> int:
         return len(self.data)
 
+    def __reduce__(self) -> tuple:
+        """Pickled as bytes (a view cannot be): batches holding encoded audio cross to the
+        training process."""
+        return (AudioBytes, (bytes(self.data), self.format))
+
 
 class _Absent:
     """The value of a ``.nodata`` member: the sample has no such field."""
@@ -58,8 +64,20 @@ def decode_json(data: bytes | memoryview) -> Any:
     return json.loads(str(data, "utf-8"))
 
 
+def decode_lilcom(data: bytes | memoryview) -> Any:
+    """A lilcom-compressed float array (lhotse's ``.llc`` features)."""
+    try:
+        import lilcom
+    except ImportError:
+        raise ImportError(
+            "the shards hold lilcom-compressed arrays (.llc, as lhotse writes features): pip install lilcom"
+        ) from None
+    return lilcom.decompress(bytes(data))
+
+
 DECODERS: dict[str, Callable[[bytes | memoryview], Any]] = {
     "npy": decode_npy,
+    "llc": decode_lilcom,
     "txt": decode_text,
     "text": decode_text,
     "json": decode_json,

@@ -23,6 +23,7 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 LIST_SUFFIXES = (".list", ".scp")  # WeNet lists and Kaldi wav.scp, read directly (see formats/lists.py)
 FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
 FIELDS_DIR = "fields"  # FOLDER/fields/NAME/data-00042.tar: field set NAME of FOLDER/data-00042.tar
+SHAR_CUTS = re.compile(r"cuts(?P<id>(?:\.[^.]+)*?)\.jsonl(?:\.gz)?")  # a Lhotse Shar shard (formats/shar.py)
 
 Patterns = str | Path | Sequence[str | Path]
 
@@ -32,8 +33,9 @@ def is_list_name(name: str) -> bool:
 
 
 def is_shard_name(name: str) -> bool:
-    """Whether a file name is that of a shard: a tar suffix and not hidden (partial files are)."""
-    return name.endswith(SHARD_SUFFIXES) and not name.startswith(".")
+    """Whether a file name is that of a shard: a tar suffix (or a Lhotse Shar folder's
+    ``cuts.000000.jsonl.gz``) and not hidden (partial files are)."""
+    return (name.endswith(SHARD_SUFFIXES) or SHAR_CUTS.fullmatch(name) is not None) and not name.startswith(".")
 
 
 @dataclass

@@ -21,6 +21,7 @@ from .index import ShardIndex
 from .lists import shard_list
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
 from .patterns import Alternative, Patterns, expand_pattern, named_like_sidecar, pattern_list
+from .shar import shar_index
 
 _LOG = logging.getLogger("seqshard")
 SHOWN = 5
@@ -88,7 +89,8 @@ def select_shards(patterns: Patterns) -> ShardSelection:
             if not alternative.files and not absent:
                 raise ConfigError(
                     f"{alternative.text!r} (from the pattern {pattern!r}) selects no shard (from {Path.cwd()}). "
-                    "Check the path, the braces and the wildcard; shards end in .tar, .tar.gz or .tgz (lists in .list)."
+                    "Check the path, the braces and the wildcard; shards end in .tar, .tar.gz or .tgz (lists in .list; "
+                    "a Lhotse Shar folder's shards are its cuts.*.jsonl.gz)."
                 )
             for shard in absent:
                 missing.setdefault(shard.path, shard)
@@ -105,8 +107,10 @@ def select_shards(patterns: Patterns) -> ShardSelection:
 
 
 def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
+    """The folder's index.json, or the facts of a Lhotse Shar folder (its field files are
+    then sidecars, never shards)."""
     if folder not in selection.indexes:
-        selection.indexes[folder] = ShardIndex.load(folder)
+        selection.indexes[folder] = shar_index(folder) or ShardIndex.load(folder)
     return selection.indexes[folder]
 
 

@@ -1,6 +1,7 @@
-"""Sample streams over what the loader reads: tar shards, and WeNet raw lists read as shards.
+"""Sample streams over what the loader reads: tar shards, WeNet raw lists read as shards, and
+the files of Lhotse Shar folders (``formats/shar.py``).
 
-Both have the same interface (``next_sample()``, ``resume_offset``, ``ordinal``,
+All have the same interface (``next_sample()``, ``resume_offset``, ``ordinal``,
 ``ended_cleanly``), so planning, splitting, skipping and resuming treat them alike.
 """
 
@@ -12,9 +13,10 @@ from ..errors import ShardError
 from .lists import ListSampleStream
 from .patterns import is_list_name
 from .remote import RemoteAccess
+from .shar import CutStream, FieldTarStream, JsonlFieldStream, open_shar, shar_field_of
 from .tar import SampleStream
 
-AnyStream = SampleStream | ListSampleStream
+AnyStream = SampleStream | ListSampleStream | CutStream | JsonlFieldStream | FieldTarStream
 
 
 def open_samples(
@@ -29,6 +31,8 @@ def open_samples(
     ``access`` reads remote shards (and reads local ones ahead)."""
     if is_list_name(str(path)):
         return ListSampleStream(path, start, ordinal, read_data=read_data)
+    if (shar_field := shar_field_of(str(path))) is not None:
+        return open_shar(str(path), shar_field, start, ordinal, read_data, read_ahead)
     return SampleStream(path, start, ordinal, read_data=read_data, read_ahead=read_ahead, access=access)
 
 

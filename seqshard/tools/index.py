@@ -31,6 +31,7 @@ from ..formats.patterns import (
     shard_subfolders,
     shards_in_folder,
 )
+from ..formats.shar import is_shar_folder
 from ..prep.journal import finished_shards
 from ..prep.sources import FEATURE_MEMBER, LABEL_MEMBER
 from .parallel import map_shards
@@ -57,6 +58,11 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"{root} is not a folder.")
+    if is_shar_folder(root):
+        raise ConfigError(
+            f"{root} is a Lhotse Shar folder: seqshard reads what it holds from its cuts files and needs no "
+            f"index.json (`seqshard inspect {root}` shows it)."
+        )
     folders = shard_folders(root)
     if not folders:
         raise ConfigError(f"{root} holds no shard files ({', '.join(SHARD_SUFFIXES)}), nor do its sub-folders.")

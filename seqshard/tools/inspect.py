@@ -11,6 +11,7 @@ from ..errors import redact
 from ..formats.fields import field_name
 from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
 from ..formats.selection import MissingShard
+from ..formats.shar import is_shar_index
 from ..formats.table import select_folders
 from .parallel import map_shards
 from .scan import scan_shard
@@ -26,6 +27,7 @@ class FolderSummary:
     indexed: bool
     frame_shift_ms: float
     has_features: bool = True  # False for shards without a feature array (frames unknown)
+    shar: bool = False  # a Lhotse Shar folder (frames from its cuts' durations)
     selected: ShardIndex = field(default_factory=lambda: ShardIndex([]))
     fields: dict[str, list[str]] = field(
         default_factory=dict
@@ -68,6 +70,7 @@ def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -
         index = folder.index
         feature = index.feature if index else {}
         summary = FolderSummary(folder.name, index is not None, float(feature.get("frame_shift_ms") or 10.0))
+        summary.shar = is_shar_index(index)
         unindexed = []
         for shard in folder.shards:
             entry = index.entry(shard.rstrip("/").rsplit("/", 1)[-1]) if index else None
@@ -77,8 +80,9 @@ def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -
                 summary.entries.append(entry)
         scans = list(map_shards(scan_shard, unindexed, jobs, f"read unindexed shards in {folder.name}", progress))
         summary.entries.extend(scan.entry for scan in scans)
-        summary.has_features = (feature.get("field") is not None if index else True) and all(
-            scan.feature_field is not None for scan in scans
+        summary.has_features = summary.shar or (
+            (feature.get("field") is not None if index else True)
+            and all(scan.feature_field is not None for scan in scans)
         )
         main = index.fields if index and index.fields else [s for scan in scans for s in scan.fields]
         summary.fields = {"": list(dict.fromkeys(main))}
@@ -128,6 +132,7 @@ def to_json(summary: Summary) -> dict[str, Any]:
         "groups": [
             {
                 "folder": redact(f.folder),
+                "format": "lhotse-shar" if f.shar else "seqshard",
                 "indexed": f.indexed,
                 "num_shards": len(f.entries),
                 "num_utts": f.num_utts,
@@ -160,8 +165,15 @@ def format_text(summary: dict[str, Any]) -> str:
         group_hours = "?" if group["hours"] is None else f"{group['hours']:.2f}"
         median = "?" if group["median_frames"] is None else f"{group['median_frames']:g}"
         lines.append(
-            f"{group['folder']:<40} {group['num_shards']:>7} {group['num_utts']:>10} {group_hours:>9} {median:>7}  {'yes' if group['indexed'] else 'no'}"
+            f"{group['folder']:<40} {group['num_shards']:>7} {group['num_utts']:>10} {group_hours:>9} {median:>7}  {_index_column(group)}"
         )
+    for group in summary["groups"]:
+        if group["format"] == "lhotse-shar":
+            shown = ", ".join(name for name in group["fields"] if name != "shard")
+            lines.append(
+                f"{group['folder']} is a Lhotse Shar folder: {group['num_utts']} cuts in {group['num_shards']} shard(s), "
+                f"read as one sample per cut (hours from the cut durations); field files: {shown or 'none'}"
+            )
     for group in summary["groups"]:
         for where, members in group["fields"].items():
             if members:
@@ -172,6 +184,12 @@ def format_text(summary: dict[str, Any]) -> str:
     for missing in summary["missing_shards"]:
         lines.append(f"MISSING {missing['path']}: {missing['why']}")
     return "\n".join(lines)
+
+
+def _index_column(group: dict[str, Any]) -> str:
+    if group["format"] == "lhotse-shar":
+        return "shar"
+    return "yes" if group["indexed"] else "no"
 
 
 def _lengths_line(summary: dict[str, Any]) -> str:

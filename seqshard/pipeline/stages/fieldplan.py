@@ -2,7 +2,8 @@
 
 A field is found in the shard's own members (field set ``MAIN``) or in a sidecar field set
 added with ``seqshard add-field``. Only the field sets holding a requested field are opened:
-asking for labels alone never reads the feature shards.
+asking for labels alone never reads the feature shards. A Lhotse Shar folder is read whole by
+default, as lhotse reads it (every field file; ``features`` is its feature field).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...formats.fields import AUDIO_EXTENSIONS, field_name, split_suffix
+from ...formats.shar import FEATURES, is_shar_table
 from ...formats.table import MAIN, ShardTable
 from .decode import LABEL_FIELD, LEGACY_FEATURE_FIELDS
 
@@ -36,10 +38,12 @@ def plan_fields(
     label field (a tokenizer needs it unless labels come from a file)."""
     available = {name: tuple(field_name(s) for s in suffixes) for name, suffixes in table.field_sets}
     main = available.get(MAIN, ())
-    features = (
-        field_name(feature_field) if feature_field else next((f for f in LEGACY_FEATURE_FIELDS if f in main), None)
-    )
+    shar = is_shar_table([shard.path for shard in table.shards])
+    default_features = FEATURES if shar else next((f for f in LEGACY_FEATURE_FIELDS if f in main), None)
+    features = field_name(feature_field) if feature_field else default_features
     everywhere = [name for names in available.values() for name in names]
+    if fields is None and shar:
+        fields = everywhere
     if feature_field and main and features not in everywhere:
         raise ConfigError(
             f"feature_field {feature_field!r}: the shards have no such field (they have: {', '.join(everywhere)})."
@@ -66,7 +70,7 @@ def plan_fields(
                 raise ConfigError(
                     f"fields: {lacking} has no field set {set_name!r} (add it with `seqshard add-field` to every folder read)."
                 )
-    ordered = tuple(s for s in (MAIN, *sorted(sets)) if s in sets)
+    ordered = tuple(s for s in (MAIN, *sorted(sets.keys() - {MAIN})) if s in sets)  # each set opened once
     return FieldPlan(ordered, frozenset(wanted), features if features in wanted else None, audio)
 
 

@@ -38,6 +38,7 @@ from .sample import Sample
 _LOG = logging.getLogger("seqshard")
 DAMAGED = "damaged."  # counter prefix: one counter per damaged shard, by its number in the table
 DUPLICATE_KEYS = "duplicate_keys"
+ADD_FIELD_AGAIN = "add the field again with `seqshard add-field`"  # a stream's out_of_step_fix may say otherwise
 REPLACED = (
     "the file was replaced (by a copy of another shard?). Fix: restore it; if it was replaced on purpose, "
     "rebuild the index with `seqshard index`"
@@ -145,7 +146,7 @@ class _OpenUnit:
                         stream.path,
                         part.offset,  # type: ignore[union-attr]
                         f"field files disagree: sample {first.ordinal} is {first.key!r} in {self.streams[0].path} "
-                        f"but {part.key!r} here (add the field again with `seqshard add-field`)",  # type: ignore[union-attr]
+                        f"but {part.key!r} here ({getattr(stream, 'out_of_step_fix', ADD_FIELD_AGAIN)})",  # type: ignore[union-attr]
                     )
             if first.ordinal >= unit.start and (first.ordinal - unit.start) % unit.step == 0:
                 fields = {}
