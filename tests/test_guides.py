@@ -13,8 +13,10 @@ is this checkout's.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -26,6 +28,7 @@ GUIDES = sorted((ROOT / "docs").glob("from-*.md"))
 RUN_LANGUAGES = ("bash", "python")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 SHELL_STATE = ("PWD", "OLDPWD", "SHLVL", "_", "GUIDE_ENV_DUMP")  # bash's own, not the guide's exports
+DUMP_ENV = 'import json, os, sys; json.dump(dict(os.environ), open(sys.argv[1], "w"))'
 
 
 def guide_blocks(text: str) -> list[tuple[str, int, str]]:
@@ -41,10 +44,11 @@ def run_bash(code: str, guide: Path, line: int) -> None:
     """Run one bash block; afterwards ``os.environ`` holds what it exported."""
     with tempfile.NamedTemporaryFile(suffix=".env") as dump:
         env = dict(os.environ, GUIDE_ENV_DUMP=dump.name)
-        done = subprocess.run(["bash", "-e", "-c", f'{code}\nenv -0 > "$GUIDE_ENV_DUMP"'], cwd=ROOT, env=env)
+        dump_env = f'{shlex.quote(sys.executable)} -c {shlex.quote(DUMP_ENV)} "$GUIDE_ENV_DUMP"'
+        done = subprocess.run(["bash", "-e", "-c", f"{code}\n{dump_env}"], cwd=ROOT, env=env)
         if done.returncode:
             raise SystemExit(f"{guide}:{line}: the bash block starting here failed (exit status {done.returncode})")
-        exported = dict(item.split("=", 1) for item in Path(dump.name).read_text().split("\0") if "=" in item)
+        exported = json.loads(Path(dump.name).read_text())
     for name in SHELL_STATE:
         exported.pop(name, None)
     os.environ.clear()
