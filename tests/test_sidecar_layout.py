@@ -120,12 +120,12 @@ def test_a_move_killed_after_linking_leaves_a_readable_folder_and_a_rerun_finish
     assert main(["verify", "--quiet", str(out)]) == 0
 
 
-def test_wids_over_a_glob_of_the_shards_sees_no_sidecar(with_sidecar):
+def test_wids_over_a_glob_of_the_shards_sees_no_sidecar(with_sidecar, tmp_path):
     import wids
 
     urls = sorted(glob.glob(f"{with_sidecar.out}/data-*.tar"))
     shards = [{"url": url, "nsamples": 10 if not url.endswith("00004.tar") else 8} for url in urls]
-    dataset = wids.ShardListDataset(shards, transformations=[])
+    dataset = wids.ShardListDataset(shards, transformations=[], cache_dir=str(tmp_path / "wids-cache"))
     samples = [dataset[i] for i in range(len(dataset))]
     assert len(samples) == 48 and sorted(s["__key__"] for s in samples) == sorted(with_sidecar.data.keys)
     assert all(sorted(k for k in s if not k.startswith("__")) == [".feats.npy", ".txt"] for s in samples)
