@@ -81,7 +81,12 @@ def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes | memory
         scan.feature_field = next((name for name in fields if name.endswith("npy")), None) or next(
             (name for name in fields if name in AUDIO_EXTENSIONS), None
         )
-    data = fields.get(scan.feature_field) if scan.feature_field else None
+    if scan.feature_field in AUDIO_EXTENSIONS:  # each sample's audio, whatever its format (wav, flac, ...)
+        data = next((fields[name] for name in fields if name in AUDIO_EXTENSIONS), None)
+    else:
+        data = fields.get(scan.feature_field) if scan.feature_field else None
+    if data is None and scan.feature_field is not None:
+        scan.problems.append(f"{key}: no {scan.feature_field} member, so its length is unknown")
     if data is not None:
         try:
             frames = _frames(scan, data, fields.get(SEGMENT_FIELD))
