@@ -40,6 +40,32 @@ class Corpus:
     hours: float
 
 
+def utterance_frames(rng, size: int | None = None):
+    """Lengths in 10 ms frames as read speech has them: log-normal (median 7 s, sigma 0.55),
+    clipped to 1-20 s. One draw, or an array of ``size``."""
+    import numpy as np
+
+    return np.clip(rng.lognormal(np.log(700), 0.55, size), 100, 2000).astype(np.int64)
+
+
+def expected_speakers(utts_per_speaker: list[int]):
+    """E[distinct speakers] among b utterances drawn at random (without replacement) from a
+    corpus whose speakers have these many utterances, as a function of b."""
+    from math import exp, lgamma
+
+    total = sum(utts_per_speaker)
+
+    def expected(b: int) -> float:
+        def none_of(n: int) -> float:  # P(none of a speaker's n utterances among the b drawn)
+            if total - n < b:
+                return 0.0
+            return exp(lgamma(total - n + 1) - lgamma(total - n - b + 1) - lgamma(total + 1) + lgamma(total - b + 1))
+
+        return sum(1 - none_of(n) for n in utts_per_speaker)
+
+    return expected
+
+
 def make_corpus(
     root: Path, target_bytes: int, dim: int = 80, num_arks: int = 8, seed: int = 0, utts_per_speaker: int = 40
 ) -> Corpus:
@@ -67,7 +93,7 @@ def make_corpus(
     lengths = []
     total = 0
     while total < target_bytes:
-        frames = int(np.clip(rng.lognormal(np.log(700), 0.55), 100, 2000))
+        frames = int(utterance_frames(rng))
         lengths.append(frames)
         total += frames * bytes_per_frame
     per_ark = -(-len(lengths) // num_arks)

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import PeakPss, evict, packed_corpus, pss_kb, vm_kb, with_quick
+from common import PeakPss, evict, expected_speakers, packed_corpus, pss_kb, vm_kb, with_quick
 
 HERE = Path(__file__).parent
 SEEK_SECONDS = 0.008
@@ -439,7 +439,7 @@ def main() -> None:
     random_batches = measure_random_batching(corpus)
     ratios["padding_seqshard"] = round(table["seqshard/w2/warm"]["padding"], 4)
     ratios["padding_random_batches"] = round(random_batches["padding"], 4)
-    expected = expected_speakers(corpus)
+    expected = expected_speakers(corpus_speakers(corpus))
     for workers in (0, 2):
         run = table[f"seqshard/w{workers}/warm"]
         ratios[f"diversity_vs_random_w{workers}"] = round(
@@ -476,23 +476,13 @@ def main() -> None:
     )
 
 
-def expected_speakers(corpus):
-    """E[distinct speakers] among b utterances drawn at random from the corpus, as a function."""
+def corpus_speakers(corpus) -> list[int]:
+    """Utterances per speaker of the corpus."""
     from collections import Counter
-    from math import exp, lgamma
 
-    counts = Counter(line.split("-")[0] for line in (corpus.root / "utt2num_frames").read_text().splitlines())
-    total = sum(counts.values())
-
-    def expected(b: int) -> float:
-        def none_of(n: int) -> float:  # P(none of a speaker's n utterances among the b drawn)
-            if total - n < b:
-                return 0.0
-            return exp(lgamma(total - n + 1) - lgamma(total - n - b + 1) - lgamma(total + 1) + lgamma(total - b + 1))
-
-        return sum(1 - none_of(n) for n in counts.values())
-
-    return expected
+    return list(
+        Counter(line.split("-")[0] for line in (corpus.root / "utt2num_frames").read_text().splitlines()).values()
+    )
 
 
 def measure_random_batching(corpus) -> dict:
