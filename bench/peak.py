@@ -2,6 +2,7 @@
 
     python bench/peak.py REPORT SCRIPT [ARG ...]
     python bench/peak.py REPORT -m MODULE [ARG ...]
+    python bench/peak.py REPORT -c CODE [ARG ...]
 
 At exit (normal or ``sys.exit``) REPORT receives ``VmHWM`` from ``/proc/self/status`` in kB: the
 high-water mark of this process's own memory. A parent cannot get it afterwards: the
@@ -25,6 +26,9 @@ def main() -> None:
         if command[0] == "-m":
             sys.argv = [command[1], *command[2:]]
             runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+        elif command[0] == "-c":
+            sys.argv = ["-c", *command[2:]]
+            exec(compile(command[1], "<string>", "exec"), {"__name__": "__main__"})
         else:
             sys.argv = command
             sys.path[0] = str(Path(command[0]).resolve().parent)  # as `python SCRIPT` sets it
