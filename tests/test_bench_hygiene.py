@@ -15,10 +15,12 @@ import pytest
 
 BENCH = Path(__file__).parent.parent / "bench"
 sys.path.insert(0, str(BENCH))
-
+import pack  # noqa: E402
 from common import pss_kb, run_measured, vm_kb  # noqa: E402
 
-TEST_ONLY = {"conftest", "pytest", "hypothesis", "distributed", "http_server_fixtures"}
+sys.path.remove(str(BENCH))  # bench's module names (fields, loader, ...) stay out of the other tests' way
+
+TEST_ONLY = {"conftest", "pytest", "hypothesis", "distributed"}  # modules of tests/ and what only [test] installs
 
 
 @pytest.mark.parametrize("script", sorted(BENCH.glob("*.py")), ids=lambda p: p.name)
@@ -70,8 +72,6 @@ def test_pss_divides_mapped_pages_among_the_processes_that_map_them(tmp_path):
 
 
 def test_the_planning_probe_runs_and_counts_bytes_per_utterance(tmp_path):
-    import pack
-
     ark, scp = tmp_path / "m.ark", tmp_path / "m.scp"
     with kaldiio.WriteHelper(f"ark,scp:{ark},{scp}") as writer:
         writer("u0", np.zeros((5, 2), np.float32))
