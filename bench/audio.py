@@ -1,7 +1,7 @@
 """Audio end to end: fbank on the fly in the loader, fbank at pack time, and the size of audio
 shards, each against a baseline measured in the same run.
 
-    python bench/audio.py [--minutes 90] [--out bench/out/audio]
+    python bench/audio.py [--minutes 90] [--out bench/out/audio] [--quick]
 
 The corpus: utterances of 2-15 s cut from the real 16 kHz speech under tests/realdata/audio
 (LibriSpeech, AISHELL-1, AMI), each with its own gain, written as 16-bit WAV + wav.scp + text.
@@ -35,6 +35,7 @@ import soundfile
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
+from common import with_quick
 from fbank import knf_frames  # bench/fbank.py: the same bare-loop baseline
 
 from seqshard import make_loader, pack_data
@@ -96,7 +97,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--minutes", type=float, default=90.0)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "audio")
-    args = parser.parse_args()
+    args = with_quick(parser, minutes=3.0, out=Path(__file__).parent / "out" / "quick" / "audio")
     wav_scp, text, seconds = make_corpus(args.out / "corpus", args.minutes)
     hours = seconds / 3600
     results: dict = {"audio_seconds": round(seconds, 1), "cores": os.cpu_count()}

@@ -1,8 +1,9 @@
 """How much step-time spread across ranks bucket sync removes (real gloo ranks, CPU).
 
-    python bench/bucket_sync.py [--ranks 4] [--work bench/out]
+    python bench/bucket_sync.py [--ranks 4] [--gb 2.2] [--work bench/out] [--quick]
 
-Runs one epoch of the loader on R ranks over the loader benchmark's shards, with and without
+Runs one epoch of the loader on R ranks over the loader benchmark's shards (made here when
+missing), with and without
 ``bucket_sync``, records each rank's padded length T at every step, and reports:
 
 - the spread of T across ranks per step, ``(max - min) / mean``, averaged over steps;
@@ -23,6 +24,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
+from common import packed_corpus, with_quick
 
 
 def rank_main(rank: int, world_size: int, init: str, pattern: str, bucket_sync: bool, out: str) -> None:
@@ -58,11 +61,12 @@ def run(world_size: int, pattern: str, bucket_sync: bool) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--gb", type=float, default=2.2)
     parser.add_argument("--work", type=Path, default=Path(__file__).parent / "out")
-    args = parser.parse_args()
-    pattern = f"{args.work}/loader-shards/data-*.tar"
-    if not list((args.work / "loader-shards").glob("data-*.tar")):
-        raise SystemExit("run bench/loader.py first (it packs the shards this uses)")
+    parser.add_argument("--utts-per-file", type=int, default=2000)
+    args = with_quick(parser, ranks=2, gb=0.05, utts_per_file=25, work=Path(__file__).parent / "out" / "quick")
+    _, shards = packed_corpus(args.work, args.gb, utts_per_file=args.utts_per_file)
+    pattern = f"{shards}/data-*.tar"
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     results = {name: run(args.ranks, pattern, sync) for name, sync in (("unsynced", False), ("bucket_sync", True))}
     for name, row in results.items():

@@ -1,23 +1,32 @@
-"""Helpers shared by the benchmarks: a speaker-sorted Kaldi corpus, cache eviction, timing.
+"""Helpers shared by the benchmarks: a speaker-sorted Kaldi corpus, cache eviction, timing,
+memory, and the ``--quick`` smoke mode.
 
 Benchmarks never assert on time: they print ratios against a baseline measured in the same
 run, because the machines they run on are shared and noisy.
+
+Memory: a process's own peak is ``VmHWM`` read by the process itself (:func:`vm_kb`; for a
+command, :func:`run_measured` runs it under bench/peak.py), never a child's ``ru_maxrss``
+(which keeps its parent's pages across ``exec``). A process that maps shards is measured by
+its PSS (:func:`pss_kb`): RSS counts every mapped page of the page cache it touched in full.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import json
 import os
-import resource
+import re
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 FRAME_SHIFT_S = 0.01
+HERE = Path(__file__).parent
 
 
 @dataclass
@@ -31,6 +40,32 @@ class Corpus:
     hours: float
 
 
+def utterance_frames(rng, size: int | None = None):
+    """Lengths in 10 ms frames as read speech has them: log-normal (median 7 s, sigma 0.55),
+    clipped to 1-20 s. One draw, or an array of ``size``."""
+    import numpy as np
+
+    return np.clip(rng.lognormal(np.log(700), 0.55, size), 100, 2000).astype(np.int64)
+
+
+def expected_speakers(utts_per_speaker: list[int]):
+    """E[distinct speakers] among b utterances drawn at random (without replacement) from a
+    corpus whose speakers have these many utterances, as a function of b."""
+    from math import exp, lgamma
+
+    total = sum(utts_per_speaker)
+
+    def expected(b: int) -> float:
+        def none_of(n: int) -> float:  # P(none of a speaker's n utterances among the b drawn)
+            if total - n < b:
+                return 0.0
+            return exp(lgamma(total - n + 1) - lgamma(total - n - b + 1) - lgamma(total + 1) + lgamma(total - b + 1))
+
+        return sum(1 - none_of(n) for n in utts_per_speaker)
+
+    return expected
+
+
 def make_corpus(
     root: Path, target_bytes: int, dim: int = 80, num_arks: int = 8, seed: int = 0, utts_per_speaker: int = 40
 ) -> Corpus:
@@ -40,6 +75,7 @@ def make_corpus(
     read-speech corpora. Reuses an existing corpus with the same parameters.
     """
     import kaldiio
+    import numpy as np
 
     root.mkdir(parents=True, exist_ok=True)
     params = {
@@ -57,7 +93,7 @@ def make_corpus(
     lengths = []
     total = 0
     while total < target_bytes:
-        frames = int(np.clip(rng.lognormal(np.log(700), 0.55), 100, 2000))
+        frames = int(utterance_frames(rng))
         lengths.append(frames)
         total += frames * bytes_per_frame
     per_ark = -(-len(lengths) // num_arks)
@@ -86,6 +122,27 @@ def make_corpus(
     }
     done.write_text(json.dumps(info))
     return _corpus_from(root, info)
+
+
+def small_kaldi_dir(
+    root: Path, speakers: int, per_speaker: int, dim: int, frames: tuple[int, int], prefix: str, seed: int = 0
+) -> tuple[Path, Path]:
+    """A speaker-sorted feats.scp (one ark) and ``text`` of tiny utterances, lengths uniform in
+    ``frames``; returns (feats.scp, text)."""
+    import kaldiio
+    import numpy as np
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    scp, text = root / "feats.scp", root / "text"
+    with kaldiio.WriteHelper(f"ark,scp:{root / 'feats.ark'},{scp}") as writer, open(text, "w") as labels:
+        for speaker in range(speakers):
+            for utt in range(per_speaker):
+                key = f"{prefix}{speaker:04d}-utt{utt:03d}"
+                length = int(rng.integers(*frames))
+                writer(key, (rng.standard_normal((length, dim)) + speaker).astype(np.float32))
+                labels.write(f"{key} WORD{speaker % 50} TOKEN{utt % 7}\n")
+    return scp, text
 
 
 def _corpus_from(root: Path, info: dict) -> Corpus:
@@ -123,23 +180,111 @@ def fsync_tree(path: Path) -> None:
             os.close(fd)
 
 
-def run_measured(command: list[str], env: dict | None = None) -> tuple[float, float]:
-    """Run a command; return (wall seconds, peak RSS in MB of the process itself)."""
-    start = time.perf_counter()
-    process = subprocess.Popen(command, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    if status != 0:
-        raise SystemExit(f"benchmark step failed ({status}): {' '.join(command)}")
-    return seconds, usage.ru_maxrss / 1024
+def run_measured(args: list[str], env: dict | None = None) -> tuple[float, float]:
+    """Run ``python ARGS`` (a script or ``-m module``); return (wall seconds, the process's own
+    peak RSS in MB, its ``VmHWM`` written by bench/peak.py at exit)."""
+    with tempfile.TemporaryDirectory() as folder:
+        report = Path(folder) / "peak"
+        command = [sys.executable, str(HERE / "peak.py"), str(report), *args]
+        start = time.perf_counter()
+        status = subprocess.run(command, env={**os.environ, **(env or {})}, stdout=subprocess.DEVNULL).returncode
+        seconds = time.perf_counter() - start
+        if status != 0:
+            raise SystemExit(f"benchmark step failed ({status}): {' '.join(command)}")
+        return seconds, int(report.read_text()) / 1024
 
 
-def python(*args: str) -> list[str]:
-    return [sys.executable, *args]
+def vm_kb(field: str, pid: int | str = "self") -> int:
+    """A ``Vm*`` line of ``/proc/PID/status`` in kB (``VmHWM``: peak RSS since ``exec``)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(rf"^{field}:\s+(\d+) kB", status, re.M).group(1))
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+def pss_kb(pid: int | str = "self") -> int:
+    """Proportional set size in kB: each shared or mapped page divided among the processes
+    that map it (the memory a process adds; RSS counts mapped shard pages in full)."""
+    rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    return int(re.search(r"^Pss:\s+(\d+) kB", rollup, re.M).group(1))
+
+
+def process_tree(pid: int | str = "self") -> list[int]:
+    """``pid`` and its descendants (a loader's workers)."""
+    pid = os.getpid() if pid == "self" else int(pid)
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(FileNotFoundError):  # the task ended meanwhile
+                queue.extend(int(child) for child in task.read_text().split())
+    return found
+
+
+def tree_pss_kb(pid: int | str = "self") -> int:
+    """PSS of ``pid`` and its descendants together (processes that exit meanwhile count 0)."""
+    total = 0
+    for member in process_tree(pid):
+        with contextlib.suppress(FileNotFoundError):  # the process ended meanwhile
+            total += pss_kb(member)
+    return total
+
+
+class PeakPss:
+    """Samples the PSS of this process and of this process with its workers every
+    ``interval`` seconds in a thread (PSS has no kernel high-water mark); ``with`` starts it.
+    Reading ``smaps_rollup`` walks the page tables, so timed runs do without it."""
+
+    def __init__(self, interval: float = 0.2):
+        self.interval = interval
+        self.own_kb = self.tree_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.own_kb = max(self.own_kb, pss_kb())
+        self.tree_kb = max(self.tree_kb, tree_pss_kb())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> PeakPss:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
+def with_quick(parser: argparse.ArgumentParser, **quick) -> argparse.Namespace:
+    """Parse the arguments, with ``--quick``: a smoke run at small sizes (``quick``: the
+    defaults it changes; options given on the command line still win)."""
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in quick.items())
+    )
+    if "--quick" in sys.argv[1:]:
+        parser.set_defaults(**quick)
+    return parser.parse_args()
+
+
+def packed_corpus(work: Path, gb: float, name: str = "loader-shards", utts_per_file: int = 2000) -> tuple[Corpus, Path]:
+    """The corpus of ``gb`` GB packed with 2 jobs under WORK/NAME (made once, and made again
+    when the corpus or the shard size differs from the pack there; WORK/NAME.json says which)."""
+    import shutil
+
+    corpus = make_corpus(work / "corpus", int(gb * 1e9))
+    shards, stamp = work / name, work / f"{name}.json"
+    made = json.dumps({"utts": corpus.num_utts, "utts_per_file": utts_per_file})
+    if not (shards / "index.json").exists() or not stamp.exists() or stamp.read_text() != made:
+        shutil.rmtree(shards, ignore_errors=True)
+        pack = ["-m", "seqshard", "pack", "--scp", str(corpus.scp), "--text", str(corpus.text), "--out", str(shards)]
+        pack += ["--utts-per-file", str(utts_per_file), "--quiet", "--jobs", "2"]
+        subprocess.run([sys.executable, *pack], check=True, stdout=subprocess.DEVNULL)
+        stamp.write_text(made)
+    return corpus, shards
 
 
 def dir_bytes(path: Path) -> int:

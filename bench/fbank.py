@@ -1,6 +1,6 @@
 """Real-time factor of seqshard's vectorized fbank against kaldi-native-fbank, one core.
 
-    python bench/fbank.py [--seconds 60] [WAV ...]
+    python bench/fbank.py [--seconds 60] [--out bench/out/fbank.json] [--quick] [WAV ...]
 
 About a minute of 16 kHz speech: the 16-bit wavs given (default: the LibriSpeech and AISHELL
 wavs under tests/realdata/audio), concatenated and repeated; synthetic speech-like audio when
@@ -14,7 +14,8 @@ after a warm-up, every library limited to one thread:
         knf has no bulk getter, so this bounds from above what any bulk API could reach; fed a
         float32 array as documented, and a ready-made Python list (conversion not timed).
 
-Prints RTF (seconds of audio per second of compute) and (a) / (b). Needs kaldi-native-fbank.
+Prints RTF (seconds of audio per second of compute) and (a) / (b), and writes them to OUT.
+Needs kaldi-native-fbank.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import os
 os.environ["OMP_NUM_THREADS"] = os.environ["OPENBLAS_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 
 import argparse
+import json
 import sys
 import time
 import wave
@@ -34,6 +36,9 @@ import kaldi_native_fbank as knf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
+from common import with_quick
+
 from seqshard.features.fbank import FbankOptions, fbank
 
 RATE = 16000
@@ -119,7 +124,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("wavs", nargs="*", type=Path, default=DEFAULT_WAVS)
     parser.add_argument("--seconds", type=float, default=60.0)
-    args = parser.parse_args()
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "fbank.json")
+    args = with_quick(parser, seconds=5.0, out=Path(__file__).parent / "out" / "quick" / "fbank.json")
     samples, source = audio(args.wavs, args.seconds)
     floats = samples.astype(np.float32)
     as_list = floats.tolist()
@@ -139,6 +145,16 @@ def main() -> None:
     print(f"(a) / (b) speed: {ratio:.2f}x   (goals: (a) >= 1000x real time, >= 3x (b))")
     print(f"max |(a) - (b)| = {mismatch:.2e}")
     print(fft_precisions(samples))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    results = {
+        "audio_seconds": round(duration, 1),
+        "ms": {name: round(seconds * 1e3, 2) for name, seconds in timings.items()},
+        "rtf": {name: round(duration / seconds) for name, seconds in timings.items()},
+        "seqshard_over_knf_loop": round(ratio, 2),
+        "max_abs_difference": float(mismatch),
+    }
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Sidecar field shards: what reading only some fields saves, and what splitting costs.
 
-    python bench/fields.py [--rounds 3] [--work bench/out]
+    python bench/fields.py [--gb 2.2] [--rounds 3] [--work bench/out] [--quick]
 
 On the loader benchmark's packed corpus (2.2 GB of 80-dim float32 features with their text in
 each shard), ``seqshard add-field`` adds:
@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import evict, make_corpus
+from common import evict, packed_corpus, with_quick
 
 HERE = Path(__file__).parent
 
@@ -50,7 +50,7 @@ def run_one(pattern: str, name: str, warm: bool) -> dict:
     import seqshard
 
     if warm:  # this VM reclaims cached pages between runs (kdamond): read them just before
-        for path in sorted(Path(pattern).parent.glob("*.tar")):
+        for path in sorted(Path(pattern).parent.rglob("*.tar")):  # the shards and their sidecars
             with open(path, "rb", buffering=0) as stream:
                 while stream.read(8 << 20):
                     pass
@@ -60,17 +60,9 @@ def run_one(pattern: str, name: str, warm: bool) -> dict:
     return {"seconds": time.perf_counter() - started, "utts": utts}
 
 
-def prepare(work: Path) -> tuple[Path, Path]:
+def prepare(work: Path, gb: float, utts_per_file: int) -> tuple[Path, Path]:
     """The packed corpus with the two sidecars (made once)."""
-    corpus = make_corpus(work / "corpus", int(2.2e9))
-    shards = work / "fields-shards"
-    if not (shards / "index.json").exists():
-        subprocess.run(
-            [sys.executable, "-m", "seqshard", "pack", "--scp", str(corpus.scp), "--text", str(corpus.text)]
-            + ["--out", str(shards), "--quiet", "--jobs", "2"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
+    corpus, shards = packed_corpus(work, gb, "fields-shards", utts_per_file)
     from seqshard.formats.index import ShardIndex
 
     index = ShardIndex.load(shards)
@@ -89,20 +81,22 @@ def prepare(work: Path) -> tuple[Path, Path]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gb", type=float, default=2.2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", type=Path, default=HERE / "out")
+    parser.add_argument("--utts-per-file", type=int, default=2000)
     parser.add_argument("--run", nargs=3, metavar=("PATTERN", "READ", "CACHE"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = with_quick(parser, gb=0.05, rounds=1, utts_per_file=25, work=HERE / "out" / "quick")
     if args.run:
         print(json.dumps(run_one(args.run[0], args.run[1], args.run[2] == "warm")))
         return
-    _, shards = prepare(args.work)
+    _, shards = prepare(args.work, args.gb, args.utts_per_file)
     pattern = f"{shards}/data-*.tar"
-    files = sorted(shards.glob("*.tar"))
+    files = sorted(shards.rglob("*.tar"))  # the shards and their sidecars (fields/NAME/*.tar)
     sizes = {
         "main": sum(p.stat().st_size for p in shards.glob("data-?????.tar")),
-        "words": sum(p.stat().st_size for p in shards.glob("*.words.tar")),
-        "fbank": sum(p.stat().st_size for p in shards.glob("*.fbank.tar")),
+        "words": sum(p.stat().st_size for p in shards.glob("fields/words/*.tar")),
+        "fbank": sum(p.stat().st_size for p in shards.glob("fields/fbank/*.tar")),
     }
     print(
         f"shards {sizes['main'] / 1e9:.2f} GB; sidecars: words {sizes['words'] / 1e6:.1f} MB, fbank {sizes['fbank'] / 1e9:.2f} GB"

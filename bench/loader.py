@@ -1,6 +1,6 @@
 """One epoch of loading, against the limit and the usual alternatives, in one run.
 
-    python bench/loader.py [--gb 2.2] [--rounds 2] [--work bench/out]
+    python bench/loader.py [--gb 2.2] [--rounds 2] [--work bench/out] [--quick]
 
 Reuses (or makes) the pack benchmark's speaker-sorted corpus and packs it. Then, for
 num_workers 0 and 2, with a cold page cache (every file evicted) and a warm one, one epoch of:
@@ -18,12 +18,15 @@ num_workers 0 and 2, with a cold page cache (every file evicted) and a warm one,
 Each runs in a fresh process (peak RSS is its own). Also: a simulated seek-bound disk (8 ms
 per non-contiguous read, 150 MB/s; IO time charged by a file wrapper and added to the CPU
 time of the warm run), the padding and speaker diversity of seqshard's batches against
-random batches, and seqshard's peak RSS on the corpus listed once and four times.
+random batches, and seqshard's peak memory on the corpus listed once and four times: PSS
+sampled through the epoch (the process maps the shards: RSS would count every page of the page
+cache it touched), of the training process alone and with its workers. Writes WORK/loader.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import json
 import os
@@ -35,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import evict, make_corpus, peak_rss_mb
+from common import PeakPss, evict, expected_speakers, packed_corpus, pss_kb, vm_kb, with_quick
 
 HERE = Path(__file__).parent
 SEEK_SECONDS = 0.008
@@ -249,12 +252,14 @@ def run_one(args) -> dict:
     if args.method != "seqshard-steady":
         loader = methods[args.method](args)
     utts, frames, padded, speakers_per_batch, sizes = 0, 0, 0, [], []
-    for batch in loader:
-        sizes.append(len(batch["keys"]))
-        utts += len(batch["keys"])
-        frames += int(batch["feat_lens"].sum())
-        padded += batch["feats"].shape[0] * batch["feats"].shape[1]
-        speakers_per_batch.append(len({k.split("-")[0] for k in batch["keys"]}))
+    memory = PeakPss() if args.memory else contextlib.nullcontext()
+    with memory:
+        for batch in loader:
+            sizes.append(len(batch["keys"]))
+            utts += len(batch["keys"])
+            frames += int(batch["feat_lens"].sum())
+            padded += batch["feats"].shape[0] * batch["feats"].shape[1]
+            speakers_per_batch.append(len({k.split("-")[0] for k in batch["keys"]}))
     result = {
         "seconds": time.perf_counter() - started,
         "cpu_seconds": time.process_time() - cpu_started,
@@ -264,40 +269,19 @@ def run_one(args) -> dict:
         "speakers_per_batch": statistics.mean(speakers_per_batch),
         "speakers": speakers_per_batch,
         "sizes": sizes,
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": vm_kb("VmHWM") / 1024,  # this process's own, mapped shard pages included
+        "pss_mb_at_end": pss_kb() / 1024,
         "main_cpu_ms_per_batch": (time.process_time() - cpu_started) / max(1, len(sizes)) * 1000,
     }
     if args.seek_bound:
         result.update(simulated_io_seconds=_Disk.seconds, seeks=_Disk.seeks)
+    if args.memory:
+        result.update(peak_pss_mb=memory.own_kb / 1024, peak_pss_with_workers_mb=memory.tree_kb / 1024)
     return result
 
 
 # ----------------------------------------------------------------------------------------
 # orchestration
-
-
-def pack_once(corpus, shards: Path) -> None:
-    if (shards / "index.json").exists():
-        return
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "seqshard",
-            "pack",
-            "--scp",
-            str(corpus.scp),
-            "--text",
-            str(corpus.text),
-            "--out",
-            str(shards),
-            "--quiet",
-            "--jobs",
-            "2",
-        ],
-        check=True,
-        stdout=subprocess.DEVNULL,
-    )
 
 
 def four_times(shards: Path, target: Path) -> str:
@@ -319,23 +303,34 @@ def four_times(shards: Path, target: Path) -> str:
 
 
 def measure(
-    method: str, workers: int, pattern: str, scp: str, cold: bool, files: list[Path], seek_bound: bool = False
+    method: str,
+    workers: int,
+    pattern: str,
+    scp: str,
+    cold: bool,
+    files: list[Path],
+    seek_bound: bool = False,
+    memory: bool = False,
 ) -> dict:
     if cold:
         evict(files)
-    command = [
-        sys.executable,
-        __file__,
-        "run",
-        "--method",
-        method,
-        "--workers",
-        str(workers),
-        "--pattern",
-        pattern,
-        "--scp",
-        scp,
-    ] + (["--seek-bound"] if seek_bound else [])
+    command = (
+        [
+            sys.executable,
+            __file__,
+            "run",
+            "--method",
+            method,
+            "--workers",
+            str(workers),
+            "--pattern",
+            pattern,
+            "--scp",
+            scp,
+        ]
+        + (["--seek-bound"] if seek_bound else [])
+        + (["--memory"] if memory else [])
+    )
     output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
     return json.loads(output.strip().splitlines()[-1])
 
@@ -349,17 +344,17 @@ def main() -> None:
     one.add_argument("--pattern", required=True)
     one.add_argument("--scp", required=True)
     one.add_argument("--seek-bound", action="store_true")
+    one.add_argument("--memory", action="store_true", help="sample PSS through the epoch")
     parser.add_argument("--gb", type=float, default=2.2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--work", type=Path, default=HERE / "out")
-    args = parser.parse_args()
+    parser.add_argument("--utts-per-file", type=int, default=2000)
+    args = with_quick(parser, gb=0.05, rounds=1, utts_per_file=25, work=HERE / "out" / "quick")
     if args.command == "run":
         print(json.dumps(run_one(args)))
         return
 
-    corpus = make_corpus(args.work / "corpus", int(args.gb * 1e9))
-    shards = args.work / "loader-shards"
-    pack_once(corpus, shards)
+    corpus, shards = packed_corpus(args.work, args.gb, utts_per_file=args.utts_per_file)
     pattern = f"{shards}/data-*.tar"
     shard_files = sorted(shards.glob("data-*.tar"))
     shard_bytes = sum(p.stat().st_size for p in shard_files)
@@ -398,7 +393,7 @@ def main() -> None:
             "all_seconds": [round(r["seconds"], 2) for r in runs],
         }
         extra = (
-            f"  padding {table[name]['padding']:.1%}  speakers/batch {table[name]['speakers_per_batch']:.1f}  rss {table[name]['peak_rss_mb']:.0f} MB"
+            f"  padding {table[name]['padding']:.1%}  speakers/batch {table[name]['speakers_per_batch']:.1f}  pss at the end {table[name]['pss_mb_at_end']:.0f} MB"
             if method != "raw"
             else ""
         )
@@ -444,7 +439,7 @@ def main() -> None:
     random_batches = measure_random_batching(corpus)
     ratios["padding_seqshard"] = round(table["seqshard/w2/warm"]["padding"], 4)
     ratios["padding_random_batches"] = round(random_batches["padding"], 4)
-    expected = expected_speakers(corpus)
+    expected = expected_speakers(corpus_speakers(corpus))
     for workers in (0, 2):
         run = table[f"seqshard/w{workers}/warm"]
         ratios[f"diversity_vs_random_w{workers}"] = round(
@@ -452,10 +447,17 @@ def main() -> None:
         )
 
     quadruple = four_times(shards, args.work / "loader-shards-x4")
-    rss_1x = measure("seqshard", 2, pattern, scp, False, [])["peak_rss_mb"]
-    rss_4x = measure("seqshard", 2, quadruple, scp, False, [])["peak_rss_mb"]
-    ratios["rss_main_process_4x_over_1x"] = round(rss_4x / rss_1x, 3)
-    print(f"peak RSS of the training process, corpus x1: {rss_1x:.0f} MB, x4: {rss_4x:.0f} MB")
+    memory = {}
+    for name, listed in (("x1", pattern), ("x4", quadruple)):
+        found = measure("seqshard", 2, listed, scp, False, [], memory=True)
+        memory[name] = {key: round(found[key], 1) for key in ("peak_pss_mb", "peak_pss_with_workers_mb", "peak_rss_mb")}
+    ratios["pss_main_process_4x_over_1x"] = round(memory["x4"]["peak_pss_mb"] / memory["x1"]["peak_pss_mb"], 3)
+    ratios["pss_with_workers_4x_over_1x"] = round(
+        memory["x4"]["peak_pss_with_workers_mb"] / memory["x1"]["peak_pss_with_workers_mb"], 3
+    )
+    for name, found in memory.items():
+        print(f"peak memory, corpus {name} (w2): PSS of the training process {found['peak_pss_mb']:.0f} MB, with its "
+              f"workers {found['peak_pss_with_workers_mb']:.0f} MB (RSS of the training process {found['peak_rss_mb']:.0f} MB)")  # fmt: skip
     print("ratios (same run): " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
     for row in table.values():
         row.pop("speakers", None)
@@ -467,30 +469,20 @@ def main() -> None:
                 "simulated": simulated,
                 "random_batches": random_batches,
                 "ratios": ratios,
-                "rss": {"x1": rss_1x, "x4": rss_4x},
+                "memory": memory,
             },
             indent=1,
         )
     )
 
 
-def expected_speakers(corpus):
-    """E[distinct speakers] among b utterances drawn at random from the corpus, as a function."""
+def corpus_speakers(corpus) -> list[int]:
+    """Utterances per speaker of the corpus."""
     from collections import Counter
-    from math import exp, lgamma
 
-    counts = Counter(line.split("-")[0] for line in (corpus.root / "utt2num_frames").read_text().splitlines())
-    total = sum(counts.values())
-
-    def expected(b: int) -> float:
-        def none_of(n: int) -> float:  # P(none of a speaker's n utterances among the b drawn)
-            if total - n < b:
-                return 0.0
-            return exp(lgamma(total - n + 1) - lgamma(total - n - b + 1) - lgamma(total + 1) + lgamma(total - b + 1))
-
-        return sum(1 - none_of(n) for n in counts.values())
-
-    return expected
+    return list(
+        Counter(line.split("-")[0] for line in (corpus.root / "utt2num_frames").read_text().splitlines()).values()
+    )
 
 
 def measure_random_batching(corpus) -> dict:

@@ -1,11 +1,12 @@
 """Pack throughput against a raw copy of the same arks and against WebDataset, one run.
 
-    python bench/pack.py [--gb 2.2] [--work bench/out]
+    python bench/pack.py [--gb 2.2] [--work bench/out] [--quick]
 
 Makes (once) a speaker-sorted 80-dim float32 corpus of ``--gb`` GB over 8 arks, then, in
 ``--rounds`` rounds of shuffled order, each step from a cold page cache after a pause: copies the ark bytes (read + write + fsync: the limit), packs with
 seqshard (shuffled, 1 and 2 jobs; and --no-shuffle), and packs with WebDataset's ShardWriter
-fed by kaldiio. Peak RSS of a 1-job pack is shown at two corpus sizes.
+fed by kaldiio. Peak RSS (each process's own ``VmHWM``) of a 1-job pack is shown at two corpus
+sizes, and the planning memory per utterance at two sizes of scp. Writes WORK/pack.json.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import evict, make_corpus, python, run_measured
+from common import evict, make_corpus, run_measured, with_quick
 
 HERE = Path(__file__).parent
 
@@ -50,33 +51,41 @@ def main() -> None:
         help="seconds of quiet before each step (lets the host flush earlier writes)",
     )
     parser.add_argument("--work", type=Path, default=HERE / "out")
-    args = parser.parse_args()
+    parser.add_argument("--plan-sizes", type=int, nargs=2, default=(250_000, 1_000_000), help="scp sizes planned")
+    args = with_quick(parser, gb=0.05, rounds=1, pause=0.0, plan_sizes=(25_000, 100_000), work=HERE / "out" / "quick")
     corpus = make_corpus(args.work / "corpus", int(args.gb * 1e9))
     print(
         f"corpus: {corpus.num_utts} utterances, {corpus.hours:.1f} h, {corpus.bytes / 1e9:.2f} GB of float32 80-dim features in {len(corpus.arks)} arks (speaker-sorted)"
     )
     out = args.work / "pack-out"
     half_scp, half_text = half_corpus(corpus, args.work)
-    seqshard = python(
-        "-m", "seqshard", "pack", "--scp", str(corpus.scp), "--text", str(corpus.text), "--out", str(out), "--quiet"
-    )
+    seqshard = [
+        "-m",
+        "seqshard",
+        "pack",
+        "--scp",
+        str(corpus.scp),
+        "--text",
+        str(corpus.text),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
     methods = {
         "copy": (
             "raw copy of the arks + sync",
-            python(str(HERE / "baselines.py"), "copy", str(out), *map(str, corpus.arks)),
+            [str(HERE / "baselines.py"), "copy", str(out), *map(str, corpus.arks)],
         ),
         "seqshard_1job": ("seqshard pack, 1 job", seqshard),
         "seqshard_2jobs": ("seqshard pack, 2 jobs", seqshard + ["--jobs", "2"]),
         "seqshard_noshuffle": ("seqshard pack --no-shuffle, 1 job", seqshard + ["--no-shuffle"]),
         "webdataset": (
             "webdataset ShardWriter + kaldiio",
-            python(str(HERE / "baselines.py"), "wds-pack", str(corpus.scp), str(corpus.text), str(out)),
+            [str(HERE / "baselines.py"), "wds-pack", str(corpus.scp), str(corpus.text), str(out)],
         ),
         "seqshard_half_corpus": (
             "seqshard pack, 1 job, half corpus",
-            python(
-                "-m", "seqshard", "pack", "--scp", str(half_scp), "--text", str(half_text), "--out", str(out), "--quiet"
-            ),
+            ["-m", "seqshard", "pack", "--scp", str(half_scp), "--text", str(half_text), "--out", str(out), "--quiet"],
         ),
     }
     runs: dict[str, list[tuple[float, float]]] = {name: [] for name in methods}
@@ -119,7 +128,7 @@ def main() -> None:
         ),
     }
     print("ratios (medians of the same run): " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
-    scale = plan_memory(args.work / "plan-scale", corpus)
+    scale = plan_memory(args.work / "plan-scale", corpus, tuple(args.plan_sizes))
     (args.work / "pack.json").write_text(
         json.dumps(
             {
@@ -134,20 +143,26 @@ def main() -> None:
 
 
 PLAN_PROBE = """
-import resource, sys
+import sys
 from pathlib import Path
 from seqshard.prep.plan import PackOptions, build_plan
-build_plan([Path(sys.argv[1])], [Path(sys.argv[2])], Path(sys.argv[3]), PackOptions())
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+from seqshard.prep.sources import FeatureSource
+sys.path.insert(0, sys.argv[4])
+from common import vm_kb
+before = vm_kb("VmRSS")
+options = PackOptions()
+build_plan(FeatureSource([Path(sys.argv[1])], options), [Path(sys.argv[2])], Path(sys.argv[3]), options)
+print(before, vm_kb("VmHWM"))
 """
 
 
-def plan_memory(folder: Path, corpus, sizes=(250_000, 1_000_000)) -> dict:
+def plan_memory(folder: Path, corpus, sizes: tuple[int, int]) -> dict:
     """Peak RSS of planning a pack of N utterances (scp lines all naming one real matrix;
-    planning reads only lines), at two sizes: the metadata cost per utterance."""
+    planning reads only lines), at two sizes: the metadata cost per utterance. Each probe is a
+    fresh process that reads its own ``VmHWM`` (its ``ru_maxrss`` would include this one's)."""
     folder.mkdir(parents=True, exist_ok=True)
     location = corpus.scp.read_text().split("\n", 1)[0].split()[1]
-    peaks = {}
+    peaks, baseline = {}, {}
     for count in sizes:
         scp, text = folder / f"feats-{count}.scp", folder / f"text-{count}"
         if not scp.exists():
@@ -156,18 +171,20 @@ def plan_memory(folder: Path, corpus, sizes=(250_000, 1_000_000)) -> dict:
                 "".join(f"spk{i // 40:06d}-utt{i:08d} SOME WORDS OF A TRANSCRIPT {i % 977}\n" for i in range(count))
             )
         output = subprocess.run(
-            [sys.executable, "-c", PLAN_PROBE, str(scp), str(text), str(folder / "out")],
+            [sys.executable, "-c", PLAN_PROBE, str(scp), str(text), str(folder / "out"), str(HERE)],
             check=True,
             capture_output=True,
             text=True,
         ).stdout
-        peaks[count] = float(output.strip().splitlines()[-1])
+        before, peak = map(int, output.split()[-2:])  # kB
+        baseline[count], peaks[count] = before / 1024, peak / 1024
     small, large = sizes
-    per_utt = (peaks[large] - peaks[small]) * 1e6 / (large - small)
+    per_utt = (peaks[large] - peaks[small]) * 2**20 / (large - small)
     print(
-        f"planning memory: peak RSS {peaks[small]:.0f} MB at {small} utterances, {peaks[large]:.0f} MB at {large}: {per_utt:.0f} bytes per utterance"
+        f"planning memory: peak RSS {peaks[small]:.0f} MB at {small} utterances, {peaks[large]:.0f} MB at {large} "
+        f"(after imports: {baseline[small]:.0f} MB): {per_utt:.0f} bytes per utterance"
     )
-    return {"peak_rss_mb": peaks, "bytes_per_utt": round(per_utt)}
+    return {"peak_rss_mb": peaks, "rss_after_imports_mb": baseline, "bytes_per_utt": round(per_utt)}
 
 
 if __name__ == "__main__":

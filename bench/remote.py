@@ -1,8 +1,8 @@
 """Remote shards against local disk, each ratio within one run.
 
-    python bench/remote.py [--shards bench/out/loader-shards] [--rounds 2]
+    python bench/remote.py [--gb 2.2] [--rounds 2] [--work bench/out] [--quick]
 
-The shards of bench/loader.py (2.2 GB of 80-dim features; run it first) are served by the
+The shards of bench/loader.py (2.2 GB of 80-dim features; made here when missing) are served by the
 stdlib HTTP server of tests/http_server.py in a child process on loopback. One epoch of
 make_loader (num_workers=0, batch_frames=20000) is timed, warm page cache, from:
 
@@ -25,9 +25,12 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).parent))
+from common import packed_corpus, with_quick
+
 ROOT = Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 
 def start_server(folder: Path, latency: float) -> tuple[mp.Process, str]:
@@ -51,12 +54,12 @@ def main() -> None:
     from seqshard import make_loader
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shards", type=Path, default=ROOT / "bench" / "out" / "loader-shards")
+    parser.add_argument("--gb", type=float, default=2.2)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
-    args = parser.parse_args()
-    if not (args.shards / "index.json").exists():
-        sys.exit(f"{args.shards} has no shards: run bench/loader.py first (or give --shards).")
+    parser.add_argument("--work", type=Path, default=ROOT / "bench" / "out")
+    parser.add_argument("--utts-per-file", type=int, default=2000)
+    args = with_quick(parser, gb=0.05, rounds=1, utts_per_file=25, work=ROOT / "bench" / "out" / "quick")
+    _, args.shards = packed_corpus(args.work, args.gb, utts_per_file=args.utts_per_file)
     megabytes = sum(p.stat().st_size for p in args.shards.glob("*.tar")) / 1e6
     options = dict(batch_frames=20000, num_workers=0)
     plain, plain_url = start_server(args.shards, 0.0)
@@ -93,8 +96,7 @@ def main() -> None:
     print(f"http / local {ratios['http_vs_local']:.2f}x (goal >= 0.7x); cache (2nd epoch) / local "
           f"{ratios['cache_vs_local']:.2f}x (goal >= 0.9x); 50 ms latency / none {ratios['latency_vs_http']:.2f}x "
           "(goal >= 0.5x)")  # fmt: skip
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "remote.json").write_text(json.dumps({"megabytes": round(megabytes, 1), **results}, indent=1))
+    (args.work / "remote.json").write_text(json.dumps({"megabytes": round(megabytes, 1), **results}, indent=1))
 
 
 if __name__ == "__main__":

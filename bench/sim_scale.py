@@ -1,6 +1,6 @@
 """Epoch planning at WenetSpeech scale, and what "stop" loses, from a synthetic index.
 
-    python bench/sim_scale.py [--shards 7500] [--utts-per-shard 2000]
+    python bench/sim_scale.py [--shards 7500] [--utts-per-shard 2000] [--quick]
 
 7,500 shards of 2,000 utterances (15 M, lengths log-normal, 1-20 s) as an index would list
 them. For 8 ranks x 4 workers and 64 ranks x 4 workers: time and memory of planning one
@@ -26,9 +26,12 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
+from common import with_quick
+
 from seqshard.formats.table import ShardInfo, ShardTable
 from seqshard.pipeline.plan import Plan, Unit, plan_epoch
-from seqshard.pipeline.stages.batching import FrameBudget, cut_batches
+from seqshard.pipeline.stages.batching import LengthBudget, cut_batches
 
 
 def synthetic(shards: int, per_shard: int, seed: int = 0) -> tuple[ShardTable, np.ndarray]:
@@ -62,7 +65,7 @@ def plan_loss(plan: Plan, lengths: np.ndarray) -> float:
 
 
 def batch_loss(plan: Plan, lengths: np.ndarray, window: int = 2000, budget: int = 20000) -> float:
-    cost = FrameBudget(budget)
+    cost = LengthBudget(budget)
     ranks = []
     for rank in plan:
         workers = []
@@ -90,7 +93,7 @@ def main() -> None:
     parser.add_argument("--utts-per-shard", type=int, default=2000)
     parser.add_argument("--epochs", type=int, default=3, help="epochs simulated (losses are averaged)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "out" / "sim_scale.json")
-    args = parser.parse_args()
+    args = with_quick(parser, shards=300, epochs=1, out=Path(__file__).parent / "out" / "quick" / "sim_scale.json")
     table, lengths = synthetic(args.shards, args.utts_per_shard)
     print(
         f"synthetic index: {len(table.shards)} shards, {lengths.size / 1e6:.1f} M utterances, {lengths.sum() * 0.01 / 3600:.0f} hours"

@@ -1,6 +1,6 @@
 """Token datasets and mixing, each against a baseline measured in the same run.
 
-    python bench/tokens.py [--sentences 250000] [--out bench/out/tokens]
+    python bench/tokens.py [--sentences 840000] [--plan-pairs 10000000] [--out bench/out/tokens] [--quick]
 
 A synthetic parallel corpus: 4 language pairs (sizes 8:4:2:1), each side a random word
 sequence whose target length follows its source's, tokenized with the LibriSpeech BPE model
@@ -30,7 +30,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import argparse
 import json
-import resource
 import shutil
 import subprocess
 import sys
@@ -39,9 +38,11 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
+from common import small_kaldi_dir, vm_kb, with_quick
+
 ROOT = Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 
 BPE = ROOT / "tests" / "realdata" / "tokenizers" / "librispeech.train_960_unigram5000.bpemodel"
 WORDS = [
@@ -185,9 +186,9 @@ def planning_child(sentences: int) -> None:
             return sentences
 
     pairs = [Sizes(np.random.default_rng(0))]
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = vm_kb("VmRSS")
     seconds, plan = timed(lambda: plan_epoch(pairs, None, BatchRules(max_tokens=4096), 0, 8))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = vm_kb("VmHWM")  # this process's own peak (ru_maxrss would count its parent's pages)
     print(
         json.dumps(
             {"seconds": seconds, "peak_mb": peak / 1024, "before_mb": before / 1024, "batches": plan.num_batches}
@@ -199,8 +200,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sentences", type=int, default=840000, help="sentence pairs over the 4 pairs")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out" / "tokens")
+    parser.add_argument("--plan-pairs", type=int, default=10_000_000, help="sentence pairs planned in a fresh process")
+    parser.add_argument("--mix-speakers", type=int, default=400, help="speakers of the largest mixed corpus (20 each)")
+    parser.add_argument("--mix-rounds", type=int, default=7)
     parser.add_argument("--plan-child", type=int, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = with_quick(
+        parser, sentences=20_000, plan_pairs=200_000, mix_speakers=40, mix_rounds=1, out=ROOT / "bench/out/quick/tokens"
+    )
     if args.plan_child:
         planning_child(args.plan_child)
         return
@@ -234,13 +240,15 @@ def main() -> None:
 
     # planning 10 M pairs in a fresh process
     child = subprocess.run(
-        [sys.executable, __file__, "--plan-child", "10000000"], capture_output=True, text=True, check=True
+        [sys.executable, __file__, "--plan-child", str(args.plan_pairs)], capture_output=True, text=True, check=True
     )
     planned = json.loads(child.stdout.strip().splitlines()[-1])
-    results["plan_10M_seconds"] = round(planned["seconds"], 2)
-    results["plan_10M_peak_mb"] = round(planned["peak_mb"])
-    print(f"planning 10 M pairs (8 ranks): {planned['seconds']:.2f} s, peak RSS {planned['peak_mb']:.0f} MB "
-          f"(goals < 5 s, < 1 GB)")  # fmt: skip
+    results["plan_pairs"] = args.plan_pairs
+    results["plan_seconds"] = round(planned["seconds"], 2)
+    results["plan_peak_mb"] = round(planned["peak_mb"])
+    results["plan_rss_before_mb"] = round(planned["before_mb"])
+    print(f"planning {args.plan_pairs:,} pairs (8 ranks): {planned['seconds']:.2f} s, peak RSS {planned['peak_mb']:.0f} MB, "
+          f"{planned['before_mb']:.0f} MB before planning (goals for 10 M: < 3 s, < 500 MB)")  # fmt: skip
 
     # one epoch over the mix, and the padding of its batches
     mixed = mux([TokenPair(str(args.out / f"{p}.src"), str(args.out / f"{p}.tgt")) for p in files], temperature=5)
@@ -266,32 +274,31 @@ def main() -> None:
           f"the epoch's text: {tokenize_seconds:.2f} s -> {tokenize_seconds / iterate_seconds:.1f}x (goal >= 10x)")  # fmt: skip
 
     # mixing overhead in the shard loader
-    results.update(mixing_overhead(args.out / "mix"))
+    results.update(mixing_overhead(args.out / "mix", args.mix_speakers, args.mix_rounds))
     (args.out / "tokens.json").write_text(json.dumps(results, indent=1) + "\n")
     print(f"wrote {args.out / 'tokens.json'}")
 
 
-def mixing_overhead(root: Path) -> dict:
-    from conftest import write_kaldi_dir
+def mixing_overhead(root: Path, speakers: int, rounds_count: int) -> dict:
     from seqshard import make_loader, mux, pack_data
+    from seqshard.formats.index import ShardIndex
 
     sources = []
-    for name, speakers in (("a", 400), ("b", 200), ("c", 100)):
+    sizes = {"a": speakers, "b": speakers // 2, "c": speakers // 4}
+    for name, count in sizes.items():
         folder = root / name
-        if not (folder / "index.json").exists():
+        if not (folder / "index.json").exists() or ShardIndex.load(folder).num_utts != 20 * count:
             shutil.rmtree(folder, ignore_errors=True)
-            data = write_kaldi_dir(
-                root / f"kaldi-{name}", speakers=speakers, per_speaker=20, dim=8, frames=(5, 40), prefix=name
-            )
-            pack_data(data.scp, data.text, folder, utts_per_file=500, progress=False)
+            scp, text = small_kaldi_dir(root / f"kaldi-{name}", count, 20, dim=8, frames=(5, 40), prefix=name)
+            pack_data(scp, text, folder, utts_per_file=500, progress=False)
             shutil.rmtree(root / f"kaldi-{name}")
         sources.append(str(folder))
-    corpus = 14000
+    corpus = 20 * sum(sizes.values())
     options = dict(batch_size=32, num_workers=0, shuffle_window=1000, sort_window=500)
     plain = make_loader(sources, **options)  # 4 epochs of the three corpora read as one list
     mixed = make_loader(mux(sources, weights=[4, 2, 1]), epoch_steps=4 * corpus // 32, **options)  # as many, mixed
     rounds: dict[str, list[float]] = {"plain": [], "mixed": []}
-    for number in range(7):  # interleaved rounds; medians of CPU time (the machine is shared)
+    for number in range(rounds_count):  # interleaved rounds; medians of CPU time (the machine is shared)
 
         def four_epochs(number: int = number) -> int:
             count = 0

@@ -1,6 +1,6 @@
 """Does the loader keep the example model fed? Step time from memory against from shards.
 
-    python bench/train_feed.py [--utts 2400] [--epochs 2] [--hidden 256] [--layers 1]
+    python bench/train_feed.py [--utts 2400] [--epochs 2] [--hidden 256] [--layers 1] [--quick]
 
 A made-up corpus (seqshard.demo.make_corpus: 80-dim features drawn from the labels) packed
 into shards; the example model (seqshard.trainer.SmallCTC, CTC, Adam) trained in one process
@@ -19,14 +19,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent))
+from common import with_quick
+
 ROOT = Path(__file__).parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def train_epoch(model, optimizer, ctc, batches, device) -> dict:
@@ -55,6 +59,7 @@ def train_epoch(model, optimizer, ctc, batches, device) -> dict:
 def main() -> None:
     from seqshard import make_loader, pack_data
     from seqshard.demo import make_corpus
+    from seqshard.formats.index import ShardIndex
     from seqshard.trainer import SmallCTC
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,13 +70,14 @@ def main() -> None:
     parser.add_argument("--batch-frames", type=int, default=20000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
-    args = parser.parse_args()
+    args = with_quick(parser, utts=200, out=ROOT / "bench" / "out" / "quick")
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     device = torch.device(args.device)
     data = args.out / "train_feed"
     shards = data / "shards"
-    if not (shards / "index.json").exists():
+    if not (shards / "index.json").exists() or ShardIndex.load(shards).num_utts != args.utts:
+        shutil.rmtree(data, ignore_errors=True)
         make_corpus(data / "kaldi", args.utts)
         pack_data(data / "kaldi/feats.scp", data / "kaldi/text", shards, utts_per_file=200, progress=False)
     options = dict(batch_frames=args.batch_frames, seed=0, pin_memory=device.type == "cuda")

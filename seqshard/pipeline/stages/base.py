@@ -169,6 +169,18 @@ class WindowStage(Stage[U]):
         """The outputs of window ``number``; ``fresh`` is False when a restore re-reads it."""
         raise NotImplementedError
 
+    def read_window(self) -> list[Any]:
+        """The next window's items: ``window`` of them from the source (fewer at its end). A
+        subclass may end a window by what it reads, as long as the same items end it again
+        when a restore re-reads them."""
+        items: list[Any] = []
+        try:
+            while len(items) < self.window:
+                items.append(self.source.next())
+        except StopIteration:
+            pass
+        return items
+
     def held(self, output: U) -> list[Any]:
         """The source items inside an output (for :meth:`pending`)."""
         return [output]
@@ -185,13 +197,7 @@ class WindowStage(Stage[U]):
     def _fill(self, number: int, fresh: bool = True) -> None:
         self._window_start = self.source.get_state()
         self._window_number = number
-        items: list[Any] = []
-        try:
-            while len(items) < self.window:
-                items.append(self.source.next())
-        except StopIteration:
-            pass
-        self._outputs = list(self.arrange(items, number, fresh))
+        self._outputs = list(self.arrange(self.read_window(), number, fresh))
         self._emitted = 0
 
     def next(self) -> U:

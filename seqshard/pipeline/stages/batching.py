@@ -1,12 +1,17 @@
 """Sorting and batching: fixed-size or dynamic batches cut from a length-sorted window.
 
-The stage takes ``window`` samples, sorts them by length (a :class:`~.lengths.Length`
+The stage reads a window of samples, sorts them by length (a :class:`~.lengths.Length`
 measure: frames of a feature field, tokens, ...), cuts batches along that order (so a sample
 is padded only up to its neighbours' lengths) and, when shuffling, emits the window's batches
 in a seeded random order. What a batch may hold is a small strategy object
 (:class:`BatchCost`): a fixed count, or a budget of padded length where cost may grow with
 the square of the length (attention). A window of a mixed stream can hold copies of one
 utterance: they go to different batches, and batches stay full (:func:`cut_batches`).
+
+A window holds a number of batches, not of samples (:class:`BudgetWindow`): a batch spans
+about 1/N of the window's lengths when the window makes N batches, so padding follows N. A
+fixed count of samples makes few batches of a large budget (2,000 samples: ~12 batches of
+1,200 s), each spanning a wide range of lengths; a fixed count of samples is still accepted.
 
 State: the source's state where the window began, the window's number and how many of its
 batches were emitted; a restore re-reads the window and skips those.
@@ -37,6 +42,10 @@ class BatchCost:
     def fits(self, count: int, longest: int) -> bool:
         raise NotImplementedError
 
+    def share(self, length: int) -> float:
+        """The part of one batch a sample of ``length`` takes, unpadded (1: a batch of its own)."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class FixedSize(BatchCost):
@@ -49,6 +58,9 @@ class FixedSize(BatchCost):
 
     def fits(self, count: int, longest: int) -> bool:
         return count <= self.size
+
+    def share(self, length: int) -> float:
+        return 1 / self.size
 
 
 @dataclass(frozen=True)
@@ -69,6 +81,27 @@ class LengthBudget(BatchCost):
 
     def fits(self, count: int, longest: int) -> bool:
         return self.cost(count, longest) <= self.budget
+
+    def share(self, length: int) -> float:
+        return min(1.0, self.cost(1, length) / self.budget)  # an oversize sample goes alone (or is dropped)
+
+
+@dataclass(frozen=True)
+class BudgetWindow:
+    """A sort window that follows the budget: samples are read until they fill ``batches``
+    batches (unpadded: the sum of :meth:`BatchCost.share`) and number ``min_samples``, and
+    never more than ``max_samples`` of them (the memory bound). Above a budget of about
+    ``min_samples / batches`` samples a window holds ``batches`` times the budget, and
+    padding stays about the same whatever the budget."""
+
+    batches: int = 64
+    min_samples: int = 2000
+    max_samples: int = 16384
+
+    def __post_init__(self) -> None:
+        check_number("sort window batches", self.batches, whole=True, at_least=1)
+        check_number("sort window min_samples", self.min_samples, whole=True, at_least=1)
+        check_number("sort window max_samples", self.max_samples, whole=True, at_least=self.min_samples)
 
 
 @dataclass
@@ -232,7 +265,8 @@ def _most_per_batch(cost: BatchCost, length: int) -> int:
 
 
 class SortBatch(WindowStage[Batch]):
-    """Length-sorted batches from windows of ``window`` samples.
+    """Length-sorted batches from windows of ``window``: a :class:`BudgetWindow` (``None``:
+    the default one) or a fixed number of samples.
 
     ``oversize="alone"`` puts a sample that exceeds the budget on its own in a batch;
     ``"drop"`` counts it under ``dropped.oversize``. Counters: ``batches``, ``utts_batched``,
@@ -242,7 +276,7 @@ class SortBatch(WindowStage[Batch]):
     def __init__(
         self,
         source: Stage[Sample],
-        window: int,
+        window: int | BudgetWindow | None,
         cost: BatchCost,
         seed: int,
         *position: int,
@@ -250,7 +284,11 @@ class SortBatch(WindowStage[Batch]):
         shuffle: bool = True,
         oversize: str = "alone",
     ):
-        super().__init__(source, window, "sort window")
+        budget = BudgetWindow() if window is None else window
+        fixed = not isinstance(budget, BudgetWindow)
+        super().__init__(source, budget if fixed else budget.max_samples, "sort window")
+        self.min_window = self.window if fixed else budget.min_samples  # a fixed window is full at its size
+        self.window_batches = 1 if fixed else budget.batches
         if oversize not in ("alone", "drop"):
             raise ConfigError(f"oversize must be 'alone' or 'drop', got {oversize!r}.")
         self.cost = cost
@@ -265,15 +303,31 @@ class SortBatch(WindowStage[Batch]):
         self._counts = dict(state.get("counts", {})) if state else {}
         super().reset(state)
 
-    def arrange(self, items: list[Sample], number: int, fresh: bool) -> list[Batch]:
-        measured = sorted(((self.length(s), s.key, i) for i, s in enumerate(items)))
+    def read_window(self) -> list[tuple[int, Sample]]:
+        """The next window's samples with their lengths (see :class:`BudgetWindow`)."""
+        items: list[tuple[int, Sample]] = []
+        batches = 0.0
+        enough = self.window_batches * (1 - 1e-9)  # shares summed in floating point (80 x 0.1 < 8)
+        try:
+            while len(items) < self.window and (len(items) < self.min_window or batches < enough):
+                sample = self.source.next()
+                length = self.length(sample)
+                items.append((length, sample))
+                batches += self.cost.share(length)
+        except StopIteration:
+            pass
+        return items
+
+    def arrange(self, items: list[tuple[int, Sample]], number: int, fresh: bool) -> list[Batch]:
+        measured = sorted(((length, s.key, i) for i, (length, s) in enumerate(items)))
         lengths = [length for length, _, _ in measured]
+        samples = [items[i][1] for _, _, i in measured]
         # A window of a mixed stream can hold several passes of a small source: copies of one
         # utterance sort next to each other, and cut_batches keeps them in different batches.
         indices, oversize = cut_batches(lengths, self.cost, [key for _, key, _ in measured])
-        batches = [Batch([items[measured[i][2]] for i in batch], [lengths[i] for i in batch]) for batch in indices]
+        batches = [Batch([samples[i] for i in batch], [lengths[i] for i in batch]) for batch in indices]
         if self.oversize == "alone":
-            batches.extend(Batch([items[measured[i][2]]], [lengths[i]]) for i in oversize)
+            batches.extend(Batch([samples[i]], [lengths[i]]) for i in oversize)
         elif fresh and oversize:  # a restored window was counted when first formed
             self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + len(oversize)
         if self.shuffle:

@@ -1,0 +1,154 @@
+"""Sort windows that follow the budget (issue 19, item 5): a window holds a number of batches,
+so padding stays low at large budgets, with resume, seeds and a memory bound kept."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import assert_resumes_everywhere
+from seqshard.errors import ConfigError
+from seqshard.pipeline.stages.batching import BudgetWindow, FixedSize, LengthBudget, SortBatch
+from seqshard.pipeline.stages.sample import Sample
+from seqshard.testing import ListSource
+
+
+def samples(lengths, keys=None):
+    """Samples whose "feats" has the given lengths (a range: a length without data)."""
+    keys = keys or [f"u{i:05d}" for i in range(len(lengths))]
+    return [Sample(key, {"feats": range(int(length))}) for key, length in zip(keys, lengths)]
+
+
+def read_lognormal(count, seed=0):
+    """Frames of read speech: log-normal, median 7 s, clipped to 1-20 s (bench/common.py's law)."""
+    return np.clip(np.random.default_rng(seed).lognormal(np.log(700), 0.55, count), 100, 2000).astype(int)
+
+
+def first_window(stage_of):
+    """How many samples the stage read to emit its first batch (its first window)."""
+    source = ListSource(samples([10] * 50_000))
+    next(stage_of(source))
+    return source.position
+
+
+@pytest.mark.parametrize(
+    ("window", "cost", "read"),
+    [
+        (BudgetWindow(batches=4, min_samples=1), FixedSize(8), 32),  # 4 batches of 8
+        (BudgetWindow(batches=4, min_samples=1), LengthBudget(100), 40),  # 4 budgets of 10 samples of 10
+        (BudgetWindow(batches=4, min_samples=1), LengthBudget(100, quadratic=10.0), 20),  # 20 a sample
+        (BudgetWindow(batches=4, min_samples=50), LengthBudget(100), 50),  # at least 50 samples
+        (BudgetWindow(batches=4, min_samples=1, max_samples=20), LengthBudget(100), 20),  # the memory bound
+        (BudgetWindow(), LengthBudget(1000), 6400),  # the default: 64 batches
+        (BudgetWindow(), LengthBudget(100), 2000),  # ... of at least 2,000 samples
+        (BudgetWindow(), LengthBudget(10_000_000), 16384),  # the default bound
+        (None, LengthBudget(1000), 6400),  # None: the default window
+        (300, LengthBudget(100), 300),  # a fixed window, whatever it holds
+    ],
+)
+def test_a_window_holds_batches_not_samples(window, cost, read):
+    assert first_window(lambda source: SortBatch(source, window, cost, 0)) == read
+
+
+def test_a_window_grows_with_the_budget_and_its_samples_with_their_lengths():
+    window = BudgetWindow(batches=8, min_samples=1)
+    sizes = {
+        budget: first_window(lambda source, budget=budget: SortBatch(source, window, LengthBudget(budget), 0))
+        for budget in (100, 1000, 10_000)
+    }
+    assert sizes == {100: 80, 1000: 800, 10_000: 8000}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=150),
+    st.sampled_from([FixedSize(3), LengthBudget(400), LengthBudget(400, quadratic=100.0)]),
+    st.integers(1, 6),
+)
+def test_every_full_window_makes_at_least_its_batches(lengths, cost, batches):
+    """Batches hold at most the budget, padded: a window whose samples fill N budgets unpadded
+    makes at least N batches (the last window, at the stream's end, may make fewer)."""
+    stage = SortBatch(ListSource(samples(lengths)), BudgetWindow(batches, min_samples=1), cost, 0)
+    per_window: dict[int, int] = {}
+    for _ in stage:
+        number = stage.get_state()["window"]
+        per_window[number] = per_window.get(number, 0) + 1
+    assert sum(per_window.values()) >= 1
+    assert all(count >= batches for number, count in per_window.items() if number < max(per_window))
+
+
+def padding(stage):
+    list(stage)
+    stats = stage.stats()
+    return 1 - stats["frames"] / stats["padded_frames"]
+
+
+def test_padding_stays_low_at_a_large_budget():
+    """Batches of 1,200 s of read speech: a window of 2,000 samples makes ~12 of them, each
+    spanning a wide range of lengths; the default window makes 64 (lhotse's
+    DynamicBucketingSampler with 30 buckets pads 3.6% of these, bench/padding.py)."""
+    lengths = read_lognormal(30_000)
+    budget = LengthBudget(120_000)  # 1,200 s of 10 ms frames
+    fixed = padding(SortBatch(ListSource(samples(lengths)), 2000, budget, 0))
+    following = padding(SortBatch(ListSource(samples(lengths)), None, budget, 0))
+    assert fixed > 0.06
+    assert following < 0.025
+
+
+def test_a_small_budget_keeps_the_windows_it_had():
+    """Below ~64 batches in 2,000 samples the window stays 2,000 samples: the same batches."""
+    lengths = read_lognormal(5000, seed=1)
+    budget = LengthBudget(10_000)  # 100 s: ~14 utterances a batch, ~140 batches in 2,000
+
+    def keys(window):
+        return [[s.key for s in batch.samples] for batch in SortBatch(ListSource(samples(lengths)), window, budget, 7)]
+
+    assert keys(None) == keys(2000)
+
+
+@pytest.mark.parametrize("cost", [FixedSize(4), LengthBudget(150), LengthBudget(150, quadratic=40.0)])
+def test_budget_windows_resume_everywhere(cost):
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(5, 60, 70)
+
+    def make():
+        return SortBatch(ListSource(samples(lengths)), BudgetWindow(3, min_samples=2, max_samples=30), cost, 5, 1, 2)
+
+    batches = assert_resumes_everywhere(make)
+    assert sorted(k for batch in batches for k in batch) == [f"u{i:05d}" for i in range(70)]
+
+
+def test_budget_windows_keep_copies_apart_and_resume():
+    """A window of a mixed stream holds several passes of a small source (issue 17, item 5)."""
+    rng = np.random.default_rng(3)
+    length_of = {f"k{i}": int(rng.integers(1, 15)) for i in range(9)}
+    keys = [key for _ in range(4) for key in rng.permutation(list(length_of))]
+
+    def make():
+        stream = samples([length_of[key] for key in keys], keys)
+        return SortBatch(ListSource(stream), BudgetWindow(4, min_samples=1), FixedSize(4), 0, 1)
+
+    batches = assert_resumes_everywhere(make)
+    assert sorted(k for batch in batches for k in batch) == sorted(keys)
+    assert all(len(set(batch)) == len(batch) for batch in batches)
+    assert [len(batch) for batch in batches] == [4] * 9  # windows of 16: 4 full batches each
+
+
+def test_budget_windows_are_a_function_of_the_seed():
+    lengths = read_lognormal(3000, seed=2)
+
+    def order(seed):
+        stage = SortBatch(ListSource(samples(lengths)), BudgetWindow(16, min_samples=1), LengthBudget(20_000), seed)
+        return [[s.key for s in batch.samples] for batch in stage]
+
+    first, again, other = order(1), order(1), order(2)
+    assert first == again != other
+    assert sorted(map(sorted, first)) == sorted(map(sorted, other))  # the same batches, in another order
+
+
+@pytest.mark.parametrize(
+    "window", [dict(batches=0), dict(min_samples=0), dict(min_samples=100, max_samples=50), dict(batches=1.5)]
+)
+def test_impossible_windows_are_refused(window):
+    with pytest.raises(ConfigError, match="sort window"):
+        BudgetWindow(**window)
