@@ -24,7 +24,7 @@ demo: $(BIN)/.installed
 	$(BIN)/seqshard demo --out demo-out
 
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

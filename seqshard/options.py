@@ -25,6 +25,7 @@ from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .formats.cache import parse_bytes
 from .formats.remote import RemoteAccess
+from .pipeline.stages.batching import BudgetWindow
 
 UNEVEN_MODES = ("stop", "repeat", "join")
 START_METHODS = tuple(multiprocessing.get_all_start_methods())
@@ -92,14 +93,16 @@ class OptionGroup:
 class Batching(OptionGroup):
     """How samples become batches: a fixed count or a budget of padded frames (``batch_frames``,
     20000 when neither is given; ``quadratic_frames`` makes the cost grow with the square of the
-    length), cut from length-sorted windows of ``sort_window`` samples; samples over the budget
+    length), cut from length-sorted windows (``sort_window``: ``None`` sizes each window to hold
+    64 batches, 2,000 to 16,384 samples, so padding stays low at any budget; a number fixes
+    the window's samples); samples over the budget
     go ``"alone"`` or are ``"drop"``ped; ``bucket_sync`` gives every rank batches of one length
     bucket (of ``num_buckets``) at each step."""
 
     batch_size: int | None = None
     batch_frames: int | None = None
     quadratic_frames: float | None = None
-    sort_window: int = 2000
+    sort_window: int | None = None
     oversize: str = "alone"
     bucket_sync: bool = False
     num_buckets: int = 8
@@ -114,10 +117,11 @@ class Batching(OptionGroup):
             raise ConfigError(
                 "give exactly one of batch_size (fixed) or batch_frames (dynamic, padded frames per batch)."
             )
-        if self.batch_size is not None and self.batch_size > self.sort_window:
+        largest_window = BudgetWindow().max_samples if self.sort_window is None else self.sort_window
+        if self.batch_size is not None and self.batch_size > largest_window:
             raise ConfigError(
-                f"batch_size {self.batch_size} is above sort_window {self.sort_window}: batches are cut from windows "
-                "of sort_window samples, so none could be full. Raise sort_window."
+                f"batch_size {self.batch_size} is above sort_window {largest_window}: batches are cut from windows "
+                "of at most that many samples, so none could be full. Raise sort_window."
             )
         if self.batch_size is not None and self.quadratic_frames is not None:
             raise ConfigError("quadratic_frames shapes a batch_frames budget; with batch_size it would do nothing.")

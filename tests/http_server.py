@@ -5,6 +5,7 @@ server that goes down does."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import socket
 import threading
@@ -59,10 +60,8 @@ class ShardServer:
         self._server.server_close()
         with self._lock:
             for connection in self.connections:  # kept-alive connections end with the server
-                try:
+                with contextlib.suppress(OSError):
                     connection.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
 
     def _handler(self):
         server = self

@@ -152,3 +152,18 @@ def test_budget_windows_are_a_function_of_the_seed():
 def test_impossible_windows_are_refused(window):
     with pytest.raises(ConfigError, match="sort window"):
         BudgetWindow(**window)
+
+
+def test_the_loaders_default_window_follows_the_budget_and_len_stays_exact(tmp_path):
+    """make_loader's default sort_window is the budget window: batch_size=3 sorts windows of
+    2,000 samples (64 batches of 3 is fewer), so 4,500 utterances make 667 + 667 + 167 batches,
+    and len() counts them so."""
+    from conftest import pack_small
+    from seqshard import make_loader
+
+    packed = pack_small(tmp_path, utts_per_file=1500, speakers=45, per_speaker=100, dim=2, frames=(2, 6))
+    loader = make_loader(packed.pattern, batch_size=3, num_workers=0, split_shards=False)
+    assert loader.planned_batches().exact and len(loader) == 1501
+    batches = list(loader)
+    assert len(batches) == 1501 and sum(len(b["keys"]) for b in batches) == 4500
+    assert sorted(len(b["keys"]) for b in batches)[:4] == [2, 2, 2, 3]  # each window leaves a batch of 2

@@ -1,6 +1,7 @@
 """The command's output: a reader that stops early (`seqshard inspect ... | head`) ends it
 quietly, as it ends other Unix tools; the length histogram's tick labels stay apart."""
 
+import itertools
 import os
 import signal
 import subprocess
@@ -62,7 +63,7 @@ def test_length_plot_labels_stay_apart(tmp_path, monkeypatch, low, high):
     plot_lengths(histogram_summary(low, high), tmp_path / "lengths.png")
     assert (tmp_path / "lengths.png").stat().st_size > 0
     assert len(labels) >= 2, labels
-    gaps = [right.x0 - left.x1 for (_, left), (_, right) in zip(labels, labels[1:])]
+    gaps = [right.x0 - left.x1 for (_, left), (_, right) in itertools.pairwise(labels)]
     assert min(gaps) >= 8, [text for text, _ in labels]  # 3x10^-1 and 4x10^-1 touched at 0.3-7 s
     assert all("times" not in text and "^" not in text for text, _ in labels), labels  # plain numbers: 0.3, 5
 

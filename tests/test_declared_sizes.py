@@ -118,7 +118,7 @@ def test_indexing_a_shard_names_a_member_whose_header_declares_too_much(tmp_path
 
 def test_decoding_in_blocks_gives_the_same_samples_without_holding_spare_blocks():
     long = tone(rate=8000, seconds=300)  # 2.4 M samples: three blocks
-    samples, rate = soundfile.read(io.BytesIO(long), dtype="float32")
+    samples, _ = soundfile.read(io.BytesIO(long), dtype="float32")
     audio = decode_audio(long, Where("x"))
     np.testing.assert_array_equal(audio.samples, samples)
     short = decode_audio(tone(seconds=0.1), Where("x"))

@@ -13,7 +13,7 @@ from conftest import pack_small
 
 pytest.importorskip("lightning")
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-import lightning_module as example  # noqa: E402
+import lightning_module as example
 
 
 def fit(pattern: str, folder: Path, max_steps: int, every: int | None = None, ckpt: str | None = None):

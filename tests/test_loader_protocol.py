@@ -60,7 +60,9 @@ def test_iterating_again_runs_the_next_epoch_and_set_epoch_chooses_one(made, kin
     assert loader.epoch == 0 and first
     second = epoch_of(loader)  # no set_epoch: a DataLoader user's loop
     assert loader.epoch == 1 and second != first
-    assert sorted(map(str, sum(first, []))) == sorted(map(str, sum(second, [])))  # the same data, another order
+    assert sorted(str(b) for batch in first for b in batch) == sorted(
+        str(b) for batch in second for b in batch
+    )  # the same data, another order
     loader.set_epoch(0)
     assert epoch_of(loader) == first
     loader.set_epoch(0)

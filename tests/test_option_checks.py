@@ -226,7 +226,7 @@ def test_the_checker_names_the_option_and_what_it_must_be():
         with pytest.raises(ConfigError) as error:
             check_number("n", value, at_least=1, at_most=8)
         assert str(error.value) == message
-    with pytest.raises(ConfigError, match="^n must be seconds > 0, got -1.$"):
+    with pytest.raises(ConfigError, match=r"^n must be seconds > 0, got -1\.$"):
         check_number("n", -1, above=0, what="seconds > 0")
 
 

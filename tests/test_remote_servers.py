@@ -265,7 +265,9 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
         finally:
             gc.enable()
         child.join(30)
-    assert child.exitcode == 0 and times.get() < 1.5  # 1 s per dropped loader before (2 s here); loose for loaded machines
+    assert (
+        child.exitcode == 0 and times.get() < 1.5
+    )  # 1 s per dropped loader before (2 s here); loose for loaded machines
 
 
 def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):

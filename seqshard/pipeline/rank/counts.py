@@ -19,11 +19,11 @@ from ...formats.index import bin_bounds
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
 from ..plan import plan_epoch, planned_utts
-from ..stages.batching import cut_batches
+from ..stages.batching import BudgetWindow, cut_batches
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
 
-SIMULATED_WINDOWS = 20  # windows of drawn lengths cut per reader (the rest is scaled from them)
+SIMULATED_SAMPLES = 40_000  # lengths drawn and cut into windows per loader (the rest is scaled from them)
 
 
 def planned_batches(setup: WorkerSetup, epoch: int, done_steps: int) -> PlannedBatches:
@@ -60,12 +60,28 @@ def planned_batches(setup: WorkerSetup, epoch: int, done_steps: int) -> PlannedB
 def _reader_batches(setup: WorkerSetup, count: int) -> list[tuple[int, int]]:
     """(low, high) batches of a reader of ``count`` samples (one pair per window)."""
     batching = setup.options.batching
-    window = batching.sort_window
+    window = _window_samples(setup)
     sizes = [window] * (count // window) + ([count % window] if count % window else [])
     if batching.batch_size is not None:
         return [(math.ceil(n / batching.batch_size),) * 2 for n in sizes]
     low, high = _per_sample_batches(setup)
     return [(round(n * low), round(n * high)) for n in sizes]
+
+
+def _window_samples(setup: WorkerSetup) -> int:
+    """Samples of a sort window: the option's number, or what the default budget window
+    reads at the index's mean share of a batch per sample (exact for ``batch_size``)."""
+    batching = setup.options.batching
+    if batching.sort_window is not None:
+        return batching.sort_window
+    histogram = dict(setup.table.length_hist)
+    cost = batch_cost(batching)
+    if batching.batch_size is not None or not histogram:
+        return BudgetWindow().samples(cost.share(1))
+    shares = sum(
+        cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
+    )
+    return BudgetWindow().samples(shares / sum(histogram.values()))
 
 
 def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
@@ -74,17 +90,18 @@ def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
     histogram = dict(setup.table.length_hist)
     if not histogram:
         return math.nan, math.nan
-    window = setup.options.batching.sort_window
+    window = _window_samples(setup)
+    windows = max(2, SIMULATED_SAMPLES // window)
     bins = np.fromiter(histogram, dtype=np.int64)
     mass = np.fromiter(histogram.values(), dtype=np.float64)
     rng = stage_rng(setup.options.shuffling.seed, Seed.ESTIMATE)
-    drawn = rng.choice(bins, size=window * SIMULATED_WINDOWS, p=mass / mass.sum())
+    drawn = rng.choice(bins, size=window * windows, p=mass / mass.sum())
     cost = batch_cost(setup.options.batching)
     found = []
     for end in (0, 1):
         lengths = np.array([max(1, math.floor(bin_bounds(int(b))[end])) for b in drawn])
         batches = 0
-        for part in np.split(lengths, SIMULATED_WINDOWS):
+        for part in np.split(lengths, windows):
             cut, alone = cut_batches(np.sort(part).tolist(), cost)
             batches += len(cut) + len(alone)  # oversize samples go alone (or are dropped: an estimate)
         found.append(batches / len(drawn))

@@ -103,6 +103,11 @@ class BudgetWindow:
         check_number("sort window min_samples", self.min_samples, whole=True, at_least=1)
         check_number("sort window max_samples", self.max_samples, whole=True, at_least=self.min_samples)
 
+    def samples(self, mean_share: float) -> int:
+        """Samples of a window whose samples fill ``mean_share`` of a batch each on average."""
+        wanted = math.ceil(self.batches / mean_share) if mean_share > 0 else self.max_samples
+        return min(self.max_samples, max(self.min_samples, wanted))
+
 
 @dataclass
 class Batch:
