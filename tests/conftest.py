@@ -180,3 +180,9 @@ def read_audio_shards(paths) -> dict[str, tuple[np.ndarray, int, str, str]]:
                 samples, rate = soundfile.read(io.BytesIO(bytes(sample.fields[suffix])), dtype="int16")
                 found[sample.key] = (samples, rate, suffix, str(sample.fields["txt"], "utf-8"))
     return found
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow end-to-end tests first: with `pytest -n 2` they start at once and the quick tests
+    fill the other process, instead of one long test running alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -6,6 +6,7 @@ import pytest
 from seqshard.cli import main as cli
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_the_demo_runs_end_to_end(tmp_path, capsys, monkeypatch):

@@ -89,6 +89,7 @@ def test_balanced_plans_leave_almost_nothing_behind(tmp_path):
     assert len(ranks[0]["epochs"][0]["steps"]) == len(ranks[1]["epochs"][0]["steps"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bucket_sync", [False, True])
 def test_sigkill_mid_epoch_then_resume_gives_the_uninterrupted_batches(tmp_path, bucket_sync):
     pattern = write_shards(tmp_path / "shards", [30, 22, 17, 25, 11])

@@ -83,6 +83,7 @@ def assert_ignored_by_git(written: list[Path]) -> None:
     assert done.returncode in (0, 1) and not not_ignored, (done.stdout.decode(), done.stderr.decode())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_learns_is_killed_resumes_exactly_and_says_when_finished(tmp_path: Path):
     # the uninterrupted run; it makes the corpus in train-out/data under its working folder
@@ -134,6 +135,7 @@ def resumed_at(lines: list[str]) -> tuple[int, int]:
     return int(found[0][1]), int(found[0][2])
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(300)
 def test_two_ranks_stop_and_resume_exactly(tmp_path: Path):

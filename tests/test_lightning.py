@@ -24,6 +24,7 @@ def fit(pattern: str, folder: Path, max_steps: int, every: int | None = None, ck
     return model.keys, data
 
 
+@pytest.mark.slow
 def test_lightning_trains_epochs_and_resumes_from_its_checkpoint_at_the_next_batch(tmp_path):
     packed = pack_small(tmp_path / "p", utts_per_file=10, speakers=6, per_speaker=8)  # 48 utterances: 12 batches
     full, data = fit(packed.pattern, tmp_path / "full", 30)

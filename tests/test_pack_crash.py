@@ -13,6 +13,7 @@ from seqshard import pack_data
 from seqshard.formats.tar import SampleStream
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jobs", [1, 2])
 def test_sigkill_then_rerun_finishes_with_nothing_lost_or_doubled(tmp_path, jobs):
     data = write_kaldi_dir(tmp_path / "d", speakers=20, per_speaker=40, dim=40, frames=(80, 240), compression_method=1)

@@ -38,6 +38,7 @@ def same_size_other_ids(units: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_resume_applies_a_new_schedule_and_refuses_another_model_or_tokenizer(tmp_path):
     first = trainer(tmp_path, "--stop-after-steps", "3")
