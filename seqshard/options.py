@@ -13,6 +13,7 @@ readers are set up (``pipeline/workers/setup.py``).
 from __future__ import annotations
 
 import difflib
+import math
 import multiprocessing
 import os
 from collections.abc import Callable, Iterator
@@ -25,7 +26,6 @@ from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .formats.cache import parse_bytes
 from .formats.remote import RemoteAccess
-from .pipeline.stages.batching import BudgetWindow
 
 UNEVEN_MODES = ("stop", "repeat", "join")
 START_METHODS = tuple(multiprocessing.get_all_start_methods())
@@ -87,6 +87,29 @@ class OptionGroup:
 
     def check(self) -> None:
         """What the group's values must satisfy together (ConfigError naming the option)."""
+
+
+@dataclass(frozen=True)
+class BudgetWindow:
+    """A sort window that follows the budget: samples are read until they fill ``batches``
+    batches (unpadded: the sum of :meth:`BatchCost.share`) and number ``min_samples``, and
+    never more than ``max_samples`` of them (the memory bound). Above a budget of about
+    ``min_samples / batches`` samples a window holds ``batches`` times the budget, and
+    padding stays about the same whatever the budget."""
+
+    batches: int = 64
+    min_samples: int = 2000
+    max_samples: int = 16384
+
+    def __post_init__(self) -> None:
+        check_number("sort window batches", self.batches, whole=True, at_least=1)
+        check_number("sort window min_samples", self.min_samples, whole=True, at_least=1)
+        check_number("sort window max_samples", self.max_samples, whole=True, at_least=self.min_samples)
+
+    def samples(self, mean_share: float) -> int:
+        """Samples of a window whose samples fill ``mean_share`` of a batch each on average."""
+        wanted = math.ceil(self.batches / mean_share) if mean_share > 0 else self.max_samples
+        return min(self.max_samples, max(self.min_samples, wanted))
 
 
 @dataclass(frozen=True)

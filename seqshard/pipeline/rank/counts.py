@@ -16,10 +16,11 @@ import math
 import numpy as np
 
 from ...formats.index import bin_bounds
+from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
 from ..plan import plan_epoch, planned_utts
-from ..stages.batching import BudgetWindow, cut_batches
+from ..stages.batching import cut_batches
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ...checks import check_number
 from ...errors import ConfigError
+from ...options import BudgetWindow
 from ...seeds import Seed, stage_rng
 from .base import Stage, State, WindowStage, merge_counts
 from .lengths import Length, Measure
@@ -84,29 +85,6 @@ class LengthBudget(BatchCost):
 
     def share(self, length: int) -> float:
         return min(1.0, self.cost(1, length) / self.budget)  # an oversize sample goes alone (or is dropped)
-
-
-@dataclass(frozen=True)
-class BudgetWindow:
-    """A sort window that follows the budget: samples are read until they fill ``batches``
-    batches (unpadded: the sum of :meth:`BatchCost.share`) and number ``min_samples``, and
-    never more than ``max_samples`` of them (the memory bound). Above a budget of about
-    ``min_samples / batches`` samples a window holds ``batches`` times the budget, and
-    padding stays about the same whatever the budget."""
-
-    batches: int = 64
-    min_samples: int = 2000
-    max_samples: int = 16384
-
-    def __post_init__(self) -> None:
-        check_number("sort window batches", self.batches, whole=True, at_least=1)
-        check_number("sort window min_samples", self.min_samples, whole=True, at_least=1)
-        check_number("sort window max_samples", self.max_samples, whole=True, at_least=self.min_samples)
-
-    def samples(self, mean_share: float) -> int:
-        """Samples of a window whose samples fill ``mean_share`` of a batch each on average."""
-        wanted = math.ceil(self.batches / mean_share) if mean_share > 0 else self.max_samples
-        return min(self.max_samples, max(self.min_samples, wanted))
 
 
 @dataclass
