@@ -1,0 +1,164 @@
+"""The documentation's map of the package stays true: every path and module it names exists,
+and the tiers of docs/architecture.md hold (a module imports only from tiers below its own)."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+
+import seqshard
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "seqshard"
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+DOCUMENTS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "DEVELOPERS.md"]
+OUR_PATH = re.compile(r"(?<![\w/.])(?:seqshard|tests|bench|examples)/[\w/]*\w\.py\b")
+# in the pages about the package itself, a backticked `formats/tar.py` is a path under seqshard/
+PACKAGE_PAGES = (ARCHITECTURE, ROOT / "DEVELOPERS.md")
+BACKTICKED_PATH = re.compile(r"`([\w/]+\.py)(?:::\w+)?`")
+MODULE_NAME = re.compile(r"(?<![\w.])seqshard(?:\.\w+)+")
+TIER_ROW = re.compile(r"^\| (\d+) \| (.+) \|$", re.MULTILINE)
+
+
+def named_paths(document: Path) -> list[str]:
+    text = document.read_text(encoding="utf-8")
+    found = OUR_PATH.findall(text)
+    if document in PACKAGE_PAGES:
+        found += [p for p in BACKTICKED_PATH.findall(text) if not OUR_PATH.fullmatch(p)]
+    return sorted(set(found))
+
+
+def exists(path: str) -> bool:
+    """A path from the repository root or from seqshard/; a bare file name (``tar.py`` in a
+    row about ``formats/``) anywhere in the package."""
+    if "/" not in path:
+        return any(PACKAGE.rglob(path))
+    return (ROOT / path).is_file() or (PACKAGE / path).is_file()
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=[d.name for d in DOCUMENTS])
+def test_every_path_a_page_names_exists(document):
+    missing = [path for path in named_paths(document) if not exists(path)]
+    assert not missing, f"{document.name} names files that do not exist: {missing}"
+
+
+def resolves(name: str) -> bool:
+    """Whether ``seqshard.a.b.c`` is a module, or a name a module defines."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attribute in parts[cut:]:
+            if not hasattr(found, attribute):
+                return False
+            found = getattr(found, attribute)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=[d.name for d in DOCUMENTS])
+def test_every_module_a_page_names_exists(document):
+    names = set(MODULE_NAME.findall(document.read_text(encoding="utf-8")))
+    assert not [n for n in sorted(names) if not resolves(n)], f"{document.name} names what does not exist"
+
+
+def tiers() -> dict[str, int]:
+    """Path under seqshard/ (a file, or a folder ending in /) -> its tier, from the table
+    between the ``tiers`` markers of docs/architecture.md."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    table = text[text.index("<!-- tiers: begin -->") : text.index("<!-- tiers: end -->")]
+    return {path: int(tier) for tier, paths in TIER_ROW.findall(table) for path in re.findall(r"`([^`]+)`", paths)}
+
+
+def place_of(file: Path, table: dict[str, int]) -> str:
+    """The longest path of the table that holds ``file``."""
+    relative = file.relative_to(PACKAGE).as_posix()
+    holding = [p for p in table if relative == p or (p.endswith("/") and relative.startswith(p))]
+    assert holding, f"seqshard/{relative} is in no tier of docs/architecture.md"
+    return max(holding, key=len)
+
+
+def module_file(name: str) -> Path | None:
+    path = ROOT.joinpath(*name.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def package_of(file: Path) -> str:
+    """The dotted package a file's relative imports start from."""
+    name = ".".join(file.relative_to(ROOT).with_suffix("").parts)
+    return name[: -len(".__init__")] if file.name == "__init__.py" else name.rsplit(".", 1)[0]
+
+
+def imports_of(source: str, package: str) -> set[Path]:
+    """The seqshard files a module of ``package`` with this ``source`` imports, at its top or
+    inside functions; a name taken from ``seqshard`` itself counts as its defining module
+    (``__init__.py`` only hands names on)."""
+    found: set[Path | None] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(module_file(a.name) for a in node.names if a.name.split(".")[0] == "seqshard")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            if module.split(".")[0] != "seqshard":
+                continue
+            for alias in node.names:
+                if module_file(f"{module}.{alias.name}") is not None:
+                    found.add(module_file(f"{module}.{alias.name}"))
+                elif module == "seqshard" and alias.name in seqshard._EXPORTS:
+                    found.add(module_file(seqshard._EXPORTS[alias.name]))
+                else:
+                    found.add(module_file(module))
+    found.discard(None)
+    return found  # type: ignore[return-value]
+
+
+def upward_imports(table: dict[str, int], modules: dict[Path, str]) -> list[str]:
+    """Imports of ``modules`` (file -> source) that do not go down a tier."""
+    upward = []
+    for file, source in modules.items():
+        place = place_of(file, table)
+        for target in sorted(imports_of(source, package_of(file))):
+            there = place_of(target, table)
+            if there != place and table[there] >= table[place]:
+                upward.append(f"{file.relative_to(ROOT)} (tier {table[place]}) imports "
+                              f"{target.relative_to(ROOT)} (tier {table[there]})")  # fmt: skip
+    return upward
+
+
+def test_every_import_goes_to_a_lower_tier():
+    table = tiers()
+    assert all(path.endswith("/") or (PACKAGE / path).is_file() for path in table), "a tier names no file"
+    files = [f for f in sorted(PACKAGE.rglob("*.py")) if f.stat().st_size]  # empty __init__.py: no tier needed
+    modules = {file: file.read_text(encoding="utf-8") for file in files}
+    upward = upward_imports(table, modules)
+    assert not upward, "imports that do not go down a tier:\n" + "\n".join(upward)
+
+
+def test_a_climbing_import_is_caught():
+    """The check itself: a module of formats/ importing the loader (directly, through the
+    package's public names, or inside a function) is reported; one importing errors.py is not."""
+    table = tiers()
+    probe = PACKAGE / "formats" / "probe.py"
+    source = (
+        "from ..errors import ConfigError\n"
+        "from seqshard import make_loader\n"
+        "def later():\n    from ..pipeline.rank import loader\n"
+    )
+    upward = upward_imports(table, {probe: source})
+    assert upward == [
+        "seqshard/formats/probe.py (tier 2) imports seqshard/loader.py (tier 9)",
+        "seqshard/formats/probe.py (tier 2) imports seqshard/pipeline/rank/loader.py (tier 8)",
+    ]
