@@ -105,6 +105,7 @@ if __name__ == "__main__":
 else:
     import pytest
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("guide", GUIDES, ids=[guide.name for guide in GUIDES])
     def test_guide_runs_as_written(guide, tmp_path):
         before = repository_changes()
