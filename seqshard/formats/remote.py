@@ -501,6 +501,7 @@ class RemoteBytes:
         self._abandoned, self._chunks = _EARLY.pop(url, None) or (threading.Event(), {})  # set when closed
         self._stream: RemoteStream | None = None  # reads on a server that ignores ranges
         self._pos = 0
+        self._current: tuple[int, bytes] = (-1, b"")  # the chunk read last
         # the index's size is used for planning reads; the server's is checked once, alongside
         # the first chunk, so that a shard replaced since it was indexed is not read as it
         self._checked: Future | None = None
@@ -525,13 +526,17 @@ class RemoteBytes:
         return self._chunks[number]
 
     def _data(self, number: int) -> bytes:
+        if number == self._current[0]:  # most reads fall in the chunk the last one read
+            return self._current[1]
         last = (self.size - 1) // self._chunk
         depth = self._access.ahead if self._access.ranges(self.path) else 0  # one request learns a server's ways
         for ahead in range(number, min(last, number + depth) + 1):
             self._future(ahead)
         for old in [k for k in self._chunks if k < number]:
             self._chunks.pop(old).cancel()
-        return self._chunks[number].result()
+        data = self._chunks[number].result()
+        self._current = (number, data)
+        return data
 
     def seek(self, position: int) -> None:
         self._pos = position
@@ -581,6 +586,7 @@ class RemoteBytes:
         for future in self._chunks.values():
             future.cancel()
         self._chunks = {}
+        self._current = (-1, b"")
 
     def close(self) -> None:
         self._abandoned.set()
