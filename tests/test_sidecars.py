@@ -7,6 +7,7 @@ import tarfile
 import kaldiio
 import numpy as np
 import pytest
+import torch
 
 from conftest import pack_small, read_shards
 from seqshard import add_field, make_loader
@@ -223,3 +224,33 @@ def test_add_field_reads_kaldi_text_int_vectors_and_says_no_skip(tmp_path):
     with pytest.raises(InputError) as error:
         add_field(packed.out, "ali2", root / "dup.scp", progress=False)
     assert "skip" not in str(error.value)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_field_asked_for_is_in_every_batch_even_where_no_sample_has_it(tmp_path, workers):
+    """add-field --allow-missing with a few keys (and with none): every batch carries the field
+    and its lengths (-1 where absent), shaped as where it is present; texts as None."""
+    packed = pack_small(tmp_path, utts_per_file=10)
+    kept = set(packed.data.keys[:3])
+    ali = write_sources(packed, tmp_path / "src", skip=set(packed.data.keys) - kept)
+    add_field(packed.out, "ali", tmp_path / "src" / "ali.scp", allow_missing=True, progress=False)
+    add_field(packed.out, "spk", tmp_path / "src" / "utt2spk", allow_missing=True, progress=False)
+    none = tmp_path / "none"
+    write_sources(packed, none, skip=set(packed.data.keys))
+    add_field(packed.out, "nothing", none / "ali.scp", allow_missing=True, progress=False)
+    options = dict(fields=["feats", "ali", "spk", "nothing"], batch_size=4, num_workers=workers, **SMALL)
+    batches = list(make_loader(packed.pattern, **options))
+    assert sum(len(b["keys"]) for b in batches) == len(packed.data.keys)
+    without = [b for b in batches if not kept & set(b["keys"])]
+    assert without, "some batch must hold none of the kept keys"
+    for batch in batches:
+        size = len(batch["keys"])
+        assert batch["ali"].shape[0] == batch["ali_lens"].shape[0] == size and batch["ali"].dtype == torch.int32
+        assert batch["ali"].ndim == 2 and batch["nothing"].shape == (size, 0) and list(batch["nothing_lens"]) == [-1] * size
+        for row, key in enumerate(batch["keys"]):
+            if key in kept:
+                length = int(batch["ali_lens"][row])
+                np.testing.assert_array_equal(batch["ali"][row, :length], ali[key])
+                assert batch["spk"][row] == key.split("-")[0]
+            else:
+                assert int(batch["ali_lens"][row]) == -1 and batch["spk"][row] is None

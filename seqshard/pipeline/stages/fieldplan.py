@@ -17,18 +17,23 @@ from ...formats.shar import FEATURES, is_shar_table
 from ...formats.table import MAIN, ShardTable
 from .decode import LABEL_FIELD, LEGACY_FEATURE_FIELDS
 
+BATCHED_AS = {"npy": "padded", "txt": "list", "json": "list"}  # member extension -> how batches hold it
+
 
 @dataclass(frozen=True)
 class FieldPlan:
     """``sets``: the field sets to open, in order; ``wanted``: the field names to decode
     (None: every field of the opened sets); ``features``: the feature field (batched as
     ``feats``/``feat_lens`` and measured in frames), or None when not read; ``audio``: the
-    encoded-audio field read (``wav``, ``flac``, ...), if any."""
+    encoded-audio field read (``wav``, ``flac``, ...), if any; ``batched``: each wanted array
+    (``.npy``) or text (``.txt``, ``.json``) field with how it is batched (``"padded"`` or
+    ``"list"``), so that a batch where no sample has it still carries it."""
 
     sets: tuple[str, ...]
     wanted: frozenset[str] | None
     features: str | None
     audio: str | None = None
+    batched: tuple[tuple[str, str], ...] = ()
 
 
 def plan_fields(
@@ -71,7 +76,13 @@ def plan_fields(
                     f"fields: {lacking} has no field set {set_name!r} (add it with `seqshard add-field` to every folder read)."
                 )
     ordered = tuple(s for s in (MAIN, *sorted(sets.keys() - {MAIN})) if s in sets)  # each set opened once
-    return FieldPlan(ordered, frozenset(wanted), features if features in wanted else None, audio)
+    batched = tuple(
+        (name, BATCHED_AS[extension])
+        for _, suffixes in table.field_sets
+        for name, extension, _ in map(split_suffix, suffixes)
+        if name in wanted and extension in BATCHED_AS
+    )
+    return FieldPlan(ordered, frozenset(wanted), features if features in wanted else None, audio, batched)
 
 
 def _suffixes(table: ShardTable) -> set[str]:

@@ -80,7 +80,7 @@ class WorkerSetup:
         rules = speech_rules(
             self.fields.features or "feats", self.options.collation.pad_label, self.options.collation.dtype
         )
-        return Collator(rules)
+        return Collator(rules, dict(self.fields.batched))
 
 
 @lru_cache(maxsize=2)
