@@ -126,6 +126,22 @@ def test_shards_larger_than_a_request_from_python_http_server(tmp_path):
         process.stdout.close()
 
 
+def test_the_top_folder_of_a_pack_with_length_groups_selects_its_groups(tmp_path):
+    """As a local folder does: its pack_report.json names the groups, each with its index."""
+    data = write_kaldi_dir(tmp_path / "kaldi", speakers=4, per_speaker=6, frames=(5, 60))
+    pack_data(
+        data.scp, data.text, tmp_path / "grouped", utts_per_file=5, filter_group=["1:30", "30:100"], progress=False
+    )
+    assert not (tmp_path / "grouped" / "index.json").exists()
+    options = dict(OPTIONS, num_workers=0)
+    with ShardServer(tmp_path) as server:
+        assert (
+            sorted(keys_of(make_loader(f"{server.url}/grouped/", **options)))
+            == sorted(keys_of(make_loader(str(tmp_path / "grouped"), **options)))
+            == sorted(data.keys)
+        )
+
+
 def test_a_resume_inside_a_shard_on_a_plain_web_server(medium, plain_server, caplog):
     options = dict(OPTIONS, num_workers=0, batch_size=8)
     local = batches_of(make_loader(str(medium), **options))

@@ -14,6 +14,7 @@ an index: no ``index.json`` is looked up beside it.
 from __future__ import annotations
 
 import glob
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,8 +122,19 @@ class RemoteSelection:
             return [url for url in self.access.glob(text) if is_shard_name(url.rsplit("/", 1)[-1])]
         if is_shard_name(name) or has_query(text):
             return [text]
-        index = self.index_of(text.rstrip("/"))
-        if index is None:
-            return []
+        folder = text.rstrip("/")
+        index = self.index_of(folder)
+        if index is None:  # the top folder of a pack with length groups: its groups' folders
+            groups = self._pack_groups(folder)
+            return [url for group in groups for url in self._alternative(f"{folder}/{group}/")]
         sidecars = index.sidecar_names()
-        return [f"{text.rstrip('/')}/{entry.name}" for entry in index.shards if entry.name not in sidecars]
+        return [f"{folder}/{entry.name}" for entry in index.shards if entry.name not in sidecars]
+
+    def _pack_groups(self, folder: str) -> list[str]:
+        """The length groups' folders that ``folder``'s pack_report.json names (none without one)."""
+        text = self.access.read_text(f"{folder}/pack_report.json")
+        try:
+            groups = json.loads(text)["groups"] if text else {}
+        except (ValueError, KeyError, TypeError):
+            return []
+        return [name for name in groups if isinstance(name, str) and name and "/" not in name and name != ".."]
