@@ -1,6 +1,8 @@
 """Sort windows that follow the budget (issue 19, item 5): a window holds a number of batches,
 so padding stays low at large budgets, with resume, seeds and a memory bound kept."""
 
+import random
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -8,7 +10,14 @@ from hypothesis import strategies as st
 
 from conftest import assert_resumes_everywhere
 from seqshard.errors import ConfigError
-from seqshard.pipeline.stages.batching import BudgetWindow, FixedSize, LengthBudget, SortBatch
+from seqshard.pipeline.stages.batching import (
+    BudgetWindow,
+    FixedSize,
+    LengthBudget,
+    SortBatch,
+    count_sorted_batches,
+    cut_batches,
+)
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.testing import ListSource
 
@@ -152,3 +161,14 @@ def test_budget_windows_are_a_function_of_the_seed():
 def test_impossible_windows_are_refused(window):
     with pytest.raises(ConfigError, match="sort window"):
         BudgetWindow(**window)
+
+
+def test_counting_sorted_batches_gives_what_cutting_them_gives():
+    draw = random.Random(0)
+    for _ in range(2000):
+        lengths = sorted(draw.randint(1, 3000) for _ in range(draw.randint(0, 200)))
+        cost = draw.choice(
+            [FixedSize(draw.randint(1, 50)), LengthBudget(draw.randint(1, 20000)), LengthBudget(9000, 1000.0)]
+        )
+        cut, alone = cut_batches(lengths, cost)
+        assert count_sorted_batches(lengths, cost) == len(cut) + len(alone), (lengths, cost)
