@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import tar
 from .members import CHECK_EVERY, REBUILD, MemberTable, table_path
-from .prefetch import ReadAhead
+from .remote import RemoteAccess
 from .tar import BLOCK, MappedBytes, SampleStream, TarRecord
 
 _ZERO_BLOCK = bytes(BLOCK)
@@ -22,7 +23,8 @@ _ZERO_BLOCK = bytes(BLOCK)
 
 class SlicedSampleStream:
     """The samples of a local tar ``path`` from byte ``start`` (sample ``ordinal``), sliced by
-    ``table``; the interface of :class:`seqshard.formats.tar.SampleStream`."""
+    ``table``; the interface of :class:`seqshard.formats.tar.SampleStream` (``access`` reads
+    the file ahead, with ``read_ahead`` and ``read_data``)."""
 
     def __init__(
         self,
@@ -31,7 +33,8 @@ class SlicedSampleStream:
         start: int = 0,
         ordinal: int = 0,
         read_data: bool = True,
-        ahead: ReadAhead | None = None,
+        read_ahead: bool = True,
+        access: RemoteAccess | None = None,
     ):
         self.path = path
         self.ordinal = ordinal
@@ -40,7 +43,8 @@ class SlicedSampleStream:
         self._table = table
         self._read_data = read_data
         self._headers: SampleStream | None = None  # reading by headers, after a disagreement
-        self._file = MappedBytes(path, ahead)
+        self._opening = (read_ahead, access)  # for reading by headers
+        self._file: MappedBytes = tar._open_for_reading(path, read_ahead and read_data, access)
         self._offsets: list[int] = table.sample_offsets.tolist()
         self._next = 0
         if self._file.size != table.file_size:
@@ -132,7 +136,7 @@ class SlicedSampleStream:
             f"{problem} ({table_path(self.path)}): the shard was changed after its table was made. {REBUILD}"
         )
         start = self._offsets[self._next] if start is None else start
-        self._headers = SampleStream(self.path, start, self.ordinal, self._read_data)
+        self._headers = SampleStream(self.path, start, self.ordinal, self._read_data, *self._opening)
 
     def _next_by_headers(self) -> TarRecord | None:
         assert self._headers is not None

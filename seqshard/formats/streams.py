@@ -39,8 +39,7 @@ def open_samples(
         return open_shar(str(path), shar_field, start, ordinal, read_data, read_ahead)
     table = load_table(path) if use_table and has_table_format(str(path)) else None
     if table is not None:
-        ahead = access.read_ahead() if read_ahead and read_data and access is not None else None
-        return SlicedSampleStream(str(path), table, start, ordinal, read_data, ahead)
+        return SlicedSampleStream(str(path), table, start, ordinal, read_data, read_ahead, access)
     return SampleStream(path, start, ordinal, read_data=read_data, read_ahead=read_ahead, access=access)
 
 
