@@ -112,7 +112,7 @@ class SlicedSampleStream:
         """Whether block ``block``'s header bytes are those its table describes (else the
         stream turns to its headers)."""
         low, high = self._table.block_span(block)
-        found = self._table.block_crc(block, np.frombuffer(self._file.view(low, high), dtype=np.uint8), low)
+        found = self._table.block_crc(block, self._file.view(low, high), low)
         if found != int(self._table.header_crcs[block]):
             self._disagree(
                 f"the headers of its samples from number {block * CHECK_EVERY + 1} differ from its member table"

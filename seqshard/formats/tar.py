@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 from ..errors import ShardError
 from .files import fsync_directory, writing
 from .keys import split_member_name
-from .members import MemberTable, TableBuilder
+from .members import MemberTable, TableBuilder, has_table_format
 from .prefetch import ReadAhead
 from .remote import RemoteAccess, is_remote
 
@@ -134,7 +134,8 @@ class ShardWriter:
         except BaseException:
             self.abort()
             raise
-        self._table.finish(self.path, samples_end).save(self.path)
+        if has_table_format(str(self.path)):
+            self._table.finish(self.path, samples_end).save(self.path)
 
     def abort(self) -> None:
         """Drop the partial file."""
