@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
 import io
 import json
 import os
+import pstats
 import random
 import statistics
 import subprocess
@@ -121,20 +123,18 @@ def install_seek_bound_disk() -> None:
     kaldiio.utils.open_like_kaldi = open_like_kaldi
     kaldiio.matio.open_like_kaldi = open_like_kaldi
 
-    original_read = tar._MappedBytes.read
+    original_view = tar.MappedBytes.view
     charged: set[tuple[str, int]] = set()
 
-    def read(self, size):
-        before = self._pos
-        view = original_read(self, size)
-        for chunk in range(before // tar.READ_AHEAD, max(before, self._pos - 1) // tar.READ_AHEAD + 1):
+    def view(self, start, end):
+        for chunk in range(start // tar.READ_AHEAD, max(start, end - 1) // tar.READ_AHEAD + 1):
             if (self.path, chunk) not in charged:
                 charged.add((self.path, chunk))
-                start = chunk * tar.READ_AHEAD
-                _Disk.charge(self.path, start, min(tar.READ_AHEAD, self.size - start))
-        return view
+                first = chunk * tar.READ_AHEAD
+                _Disk.charge(self.path, first, min(tar.READ_AHEAD, self.size - first))
+        return original_view(self, start, end)
 
-    tar._MappedBytes.read = read
+    tar.MappedBytes.view = view  # every read of a mapped shard (headers parsed or sliced by its table)
 
 
 # ----------------------------------------------------------------------------------------
@@ -253,13 +253,19 @@ def run_one(args) -> dict:
         loader = methods[args.method](args)
     utts, frames, padded, speakers_per_batch, sizes = 0, 0, 0, [], []
     memory = PeakPss() if args.memory else contextlib.nullcontext()
+    profile = cProfile.Profile() if args.profile else None
     with memory:
+        if profile is not None:
+            profile.enable()
         for batch in loader:
             sizes.append(len(batch["keys"]))
             utts += len(batch["keys"])
             frames += int(batch["feat_lens"].sum())
             padded += batch["feats"].shape[0] * batch["feats"].shape[1]
             speakers_per_batch.append(len({k.split("-")[0] for k in batch["keys"]}))
+        if profile is not None:
+            profile.disable()
+            write_profile(profile, args.profile)
     result = {
         "seconds": time.perf_counter() - started,
         "cpu_seconds": time.process_time() - cpu_started,
@@ -278,6 +284,14 @@ def run_one(args) -> dict:
     if args.memory:
         result.update(peak_pss_mb=memory.own_kb / 1024, peak_pss_with_workers_mb=memory.tree_kb / 1024)
     return result
+
+
+def write_profile(profile: cProfile.Profile, path: str) -> None:
+    """The top entries of ``profile`` by own time and by cumulative time, as text."""
+    text = io.StringIO()
+    for order in ("tottime", "cumulative"):
+        pstats.Stats(profile, stream=text).sort_stats(order).print_stats(25)
+    Path(path).write_text(text.getvalue())
 
 
 # ----------------------------------------------------------------------------------------
@@ -311,7 +325,11 @@ def measure(
     files: list[Path],
     seek_bound: bool = False,
     memory: bool = False,
+    code: str | None = None,
+    profile: Path | None = None,
 ) -> dict:
+    """One epoch of ``method`` in a fresh process; ``code``: a folder whose ``seqshard`` it
+    imports (another checkout, for a before/after comparison in one run)."""
     if cold:
         evict(files)
     command = (
@@ -330,8 +348,10 @@ def measure(
         ]
         + (["--seek-bound"] if seek_bound else [])
         + (["--memory"] if memory else [])
+        + (["--profile", str(profile)] if profile else [])
     )
-    output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    env = {**os.environ, "PYTHONPATH": code} if code else None
+    output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(output.strip().splitlines()[-1])
 
 
@@ -345,6 +365,18 @@ def main() -> None:
     one.add_argument("--scp", required=True)
     one.add_argument("--seek-bound", action="store_true")
     one.add_argument("--memory", action="store_true", help="sample PSS through the epoch")
+    one.add_argument("--profile", help="write a cProfile summary of the epoch to this file")
+    parser.add_argument(
+        "--warm-ratio",
+        action="store_true",
+        help="only the warm one-process epoch against raw reading and WebDataset (rounds of those three)",
+    )
+    parser.add_argument(
+        "--baseline-code", help="with --warm-ratio: also time seqshard imported from this folder (another checkout)"
+    )
+    parser.add_argument(
+        "--profile-dir", type=Path, help="with --warm-ratio: write cProfile summaries of one warm epoch here"
+    )
     parser.add_argument("--gb", type=float, default=2.2)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--work", type=Path, default=HERE / "out")
@@ -362,6 +394,10 @@ def main() -> None:
     print(
         f"corpus: {corpus.num_utts} utterances, {corpus.hours:.1f} h, shards {shard_bytes / 1e9:.2f} GB ({len(shard_files)} files), arks {corpus.bytes / 1e9:.2f} GB"
     )
+
+    if args.warm_ratio:
+        warm_ratios(args, pattern, scp, shard_files, shard_bytes)
+        return
 
     files = {"raw": shard_files, "webdataset": shard_files, "mapstyle": corpus.arks}
     files.update({m: shard_files for m in ("seqshard", "seqshard-torchshm", "seqshard-steady")})
@@ -474,6 +510,52 @@ def main() -> None:
             indent=1,
         )
     )
+
+
+def warm_ratios(args, pattern: str, scp: str, shard_files: list[Path], shard_bytes: int) -> None:
+    """``--warm-ratio``: warm one-process epochs of raw reading, seqshard and WebDataset (and
+    seqshard from ``--baseline-code``), interleaved rounds in shuffled order, each run after
+    reading every shard once (this VM reclaims cached pages between runs); medians and ratios
+    of throughput. With ``--profile-dir``, one more warm epoch of each seqshard, profiled."""
+    variants = {"raw": ("raw", None), "seqshard": ("seqshard", None), "webdataset": ("webdataset", None)}
+    if args.baseline_code:
+        variants["seqshard-baseline"] = ("seqshard", str(args.baseline_code))
+    times: dict[str, list[float]] = {}
+    plan = list(variants)
+    for round_ in range(args.rounds):
+        random.Random(round_).shuffle(plan)
+        for name in plan:
+            method, code = variants[name]
+            _read_all(shard_files)
+            result = measure(method, 0, pattern, scp, False, [], code=code)
+            times.setdefault(name, []).append(result["seconds"])
+        print(f"round {round_ + 1}/{args.rounds} done")
+    median = {name: statistics.median(runs) for name, runs in times.items()}
+    for name, seconds in median.items():
+        runs = ", ".join(f"{t:.2f}" for t in times[name])
+        print(f"  {name:<18} {seconds:7.2f} s  {shard_bytes / 1e6 / seconds:8.1f} MB/s  (runs: {runs})")
+    ratios = {}
+    for name in (n for n in median if n.startswith("seqshard")):
+        ratios[f"{name}_vs_raw_warm_w0"] = round(median["raw"] / median[name], 3)
+        ratios[f"{name}_vs_webdataset_warm_w0"] = round(median["webdataset"] / median[name], 3)
+    print("ratios (same run): " + ", ".join(f"{k}={v}" for k, v in ratios.items()))
+    if args.profile_dir:
+        args.profile_dir.mkdir(parents=True, exist_ok=True)
+        for name in (n for n in variants if n.startswith("seqshard")):
+            method, code = variants[name]
+            _read_all(shard_files)
+            measure(method, 0, pattern, scp, False, [], code=code, profile=args.profile_dir / f"{name}.txt")
+            print(f"profile of {name}: {args.profile_dir / f'{name}.txt'}")
+    (args.work / "loader-warm-ratio.json").write_text(
+        json.dumps({"median_seconds": median, "seconds": times, "bytes": shard_bytes, "ratios": ratios}, indent=1)
+    )
+
+
+def _read_all(files: list[Path]) -> None:
+    for path in files:
+        with open(path, "rb", buffering=0) as stream:
+            while stream.read(8 << 20):
+                pass
 
 
 def corpus_speakers(corpus) -> list[int]:

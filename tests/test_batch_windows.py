@@ -1,6 +1,8 @@
 """Sort windows that follow the budget (issue 19, item 5): a window holds a number of batches,
 so padding stays low at large budgets, with resume, seeds and a memory bound kept."""
 
+import random
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -8,7 +10,14 @@ from hypothesis import strategies as st
 
 from conftest import assert_resumes_everywhere
 from seqshard.errors import ConfigError
-from seqshard.pipeline.stages.batching import BudgetWindow, FixedSize, LengthBudget, SortBatch
+from seqshard.pipeline.stages.batching import (
+    BudgetWindow,
+    FixedSize,
+    LengthBudget,
+    SortBatch,
+    count_sorted_batches,
+    cut_batches,
+)
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.testing import ListSource
 
@@ -167,3 +176,14 @@ def test_the_loaders_default_window_follows_the_budget_and_len_stays_exact(tmp_p
     batches = list(loader)
     assert len(batches) == 1501 and sum(len(b["keys"]) for b in batches) == 4500
     assert sorted(len(b["keys"]) for b in batches)[:4] == [2, 2, 2, 3]  # each window leaves a batch of 2
+
+
+def test_counting_sorted_batches_gives_what_cutting_them_gives():
+    draw = random.Random(0)
+    for _ in range(2000):
+        lengths = sorted(draw.randint(1, 3000) for _ in range(draw.randint(0, 200)))
+        cost = draw.choice(
+            [FixedSize(draw.randint(1, 50)), LengthBudget(draw.randint(1, 20000)), LengthBudget(9000, 1000.0)]
+        )
+        cut, alone = cut_batches(lengths, cost)
+        assert count_sorted_batches(lengths, cost) == len(cut) + len(alone), (lengths, cost)

@@ -15,6 +15,7 @@ import pytest
 from conftest import pack_small
 from seqshard.dist import Collectives, DistContext
 from seqshard.errors import ConfigError, SeqshardError, StateMismatchError
+from seqshard.formats.remote import RemoteAccess
 from seqshard.formats.table import ShardTable
 from seqshard.options import Epochs, LoaderOptions
 from seqshard.pipeline.plan import planned_utts
@@ -23,6 +24,7 @@ from seqshard.pipeline.rank.cursor import EpochCursor
 from seqshard.pipeline.rank.elastic import remainder_plan
 from seqshard.pipeline.rank.epochs import epoch_rules
 from seqshard.pipeline.rank.merge import MergedStream, RankPosition
+from seqshard.pipeline.workers.pool import WorkerPool
 from seqshard.pipeline.workers.protocol import BatchItem, EndItem
 from seqshard.pipeline.workers.setup import make_setup
 from seqshard.pipeline.workers.transfer import BatchSlots
@@ -193,3 +195,11 @@ def test_slots_hand_batches_over_as_shared_memory_and_free_them_with_the_last_vi
     del tensor
     gc.collect()
     assert slots.acquire(0, 10, iteration=1) is not None  # freed with its last view
+
+
+def test_a_labels_only_loader_keeps_no_room_for_frames_in_its_slots(table):
+    sizes = {}
+    for fields in (None, ["txt"]):
+        setup = make_setup(table, LoaderOptions(batch_size=4, num_workers=0, fields=fields), 0, 1, None, None)
+        sizes[str(fields)] = WorkerPool(setup, RemoteAccess()).runtime.slots.slot_bytes
+    assert sizes["['txt']"] == 1 << 20 < sizes["None"]  # room for labels only, not for 4 utterances of frames

@@ -13,6 +13,7 @@ from conftest import pack_small
 from seqshard import add_field, make_loader
 from seqshard.errors import ShardError
 from seqshard.formats.index import ShardIndex
+from seqshard.formats.members import TABLE_DIR
 from seqshard.formats.table import ShardTable
 from seqshard.formats.tar import ShardWriter
 from seqshard.pipeline.plan import Unit
@@ -90,6 +91,11 @@ def test_an_index_without_keys_still_loads_unchecked(same_size):
     (out / "index.json").write_text(json.dumps(index))
     assert ShardIndex.load(out).shards[0].first_key is None
     shutil.copy(out / "data-00000.tar", out / "data-00001.tar")
+    with pytest.raises(
+        ShardError, match=r"data-00001\.tar: the headers of its samples .* differ from its member table"
+    ):
+        keys_read(make_loader(same_size.pattern, **OPTIONS))  # the member table written at pack time tells
+    shutil.rmtree(out / TABLE_DIR)  # as a folder packed before member tables
     assert len(keys_read(make_loader(same_size.pattern, **OPTIONS))) == 48  # what an older index allows
 
 

@@ -4,6 +4,7 @@ shards) still reads, and `seqshard index --move-sidecars` moves it."""
 
 import glob
 import json
+import shutil
 import tarfile
 
 import pytest
@@ -15,6 +16,7 @@ from seqshard import add_field, make_loader, pack_data
 from seqshard.cli import main
 from seqshard.errors import ConfigError
 from seqshard.formats.index import ShardIndex
+from seqshard.formats.members import TABLE_DIR
 from seqshard.formats.selection import select_shards
 
 OPTIONS = dict(batch_size=4, num_workers=0, shuffle_window=8, sort_window=4, interleave=2)
@@ -84,6 +86,7 @@ def to_old_layout(out):
         (out / car["name"]).rename(out / old)
         car["name"] = old
         del car["first_key"], car["last_key"]
+    shutil.rmtree(out / "fields/spk" / TABLE_DIR)  # as a folder made before member tables
     (out / "fields/spk").rmdir()
     (out / "fields").rmdir()
     (out / "index.json").write_text(json.dumps(index))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import math
 import re
-from functools import lru_cache
 
 import numpy as np
 
@@ -35,37 +34,54 @@ def decode_npy(data: bytes | memoryview) -> np.ndarray:
     """Read an ``.npy`` member as an array viewing ``data`` (no copy, no pickle).
 
     Raises ValueError on anything that is not a plain numeric ``.npy``, or whose header
-    declares more bytes than ``data`` holds (checked before any array is made).
+    declares more bytes than ``data`` holds (checked before any array is made). A header seen
+    before (members of one layout and length share it) is looked up, not parsed.
     """
     view = memoryview(data)
-    if bytes(view[:6]) != _MAGIC:
-        raise ValueError("not an .npy array (bad magic bytes)")
-    major = view[6]
-    if major == 1:
-        header_len = int.from_bytes(view[8:10], "little")
-        start = 10
-    elif major in (2, 3):
-        header_len = int.from_bytes(view[8:12], "little")
-        start = 12
+    if len(view) >= 10 and view[6] == 1:
+        total = 10 + (view[8] | view[9] << 8)
+    elif len(view) >= 12 and view[6] in (2, 3):
+        total = 12 + int.from_bytes(view[8:12], "little")
     else:
+        total = 10
+    header = bytes(view[:total])
+    layout = _LAYOUTS.get(header)
+    if layout is None:
+        layout = _layout(header)
+        if len(_LAYOUTS) >= MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        _LAYOUTS[header] = layout
+    shape, dtype, order, size = layout
+    if len(view) - total < size:
+        raise ValueError(
+            f".npy is truncated: header says {shape} {dtype}, {size} bytes, found {max(len(view) - total, 0)}"
+        )
+    return np.ndarray(shape, dtype, buffer=view, offset=total, order=order)
+
+
+MAX_LAYOUTS = 4096  # utterance lengths repeat: most headers have been seen before
+_LAYOUTS: dict[bytes, tuple[tuple[int, ...], np.dtype, str, int]] = {}
+
+
+def _layout(header: bytes) -> tuple[tuple[int, ...], np.dtype, str, int]:
+    """Shape, dtype, order and payload size an ``.npy`` header (magic to padding) declares."""
+    if header[:6] != _MAGIC[: len(header)] or len(header) < 6:
+        raise ValueError("not an .npy array (bad magic bytes)")
+    if len(header) < 10:
+        raise ValueError(".npy is truncated inside its header")
+    major = header[6]
+    if major not in (1, 2, 3):
         raise ValueError(f"unsupported .npy format version {major}")
-    shape, fortran_order, dtype = _parse_header(bytes(view[: start + header_len]), start, major)
+    start = 10 if major == 1 else 12
+    if len(header) < start or len(header) != start + int.from_bytes(header[8:start], "little"):
+        raise ValueError(".npy is truncated inside its header")
+    shape, fortran_order, dtype = _parse_header(header, start, major)
     if dtype.hasobject:
         raise ValueError("the .npy holds Python objects; seqshard never unpickles data")
-    count = math.prod(shape)  # a Python int: huge dimensions cannot overflow before the check below
-    payload = start + header_len
-    if len(view) - payload < count * dtype.itemsize:
-        raise ValueError(
-            f".npy is truncated: header says {shape} {dtype}, "
-            f"{count * dtype.itemsize} bytes, found {len(view) - payload}"
-        )
-    array = np.frombuffer(view, dtype=dtype, count=count, offset=payload)
-    if fortran_order:
-        return array.reshape(shape[::-1]).T
-    return array.reshape(shape)
+    count = math.prod(shape)  # a Python int: huge dimensions cannot overflow before the size check
+    return shape, dtype, "F" if fortran_order else "C", count * dtype.itemsize
 
 
-@lru_cache(maxsize=4096)  # utterance lengths repeat: most headers have been seen before
 def _parse_header(header: bytes, start: int, major: int) -> tuple[tuple[int, ...], bool, np.dtype]:
     match = _PLAIN_HEADER.match(header, start)
     if match:

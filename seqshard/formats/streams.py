@@ -11,12 +11,14 @@ from pathlib import Path
 
 from ..errors import ShardError
 from .lists import ListSampleStream
+from .members import has_table_format, load_table
 from .patterns import is_list_name
 from .remote import RemoteAccess
 from .shar import CutStream, FieldTarStream, JsonlFieldStream, open_shar, shar_field_of
+from .sliced import SlicedSampleStream
 from .tar import SampleStream
 
-AnyStream = SampleStream | ListSampleStream | CutStream | JsonlFieldStream | FieldTarStream
+AnyStream = SampleStream | SlicedSampleStream | ListSampleStream | CutStream | JsonlFieldStream | FieldTarStream
 
 
 def open_samples(
@@ -26,18 +28,24 @@ def open_samples(
     read_data: bool = True,
     read_ahead: bool = True,
     access: RemoteAccess | None = None,
+    use_table: bool = True,
 ) -> AnyStream:
     """A sample stream over a shard (or a raw list), from byte ``start`` (sample ``ordinal``);
-    ``access`` reads remote shards (and reads local ones ahead)."""
+    ``access`` reads remote shards (and reads local ones ahead). A local tar with a member
+    table is sliced by it (``formats/members.py``) unless ``use_table=False``."""
     if is_list_name(str(path)):
         return ListSampleStream(path, start, ordinal, read_data=read_data)
     if (shar_field := shar_field_of(str(path))) is not None:
         return open_shar(str(path), shar_field, start, ordinal, read_data, read_ahead)
+    table = load_table(path) if use_table and has_table_format(str(path)) else None
+    if table is not None:
+        return SlicedSampleStream(str(path), table, start, ordinal, read_data, read_ahead, access)
     return SampleStream(path, start, ordinal, read_data=read_data, read_ahead=read_ahead, access=access)
 
 
 def skip_samples(path: str | Path, count: int, access: RemoteAccess | None = None) -> tuple[int, int]:
-    """Offset of the ``count``-th sample, found by reading headers only (lines of a list).
+    """Offset of the ``count``-th sample, found by reading headers only (lines of a list), or
+    a member table checked against them.
 
     Returns ``(offset, ordinal)`` to pass to :func:`open_samples`; the ordinal is smaller than
     ``count`` when there are fewer samples.

@@ -28,6 +28,7 @@ from typing import Any, BinaryIO
 from ..errors import ShardError
 from .files import fsync_directory, writing
 from .keys import split_member_name
+from .members import MemberTable, TableBuilder, has_table_format
 from .prefetch import ReadAhead
 from .remote import RemoteAccess, is_remote
 
@@ -67,7 +68,9 @@ class ShardWriter:
 
     Members are written in the order given, with fixed mtime/owner/mode, so that packing the
     same input again gives byte-identical shards. The CRC-32 of every byte written is kept
-    for the index. A crash leaves only the hidden ``.NAME.partial`` file behind.
+    for the index, and where each member lies for the shard's member table (``members.py``),
+    written once the shard has its final name. A crash leaves only the hidden
+    ``.NAME.partial`` file behind.
     """
 
     def __init__(self, path: str | Path):
@@ -79,16 +82,24 @@ class ShardWriter:
         self.crc32 = 0
         self.size = 0
         self.num_samples = 0
+        self._table = TableBuilder()
 
     def add(self, key: str, fields: Sequence[tuple[str, Sequence[BytesLike]]]) -> None:
         """Append one sample: ``fields`` is ``[(field_name, [buffer, ...]), ...]``."""
         buffers: list[BytesLike] = []
+        members = []
+        start = at = self.size
         for name, parts in fields:
             size = sum(len(part) for part in parts)
-            buffers.append(_member_header(f"{key}.{name}", size))
+            header = _member_header(f"{key}.{name}", size)
+            members.append((name, at, at + len(header), size))
+            buffers.append(header)
             buffers.extend(parts)
             buffers.append(_padding(size))
+            at += len(header) + size + (-size % BLOCK)
         self._write(buffers)
+        if members:
+            self._table.add_sample(key, start, members)
         self.num_samples += 1
 
     def _write(self, buffers: list[BytesLike]) -> None:
@@ -109,6 +120,7 @@ class ShardWriter:
         On failure (a full disk, say) the partial file is removed and OutputError raised.
         """
         try:
+            samples_end = self.size
             end = 2 * BLOCK
             end += -(self.size + end) % RECORD
             self._write([bytes(end)])
@@ -122,6 +134,8 @@ class ShardWriter:
         except BaseException:
             self.abort()
             raise
+        if has_table_format(str(self.path)):
+            self._table.finish(self.path, samples_end).save(self.path)
 
     def abort(self) -> None:
         """Drop the partial file."""
@@ -134,11 +148,14 @@ class ShardWriter:
 @dataclass(slots=True)
 class Member:
     """A regular file in a tar: its name, where its first header starts, and its bytes
-    (a memoryview of the mapped file for plain shards, bytes for gzip'd ones)."""
+    (a memoryview of the mapped file for plain shards, bytes for gzip'd ones), and where they
+    start and how many there are (also when they were not read)."""
 
     name: str
     offset: int
     data: bytes | memoryview
+    data_at: int = 0
+    size: int = 0
 
 
 def _octal(field_bytes: bytes, path: str | Path, offset: int) -> int:
@@ -176,7 +193,7 @@ def _parse_pax(data: bytes, path: str, offset: int) -> dict[str, str]:
     return records
 
 
-class _MappedBytes:
+class MappedBytes:
     """A file read through read-only memory maps of ``MAP_CHUNK`` bytes: reads are views,
     not copies. A chunk is unmapped when the last view into it is gone, so the mapped pages
     a reader keeps are those its buffered samples use."""
@@ -207,14 +224,18 @@ class _MappedBytes:
         end = min(self._pos + size, self.size)
         if end <= self._pos:
             return memoryview(b"")
-        if self._pos < self._chunk_start or end > self._chunk_end:
-            self._map(self._pos, end)
-        view = self._chunk[self._pos - self._chunk_start : end - self._chunk_start]
+        view = self.view(self._pos, end)
         self._pos = end
-        if self._ahead is not None and self._pos + READ_AHEAD // 2 > self._advised and self._advised < self.size:
+        return view
+
+    def view(self, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)`` (inside the file) as a view, reading ahead of ``end``."""
+        if start < self._chunk_start or end > self._chunk_end:
+            self._map(start, end)
+        if self._ahead is not None and end + READ_AHEAD // 2 > self._advised and self._advised < self.size:
             self._ahead.submit(self._file.fileno(), self._advised, min(READ_AHEAD, self.size - self._advised))
             self._advised += READ_AHEAD
-        return view
+        return self._chunk[start - self._chunk_start : end - self._chunk_start]
 
     def skip(self, size: int) -> None:
         self._pos += size
@@ -324,13 +345,14 @@ class TarStream:
                 start, long_name, pax = self.position, None, {}
                 continue
             name = pax.get("path") or long_name or _ustar_name(header)
+            data_at = self.position
             if read_data:
                 data = self._read_exact(size, f"member {name!r}")
                 self._skip(-size % BLOCK)
             else:
                 data = b""
                 self._skip(size + (-size % BLOCK))
-            return Member(name, start, data)
+            return Member(name, start, data, data_at, size)
 
     def _check_declared(self, size: int, header_at: int, what: str) -> None:
         """A declared size must fit the bytes that exist (where the file's length is known) and
@@ -427,7 +449,7 @@ def _open_for_reading(path: str, read_ahead: bool, access: RemoteAccess | None) 
         if cached is not None:  # read like a local shard
             if compressed:
                 return _StreamedBytes(gzip.GzipFile(fileobj=cached, mode="rb"))  # type: ignore[arg-type]
-            return _MappedBytes(cached.name, access.read_ahead() if read_ahead else None, file=cached)
+            return MappedBytes(cached.name, access.read_ahead() if read_ahead else None, file=cached)
         source = access.open_bytes(path)
         if compressed:
             return _StreamedBytes(gzip.GzipFile(fileobj=_FileOver(source), mode="rb"))  # type: ignore[arg-type]
@@ -435,7 +457,7 @@ def _open_for_reading(path: str, read_ahead: bool, access: RemoteAccess | None) 
     try:
         if path.endswith((".gz", ".tgz")):
             return _StreamedBytes(gzip.open(path, "rb"))  # type: ignore[arg-type]
-        return _MappedBytes(path, access.read_ahead() if read_ahead and access is not None else None)
+        return MappedBytes(path, access.read_ahead() if read_ahead and access is not None else None)
     except OSError as error:
         raise ShardError(path, None, f"cannot open shard: {error.strerror}") from error
 
@@ -449,6 +471,7 @@ class TarRecord:
     fields: dict[str, bytes | memoryview] = field(default_factory=dict)
     offset: int = 0
     ordinal: int = 0
+    members: list[tuple[str, int, int, int]] | None = None  # (suffix, header at, data at, size), when asked
 
 
 class SampleStream:
@@ -457,7 +480,8 @@ class SampleStream:
     ``resume_offset`` is where the next sample's first member starts and ``ordinal`` its
     index in the shard; passing both back as ``start``/``ordinal`` continues from there.
     Members whose names have no ``KEY.FIELD`` form (e.g. a ``README``) are passed over.
-    ``read_data=False`` walks the headers only (the samples' fields are empty).
+    ``read_data=False`` walks the headers only (the samples' fields are empty);
+    ``where=True`` says where each sample's members lie (``TarRecord.members``).
     """
 
     def __init__(
@@ -468,9 +492,11 @@ class SampleStream:
         read_data: bool = True,
         read_ahead: bool = True,
         access: RemoteAccess | None = None,
+        where: bool = False,
     ):
         self._tar = TarStream(path, start, read_ahead=read_ahead and read_data, access=access)
         self._read_data = read_data
+        self._where = where
         self._pending: Member | None = None
         self.ordinal = ordinal
 
@@ -517,6 +543,8 @@ class SampleStream:
             return None
         member, key, name = first
         sample = TarRecord(key, {name: member.data}, member.offset, self.ordinal)
+        if self._where:
+            sample.members = [(name, member.offset, member.data_at, member.size)]
         while True:
             following = self._tar.next_member(self._read_data)
             if following is None:
@@ -528,5 +556,21 @@ class SampleStream:
                 self._pending = following
                 break
             sample.fields[split[1]] = following.data
+            if sample.members is not None:
+                sample.members.append((split[1], following.offset, following.data_at, following.size))
         self.ordinal += 1
         return sample
+
+
+def member_table(path: str | Path) -> MemberTable:
+    """The member table of the local tar ``path``, from its headers (see ``members.py``);
+    ShardError when it cannot be read to its end-of-archive block."""
+    builder = TableBuilder()
+    with SampleStream(path, read_data=False, read_ahead=False, where=True) as stream:
+        while (sample := stream.next_sample()) is not None:
+            assert sample.members is not None
+            builder.add_sample(sample.key, sample.offset, sample.members)
+        if not stream.ended_cleanly:
+            raise ShardError(path, stream.resume_offset, "the shard ends without the tar end marker (cut short?)")
+        end = stream.resume_offset
+    return builder.finish(path, end)

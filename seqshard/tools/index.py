@@ -20,9 +20,10 @@ import os
 from pathlib import Path
 
 from .. import __version__
-from ..errors import ConfigError, SeqshardError
+from ..errors import ConfigError, SeqshardError, ShardError
 from ..formats.files import writing
 from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, check_inside, sidecar_name
+from ..formats.members import load_table
 from ..formats.pack_state import STATE_DIR, planned_shards
 from ..formats.patterns import (
     SHARD_SUFFIXES,
@@ -32,6 +33,7 @@ from ..formats.patterns import (
     shards_in_folder,
 )
 from ..formats.shar import is_shar_folder
+from ..formats.tar import member_table
 from ..prep.journal import finished_shards
 from ..prep.sources import FEATURE_MEMBER, LABEL_MEMBER
 from .parallel import map_shards
@@ -94,6 +96,7 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
         for shard in shards:
             record = journal.get(prefix + shard.name)
             if record is not None:
+                _ensure_table(shard)
                 entries[shard.name] = ShardEntry.from_json(record)
                 feature.setdefault("dim", record.get("dim"))
                 feature.setdefault("dtype", record.get("dtype"))
@@ -103,6 +106,8 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
         for shard, scan in zip(to_scan, map_shards(scan_shard, to_scan, jobs, f"index {folder}", progress)):
             if scan.problems:
                 raise ConfigError(f"{shard} is damaged, not indexing it: {'; '.join(scan.problems)}")
+            if scan.table is not None:
+                scan.table.save(shard)
             entries[shard.name] = scan.entry
             fields.update(dict.fromkeys(scan.fields))
             if scan.audio:  # lengths are durations in 10 ms frames, as a pack of audio records
@@ -139,6 +144,23 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
             for path, _, _ in old_sidecars:
                 path.unlink(missing_ok=True)
     return written
+
+
+def _ensure_table(shard: Path) -> None:
+    """Give a shard the journal describes the member table its headers give, unless it has it
+    (the packer writes one with each shard; a shard edited since gets a new one)."""
+    if not shard.name.endswith(".tar"):
+        return
+    try:
+        table = member_table(shard)
+    except ShardError as error:
+        raise ConfigError(f"{shard} is damaged, not indexing it: {error}") from None
+    try:
+        stored = load_table(shard)
+    except ShardError:
+        stored = None
+    if stored is None or not stored.same_as(table):
+        table.save(shard)
 
 
 def _old_layout_sidecars(folder: Path) -> list[tuple[Path, str, str]]:
@@ -191,6 +213,8 @@ def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[st
             scan = scan_shard(folder / car.name)
             if scan.problems:
                 raise ConfigError(f"{folder / car.name} is damaged, not indexing it: {'; '.join(scan.problems)}")
+            if scan.table is not None:
+                scan.table.save(folder / car.name)
             measured = scan.entry
             entry.sidecars[name] = SidecarEntry(
                 car.name, measured.bytes, measured.checksum, measured.first_key, measured.last_key

@@ -13,8 +13,11 @@ from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.files import crc32_of
 from ..formats.index import ShardEntry, length_bin
 from ..formats.lists import SEGMENT_FIELD
+from ..formats.members import MemberTable, TableBuilder, has_table_format
 from ..formats.npy import decode_npy
+from ..formats.shar import shar_field_of
 from ..formats.streams import open_samples
+from ..formats.tar import SampleStream
 
 
 @dataclass
@@ -29,6 +32,7 @@ class ShardScan:
     keys: list[str] = field(default_factory=list)  # in file order
     fields: list[str] = field(default_factory=list)  # member suffixes seen, in first-seen order
     audio: bool = False  # lengths are audio durations in 10 ms frames
+    table: MemberTable | None = None  # of a local tar read to its end marker, from its headers
 
 
 def file_crc32(path: str | Path, access: remote.RemoteAccess | None = None) -> tuple[int, int]:
@@ -48,7 +52,8 @@ def scan_shard(
 ) -> ShardScan:
     """Read every member of ``path`` (a shard, local or a URL, or a raw list and its audio);
     lengths come from the first ``.npy`` field found, else the first audio field (or
-    ``feature_field``). Damage is reported in ``problems``, never raised."""
+    ``feature_field``). Damage is reported in ``problems``, never raised. The headers are
+    parsed (a member table is not trusted), and a local tar's member table made from them."""
     name = str(path).rstrip("/").rsplit("/", 1)[-1]
     access = access or remote.RemoteAccess()
     try:
@@ -57,9 +62,13 @@ def scan_shard(
         return ShardScan(ShardEntry(name, 0, 0, 0, ""), feature_field, problems=[str(error)])
     scan = ShardScan(ShardEntry(name, 0, 0, size, f"crc32:{crc:08x}"), feature_field)
     keys_seen: set[str] = set()
+    table = TableBuilder() if has_table_format(str(path)) and shar_field_of(str(path)) is None else None
     try:
-        with open_samples(path, access=access) as stream:
+        with SampleStream(path, where=True) if table is not None else open_samples(path, access=access) as stream:
             while (sample := stream.next_sample()) is not None:
+                if table is not None:
+                    assert sample.members is not None
+                    table.add_sample(sample.key, sample.offset, sample.members)
                 scan.entry.num_utts += 1
                 if sample.key in keys_seen:
                     scan.problems.append(f"key {sample.key!r} appears in two separate runs of members")
@@ -69,6 +78,8 @@ def scan_shard(
                 _describe_sample(scan, sample.key, sample.fields)
             if not stream.ended_cleanly:
                 scan.problems.append("the tar end marker is missing (shard cut short?)")
+            elif table is not None:
+                scan.table = table.finish(path, stream.resume_offset)
     except ShardError as error:
         scan.problems.append(str(error))
     if scan.keys:  # what a reader checks the file against

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import redact
+from ..errors import ShardError, redact
 from ..formats import remote
 from ..formats.index import SidecarEntry
+from ..formats.members import load_table, table_path
 from ..formats.table import select_folders
 from .parallel import map_shards
 from .scan import ShardScan, scan_shard
@@ -49,6 +50,7 @@ def verify(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> V
                     problems.append(f"{scan.entry.num_utts} utterances, index says {entry.num_utts}")
                 for name, car in entry.sidecars.items():
                     problems.extend(_sidecar_problems(f"{folder.name}/{car.name}", name, car, scan))
+            problems.extend(_table_problems(shard, scan))
             if problems:
                 result.damaged[shard] = problems
     result.missing = {str(m.path): m.why for m in missing}
@@ -61,7 +63,7 @@ def _sidecar_problems(path: str, name: str, expected: SidecarEntry, shard: Shard
     if not remote.is_remote(path) and not Path(path).is_file():
         return [f"field set {name!r}: {base} is missing"]
     scan = scan_shard(path)
-    problems = [f"field set {name!r}: {problem}" for problem in scan.problems]
+    problems = [f"field set {name!r}: {problem}" for problem in scan.problems + _table_problems(path, scan)]
     if scan.entry.bytes != expected.bytes or (expected.checksum and scan.entry.checksum != expected.checksum):
         problems.append(f"field set {name!r}: {base} differs from its index entry (size or checksum)")
     if scan.keys != shard.keys:
@@ -73,6 +75,21 @@ def _sidecar_problems(path: str, name: str, expected: SidecarEntry, shard: Shard
             f"they first differ at sample {first}"
         )
     return problems
+
+
+def _table_problems(path: str, scan: ShardScan) -> list[str]:
+    """How the member table of ``path`` (if it has one) differs from its headers."""
+    if scan.table is None:
+        return []
+    try:
+        stored = load_table(path)
+    except ShardError as error:
+        return [error.problem]
+    if stored is None or stored.same_as(scan.table):
+        return []
+    return [
+        f"its member table {table_path(path)} differs from its headers: rebuild it with `seqshard index` on its folder"
+    ]
 
 
 def format_result(result: VerifyResult) -> str:

@@ -15,12 +15,12 @@ import math
 
 import numpy as np
 
-from ...formats.index import bin_bounds
+from ...formats.index import BINS_PER_OCTAVE, bin_bounds
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
 from ..plan import plan_epoch, planned_utts
-from ..stages.batching import cut_batches
+from ..stages.batching import count_sorted_batches
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
 
@@ -100,11 +100,12 @@ def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
     cost = batch_cost(setup.options.batching)
     found = []
     for end in (0, 1):
-        lengths = np.array([max(1, math.floor(bin_bounds(int(b))[end])) for b in drawn])
+        lengths = np.maximum(1, np.floor(2.0 ** ((drawn + end) / BINS_PER_OCTAVE))).astype(np.int64)  # bin_bounds
         batches = 0
         for part in np.split(lengths, windows):
-            cut, alone = cut_batches(np.sort(part).tolist(), cost)
-            batches += len(cut) + len(alone)  # oversize samples go alone (or are dropped: an estimate)
+            batches += count_sorted_batches(
+                np.sort(part).tolist(), cost
+            )  # oversize ones alone (or dropped: an estimate)
         found.append(batches / len(drawn))
     return found[0], found[1]
 

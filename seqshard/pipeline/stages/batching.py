@@ -121,6 +121,22 @@ def cut_batches(
     return _CopiesApart(lengths, cost, keys, fitting).cut(), oversize
 
 
+def count_sorted_batches(lengths: Sequence[int], cost: BatchCost) -> int:
+    """``len(batches) + len(oversize)`` of :func:`cut_batches` on ascending ``lengths``,
+    found by a binary search per batch (its greedy end), not a test per sample: a batch from
+    ``start`` ends before the first ``j`` where ``j - start + 1`` samples padded to
+    ``lengths[j]`` do not fit, and fitting only gets harder along an ascending run."""
+    fitting = bisect.bisect_left(range(len(lengths)), True, key=lambda j: not cost.fits(1, lengths[j]))
+    batches, start = 0, 0
+    while start < fitting:
+        stop = bisect.bisect_left(
+            range(start + 1, fitting), True, key=lambda j: not cost.fits(j - start + 1, lengths[j])
+        )
+        start += stop + 1
+        batches += 1
+    return batches + len(lengths) - fitting
+
+
 def _cut_in_order(lengths: Sequence[int], cost: BatchCost, order: Iterable[int]) -> list[list[int]]:
     """Greedy batches along ``order``: each takes the next sample while the cost allows."""
     batches: list[list[int]] = []

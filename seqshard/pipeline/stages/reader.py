@@ -206,6 +206,9 @@ class _OpenUnit:
                     None,
                     f"its last sample is {last!r} where its index.json says {expected[1]!r}: {REPLACED}",
                 )
+            mismatch = getattr(stream, "mismatch", None)  # a shard that differs from its member table
+            if mismatch is not None:
+                raise ShardError(stream.path, None, mismatch)
 
     def position(self) -> list:
         return [self.index, [stream.resume_offset for stream in self.streams], self.ordinal]

@@ -10,8 +10,6 @@ from collections.abc import Iterator
 from typing import Any
 
 from ...formats.remote import RemoteAccess
-from ...formats.table import ShardTable
-from ...options import LoaderOptions
 from ..stages.collate import to_tensors
 from .protocol import BatchItem, ErrorItem, Item
 from .runtime import WorkerRuntime
@@ -29,7 +27,7 @@ class WorkerPool:
         options = setup.options.workers
         self.options = options
         self._context = multiprocessing.get_context(options.multiprocessing_context)
-        self.runtime = WorkerRuntime(access, _slots(setup.table, setup.options, self._context))
+        self.runtime = WorkerRuntime(access, _slots(setup, self._context))
         self._setup = setup
         self._channel = IterationChannel(self._context)
         self._iteration = 0
@@ -93,14 +91,17 @@ class WorkerPool:
         self._dataloader = None
 
 
-def _slots(table: ShardTable, options: LoaderOptions, context: Any) -> BatchSlots | None:
+def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
     """Shared slots for workers' batches, sized for the largest batch the options allow
-    (feature arrays, plus room for labels and other fields)."""
+    (feature arrays, when features or audio are read, plus room for labels and other fields)."""
+    table, options = setup.table, setup.options
     workers, batching = options.workers, options.batching
     if not workers.shared_slots:
         return None
     itemsize = 2 if options.collation.dtype == "float16" else 4
-    if batching.batch_frames is not None:
+    if setup.fields.features is None and setup.fields.audio is None:  # labels only: no frames to hold
+        frames = 0
+    elif batching.batch_frames is not None:
         frames = batching.batch_frames
     else:
         longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=2000)

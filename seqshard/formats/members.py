@@ -1,0 +1,264 @@
+"""Member tables: where every sample's members lie in a tar shard, so that a reader slices its
+memory map instead of parsing a 512-byte header per member in Python.
+
+A table is a small ``.npz`` beside its tar, ``FOLDER/.members/NAME.tar.npz`` (hidden: no glob
+of the shards selects it, and the tar itself is untouched, so ``tar``, WebDataset and wids
+read it as before). The packer and ``add-field`` write it with each shard and sidecar;
+``seqshard index`` builds it for shards other tools wrote. It holds, as arrays: each sample's
+key and resume offset (where its first header starts), each member's header offset, data
+offset, size and suffix, the file's size, and a CRC-32 of the header bytes of every block of
+``CHECK_EVERY`` samples.
+
+A reader trusts a table only as far as it checks it against the file: the file's size when it
+opens it, each block's header bytes (names, sizes, header checksums) before it hands out the
+block's first sample, and the end-of-archive block. A table that disagrees (the shard edited
+or replaced after its table was written) is a damaged shard (ShardError naming the file).
+A shard without a table is read by parsing its headers, as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import zipfile
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ShardError
+from .files import default_file_mode, writing
+
+TABLE_DIR = ".members"
+VERSION = 1
+CHECK_EVERY = 64  # samples whose header bytes are checked at once
+REBUILD = "Fix: if the shard is right (`seqshard verify`), rebuild its table with `seqshard index` on its folder."
+_SEPARATOR = b"\0"  # between keys, and between suffixes: tar names hold no NUL
+
+
+def table_path(shard: str | Path) -> Path:
+    """Where the member table of ``shard`` (a local tar file) lives."""
+    shard = Path(shard)
+    return shard.parent / TABLE_DIR / f"{shard.name}.npz"
+
+
+def has_table_format(shard: str) -> bool:
+    """Whether a shard of this name can have a member table (local, uncompressed tars)."""
+    return shard.endswith(".tar") and "://" not in shard
+
+
+@dataclass(frozen=True, eq=False)
+class MemberTable:
+    """One shard's member table (see the module docstring). Sample ``i``'s members are
+    ``first_member[i]`` to ``first_member[i + 1]``; ``sample_offsets[-1]`` is where reading
+    stops (the end-of-archive block)."""
+
+    file_size: int
+    keys: tuple[str, ...]
+    sample_offsets: np.ndarray  # int64, one per sample and one for the end
+    first_member: np.ndarray  # int64, one per sample and one for the end
+    header_offsets: np.ndarray  # int64 per member: its first header (a pax header, when it has one)
+    data_offsets: np.ndarray  # int64 per member
+    sizes: np.ndarray  # int64 per member
+    suffix_ids: np.ndarray  # int32 per member: its suffix in ``suffixes``
+    suffixes: tuple[str, ...]
+    header_crcs: np.ndarray  # uint32 per block of CHECK_EVERY samples
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.keys)
+
+    @property
+    def end(self) -> int:
+        return int(self.sample_offsets[-1])
+
+    def block_crc(self, block: int, data: memoryview, base: int = 0) -> int:
+        """CRC-32 of the header bytes of block ``block``'s members (one after the other), read
+        from ``data`` (bytes of the file from offset ``base``)."""
+        low, high = block * CHECK_EVERY, min((block + 1) * CHECK_EVERY, self.num_samples)
+        first, last = int(self.first_member[low]), int(self.first_member[high])
+        crc = 0
+        for start, end in zip(
+            (self.header_offsets[first:last] - base).tolist(), (self.data_offsets[first:last] - base).tolist()
+        ):
+            crc = zlib.crc32(data[start:end], crc)  # a C call per member: cheaper than gathering them
+        return crc
+
+    def block_span(self, block: int) -> tuple[int, int]:
+        """The bytes from the first header to the last data byte of block ``block``."""
+        low, high = block * CHECK_EVERY, min((block + 1) * CHECK_EVERY, self.num_samples)
+        first, last = int(self.first_member[low]), int(self.first_member[high])
+        if first == last:
+            return int(self.sample_offsets[low]), int(self.sample_offsets[low])
+        return int(self.header_offsets[first]), int(self.data_offsets[last - 1] + self.sizes[last - 1])
+
+    def same_as(self, other: MemberTable) -> bool:
+        """Whether both describe the same bytes the same way."""
+        return (
+            self.file_size == other.file_size
+            and self.keys == other.keys
+            and self.suffixes == other.suffixes
+            and all(np.array_equal(getattr(self, name), getattr(other, name)) for name in _ARRAYS)
+        )
+
+    def save(self, shard: str | Path) -> Path:
+        """Write the table of ``shard`` atomically (a temporary name, then a rename)."""
+        path = table_path(shard)
+        with writing(path):
+            path.parent.mkdir(exist_ok=True)
+            descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+            try:
+                with os.fdopen(descriptor, "wb") as stream:
+                    np.savez(
+                        stream,
+                        version=np.array(VERSION),
+                        file_size=np.array(self.file_size, dtype=np.int64),
+                        keys=_join(self.keys),
+                        suffixes=_join(self.suffixes),
+                        **{name: getattr(self, name) for name in _ARRAYS},
+                    )
+                    os.fchmod(stream.fileno(), default_file_mode())
+                    stream.flush()
+                    os.fsync(stream.fileno())
+                os.replace(temporary, path)
+            except BaseException:
+                Path(temporary).unlink(missing_ok=True)
+                raise
+        return path
+
+
+_ARRAYS = (
+    "sample_offsets",
+    "first_member",
+    "header_offsets",
+    "data_offsets",
+    "sizes",
+    "suffix_ids",
+    "header_crcs",
+)
+
+
+def _join(names: Sequence[str]) -> np.ndarray:
+    blob = _SEPARATOR.join(name.encode("utf-8", "surrogateescape") for name in names)
+    return np.frombuffer(blob, dtype=np.uint8)
+
+
+def _split(blob: np.ndarray, count: int) -> tuple[str, ...]:
+    if count == 0:
+        return ()
+    return tuple(blob.tobytes().decode("utf-8", "surrogateescape").split("\0"))
+
+
+def load_table(shard: str | Path) -> MemberTable | None:
+    """The member table of ``shard``, None when it has none; a table that cannot be read, or
+    is not consistent in itself, raises ShardError naming the shard."""
+    path = table_path(shard)
+    try:
+        with np.load(path, allow_pickle=False) as stored:
+            arrays = {name: stored[name] for name in stored.files}
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+        raise ShardError(shard, None, f"its member table {path} cannot be read ({error}). {REBUILD}") from None
+    try:
+        if int(arrays["version"]) != VERSION:
+            raise ValueError(f"version {int(arrays['version'])}, not {VERSION}")
+        offsets = arrays["sample_offsets"].astype(np.int64, copy=False)
+        first = arrays["first_member"].astype(np.int64, copy=False)
+        members = len(arrays["sizes"])
+        suffixes = _split(arrays["suffixes"], int(arrays["suffix_ids"].max(initial=-1)) + 1)
+        table = MemberTable(
+            int(arrays["file_size"]),
+            _split(arrays["keys"], len(offsets) - 1),
+            offsets,
+            first,
+            arrays["header_offsets"].astype(np.int64, copy=False),
+            arrays["data_offsets"].astype(np.int64, copy=False),
+            arrays["sizes"].astype(np.int64, copy=False),
+            arrays["suffix_ids"].astype(np.int32, copy=False),
+            suffixes,
+            arrays["header_crcs"].astype(np.uint32, copy=False),
+        )
+        _check_consistent(table, members)
+    except (KeyError, ValueError, TypeError) as error:
+        raise ShardError(shard, None, f"its member table {path} is damaged ({error}). {REBUILD}") from None
+    return table
+
+
+def _check_consistent(table: MemberTable, members: int) -> None:
+    """Raise ValueError unless the table's arrays fit together and inside the file."""
+    samples = table.num_samples
+    if len(table.sample_offsets) != samples + 1 or len(table.first_member) != samples + 1:
+        raise ValueError("its keys and sample offsets differ in number")
+    if not (len(table.header_offsets) == len(table.data_offsets) == len(table.suffix_ids) == members):
+        raise ValueError("its member arrays differ in length")
+    if len(table.header_crcs) != -(-samples // CHECK_EVERY):
+        raise ValueError("it has the wrong number of header checksums")
+    if samples and (table.first_member[0] != 0 or table.first_member[-1] != members):
+        raise ValueError("its samples do not cover its members")
+    if np.any(np.diff(table.first_member) < 1) or np.any(np.diff(table.sample_offsets) <= 0):
+        raise ValueError("its samples are not in file order")
+    data_ends = table.data_offsets + table.sizes
+    if members and (
+        np.any(table.sizes < 0)
+        or np.any(table.header_offsets[1:] < data_ends[:-1])
+        or np.any(table.data_offsets - table.header_offsets < 512)
+        or table.header_offsets[0] < 0
+        or data_ends[-1] > table.end
+    ):
+        raise ValueError("its members overlap or lie outside the file")
+    if table.end + 512 > table.file_size:
+        raise ValueError("it ends outside the file")
+    if np.any(table.suffix_ids < 0) or np.any(table.suffix_ids >= len(table.suffixes)):
+        raise ValueError("it names member suffixes it does not have")
+
+
+class TableBuilder:
+    """Collects a shard's members in file order (from its writer, or from reading its headers);
+    :meth:`finish` measures the file's header bytes and gives the table."""
+
+    def __init__(self) -> None:
+        self._keys: list[str] = []
+        self._sample_offsets: list[int] = []
+        self._first_member: list[int] = []
+        self._members: list[tuple[int, int, int, int]] = []  # header offset, data offset, size, suffix id
+        self._suffixes: dict[str, int] = {}
+
+    def add_sample(self, key: str, offset: int, members: Sequence[tuple[str, int, int, int]]) -> None:
+        """Sample ``key`` whose first header is at ``offset``, with ``members`` as
+        ``(suffix, header offset, data offset, size)``, in file order."""
+        self._keys.append(key)
+        self._sample_offsets.append(offset)
+        self._first_member.append(len(self._members))
+        for suffix, header_at, data_at, size in members:
+            suffix_id = self._suffixes.setdefault(suffix, len(self._suffixes))
+            self._members.append((header_at, data_at, size, suffix_id))
+
+    def finish(self, path: str | Path, end: int) -> MemberTable:
+        """The table of the tar ``path``, whose samples end at ``end`` (its end marker)."""
+        members = np.array(self._members, dtype=np.int64).reshape(-1, 4)
+        with open(path, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            blocks = -(-len(self._keys) // CHECK_EVERY)
+            table = MemberTable(
+                size,
+                tuple(self._keys),
+                np.array([*self._sample_offsets, end], dtype=np.int64),
+                np.array([*self._first_member, len(members)], dtype=np.int64),
+                members[:, 0].copy(),
+                members[:, 1].copy(),
+                members[:, 2].copy(),
+                members[:, 3].astype(np.int32),
+                tuple(self._suffixes),
+                np.zeros(blocks, dtype=np.uint32),
+            )
+            if blocks:
+                with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                    data = memoryview(mapped)
+                    for block in range(blocks):
+                        table.header_crcs[block] = table.block_crc(block, data)
+                    data.release()
+        return table

@@ -1,0 +1,227 @@
+"""Member tables (formats/members.py): written with every shard and sidecar, built by
+`seqshard index` for shards other tools wrote, read to the same samples, states and errors as
+parsing the headers, and checked against the file they describe."""
+
+import json
+import logging
+import shutil
+import tarfile
+
+import numpy as np
+import pytest
+
+from conftest import pack_small
+from seqshard import add_field, make_loader
+from seqshard.errors import ShardError
+from seqshard.formats.members import TABLE_DIR, load_table, table_path
+from seqshard.formats.sliced import SlicedSampleStream
+from seqshard.formats.streams import open_samples, skip_samples
+from seqshard.formats.tar import SampleStream, member_table
+from seqshard.tools.index import rebuild_index
+from seqshard.tools.verify import verify
+
+OPTIONS = dict(batch_frames=100, num_workers=0, seed=3, shuffle_window=12, sort_window=8, interleave=2)
+
+
+@pytest.fixture
+def packed_with_words(tmp_path):
+    packed = pack_small(tmp_path, utts_per_file=10)
+    (tmp_path / "words").write_text("".join(f"{k} w{i}\n" for i, k in enumerate(packed.data.keys)))
+    add_field(packed.out, "words", tmp_path / "words", progress=False)
+    return packed
+
+
+def records(stream):
+    found = []
+    while (record := stream.next_sample()) is not None:
+        fields = {name: bytes(data) for name, data in record.fields.items()}
+        found.append((record.key, fields, record.offset, record.ordinal, stream.resume_offset))
+    return found, stream.ended_cleanly, stream.resume_offset
+
+
+def batches(loader):
+    return [(batch["keys"], batch["feats"].numpy().copy()) for batch in loader]
+
+
+def test_pack_and_add_field_write_a_table_beside_each_shard_and_sidecar(packed_with_words):
+    out = packed_with_words.out
+    shards = sorted(out.glob("data-*.tar"))
+    sidecars = sorted(out.glob("fields/words/*.tar"))
+    assert len(shards) == len(sidecars) == 5
+    for path in shards + sidecars:
+        assert table_path(path).parent.name == TABLE_DIR
+        assert load_table(path).same_as(member_table(path))  # the writer's table is the headers' table
+        with tarfile.open(path) as tar:
+            assert not any(TABLE_DIR in name for name in tar.getnames())  # the tar is untouched
+    table = load_table(shards[0])
+    assert table.num_samples == 10 and set(table.suffixes) == {"feats.npy", "txt"}
+
+
+def test_a_table_reads_the_same_records_as_the_headers_from_any_position(packed_with_words):
+    for path in [*packed_with_words.out.glob("data-*.tar"), *packed_with_words.out.glob("fields/words/*.tar")]:
+        with SampleStream(path) as headers:
+            expected = records(headers)
+        with open_samples(path) as stream:
+            assert isinstance(stream, SlicedSampleStream)
+            assert records(stream) == expected
+        for count in (1, 4, 10, 12):
+            offset, ordinal = skip_samples(path, count)
+            with SampleStream(path, read_data=False) as walk:
+                for _ in range(count):
+                    walk.next_sample()
+                assert (offset, ordinal) == (walk.resume_offset, walk.ordinal)
+            with open_samples(path, offset, ordinal) as stream, SampleStream(path, offset, ordinal) as headers:
+                assert records(stream) == records(headers)
+
+
+@pytest.mark.parametrize("fields", [None, ["feats", "words"]])
+def test_a_loader_gives_the_same_batches_and_states_with_tables_and_without(packed_with_words, tmp_path, fields):
+    with_tables = packed_with_words.out
+    without = tmp_path / "without"
+    shutil.copytree(with_tables, without)
+    for folder in (without, without / "fields" / "words"):
+        shutil.rmtree(folder / TABLE_DIR)
+    options = dict(OPTIONS, fields=fields)
+    full = batches(make_loader(with_tables, **options))
+    reference = batches(make_loader(without, **options))
+    assert [keys for keys, _ in full] == [keys for keys, _ in reference]
+    for (_, ours), (_, theirs) in zip(full, reference):
+        np.testing.assert_array_equal(ours, theirs)
+    keys = [keys for keys, _ in full]
+    for cut in (1, len(full) // 2):
+        states = []
+        for folder in (with_tables, without):
+            loader = make_loader(folder, **options)
+            iterator = iter(loader)
+            for _ in range(cut):
+                next(iterator)
+            state = json.loads(json.dumps(loader.state_dict()))
+            del iterator
+            resumed = make_loader(folder, **options)
+            resumed.load_state_dict(state)
+            assert keys[:cut] + [keys for keys, _ in batches(resumed)] == keys, (folder, cut)
+            states.append(json.dumps(state).replace(str(folder), "FOLDER"))
+        assert _positions(states[0]) == _positions(states[1])  # the same byte offsets and ordinals
+
+
+def _positions(dumped):
+    """Every number in a dumped state (the shard list's fingerprint left out)."""
+    return _numbers(json.loads(dumped))
+
+
+def _numbers(value):
+    if isinstance(value, dict):
+        return [n for key, item in sorted(value.items()) if key != "fingerprint" for n in _numbers(item)]
+    if isinstance(value, list):
+        return [n for item in value for n in _numbers(item)]
+    return [value] if isinstance(value, int | float) else []
+
+
+@pytest.mark.parametrize("writer", ["webdataset", "tarfile"])
+def test_seqshard_index_builds_tables_for_tars_other_tools_wrote(tmp_path, writer):
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    arrays = {f"utt{i}": np.full((3 + i, 4), i, dtype=np.float32) for i in range(7)}
+    for number in range(2):
+        path = folder / f"shard-{number}.tar"
+        chosen = list(arrays.items())[number::2]
+        if writer == "webdataset":
+            wds = pytest.importorskip("webdataset")
+            with wds.TarWriter(str(path)) as sink:
+                for key, array in chosen:
+                    sink.write({"__key__": key, "feats.npy": array, "txt": f"text of {key}"})
+        else:
+            import io
+
+            with tarfile.open(path, "w", format=tarfile.GNU_FORMAT) as tar:
+                for key, array in chosen:
+                    for suffix, data in (("feats.npy", _npy(array)), ("txt", f"text of {key}".encode())):
+                        info = tarfile.TarInfo(f"{key}.{suffix}")
+                        info.size = len(data)
+                        tar.addfile(info, io.BytesIO(data))
+    assert not (folder / TABLE_DIR).exists()
+    rebuild_index(folder, progress=False)
+    for path in sorted(folder.glob("*.tar")):
+        assert load_table(path).same_as(member_table(path))
+        with SampleStream(path) as headers, open_samples(path) as stream:
+            assert isinstance(stream, SlicedSampleStream)
+            assert records(stream) == records(headers)
+    found = {}
+    for batch in make_loader(folder, batch_size=2, num_workers=0, shuffle=False):
+        for row, key in enumerate(batch["keys"]):
+            found[key] = batch["feats"][row, : batch["feat_lens"][row]].numpy()
+    assert sorted(found) == sorted(arrays)
+    for key, array in found.items():
+        np.testing.assert_array_equal(array, arrays[key])
+
+
+def _npy(array):
+    import io
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _rename_a_sample_in_place(path, old_key, new_key):
+    """Change a sample's key in its members' ustar headers (same length) and fix the header
+    checksums, so that the headers read cleanly but the file differs from its table."""
+    assert len(old_key) == len(new_key)
+    with tarfile.open(path) as tar:
+        offsets = [m.offset for m in tar.getmembers() if m.name.startswith(old_key + ".")]
+    data = bytearray(path.read_bytes())
+    for offset in offsets:
+        header = data[offset : offset + 512]
+        assert header[: len(old_key)] == old_key.encode()
+        header[: len(new_key)] = new_key.encode()
+        header[148:156] = b" " * 8
+        header[148:156] = b"%06o\0 " % sum(header)
+        data[offset : offset + 512] = header
+    path.write_bytes(bytes(data))
+
+
+def test_a_shard_edited_after_its_table_is_a_damaged_shard_named_with_its_table(packed_with_words):
+    out = packed_with_words.out
+    path = out / "data-00002.tar"
+    key = load_table(path).keys[5]
+    _rename_a_sample_in_place(path, key, key[:-1] + ("x" if key[-1] != "x" else "y"))
+    with pytest.raises(
+        ShardError, match=r"data-00002\.tar: the headers of its samples .* differ from its member table"
+    ):
+        batches(make_loader(out, **dict(OPTIONS, interleave=1)))
+    loader = make_loader(out, skip_bad=True, max_bad_shards=1, **OPTIONS)
+    batches(loader)
+    assert loader.stats()["damaged_shards"] == 1
+    problems = [p for shard, found in verify(str(out), progress=False).damaged.items() for p in found]
+    assert (
+        f"its member table {table_path(path)} differs from its headers: rebuild it with `seqshard index` on its folder"
+        in problems
+    )
+    rebuild_index(out, progress=False)  # the edit was on purpose: the table follows the file
+    assert load_table(path).same_as(member_table(path))
+    assert len([k for keys, _ in batches(make_loader(out, **OPTIONS)) for k in keys]) == 48
+
+
+def test_a_truncated_shard_with_a_table_fails_as_it_does_without(packed_with_words):
+    out = packed_with_words.out
+    path = out / "data-00001.tar"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    errors = []
+    for drop_table in (False, True):
+        if drop_table:
+            table_path(path).unlink()
+        with pytest.raises(ShardError) as error:
+            batches(make_loader(out, **dict(OPTIONS, interleave=1, shuffle=False)))
+        errors.append(str(error.value))
+    assert errors[0] == errors[1] and "data-00001.tar" in errors[0]
+
+
+def test_an_unreadable_table_is_a_damaged_shard_naming_it(packed_with_words, caplog):
+    out = packed_with_words.out
+    table_path(out / "data-00003.tar").write_bytes(b"not a table")
+    with pytest.raises(ShardError, match=r"data-00003\.tar: its member table .* cannot be read"):
+        batches(make_loader(out, **OPTIONS))
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        loader = make_loader(out, skip_bad=True, max_bad_shards=1, **OPTIONS)
+        keys = [k for keys, _ in batches(loader) for k in keys]
+    assert len(keys) == 38 and loader.stats()["damaged_shards"] == 1
