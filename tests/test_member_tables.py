@@ -225,3 +225,20 @@ def test_an_unreadable_table_is_a_damaged_shard_naming_it(packed_with_words, cap
         loader = make_loader(out, skip_bad=True, max_bad_shards=1, **OPTIONS)
         keys = [k for keys, _ in batches(loader) for k in keys]
     assert len(keys) == 38 and loader.stats()["damaged_shards"] == 1
+
+
+def test_a_shard_cut_short_since_it_was_indexed_fails_before_any_of_its_samples(packed_with_words):
+    """With or without a member table: no sample of a shard whose size is not its index's
+    reaches training (a shard cut at a member boundary would give its first samples, then fail)."""
+    out = packed_with_words.out
+    path = out / "data-00001.tar"
+    table_path(path).unlink(missing_ok=True)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2 // 512 * 512])
+    options = dict(OPTIONS, interleave=1, shuffle=False, num_workers=0)
+    first = [k for keys, _ in batches(make_loader(str(out / "data-00000.tar"), **options)) for k in keys]
+    seen = []
+    with pytest.raises(ShardError, match=r"data-00001\.tar: .*bytes where its index\.json says") as error:
+        for keys, _ in batches(make_loader(str(out / "data-0000{0,1}.tar"), **options)):
+            seen.extend(keys)
+    assert "seqshard verify" in str(error.value)
+    assert set(seen) <= set(first)  # nothing of the cut shard

@@ -20,6 +20,7 @@ with those read after it.
 from __future__ import annotations
 
 import logging
+import os
 from array import array
 from collections.abc import Sequence
 from dataclasses import replace
@@ -27,9 +28,9 @@ from dataclasses import replace
 import numpy as np
 
 from ...errors import ShardError, SkipCounter
-from ...formats.remote import RemoteAccess, is_remote
+from ...formats.remote import RemoteAccess, is_pipe, is_remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
-from ...formats.table import MAIN, ShardTable
+from ...formats.table import MAIN, ShardInfo, ShardTable
 from ...formats.tar import TarRecord
 from ..plan import Unit
 from .base import Stage, State
@@ -81,6 +82,24 @@ class KeyRepeats:
         self._latest = []
         self._merge_at = max(self.MERGE_EVERY, len(self._seen))
         return repeats
+
+
+def _check_local_size(shard: ShardInfo) -> None:
+    """An indexed local shard whose size is not its index's is damaged before a sample of it is
+    read (a shard cut short would give its first samples, then fail mid-epoch)."""
+    if shard.num_utts is None or is_remote(shard.path) or is_pipe(shard.path):
+        return  # remote shards are checked against the server's size when opened
+    try:
+        size = os.stat(shard.path).st_size
+    except OSError:
+        return  # opening it says what is wrong
+    if size != shard.bytes:
+        raise ShardError(
+            shard.path,
+            None,
+            f"the file has {size} bytes where its index.json says {shard.bytes}: it was cut short or replaced since "
+            "it was indexed. Fix: check it with `seqshard verify`, then copy it again, re-pack it or re-index its folder.",
+        )
 
 
 class _OpenUnit:
@@ -275,6 +294,8 @@ class ShardReader(Stage[Sample]):
 
     def _open(self, index: int, unit: Unit, offsets: Sequence[int], ordinal: int) -> _OpenUnit:
         shard = self.table.shards[unit.shard]
+        if self.skip is None:  # skipping, the intact samples before the cut are read and the rest counted
+            _check_local_size(shard)
         ranges = [shard.key_range(name) for name in self.field_sets]
         return _OpenUnit(
             index, unit, self._files(unit), offsets, ordinal, shard.num_utts, self.read_ahead, ranges, self.access
