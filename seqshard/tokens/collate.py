@@ -37,16 +37,36 @@ class Rows:
 
 def padded(parts: Sequence[Rows], batch_size: int, pad_id: int, left: bool) -> tuple[np.ndarray, np.ndarray]:
     """The B x longest int64 matrix of the rows in ``parts`` (padded on the left or the right)
-    and each row's length (prefix included)."""
+    and each row's length (prefix included).
+
+    The stored tokens of every row are placed at once: one flat index of where each comes from
+    (its row's start plus its place in the row) and one of where it goes in the matrix, built
+    for all parts together; then one gather from each part's ``data`` straight into the matrix.
+    The work follows the tokens, not B x longest, and the number of numpy calls does not grow
+    with the batch."""
+    many = len(parts) > 1
+    rows = np.concatenate([part.rows for part in parts]) if many else parts[0].rows
+    stored = np.concatenate([part.lengths for part in parts]) if many else parts[0].lengths
+    stored = stored.astype(np.int64, copy=False)
+    prefixed = np.concatenate([np.full(len(part.rows), part.prefix is not None) for part in parts])
     lengths = np.zeros(batch_size, dtype=np.int64)
-    for part in parts:
-        lengths[part.rows] = part.lengths + (part.prefix is not None)
+    lengths[rows] = stored + prefixed
     longest = int(lengths.max()) if batch_size else 0
-    if len(parts) == 1 and len(parts[0].rows) == batch_size and np.array_equal(parts[0].rows, np.arange(batch_size)):
-        return _block(parts[0], lengths, longest, pad_id, left), lengths
     out = np.full((batch_size, longest), pad_id, dtype=np.int64)
+    flat = out.reshape(-1)
+    first = rows * longest + (longest - lengths[rows] if left else 0)  # where each row's first token goes
+    before = np.cumsum(stored) - stored  # tokens of the rows before it, in parts' order
+    place = np.arange(int(stored.sum()) if len(stored) else 0)
+    source = np.repeat(np.concatenate([part.starts for part in parts]) - before, stored) + place
+    target = np.repeat(first + prefixed - before, stored) + place
+    row = token = 0
     for part in parts:
-        out[part.rows] = _block(part, lengths[part.rows], longest, pad_id, left)
+        count = int(part.lengths.sum())
+        if count:
+            flat[target[token : token + count]] = part.data[source[token : token + count]]
+        if part.prefix is not None:
+            flat[first[row : row + len(part.rows)]] = part.prefix
+        row, token = row + len(part.rows), token + count
     return out, lengths
 
 
@@ -55,20 +75,6 @@ def mask_of(lengths: np.ndarray, width: int, left: bool) -> np.ndarray:
     left or the right: from the lengths, never from the padding id."""
     column = np.arange(width)[None, :]
     return column >= (width - lengths)[:, None] if left else column < lengths[:, None]
-
-
-def _block(part: Rows, lengths: np.ndarray, longest: int, pad_id: int, left: bool) -> np.ndarray:
-    """The part's rows as a len(rows) x longest matrix: one index matrix, one gather."""
-    column = np.arange(longest)[None, :]
-    within = column - (longest - lengths)[:, None] if left else np.broadcast_to(column, (len(lengths), longest))
-    prefix = part.prefix is not None
-    token = within - prefix  # position in the stored sequence
-    inside = (token >= 0) & (within < lengths[:, None])
-    index = np.where(inside, part.starts[:, None] + token, 0)
-    out = np.where(inside, part.data.take(index) if len(part.data) else 0, pad_id).astype(np.int64, copy=False)
-    if prefix:
-        out[within == 0] = part.prefix
-    return out
 
 
 def collate_batch(
