@@ -138,6 +138,9 @@ class BlockBatches:
             "target_mask": full,
         }
 
+    def __getitems__(self, numbers: list[int]) -> list[dict[str, Any]]:
+        return [self[number] for number in numbers]
+
     def __len__(self) -> int:
         return self.plan.num_batches
 
