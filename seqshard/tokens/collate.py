@@ -1,5 +1,8 @@
-"""fairseq's batch for token pairs (``LanguagePairDataset.collater``), built with whole-array
-numpy operations (no Python loop per sentence), from memory-mapped token arrays."""
+"""fairseq's batch for token pairs (``LanguagePairDataset.collater``), built for a group of
+batches at once from memory-mapped token arrays: each side of the group is one flat buffer
+(every batch's padded matrix back to back), filled by one gather per source with indices built
+for all the group's tokens together, so the numpy calls per batch are a handful of views and
+no Python loop runs per sentence."""
 
 from __future__ import annotations
 
@@ -97,9 +100,9 @@ def place(parts: Sequence[Rows], counts: np.ndarray, pad_id: int, left: bool) ->
 def shifted(target: Side, eos_id: int, pad_id: int) -> np.ndarray:
     """fairseq's ``prev_output_tokens`` of every target row (padded on the right): EOS, then
     the row but its last token; padding where the target has padding."""
-    previous = np.full(len(target.cells), pad_id, dtype=np.int64)
-    real = np.flatnonzero(target.mask)
-    previous[real] = target.cells[real - 1]  # each real cell but a row's first takes the one before it
+    previous = np.empty_like(target.cells)
+    previous[1:] = target.cells[:-1]  # each real cell but a row's first takes the one before it
+    np.copyto(previous, pad_id, where=~target.mask)
     previous[target.first[target.lengths > 0]] = eos_id
     return previous
 

@@ -3,8 +3,9 @@ fixed blocks of a token stream (language models).
 
 Each epoch's plan (``tokens/plan.py`` for sentences, ``tokens/blocks.py`` for blocks) is a pure
 function of (seed, epoch, world size), so every rank computes it alone and the loader's state
-is how many batches each rank took. Batches are built in DataLoader workers (``num_workers``)
-in the plan's order; a state saved mid-epoch resumes at the next batch, and with another world
+is how many batches each rank took. Batches are built GROUP_BATCHES at a time (one gather per
+source for all of them: ``collate.py``), in DataLoader workers with ``num_workers``, in the
+plan's order; a state saved mid-epoch resumes at the next batch, and with another world
 size (``strict=False``) the batches no rank had taken are dealt again to the new ranks, none
 lost and none repeated. The loader follows :class:`seqshard.protocol.Loader`.
 """
