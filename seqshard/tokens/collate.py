@@ -78,21 +78,20 @@ def place(parts: Sequence[Rows], counts: np.ndarray, pad_id: int, left: bool) ->
     width = widths[batch]
     first = at[batch] + (np.arange(total_rows) - row_at[batch]) * width + (width - lengths if left else 0)
     cells = np.full(int(sizes.sum()), pad_id, dtype=np.int64)
-    mask = np.zeros(len(cells), dtype=bool)
+    padding = width - lengths  # each row is its padding and its tokens (or the other way round): one run each
+    runs = np.stack([padding, lengths] if left else [lengths, padding], axis=1).reshape(-1)
+    mask = np.repeat(np.tile(np.array([not left, left]), total_rows), runs)
     before = np.cumsum(stored) - stored  # tokens of the rows before it, in the parts' order
     token = np.arange(int(stored.sum()))
     source = np.repeat(np.concatenate([part.starts for part in parts]) - before, stored) + token
     target = np.repeat(first[rows] + prefixed - before, stored) + token
-    mask[target] = True
     token_at = 0
     for part in parts:
         count = int(part.lengths.sum())
         if count:
-            cells[target[token_at : token_at + count]] = part.data[source[token_at : token_at + count]]
+            cells[target[token_at : token_at + count]] = part.data.take(source[token_at : token_at + count])
         if part.prefix is not None:
-            heads = first[part.rows]
-            cells[heads] = part.prefix
-            mask[heads] = True
+            cells[first[part.rows]] = part.prefix
         token_at += count
     return Side(cells, mask, lengths, widths.tolist(), at.tolist(), first)
 
