@@ -1,6 +1,6 @@
 """Token datasets and mixing, each against a baseline measured in the same run.
 
-    python bench/tokens.py [--sentences 840000] [--plan-pairs 10000000] [--out bench/out/tokens] [--quick]
+    python bench/tokens.py [--sentences 840000] [--plan-pairs 10000000] [--out bench/out/tokens] [--quick] [--profile]
 
 A synthetic parallel corpus: 4 language pairs (sizes 8:4:2:1), each side a random word
 sequence whose target length follows its source's, tokenized with the LibriSpeech BPE model
@@ -11,15 +11,17 @@ in tests/realdata (about 25 tokens per sentence; >= 20 M tokens at the default s
     planning   planning one epoch of max_tokens batches for 10 M sentence pairs (lengths
                drawn like the corpus'): seconds and peak memory, in a fresh process.
     padding    of the batches of a real epoch over the 4 pairs (temperature 5).
-    iterate    one epoch of make_token_loader batches from the memory-mapped files, against
-               tokenizing the same sentences' text (what a loader without binarized data does
-               every epoch).
+    iterate    one epoch of make_token_loader batches from the memory-mapped files (a fresh
+               loader, so planning the epoch included), against tokenizing the same sentences'
+               text (what a loader without binarized data does every epoch): wall and CPU time
+               (both single-threaded), --epoch-rounds interleaved rounds, medians.
     mixing     the shard loader's time per sample over 3 packed feature corpora read as one
                pattern list (4 epochs), against the same 3 read through mux() (weights 4:2:1,
                one epoch as long), CPU time of the process (num_workers=0), 7 interleaved
                rounds, medians.
 
-Prints the ratios and writes OUT/tokens.json.
+Prints the ratios and writes OUT/tokens.json; ``--profile`` also prints cProfile's costliest
+functions of the planning probe and of one epoch (stderr).
 """
 
 from __future__ import annotations
@@ -173,8 +175,34 @@ def timed(function, clock=time.perf_counter):
     return clock() - started, result
 
 
-def planning_child(sentences: int) -> None:
-    """Runs in a fresh process: plans an epoch of ``sentences`` pairs; prints seconds and peak RSS."""
+def both_clocks(function) -> tuple[float, float, object]:
+    """Wall and CPU seconds of ``function()`` (single-threaded work: CPU time is what a shared
+    machine cannot inflate), and its result."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    result = function()
+    return time.perf_counter() - wall, time.process_time() - cpu, result
+
+
+def profiled(function, title: str, show: bool):
+    """``function()``; with ``show``, run under cProfile and print its 12 costliest functions
+    (own time) to stderr."""
+    if not show:
+        return function()
+    import cProfile
+    import io
+    import pstats
+
+    profile = cProfile.Profile()
+    result = profile.runcall(function)
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+    print(f"--- profile: {title}\n{text.getvalue()}", file=sys.stderr)
+    return result
+
+
+def planning_child(sentences: int, profile: bool = False) -> None:
+    """Runs in a fresh process: plans an epoch of ``sentences`` pairs; prints seconds and peak RSS
+    (with ``profile``, plans it once more under cProfile afterwards)."""
     from seqshard.tokens.plan import BatchRules, plan_epoch
 
     class Sizes:  # the part of OpenPair planning reads
@@ -194,6 +222,7 @@ def planning_child(sentences: int) -> None:
             {"seconds": seconds, "peak_mb": peak / 1024, "before_mb": before / 1024, "batches": plan.num_batches}
         )
     )
+    profiled(lambda: plan_epoch(pairs, None, BatchRules(max_tokens=4096), 0, 8), "planning", profile)
 
 
 def main() -> None:
@@ -203,12 +232,22 @@ def main() -> None:
     parser.add_argument("--plan-pairs", type=int, default=10_000_000, help="sentence pairs planned in a fresh process")
     parser.add_argument("--mix-speakers", type=int, default=400, help="speakers of the largest mixed corpus (20 each)")
     parser.add_argument("--mix-rounds", type=int, default=7)
+    parser.add_argument("--epoch-rounds", type=int, default=3, help="rounds of the epoch against the tokenizer")
+    parser.add_argument(
+        "--profile", action="store_true", help="print cProfile's costliest functions of planning and the epoch"
+    )
     parser.add_argument("--plan-child", type=int, help=argparse.SUPPRESS)
     args = with_quick(
-        parser, sentences=20_000, plan_pairs=200_000, mix_speakers=40, mix_rounds=1, out=ROOT / "bench/out/quick/tokens"
+        parser,
+        sentences=20_000,
+        plan_pairs=200_000,
+        mix_speakers=40,
+        mix_rounds=1,
+        epoch_rounds=1,
+        out=ROOT / "bench/out/quick/tokens",
     )
     if args.plan_child:
-        planning_child(args.plan_child)
+        planning_child(args.plan_child, args.profile)
         return
     import sentencepiece
 
@@ -240,8 +279,12 @@ def main() -> None:
 
     # planning 10 M pairs in a fresh process
     child = subprocess.run(
-        [sys.executable, __file__, "--plan-child", str(args.plan_pairs)], capture_output=True, text=True, check=True
+        [sys.executable, __file__, "--plan-child", str(args.plan_pairs), *(["--profile"] if args.profile else [])],
+        capture_output=True,
+        text=True,
+        check=True,
     )
+    print(child.stderr, end="", file=sys.stderr)
     planned = json.loads(child.stdout.strip().splitlines()[-1])
     results["plan_pairs"] = args.plan_pairs
     results["plan_seconds"] = round(planned["seconds"], 2)
@@ -252,8 +295,12 @@ def main() -> None:
 
     # one epoch over the mix, and the padding of its batches
     mixed = mux([TokenPair(str(args.out / f"{p}.src"), str(args.out / f"{p}.tgt")) for p in files], temperature=5)
-    loader = make_token_loader(mixed, max_tokens=4096, seed=1)
-    iterate_seconds, batches = timed(lambda: sum(1 for _ in loader))
+
+    def epoch():  # a fresh loader each time, so that the epoch includes planning it
+        loader = make_token_loader(mixed, max_tokens=4096, seed=1)
+        return both_clocks(lambda: sum(1 for _ in loader)), loader
+
+    (_, _, batches), loader = epoch()
     stats = loader.stats()
     results["padding_src"] = round(stats["padding_fraction"]["src"], 4)
     results["padding_tgt"] = round(stats["padding_fraction"]["tgt"], 4)
@@ -268,10 +315,27 @@ def main() -> None:
     for pair, (indices, _) in text_lines.items():
         src_lines, tgt_lines = all_lines[files[pair][0]], all_lines[files[pair][1]]
         epoch_text += [src_lines[i] for i in indices] + [tgt_lines[i] for i in indices]
-    tokenize_seconds, _ = timed(lambda: processor.encode(epoch_text, out_type=int, num_threads=1))
-    results["iterate_over_tokenize"] = round(tokenize_seconds / iterate_seconds, 1)
-    print(f"one epoch of {batches} batches ({stats['sentences']} pairs): {iterate_seconds:.2f} s; tokenizing "
-          f"the epoch's text: {tokenize_seconds:.2f} s -> {tokenize_seconds / iterate_seconds:.1f}x (goal >= 10x)")  # fmt: skip
+    rounds: dict[str, list[float]] = {"iterate": [], "iterate_cpu": [], "tokenize": [], "tokenize_cpu": []}
+    for _ in range(args.epoch_rounds):  # interleaved rounds, medians (the machine is shared)
+        (wall, cpu, _), _ = epoch()
+        rounds["iterate"].append(wall)
+        rounds["iterate_cpu"].append(cpu)
+        wall, cpu, _ = both_clocks(lambda: processor.encode(epoch_text, out_type=int, num_threads=1))
+        rounds["tokenize"].append(wall)
+        rounds["tokenize_cpu"].append(cpu)
+    median = {name: float(np.median(values)) for name, values in rounds.items()}
+    plan_seconds, _ = timed(lambda: loader.batching.plan(0, 1), time.process_time)  # the epoch's planning
+    results["iterate_over_tokenize"] = round(median["tokenize"] / median["iterate"], 1)
+    results["iterate_over_tokenize_cpu"] = round(median["tokenize_cpu"] / median["iterate_cpu"], 1)
+    results.update({f"{name}_seconds": round(value, 2) for name, value in median.items()})
+    results["iterate_plan_cpu_seconds"] = round(plan_seconds, 2)
+    print(f"one epoch of {batches} batches ({stats['sentences']} pairs), median of {args.epoch_rounds}: "
+          f"{median['iterate']:.2f} s ({median['iterate_cpu']:.2f} s CPU, of which planning it {plan_seconds:.2f} s); "
+          f"tokenizing the epoch's text: {median['tokenize']:.2f} s ({median['tokenize_cpu']:.2f} s CPU) -> "
+          f"{results['iterate_over_tokenize']}x ({results['iterate_over_tokenize_cpu']}x in CPU time) (goal >= 10x)")  # fmt: skip
+    if args.profile:
+        fresh = make_token_loader(mixed, max_tokens=4096, seed=1)
+        profiled(lambda: sum(1 for _ in fresh), "one epoch of token batches (planning it included)", True)
 
     # mixing overhead in the shard loader
     results.update(mixing_overhead(args.out / "mix", args.mix_speakers, args.mix_rounds))

@@ -119,24 +119,33 @@ class BlockBatches:
         return {**self.__dict__, "_tokens": None}  # workers map the file themselves
 
     def __getitem__(self, number: int) -> dict[str, Any]:
+        return self.__getitems__([number])[0]
+
+    def __getitems__(self, numbers: list[int]) -> list[dict[str, Any]]:
+        """The batches ``numbers``: their blocks in one gather of the mapped tokens."""
         if self._tokens is None:
             self._tokens = TokenDataset(self.prefix).tokens
-        blocks = self.plan.batch(number)
-        size = self.block_size
+        count, size = self.plan.batch_blocks, self.block_size
+        blocks = np.concatenate([self.plan.batch(number) for number in numbers])
         rows = self._tokens[blocks[:, None] * size + np.arange(size + 1)].astype(np.int64)
         inputs, targets = rows[:, :-1].copy(), rows[:, 1:].copy()
-        full = np.ones(inputs.shape, dtype=bool)
-        return {
-            "id": blocks,
-            "nsentences": len(blocks),
-            "ntokens": targets.size,
-            "input": inputs,
-            "target": targets,
-            "src_tokens": inputs,  # fairseq's names: net_input = {src_tokens, src_lengths}
-            "src_lengths": np.full(len(blocks), size, dtype=np.int64),
-            "src_mask": full,
-            "target_mask": full,
-        }
+        batches = []
+        for at in range(0, len(blocks), count):
+            mine, real = slice(at, at + count), np.ones((count, size), dtype=bool)
+            batches.append(
+                {
+                    "id": blocks[mine],
+                    "nsentences": count,
+                    "ntokens": count * size,
+                    "input": inputs[mine],
+                    "target": targets[mine],
+                    "src_tokens": inputs[mine],  # fairseq's names: net_input = {src_tokens, src_lengths}
+                    "src_lengths": np.full(count, size, dtype=np.int64),
+                    "src_mask": real,
+                    "target_mask": real,
+                }
+            )
+        return batches
 
     def __len__(self) -> int:
         return self.plan.num_batches

@@ -1,5 +1,8 @@
-"""fairseq's batch for token pairs (``LanguagePairDataset.collater``), built with whole-array
-numpy operations (no Python loop per sentence), from memory-mapped token arrays."""
+"""fairseq's batch for token pairs (``LanguagePairDataset.collater``), built for a group of
+batches at once from memory-mapped token arrays: each side of the group is one flat buffer
+(every batch's padded matrix back to back), filled by one gather per source with indices built
+for all the group's tokens together, so the numpy calls per batch are a handful of views and
+no Python loop runs per sentence."""
 
 from __future__ import annotations
 
@@ -35,81 +38,124 @@ class Rows:
     prefix: int | None = None
 
 
-def padded(parts: Sequence[Rows], batch_size: int, pad_id: int, left: bool) -> tuple[np.ndarray, np.ndarray]:
-    """The B x longest int64 matrix of the rows in ``parts`` (padded on the left or the right)
-    and each row's length (prefix included)."""
-    lengths = np.zeros(batch_size, dtype=np.int64)
+@dataclass(frozen=True)
+class Side:
+    """One side (source or target) of a group of batches, laid out in one flat buffer: batch k's
+    ``counts[k] x widths[k]`` matrix from cell ``at[k]``; ``first[r]``: the cell of row r's first
+    token; ``mask``: True at real tokens."""
+
+    cells: np.ndarray
+    mask: np.ndarray
+    lengths: np.ndarray
+    widths: list[int]
+    at: list[int]
+    first: np.ndarray
+
+
+def place(parts: Sequence[Rows], counts: np.ndarray, pad_id: int, left: bool) -> Side:
+    """The rows in ``parts`` (rows numbered through the group, batch after batch; ``counts``
+    rows each) padded into one matrix per batch, on the left or the right.
+
+    All the rows' tokens are placed at once: one flat index of where each token comes from (its
+    row's start plus its place in the row) and one of the cell it goes to, built for all parts
+    together, then one gather from each part's ``data`` straight into the cells. The work
+    follows the tokens, and the numpy calls do not grow with the rows or the batches."""
+    many = len(parts) > 1
+    rows = np.concatenate([part.rows for part in parts]) if many else parts[0].rows
+    stored = (np.concatenate([part.lengths for part in parts]) if many else parts[0].lengths).astype(np.int64)
+    prefixed = np.concatenate([np.full(len(part.rows), part.prefix is not None) for part in parts])
+    total_rows = int(counts.sum())
+    lengths = np.zeros(total_rows, dtype=np.int64)
+    lengths[rows] = stored + prefixed
+    row_at = np.cumsum(counts) - counts
+    widths = np.zeros(len(counts), dtype=np.int64)
+    filled = counts > 0
+    if total_rows:
+        widths[filled] = np.maximum.reduceat(lengths, row_at[filled])
+    sizes = counts * widths
+    at = np.cumsum(sizes) - sizes
+    batch = np.repeat(np.arange(len(counts)), counts)
+    width = widths[batch]
+    first = at[batch] + (np.arange(total_rows) - row_at[batch]) * width + (width - lengths if left else 0)
+    cells = np.full(int(sizes.sum()), pad_id, dtype=np.int64)
+    padding = width - lengths  # each row is its padding and its tokens (or the other way round): one run each
+    runs = np.stack([padding, lengths] if left else [lengths, padding], axis=1).reshape(-1)
+    mask = np.repeat(np.tile(np.array([not left, left]), total_rows), runs)
+    before = np.cumsum(stored) - stored  # tokens of the rows before it, in the parts' order
+    token = np.arange(int(stored.sum()))
+    source = np.repeat(np.concatenate([part.starts for part in parts]) - before, stored) + token
+    target = np.repeat(first[rows] + prefixed - before, stored) + token
+    token_at = 0
     for part in parts:
-        lengths[part.rows] = part.lengths + (part.prefix is not None)
-    longest = int(lengths.max()) if batch_size else 0
-    if len(parts) == 1 and len(parts[0].rows) == batch_size and np.array_equal(parts[0].rows, np.arange(batch_size)):
-        return _block(parts[0], lengths, longest, pad_id, left), lengths
-    out = np.full((batch_size, longest), pad_id, dtype=np.int64)
-    for part in parts:
-        out[part.rows] = _block(part, lengths[part.rows], longest, pad_id, left)
-    return out, lengths
+        count = int(part.lengths.sum())
+        if count:
+            cells[target[token_at : token_at + count]] = part.data.take(source[token_at : token_at + count])
+        if part.prefix is not None:
+            cells[first[part.rows]] = part.prefix
+        token_at += count
+    return Side(cells, mask, lengths, widths.tolist(), at.tolist(), first)
 
 
-def mask_of(lengths: np.ndarray, width: int, left: bool) -> np.ndarray:
-    """The B x ``width`` boolean mask of the real tokens of rows of ``lengths``, padded on the
-    left or the right: from the lengths, never from the padding id."""
-    column = np.arange(width)[None, :]
-    return column >= (width - lengths)[:, None] if left else column < lengths[:, None]
+def shifted(target: Side, eos_id: int, pad_id: int) -> np.ndarray:
+    """fairseq's ``prev_output_tokens`` of every target row (padded on the right): EOS, then
+    the row but its last token; padding where the target has padding."""
+    previous = np.empty_like(target.cells)
+    previous[1:] = target.cells[:-1]  # each real cell but a row's first takes the one before it
+    np.copyto(previous, pad_id, where=~target.mask)
+    previous[target.first[target.lengths > 0]] = eos_id
+    return previous
 
 
-def _block(part: Rows, lengths: np.ndarray, longest: int, pad_id: int, left: bool) -> np.ndarray:
-    """The part's rows as a len(rows) x longest matrix: one index matrix, one gather."""
-    column = np.arange(longest)[None, :]
-    within = column - (longest - lengths)[:, None] if left else np.broadcast_to(column, (len(lengths), longest))
-    prefix = part.prefix is not None
-    token = within - prefix  # position in the stored sequence
-    inside = (token >= 0) & (within < lengths[:, None])
-    index = np.where(inside, part.starts[:, None] + token, 0)
-    out = np.where(inside, part.data.take(index) if len(part.data) else 0, pad_id).astype(np.int64, copy=False)
-    if prefix:
-        out[within == 0] = part.prefix
-    return out
-
-
-def collate_batch(
+def collate_group(
+    counts: np.ndarray,
     ids: np.ndarray,
-    src: tuple[np.ndarray, np.ndarray],
-    tgt: tuple[np.ndarray, np.ndarray] | None,
+    src: Sequence[Rows],
+    tgt: Sequence[Rows] | None,
     rules: CollateRules,
     source_ids: np.ndarray | None = None,
-) -> dict[str, Any]:
-    """The batch as fairseq builds it, from padded ``(matrix, lengths)`` of each side: ``id``,
+) -> list[dict[str, Any]]:
+    """Batches as fairseq builds them, ``counts[k]`` rows each, from the rows of all of them
+    (``ids``, the ``src`` and ``tgt`` parts, ``source_ids`` numbered through the group): ``id``,
     ``nsentences``, ``ntokens`` (target tokens, or source tokens without a target),
     ``src_tokens``, ``src_lengths``, ``prev_output_tokens`` (the target with its last token,
     EOS, moved to the front), ``target``, and ``net_input`` holding the model's inputs;
     ``source`` (which source of a mix) when given. Beside fairseq's keys, ``src_mask`` and
     ``target_mask`` (True at real tokens; ``prev_output_tokens`` has the target's) so that no
-    one masks by the padding id. Arrays are numpy (cheap to send from a worker);
-    :func:`as_tensors` makes them tensors."""
-    src_tokens, src_lengths = src
-    batch: dict[str, Any] = {
-        "id": np.asarray(ids, dtype=np.int64),
-        "nsentences": len(src_lengths),
-        "src_tokens": src_tokens,
-        "src_lengths": src_lengths,
-        "src_mask": mask_of(src_lengths, src_tokens.shape[1], rules.left_pad_source),
-    }
-    if tgt is not None:
-        target, tgt_lengths = tgt
-        batch["target_mask"] = mask_of(tgt_lengths, target.shape[1], False)
-        previous = np.full_like(target, rules.pad_id)
-        if target.shape[1]:
-            previous[:, 0] = rules.eos_id
-            previous[:, 1:] = target[:, :-1]
-            previous[np.arange(target.shape[1])[None, :] >= tgt_lengths[:, None]] = rules.pad_id
-        batch["target"] = target
-        batch["prev_output_tokens"] = previous
-        batch["ntokens"] = int(tgt_lengths.sum())
-    else:
-        batch["ntokens"] = int(src_lengths.sum())
-    if source_ids is not None:
-        batch["source"] = np.asarray(source_ids, dtype=np.int64)
-    return batch
+    one masks by the padding id. Arrays are numpy views of one buffer per kind for the group
+    (cheap to send from a worker); :func:`as_tensors` makes them tensors."""
+    counts = np.asarray(counts, dtype=np.int64)
+    source = place(src, counts, rules.pad_id, rules.left_pad_source)
+    target = place(tgt, counts, rules.pad_id, False) if tgt is not None else None
+    previous = shifted(target, rules.eos_id, rules.pad_id) if target is not None else None
+    ids = np.asarray(ids, dtype=np.int64)
+    sources = np.asarray(source_ids, dtype=np.int64) if source_ids is not None else None
+    summed = np.concatenate([[0], np.cumsum((target if target is not None else source).lengths)])
+    ntokens = (summed[np.cumsum(counts)] - summed[np.cumsum(counts) - counts]).tolist()
+    batches = []
+    row = 0
+    for number, count in enumerate(counts.tolist()):
+        rows = slice(row, row + count)
+        cells = slice(source.at[number], source.at[number] + count * source.widths[number])
+        shape = (count, source.widths[number])
+        batch: dict[str, Any] = {
+            "id": ids[rows],
+            "nsentences": count,
+            "src_tokens": source.cells[cells].reshape(shape),
+            "src_lengths": source.lengths[rows],
+            "src_mask": source.mask[cells].reshape(shape),
+        }
+        if target is not None and previous is not None:
+            cells = slice(target.at[number], target.at[number] + count * target.widths[number])
+            shape = (count, target.widths[number])
+            batch["target_mask"] = target.mask[cells].reshape(shape)
+            batch["target"] = target.cells[cells].reshape(shape)
+            batch["prev_output_tokens"] = previous[cells].reshape(shape)
+        batch["ntokens"] = ntokens[number]
+        if sources is not None:
+            batch["source"] = sources[rows]
+        batches.append(batch)
+        row += count
+    return batches
 
 
 def as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
@@ -128,14 +174,12 @@ def collate_pairs(
     rules: CollateRules,
     source_ids: np.ndarray | None = None,
 ) -> dict[str, Any]:
-    """:func:`collate_batch` of sequences given one by one (tests, small batches)."""
+    """One batch (:func:`collate_group`) of sequences given one by one (tests, small batches)."""
 
-    def side(sequences: Sequence[np.ndarray], left: bool) -> tuple[np.ndarray, np.ndarray]:
+    def side(sequences: Sequence[np.ndarray]) -> list[Rows]:
         lengths = np.fromiter((len(s) for s in sequences), dtype=np.int64, count=len(sequences))
         data = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences]) if len(sequences) else np.zeros(0)
-        starts = np.cumsum(lengths) - lengths
-        return padded([Rows(np.arange(len(sequences)), data, starts, lengths)], len(sequences), rules.pad_id, left)
+        return [Rows(np.arange(len(sequences)), data, np.cumsum(lengths) - lengths, lengths)]
 
-    src = side(sources, rules.left_pad_source)
-    tgt = side(targets, False) if targets is not None else None
-    return as_tensors(collate_batch(ids, src, tgt, rules, source_ids))
+    tgt = side(targets) if targets is not None else None
+    return as_tensors(collate_group(np.array([len(sources)]), ids, side(sources), tgt, rules, source_ids)[0])

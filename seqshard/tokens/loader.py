@@ -3,8 +3,9 @@ fixed blocks of a token stream (language models).
 
 Each epoch's plan (``tokens/plan.py`` for sentences, ``tokens/blocks.py`` for blocks) is a pure
 function of (seed, epoch, world size), so every rank computes it alone and the loader's state
-is how many batches each rank took. Batches are built in DataLoader workers (``num_workers``)
-in the plan's order; a state saved mid-epoch resumes at the next batch, and with another world
+is how many batches each rank took. Batches are built GROUP_BATCHES at a time (one gather per
+source for all of them: ``collate.py``), in DataLoader workers with ``num_workers``, in the
+plan's order; a state saved mid-epoch resumes at the next batch, and with another world
 size (``strict=False``) the batches no rank had taken are dealt again to the new ranks, none
 lost and none repeated. The loader follows :class:`seqshard.protocol.Loader`.
 """
@@ -34,6 +35,7 @@ from .sentences import SentenceBatching
 _LOG = logging.getLogger("seqshard")
 STATE_VERSION = 1
 DEFAULT_MAX_POSITIONS = 1024
+GROUP_BATCHES = 16  # batches built together (one gather per source for all of them)
 
 
 def make_token_loader(
@@ -131,7 +133,7 @@ class Batching(Protocol):
 
     def plan(self, epoch: int, world_size: int) -> Any: ...
 
-    def batches(self, plan: Any) -> Any: ...
+    def batches(self, plan: Any) -> Any: ...  # a map-style dataset with ``__getitems__(numbers)``
 
     def warning(self, plan: Any, epoch: int, world_size: int) -> str | None: ...
 
@@ -144,8 +146,8 @@ class Batching(Protocol):
     def stats(self, plan: Any, counts: dict[str, int]) -> dict[str, Any]: ...
 
 
-def _as_built(batch: dict[str, Any]) -> dict[str, Any]:
-    return batch
+def _as_built(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return batches
 
 
 class TokenLoader:
@@ -245,18 +247,17 @@ class TokenLoader:
         import torch.utils.data
 
         dataset = self.batching.batches(self.plan())
+        groups = [numbers[at : at + GROUP_BATCHES] for at in range(0, len(numbers), GROUP_BATCHES)]
         if self.num_workers == 0:  # batches cost a fraction of a millisecond: no DataLoader in between
-            built: Iterator[dict[str, Any]] = (dataset[n] for n in numbers)
-        else:
-            built = iter(
-                torch.utils.data.DataLoader(
-                    dataset,
-                    batch_size=None,
-                    sampler=numbers,
-                    num_workers=self.num_workers,
-                    collate_fn=_as_built,  # batches are built whole by the dataset
-                )
+            built: Iterator[dict[str, Any]] = (batch for group in groups for batch in dataset.__getitems__(group))
+        else:  # each worker builds whole groups (the DataLoader calls __getitems__ with each)
+            loader = torch.utils.data.DataLoader(
+                dataset,
+                batch_sampler=groups,
+                num_workers=self.num_workers,
+                collate_fn=_as_built,  # batches are built whole by the dataset
             )
+            built = (batch for group in loader for batch in group)
         try:
             for arrays in built:
                 self._step += 1

@@ -52,7 +52,8 @@ class OpenPair:
         dataset = self.src if side == "src" else self.tgt
         assert dataset is not None
         lang = self.pair.src_lang_id if side == "src" else self.pair.tgt_lang_id
-        return Rows(rows, dataset.tokens, dataset.starts[indices], dataset.sizes[indices], lang)
+        starts = dataset.pointers[indices] // dataset.dtype.itemsize  # from the mapped index: no table per worker
+        return Rows(rows, dataset.tokens, starts, dataset.sizes[indices], lang)
 
 
 def as_pair(source: TokenPair | str | Path | tuple) -> TokenPair:

@@ -60,7 +60,8 @@ class BatchRules:
 @dataclass
 class EpochPlan:
     """The epoch's sentences (``source``, ``index`` into it, lengths), its batches (``order``
-    cut at ``bounds``) and each rank's batch numbers in the order it takes them."""
+    cut at ``bounds``) and each rank's batch numbers in the order it takes them: arrays only
+    (int32 indices and lengths where they fit)."""
 
     source: np.ndarray
     index: np.ndarray
@@ -85,23 +86,22 @@ def plan_epoch(
     pairs: list[OpenPair], shares: np.ndarray | None, rules: BatchRules, epoch: int, world_size: int
 ) -> EpochPlan:
     """The plan of ``epoch`` for ``world_size`` ranks (see the module docstring)."""
-    source, index = _sentences(pairs, shares, rules, epoch)
-    src_len = np.empty(len(index), dtype=np.int32)
-    tgt_len = np.empty(len(index), dtype=np.int32) if pairs[0].tgt_sizes is not None else None
-    for number, pair in enumerate(pairs):
-        mine = source == number
-        src_len[mine] = pair.src_sizes[index[mine]]
-        if tgt_len is not None:
-            tgt_len[mine] = pair.tgt_sizes[index[mine]]  # type: ignore[index]
+    source, index, ranges = _sentences(pairs, shares, rules, epoch)
+    whole = shares is None
+    src_len = _lengths([p.src_sizes for p in pairs], index, ranges, whole)
+    tgt_len = _lengths([p.tgt_sizes for p in pairs], index, ranges, whole) if pairs[0].tgt_sizes is not None else None
     longest = src_len if tgt_len is None else np.maximum(src_len, tgt_len)
     dropped = {
         "too_long": int(np.count_nonzero(longest > rules.max_positions)),
         "over_max_tokens": int(np.count_nonzero((longest <= rules.max_positions) & (longest > rules.max_tokens))),
     }
-    keep = np.flatnonzero(longest <= min(rules.max_positions, rules.max_tokens))
-    keys = [src_len[keep]] + ([tgt_len[keep]] if tgt_len is not None else []) + [longest[keep]]
-    order = keep[np.lexsort(keys)]
-    bounds = cut_batches(longest[order], rules.max_tokens, rules.max_sentences)
+    keys = [longest] if tgt_len is None else [src_len, tgt_len, longest]  # by the longer side, then target, source
+    if any(dropped.values()):
+        keep = np.flatnonzero(longest <= min(rules.max_positions, rules.max_tokens))
+        order, lengths = lexsorted([key[keep] for key in keys], keep)
+    else:  # nothing dropped: the keys as they are, no copy
+        order, lengths = lexsorted(keys)
+    bounds = cut_batches(lengths, rules.max_tokens, rules.max_sentences)
     usable = (len(bounds) - 1) // world_size * world_size
     left = int(bounds[-1] - bounds[usable])
     ranks = []
@@ -117,20 +117,44 @@ def plan_epoch(
 
 def _sentences(
     pairs: list[OpenPair], shares: np.ndarray | None, rules: BatchRules, epoch: int
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each sentence's source and index in it, and where each source's run of them starts
+    (the sentences of source n are ``ranges[n]:ranges[n + 1]``)."""
     sizes = np.array([len(p) for p in pairs], dtype=np.int64)
     if shares is None:  # one source, read whole
-        return np.zeros(sizes[0], dtype=np.int16), np.arange(sizes[0], dtype=np.int64)
+        return (
+            np.zeros(sizes[0], dtype=np.int16),
+            np.arange(sizes[0], dtype=index_dtype(sizes[0])),
+            np.array([0, sizes[0]]),
+        )
     total = rules.virtual_size or int(sizes.sum())
     counts = largest_remainder(shares, total)
-    sources, indices = [], []
+    dtype = index_dtype(int(sizes.max()))
+    indices = []
     for number, (count, size) in enumerate(zip(counts, sizes)):
         rng = stage_rng(rules.seed, Seed.TOKEN_VIRTUAL, epoch, number)
         whole, rest = divmod(int(count), int(size))
         chosen = [rng.permutation(size) for _ in range(whole)] + [rng.permutation(size)[:rest]]
-        indices.append(np.concatenate(chosen).astype(np.int64))
-        sources.append(np.full(count, number, dtype=np.int16))
-    return np.concatenate(sources), np.concatenate(indices)
+        indices.append(np.concatenate(chosen).astype(dtype))
+    source = np.repeat(np.arange(len(pairs), dtype=np.int16), counts)
+    return source, np.concatenate(indices), np.concatenate([[0], np.cumsum(counts)])
+
+
+def index_dtype(count: int) -> np.dtype:
+    """int32 for indices below ``count`` where they fit (half the memory of int64)."""
+    return np.dtype(np.int32 if count <= np.iinfo(np.int32).max else np.int64)
+
+
+def _lengths(sizes: list[np.ndarray], index: np.ndarray, ranges: np.ndarray, whole: bool) -> np.ndarray:
+    """The int32 lengths of the epoch's sentences, one gather per source's run of them;
+    ``whole``: one source read whole, in order (its sizes as they are, not copied)."""
+    if whole:
+        return np.asarray(sizes[0], dtype=np.int32)
+    lengths = np.empty(len(index), dtype=np.int32)
+    for number, these in enumerate(sizes):
+        run = slice(ranges[number], ranges[number + 1])
+        lengths[run] = these[index[run]]
+    return lengths
 
 
 def largest_remainder(shares: np.ndarray, total: int) -> np.ndarray:
@@ -142,16 +166,57 @@ def largest_remainder(shares: np.ndarray, total: int) -> np.ndarray:
     return counts
 
 
+def lexsorted(keys: list[np.ndarray], positions: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``positions[o]`` and ``keys[-1][o]`` for ``o = np.lexsort(keys)`` (the last key sorts
+    first, ties keep their order; ``positions`` default to 0, 1, ...), for non-negative integer
+    keys: each key and position packed into one uint64 (the keys' bits above the position's,
+    so that no two are equal and ties keep their order), sorted in place by numpy's
+    vectorised quicksort: one sort of one array, no sort per key and no gather after it.
+    Results are int32 where they fit; keys too wide to pack go to ``np.lexsort``."""
+    count = len(keys[0])
+    top = count - 1 if positions is None else (int(positions.max()) if count else 0)
+    widths = [int(key.max()).bit_length() if count else 0 for key in keys]
+    shift = max(top, 0).bit_length()
+    if shift + sum(widths) > 64 or (count and min(int(key.min()) for key in keys) < 0):
+        order = np.lexsort(keys)
+        return (order if positions is None else positions[order]).astype(index_dtype(top + 1)), keys[-1][order]
+    packed = np.zeros(count, dtype=np.uint64)
+    for key, width in zip(reversed(keys), reversed(widths)):  # most significant first
+        packed <<= np.uint64(width)
+        np.bitwise_or(packed, key, out=packed, dtype=np.uint64, casting="unsafe")
+    packed <<= np.uint64(shift)
+    np.bitwise_or(
+        packed, np.arange(count) if positions is None else positions, out=packed, dtype=np.uint64, casting="unsafe"
+    )
+    packed.sort()
+    order = (packed & np.uint64((1 << shift) - 1)).astype(index_dtype(top + 1))
+    packed >>= np.uint64(shift + sum(widths[:-1]))
+    return order, packed.astype(keys[-1].dtype)
+
+
 def cut_batches(lengths: np.ndarray, max_tokens: int, max_sentences: int | None = None) -> np.ndarray:
     """Bounds of greedy batches over ascending ``lengths``: each batch as long as its count
-    times its longest (last) length stays within ``max_tokens``."""
-    bounds = [0]
-    start, total = 0, len(lengths)
+    times its longest (last) length stays within ``max_tokens``.
+
+    Within a run of one length L the greedy batches are ``max_tokens // L`` sentences each (at
+    most ``max_sentences``): they are laid out at once, and only a batch that reaches into the
+    next lengths is measured, so the loop turns about twice per distinct length, not once per
+    batch."""
+    total = len(lengths)
     cap_sentences = max_sentences or max_tokens
+    run_ends = np.append(np.flatnonzero(np.diff(lengths)) + 1, total)
+    pieces = [np.zeros(1, dtype=np.int64)]
+    start = 0
     while start < total:
-        window = lengths[start : start + min(max_tokens // max(int(lengths[start]), 1), cap_sentences)]
+        size = min(max_tokens // max(int(lengths[start]), 1), cap_sentences)
+        run_end = int(run_ends[np.searchsorted(run_ends, start, side="right")])
+        whole = (run_end - start) // size if size else 0
+        if whole:  # batches of ``size`` sentences of this one length
+            pieces.append(start + size * np.arange(1, whole + 1, dtype=np.int64))
+            start += size * whole
+            continue
+        window = lengths[start : start + size]
         cost = np.arange(1, len(window) + 1) * window
-        taken = max(int(np.searchsorted(cost, max_tokens, side="right")), 1)
-        start += taken
-        bounds.append(start)
-    return np.asarray(bounds, dtype=np.int64)
+        start += max(int(np.searchsorted(cost, max_tokens, side="right")), 1)
+        pieces.append(np.array([start], dtype=np.int64))
+    return np.concatenate(pieces)

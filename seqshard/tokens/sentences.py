@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .collate import CollateRules, collate_batch, padded
+from .collate import CollateRules, collate_group
 from .ids import SpecialIds
 from .pairs import OpenPair, TokenPair
 from .plan import BatchRules, EpochPlan, plan_epoch
@@ -21,7 +21,8 @@ UNREAD_WARN_SHARE = 0.01  # of an epoch's sentences dropped or left out before a
 
 
 class SentenceBatches:
-    """Map-style dataset: batch number -> collated batch (runs in DataLoader workers)."""
+    """Map-style dataset: batch number -> collated batch (runs in DataLoader workers);
+    ``__getitems__`` builds several batches with one gather per source for all of them."""
 
     def __init__(self, pairs: Sequence[TokenPair], plan: EpochPlan, rules: CollateRules, mixed: bool):
         self.pairs = list(pairs)
@@ -34,30 +35,31 @@ class SentenceBatches:
         return {**self.__dict__, "_open": None}  # workers map the files themselves
 
     def __getitem__(self, number: int) -> dict[str, Any]:
+        return self.__getitems__([number])[0]
+
+    def __getitems__(self, numbers: Sequence[int]) -> list[dict[str, Any]]:
+        """The batches ``numbers``, built together: their rows' positions in one gather from
+        the plan, each source's rows of all of them at once (``collate.collate_group``)."""
         if self._open is None:
             self._open = [OpenPair(p) for p in self.pairs]
-        positions = self.plan.batch(number)
-        sources = self.plan.source[positions]
+        chosen = np.asarray(numbers, dtype=np.int64)
+        starts = self.plan.bounds[chosen]
+        counts = self.plan.bounds[chosen + 1] - starts
+        total = int(counts.sum())
+        positions = self.plan.order[np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total)]
         indices = self.plan.index[positions]
-        size = len(positions)
-        if len(self._open) == 1:
-            groups = [(self._open[0], np.arange(size))]
+        sources = self.plan.source[positions] if self.mixed else None
+        if sources is None:
+            groups = [(self._open[0], np.arange(total))]
         else:  # the rows of each source, found with one sort
             order = np.argsort(sources, kind="stable")
             cuts = np.searchsorted(sources[order], np.arange(len(self._open) + 1))
             groups = [(self._open[s], order[a:b]) for s, (a, b) in enumerate(itertools.pairwise(cuts)) if b > a]
-        src = padded(
-            [pair.rows("src", rows, indices[rows]) for pair, rows in groups],
-            size,
-            self.rules.pad_id,
-            self.rules.left_pad_source,
+        src = [pair.rows("src", rows, indices[rows]) for pair, rows in groups]
+        tgt = (
+            [pair.rows("tgt", rows, indices[rows]) for pair, rows in groups] if self._open[0].tgt is not None else None
         )
-        tgt = None
-        if self._open[0].tgt is not None:
-            tgt = padded(
-                [pair.rows("tgt", rows, indices[rows]) for pair, rows in groups], size, self.rules.pad_id, False
-            )
-        return collate_batch(indices, src, tgt, self.rules, sources if self.mixed else None)
+        return collate_group(counts, indices, src, tgt, self.rules, sources)
 
     def __len__(self) -> int:
         return self.plan.num_batches
