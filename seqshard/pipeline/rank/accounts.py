@@ -124,7 +124,9 @@ class EpochAccounts:
         budget = bad_data.shard_budget(shards)
         damaged = self._damaged_on_all_ranks(mine, budget - missing) if self._ranks_in_step else len(mine)
         if damaged + missing > budget:
-            raise ShardError("the selected shards", None, bad_shards_problem(damaged, missing, shards, budget, bad_data))
+            raise ShardError(
+                "the selected shards", None, bad_shards_problem(damaged, missing, shards, budget, bad_data)
+            )
 
     def _damaged_on_all_ranks(self, mine: set[int], room: int) -> int:
         """Damaged shards over all ranks (a collective): their sum while it fits in ``room``,
@@ -190,7 +192,7 @@ class EpochAccounts:
         }
         if self.end.continues_stream:
             return summary
-        units = [self._units_of(position, worker) for worker in range(len(position.workers))]
+        units = [self.units_of(position, worker) for worker in range(len(position.workers))]
         self._count_unindexed(units)
         planned = [planned_utts(self.table, u, self._counted) for u in units]
         if all(p is not None for p in planned):
@@ -199,7 +201,8 @@ class EpochAccounts:
             summary["left"] = total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
         return summary
 
-    def _units_of(self, position: RankPosition, worker: int) -> list[Unit]:
+    def units_of(self, position: RankPosition, worker: int) -> list[Unit]:
+        """The units of ``worker`` in ``position``'s epoch: the epoch's plan, or an elastic resume's."""
         units = position.units_of(worker)
         return units if units is not None else self.setup.units(position.epoch, worker)
 

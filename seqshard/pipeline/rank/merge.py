@@ -87,6 +87,10 @@ class RankPosition:
         """The units replacing ``worker``'s planned ones this epoch, if any."""
         return None if self.plan is None else [Unit.from_json(u) for u in self.plan[worker]]
 
+    def plan_units(self) -> list[list[Unit]] | None:
+        """The units replacing every worker's planned ones this epoch (elastic resume), if any."""
+        return None if self.plan is None else [[Unit.from_json(u) for u in units] for units in self.plan]
+
     def to_json(self) -> dict[str, Any]:
         return copy.deepcopy(asdict(self))
 
