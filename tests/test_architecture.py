@@ -15,7 +15,11 @@ import seqshard
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "seqshard"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-DOCUMENTS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "DEVELOPERS.md", ROOT / "README.md", ROOT / "bench" / "README.md"]
+DOCUMENTS = sorted((ROOT / "docs").glob("*.md")) + [
+    ROOT / "DEVELOPERS.md",
+    ROOT / "README.md",
+    ROOT / "bench" / "README.md",
+]
 OUR_PATH = re.compile(r"(?<![\w/.])(?:seqshard|tests|bench|examples)/[\w/]*\w\.py\b")
 # in the pages about the package itself, a backticked `formats/tar.py` is a path under seqshard/
 PACKAGE_PAGES = (ARCHITECTURE, ROOT / "DEVELOPERS.md")

@@ -246,7 +246,11 @@ def test_a_field_asked_for_is_in_every_batch_even_where_no_sample_has_it(tmp_pat
     for batch in batches:
         size = len(batch["keys"])
         assert batch["ali"].shape[0] == batch["ali_lens"].shape[0] == size and batch["ali"].dtype == torch.int32
-        assert batch["ali"].ndim == 2 and batch["nothing"].shape == (size, 0) and list(batch["nothing_lens"]) == [-1] * size
+        assert (
+            batch["ali"].ndim == 2
+            and batch["nothing"].shape == (size, 0)
+            and list(batch["nothing_lens"]) == [-1] * size
+        )
         for row, key in enumerate(batch["keys"]):
             if key in kept:
                 length = int(batch["ali_lens"][row])

@@ -1,10 +1,17 @@
 """What a rank's epoch did: its stats, its summary (planned, read, dropped, filtered, left),
-and warnings drawn from the counters (too many unknown label tokens) and the summary (much of
-an epoch left unread).
+the budget of bad shards, and warnings drawn from the counters (too many unknown label tokens)
+and the summary (much of an epoch left unread).
 
 Everything comes from the workers' counters in the rank's position and from the plan, so a
 summary is right after a resume too. What an epoch left unread is counted also for shards
 without an index (their samples are counted from their headers, once per loader).
+
+For every rank, and summed over ranks, ``utts + dropped + filtered + left = planned``, where
+``planned`` is what the epoch's plan gives the rank. The first rank (rank 0) also carries
+what no rank reads: the utterances of missing shards (``planned`` and ``dropped["missing"]``,
+where an index records them) and, after an elastic resume, what the saved readers had done
+before it (``planned``, ``utts``, ``dropped``, ``filtered``: the resumed epoch as a whole, as
+after an exact resume); the other ranks count what they were given and did after the resume.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from ...dist import Collectives
 from ...errors import ShardError, option, redact
 from ...formats.remote import RemoteAccess
 from ...formats.streams import count_samples
-from ...options import LoaderOptions
+from ...options import BadData, LoaderOptions
 from ...text.tokenizers import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from ..plan import Unit, planned_utts
 from ..stages.reader import DAMAGED
@@ -39,17 +46,22 @@ class EpochAccounts:
         self.collectives = collectives
         self._counted: dict[int, int] = {}  # samples counted in unindexed shards
         self._tokens_judged = setup.tokenizer is None
-        self._bad_before = 0  # damaged shards the stream had counted when this epoch began
+        self._bad_before: set[int] = set()  # damaged shards a stream had counted when this epoch began
+        self._ranks_in_step = False  # the ranks take every step together and can add their bad shards up
+        self._summed = self._distinct = 0  # damaged shards summed over ranks, and how many distinct
 
     def stats(self, position: RankPosition, seconds: float) -> dict[str, Any]:
-        counters = counters_of(position)
+        counters = position.counters()
+        dropped = {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("dropped.") and v}
+        if self._missing_utts():
+            dropped["missing"] = self._missing_utts()
         found = {
             "epoch": position.epoch,
             "steps": position.step,
             "utts": position.utts,
             "utts_per_second": position.utts / seconds if seconds > 0 else 0.0,
             "units_done": counters.get("units_done", 0),
-            "dropped": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("dropped.") and v},
+            "dropped": dropped,
             "filtered": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("filtered.") and v},
             "padding_fraction": 1 - position.frames / position.padded_frames if position.padded_frames else 0.0,
             "tokens": counters.get("tokens", 0),
@@ -81,37 +93,58 @@ class EpochAccounts:
             }
         return found
 
+    def _missing_utts(self) -> int:
+        """Utterances of the missing shards (those an index records), counted on the first rank
+        in epochs that follow a plan (a stream has no planned epoch to count them against)."""
+        if self.setup.rank != 0 or self.end.continues_stream:
+            return 0
+        return sum(m.num_utts or 0 for m in self.table.missing)
+
     def start_bad_shard_count(self, position: RankPosition) -> None:
-        """Bad shards are budgeted per epoch: remember what the stream had counted before."""
-        self._bad_before = damaged_shards(counters_of(position))
+        """Bad shards are budgeted per epoch: remember what a stream that goes on across epochs
+        had counted before this one (an epoch's readers count afresh), and whether the ranks
+        can add theirs up at every step (not with ``uneven="join"``: its ranks do not talk)."""
+        continuing = self.end.continues_stream
+        self._bad_before = damaged_shard_numbers(position.counters()) if continuing else set()
+        context = self.collectives.context
+        self._ranks_in_step = context.distributed and self.end.gathers_summary and self.collectives.ready()
+        self._summed = self._distinct = 0
 
     def check_bad_shards(self, position: RankPosition) -> None:
-        """Stop the run when this rank skipped more damaged shards this epoch than its share
-        of ``max_bad_shards`` (what missing shards left of it, split evenly over the ranks)."""
+        """Stop the run when more shards were bad this epoch (damaged on any rank, or missing)
+        than ``max_bad_shards`` allows of all the selected shards, whatever the world size.
+        Ranks that take every step together add theirs up at each step (one all-reduce; every
+        rank stops at the same step); with ``uneven="join"`` each rank judges its own alone."""
         bad_data = self.setup.options.bad_data
         if not bad_data.skip_bad:
             return
-        damaged = damaged_shards(counters_of(position)) - self._bad_before
-        shards = len(self.table.shards) + len(self.table.missing)
+        mine = damaged_shard_numbers(position.counters()) - self._bad_before
+        missing = len(self.table.missing)
+        shards = len(self.table.shards) + missing
         budget = bad_data.shard_budget(shards)
-        share = (budget - len(self.table.missing)) / self.setup.world_size
-        if damaged > share:
+        damaged = self._damaged_on_all_ranks(mine, budget - missing) if self._ranks_in_step else len(mine)
+        if damaged + missing > budget:
             raise ShardError(
-                "the selected shards",
-                None,
-                f"{damaged} damaged shard(s) skipped on rank {self.setup.rank} this epoch"
-                + (f" (and {len(self.table.missing)} missing)" if self.table.missing else "")
-                + f": more than {option('max_bad_shards', bad_data.max_bad_shards)} allows ({budget} of {shards} shards"
-                + (f", {share:g} per rank" if self.setup.world_size > 1 else "")
-                + "). The warnings above name them; repair or re-upload them, or raise max_bad_shards.",
+                "the selected shards", None, bad_shards_problem(damaged, missing, shards, budget, bad_data)
             )
+
+    def _damaged_on_all_ranks(self, mine: set[int], room: int) -> int:
+        """Damaged shards over all ranks (a collective): their sum while it fits in ``room``,
+        else how many distinct ones (a shard split between ranks may be met on both)."""
+        (summed,) = self.collectives.all_sum([len(mine)])
+        if summed <= room:
+            return summed
+        if summed != self._summed:
+            self._summed = summed
+            self._distinct = len(set().union(*(set(s) for s in self.collectives.all_gather(sorted(mine)))))
+        return self._distinct
 
     def judge_unknown_tokens(self, position: RankPosition, final: bool = False) -> None:
         """Warn once when many label tokens are unknown to the tokenizer (a units file of
         words split into characters, labels in another case than a BPE model's, ...)."""
         if self._tokens_judged:
             return
-        counters = counters_of(position)
+        counters = position.counters()
         tokens, unknown = counters.get("tokens", 0), counters.get("unknown_tokens", 0)
         if tokens < UNKNOWN_WARN_AFTER and not final:
             return
@@ -127,14 +160,15 @@ class EpochAccounts:
         self.judge_unknown_tokens(position, final=True)
         rank = self.setup.rank
         local = self._rank_summary(position, seconds)
-        if not self.end.gathers_summary:
-            _LOG.info("seqshard epoch %d rank %d: %s", position.epoch, rank, describe(local))
-            return {"ranks": [local]}
-        ranks = self.collectives.all_gather(local)
+        gathered = self.end.gathers_summary
+        ranks = self.collectives.all_gather(local) if gathered else [local]
         summary: dict[str, Any] = {"epoch": position.epoch, "ranks": ranks}
         missing = self.table.missing
         if missing:
             summary["missing_shards"] = [redact(str(m.path)) for m in missing]
+        if not gathered:
+            _LOG.info("seqshard epoch %d rank %d: %s", position.epoch, rank, describe(local))
+            return summary
         if rank == 0:
             _LOG.info(
                 "seqshard epoch %d: %s%s",
@@ -158,16 +192,17 @@ class EpochAccounts:
         }
         if self.end.continues_stream:
             return summary
-        units = [self._units_of(position, worker) for worker in range(len(position.workers))]
+        units = [self.units_of(position, worker) for worker in range(len(position.workers))]
         self._count_unindexed(units)
         planned = [planned_utts(self.table, u, self._counted) for u in units]
         if all(p is not None for p in planned):
-            total = sum(planned)  # type: ignore[arg-type]
+            total = sum(planned) + position.before_planned + self._missing_utts()  # type: ignore[arg-type]
             summary["planned"] = total
             summary["left"] = total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
         return summary
 
-    def _units_of(self, position: RankPosition, worker: int) -> list[Unit]:
+    def units_of(self, position: RankPosition, worker: int) -> list[Unit]:
+        """The units of ``worker`` in ``position``'s epoch: the epoch's plan, or an elastic resume's."""
         units = position.units_of(worker)
         return units if units is not None else self.setup.units(position.epoch, worker)
 
@@ -181,15 +216,6 @@ class EpochAccounts:
                 self._counted[shard] = count_samples(self.table.shards[shard].path, self.access)
             except ShardError as error:
                 _LOG.warning("cannot count the samples of a damaged shard: %s", error)
-
-
-def counters_of(position: RankPosition) -> dict[str, int]:
-    """The workers' counters summed."""
-    counters: dict[str, int] = {}
-    for worker in position.workers:
-        for name, value in worker.stats.items():
-            counters[name] = counters.get(name, 0) + value
-    return counters
 
 
 def describe(summary: dict[str, Any]) -> str:
@@ -231,4 +257,22 @@ def unread_warning(epoch: int, ranks: list[dict[str, Any]], options: LoaderOptio
 def damaged_shards(counters: dict[str, int]) -> int:
     """How many distinct shards the readers found damaged (a shard split between readers, or
     met again in a later pass, counts once)."""
-    return sum(1 for name, count in counters.items() if name.startswith(DAMAGED) and count)
+    return len(damaged_shard_numbers(counters))
+
+
+def damaged_shard_numbers(counters: dict[str, int]) -> set[int]:
+    """The table numbers of the shards the readers found damaged."""
+    return {int(name[len(DAMAGED) :]) for name, count in counters.items() if name.startswith(DAMAGED) and count}
+
+
+def bad_shards_problem(damaged: int, missing: int, shards: int, budget: int, bad_data: BadData) -> str:
+    """Why the run stops: the epoch's bad shards and what ``max_bad_shards`` allows, in numbers."""
+    share = bad_data.max_bad_shards
+    allowed = f"{budget} that {option('max_bad_shards', share)} allows"
+    if share < 1:
+        allowed += f" ({share * 100:g}% of {shards}, rounded down)"
+    return (
+        f"{damaged + missing} of the {shards} selected shard(s) were bad this epoch ({damaged} damaged, "
+        f"{missing} missing): more than the {allowed}. The warnings above name them; repair or re-upload "
+        "them, or raise max_bad_shards."
+    )

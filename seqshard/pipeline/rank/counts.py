@@ -19,7 +19,7 @@ from ...formats.index import BINS_PER_OCTAVE, bin_bounds
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
-from ..plan import plan_epoch, planned_utts
+from ..plan import Unit, plan_epoch, planned_utts
 from ..stages.batching import count_sorted_batches
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
@@ -27,14 +27,19 @@ from ..workers.setup import WorkerSetup
 SIMULATED_SAMPLES = 40_000  # lengths drawn and cut into windows per loader (the rest is scaled from them)
 
 
-def planned_batches(setup: WorkerSetup, epoch: int, done_steps: int) -> PlannedBatches:
-    """The batches of ``epoch`` on this rank (``done_steps`` already taken by a loaded state)."""
+def planned_batches(
+    setup: WorkerSetup, epoch: int, done_steps: int, resumed: list[list[Unit]] | None = None
+) -> PlannedBatches:
+    """The batches of ``epoch`` on this rank (``done_steps`` already taken by a loaded state;
+    ``resumed``: the units an elastic resume gave this rank's readers for the rest of it)."""
     options = setup.options
     steps = options.epochs.epoch_steps
     if steps is not None:
         return PlannedBatches(steps, max(0, steps - done_steps))
     if options.epochs.continues_stream:
         return _stream_estimate(setup, done_steps)
+    if resumed is not None:
+        return _elastic_rest(setup, resumed, done_steps)
     plan = plan_epoch(
         setup.table,
         epoch,
@@ -55,6 +60,21 @@ def planned_batches(setup: WorkerSetup, epoch: int, done_steps: int) -> PlannedB
         low, high = lows[setup.rank], highs[setup.rank]
     else:  # the ranks step together until the first runs out
         low, high = min(lows), min(highs)
+    return _planned(low, high, done_steps, why)
+
+
+def _elastic_rest(setup: WorkerSetup, resumed: list[list[Unit]], done_steps: int) -> PlannedBatches:
+    """The rest of an epoch resumed elastically: the batches of this rank's new units (each
+    rank knows only its own share, so the step where ranks that stop together end is an
+    estimate, at most this rank's count)."""
+    utts = [planned_utts(setup.table, units) for units in resumed]
+    if any(n is None for n in utts):
+        return _unknown("some shards have no index.json (run `seqshard index` on their folders)")
+    pairs = [pair for n in utts for pair in _reader_batches(setup, int(n))]  # type: ignore[arg-type]
+    why = _why_not_exact(setup)
+    if not why and setup.options.epochs.uneven != "join" and setup.world_size > 1:
+        why = "after an elastic resume a rank knows only its own share of the epoch's rest"
+    low, high = (done_steps + sum(pair[end] for pair in pairs) for end in (0, 1))
     return _planned(low, high, done_steps, why)
 
 

@@ -64,10 +64,6 @@ class EpochCursor:
         self.position = position
         return position
 
-    def resumed_utts(self) -> int:
-        """Utterances a loaded position for the current epoch had already handed out."""
-        return self.resume.utts if self.resume is not None and self.resume.epoch == self.epoch else 0
-
-    def resumed_steps(self) -> int:
-        """Steps a loaded position for the current epoch had already taken."""
-        return self.resume.step if self.resume is not None and self.resume.epoch == self.epoch else 0
+    def resumed(self) -> RankPosition | None:
+        """The loaded position the current epoch will start from, if any."""
+        return self.resume if self.resume is not None and self.resume.epoch == self.epoch else None

@@ -26,7 +26,7 @@ from ...formats.remote import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
 from ..plan import Plan, Unit, spread_units
-from ..stages.base import Stage
+from ..stages.base import Stage, merge_counts
 from ..stages.passes import Passes
 from ..stages.reader import ShardReader
 from ..stages.sample import Sample
@@ -178,11 +178,15 @@ def elastic_position(
 
 
 def _with_progress(fresh: RankPosition, positions: list[RankPosition], rank: int) -> RankPosition:
-    """``fresh`` at the saved epoch's step (the ranks' least), with what the saved ranks had read
-    (utterances, frames, per mixed source) on the first rank, so that epoch lengths counted over
-    all ranks (hours, a source's pass) go on where they stood."""
+    """``fresh`` at the saved epoch's step (the ranks' least), with what the saved ranks had done
+    on the first rank: utterances, frames and per mixed source read, so that epoch lengths
+    counted over all ranks (hours, a source's pass) go on where they stood; their counters
+    (dropped, filtered, ...) and what they had taken from the plan, so that the first rank's
+    summary counts the whole epoch's past and the ranks' summaries add up to the epoch."""
     fresh.step = min(p.step for p in positions)
     if rank == 0:
+        fresh.before = merge_counts(*(p.counters() for p in positions))
+        fresh.before_planned = sum(p.taken() for p in positions)
         fresh.utts = sum(p.utts for p in positions)
         fresh.frames = sum(p.frames for p in positions)
         fresh.padded_frames = sum(p.padded_frames for p in positions)

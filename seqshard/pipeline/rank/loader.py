@@ -72,23 +72,29 @@ class ShardLoader:
 
     def planned_batches(self) -> PlannedBatches:
         """The batches of the current epoch on this rank, exact or estimated (``protocol.py``)."""
-        return planned_batches(self._setup, self.epoch, self._cursor.resumed_steps())
+        return self._planned_from(self._cursor.resumed())
+
+    def _planned_from(self, start: RankPosition | None) -> PlannedBatches:
+        """The batches of the current epoch from ``start`` (a loaded position) or its beginning."""
+        if start is None:
+            return planned_batches(self._setup, self.epoch, 0)
+        return planned_batches(self._setup, self.epoch, start.step, start.plan_units())
 
     def __len__(self) -> int:
         return length_of(self.planned_batches(), "shard loader")
 
     def planned_utts(self) -> int | None:
         """Utterances this rank's plan holds for the current epoch, less those a loaded state
-        had handed out (for progress bars); None when unknown (shards without an index,
-        streams that go on across epochs)."""
+        had taken (handed out, dropped, filtered; after an elastic resume, what it gave this
+        rank), for progress bars; None when unknown (shards without an index, streams that go
+        on across epochs)."""
         if self._rules.end.continues_stream:
             return None
-        counts = [
-            planned_utts(self.table, self._setup.units(self.epoch, w)) for w in range(self._setup.readers_per_rank)
-        ]
+        position = self._cursor.resumed() or RankPosition.fresh(self.epoch, self._setup.readers_per_rank, 0)
+        counts = [planned_utts(self.table, self._accounts.units_of(position, w)) for w in range(len(position.workers))]
         if any(c is None for c in counts):
             return None
-        return max(0, sum(counts) - self._cursor.resumed_utts())  # type: ignore[arg-type]
+        return max(0, sum(counts) + position.before_planned - position.taken())  # type: ignore[arg-type]
 
     @property
     def dim(self) -> int | None:
@@ -123,7 +129,7 @@ class ShardLoader:
         items = self._pool.items(position.epoch, position.worker_request())
         stream = MergedStream(items, position, self._pool.receive)
         started, self._seconds = time.perf_counter(), 0.0
-        planned = self.planned_batches()
+        planned = self._planned_from(position)
         last = planned.total if planned.exact else None  # a consumer may stop after len() batches
         while True:
             cut = self._rules.over(stream.position)  # the epoch's length reached, not the data's end

@@ -20,6 +20,7 @@ from typing import Any
 
 from ...errors import SeqshardError
 from ..plan import Unit
+from ..stages.base import merge_counts
 from ..workers.protocol import BatchItem, EndItem, Item
 
 
@@ -52,6 +53,10 @@ class RankPosition:
     )
     sources: list[list[int]] = field(default_factory=list)  # per source of a mix: [utts, length] this epoch
     sources_all: list[list[int]] = field(default_factory=list)  # the same since the stream began
+    # elastic resume, on the first rank: the saved readers' counters summed, and the utterances
+    # they had taken from the epoch's plan (handed out, dropped or filtered)
+    before: dict[str, int] = field(default_factory=dict)
+    before_planned: int = 0
 
     @classmethod
     def fresh(
@@ -70,9 +75,21 @@ class RankPosition:
             carry=carry,
         )
 
+    def counters(self) -> dict[str, int]:
+        """The readers' counters summed (with those of the readers before an elastic resume)."""
+        return merge_counts(self.before, *(w.stats for w in self.workers))
+
+    def taken(self) -> int:
+        """Utterances taken from the epoch's plan so far: handed out, dropped or filtered."""
+        return self.utts + sum(v for k, v in self.counters().items() if k.startswith(("dropped.", "filtered.")))
+
     def units_of(self, worker: int) -> list[Unit] | None:
         """The units replacing ``worker``'s planned ones this epoch, if any."""
         return None if self.plan is None else [Unit.from_json(u) for u in self.plan[worker]]
+
+    def plan_units(self) -> list[list[Unit]] | None:
+        """The units replacing every worker's planned ones this epoch (elastic resume), if any."""
+        return None if self.plan is None else [[Unit.from_json(u) for u in units] for units in self.plan]
 
     def to_json(self) -> dict[str, Any]:
         return copy.deepcopy(asdict(self))
