@@ -268,9 +268,10 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
     context = mp.get_context("fork")
     times = context.SimpleQueue()
     with ShardServer(packed.parent) as server:
+        gc.collect()  # only this test's garbage reaches the child (not earlier tests' in this process)
         gc.disable()
         try:
-            for _ in range(2):
+            for _ in range(3):
                 dropped = remote.RemoteAccess()
                 dropped.server_size(f"{server.url}/shards/{shard_names(packed)[0]}")
                 cycle = [dropped]
@@ -281,9 +282,7 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
         finally:
             gc.enable()
         child.join(30)
-    assert (
-        child.exitcode == 0 and times.get() < 1.5
-    )  # 1 s per dropped loader before (2 s here); loose for loaded machines
+    assert child.exitcode == 0 and times.get() < 2.0  # 1 s per dropped loader before (3 s here)
 
 
 def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):
