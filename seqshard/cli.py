@@ -92,8 +92,13 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.plot:
         plot_lengths(summary, args.plot)
         print(f"length histogram written to {args.plot}", file=sys.stderr)
-    if summary["missing_shards"]:
-        print(f"seqshard inspect: {len(summary['missing_shards'])} selected shard(s) are missing", file=sys.stderr)
+    problems = [
+        f"{len(summary[name])} selected shard(s) are {what}"
+        for name, what in (("missing_shards", "missing"), ("damaged_shards", "damaged or cut short"))
+        if summary[name]
+    ]
+    if problems:
+        print(f"seqshard inspect: {'; '.join(problems)}: the counts are incomplete", file=sys.stderr)
         return 1
     return 0
 
@@ -298,7 +303,14 @@ def _add_field_command(commands: Any) -> None:
 
 
 def _inspect_command(commands: Any) -> None:
-    inspect = commands.add_parser("inspect", help="counts, hours and length percentiles of shards")
+    inspect = commands.add_parser(
+        "inspect",
+        help="counts, hours and length percentiles of shards; exit 1 if a selected shard is missing or damaged",
+        description="Counts, hours and length percentiles of shards, from their index.json (unindexed shards are "
+        "read). Exit status: 0 when every selected shard is there and reads cleanly; 1 when a selected shard is "
+        "missing or an unindexed shard is damaged or cut short (what could be read is still printed, marked "
+        "MISSING / DAMAGED / INCOMPLETE; `seqshard verify` checks indexed shards fully).",
+    )
     inspect.add_argument(
         "patterns", nargs="+", help="shard patterns, e.g. 'data/{10_1000,1000_2000}/data-*.tar' or a folder"
     )
