@@ -326,7 +326,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         loader.set_epoch(epoch)
         planned = loader.planned_batches()
         with Progress(rank == 0 and planned.total > 0, interval=30) as bars:
-            advance = bars.bar(f"epoch {epoch}", planned.remaining, unit="batch")
+            advance = bars.bar(f"epoch {epoch}", planned.remaining, unit="batch", exact=planned.exact)
             for batch, waited in timed(loader):
                 started = time.perf_counter() - waited
                 model.train()
