@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -179,10 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="seqshard",
         description="Pack Kaldi-style speech data into indexed tar shards and stream them into PyTorch training.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"seqshard {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (skips, resumed shards, planning)")
-    commands = parser.add_subparsers(dest="command", required=True)
+    # options spelled in full only: a prefix (--utts-per-fil) that one day matches a second option must not
+    # silently change meaning, and a typo must not pass for an option
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False)
+    )
     for add in (
         _pack_command,
         _add_field_command,

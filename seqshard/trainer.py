@@ -105,7 +105,9 @@ class FeedMeter:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--config", help="hyper-p.json (train.option); default: a made-up corpus in OUT/data")
     parser.add_argument("--out", type=Path, default=Path("train-out"), help="folder for checkpoints (and demo data)")
     parser.add_argument("--demo-utts", type=int, default=600, help="utterances of the made-up corpus")
