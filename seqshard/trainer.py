@@ -1,8 +1,10 @@
 """The example trainer: a small CTC model (convolutional subsampling + LSTM layers) trained
 with DDP from seqshard loaders, with a dev set evaluated each epoch.
 
-    torchrun --nproc_per_node 2 examples/train_ddp.py --config hyper-p.json --out exp/
-    python examples/train_ddp.py                     # one process, a made-up corpus in train-out/
+    torchrun --nproc_per_node 2 -m seqshard.trainer --config hyper-p.json --out exp/
+    python -m seqshard.trainer                       # one process, a made-up corpus in train-out/
+
+(``examples/train_ddp.py`` in a clone of the repository runs this module too.)
 
 Checkpoints (``OUT/ckpt.pt``) hold the model, optimizer, loader state, epoch and step, and the
 settings they were trained with (model shape, tokenizer fingerprint, learning rate schedule);
