@@ -410,8 +410,8 @@ def _cmvn_command(commands: Any) -> None:
 def _config_command(commands: Any) -> None:
     config = commands.add_parser(
         "config",
-        help="check a hyper-p.json (train.option, and that its Kaldi data dirs' arks can be read); "
-        "--explain prints every setting",
+        help="check a hyper-p.json (train.option; that its Kaldi data dirs' arks can be read and its shard "
+        "patterns select shards); --explain prints every setting",
     )
     config.add_argument("file", help="the hyper-p.json file")
     config.add_argument("--explain", action="store_true", help="print the resolved settings, set or default")
