@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -92,8 +93,13 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.plot:
         plot_lengths(summary, args.plot)
         print(f"length histogram written to {args.plot}", file=sys.stderr)
-    if summary["missing_shards"]:
-        print(f"seqshard inspect: {len(summary['missing_shards'])} selected shard(s) are missing", file=sys.stderr)
+    problems = [
+        f"{len(summary[name])} selected shard(s) are {what}"
+        for name, what in (("missing_shards", "missing"), ("damaged_shards", "damaged or cut short"))
+        if summary[name]
+    ]
+    if problems:
+        print(f"seqshard inspect: {'; '.join(problems)}: the counts are incomplete", file=sys.stderr)
         return 1
     return 0
 
@@ -174,10 +180,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="seqshard",
         description="Pack Kaldi-style speech data into indexed tar shards and stream them into PyTorch training.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"seqshard {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log more (skips, resumed shards, planning)")
-    commands = parser.add_subparsers(dest="command", required=True)
+    # options spelled in full only: a prefix (--utts-per-fil) that one day matches a second option must not
+    # silently change meaning, and a typo must not pass for an option
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False)
+    )
     for add in (
         _pack_command,
         _add_field_command,
@@ -298,7 +309,14 @@ def _add_field_command(commands: Any) -> None:
 
 
 def _inspect_command(commands: Any) -> None:
-    inspect = commands.add_parser("inspect", help="counts, hours and length percentiles of shards")
+    inspect = commands.add_parser(
+        "inspect",
+        help="counts, hours and length percentiles of shards; exit 1 if a selected shard is missing or damaged",
+        description="Counts, hours and length percentiles of shards, from their index.json (unindexed shards are "
+        "read). Exit status: 0 when every selected shard is there and reads cleanly; 1 when a selected shard is "
+        "missing or an unindexed shard is damaged or cut short (what could be read is still printed, marked "
+        "MISSING / DAMAGED / INCOMPLETE; `seqshard verify` checks indexed shards fully).",
+    )
     inspect.add_argument(
         "patterns", nargs="+", help="shard patterns, e.g. 'data/{10_1000,1000_2000}/data-*.tar' or a folder"
     )
@@ -392,8 +410,8 @@ def _cmvn_command(commands: Any) -> None:
 def _config_command(commands: Any) -> None:
     config = commands.add_parser(
         "config",
-        help="check a hyper-p.json (train.option, and that its Kaldi data dirs' arks can be read); "
-        "--explain prints every setting",
+        help="check a hyper-p.json (train.option; that its Kaldi data dirs' arks can be read and its shard "
+        "patterns select shards); --explain prints every setting",
     )
     config.add_argument("file", help="the hyper-p.json file")
     config.add_argument("--explain", action="store_true", help="print the resolved settings, set or default")

@@ -250,14 +250,47 @@ def build_loaders(
 
 
 def check_data(source: str | Path | dict[str, Any]) -> TrainConfig:
-    """:func:`load_config`, then the Kaldi data dirs it names read as the loaders will (``seqshard
-    config``): the first value of each ark of the dev set, and of the train set with
-    ``large_dataset: false`` (every line of its scp is read to find its arks)."""
+    """:func:`load_config`, then the data it names checked as the loaders will read it (``seqshard
+    config``): of a Kaldi data dir, the first value of each ark (the dev set, and the train set
+    with ``large_dataset: false``: every line of its scp is read to find its arks); of shards,
+    the selection (:func:`check_shards`)."""
     config = load_config(source)
     for key in KALDI_SETS:
         if _is_kaldi_set(config, key):
             check_readable(config, key, kaldi_dataset(config, key))
+        elif config.data[key] is not None:
+            check_shards(config, key)
     return config
+
+
+def check_shards(config: TrainConfig, key: str) -> None:
+    """Every local pattern of the shard set ``key`` (each source of a mix) selects at least one
+    shard, and none of the shards it selects is missing (unless ``skip_bad`` lets the train
+    loader skip them). Only local shards are checked: URLs are left to the loader."""
+    from .formats.remote_selection import split_patterns
+    from .formats.selection import select_shards
+
+    local, _ = split_patterns(_leaf_patterns(config.data[key]))
+    if not local:
+        return
+    try:
+        missing = select_shards(local).missing
+    except ConfigError as error:
+        raise ConfigError(f"{config.source}: train.option.{key}: {error}") from None
+    skipped = key == "trset" and config.loader.get("skip_bad")
+    if missing and not skipped:
+        fix = "restore them" + (" or set train.option.skip_bad to train on the others" if key == "trset" else "")
+        raise ConfigError(
+            f"{config.source}: train.option.{key}: {len(missing)} selected shard(s) are missing, first "
+            f"{missing[0].path} ({missing[0].why}). Fix: {fix}."
+        )
+
+
+def _leaf_patterns(shards: Any) -> list[str]:
+    """The patterns of a shard set: a pattern, a list of them, or a mix of those."""
+    if isinstance(shards, dict):
+        return [p for source in shards.get("mux", []) for p in _leaf_patterns(source)]
+    return [shards] if isinstance(shards, str) else list(shards)
 
 
 def _is_kaldi_set(config: TrainConfig, key: str) -> bool:

@@ -168,21 +168,36 @@ def run_demo(
 
     ok = report.complete and sorted(keys) == sorted(speaker_of) and same and trained
     print(f"\ndemo {'OK' if ok else 'FAILED'} in {time.perf_counter() - started:.1f} s")
-    print(
-        f"\n== 7. where things are\n"
-        f"  {out}/kaldi           the Kaldi data dir (feats.scp, text, units.txt); {out}/dev: a dev set\n"
-        f"  {out}/shards          the shards, index.json and pack_report.json per length group\n"
-        + (f"  {plot}       utterance lengths\n" if plot else "")
-        + f"  {out}/hyper-p.json    the training config;  {out}/train: checkpoint (ckpt.pt)\n"
-        f"next:\n"
-        f"  seqshard inspect '{pattern}'\n"
-        f"  seqshard config --explain {out}/hyper-p.json\n"
-        f"  torchrun --nproc_per_node 2 examples/train_ddp.py --config {out}/hyper-p.json --out {out}/train "
-        f"--set epochs={train_epochs + 4}   (goes on from the checkpoint)\n"
-        f"  your data: seqshard pack --scp data/train/feats.scp --text data/train/text --out data/shards --jobs 8"
-    )
+    print(where_next(out, pattern, plot, train_epochs))
     if not ok:
         raise SystemExit(1)
+
+
+def where_next(out: Path, pattern: str, plot: Path | None, train_epochs: int) -> str:
+    """The demo's last words: where its outputs are and the commands to run next, as they run
+    from an installed package (the trainer is the module ``seqshard.trainer``)."""
+    lines = [
+        "\n== 7. where things are",
+        f"  {out}/kaldi           the Kaldi data dir (feats.scp, text, units.txt)",
+        f"  {out}/shards          the shards, index.json and pack_report.json per length group",
+    ]
+    if plot:
+        lines.append(f"  {plot}       utterance lengths")
+    if train_epochs > 0:
+        lines.append(f"  {out}/dev             the dev set (a Kaldi data dir)")
+        lines.append(f"  {out}/hyper-p.json    the training config;  {out}/train: checkpoint (ckpt.pt)")
+    lines += ["next:", f"  seqshard inspect '{pattern}'"]
+    if train_epochs > 0:
+        lines += [
+            f"  seqshard config --explain {out}/hyper-p.json",
+            f"  torchrun --nproc_per_node 2 -m seqshard.trainer --config {out}/hyper-p.json --out {out}/train "
+            f"--set epochs={train_epochs + 4}   (goes on from the checkpoint; in a clone of the repository, "
+            "examples/train_ddp.py runs the same trainer)",
+        ]
+    lines.append(
+        "  your data: seqshard pack --scp data/train/feats.scp --text data/train/text --out data/shards --jobs 8"
+    )
+    return "\n".join(lines)
 
 
 def _plot(pattern: str, path: Path) -> Path | None:

@@ -4,6 +4,10 @@ On a terminal: tqdm bars. Otherwise (stderr redirected to a log file, a Slurm jo
 plain lines such as ``pack: 1200/4800 utt (25.0%), 350 utt/s, about 10 s left``, at most one
 every ``interval`` seconds per bar, and one final line with the true count when a bar reaches
 its total or is closed, so a log never ends part way through nor holds cursor escape codes.
+
+A total given as an estimate (``exact=False``: an epoch's batches planned from the shards'
+index) is shown as ``25/~19 batch``, without a percentage, and its final line comes when the
+bar is closed. A count that passes its total grows the total, so no bar shows more than 100%.
 """
 
 from __future__ import annotations
@@ -31,30 +35,18 @@ class Progress:
         self.clock = clock
         self._bars: list = []
 
-    def bar(self, description: str, total: int, unit: str = "it") -> Callable[[int], None]:
-        """A new bar; returns the function that advances it. A URL in ``description`` is
-        shown redacted."""
+    def bar(self, description: str, total: int, unit: str = "it", exact: bool = True) -> Callable[[int], None]:
+        """A new bar; returns the function that advances it. ``exact=False``: ``total`` is an
+        estimate. A URL in ``description`` is shown redacted."""
         if not self.enabled:
             return _ignore
         description = redact(description)
         stream = sys.stderr
         if not _is_terminal(stream):
-            line = _LineProgress(description, total, unit, stream, self.interval, self.clock)
+            line = _LineProgress(description, total, unit, stream, self.interval, self.clock, exact)
             self._bars.append(line)
             return line.update
-        from tqdm import tqdm
-
-        tqdm.monitor_interval = 0  # no monitor thread: pack forks writer processes
-        scale = unit == "B"
-        bar = tqdm(
-            total=total,
-            desc=description,
-            unit=unit,
-            unit_scale=scale,
-            unit_divisor=1024 if scale else 1000,
-            dynamic_ncols=True,
-            leave=True,
-        )
+        bar = _TerminalBar(description, total, unit, exact)
         self._bars.append(bar)
         return bar.update
 
@@ -70,6 +62,38 @@ class Progress:
         self.close()
 
 
+class _TerminalBar:
+    """A tqdm bar whose total grows with a count that passes it, and whose estimated total
+    becomes the true count when it is closed (so it ends at 100%)."""
+
+    def __init__(self, description: str, total: int, unit: str, exact: bool) -> None:
+        from tqdm import tqdm
+
+        tqdm.monitor_interval = 0  # no monitor thread: pack forks writer processes
+        scale = unit == "B"
+        self.exact = exact
+        self.tqdm = tqdm(
+            total=total,
+            desc=description,
+            unit=unit,
+            unit_scale=scale,
+            unit_divisor=1024 if scale else 1000,
+            dynamic_ncols=True,
+            leave=True,
+        )
+
+    def update(self, n: int = 1) -> None:
+        if self.tqdm.total is not None and self.tqdm.n + n > self.tqdm.total:
+            self.tqdm.total = self.tqdm.n + n
+        self.tqdm.update(n)
+
+    def close(self) -> None:
+        if not self.exact and self.tqdm.total != self.tqdm.n:
+            self.tqdm.total = self.tqdm.n
+            self.tqdm.refresh()
+        self.tqdm.close()
+
+
 class _LineProgress:
     """A bar for log files: a plain line now and then, and a final one."""
 
@@ -81,9 +105,12 @@ class _LineProgress:
         stream: TextIO,
         interval: float,
         clock: Callable[[], float],
+        exact: bool = True,
     ) -> None:
         self.description = description
         self.total = total
+        self.planned = total  # the total as given (``total`` grows with a count that passes it)
+        self.exact = exact
         self.unit = unit
         self.stream = stream
         self.interval = interval
@@ -100,7 +127,9 @@ class _LineProgress:
         if self.closed:
             return
         self.count += n
-        if self.total and self.count >= self.total and not self.reached:
+        if self.total and self.count > self.total:
+            self.total = self.count
+        if self.exact and self.total and self.count >= self.total and not self.reached:
             self.reached = True
             self._write(final=True)
             return
@@ -111,8 +140,10 @@ class _LineProgress:
     def close(self) -> None:
         if self.closed:
             return
-        if not (self.shown_final and self.shown == self.count):
-            self._write(final=True)
+        if not self.exact:
+            self.total = self.count  # the estimate is now known
+        if self.shown != self.count or not (self.shown_final or self.reached):
+            self._write(final=not self.reached)  # after a "done" line, a line with the true count only
         self.closed = True
 
     def _write(self, final: bool, now: float | None = None) -> None:
@@ -120,12 +151,14 @@ class _LineProgress:
         elapsed = max(now - self.started, 0.0)
         rate = self.count / elapsed if elapsed > 0 else None
         text = f"{self.description}: {self._amount()}"
-        if self.total and self.total > 0:
+        if self.exact and self.total and self.total > 0:
             text += f" ({100.0 * self.count / self.total:.1f}%)"
         if rate is not None:
             text += f", {self._rate(rate)}"
+        if self.exact and self.planned and self.count > self.planned:
+            text += f", {self.count - self.planned} more than the {self.planned} planned"
         if final:
-            finished = self.total is None or self.count >= self.total
+            finished = not self.exact or self.total is None or self.count >= self.total
             text += f", {'done in' if finished else 'stopped after'} {_duration(elapsed)}"
         elif rate and self.total and self.total > self.count:
             text += f", about {_duration((self.total - self.count) / rate)} left"
@@ -143,8 +176,9 @@ class _LineProgress:
             scale, name = _byte_scale(self.total if self.total else self.count)
             total = f"/{self.total / scale:.{_decimals(scale)}f}" if self.total else ""
             return f"{self.count / scale:.{_decimals(scale)}f}{total} {name}"
-        total = f"/{self.total}" if self.total else ""
-        return f"{self.count}{total} {self.unit}"
+        if not self.total or (not self.exact and self.count >= self.total):
+            return f"{self.count} {self.unit}"
+        return f"{self.count}/{'' if self.exact else '~'}{self.total} {self.unit}"
 
     def _rate(self, rate: float) -> str:
         if self.unit == "B":

@@ -1,8 +1,10 @@
 """The example trainer: a small CTC model (convolutional subsampling + LSTM layers) trained
 with DDP from seqshard loaders, with a dev set evaluated each epoch.
 
-    torchrun --nproc_per_node 2 examples/train_ddp.py --config hyper-p.json --out exp/
-    python examples/train_ddp.py                     # one process, a made-up corpus in train-out/
+    torchrun --nproc_per_node 2 -m seqshard.trainer --config hyper-p.json --out exp/
+    python -m seqshard.trainer                       # one process, a made-up corpus in train-out/
+
+(``examples/train_ddp.py`` in a clone of the repository runs this module too.)
 
 Checkpoints (``OUT/ckpt.pt``) hold the model, optimizer, loader state, epoch and step, and the
 settings they were trained with (model shape, tokenizer fingerprint, learning rate schedule);
@@ -105,7 +107,9 @@ class FeedMeter:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False
+    )
     parser.add_argument("--config", help="hyper-p.json (train.option); default: a made-up corpus in OUT/data")
     parser.add_argument("--out", type=Path, default=Path("train-out"), help="folder for checkpoints (and demo data)")
     parser.add_argument("--demo-utts", type=int, default=600, help="utterances of the made-up corpus")
@@ -326,7 +330,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         loader.set_epoch(epoch)
         planned = loader.planned_batches()
         with Progress(rank == 0 and planned.total > 0, interval=30) as bars:
-            advance = bars.bar(f"epoch {epoch}", planned.remaining, unit="batch")
+            advance = bars.bar(f"epoch {epoch}", planned.remaining, unit="batch", exact=planned.exact)
             for batch, waited in timed(loader):
                 started = time.perf_counter() - waited
                 model.train()

@@ -2,6 +2,7 @@
 SpecAugment as stages (seeded, resumable), WeNet lists and wav.scp read directly, bad audio."""
 
 import json
+import re
 import shutil
 
 import numpy as np
@@ -308,6 +309,27 @@ def test_channel_and_rate_problems_at_load(tmp_path):
         make_loader(tmp_path / "wav.scp", batch_size=1, spec_augment={"masks": 2})
     with pytest.raises(ConfigError, match=r"need shards that hold audio .*these hold: feats.npy, txt"):
         make_loader(_feature_shards(tmp_path), batch_size=1, num_workers=0, features="fbank")
+
+
+def test_a_waveform_batch_at_two_rates_gives_each_samples_rate_and_says_so(tmp_path, caplog):
+    rates = {"low": 8000, "high": 22050, "high2": 22050}
+    for key, rate in rates.items():
+        soundfile.write(tmp_path / f"{key}.wav", np.zeros(rate // 10, np.int16) + 5, rate)
+    (tmp_path / "wav.scp").write_text("".join(f"{key} {tmp_path / key}.wav\n" for key in rates))
+    with caplog.at_level("WARNING", logger="seqshard"):
+        (batch,) = list(make_loader(tmp_path / "wav.scp", batch_size=3, num_workers=0))
+    assert dict(zip(batch["keys"], batch["sample_rate"].tolist())) == rates  # one rate per sample, (B,)
+    assert batch["audio_lens"].tolist() == [rates[key] // 10 for key in batch["keys"]]
+    warnings = [r.getMessage() for r in caplog.records if "sample rates" in r.getMessage()]
+    assert len(warnings) == 1, warnings  # once, not per sample; it mixed them without a word
+    assert re.search(
+        r"key '(high2?|low)'\): the audio is at (8000|22050) Hz, but '(high2?|low)' .* at (8000|22050) Hz", warnings[0]
+    )
+    assert "'low'" in warnings[0] and re.search(r"Pass resample_to=(8000|22050)", warnings[0])
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="seqshard"):
+        (batch,) = list(make_loader(tmp_path / "wav.scp", batch_size=3, num_workers=0, resample_to=16000))
+    assert batch["sample_rate"].tolist() == [16000] * 3 and not caplog.records
 
 
 def _feature_shards(tmp_path):

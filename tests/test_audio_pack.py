@@ -186,7 +186,7 @@ def test_bad_audio_is_an_error_naming_the_key_or_a_counted_skip(tmp_path):
         ("seg nosuch 0.0 0.5", "no_recording", "nosuch"),
     ],
 )
-def test_bad_segments(tmp_path, segment, reason, message):
+def test_bad_segments(tmp_path, segment, reason, message, caplog):
     soundfile.write(tmp_path / "a.wav", np.zeros(16000, np.int16) + 100, 16000)
     (tmp_path / "wav.scp").write_text(f"a {tmp_path / 'a.wav'}\n")
     (tmp_path / "segments").write_text(f"ok a 0.0 0.5\n{segment}\n")
@@ -195,8 +195,11 @@ def test_bad_segments(tmp_path, segment, reason, message):
     with pytest.raises(InputError, match=message) as error:
         pack_data(None, tmp_path / "text", tmp_path / "out", **options)
     assert f"{tmp_path / 'segments'}:2" in str(error.value)
-    report = pack_data(None, tmp_path / "text", tmp_path / "out2", skip_bad=True, **options)
+    with caplog.at_level("WARNING", logger="seqshard"):
+        report = pack_data(None, tmp_path / "text", tmp_path / "out2", skip_bad=True, **options)
     assert report.packed == 1 and report.dropped == {reason: 1} and report.input_utts == 2
+    assert report.label_issues == {}  # its label was counted again, as no_features
+    assert "no_features" not in caplog.text and "seg" in caplog.text  # one warning, under the real reason
 
 
 def test_length_groups_take_seconds_for_audio(tmp_path):

@@ -1,6 +1,7 @@
 """The command's output: a reader that stops early (`seqshard inspect ... | head`) ends it
 quietly, as it ends other Unix tools; the length histogram's tick labels stay apart."""
 
+import argparse
 import itertools
 import os
 import signal
@@ -73,3 +74,32 @@ def test_length_ticks_are_round_and_few():
     assert length_ticks(1.5, 10) == pytest.approx([1.5, 2, 3, 4, 5, 6, 8, 10])
     assert length_ticks(0.01, 300) == pytest.approx([0.01, 0.1, 1, 10, 100])
     assert length_ticks(1.42, 1.48) == pytest.approx([1.4, 1.5])  # within one step: the ends, rounded
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["pack", "--scp", "a.scp", "--text", "t", "--out", "o", "--utts-per-fil", "2"], "--utts-per-fil"),
+        (["inspect", "shards", "--jso"], "--jso"),
+        (["--verb", "verify", "shards"], "--verb"),
+    ],
+)
+def test_abbreviated_options_are_refused_by_name(argv, named, capsys):
+    from seqshard.cli import main
+
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)  # `--utts-per-fil 2` packed with 2 utterances per file (argparse's prefix matching)
+    assert stopped.value.code == 2
+    assert f"error: unrecognized arguments: {named}" in capsys.readouterr().err
+
+
+def test_every_command_and_the_trainer_take_only_whole_option_names(capsys):
+    from seqshard.cli import build_parser
+    from seqshard.trainer import parse_args
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    assert not parser.allow_abbrev and sorted(c for c, p in commands.items() if p.allow_abbrev) == []
+    with pytest.raises(SystemExit):
+        parse_args(["--conf", "hyper-p.json"])
+    assert "unrecognized arguments: --conf" in capsys.readouterr().err

@@ -10,7 +10,7 @@ import pytest
 from conftest import write_kaldi_dir
 from seqshard import pack_data
 from seqshard.cli import main as cli
-from seqshard.config import build_loaders, load_config, read_json
+from seqshard.config import build_loaders, check_data, load_config, read_json
 from seqshard.errors import ConfigError
 
 
@@ -198,3 +198,36 @@ def test_a_map_style_workers_error_keeps_its_type(corpus, tmp_path):
     with pytest.raises(InputError, match=r"raw_feats\.2\.ark'?: No such file") as caught:
         list(train)  # it was torch's RuntimeError("Caught InputError in DataLoader worker process 0 ...")
     assert "skip_bad" not in str(caught.value)  # which the map-style loader does not take
+
+
+def test_config_checks_that_train_and_dev_shard_patterns_select_shards(corpus, tmp_path, capsys):
+    path = tmp_path / "hyper-p.json"
+    shards = f"{corpus['root']}/shards"
+    for option, message in [
+        (
+            {"trset": f"{corpus['root']}/shards/0_10"},
+            r"train\.option\.trset: 1 selected shard.*shards/0_10 \(named in the pattern, but it does not exist",
+        ),
+        ({"trset": [f"{shards}/data-*.tar", f"{shards}/dta-*.tar"]}, r"train\.option\.trset: .*dta-\*\.tar"),
+        (
+            {"trset": {"mux": [f"{shards}/data-*.tar", {"mux": [f"{shards}/nope-*.tar"]}]}, **MIX},
+            r"train\.option\.trset: .*nope-\*\.tar' .*selects no shard",
+        ),
+        ({"devset": f"{shards}/data-0009*.tar"}, r"train\.option\.devset: .*data-0009\*\.tar' .*selects no shard"),
+    ]:
+        path.write_text(json.dumps(hyper(corpus, **option)))
+        assert cli(["config", str(path)]) == 1, option  # it printed OK; only build_loaders failed
+        assert "OK" not in capsys.readouterr().out
+        with pytest.raises(ConfigError, match=message):
+            check_data(path)
+    path.write_text(json.dumps(hyper(corpus, devset=f"{shards}/data-00001.tar")))
+    assert cli(["config", str(path)]) == 0 and "OK" in capsys.readouterr().out
+
+
+def test_config_names_a_missing_train_shard_unless_skip_bad(corpus, tmp_path):
+    shards = tmp_path / "shards"
+    pack_data(corpus["train"].scp, corpus["train"].text, shards, utts_per_file=4, progress=False)
+    (shards / "data-00001.tar").unlink()
+    with pytest.raises(ConfigError, match=r"trset: 1 selected shard\(s\) are missing, first .*data-00001\.tar"):
+        check_data(hyper(corpus, trset=str(shards)))
+    check_data(hyper(corpus, trset=str(shards), skip_bad=True))

@@ -81,6 +81,48 @@ def test_final_line_comes_when_the_total_is_reached_not_at_the_end_of_all_bars(c
     ]
 
 
+def test_an_estimated_total_shows_no_percentage_and_done_once(capsys):
+    clock = FakeClock()
+    with Progress(interval=0, clock=clock) as bars:
+        advance = bars.bar("epoch 0", 19, unit="batch", exact=False)
+        for _ in range(25):
+            clock.now += 1.0
+            advance(1)
+    lines = assert_plain(capsys.readouterr().err)
+    assert lines[0] == "epoch 0: 1/~19 batch, 1 batch/s, about 18 s left"
+    assert lines[19] == "epoch 0: 20 batch, 1 batch/s"  # past the estimate: the count alone
+    assert lines[-1] == "epoch 0: 25 batch, 1 batch/s, done in 25 s"  # it was 25/19 batch (131.6%)
+    assert not any("%" in line for line in lines) and sum("done" in line for line in lines) == 1
+    capsys.readouterr()
+    with Progress(interval=100, clock=clock) as bars:
+        bars.bar("epoch 1", 19, unit="batch", exact=False)(17)
+    assert assert_plain(capsys.readouterr().err) == ["epoch 1: 17 batch, done in 0.0 s"]
+
+
+def test_a_count_past_an_exact_total_never_shows_more_than_100_percent(capsys):
+    clock = FakeClock()
+    with Progress(interval=0, clock=clock) as bars:
+        advance = bars.bar("epoch 0", 32, unit="batch")
+        clock.now += 1.0
+        advance(32)
+        advance(1)
+    lines = assert_plain(capsys.readouterr().err)
+    assert lines == [
+        "epoch 0: 32/32 batch (100.0%), 32 batch/s, done in 1.0 s",
+        "epoch 0: 33/33 batch (100.0%), 33 batch/s, 1 more than the 32 planned",
+    ]  # it was 33/32 batch (103.1%) and a second "done"
+
+
+def test_a_terminal_bar_grows_its_total_and_ends_an_estimate_at_the_true_count(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    with Progress() as bars:
+        bars.bar("epoch 0", 19, unit="batch", exact=False)(25)
+        bars.bar("epoch 1", 19, unit="batch", exact=False)(17)
+    err = capsys.readouterr().err
+    assert "25/25" in err and "25/19" not in err and "17/17" in err
+    assert not re.search(r"(1\d[1-9]|1[1-9]\d|[2-9]\d\d)%", err)  # nothing above 100%
+
+
 def test_bytes_in_gigabytes(capsys):
     clock = FakeClock()
     with Progress(interval=0, clock=clock) as bars:

@@ -176,3 +176,19 @@ def test_inspect_gives_exact_lengths_for_unindexed_and_reindexed_shards(packed, 
         assert (summary["min_frames"], summary["max_frames"]) == (in_group[0], in_group[-1])
         assert main(["index", "--quiet", str(copy)]) == 0
         capsys.readouterr()
+
+
+def test_inspect_of_a_cut_short_unindexed_shard_says_damaged_and_exits_non_zero(packed, tmp_path, capsys):
+    _, out = packed
+    copy = tmp_path / "cut"
+    copy.mkdir()
+    whole = (out / "5_40" / "data-00000.tar").read_bytes()
+    (copy / "data-00000.tar").write_bytes(whole[: len(whole) * 55 // 100])
+    assert main(["inspect", "--quiet", str(copy)]) == 1
+    output = capsys.readouterr()
+    assert f"DAMAGED {copy / 'data-00000.tar'}" in output.out and "truncated" in output.out
+    assert "INCOMPLETE" in output.out and "damaged or cut short" in output.err
+    assert main(["inspect", "--json", "--quiet", str(copy)]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["complete"] is False and 0 < summary["num_utts"] < 8  # what could be read is still counted
+    assert summary["damaged_shards"][0]["path"] == str(copy / "data-00000.tar")

@@ -33,7 +33,8 @@ class KeyTable:
     ``values`` holds a number per row when the table was scanned with ``number=True``
     (with ``seconds=True``, a duration such as ``utt2dur``'s, in milliseconds)
     (``utt2num_frames``). Lines that fail to parse go to ``bad`` (raised or counted) and get
-    no row; ``bad_lines`` counts them.
+    no row; ``bad_lines`` counts them, and ``bad_key_hashes`` holds the key hashes of those whose
+    key could be read (their key was dropped under the line's reason).
     """
 
     def __init__(
@@ -46,6 +47,7 @@ class KeyTable:
         values: np.ndarray | None = None,
         bad_lines: int = 0,
         parse: Parser = parse_line,
+        bad_key_hashes: np.ndarray | None = None,
     ):
         self.files = [Path(f) for f in files]
         self.parse = parse
@@ -55,6 +57,7 @@ class KeyTable:
         self.offsets = offsets
         self.values = values
         self.bad_lines = bad_lines
+        self.bad_key_hashes = np.zeros(0, dtype=np.uint64) if bad_key_hashes is None else bad_key_hashes
         self._order = np.argsort(hashes, kind="stable").astype(np.int32 if len(hashes) < 2**31 else np.int64)
         self._sorted = hashes[self._order]
         self._maps: dict[int, mmap.mmap] = {}
@@ -79,11 +82,13 @@ class KeyTable:
         capacity = sum(_count_lines(Path(f)) for f in files)  # exact-size arrays: no regrowth
         columns = _Columns(capacity, number)
         bad_lines = 0
+        bad_keys: list[int] = []
         for file_id, path in enumerate(files):
             for line_no, offset, raw in iter_lines(Path(path)):
                 if progress is not None:
                     progress(len(raw))
                 where = Where(path, line_no)
+                key = None
                 try:
                     key, value = parse(raw, where, needs_value)
                     where = Where(path, line_no, key)
@@ -93,9 +98,17 @@ class KeyTable:
                 except InputError as error:
                     bad(error)
                     bad_lines += 1
+                    if key is not None:
+                        bad_keys.append(key_hash(key))
                     continue
                 columns.add(key_hash(key), file_id, line_no, offset, count)
-        return cls(files, *columns.finish(), bad_lines=bad_lines, parse=parse)
+        return cls(
+            files,
+            *columns.finish(),
+            bad_lines=bad_lines,
+            parse=parse,
+            bad_key_hashes=np.array(bad_keys, dtype=np.uint64),
+        )
 
     def __len__(self) -> int:
         return len(self.hashes)

@@ -264,6 +264,8 @@ def build_plan(
 
     used = np.zeros(len(labels), dtype=bool)
     used[label_rows[keep]] = True
+    dropped_lines = labels.lookup(scp.bad_key_hashes)  # already one drop each, under the line's reason
+    used[dropped_lines[dropped_lines >= 0]] = True
     unused = np.flatnonzero(~used & ~duplicate_labels)
     for number, row in enumerate(unused):
         key = labels.record(int(row))[0]

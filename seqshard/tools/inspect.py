@@ -56,16 +56,24 @@ class FolderSummary:
 
 @dataclass
 class Summary:
-    """What ``inspect`` found: a summary per folder and the selected shards that are missing."""
+    """What ``inspect`` found: a summary per folder, the selected shards that are missing, and
+    the unindexed shards that could not be read to their end (their counts cover what was read)."""
 
     folders: list[FolderSummary]
     missing: list[MissingShard] = field(default_factory=list)
+    damaged: dict[str, list[str]] = field(default_factory=dict)  # shard path -> problems
+
+    @property
+    def complete(self) -> bool:
+        """True when every selected shard was there and read cleanly."""
+        return not self.missing and not self.damaged
 
 
 def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> Summary:
     """One summary per folder of the matched shards (from the index; unindexed shards are read)."""
     selected, missing = select_folders(patterns)
     folders = []
+    damaged: dict[str, list[str]] = {}
     for folder in selected:
         index = folder.index
         feature = index.feature if index else {}
@@ -80,6 +88,7 @@ def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -
                 summary.entries.append(entry)
         scans = list(map_shards(scan_shard, unindexed, jobs, f"read unindexed shards in {folder.name}", progress))
         summary.entries.extend(scan.entry for scan in scans)
+        damaged.update({shard: scan.problems for shard, scan in zip(unindexed, scans) if scan.problems})
         summary.has_features = summary.shar or (
             (feature.get("field") is not None if index else True)
             and all(scan.feature_field is not None for scan in scans)
@@ -88,7 +97,7 @@ def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -
         summary.fields = {"": list(dict.fromkeys(main))}
         summary.fields.update({name: list(fs.fields) for name, fs in (index.field_sets.items() if index else [])})
         folders.append(summary)
-    return Summary(folders, missing)
+    return Summary(folders, missing, damaged)
 
 
 def length_percentiles(entries: list[ShardEntry], histogram: dict[int, int]) -> dict[str, float]:
@@ -149,6 +158,11 @@ def to_json(summary: Summary) -> dict[str, Any]:
         "missing_shards": [
             {"path": redact(str(m.path)), "why": m.why, "num_utts": m.num_utts} for m in summary.missing
         ],
+        "damaged_shards": [
+            {"path": redact(path), "problems": [redact(p) for p in problems]}
+            for path, problems in summary.damaged.items()
+        ],
+        "complete": summary.complete,
         "length_hist": {str(k): v for k, v in histogram.items()},
     }
 
@@ -183,6 +197,13 @@ def format_text(summary: dict[str, Any]) -> str:
                 lines.append(f"fields of {group['folder']} ({where}): {shown}")
     for missing in summary["missing_shards"]:
         lines.append(f"MISSING {missing['path']}: {missing['why']}")
+    for damaged in summary["damaged_shards"]:
+        lines.append(f"DAMAGED {damaged['path']}: " + "; ".join(damaged["problems"]))
+    if not summary["complete"]:
+        lines.append(
+            "INCOMPLETE: the counts above cover only the shards and samples that could be read "
+            "(`seqshard verify` checks shards fully)"
+        )
     return "\n".join(lines)
 
 

@@ -1,8 +1,9 @@
 """Audio stages: decode -> resample -> speed perturbation -> noise -> fbank -> CMVN -> SpecAugment.
 
 Each is an ordinary stage (or a function mapped over samples) between labels and the length
-filter. Audio is the ``audio`` field (float32 samples in [-1, 1]) with its ``sample_rate``;
-fbank replaces them with ``feats`` (T x D frames). Random choices (speed factor, noise, SNR,
+filter. Audio is the ``audio`` field (float32 samples in [-1, 1]) with its ``sample_rate``
+(batched as one rate per sample; a stream at several rates without ``resample_to`` is warned
+about once); fbank replaces them with ``feats`` (T x D frames). Random choices (speed factor, noise, SNR,
 dither, masks) come from ``draw(stage, sample)`` (``Reader.sample_rng``): the same for a sample in a given epoch
 whatever worker reads it or when, so exact resume needs no state for them. The noise stage
 reads its noise as an endless stream of its own shards (never by random access) and keeps that
@@ -11,11 +12,12 @@ stream's position in its state.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from ...errors import InputError, SkipCounter
+from ...errors import InputError, SkipCounter, option
 from ...features.audio import AudioOptions, audio_fbank, spec_augment
 from ...features.fbank import FbankOptions
 from ...formats.audio import cut, decode_audio, resample
@@ -24,6 +26,8 @@ from ...formats.lists import SEGMENT_FIELD
 from ...seeds import Seed
 from .base import Map, Stage, State
 from .sample import Sample
+
+_LOG = logging.getLogger("seqshard")
 
 SampleRng = Callable[[int, Sample], np.random.Generator]  # (stage id, sample) -> its generator for that stage
 
@@ -52,6 +56,34 @@ def decode(sample: Sample, channel: int | None = None) -> Sample:
     sample.fields[AUDIO] = audio.samples
     sample.fields[SAMPLE_RATE] = audio.sample_rate
     return sample
+
+
+class MixedRates:
+    """Says once (a warning) when a stream of waveforms (audio shards read without
+    ``resample_to`` or fbank) comes at more than one sample rate: its batches may then mix
+    rates, each sample's in ``batch["sample_rate"]`` (B,), padded together in ``audio``."""
+
+    def __init__(self) -> None:
+        self.first: tuple[str, int] | None = None  # (key, rate) of the first sample
+        self.warned = False
+
+    def __call__(self, sample: Sample) -> Sample:
+        rate = sample.fields[SAMPLE_RATE]
+        if self.first is None:
+            self.first = (sample.key, rate)
+        elif rate != self.first[1] and not self.warned:
+            self.warned = True
+            key, first_rate = self.first
+            _LOG.warning(
+                "%s: the audio is at %d Hz, but %r (read before it) is at %d Hz: batches may mix sample rates "
+                '(batch["sample_rate"] holds each sample\'s rate). Pass %s (or another rate) for one rate.',
+                sample.where(),
+                rate,
+                key,
+                first_rate,
+                option("resample_to", first_rate),
+            )
+        return sample
 
 
 def to_rate(sample: Sample, target: int) -> Sample:
@@ -142,6 +174,8 @@ def signal_stages(
         if options.resample_to:
             target = options.resample_to
             stage = Map(stage, lambda s: to_rate(s, target), skip)
+        elif options.features != "fbank":  # fbank checks each sample's rate against its own
+            stage = Map(stage, MixedRates())
         if options.speed_perturb:
             factors = options.speed_perturb
             stage = Map(stage, lambda s: speed(s, factors[int(draw(Seed.SPEED, s).integers(len(factors)))]))
