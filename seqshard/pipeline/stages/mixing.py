@@ -16,9 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from ...mix import next_block
+from ...mix import GROUP, block_orders, block_quotas, place
 from .base import Stage, State, merge_counts
 from .sample import Sample
 
@@ -30,7 +28,7 @@ class Mix(Stage[Sample]):
     def __init__(self, streams: Sequence[Stage[Sample]], shares: Sequence[float], seed: int, *position: int):
         super().__init__(None)
         self.streams = list(streams)
-        self.shares = np.asarray(shares, dtype=np.float64)
+        self.shares = [float(share) for share in shares]
         self.seed = seed
         self.position = position
         self._block = -1
@@ -38,6 +36,8 @@ class Mix(Stage[Sample]):
         self._offset = 0
         self._counts = [0] * len(streams)  # samples taken per source
         self._at_block = list(self._counts)  # the counts when the current block began
+        self._orders_group = -1  # the group of blocks whose orders are in _orders
+        self._orders: list[list[int]] = []
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
@@ -52,7 +52,11 @@ class Mix(Stage[Sample]):
             stream.reset(stream_state)
 
     def _block_picks(self) -> list[int]:
-        return next_block(self.shares, np.asarray(self._at_block), self.seed, self._block, *self.position).tolist()
+        """``next_block`` of the current block, its group's orders drawn once per group."""
+        group, row = divmod(self._block, GROUP)
+        if group != self._orders_group:
+            self._orders, self._orders_group = block_orders(self.seed, group, *self.position), group
+        return place(block_quotas(self.shares, self._at_block), self._orders[row])
 
     def next(self) -> Sample:
         if self._offset >= len(self._picks):
