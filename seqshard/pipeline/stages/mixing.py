@@ -90,8 +90,8 @@ class Mix(Stage[Sample]):
 
 def per_source_counts(samples: Sequence[Sample], lengths: Sequence[int], sources: int) -> list[list[int]]:
     """[utterances, summed length] per source of a batch's samples."""
-    counts = [[0, 0] for _ in range(sources)]
+    utts, summed = [0] * sources, [0] * sources
     for sample, length in zip(samples, lengths):
-        counts[sample.stream][0] += 1
-        counts[sample.stream][1] += int(length)
-    return counts
+        utts[sample.stream] += 1
+        summed[sample.stream] += length
+    return [[count, int(total)] for count, total in zip(utts, summed)]
