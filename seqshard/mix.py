@@ -155,5 +155,7 @@ def block_orders(seed: int, group: int, *salt: int) -> list[list[int]]:
 
 def place(quotas: Sequence[int], order: Sequence[int]) -> list[int]:
     """Each position's source: ``quotas[i]`` positions of source ``i``, in ``order``."""
-    sources = [source for source, quota in enumerate(quotas) for _ in range(quota)]
-    return [sources[position] for position in order]
+    sources: list[int] = []
+    for source, quota in enumerate(quotas):
+        sources += [source] * quota
+    return list(map(sources.__getitem__, order))

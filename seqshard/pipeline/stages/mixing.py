@@ -23,7 +23,11 @@ from .sample import Sample
 
 class Mix(Stage[Sample]):
     """Takes each sample from the source :func:`seqshard.mix.next_block` names; tags it with
-    its source (``sample.stream``). Counters ``mix.<source>`` count the samples taken."""
+    its source (``sample.stream``). Counters ``mix.<source>`` count the samples taken.
+
+    ``next()`` runs per sample and does only that: the samples taken per source are derived
+    from the counts when the block began and the picks taken of it when they are asked for.
+    """
 
     def __init__(self, streams: Sequence[Stage[Sample]], shares: Sequence[float], seed: int, *position: int):
         super().__init__(None)
@@ -31,11 +35,11 @@ class Mix(Stage[Sample]):
         self.shares = [float(share) for share in shares]
         self.seed = seed
         self.position = position
+        self._names = [f"mix.{source}" for source in range(len(self.streams))]
         self._block = -1
-        self._picks: list[int] = []  # plain lists: next() is per sample
-        self._offset = 0
-        self._counts = [0] * len(streams)  # samples taken per source
-        self._at_block = list(self._counts)  # the counts when the current block began
+        self._picks: list[int] = []  # the current block's sources (plain lists: next() is per sample)
+        self._offset = 0  # how many of them were taken
+        self._at_block = [0] * len(self.streams)  # samples taken per source when the current block began
         self._orders_group = -1  # the group of blocks whose orders are in _orders
         self._orders: list[list[int]] = []
 
@@ -44,12 +48,16 @@ class Mix(Stage[Sample]):
         state = state or {}
         self._block = int(state.get("block", -1))
         self._offset = int(state.get("offset", 0))
-        self._counts = [int(c) for c in state.get("counts", [0] * len(self.streams))]
-        self._at_block = [int(c) for c in state.get("at_block", self._counts)]
+        self._at_block = [int(c) for c in state.get("at_block", state.get("counts", [0] * len(self.streams)))]
         self._picks = self._block_picks() if self._block >= 0 else []
         streams = state.get("streams") or [None] * len(self.streams)
         for stream, stream_state in zip(self.streams, streams):
             stream.reset(stream_state)
+
+    def taken(self) -> list[int]:
+        """How many samples each source has given."""
+        done = self._picks[: self._offset]
+        return [count + done.count(source) for source, count in enumerate(self._at_block)]
 
     def _block_picks(self) -> list[int]:
         """``next_block`` of the current block, its group's orders drawn once per group."""
@@ -58,16 +66,18 @@ class Mix(Stage[Sample]):
             self._orders, self._orders_group = block_orders(self.seed, group, *self.position), group
         return place(block_quotas(self.shares, self._at_block), self._orders[row])
 
+    def _next_block(self) -> None:
+        self._at_block = self.taken()
+        self._block += 1
+        self._offset = 0
+        self._picks = self._block_picks()
+
     def next(self) -> Sample:
-        if self._offset >= len(self._picks):
-            self._block += 1
-            self._at_block = list(self._counts)
-            self._picks = self._block_picks()
-            self._offset = 0
+        if self._offset == len(self._picks):
+            self._next_block()
         source = self._picks[self._offset]
         sample = self.streams[source].next()  # endless: a StopIteration here is a real end
         self._offset += 1
-        self._counts[source] += 1
         sample.stream = source
         return sample
 
@@ -75,14 +85,13 @@ class Mix(Stage[Sample]):
         return {
             "block": self._block,
             "offset": self._offset,
-            "counts": list(self._counts),
+            "counts": self.taken(),
             "at_block": list(self._at_block),
             "streams": [stream.get_state() for stream in self.streams],
         }
 
     def stats(self) -> dict[str, int]:
-        counts = {f"mix.{i}": c for i, c in enumerate(self._counts)}
-        return merge_counts(counts, *(stream.stats() for stream in self.streams))
+        return merge_counts(dict(zip(self._names, self.taken())), *(stream.stats() for stream in self.streams))
 
     def pending(self) -> list[Any]:
         return [item for stream in self.streams for item in stream.pending()]
