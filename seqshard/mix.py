@@ -10,12 +10,16 @@ divides it by its own weights.
 :func:`next_block` is which source each position of a stream takes, a block of
 :data:`BLOCK` positions at a time: a function of the seed, the block number and how many
 samples each source has given so far (the state a mixed stream keeps anyway), so it is the
-same after a resume. Each block holds each source's quota (every prefix of the stream is within
-one sample of every source's target) in a seeded random order.
+same after a resume. Each block holds each source's quota (:func:`block_quotas`: every prefix
+of the stream is within one sample of every source's target) in a seeded random order; the
+orders of :data:`GROUP` consecutive blocks come from one generator (:func:`block_orders`), so
+that a mixed stream pays for seeding a generator once per ``BLOCK * GROUP`` samples, not once
+per block.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from collections.abc import Iterable, Sequence
@@ -29,6 +33,7 @@ from .errors import ConfigError
 from .seeds import Seed, stage_rng
 
 BLOCK = 64  # positions whose order is shuffled together; quotas are exact per block
+GROUP = 64  # blocks whose orders one generator draws
 
 
 @dataclass(frozen=True)
@@ -111,25 +116,46 @@ def flatten(mix: Mux, sizes_of: Any) -> tuple[list[Any], np.ndarray]:
     return leaves, np.asarray(shares, dtype=np.float64)
 
 
-def next_block(shares: np.ndarray, counts: np.ndarray, seed: int, block: int, *salt: int) -> np.ndarray:
+def next_block(shares: Sequence[float], counts: Sequence[int], seed: int, block: int, *salt: int) -> np.ndarray:
     """The sources of the BLOCK positions after ``counts`` (samples each source has given so
-    far): each source takes what brings it nearest its share of the stream so far (so every
-    prefix is within about one sample of each target), in an order shuffled by ``seed``,
-    ``block`` and ``salt`` (e.g. epoch, rank, worker)."""
-    counts = np.asarray(counts, dtype=np.float64)
-    deficit = np.maximum(shares * (counts.sum() + BLOCK) - counts, 0)  # a source ahead takes nothing
-    quotas = np.floor(deficit).astype(np.int64)
-    fraction = deficit - quotas
-    by_fraction = np.lexsort((np.arange(len(shares)), -fraction))  # largest first; ties by index
-    short = BLOCK - int(quotas.sum())
+    far): each source's :func:`block_quotas`, in the order :func:`block_orders` gives block
+    ``block`` (``seed`` and ``salt``, e.g. epoch, rank, worker, key the orders)."""
+    group, row = divmod(block, GROUP)
+    return np.asarray(place(block_quotas(shares, counts), block_orders(seed, group, *salt)[row]), dtype=np.int64)
+
+
+def block_quotas(shares: Sequence[float], counts: Sequence[int]) -> list[int]:
+    """How many of the next BLOCK positions each source takes: what brings it nearest its
+    share of the stream so far (so every prefix is within about one sample of each target).
+    Plain Python: a mixed stream computes this once per block, for a few sources."""
+    total = float(sum(counts)) + BLOCK
+    deficit = [max(share * total - count, 0.0) for share, count in zip(shares, counts)]  # a source ahead takes nothing
+    quotas = [math.floor(d) for d in deficit]
+    by_fraction = sorted(range(len(quotas)), key=lambda i: (quotas[i] - deficit[i], i))  # largest first; ties by index
+    short = BLOCK - sum(quotas)
     if short > 0:
-        quotas[by_fraction[:short]] += 1
+        for i in by_fraction[:short]:
+            quotas[i] += 1
     else:
-        for i in by_fraction[::-1]:  # too many (a source ahead was not charged): take back
+        for i in reversed(by_fraction):  # too many (a source ahead was not charged): take back
             if short == 0:
                 break
             if quotas[i] > 0:
                 quotas[i] -= 1
                 short += 1
-    rng = stage_rng(seed, Seed.MIX_ORDER, block, *salt)
-    return rng.permutation(np.repeat(np.arange(len(shares)), quotas))
+    return quotas
+
+
+def block_orders(seed: int, group: int, *salt: int) -> list[list[int]]:
+    """The orders of blocks ``group * GROUP`` to ``(group + 1) * GROUP - 1``: one row per block,
+    each a seeded permutation of the block's positions."""
+    rng = stage_rng(seed, Seed.MIX_ORDER, group, *salt)
+    return rng.permuted(np.tile(np.arange(BLOCK), (GROUP, 1)), axis=1).tolist()
+
+
+def place(quotas: Sequence[int], order: Sequence[int]) -> list[int]:
+    """Each position's source: ``quotas[i]`` positions of source ``i``, in ``order``."""
+    sources: list[int] = []
+    for source, quota in enumerate(quotas):
+        sources += [source] * quota
+    return list(map(sources.__getitem__, order))

@@ -11,7 +11,10 @@ from conftest import write_kaldi_dir
 from distributed import run_ranks
 from seqshard import make_loader, mux, pack_data
 from seqshard.errors import ConfigError, StateMismatchError
-from seqshard.mix import BLOCK, flatten, next_block
+from seqshard.mix import BLOCK, GROUP, flatten, next_block
+from seqshard.pipeline.stages.base import Stage
+from seqshard.pipeline.stages.mixing import Mix
+from seqshard.pipeline.stages.sample import Sample
 
 SMALL = dict(shuffle_window=16, sort_window=8, interleave=2)
 
@@ -259,3 +262,52 @@ def test_a_recipe_of_the_users_works_with_a_mix(sources):
     loader = make_loader(mixed, batch_size=4, epoch_steps=20, num_workers=0, recipe=counting_recipe, **SMALL)
     keys = [k for b in loader for k in b["keys"]]
     assert len(keys) == 80 and {k[0] for k in keys} == {"a", "b"} and "Mix" in seen
+
+
+class _Numbered(Stage):
+    """An endless source of samples keyed NAME-0, NAME-1, ... (its state: the next number)."""
+
+    def __init__(self, name):
+        super().__init__(None)
+        self.name = name
+        self.at = 0
+
+    def reset(self, state=None):
+        super().reset(state)
+        self.at = (state or {}).get("at", 0)
+
+    def next(self):
+        self.at += 1
+        return Sample(f"{self.name}-{self.at - 1}")
+
+    def get_state(self):
+        return {"at": self.at}
+
+
+def test_the_mix_stage_takes_next_block_and_resumes_across_groups_of_blocks():
+    """Mix draws the orders of GROUP blocks at once: what it takes is still next_block's
+    schedule, and a restore anywhere (around a group's end too) goes on exactly."""
+    shares = [0.5, 0.3, 0.2]
+
+    def mix():
+        stage = Mix([_Numbered(name) for name in "abc"], shares, 7, 1, 2, 3)
+        stage.reset()
+        return stage
+
+    total = BLOCK * (GROUP + 2)
+    whole = mix()
+    taken = [whole.next().key for _ in range(total)]
+    counts = np.zeros(3)
+    for block in range(total // BLOCK):
+        picks = next_block(np.array(shares), counts, 7, block, 1, 2, 3)
+        got = ["abc".index(key[0]) for key in taken[block * BLOCK : (block + 1) * BLOCK]]
+        assert got == picks.tolist()
+        counts += np.bincount(picks, minlength=3)
+    assert whole.taken() == counts.tolist()
+    for cut in (1, BLOCK * GROUP - 1, BLOCK * GROUP, BLOCK * GROUP + 5):
+        head = mix()
+        for _ in range(cut):
+            head.next()
+        resumed = Mix([_Numbered(name) for name in "abc"], shares, 7, 1, 2, 3)
+        resumed.reset(json.loads(json.dumps(head.get_state())))
+        assert [resumed.next().key for _ in range(total - cut)] == taken[cut:]

@@ -75,8 +75,13 @@ class Stage(Generic[T]):
 
 
 def merge_counts(*counters: dict[str, int]) -> dict[str, int]:
+    """The counters summed by name (a new dict). Runs for every batch, over every stage's
+    counters: the first non-empty one is copied whole, the others added name by name."""
     total: dict[str, int] = {}
     for counter in counters:
+        if not total:
+            total.update(counter)
+            continue
         for name, value in counter.items():
             total[name] = total.get(name, 0) + value
     return total

@@ -16,54 +16,68 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from ...mix import next_block
+from ...mix import GROUP, block_orders, block_quotas, place
 from .base import Stage, State, merge_counts
 from .sample import Sample
 
 
 class Mix(Stage[Sample]):
     """Takes each sample from the source :func:`seqshard.mix.next_block` names; tags it with
-    its source (``sample.stream``). Counters ``mix.<source>`` count the samples taken."""
+    its source (``sample.stream``). Counters ``mix.<source>`` count the samples taken.
+
+    ``next()`` runs per sample and does only that: the samples taken per source are derived
+    from the counts when the block began and the picks taken of it when they are asked for.
+    """
 
     def __init__(self, streams: Sequence[Stage[Sample]], shares: Sequence[float], seed: int, *position: int):
         super().__init__(None)
         self.streams = list(streams)
-        self.shares = np.asarray(shares, dtype=np.float64)
+        self.shares = [float(share) for share in shares]
         self.seed = seed
         self.position = position
+        self._names = [f"mix.{source}" for source in range(len(self.streams))]
         self._block = -1
-        self._picks: list[int] = []  # plain lists: next() is per sample
-        self._offset = 0
-        self._counts = [0] * len(streams)  # samples taken per source
-        self._at_block = list(self._counts)  # the counts when the current block began
+        self._picks: list[int] = []  # the current block's sources (plain lists: next() is per sample)
+        self._offset = 0  # how many of them were taken
+        self._at_block = [0] * len(self.streams)  # samples taken per source when the current block began
+        self._orders_group = -1  # the group of blocks whose orders are in _orders
+        self._orders: list[list[int]] = []
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
         state = state or {}
         self._block = int(state.get("block", -1))
         self._offset = int(state.get("offset", 0))
-        self._counts = [int(c) for c in state.get("counts", [0] * len(self.streams))]
-        self._at_block = [int(c) for c in state.get("at_block", self._counts)]
+        self._at_block = [int(c) for c in state.get("at_block", state.get("counts", [0] * len(self.streams)))]
         self._picks = self._block_picks() if self._block >= 0 else []
         streams = state.get("streams") or [None] * len(self.streams)
         for stream, stream_state in zip(self.streams, streams):
             stream.reset(stream_state)
 
+    def taken(self) -> list[int]:
+        """How many samples each source has given."""
+        done = self._picks[: self._offset]
+        return [count + done.count(source) for source, count in enumerate(self._at_block)]
+
     def _block_picks(self) -> list[int]:
-        return next_block(self.shares, np.asarray(self._at_block), self.seed, self._block, *self.position).tolist()
+        """``next_block`` of the current block, its group's orders drawn once per group."""
+        group, row = divmod(self._block, GROUP)
+        if group != self._orders_group:
+            self._orders, self._orders_group = block_orders(self.seed, group, *self.position), group
+        return place(block_quotas(self.shares, self._at_block), self._orders[row])
+
+    def _next_block(self) -> None:
+        self._at_block = self.taken()
+        self._block += 1
+        self._offset = 0
+        self._picks = self._block_picks()
 
     def next(self) -> Sample:
-        if self._offset >= len(self._picks):
-            self._block += 1
-            self._at_block = list(self._counts)
-            self._picks = self._block_picks()
-            self._offset = 0
+        if self._offset == len(self._picks):
+            self._next_block()
         source = self._picks[self._offset]
         sample = self.streams[source].next()  # endless: a StopIteration here is a real end
         self._offset += 1
-        self._counts[source] += 1
         sample.stream = source
         return sample
 
@@ -71,14 +85,13 @@ class Mix(Stage[Sample]):
         return {
             "block": self._block,
             "offset": self._offset,
-            "counts": list(self._counts),
+            "counts": self.taken(),
             "at_block": list(self._at_block),
             "streams": [stream.get_state() for stream in self.streams],
         }
 
     def stats(self) -> dict[str, int]:
-        counts = {f"mix.{i}": c for i, c in enumerate(self._counts)}
-        return merge_counts(counts, *(stream.stats() for stream in self.streams))
+        return merge_counts(dict(zip(self._names, self.taken())), *(stream.stats() for stream in self.streams))
 
     def pending(self) -> list[Any]:
         return [item for stream in self.streams for item in stream.pending()]
@@ -86,8 +99,8 @@ class Mix(Stage[Sample]):
 
 def per_source_counts(samples: Sequence[Sample], lengths: Sequence[int], sources: int) -> list[list[int]]:
     """[utterances, summed length] per source of a batch's samples."""
-    counts = [[0, 0] for _ in range(sources)]
+    utts, summed = [0] * sources, [0] * sources
     for sample, length in zip(samples, lengths):
-        counts[sample.stream][0] += 1
-        counts[sample.stream][1] += int(length)
-    return counts
+        utts[sample.stream] += 1
+        summed[sample.stream] += length
+    return [[count, int(total)] for count, total in zip(utts, summed)]
