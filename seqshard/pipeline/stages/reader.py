@@ -294,7 +294,7 @@ class ShardReader(Stage[Sample]):
 
     def _open(self, index: int, unit: Unit, offsets: Sequence[int], ordinal: int) -> _OpenUnit:
         shard = self.table.shards[unit.shard]
-        if self.skip is None:  # skipping, the intact samples before the cut are read and the rest counted
+        if self.skip is None and MAIN in self.field_sets:  # skipping, the intact samples are read, the rest counted
             _check_local_size(shard)
         ranges = [shard.key_range(name) for name in self.field_sets]
         return _OpenUnit(
