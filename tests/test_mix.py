@@ -311,3 +311,21 @@ def test_the_mix_stage_takes_next_block_and_resumes_across_groups_of_blocks():
         resumed = Mix([_Numbered(name) for name in "abc"], shares, 7, 1, 2, 3)
         resumed.reset(json.loads(json.dumps(head.get_state())))
         assert [resumed.next().key for _ in range(total - cut)] == taken[cut:]
+
+
+def test_windows_that_hold_more_than_a_pass_of_a_source_are_said(sources, caplog):
+    """Default windows (3,000 + 2,000 samples) over sources of 60 and 30 utterances: copies
+    share windows, and the warning names the source and the windows that would not."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        make_loader(mux([sources["a"], sources["b"]], weights=[2, 1]), batch_size=4, epoch_steps=5, num_workers=2)
+    said = [r.getMessage() for r in caplog.records if "its windows hold" in r.getMessage()]
+    assert len(said) == 2 and sources["a"] in said[0] and "each of the 2 readers reads about 30" in said[0]
+    assert "lower shuffle_window and sort_window to 45 together" in said[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        make_loader(
+            mux([sources["a"], sources["b"]], weights=[2, 1]), batch_size=4, epoch_steps=5, num_workers=0, **SMALL
+        )
+    assert not [r for r in caplog.records if "its windows hold" in r.getMessage()]

@@ -7,6 +7,7 @@ pickled to spawned DataLoader workers and handed to recipes (``recipe.Reader``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -17,7 +18,7 @@ from ...formats.index import bin_bounds, histogram_percentile
 from ...formats.remote import RemoteAccess
 from ...formats.streams import open_samples
 from ...formats.table import ShardTable
-from ...options import LoaderOptions
+from ...options import BudgetWindow, LoaderOptions
 from ...text.labels import LabelOverride
 from ...text.tokenizers import Tokenizer
 from ..plan import Unit, plan_epoch, source_plan
@@ -25,6 +26,8 @@ from ..sources import MixSetup
 from ..stages.collate import Collator, speech_rules
 from ..stages.fieldplan import FieldPlan, plan_fields
 from ..stages.lengths import Duration, Length, Measure
+
+_LOG = logging.getLogger("seqshard")
 
 
 @dataclass(frozen=True)
@@ -156,9 +159,41 @@ def make_setup(
         )
     bounds = bucket_bounds(table, batching.num_buckets) if batching.bucket_sync else ()
     noise = _noise_table(audio.noise, access) if audio.noise is not None else None
-    return WorkerSetup(
+    setup = WorkerSetup(
         table, options, rank, world_size, tokenizer, override, fields, length, audio, bounds, noise_table=noise, mix=mix
     )
+    if mix is not None and rank == 0:
+        _warn_of_windows_over_a_pass(setup, mix)
+    return setup
+
+
+def _warn_of_windows_over_a_pass(setup: WorkerSetup, mix: MixSetup) -> None:
+    """Say when a reader's windows hold more than one pass of a source's part: its shuffle and
+    sort windows then hold copies of that source's utterances, and a short epoch can give an
+    utterance twice while most of the source is never read."""
+    readers = setup.world_size * setup.readers_per_rank
+    shuffling, batching = setup.options.shuffling, setup.options.batching
+    window = (shuffling.shuffle_window if shuffling.shuffle else 0) + (
+        batching.sort_window or BudgetWindow().min_samples
+    )
+    for name, share, size in zip(mix.names, mix.shares, mix.sizes):
+        if size is None or share <= 0:
+            continue
+        per_reader = size / readers
+        if window * share > per_reader:
+            _LOG.warning(
+                "mux source %s: each of the %d readers reads about %d of its utterances a pass, but its windows hold "
+                "about %d of them (shuffle_window + sort window %d x share %.2f), so copies of its utterances share "
+                "a window and can come twice in an epoch; lower shuffle_window and sort_window to %d together, use "
+                "fewer workers, or give the source a smaller weight.",
+                name,
+                readers,
+                per_reader,
+                window * share,
+                window,
+                share,
+                int(per_reader / share),
+            )
 
 
 def _noise_table(patterns: Any, access: RemoteAccess | None) -> ShardTable:
