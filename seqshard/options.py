@@ -21,7 +21,7 @@ from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, ClassVar
 
 from .checks import MAX_WORKERS, check_flag, check_number
-from .errors import ConfigError
+from .errors import ConfigError, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .formats.cache import parse_bytes
@@ -76,13 +76,13 @@ class OptionGroup:
     runtime_only: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
-        for option in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, option.name)
-            if option.name in NUMBERS:
-                checked = check_number(option.name, value, optional=option.default is None, **NUMBERS[option.name])
-                object.__setattr__(self, option.name, checked)
-            elif option.type == "bool":
-                check_flag(option.name, value)
+        for entry in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, entry.name)
+            if entry.name in NUMBERS:
+                checked = check_number(entry.name, value, optional=entry.default is None, **NUMBERS[entry.name])
+                object.__setattr__(self, entry.name, checked)
+            elif entry.type == "bool":
+                check_flag(entry.name, value)
         self.check()
 
     def check(self) -> None:
@@ -365,6 +365,18 @@ class BadData(OptionGroup):
         if self.max_bad_shards >= 1:
             return int(self.max_bad_shards)
         return int(self.max_bad_shards * num_shards)
+
+    def over_budget(self, damaged: int, missing: int, shards: int) -> str:
+        """Why a run stops: the epoch's bad shards and what ``max_bad_shards`` allows, in numbers."""
+        share = self.max_bad_shards
+        allowed = f"{self.shard_budget(shards)} that {option('max_bad_shards', share)} allows"
+        if share < 1:
+            allowed += f" ({share * 100:g}% of {shards}, rounded down)"
+        return (
+            f"{damaged + missing} of the {shards} selected shard(s) were bad this epoch ({damaged} damaged, "
+            f"{missing} missing): more than the {allowed}. The warnings above name them; repair or re-upload "
+            "them, or raise max_bad_shards."
+        )
 
 
 @dataclass(frozen=True)

@@ -213,7 +213,10 @@ def test_missing_urls_follow_the_rule_of_missing_files(packed, tmp_path):
         loader = make_loader(braces, num_workers=0, skip_bad=True, max_bad_shards=2, **OPTIONS)
         assert len(keys_of(loader)) == 48 and loader.stats()["missing_shards"] == 2
         mixed = [braces, str(tmp_path / "data-00000.tar")]  # and a local file that does not exist
-        with pytest.raises(ShardError, match=r"3 of 11 shards are missing, more than max_bad_shards=2"):
+        with pytest.raises(
+            ShardError,
+            match=r"3 of the 11 selected shard\(s\) were bad this epoch \(0 damaged, 3 missing\): more than the 2 that max_bad_shards=2",
+        ):
             make_loader(mixed, num_workers=0, skip_bad=True, max_bad_shards=2, **OPTIONS)
         assert (
             make_loader(mixed, num_workers=0, skip_bad=True, max_bad_shards=3, **OPTIONS).stats()["missing_shards"] == 3

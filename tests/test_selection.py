@@ -68,7 +68,10 @@ def test_a_shard_listed_in_the_index_but_missing_is_named_or_counted(tmp_path, c
             ShardError, match=r"1 selected shard\(s\) are missing: data-00002\.tar \(listed in its folder's index\.json"
         ):
             make_loader(pattern, batch_size=4)
-    with pytest.raises(ShardError, match=r"1 of 5 shards are missing, more than max_bad_shards=0\.05 allows"):
+    with pytest.raises(
+        ShardError,
+        match=r"1 of the 5 selected shard\(s\) were bad this epoch \(0 damaged, 1 missing\): more than the 0 that max_bad_shards=0\.05 allows",
+    ):
         make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True)
     loader = make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True, max_bad_shards=0.2)
     keys = keys_of(loader)

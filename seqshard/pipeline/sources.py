@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, ShardError, option
+from ..errors import ConfigError, ShardError
 from ..formats.patterns import Patterns
 from ..formats.remote import RemoteAccess
 from ..formats.selection import missing_error
@@ -93,9 +93,7 @@ def check_missing(table: ShardTable, bad_data: BadData) -> None:
             raise ShardError(
                 "the selected shards",
                 None,
-                f"{len(table.missing)} of {total} shards are missing, more than "
-                f"{option('max_bad_shards', bad_data.max_bad_shards)} allows ({budget}): {'; '.join(shown)}. "
-                "Restore them, or raise max_bad_shards.",
+                f"{bad_data.over_budget(0, len(table.missing), total)} Missing: {'; '.join(shown)}.",
             )
         _LOG.warning(
             "%d selected shard(s) are missing and are not read (skip_bad): %s",

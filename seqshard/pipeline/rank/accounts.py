@@ -23,7 +23,7 @@ from ...dist import Collectives
 from ...errors import ShardError, option, redact
 from ...formats.remote import RemoteAccess
 from ...formats.streams import count_samples
-from ...options import BadData, LoaderOptions
+from ...options import LoaderOptions
 from ...text.tokenizers import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from ..plan import Unit, planned_utts
 from ..stages.reader import DAMAGED
@@ -124,9 +124,7 @@ class EpochAccounts:
         budget = bad_data.shard_budget(shards)
         damaged = self._damaged_on_all_ranks(mine, budget - missing) if self._ranks_in_step else len(mine)
         if damaged + missing > budget:
-            raise ShardError(
-                "the selected shards", None, bad_shards_problem(damaged, missing, shards, budget, bad_data)
-            )
+            raise ShardError("the selected shards", None, bad_data.over_budget(damaged, missing, shards))
 
     def _damaged_on_all_ranks(self, mine: set[int], room: int) -> int:
         """Damaged shards over all ranks (a collective): their sum while it fits in ``room``,
@@ -263,16 +261,3 @@ def damaged_shards(counters: dict[str, int]) -> int:
 def damaged_shard_numbers(counters: dict[str, int]) -> set[int]:
     """The table numbers of the shards the readers found damaged."""
     return {int(name[len(DAMAGED) :]) for name, count in counters.items() if name.startswith(DAMAGED) and count}
-
-
-def bad_shards_problem(damaged: int, missing: int, shards: int, budget: int, bad_data: BadData) -> str:
-    """Why the run stops: the epoch's bad shards and what ``max_bad_shards`` allows, in numbers."""
-    share = bad_data.max_bad_shards
-    allowed = f"{budget} that {option('max_bad_shards', share)} allows"
-    if share < 1:
-        allowed += f" ({share * 100:g}% of {shards}, rounded down)"
-    return (
-        f"{damaged + missing} of the {shards} selected shard(s) were bad this epoch ({damaged} damaged, "
-        f"{missing} missing): more than the {allowed}. The warnings above name them; repair or re-upload "
-        "them, or raise max_bad_shards."
-    )
