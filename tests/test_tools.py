@@ -192,3 +192,14 @@ def test_inspect_of_a_cut_short_unindexed_shard_says_damaged_and_exits_non_zero(
     summary = json.loads(capsys.readouterr().out)
     assert summary["complete"] is False and 0 < summary["num_utts"] < 8  # what could be read is still counted
     assert summary["damaged_shards"][0]["path"] == str(copy / "data-00000.tar")
+
+
+def test_inspect_of_an_indexed_shard_cut_short_says_damaged_and_exits_non_zero(packed, capsys):
+    _, out = packed
+    shard = out / "5_40" / "data-00000.tar"
+    assert main(["inspect", "--quiet", str(out / "5_40")]) == 0
+    capsys.readouterr()
+    shard.write_bytes(shard.read_bytes()[:2048])
+    assert main(["inspect", "--quiet", str(out / "5_40")]) == 1
+    printed = capsys.readouterr().out
+    assert f"DAMAGED {shard}: the file has 2048 bytes where its index.json says" in printed
