@@ -23,6 +23,7 @@ from .patterns import Patterns, is_list_name
 from .remote import RemoteAccess
 from .remote_selection import RemoteSelection, split_patterns
 from .selection import MissingShard, ShardSelection, select_shards
+from .shar import is_shar_table
 from .streams import first_sample_fields, open_samples
 
 _LOG = logging.getLogger("seqshard")
@@ -208,6 +209,7 @@ class ShardTable:
     length_hist: tuple[tuple[int, int], ...] = ()
     missing: tuple[MissingShard, ...] = ()  # selected but not on disk (see formats/selection.py)
     field_sets: tuple[tuple[str, tuple[str, ...]], ...] = ()  # set -> member suffixes, from the indexes
+    shar: bool = False  # the shards are Lhotse Shar folders' (read whole by default, as lhotse reads them)
 
     @classmethod
     def from_patterns(cls, patterns: Patterns, access: RemoteAccess | None = None) -> ShardTable:
@@ -232,6 +234,7 @@ class ShardTable:
             tuple(histogram.items()),
             tuple(missing),
             tuple((name, tuple(suffixes)) for name, suffixes in gathered.field_sets.items()),
+            is_shar_table([shard.path for shard in gathered.shards]),
         )
 
     @classmethod
@@ -256,6 +259,7 @@ class ShardTable:
             tuple(merge_histograms(dict(t.length_hist) for t in tables).items()),
             tuple(m for t in tables for m in t.missing),
             tuple((name, tuple(suffixes)) for name, suffixes in field_sets.items()),
+            all(t.shar for t in tables),
         )
 
     @property

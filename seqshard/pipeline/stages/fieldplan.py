@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...formats.fields import AUDIO_EXTENSIONS, field_name, split_suffix
-from ...formats.shar import FEATURES, is_shar_table
+from ...formats.shar import FEATURES
 from ...formats.table import MAIN, ShardTable
 from .decode import LABEL_FIELD, LEGACY_FEATURE_FIELDS
 
@@ -43,7 +43,7 @@ def plan_fields(
     label field (a tokenizer needs it unless labels come from a file)."""
     available = {name: tuple(field_name(s) for s in suffixes) for name, suffixes in table.field_sets}
     main = available.get(MAIN, ())
-    shar = is_shar_table([shard.path for shard in table.shards])
+    shar = table.shar
     default_features = FEATURES if shar else next((f for f in LEGACY_FEATURE_FIELDS if f in main), None)
     features = field_name(feature_field) if feature_field else default_features
     everywhere = [name for names in available.values() for name in names]
