@@ -258,3 +258,22 @@ def test_a_field_asked_for_is_in_every_batch_even_where_no_sample_has_it(tmp_pat
                 assert batch["spk"][row] == key.split("-")[0]
             else:
                 assert int(batch["ali_lens"][row]) == -1 and batch["spk"][row] is None
+
+
+def test_a_batch_without_any_value_of_an_added_field_has_its_recorded_dtype_and_shape(tmp_path):
+    """add-field records an array field's dtype and shape after its first axis in the index,
+    so that even the first batch of a reader, holding none of its values, is shaped as the rest."""
+    packed = pack_small(tmp_path, utts_per_file=10)
+    options = dict(batch_size=4, num_workers=0, shuffle=False, interleave=1)
+    first = list(list(make_loader(packed.pattern, **options))[-1]["keys"])[0]  # a key of the last batch
+    (tmp_path / "src").mkdir()
+    with kaldiio.WriteHelper(f"ark,scp:{tmp_path}/src/pos.ark,{tmp_path}/src/pos.scp") as writer:
+        writer(first, np.arange(12, dtype=np.float64).reshape(4, 3))
+    add_field(packed.out, "pos", tmp_path / "src" / "pos.scp", allow_missing=True, progress=False)
+    assert ShardIndex.load(packed.out).field_sets["pos"].layout == {"dtype": "float64", "shape": [3]}
+    batches = list(make_loader(packed.pattern, fields=["feats", "pos"], **options))
+    assert first not in batches[0]["keys"]
+    for batch in batches:
+        assert batch["pos"].dtype == torch.float64 and batch["pos"].ndim == 3 and batch["pos"].shape[2] == 3
+    row = next((b, list(b["keys"]).index(first)) for b in batches if first in b["keys"])
+    np.testing.assert_array_equal(row[0]["pos"][row[1], :4].numpy(), np.arange(12).reshape(4, 3))

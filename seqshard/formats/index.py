@@ -143,6 +143,7 @@ class FieldSet:
     created: str = ""
     allow_missing: bool = False
     digest: str = ""  # of the source's kind and content: adding the same again changes nothing
+    layout: dict[str, Any] = field(default_factory=dict)  # an array field's {"dtype", "shape"} (after its first axis)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FieldSet:
@@ -152,6 +153,7 @@ class FieldSet:
             str(data.get("created", "")),
             bool(data.get("allow_missing", False)),
             str(data.get("digest", "")),
+            dict(data.get("layout") or {}),
         )
 
 

@@ -103,6 +103,7 @@ class _Gathered:
         self.histograms: list[dict[int, int]] = []
         self.shift = 10.0
         self.field_sets: dict[str, dict[str, None]] = {}
+        self.layouts: dict[str, tuple[str, tuple[int, ...]]] = {}  # an added array field's dtype and shape
 
     def add_folder(self, folder: str, index: ShardIndex | None, paths: list[str]) -> None:
         if index is not None and index.feature.get("dim"):
@@ -114,6 +115,9 @@ class _Gathered:
             (name, fs.fields) for name, fs in (index.field_sets.items() if index else [])
         ]:
             self.field_sets.setdefault(name, {}).update(dict.fromkeys(suffixes))
+        for name, fs in index.field_sets.items() if index else []:
+            if fs.layout.get("dtype"):
+                self.layouts.setdefault(name, (str(fs.layout["dtype"]), tuple(int(n) for n in fs.layout["shape"])))
         unindexed = [p for p in paths if not is_list_name(p) and (index is None or index.entry(_name(p)) is None)]
         if index is not None and unindexed:
             _LOG.warning(
@@ -210,6 +214,7 @@ class ShardTable:
     missing: tuple[MissingShard, ...] = ()  # selected but not on disk (see formats/selection.py)
     field_sets: tuple[tuple[str, tuple[str, ...]], ...] = ()  # set -> member suffixes, from the indexes
     shar: bool = False  # the shards are Lhotse Shar folders' (read whole by default, as lhotse reads them)
+    layouts: tuple[tuple[str, str, tuple[int, ...]], ...] = ()  # added array fields: (set, dtype, shape after T)
 
     @classmethod
     def from_patterns(cls, patterns: Patterns, access: RemoteAccess | None = None) -> ShardTable:
@@ -235,6 +240,7 @@ class ShardTable:
             tuple(missing),
             tuple((name, tuple(suffixes)) for name, suffixes in gathered.field_sets.items()),
             is_shar_table([shard.path for shard in gathered.shards]),
+            tuple((name, dtype, shape) for name, (dtype, shape) in gathered.layouts.items()),
         )
 
     @classmethod
@@ -260,6 +266,7 @@ class ShardTable:
             tuple(m for t in tables for m in t.missing),
             tuple((name, tuple(suffixes)) for name, suffixes in field_sets.items()),
             all(t.shar for t in tables),
+            tuple(dict((layout[0], layout) for t in tables for layout in t.layouts).values()),
         )
 
     @property

@@ -31,7 +31,7 @@ from ..formats.index import FieldSet, ShardIndex, SidecarEntry, check_inside, si
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import unescape_key
 from ..formats.keytable import KeyTable
-from ..formats.npy import npy_parts
+from ..formats.npy import decode_npy, npy_parts
 from ..formats.pack_state import STATE_DIR
 from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, old_layout_sidecar, shard_subfolders
 from ..formats.tar import SampleStream, ShardWriter, temporary_path
@@ -310,6 +310,7 @@ def _write_sidecar(root: Path, task: _Task, name: str, source: FieldSource, allo
     writer = ShardWriter(target)
     missing = 0
     first_key = last_key = None  # as stored, what readers check the sidecar against
+    layout: dict[str, Any] = {}  # of the first array written: batches of samples without one take it
     try:
         with MatrixReader(allow_pipes=source.allow_pipes) as reader, SampleStream(shard, read_data=False) as stream:
             for sample in stream:
@@ -329,6 +330,9 @@ def _write_sidecar(root: Path, task: _Task, name: str, source: FieldSource, allo
                     writer.add(sample.key, [(f"{name}.nodata", [b""])])
                     continue
                 extension, buffers = member
+                if extension == "npy" and not layout:
+                    array = decode_npy(b"".join(bytes(b) for b in buffers))
+                    layout = {"dtype": str(array.dtype), "shape": list(array.shape[1:])}
                 writer.add(sample.key, [(f"{name}.{extension}", buffers)])
             if not stream.ended_cleanly:
                 raise SeqshardError(f"{shard}: the shard ends without the tar end marker; verify it first.")
@@ -347,6 +351,7 @@ def _write_sidecar(root: Path, task: _Task, name: str, source: FieldSource, allo
         "num_utts": writer.num_samples,
         "missing": missing,
         "source": source.identity,
+        "layout": layout,
     }
     Journal(root, f"{os.getpid()}", kind=f"field-{name}").append(record)
     return record
@@ -366,8 +371,9 @@ def _update_indexes(
     for folder, index in indexes.items():
         assert index is not None
         extension = EXTENSIONS[source.kind]
+        layout = next((t.record["layout"] for t in tasks if t.record and t.record.get("layout")), {})
         index.field_sets[name] = FieldSet(
-            [f"{name}.{extension}"], ", ".join(str(f) for f in files), created, allow_missing, source.identity
+            [f"{name}.{extension}"], ", ".join(str(f) for f in files), created, allow_missing, source.identity, layout
         )
         for entry in index.shards:
             record = records[(folder, entry.name)]

@@ -6,8 +6,8 @@ fields and set padding and dtype: feature shards keep their batch keys (``feats`
 ``feat_lens``, ``labels``, ``label_lens``, ``texts``) and ``keys`` lists the samples' keys. A
 sample without a field another sample has gets length -1 (padded arrays) or None (lists); a
 field the loader was asked for is in every batch, also where no sample has it (``add-field
---allow-missing``): lengths all -1 and an empty array (B x 0, shaped as the field was last
-seen), or a list of None.
+--allow-missing``): lengths all -1 and an empty array (B x 0 x ..., of the dtype and shape
+the field's index records, else as the field was last seen), or a list of None.
 
 The arrays are allocated by the caller's ``allocate(shape, dtype)`` (numpy, or views of a
 shared-memory slot: see ``transfer.py``); only the batch crosses to the training process.
@@ -26,6 +26,7 @@ from .batching import Batch
 from .sample import Sample
 
 Allocate = Callable[[tuple[int, ...], np.dtype], np.ndarray]
+Layout = tuple[str, tuple[int, ...]]  # an array field's dtype and shape after its first axis
 ABSENT_LENGTH = -1
 
 
@@ -63,12 +64,13 @@ class _Column:
 
 class Collator:
     """Collates batches of samples by ``rules`` (other fields get default rules); ``expected``
-    fields (name -> ``"padded"`` or ``"list"``) are in every batch."""
+    fields (name -> ``"padded"`` or ``"list"``, and an array field's dtype and shape after its
+    first axis when known) are in every batch."""
 
-    def __init__(self, rules: Sequence[FieldRule] = (), expected: dict[str, str] | None = None):
+    def __init__(self, rules: Sequence[FieldRule] = (), expected: dict[str, tuple[str, Layout | None]] | None = None):
         self.rules = {rule.field: rule for rule in rules}
         self.expected = dict(expected or {})
-        self._seen: dict[str, tuple[tuple[int, ...], np.dtype]] = {}  # a padded field's trailing shape and dtype
+        self._seen: dict[str, Layout] = {}  # a padded field's dtype and shape after its first axis, as last seen
 
     def layout(self, batch: Batch) -> list[_Column]:
         """How each field of ``batch`` is collated, and the arrays it needs."""
@@ -81,27 +83,25 @@ class Collator:
             present = next(v for v in values if v is not None)
             if isinstance(present, np.ndarray) and present.ndim >= 1:
                 column = _padded(rule, values, samples)
-                self._seen[name] = (column.shape[2:], column.dtype)  # type: ignore[assignment]
+                self._seen[name] = (str(column.dtype), column.shape[2:])
                 columns.append(column)
             elif isinstance(present, (bool, int, float, np.generic, np.ndarray)) and None not in values:
                 dtype = np.dtype(rule.dtype) if rule.dtype else np.asarray(values).dtype
                 columns.append(_Column(rule, "stacked", values, (len(values),), dtype))
             else:
                 columns.append(_Column(rule, "list", values))
-        for name, kind in self.expected.items():
+        for name, (kind, layout) in self.expected.items():
             if name not in names:
-                columns.append(self._absent(name, kind, len(samples)))
+                columns.append(self._absent(name, kind, layout, len(samples)))
         return columns
 
-    def _absent(self, name: str, kind: str, count: int) -> _Column:
+    def _absent(self, name: str, kind: str, layout: Layout | None, count: int) -> _Column:
         """The column of a field no sample of the batch has."""
         rule = self.rules.get(name) or FieldRule(name, name)
         if kind != "padded":
             return _Column(rule, "list", [None] * count)
-        trailing, dtype = self._seen.get(name, ((), np.dtype(np.float32)))
-        return _Column(
-            rule, "padded", [None] * count, (count, 0, *trailing), np.dtype(rule.dtype) if rule.dtype else dtype
-        )
+        dtype, trailing = layout or self._seen.get(name, ("float32", ()))
+        return _Column(rule, "padded", [None] * count, (count, 0, *trailing), np.dtype(rule.dtype or dtype))
 
     def __call__(self, batch: Batch, allocate: Allocate | None = None) -> dict[str, Any]:
         """The batch as numpy arrays and lists (arrays from ``allocate``, default numpy)."""

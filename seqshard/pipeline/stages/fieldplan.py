@@ -27,13 +27,15 @@ class FieldPlan:
     ``feats``/``feat_lens`` and measured in frames), or None when not read; ``audio``: the
     encoded-audio field read (``wav``, ``flac``, ...), if any; ``batched``: each wanted array
     (``.npy``) or text (``.txt``, ``.json``) field with how it is batched (``"padded"`` or
-    ``"list"``), so that a batch where no sample has it still carries it."""
+    ``"list"``) and, for an array field added with ``add-field``, its dtype and shape after
+    the first axis, so that a batch where no sample has it still carries it, shaped as the
+    others."""
 
     sets: tuple[str, ...]
     wanted: frozenset[str] | None
     features: str | None
     audio: str | None = None
-    batched: tuple[tuple[str, str], ...] = ()
+    batched: tuple[tuple[str, str, tuple[str, tuple[int, ...]] | None], ...] = ()
 
 
 def plan_fields(
@@ -76,8 +78,9 @@ def plan_fields(
                     f"fields: {lacking} has no field set {set_name!r} (add it with `seqshard add-field` to every folder read)."
                 )
     ordered = tuple(s for s in (MAIN, *sorted(sets.keys() - {MAIN})) if s in sets)  # each set opened once
+    layouts = {name: (dtype, shape) for name, dtype, shape in table.layouts}
     batched = tuple(
-        (name, BATCHED_AS[extension])
+        (name, BATCHED_AS[extension], layouts.get(name))
         for _, suffixes in table.field_sets
         for name, extension, _ in map(split_suffix, suffixes)
         if name in wanted and extension in BATCHED_AS

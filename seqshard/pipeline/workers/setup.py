@@ -83,7 +83,7 @@ class WorkerSetup:
         rules = speech_rules(
             self.fields.features or "feats", self.options.collation.pad_label, self.options.collation.dtype
         )
-        return Collator(rules, dict(self.fields.batched))
+        return Collator(rules, {name: (kind, layout) for name, kind, layout in self.fields.batched})
 
 
 @lru_cache(maxsize=2)
