@@ -265,7 +265,7 @@ def test_a_batch_without_any_value_of_an_added_field_has_its_recorded_dtype_and_
     so that even the first batch of a reader, holding none of its values, is shaped as the rest."""
     packed = pack_small(tmp_path, utts_per_file=10)
     options = dict(batch_size=4, num_workers=0, shuffle=False, interleave=1)
-    first = list(list(make_loader(packed.pattern, **options))[-1]["keys"])[0]  # a key of the last batch
+    first = list(make_loader(packed.pattern, **options))[-1]["keys"][0]  # a key of the last batch
     (tmp_path / "src").mkdir()
     with kaldiio.WriteHelper(f"ark,scp:{tmp_path}/src/pos.ark,{tmp_path}/src/pos.scp") as writer:
         writer(first, np.arange(12, dtype=np.float64).reshape(4, 3))
