@@ -199,6 +199,15 @@ class EpochAccounts:
             summary["left"] = total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
         return summary
 
+    def planned_utts(self, position: RankPosition) -> int | None:
+        """Utterances ``position``'s plan holds for this rank, less those it had taken (handed
+        out, dropped, filtered; after an elastic resume, what it gave this rank); None when a
+        shard's size is unknown."""
+        counts = [planned_utts(self.table, self.units_of(position, w)) for w in range(len(position.workers))]
+        if any(c is None for c in counts):
+            return None
+        return max(0, sum(counts) + position.before_planned - position.taken())  # type: ignore[arg-type]
+
     def units_of(self, position: RankPosition, worker: int) -> list[Unit]:
         """The units of ``worker`` in ``position``'s epoch: the epoch's plan, or an elastic resume's."""
         units = position.units_of(worker)

@@ -23,15 +23,17 @@ from ..plan import Unit, plan_epoch, planned_utts
 from ..stages.batching import count_sorted_batches
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
+from .merge import RankPosition
 
 SIMULATED_SAMPLES = 40_000  # lengths drawn and cut into windows per loader (the rest is scaled from them)
 
 
-def planned_batches(
-    setup: WorkerSetup, epoch: int, done_steps: int, resumed: list[list[Unit]] | None = None
-) -> PlannedBatches:
-    """The batches of ``epoch`` on this rank (``done_steps`` already taken by a loaded state;
-    ``resumed``: the units an elastic resume gave this rank's readers for the rest of it)."""
+def planned_batches(setup: WorkerSetup, epoch: int, start: RankPosition | None = None) -> PlannedBatches:
+    """The batches of ``epoch`` on this rank, from ``start`` (a loaded position: its steps
+    already taken, and after an elastic resume the units it gave this rank's readers) or from
+    the epoch's beginning."""
+    done_steps = start.step if start is not None else 0
+    resumed = start.plan_units() if start is not None else None
     options = setup.options
     steps = options.epochs.epoch_steps
     if steps is not None:

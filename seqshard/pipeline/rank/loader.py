@@ -18,7 +18,6 @@ from ...options import LoaderOptions
 from ...protocol import PlannedBatches, length_of
 from ...text.labels import LabelOverride
 from ...text.tokenizers import Tokenizer
-from ..plan import planned_utts
 from ..sources import MixSetup
 from ..workers.pool import WorkerPool
 from ..workers.setup import make_setup
@@ -72,29 +71,18 @@ class ShardLoader:
 
     def planned_batches(self) -> PlannedBatches:
         """The batches of the current epoch on this rank, exact or estimated (``protocol.py``)."""
-        return self._planned_from(self._cursor.resumed())
-
-    def _planned_from(self, start: RankPosition | None) -> PlannedBatches:
-        """The batches of the current epoch from ``start`` (a loaded position) or its beginning."""
-        if start is None:
-            return planned_batches(self._setup, self.epoch, 0)
-        return planned_batches(self._setup, self.epoch, start.step, start.plan_units())
+        return planned_batches(self._setup, self.epoch, self._cursor.resumed())
 
     def __len__(self) -> int:
         return length_of(self.planned_batches(), "shard loader")
 
     def planned_utts(self) -> int | None:
-        """Utterances this rank's plan holds for the current epoch, less those a loaded state
-        had taken (handed out, dropped, filtered; after an elastic resume, what it gave this
-        rank), for progress bars; None when unknown (shards without an index, streams that go
-        on across epochs)."""
+        """Utterances this rank's plan holds for the rest of the current epoch, for progress
+        bars; None when unknown (shards without an index, streams that go on across epochs)."""
         if self._rules.end.continues_stream:
             return None
         position = self._cursor.resumed() or RankPosition.fresh(self.epoch, self._setup.readers_per_rank, 0)
-        counts = [planned_utts(self.table, self._accounts.units_of(position, w)) for w in range(len(position.workers))]
-        if any(c is None for c in counts):
-            return None
-        return max(0, sum(counts) + position.before_planned - position.taken())  # type: ignore[arg-type]
+        return self._accounts.planned_utts(position)
 
     @property
     def dim(self) -> int | None:
@@ -113,9 +101,7 @@ class ShardLoader:
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        previous = self._active() if self._active is not None else None
-        if previous is not None:
-            previous.close()  # an abandoned iteration: stop its workers before slots are reused
+        self._close_active()  # an abandoned iteration: stop its workers before slots are reused
         iteration = self._iterate(self._cursor.start())
         self._active = weakref.ref(iteration)
         return iteration
@@ -129,7 +115,7 @@ class ShardLoader:
         items = self._pool.items(position.epoch, position.worker_request())
         stream = MergedStream(items, position, self._pool.receive)
         started, self._seconds = time.perf_counter(), 0.0
-        planned = self._planned_from(position)
+        planned = planned_batches(self._setup, self.epoch, position)
         last = planned.total if planned.exact else None  # a consumer may stop after len() batches
         while True:
             cut = self._rules.over(stream.position)  # the epoch's length reached, not the data's end
@@ -154,17 +140,19 @@ class ShardLoader:
         self.last_summary = self._accounts.finish(position, self._seconds, cut)
 
     def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
-        """This rank's progress in the current epoch: utterances (and per second), steps,
-        shard units finished, dropped and filtered by reason, padding fraction, label tokens
-        (and how many were unknown to the tokenizer), selected shards that are missing."""
+        """This rank's progress in the epoch: utterances (and per second), steps, units done,
+        dropped and filtered by reason, padding, label tokens (unknown ones), missing shards."""
         return self._accounts.stats(position or self._cursor.position, self._seconds)
 
     def close(self) -> None:
         """Stop worker processes (an iteration after this starts them again)."""
+        self._close_active()
+        self._pool.close()
+
+    def _close_active(self) -> None:
         previous = self._active() if self._active is not None else None
         if previous is not None:
             previous.close()
-        self._pool.close()
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:
