@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
+# One math thread per process: `pytest -n 2` runs two test processes, each starting workers and
+# ranks of their own, on machines of a few cores; torch's default of one thread per core made
+# them take turns (set before anything imports torch, so that subprocesses inherit it too).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
