@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from . import remote
 from .index import ShardIndex, merge_histograms
 from .lists import scan_list
 from .patterns import Patterns, is_list_name
-from .remote import RemoteAccess
+from .remote import RemoteAccess, is_pipe, is_remote
 from .remote_selection import RemoteSelection, split_patterns
 from .selection import MissingShard, ShardSelection, select_shards
 from .shar import is_shar_table
@@ -289,3 +290,18 @@ class ShardTable:
         if self.indexed and all(s.num_frames for s in self.shards):
             return [float(s.num_frames) for s in self.shards]  # type: ignore[arg-type]
         return [float(s.bytes) for s in self.shards]
+
+
+def size_problem(path: str, indexed_bytes: int) -> str | None:
+    """What is wrong when the local shard ``path`` does not have the size its index records
+    (cut short or replaced since it was indexed); None when it has, or cannot be looked at
+    here (a URL, a pipe, a file that opening will name)."""
+    if is_remote(path) or is_pipe(path):
+        return None
+    try:
+        size = os.stat(path).st_size
+    except OSError:
+        return None
+    if size == indexed_bytes:
+        return None
+    return f"the file has {size} bytes where its index.json says {indexed_bytes}: it was cut short or replaced since it was indexed"

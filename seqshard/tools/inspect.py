@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,10 +10,9 @@ from typing import Any
 from ..errors import redact
 from ..formats.fields import field_name
 from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
-from ..formats.remote import is_remote
 from ..formats.selection import MissingShard
 from ..formats.shar import is_shar_index
-from ..formats.table import select_folders
+from ..formats.table import select_folders, size_problem
 from .parallel import map_shards
 from .scan import scan_shard
 
@@ -88,12 +86,9 @@ def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -
                 unindexed.append(shard)
             else:
                 summary.entries.append(entry)
-                size = _local_size(shard)
-                if size is not None and size != entry.bytes:
-                    damaged[shard] = [
-                        f"the file has {size} bytes where its index.json says {entry.bytes} (cut short or replaced "
-                        "since it was indexed; `seqshard verify` checks it whole)"
-                    ]
+                problem = size_problem(shard, entry.bytes)
+                if problem is not None:
+                    damaged[shard] = [f"{problem} (`seqshard verify` checks it whole)"]
         scans = list(map_shards(scan_shard, unindexed, jobs, f"read unindexed shards in {folder.name}", progress))
         summary.entries.extend(scan.entry for scan in scans)
         damaged.update({shard: scan.problems for shard, scan in zip(unindexed, scans) if scan.problems})
@@ -106,16 +101,6 @@ def summarize(patterns: str | list[str], jobs: int = 1, progress: bool = True) -
         summary.fields.update({name: list(fs.fields) for name, fs in (index.field_sets.items() if index else [])})
         folders.append(summary)
     return Summary(folders, missing, damaged)
-
-
-def _local_size(shard: str) -> int | None:
-    """The size of a local shard file (None for a URL or a file that cannot be read)."""
-    if is_remote(shard):
-        return None
-    try:
-        return os.stat(shard).st_size
-    except OSError:
-        return None
 
 
 def length_percentiles(entries: list[ShardEntry], histogram: dict[int, int]) -> dict[str, float]:

@@ -20,7 +20,6 @@ with those read after it.
 from __future__ import annotations
 
 import logging
-import os
 from array import array
 from collections.abc import Sequence
 from dataclasses import replace
@@ -28,9 +27,9 @@ from dataclasses import replace
 import numpy as np
 
 from ...errors import ShardError, SkipCounter
-from ...formats.remote import RemoteAccess, is_pipe, is_remote
+from ...formats.remote import RemoteAccess, is_remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
-from ...formats.table import MAIN, ShardInfo, ShardTable
+from ...formats.table import MAIN, ShardInfo, ShardTable, size_problem
 from ...formats.tar import TarRecord
 from ..plan import Unit
 from .base import Stage, State
@@ -87,18 +86,12 @@ class KeyRepeats:
 def _check_local_size(shard: ShardInfo) -> None:
     """An indexed local shard whose size is not its index's is damaged before a sample of it is
     read (a shard cut short would give its first samples, then fail mid-epoch)."""
-    if shard.num_utts is None or is_remote(shard.path) or is_pipe(shard.path):
-        return  # remote shards are checked against the server's size when opened
-    try:
-        size = os.stat(shard.path).st_size
-    except OSError:
-        return  # opening it says what is wrong
-    if size != shard.bytes:
+    problem = size_problem(shard.path, shard.bytes) if shard.num_utts is not None else None
+    if problem is not None:  # remote shards are checked against the server's size when opened
         raise ShardError(
             shard.path,
             None,
-            f"the file has {size} bytes where its index.json says {shard.bytes}: it was cut short or replaced since "
-            "it was indexed. Fix: check it with `seqshard verify`, then copy it again, re-pack it or re-index its folder.",
+            f"{problem}. Fix: check it with `seqshard verify`, then copy it again, re-pack it or re-index its folder.",
         )
 
 
