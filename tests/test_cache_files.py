@@ -95,3 +95,50 @@ def test_partial_files_count_while_fetched_and_go_when_their_fetch_died(packed, 
     assert not stale["limited"].exists() and not stale["unlimited"].exists() and live.exists()
     assert len(cached_shards(tmp_path / "limited")) == 1  # with 2 shards' worth being fetched, 1 more fits in 3
     assert len(cached_shards(tmp_path / "unlimited")) == 8
+
+
+class _Source:
+    """A byte source over bytes, as ``open_source()`` gives over a remote object."""
+
+    def __init__(self, data):
+        self.data, self.at = data, 0
+
+    def read(self, n):
+        chunk = self.data[self.at : self.at + n]
+        self.at += len(chunk)
+        return chunk
+
+    def close(self):
+        pass
+
+
+def test_threads_opening_a_damaged_copy_at_once_all_get_the_fetched_one(tmp_path):
+    """A reader and the prefetch thread both find a damaged copy: the one that removes it to
+    fetch again must not pull the name from under the other's check (FileNotFoundError)."""
+    import threading
+    import zlib
+
+    good = os.urandom(256 << 10)
+    expected = (len(good), f"crc32:{zlib.crc32(good):08x}")
+    cache = ShardCache(tmp_path)
+    url = "http://host/shards/data-00000.tar"
+    for _ in range(30):
+        bad = bytearray(good)
+        bad[1000] ^= 0xFF
+        cache.path_for(url).write_bytes(bytes(bad))
+        barrier, errors, crcs = threading.Barrier(4), [], []
+
+        def read():
+            barrier.wait()
+            try:
+                with cache.open(url, expected, lambda: _Source(good), 1 << 16) as file:
+                    crcs.append(zlib.crc32(file.read()))
+            except Exception as error:  # noqa: BLE001 (collected for the assertion)
+                errors.append(error)
+
+        threads = [threading.Thread(target=read) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert errors == [] and crcs == [zlib.crc32(good)] * 4

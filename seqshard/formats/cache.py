@@ -106,7 +106,7 @@ class ShardCache:
                 if opened is None:
                     if final.exists():
                         _LOG.warning("%s: the cached copy %s is damaged (size or CRC); fetching it again", url, final)
-                        final.unlink()
+                        final.unlink(missing_ok=True)  # an evicting process may have removed it meanwhile
                     for stale in self.root.glob(final.name + ".part-*"):  # left by a killed process
                         stale.unlink(missing_ok=True)
                     opened = self._fetch(url, final, open_source(), chunk_bytes, expected)
@@ -114,20 +114,21 @@ class ShardCache:
         return opened
 
     def _open_usable(self, path: Path, expected: tuple[int, str | None] | None) -> BinaryIO | None:
-        """``path`` opened, if it is there and matches the index; else None."""
+        """``path`` opened, if it is there and matches the index; else None. Every check reads
+        the open file, never the name again: another thread or process may remove or replace
+        the name meanwhile (a damaged copy being fetched again), and the open file stays whole."""
         try:
             file = open(path, "rb")  # noqa: SIM115 (returned open)
         except FileNotFoundError:
             return None
-        if os.fstat(file.fileno()).st_nlink == 0 or not self._usable(path, expected):
+        if not self._usable(file, path.name, expected):
             file.close()
             return None
         return file
 
-    def _usable(self, path: Path, expected: tuple[int, str | None] | None) -> bool:
-        try:
-            info = path.stat()
-        except FileNotFoundError:
+    def _usable(self, file: BinaryIO, name: str, expected: tuple[int, str | None] | None) -> bool:
+        info = os.fstat(file.fileno())
+        if info.st_nlink == 0:  # removed since it was opened (evicted, or found damaged)
             return False
         if expected is None:
             return True
@@ -137,12 +138,14 @@ class ShardCache:
         if checksum is None:
             return True
         mark = f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {checksum}"
-        marker = self.root / ".locks" / f"{path.name}.ok"
+        marker = self.root / ".locks" / f"{name}.ok"
         with contextlib.suppress(OSError):
             if marker.read_text() == mark:
                 return True
-        if _crc_of(path) != checksum:
+        file.seek(0)
+        if f"crc32:{crc32_of(file.read)[0]:08x}" != checksum:
             return False
+        file.seek(0)
         with contextlib.suppress(OSError):
             marker.write_text(mark)
         return True
@@ -239,8 +242,3 @@ class ShardCache:
 def _foreign(folder: Path) -> bool:
     """Whether a folder holds entries that a cache being set up beside it would not have made."""
     return any(path.name not in (TAG, ".locks") for path in folder.iterdir())
-
-
-def _crc_of(path: Path) -> str:
-    with open(path, "rb") as file:
-        return f"crc32:{crc32_of(file.read)[0]:08x}"
