@@ -128,12 +128,12 @@ def test_threads_opening_a_damaged_copy_at_once_all_get_the_fetched_one(tmp_path
         cache.path_for(url).write_bytes(bytes(bad))
         barrier, errors, crcs = threading.Barrier(4), [], []
 
-        def read():
+        def read(barrier=barrier, errors=errors, crcs=crcs):
             barrier.wait()
             try:
                 with cache.open(url, expected, lambda: _Source(good), 1 << 16) as file:
                     crcs.append(zlib.crc32(file.read()))
-            except Exception as error:  # noqa: BLE001 (collected for the assertion)
+            except Exception as error:  # collected for the assertion
                 errors.append(error)
 
         threads = [threading.Thread(target=read) for _ in range(4)]
