@@ -106,6 +106,17 @@ class BudgetWindow:
         check_number("sort window min_samples", self.min_samples, whole=True, at_least=1)
         check_number("sort window max_samples", self.max_samples, whole=True, at_least=self.min_samples)
 
+    def scaled(self, share: float) -> BudgetWindow:
+        """This window at ``share`` of its batches and samples (a growing stream's first
+        windows), each at least 1."""
+        if share >= 1:
+            return self
+        return BudgetWindow(
+            max(1, round(self.batches * share)),
+            max(1, math.ceil(self.min_samples * share)),
+            max(1, math.ceil(self.max_samples * share)),
+        )
+
     def samples(self, mean_share: float) -> int:
         """Samples of a window whose samples fill ``mean_share`` of a batch each on average."""
         wanted = math.ceil(self.batches / mean_share) if mean_share > 0 else self.max_samples

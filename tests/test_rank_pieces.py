@@ -37,25 +37,20 @@ def batch(worker: int, seq: int, size: int = 2) -> BatchItem:
     return BatchItem(worker, seq, {"keys": [f"w{worker}-{seq}"]}, {"at": seq}, {"n": seq}, size, size * 10, size * 12)
 
 
-def arrivals(counts: list[int], order: list[int], after: list[int] | None = None) -> list:
-    """Each worker's batches (after the first ``after[w]``, as a restored worker regenerates
-    them) then its end marker, arriving interleaved in ``order`` (workers named in turn, as a
-    DataLoader may deliver them)."""
+def workers(counts: list[int], after: list[int] | None = None):
+    """take(worker) over each worker's batches (after the first ``after[w]``, as a restored
+    worker regenerates them) then its end marker."""
     after = after or [0] * len(counts)
     queues = {
         w: [batch(w, s) for s in range(after[w] + 1, n + 1)] + [EndItem(w, n, {"at": "end"})]
         for w, n in enumerate(counts)
     }
-    out = []
-    for worker in order:
-        if queues[worker]:
-            out.append(queues[worker].pop(0))
-    return out + [item for queue in queues.values() for item in queue]
+    return lambda worker: queues[worker].pop(0)
 
 
-def test_the_merged_stream_takes_workers_in_turn_whatever_order_they_arrive_in():
+def test_the_merged_stream_takes_workers_in_turn_and_skips_finished_ones():
     position = RankPosition.fresh(0, 2, 0)
-    stream = MergedStream(iter(arrivals([3, 2], [1, 1, 0, 1, 0, 0])), position)
+    stream = MergedStream(workers([3, 2]), position)
     taken = []
     while (item := stream.pull()) is not None:
         stream.emit(item)
@@ -67,12 +62,12 @@ def test_the_merged_stream_takes_workers_in_turn_whatever_order_they_arrive_in()
 
 def test_a_restored_stream_goes_on_where_its_position_stands():
     position = RankPosition.fresh(0, 2, 0)
-    stream = MergedStream(iter(arrivals([3, 3], [0, 1, 0, 1, 0, 1])), position)
+    stream = MergedStream(workers([3, 3]), position)
     for _ in range(3):
         stream.emit(stream.pull())
     saved = json.loads(json.dumps(position.to_json()))
     assert [(w.low, w.pulled) for w in RankPosition.from_json(saved).workers] == [(2, 2), (1, 1)]
-    restored = MergedStream(iter(arrivals([3, 3], [1, 0], after=[2, 1])), RankPosition.from_json(saved))
+    restored = MergedStream(workers([3, 3], after=[2, 1]), RankPosition.from_json(saved))
     rest = []
     while (item := restored.pull()) is not None:
         restored.emit(item)
@@ -81,14 +76,14 @@ def test_a_restored_stream_goes_on_where_its_position_stands():
     broken = RankPosition.from_json(saved)
     broken.workers[0].pulled = 3  # pulled but neither handed out nor queued: not a position the loader saves
     with pytest.raises(SeqshardError, match="inconsistent"):
-        MergedStream(iter(arrivals([3, 3], [0, 0, 0], after=[2, 1])), broken)
+        MergedStream(workers([3, 3], after=[2, 1]), broken)
 
 
 def test_epoch_rules_cut_by_steps_or_hours_and_end_with_the_data():
     position = RankPosition.fresh(0, 1, 0)
     by_steps = epoch_rules(Epochs(uneven="repeat", epoch_steps=2), 10.0, ONE)
     by_hours = epoch_rules(Epochs(uneven="repeat", epoch_hours=30 * 0.01 / 3600), 10.0, ONE)  # 30 frames
-    stream = MergedStream(iter(arrivals([3], [0, 0, 0])), position)
+    stream = MergedStream(workers([3]), position)
     stops = epoch_rules(Epochs(uneven="stop"), 10.0, ONE)
     seen = []
     while not by_steps.over(position) and (item := stops.next_item(stream)) is not None:

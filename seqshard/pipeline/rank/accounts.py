@@ -110,6 +110,13 @@ class EpochAccounts:
         self._ranks_in_step = context.distributed and self.end.gathers_summary and self.collectives.ready()
         self._summed = self._distinct = 0
 
+    @property
+    def checks_every_step(self) -> bool:
+        """Whether the bad-shard budget is judged at every step: ranks that add their damaged
+        shards up take part in a collective at each step; a rank alone judges it when a reader
+        meets a newly damaged shard (and at the first step and the end)."""
+        return self.setup.options.bad_data.skip_bad and self._ranks_in_step
+
     def check_bad_shards(self, position: RankPosition) -> None:
         """Stop the run when more shards were bad this epoch (damaged on any rank, or missing)
         than ``max_bad_shards`` allows of all the selected shards, whatever the world size.

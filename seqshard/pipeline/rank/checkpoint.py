@@ -20,7 +20,8 @@ from ..workers.setup import WorkerSetup
 from .elastic import elastic_position
 from .merge import RankPosition
 
-STATE_VERSION = 2  # 2: units hold one byte offset per field file; sample fields
+STATE_VERSION = 3  # 2: units hold one byte offset per field file; sample fields; 3: windows grow
+READABLE_VERSIONS = (2, 3)  # a version 2 state goes on with full windows until its epoch ends
 MIXING = "source stage"  # how a mix is composed: since its sources became one stage under the windows
 
 
@@ -82,7 +83,10 @@ def restore(
         raise StateMismatchError(
             f"the saved state has no position for rank {setup.rank} (saved with gather=False on another rank?)."
         )
-    return RankPosition.from_json(mine)
+    position = RankPosition.from_json(mine)
+    if state["seqshard_loader_state"] == 2:  # its windows did not grow: the rest of its epoch neither
+        position.windows_grow = False
+    return position
 
 
 def check_ranks_agree(identity: dict[str, Any], collectives: Collectives) -> bool:
@@ -114,11 +118,12 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
 
 def check_state(state: dict[str, Any]) -> None:
     version = state.get("seqshard_loader_state")
-    if version != STATE_VERSION:
+    if version not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
         raise StateMismatchError(
             "not a seqshard loader state of this version"
             + (
-                f" (it is version {version}, this seqshard reads {STATE_VERSION}; resume with the seqshard that saved it, or start the epoch afresh)."
+                f" (it is version {version}, this seqshard reads {readable}; resume with the seqshard that saved it, or start the epoch afresh)."
                 if isinstance(version, int)
                 else "."
             )

@@ -12,16 +12,18 @@ estimate is their middle with half their spread as its error.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 
 from ...formats.index import BINS_PER_OCTAVE, bin_bounds
-from ...options import BudgetWindow
+from ...formats.table import ShardTable
+from ...options import Batching, BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
 from ..plan import Unit, plan_epoch, planned_utts
 from ..stages.batching import count_sorted_batches
-from ..workers.recipe import batch_cost
+from ..workers.recipe import SORT_GROWTH, batch_cost
 from ..workers.setup import WorkerSetup
 from .merge import RankPosition
 
@@ -34,6 +36,7 @@ def planned_batches(setup: WorkerSetup, epoch: int, start: RankPosition | None =
     the epoch's beginning."""
     done_steps = start.step if start is not None else 0
     resumed = start.plan_units() if start is not None else None
+    grow = start.windows_grow if start is not None else True
     options = setup.options
     steps = options.epochs.epoch_steps
     if steps is not None:
@@ -55,7 +58,7 @@ def planned_batches(setup: WorkerSetup, epoch: int, start: RankPosition | None =
     if any(n is None for rank in utts for n in rank):
         return _unknown("some shards have no index.json (run `seqshard index` on their folders)")
     why = _why_not_exact(setup)
-    per_rank = [[pair for n in rank for pair in _reader_batches(setup, int(n))] for rank in utts]  # type: ignore[arg-type]
+    per_rank = [[pair for n in rank for pair in _reader_batches(setup, int(n), grow)] for rank in utts]  # type: ignore[arg-type]
     lows = [sum(low for low, _ in rank) for rank in per_rank]
     highs = [sum(high for _, high in rank) for rank in per_rank]
     if options.epochs.uneven == "join":
@@ -80,46 +83,60 @@ def _elastic_rest(setup: WorkerSetup, resumed: list[list[Unit]], done_steps: int
     return _planned(low, high, done_steps, why)
 
 
-def _reader_batches(setup: WorkerSetup, count: int) -> list[tuple[int, int]]:
-    """(low, high) batches of a reader of ``count`` samples (one pair per window)."""
+def _reader_batches(setup: WorkerSetup, count: int, grow: bool = True) -> list[tuple[int, int]]:
+    """(low, high) batches of a reader of ``count`` samples (one pair per window; a stream's
+    first windows grow, ``SORT_GROWTH``)."""
     batching = setup.options.batching
-    window = _window_samples(setup)
-    sizes = [window] * (count // window) + ([count % window] if count % window else [])
+    full = _window_samples(setup)
+    sizes: list[int] = []
+    while count > 0:
+        growing = grow and SORT_GROWTH.scale(len(sizes)) < 1
+        sizes.append(min(count, _window_samples(setup, len(sizes)) if growing else full))
+        count -= sizes[-1]
     if batching.batch_size is not None:
         return [(math.ceil(n / batching.batch_size),) * 2 for n in sizes]
     low, high = _per_sample_batches(setup)
     return [(round(n * low), round(n * high)) for n in sizes]
 
 
-def _window_samples(setup: WorkerSetup) -> int:
-    """Samples of a sort window: the option's number, or what the default budget window
-    reads at the index's mean share of a batch per sample (exact for ``batch_size``)."""
+def _window_samples(setup: WorkerSetup, number: int | None = None) -> int:
+    """Samples of a full sort window, or of a stream's window ``number`` (``SORT_GROWTH``):
+    the option's number, or what the default budget window reads at the index's mean share of
+    a batch per sample (exact for ``batch_size``)."""
     batching = setup.options.batching
     if batching.sort_window is not None:
-        return batching.sort_window
+        full = batching.sort_window
+        return full if number is None else SORT_GROWTH.items(full, number, batching.batch_size or 1)
+    window = BudgetWindow() if number is None else BudgetWindow().scaled(SORT_GROWTH.scale(number))
     histogram = dict(setup.table.length_hist)
     cost = batch_cost(batching)
     if batching.batch_size is not None or not histogram:
-        return BudgetWindow().samples(cost.share(1))
+        return window.samples(cost.share(1))
     shares = sum(
         cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
     )
-    return BudgetWindow().samples(shares / sum(histogram.values()))
+    return window.samples(shares / sum(histogram.values()))
 
 
 def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
     """Batches per sample of budget batches, on lengths drawn from the index's histogram at
-    their bins' low and high ends (the table's histogram, one draw per loader)."""
-    histogram = dict(setup.table.length_hist)
+    their bins' low and high ends (the table's histogram, one draw per loader: drawn once and
+    kept, as an iteration asks for it at its start)."""
+    options = setup.options
+    return _drawn_batches_per_sample(setup.table, options.batching, options.shuffling.seed, _window_samples(setup))
+
+
+@lru_cache(maxsize=4)
+def _drawn_batches_per_sample(table: ShardTable, batching: Batching, seed: int, window: int) -> tuple[float, float]:
+    histogram = dict(table.length_hist)
     if not histogram:
         return math.nan, math.nan
-    window = _window_samples(setup)
     windows = max(2, SIMULATED_SAMPLES // window)
     bins = np.fromiter(histogram, dtype=np.int64)
     mass = np.fromiter(histogram.values(), dtype=np.float64)
-    rng = stage_rng(setup.options.shuffling.seed, Seed.ESTIMATE)
+    rng = stage_rng(seed, Seed.ESTIMATE)
     drawn = rng.choice(bins, size=window * windows, p=mass / mass.sum())
-    cost = batch_cost(setup.options.batching)
+    cost = batch_cost(batching)
     found = []
     for end in (0, 1):
         lengths = np.maximum(1, np.floor(2.0 ** ((drawn + end) / BINS_PER_OCTAVE))).astype(np.int64)  # bin_bounds

@@ -26,6 +26,7 @@ from .accounts import EpochAccounts
 from .counts import planned_batches
 from .cursor import EpochCursor
 from .epochs import epoch_rules
+from .feed import WAIT_WARN_AFTER, FeedMeter
 from .merge import MergedStream, RankPosition
 
 
@@ -56,7 +57,7 @@ class ShardLoader:
         self._cursor = EpochCursor(lambda e: RankPosition.fresh(e, readers, buckets), self._rules.end.continues_stream)
         self._accounts = EpochAccounts(self._setup, self._rules.end, self.collectives, access)
         self._active: weakref.ref | None = None
-        self._seconds = 0.0
+        self._meter = FeedMeter(options.workers, context.rank)
         self._ranks_agree = False
         self.last_summary: dict[str, Any] | None = None
 
@@ -111,38 +112,56 @@ class ShardLoader:
             return
         if not self._ranks_agree and self.context.distributed and self._rules.end.gathers_summary:
             self._ranks_agree = checkpoint.check_ranks_agree(self._identity(), self.collectives)
-        self._accounts.start_bad_shard_count(position)
-        items = self._pool.items(position.epoch, position.worker_request())
-        stream = MergedStream(items, position, self._pool.receive)
-        started, self._seconds = time.perf_counter(), 0.0
+        accounts, rules, meter = self._accounts, self._rules, self._meter
+        accounts.start_bad_shard_count(position)
+        meter.begin()
         planned = planned_batches(self._setup, self.epoch, position)
         last = planned.total if planned.exact else None  # a consumer may stop after len() batches
-        while True:
-            cut = self._rules.over(stream.position)  # the epoch's length reached, not the data's end
-            item = None if cut else self._rules.next_item(stream)
-            if item is None:
-                break
-            stream.emit(item)
-            self._seconds = time.perf_counter() - started
-            self._accounts.judge_unknown_tokens(position)
-            self._accounts.check_bad_shards(position)
-            if position.step == last:
-                self._finish(position, self._rules.over(stream.position))
-            yield item.batch
-        del stream, items  # stops non-persistent workers now, not at garbage collection
-        if not position.completed:
-            self._finish(position, cut)
+        damaged = [0] * len(position.workers)  # damaged shards each reader reported
+        clock = time.perf_counter
+        try:
+            stream = MergedStream(self._pool.start(position.epoch, position.worker_request()), position)
+            while True:
+                asked = clock()
+                cut = rules.over(stream.position)  # the epoch's length reached, not the data's end
+                item = None if cut else rules.next_item(stream)
+                if item is None:
+                    break
+                stream.emit(item)
+                meter.waited += clock() - asked
+                meter.busy += item.busy
+                meter.steps += 1
+                if meter.steps == 1:
+                    meter.first = meter.waited
+                elif meter.steps % WAIT_WARN_AFTER == 0:
+                    meter.judge()
+                    accounts.judge_unknown_tokens(position)
+                if item.damaged != damaged[item.worker] or meter.steps == 1 or accounts.checks_every_step:
+                    damaged[item.worker] = item.damaged  # the budget changes only with a newly damaged shard
+                    accounts.check_bad_shards(position)
+                if position.step == last:
+                    self._finish(position, rules.over(stream.position))
+                yield item.batch
+            del stream
+            if not position.completed:
+                self._finish(position, cut)
+        finally:
+            self._pool.finish()  # stops workers that do not persist now, not at garbage collection
 
     def _finish(self, position: RankPosition, cut: bool) -> None:
         """The epoch is complete (on every rank at the same step: the summary is a collective)."""
+        self._meter.end()
         self._accounts.check_bad_shards(position)
         position.completed = True
-        self.last_summary = self._accounts.finish(position, self._seconds, cut)
+        self.last_summary = self._accounts.finish(position, self._meter.seconds, cut)
 
     def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
         """This rank's progress in the epoch: utterances (and per second), steps, units done,
-        dropped and filtered by reason, padding, label tokens (unknown ones), missing shards."""
-        return self._accounts.stats(position or self._cursor.position, self._seconds)
+        dropped and filtered by reason, padding, label tokens (unknown ones), missing shards,
+        and the share of the epoch's time the consumer waited for batches (``data_wait``)."""
+        found = self._accounts.stats(position or self._cursor.position, self._meter.seconds)
+        found["data_wait"] = self._meter.share()
+        return found
 
     def close(self) -> None:
         """Stop worker processes (an iteration after this starts them again)."""

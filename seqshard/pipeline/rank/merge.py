@@ -1,7 +1,7 @@
 """The training process's side of the workers: one deterministic stream, and its position.
 
-Workers' items are taken in turn (worker 0, 1, ..., skipping finished workers), whatever
-order the DataLoader delivers them in, so the stream is a pure function of the workers'
+Workers' items are taken in turn (worker 0, 1, ..., skipping finished workers), each from its
+own worker, whatever order they are made in, so the stream is a pure function of the workers'
 streams. The position records, per worker, the state after its last batch such that every
 earlier one was handed out (``low``), how many batches were taken from it (``pulled``) and
 which of those beyond ``low`` were handed out. With bucket sync, batches wait in per-bucket
@@ -14,24 +14,39 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...errors import SeqshardError
 from ..plan import Unit
 from ..stages.base import merge_counts
-from ..workers.protocol import BatchItem, EndItem, Item
+from ..workers.protocol import BatchItem, EndItem, Item, unpack
 
 
 @dataclass
 class WorkerPosition:
-    state: dict[str, Any] | None = None
+    """One reader's place in the stream; its state and counters may be the bytes a worker
+    process sent (read when asked for, not at every batch)."""
+
+    state: dict[str, Any] | bytes | None = None
     low: int = 0
     pulled: int = 0
     emitted_above: list[int] = field(default_factory=list)
     done: bool = False
-    stats: dict[str, int] = field(default_factory=dict)
+    stats: dict[str, int] | bytes = field(default_factory=dict)
+
+    def saved_state(self) -> dict[str, Any] | None:
+        """The reader's state after its last batch handed out (with every earlier one)."""
+        if isinstance(self.state, bytes):
+            self.state = unpack(self.state)
+        return self.state  # type: ignore[return-value]
+
+    def counts(self) -> dict[str, int]:
+        """The reader's counters."""
+        if isinstance(self.stats, bytes):
+            self.stats = unpack(self.stats)
+        return self.stats
 
 
 @dataclass
@@ -57,6 +72,7 @@ class RankPosition:
     # they had taken from the epoch's plan (handed out, dropped or filtered)
     before: dict[str, int] = field(default_factory=dict)
     before_planned: int = 0
+    windows_grow: bool = True  # False in an epoch resumed from a state saved before windows grew (version 2)
 
     @classmethod
     def fresh(
@@ -77,7 +93,7 @@ class RankPosition:
 
     def counters(self) -> dict[str, int]:
         """The readers' counters summed (with those of the readers before an elastic resume)."""
-        return merge_counts(self.before, *(w.stats for w in self.workers))
+        return merge_counts(self.before, *(w.counts() for w in self.workers))
 
     def taken(self) -> int:
         """Utterances taken from the epoch's plan so far: handed out, dropped or filtered."""
@@ -92,6 +108,8 @@ class RankPosition:
         return None if self.plan is None else [[Unit.from_json(u) for u in units] for units in self.plan]
 
     def to_json(self) -> dict[str, Any]:
+        for worker in self.workers:
+            worker.saved_state(), worker.counts()
         return copy.deepcopy(asdict(self))
 
     @classmethod
@@ -117,7 +135,7 @@ class RankPosition:
     def worker_request(self) -> list[dict[str, Any]]:
         return [
             {
-                "state": w.state,
+                "state": w.saved_state(),
                 "seq": w.low,
                 "units": None if self.plan is None else self.plan[i],
                 "carry": None if self.carry is None else self.carry[i],
@@ -127,30 +145,15 @@ class RankPosition:
 
 
 class MergedStream:
-    """Takes workers' items in turn and keeps ``position`` up to date."""
+    """Takes workers' items in turn (``take(worker)``: that worker's next item) and keeps
+    ``position`` up to date."""
 
-    def __init__(
-        self, items: Iterator[Item], position: RankPosition, receive: Callable[[Item], Item] = lambda item: item
-    ):
-        self._items = items
-        self._receive = receive
+    def __init__(self, take: Callable[[int], Item], position: RankPosition):
+        self._take = take
         self.position = position
-        self._buffers: list[deque[Item]] = [deque() for _ in position.workers]
         self._reservoir: list[deque[BatchItem]] = [deque() for _ in position.queues]
         self._states_above: dict[tuple[int, int], dict[str, Any]] = {}  # emitted beyond low
         self._replay()
-
-    # -- taking items from the DataLoader ----------------------------------------------------
-    def _take(self, worker: int) -> Item:
-        """The next item of ``worker`` (a batch or its end marker)."""
-        buffer = self._buffers[worker]
-        while not buffer:
-            try:
-                item = next(self._items)
-            except StopIteration:
-                raise SeqshardError(f"DataLoader ended before worker {worker} sent its end marker") from None
-            self._buffers[item.worker].append(self._receive(item))
-        return buffer.popleft()
 
     def _replay(self) -> None:
         """Regenerate what was in flight at the saved position and rebuild the reservoir."""

@@ -16,7 +16,9 @@ seed gives the same items on any machine and a restored stage needs no RNG state
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ...errors import ConfigError, InputError, SkipCounter
@@ -72,6 +74,17 @@ class Stage(Generic[T]):
     def pending(self) -> list[Any]:
         """Items this stage and its sources hold but have not passed on (buffered windows)."""
         return self.source.pending() if self.source is not None else []
+
+    def prepare(self) -> None:
+        """Work ahead, called after an output was handed out: a stage that holds windows reads
+        part of its next one (``WindowStage``); others pass the call to their source."""
+        if self.source is not None:
+            self.source.prepare()
+
+    def reading_done(self) -> bool:
+        """Whether the stream has read all it will read (what is left is in its windows);
+        False when unknown."""
+        return self.source.reading_done() if self.source is not None else False
 
 
 def merge_counts(*counters: dict[str, int]) -> dict[str, int]:
@@ -151,63 +164,161 @@ class Filter(CountingStage[T]):
             self.count(f"filtered.{reason}")
 
 
+@dataclass(frozen=True)
+class Growth:
+    """How a stream's first windows grow: window ``n`` holds ``first * factor**n`` of a full
+    window, a full one from the window where that reaches 1, and never fewer than ``floor``
+    items (a window that small is full from the start). Small first windows give a stream's
+    first output after a small part of a window's reading."""
+
+    first: float
+    factor: float = 2.0
+    floor: int = 64
+
+    def __post_init__(self) -> None:
+        if not 0 < self.first <= 1 or self.factor <= 1:
+            raise ConfigError(f"a window's growth must start at a share in (0, 1] and grow, got {self!r}.")
+
+    def scale(self, number: int) -> float:
+        """The share of a full window that window ``number`` holds."""
+        return 1.0 if number >= 256 else min(1.0, self.first * self.factor**number)
+
+    def items(self, full: int, number: int, least: int = 1) -> int:
+        """Items of window ``number`` of windows of ``full`` items (at least ``least``)."""
+        share = self.scale(number)
+        if share >= 1:
+            return full
+        return min(full, max(self.floor, least, math.ceil(full * share)))
+
+
+class Window:
+    """A window being read: its number, the source's state where it began, its items (as
+    :meth:`WindowStage.add` stores them) and what a subclass sums while it reads."""
+
+    __slots__ = ("ended", "full", "items", "number", "start", "weight")
+
+    def __init__(self, number: int, start: State):
+        self.number = number
+        self.start = start
+        self.items: list[Any] = []
+        self.weight = 0.0
+        self.full = False  # the items close the window
+        self.ended = False  # the source ended in it
+
+    @property
+    def closed(self) -> bool:
+        return self.full or self.ended
+
+
 class WindowStage(Stage[U]):
     """Reads its source in windows of ``window`` items and emits what :meth:`arrange` makes
     of each window (the items shuffled, or cut into batches).
 
+    Reading ahead: :meth:`prepare` (called after an output was handed out) reads the share of
+    the next window that the outputs handed out since the last call stand for, so the next
+    window is read by the time the current one runs out and a window's boundary costs no more
+    than any other output. Without calls to :meth:`prepare` the next window is read when the
+    current one runs out. The items of a window are the same either way: what ends a window
+    depends on its items alone. Counters are reported as they stood where the current window
+    ended (:meth:`stats`), whatever was read ahead.
+
+    ``grow``: a stream's first windows are small and double (:class:`Growth`), so its first
+    output comes after a small part of a window's reading.
+
     State: the source's state where the current window began, the window's number and how
-    many of its outputs were emitted; a restore re-reads that one window (what was in
-    flight) and skips the emitted outputs.
+    many of its outputs were emitted (and whether its windows grow); a restore re-reads that
+    one window (what was in flight) and skips the emitted outputs. A state saved without the
+    growth flag (before windows grew) goes on with full windows.
     """
 
-    def __init__(self, source: Stage, window: int, what: str):
+    def __init__(self, source: Stage, window: int, what: str, grow: Growth | None = None):
         super().__init__(source)
         if window < 1:
             raise ConfigError(f"{what} must be >= 1, got {window}.")
         self.window = window
+        self.grow = grow
+        self._growing = grow is not None
         self._outputs: list[U | None] = []
         self._window_start: State | None = None
         self._window_number = -1
         self._emitted = 0
+        self._count = 0  # items of the current window
+        self._ahead: Window | None = None  # the next window, being read ahead
+        self._prepared = 0  # outputs of the current window whose share of the next one was read
+        self._primed = False  # prepare() was called since the stream started or was restored
+        self._source_stats: dict[str, int] | None = None  # the source's counters where the current window ended
 
+    # -- what a subclass defines ----------------------------------------------------------
     def arrange(self, items: list[Any], number: int, fresh: bool) -> list[U]:
         """The outputs of window ``number``; ``fresh`` is False when a restore re-reads it."""
         raise NotImplementedError
 
-    def read_window(self) -> list[Any]:
-        """The next window's items: ``window`` of them from the source (fewer at its end). A
-        subclass may end a window by what it reads, as long as the same items end it again
-        when a restore re-reads them."""
-        items: list[Any] = []
-        try:
-            while len(items) < self.window:
-                items.append(self.source.next())
-        except StopIteration:
-            pass
-        return items
+    def add(self, window: Window, item: Any) -> None:
+        """Put ``item`` into ``window`` and set ``window.full`` when its items close it. A
+        subclass may store the item otherwise (with its length) and end a window by what it
+        holds, as long as the same items end it again when a restore re-reads them."""
+        window.items.append(item)
+        window.full = len(window.items) >= self.capacity(window.number)
+
+    def capacity(self, number: int) -> int:
+        """The most items window ``number`` holds."""
+        if not self._growing or self.grow is None:
+            return self.window
+        return self.grow.items(self.window, number)
 
     def held(self, output: U) -> list[Any]:
         """The source items inside an output (for :meth:`pending`)."""
         return [output]
 
+    def unwrap(self, item: Any) -> Any:
+        """The source item of an item as :meth:`add` stored it (for :meth:`pending`)."""
+        return item
+
+    # -- provided ---------------------------------------------------------------------------
+    def scale(self, number: int) -> float:
+        """The share of a full window that window ``number`` holds (1 unless windows grow)."""
+        return self.grow.scale(number) if self._growing and self.grow is not None else 1.0
+
     def reset(self, state: State | None = None) -> None:
         self._started = True
-        self._outputs, self._emitted = [], 0
+        self._outputs, self._emitted, self._count = [], 0, 0
         self._window_number, self._window_start = -1, None
+        self._ahead, self._prepared, self._primed, self._source_stats = None, 0, False, None
+        self._growing = self.grow is not None and (state is None or bool(state.get("grow", False)))
         self.source.reset(None if state is None else state.get("source"))
         if state is not None and state.get("window", -1) >= 0:
-            self._fill(int(state["window"]), fresh=False)
-            self._emitted = int(state["emitted"])
+            self._arrange(self._read(Window(int(state["window"]), self.source.get_state())), fresh=False)
+            self._emitted = self._prepared = int(state["emitted"])
 
-    def _fill(self, number: int, fresh: bool = True) -> None:
-        self._window_start = self.source.get_state()
-        self._window_number = number
-        self._outputs = list(self.arrange(self.read_window(), number, fresh))
-        self._emitted = 0
+    def _read(self, window: Window, until: int | None = None) -> Window:
+        """Read items into ``window`` until it closes (or holds ``until`` items)."""
+        source, add = self.source, self.add
+        items = window.items
+        while not (window.full or window.ended) and (until is None or len(items) < until):
+            try:
+                item = source.next()
+            except StopIteration:
+                window.ended = True
+                break
+            add(window, item)
+        return window
+
+    def _arrange(self, window: Window, fresh: bool) -> None:
+        self._source_stats = self.source.stats()
+        self._window_start = window.start
+        self._window_number = window.number
+        self._count = len(window.items)
+        self._outputs = list(self.arrange(window.items, window.number, fresh))
+        self._emitted = self._prepared = 0
+        if window.ended:  # nothing follows: an empty window ends the stream
+            self._ahead = Window(window.number + 1, self.source.get_state())
+            self._ahead.ended = True
 
     def next(self) -> U:
         if self._emitted >= len(self._outputs):
-            self._fill(self._window_number + 1)
+            following = self._ahead or Window(self._window_number + 1, self.source.get_state())
+            self._ahead = None
+            self._arrange(self._read(following), fresh=True)
             if not self._outputs:
                 raise StopIteration
         output = self._outputs[self._emitted]
@@ -215,9 +326,50 @@ class WindowStage(Stage[U]):
         self._emitted += 1
         return output  # type: ignore[return-value]
 
+    def prepare(self) -> None:
+        """Read the next window's share for the outputs handed out since the last call, then
+        let the source read ahead for what this stage took from it."""
+        if self._emitted > self._prepared and self._window_number >= 0:
+            ahead = self._ahead
+            if ahead is None:
+                ahead = self._ahead = Window(self._window_number + 1, self.source.get_state())
+            if not ahead.closed:
+                # the reading left, spread over the outputs left (those handed out since the last
+                # call included; before the first call, outputs went out with nothing read ahead)
+                handed = self._emitted - self._prepared if self._primed else 1
+                left = self._expected(ahead.number) - len(ahead.items)
+                self._read(
+                    ahead, len(ahead.items) + math.ceil(left * handed / (handed + len(self._outputs) - self._emitted))
+                )
+            self._prepared = self._emitted
+            self._primed = True
+        self.source.prepare()
+
+    def reading_done(self) -> bool:
+        return self._ahead is not None and self._ahead.ended
+
+    def stats(self) -> dict[str, int]:
+        """The source's counters where the current window ended (what the next window read
+        ahead counts later), so that they match the state: a restore reads that far again."""
+        return dict(self._source_stats) if self._source_stats is not None else self.source.stats()
+
+    def _expected(self, number: int) -> int:
+        """About how many items window ``number`` will hold (a little more, so that reading
+        ahead ends early rather than late)."""
+        capacity = self.capacity(number)
+        if not self._count:
+            return capacity
+        ratio = self.scale(number) / self.scale(self._window_number)
+        return min(capacity, math.ceil(self._count * ratio * 1.05) + 1)
+
     def pending(self) -> list[Any]:
-        return [item for output in self._outputs[self._emitted :] for item in self.held(output)] + self.source.pending()  # type: ignore[arg-type]
+        waiting = [item for output in self._outputs[self._emitted :] for item in self.held(output)]  # type: ignore[arg-type]
+        ahead = [self.unwrap(item) for item in self._ahead.items] if self._ahead is not None else []
+        return waiting + ahead + self.source.pending()
 
     def get_state(self) -> State:
         start = self._window_start if self._window_start is not None else self.source.get_state()
-        return {"source": start, "window": self._window_number, "emitted": self._emitted}
+        state = {"source": start, "window": self._window_number, "emitted": self._emitted}
+        if self._growing:
+            state["grow"] = True
+        return state

@@ -29,7 +29,7 @@ from ...checks import check_number
 from ...errors import ConfigError
 from ...options import BudgetWindow
 from ...seeds import Seed, stage_rng
-from .base import Stage, State, WindowStage, merge_counts
+from .base import Growth, Stage, State, Window, WindowStage, merge_counts
 from .lengths import Length, Measure
 from .sample import Sample
 
@@ -265,7 +265,8 @@ def _most_per_batch(cost: BatchCost, length: int) -> int:
 
 class SortBatch(WindowStage[Batch]):
     """Length-sorted batches from windows of ``window``: a :class:`BudgetWindow` (``None``:
-    the default one) or a fixed number of samples.
+    the default one) or a fixed number of samples; with ``grow``, a stream's first windows are
+    that share of a full one (its samples, batches and bounds), doubling.
 
     ``oversize="alone"`` puts a sample that exceeds the budget on its own in a batch;
     ``"drop"`` counts it under ``dropped.oversize``. Counters: ``batches``, ``utts_batched``,
@@ -282,12 +283,12 @@ class SortBatch(WindowStage[Batch]):
         length: Measure = FRAMES,
         shuffle: bool = True,
         oversize: str = "alone",
+        grow: Growth | None = None,
     ):
         budget = BudgetWindow() if window is None else window
         fixed = not isinstance(budget, BudgetWindow)
-        super().__init__(source, budget if fixed else budget.max_samples, "sort window")
-        self.min_window = self.window if fixed else budget.min_samples  # a fixed window is full at its size
-        self.window_batches = 1 if fixed else budget.batches
+        super().__init__(source, budget if fixed else budget.max_samples, "sort window", grow)
+        self.budget = None if fixed else budget
         if oversize not in ("alone", "drop"):
             raise ConfigError(f"oversize must be 'alone' or 'drop', got {oversize!r}.")
         self.cost = cost
@@ -297,25 +298,40 @@ class SortBatch(WindowStage[Batch]):
         self.shuffle = shuffle
         self.oversize = oversize
         self._counts: dict[str, int] = {}
+        self._limits: tuple[int, int, int, float] = (-1, 0, 0, 0.0)  # window number, most, least, batches
 
     def reset(self, state: State | None = None) -> None:
         self._counts = dict(state.get("counts", {})) if state else {}
+        self._limits = (-1, 0, 0, 0.0)
         super().reset(state)
 
-    def read_window(self) -> list[tuple[int, Sample]]:
-        """The next window's samples with their lengths (see :class:`BudgetWindow`)."""
-        items: list[tuple[int, Sample]] = []
-        batches = 0.0
-        enough = self.window_batches * (1 - 1e-9)  # shares summed in floating point (80 x 0.1 < 8)
-        try:
-            while len(items) < self.window and (len(items) < self.min_window or batches < enough):
-                sample = self.source.next()
-                length = self.length(sample)
-                items.append((length, sample))
-                batches += self.cost.share(length)
-        except StopIteration:
-            pass
-        return items
+    def limits(self, number: int) -> tuple[int, int, float]:
+        """Window ``number``'s most samples, and the samples and batches (unpadded shares,
+        summed) that close it before that (see :class:`BudgetWindow`)."""
+        if self._limits[0] != number:
+            if self.budget is None:  # a fixed window is full at its size (a growing one holds a batch)
+                least = self.cost.size if isinstance(self.cost, FixedSize) else 1
+                most = self.grow.items(self.window, number, least) if self._growing and self.grow else self.window
+                self._limits = (number, most, most, 0.0)
+            else:
+                window = self.budget.scaled(self.scale(number))
+                enough = window.batches * (1 - 1e-9)  # shares summed in floating point (80 x 0.1 < 8)
+                self._limits = (number, window.max_samples, window.min_samples, enough)
+        return self._limits[1:]
+
+    def capacity(self, number: int) -> int:
+        return self.limits(number)[0]
+
+    def add(self, window: Window, sample: Sample) -> None:
+        length = self.length(sample)
+        window.items.append((length, sample))
+        window.weight += self.cost.share(length)
+        most, least, enough = self.limits(window.number)
+        count = len(window.items)
+        window.full = count >= most or (count >= least and window.weight >= enough)
+
+    def unwrap(self, item: tuple[int, Sample]) -> Sample:
+        return item[1]
 
     def arrange(self, items: list[tuple[int, Sample]], number: int, fresh: bool) -> list[Batch]:
         measured = sorted(((length, s.key, i) for i, (length, s) in enumerate(items)))

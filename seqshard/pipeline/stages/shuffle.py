@@ -12,16 +12,17 @@ from __future__ import annotations
 from typing import TypeVar
 
 from ...seeds import Seed, stage_rng
-from .base import Stage, WindowStage
+from .base import Growth, Stage, WindowStage
 
 T = TypeVar("T")
 
 
 class WindowShuffle(WindowStage[T]):
-    """Emits each window of ``window`` items in the order drawn from (seed, *position, window)."""
+    """Emits each window of ``window`` items in the order drawn from (seed, *position, window);
+    with ``grow``, a stream's first windows are that share of ``window``, doubling."""
 
-    def __init__(self, source: Stage[T], window: int, seed: int, *position: int):
-        super().__init__(source, window, "shuffle window")
+    def __init__(self, source: Stage[T], window: int, seed: int, *position: int, grow: Growth | None = None):
+        super().__init__(source, window, "shuffle window", grow)
         self.seed = seed
         self.position = position
 

@@ -1,27 +1,35 @@
-"""The worker processes of one rank: the torch DataLoader that runs the readers (or, without
-workers, runs them in this process), the channel that tells them where each iteration starts,
-and the conversion of what they send into tensors (shared slots are received without a copy).
+"""The readers of one rank: worker processes (``process.py``), or reader 0 in this process
+without them, and the conversion of what they send into tensors (shared slots are received
+without a copy).
+
+Batches are taken one worker at a time, in the merged stream's turn (``rank/merge.py``): a
+take reads that worker's next item, blocking until it comes; nothing of the loader's runs in
+the training process between takes.
 """
 
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Iterator
+import os
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from ...formats.remote import RemoteAccess
 from ..stages.collate import to_tensors
+from .process import WorkerLink
 from .protocol import BatchItem, ErrorItem, Item
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import BatchSlots
-from .worker import IterationChannel
+from .worker import iterate_worker
 
 MAX_SLOT_BYTES = 64 << 20
+Take = Callable[[int], Item]  # take(worker): that worker's next item, received
 
 
 class WorkerPool:
-    """A rank's readers, as DataLoader worker processes (or this process)."""
+    """A rank's readers, as worker processes (or this process)."""
 
     def __init__(self, setup: WorkerSetup, access: RemoteAccess):
         options = setup.options.workers
@@ -29,35 +37,42 @@ class WorkerPool:
         self._context = multiprocessing.get_context(options.multiprocessing_context)
         self.runtime = WorkerRuntime(access, _slots(setup, self._context))
         self._setup = setup
-        self._channel = IterationChannel(self._context)
         self._iteration = 0
-        self._dataloader: Any = None
+        self._links: list[WorkerLink] = []
+        self._owner = os.getpid()
 
-    def items(self, epoch: int, requests: list[dict[str, Any]]) -> Iterator[Item]:
-        """What the readers send for this iteration (``requests``: where each starts)."""
+    def start(self, epoch: int, requests: list[dict[str, Any]]) -> Take:
+        """Start an iteration (``requests``: where each reader starts); returns the function
+        that takes a reader's next item."""
         self._iteration += 1
-        self._channel.publish({"epoch": epoch, "iteration": self._iteration, "workers": requests})
-        return iter(self._loader())
+        iteration = self._iteration
+        if self.options.num_workers == 0:
+            items = iterate_worker(self._setup, self.runtime, 0, epoch, iteration, requests[0])
+            return lambda worker: self.receive(next(items))
+        if not self._links:
+            ahead = self.options.prefetch_factor
+            self._links = [
+                WorkerLink(self._context, self._setup, self.runtime, worker, ahead, self.options.persistent_workers)
+                for worker in range(self.options.num_workers)
+            ]
+        for link, spec in zip(self._links, requests):
+            link.run(iteration, epoch, spec)
+        links, timeout = self._links, self.options.timeout
 
-    def _loader(self) -> Any:
-        if self._dataloader is None:
-            import torch.utils.data
+        def take(worker: int) -> Item:
+            link = links[worker]
+            while True:
+                sent, item = link.take(timeout)
+                if sent == iteration:  # items of an abandoned iteration still in the pipe are dropped
+                    link.credit()
+                    return self.receive(item)
 
-            from .dataset import ReaderDataset
+        return take
 
-            options, workers = self.options, self.options.num_workers
-            self._dataloader = torch.utils.data.DataLoader(
-                ReaderDataset(self._setup, self.runtime, self._channel),
-                batch_size=None,
-                num_workers=workers,
-                collate_fn=_unchanged,
-                pin_memory=False,  # batches are pinned as they are received (see receive)
-                persistent_workers=options.persistent_workers and workers > 0,
-                prefetch_factor=options.prefetch_factor if workers > 0 else None,
-                multiprocessing_context=self._context if workers > 0 else None,
-                timeout=options.timeout,
-            )
-        return self._dataloader
+    def finish(self) -> None:
+        """An iteration ended (or was abandoned): workers that do not persist are stopped."""
+        if not self.options.persistent_workers:
+            self.close()
 
     def receive(self, item: Item) -> Item:
         """Turn a worker's arrays into tensors (those in a shared slot are that memory, not a
@@ -87,8 +102,16 @@ class WorkerPool:
         return item
 
     def close(self) -> None:
-        """Stop persistent workers (the next iteration starts them anew)."""
-        self._dataloader = None
+        """Stop the worker processes (the next iteration starts them anew)."""
+        links, self._links = self._links, []
+        if os.getpid() != self._owner:  # a copy of the pool in a forked process: the workers are not its
+            return
+        for link in links:
+            link.stop()
+
+    def __del__(self) -> None:
+        if getattr(self, "_links", None) and not sys.is_finalizing():  # at exit, daemon workers are stopped anyway
+            self.close()
 
 
 def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:

@@ -1,50 +1,90 @@
-"""What a DataLoader worker sends the training process: typed items, in sequence per worker.
+"""What a reader sends the training process: typed items, in sequence per reader.
 
-Each batch carries the worker's pipeline state right after it (the training process keeps
-the state of the last batch it handed out: all it needs to resume) and the worker's counters.
-After its last batch a worker sends an :class:`EndItem`; a worker that hits an error sends an
-:class:`ErrorItem`, so that the training process raises the error itself (with its type).
+Each batch carries the reader's pipeline state right after it (the training process keeps
+the state of the last batch it handed out: all it needs to resume), the reader's counters and
+the seconds the reader spent making it. After its last batch a reader sends an
+:class:`EndItem`; a reader that hits an error sends an :class:`ErrorItem`, so that the
+training process raises the error itself (with its type).
+
+From a worker process, states and counters travel as pickled bytes (:func:`pack`) and stay so
+in the training process until something reads them (:func:`unpack`): a state is read when a
+position is saved or an iteration starts, counters when stats are asked for, not at every
+batch.
 """
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
 from typing import Any
 
 State = dict[str, Any]
 
 
+def pack(value: Any) -> bytes:
+    """``value`` as the bytes a worker process sends (read back by :func:`unpack`)."""
+    return pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def unpack(value: Any) -> Any:
+    """A state or counters as sent: bytes from a worker process are unpickled, the rest is
+    returned as it is (made in this process)."""
+    return pickle.loads(value) if isinstance(value, bytes) else value
+
+
 @dataclass
 class BatchItem:
     """One collated batch. Arrays in ``batch`` are numpy arrays, torch tensors, or (when
-    ``slot`` is set) :class:`~.transfer.SlotArray` places in that shared slot."""
+    ``slot`` is set) :class:`~.transfer.SlotArray` places in that shared slot. ``state`` and
+    ``stats`` are dicts, or their :func:`pack`ed bytes from a worker process."""
 
     worker: int
     seq: int
     batch: dict[str, Any]
-    state: State
-    stats: dict[str, int]
+    state: State | bytes
+    stats: dict[str, int] | bytes
     size: int  # samples in the batch
     length: int  # their summed length (batching measure)
     padded: int  # size x longest
     bucket: int = 0
     slot: int | None = None
     by_source: list[list[int]] | None = None  # [utterances, length] per source of a mix
+    busy: float = 0.0  # seconds the reader spent making the batch
+    damaged: int = 0  # damaged shards the reader has met (its counters say which)
+
+    def wire(self) -> tuple:
+        """The fields as a tuple (``BatchItem(*wire)`` again): a worker process sends that,
+        cheaper to unpickle than the object."""
+        return (
+            self.worker,
+            self.seq,
+            self.batch,
+            self.state,
+            self.stats,
+            self.size,
+            self.length,
+            self.padded,
+            self.bucket,
+            self.slot,
+            self.by_source,
+            self.busy,
+            self.damaged,
+        )
 
 
 @dataclass
 class EndItem:
-    """The worker has sent its last batch; its final state and counters."""
+    """The reader has sent its last batch; its final state and counters."""
 
     worker: int
     seq: int
-    state: State
-    stats: dict[str, int] = field(default_factory=dict)
+    state: State | bytes
+    stats: dict[str, int] | bytes = field(default_factory=dict)
 
 
 @dataclass
 class ErrorItem:
-    """The worker stopped on an error, raised again by the training process."""
+    """The reader stopped on an error, raised again by the training process."""
 
     worker: int
     seq: int

@@ -43,7 +43,7 @@ from ...options import Batching
 from ...seeds import Seed, stage_rng
 from ..plan import Unit
 from ..stages.audio import decode, signal_stages
-from ..stages.base import Filter, Map, Stage
+from ..stages.base import Filter, Growth, Map, Stage
 from ..stages.batching import BatchCost, FixedSize, LengthBudget, SortBatch
 from ..stages.decode import Decoder
 from ..stages.filters import length_filter
@@ -54,6 +54,12 @@ from ..stages.reader import ShardReader
 from ..stages.sample import Sample
 from ..stages.shuffle import WindowShuffle
 from .setup import WorkerSetup
+
+# A stream's first sort window holds 1/16 of a full one (4 of the default 64 batches), its
+# first shuffle window 1/32: its first batch comes after about 1/10 of a full window's reading,
+# and until the first batch the shuffle's windows are read as the sort window asks for them.
+SORT_GROWTH = Growth(1 / 16)
+SHUFFLE_GROWTH = Growth(1 / 32)
 
 Carry = dict[int, tuple[int, list[Unit]]]  # source -> (its pass, the units left of that pass): an elastic resume
 
@@ -204,7 +210,7 @@ class Reader:
         shuffling = self.options.shuffling
         if not shuffling.shuffle:
             return source
-        return WindowShuffle(source, shuffling.shuffle_window, self.seed, *self.seed_position)
+        return WindowShuffle(source, shuffling.shuffle_window, self.seed, *self.seed_position, grow=SHUFFLE_GROWTH)
 
     def batch(self, source: Stage[Sample]) -> SortBatch:
         batching = self.options.batching
@@ -217,6 +223,7 @@ class Reader:
             length=self.setup.length,
             shuffle=self.options.shuffling.shuffle,
             oversize=batching.oversize,
+            grow=SORT_GROWTH,
         )
 
 

@@ -18,9 +18,9 @@ received is free again in the next one.
 
 from __future__ import annotations
 
+import math
 import weakref
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,9 +30,8 @@ ALIGN = 64
 FREE, LEASED = 0, -1
 
 
-@dataclass(frozen=True)
-class SlotArray:
-    """Where an array of a batch lies in its slot."""
+class SlotArray(NamedTuple):
+    """Where an array of a batch lies in its slot (a tuple: it travels with every batch)."""
 
     offset: int
     shape: tuple[int, ...]
@@ -111,7 +110,7 @@ class BatchSlots:
         tensors = {}
         for name, place in arrays.items():
             dtype = np.dtype(place.dtype)
-            size = int(np.prod(place.shape)) * dtype.itemsize
+            size = math.prod(place.shape) * dtype.itemsize
             view = lease[place.offset : place.offset + size].view(dtype).reshape(place.shape)
             tensor = torch.from_numpy(view)
             tensors[name] = tensor.pin_memory() if pin else tensor

@@ -1,59 +1,40 @@
-"""What runs in each DataLoader worker: its reader pipeline, from shards to collated batches.
+"""What each reader runs: its pipeline, from shards to collated batches.
 
-Each batch leaves the worker as a :class:`~.protocol.BatchItem` carrying the worker's number,
-the batch's sequence number, and the pipeline's state right after it: the training process
-keeps the state of the last batch it handed out, which is all it needs to resume. The worker
-learns where to start (epoch, state) from an :class:`IterationChannel`, shared memory the
-training process writes before each ``iter()`` (it also reaches workers that persist across
-epochs).
+A :class:`ReaderRun` is one reader's part of one iteration: its pipeline, built for the
+requested epoch and restored to the requested state (or, for a stream that goes on across
+epochs, kept alive from the last one), and its batches as items. Each batch leaves as a
+:class:`~.protocol.BatchItem` carrying the reader's number, the batch's sequence number, and
+the pipeline's state right after it: the training process keeps the state of the last batch
+it handed out, which is all it needs to resume. After an item is handed out, the run lets the
+pipeline read ahead (``Stage.prepare``), so that no batch waits for a whole window.
+
+Without worker processes, :func:`iterate_worker` runs reader 0 in the training process; with
+them, each worker process runs its reader's runs (``process.py``).
 """
 
 from __future__ import annotations
 
-import json
-import multiprocessing as mp
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from ...errors import ConfigError, SeqshardError
+from ...errors import SeqshardError
 from ...formats.remote import RemoteAccess
 from ..plan import Unit
-from ..stages.base import Stage
+from ..stages.base import Stage, State
 from ..stages.batching import Batch, bucket_of
 from ..stages.collate import Collator, array_bytes
 from ..stages.mixing import per_source_counts
 from ..stages.passes import Passes
-from .protocol import BatchItem, EndItem, ErrorItem, Item
+from ..stages.reader import DAMAGED
+from .protocol import BatchItem, EndItem, ErrorItem, Item, pack
 from .recipe import Carry, Reader, default_recipe
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import ALIGN
-
-CHANNEL_BYTES = 4 << 20
-
-
-class IterationChannel:
-    """Shared memory holding the JSON request of the current ``iter()``."""
-
-    def __init__(self, context: Any = None, capacity: int = CHANNEL_BYTES):
-        context = context or mp.get_context()
-        self._length = context.Value("q", 0, lock=False)
-        self._data = context.Array("c", capacity, lock=False)
-        self._capacity = capacity
-
-    def publish(self, request: dict[str, Any]) -> None:
-        data = json.dumps(request).encode()
-        if len(data) > self._capacity:
-            raise ConfigError(
-                f"the loader's per-iteration request is {len(data)} bytes, over {self._capacity}; please report this."
-            )
-        self._data[: len(data)] = data
-        self._length.value = len(data)
-
-    def read(self) -> dict[str, Any]:
-        return json.loads(bytes(self._data[: self._length.value]))
 
 
 def build_pipeline(
@@ -85,52 +66,139 @@ def build_pipeline(
     return recipe(Reader(setup, worker, epoch, access, units, None, read_ahead))
 
 
-def iterate_worker(
-    setup: WorkerSetup, runtime: WorkerRuntime, worker: int, request: dict[str, Any], in_worker_process: bool = False
-) -> Iterator[Item]:
-    """Items for the training process: batches, then an end marker (or an error)."""
-    spec = request["workers"][worker]
-    units = None if spec.get("units") is None else [Unit.from_json(u) for u in spec["units"]]
-    carry = carry_from_json(spec.get("carry"))
-    seq = spec["seq"]
-    collator = setup.collator()
-    continuing = units is None and setup.options.epochs.continues_stream
-    try:
-        pipeline = runtime.live.take(worker, spec["state"]) if continuing else None
-        if pipeline is None:
-            pipeline = build_pipeline(setup, worker, request["epoch"], runtime.access, units, carry)
-            pipeline.reset(spec["state"])
-        while True:
+@dataclass
+class Made:
+    """A batch made by a reader's pipeline, with the pipeline's state and counters right after
+    it (packed in a worker process) and the seconds it took."""
+
+    batch: Batch
+    state: State | bytes
+    stats: dict[str, int] | bytes
+    busy: float
+    damaged: int
+
+
+class ReaderRun:
+    """One reader's part of one iteration (see the module docstring). ``spec`` is the
+    reader's entry of the request: where it starts (``state``, ``seq``) and, after an elastic
+    resume, the units it reads (``units``, ``carry``)."""
+
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        runtime: WorkerRuntime,
+        worker: int,
+        epoch: int,
+        spec: dict[str, Any],
+        in_worker_process: bool = False,
+    ):
+        self.setup = setup
+        self.runtime = runtime
+        self.worker = worker
+        self.epoch = epoch
+        self.spec = spec
+        self.in_worker_process = in_worker_process
+        self.seq = spec["seq"]
+        self.collator = setup.collator()
+        units = None if spec.get("units") is None else [Unit.from_json(u) for u in spec["units"]]
+        self.continuing = units is None and setup.options.epochs.continues_stream
+        self.error: SeqshardError | None = None
+        self.ended = False
+        self.pipeline: Stage | None = None
+        try:
+            pipeline = runtime.live.take(worker, spec["state"]) if self.continuing else None
+            if pipeline is None:
+                pipeline = build_pipeline(
+                    setup, worker, epoch, runtime.access, units, carry_from_json(spec.get("carry"))
+                )
+                pipeline.reset(spec["state"])
+            self.pipeline = pipeline
+        except SeqshardError as error:
+            self._stop(error)
+
+    def make(self) -> Made | ErrorItem | EndItem:
+        """The next batch, or the end (or error) item once there is none."""
+        if self.error is not None or self.ended:
+            return self._last()
+        started = time.perf_counter()
+        try:
+            batch = self.pipeline.next()  # type: ignore[union-attr]
+        except StopIteration:
+            self.ended = True
+            return self._last()
+        except SeqshardError as error:
+            self._stop(error)
+            return self._last()
+        state, stats = self.pipeline.get_state(), self.pipeline.stats()  # type: ignore[union-attr]
+        if self.continuing:
+            self.runtime.live.keep(self.worker, state, self.pipeline)  # type: ignore[arg-type]
+        damaged = sum(1 for name, count in stats.items() if count and name.startswith(DAMAGED))
+        if self.in_worker_process:
+            state, stats = pack(state), pack(stats)
+        return Made(batch, state, stats, time.perf_counter() - started, damaged)
+
+    def item(self, made: Made, iteration: int) -> BatchItem:
+        """``made`` collated (into a slot when one is free) as the next item of this run."""
+        started = time.perf_counter()
+        batch = made.batch
+        arrays, slot = _collate(batch, self.collator, self.runtime, self.worker, iteration, self.in_worker_process)
+        self.seq += 1
+        mix = self.setup.mix
+        return BatchItem(
+            self.worker,
+            self.seq,
+            arrays,
+            made.state,
+            made.stats,
+            len(batch),
+            sum(batch.lengths),
+            batch.longest * len(batch),
+            bucket_of(batch, self.setup.bucket_bounds),
+            slot,
+            per_source_counts(batch.samples, batch.lengths, len(mix.names)) if mix else None,
+            made.busy + time.perf_counter() - started,
+            made.damaged,
+        )
+
+    def prepare(self) -> None:
+        """Let the pipeline read ahead, now that a batch is handed out."""
+        if self.pipeline is not None and self.error is None and not self.ended:
             try:
-                batch = pipeline.next()
-            except StopIteration:
-                break
-            seq += 1
-            arrays, slot = _collate(batch, collator, runtime, worker, request["iteration"], in_worker_process)
-            state = pipeline.get_state()
-            if continuing:
-                runtime.live.keep(worker, state, pipeline)
-            yield BatchItem(
-                worker,
-                seq,
-                arrays,
-                state,
-                pipeline.stats(),
-                len(batch),
-                sum(batch.lengths),
-                batch.longest * len(batch),
-                bucket_of(batch, setup.bucket_bounds),
-                slot,
-                per_source_counts(batch.samples, batch.lengths, len(setup.mix.names)) if setup.mix else None,
-            )
-    except SeqshardError as error:
-        if not in_worker_process:
-            raise
-        # sent as an item, so that the training process raises this error itself, not
-        # torch's RuntimeError("Caught ... in DataLoader worker process") around its text
-        yield ErrorItem(worker, seq, error)
-        return
-    yield EndItem(worker, seq, pipeline.get_state(), pipeline.stats())
+                self.pipeline.prepare()
+            except SeqshardError as error:
+                self._stop(error)
+
+    def reading_done(self) -> bool:
+        """Whether the pipeline has read all it will read this iteration."""
+        return self.pipeline is None or self.error is not None or self.ended or self.pipeline.reading_done()
+
+    def _stop(self, error: SeqshardError) -> None:
+        if not self.in_worker_process:
+            raise error
+        self.error = error
+
+    def _last(self) -> ErrorItem | EndItem:
+        if self.error is not None:
+            # sent as an item, so that the training process raises this error itself
+            return ErrorItem(self.worker, self.seq, self.error)
+        state, stats = self.pipeline.get_state(), self.pipeline.stats()  # type: ignore[union-attr]
+        if self.in_worker_process:
+            state, stats = pack(state), pack(stats)
+        return EndItem(self.worker, self.seq, state, stats)
+
+
+def iterate_worker(
+    setup: WorkerSetup, runtime: WorkerRuntime, worker: int, epoch: int, iteration: int, spec: dict[str, Any]
+) -> Iterator[Item]:
+    """Reader ``worker``'s items in this process: batches, then an end marker (errors raise)."""
+    run = ReaderRun(setup, runtime, worker, epoch, spec)
+    while True:
+        made = run.make()
+        if not isinstance(made, Made):
+            yield made
+            return
+        yield run.item(made, iteration)
+        run.prepare()
 
 
 def carry_to_json(carry: Carry | None) -> list | None:
@@ -152,8 +220,8 @@ def _collate(
 ) -> tuple[dict[str, Any], int | None]:
     """The batch's arrays and the slot holding them: they are collated into a slot when one
     is free and large enough (sent as places in it), else into new arrays (in a worker
-    process torch tensors, which the DataLoader moves through shared memory of their own).
-    Without worker processes slots still pay: their pages are reused, not faulted in anew."""
+    process torch tensors, which travel through shared memory of their own). Without worker
+    processes slots still pay: their pages are reused, not faulted in anew."""
     columns = collator.layout(batch)
     arena = runtime.slots.acquire(worker, array_bytes(columns, ALIGN), iteration) if runtime.slots else None
     if arena is None:

@@ -1,0 +1,319 @@
+"""Worker processes: each runs its reader's iterations and sends the batches to the training
+process, which does nothing but take them.
+
+A worker process and the training process share three pipes:
+
+- commands (training -> worker): ``("run", iteration, epoch, spec)`` starts an iteration (one
+  still running is abandoned), ``("stop",)`` ends the process;
+- credits (training -> worker): one byte for each item the training process took; a worker
+  has at most ``ahead`` items sent and not taken, and waits for credits blocked on the pipe;
+- items (worker -> training): ``(iteration, item)`` pickled; a batch's arrays lie in a shared
+  slot (``transfer.py``), its state and counters are bytes the training process keeps unread.
+
+The training process reads a worker's pipe only when the merged stream takes that worker's
+next item: one blocking read (no thread of the loader's in the training process, no polling
+while it waits, the GIL released), one unpickling of a small message, one byte written back.
+
+Reading ahead across epochs: a persistent worker that has read all of its epoch (what is left
+is in its last window) starts the next epoch from its beginning in the time it would wait for
+credits, and keeps the batches it makes (not collated: no slot held; at most
+``AHEAD_OF_EPOCH``) until the next request. They are sent when the request is for that epoch
+from its start, dropped otherwise (``set_epoch`` chose another, a state was loaded). The
+batches are those the request would give: the next epoch's pipeline is a function of its
+seed alone.
+
+A worker exits when its parent is gone (checked every ``WATCH_S`` while it waits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing.connection
+import os
+import pickle
+import random
+import traceback
+from collections import deque
+from typing import Any
+
+from ...errors import SeqshardError
+from .protocol import BatchItem, EndItem, ErrorItem, Item, pack
+from .runtime import WorkerRuntime
+from .setup import WorkerSetup
+from .worker import Made, ReaderRun
+
+WATCH_S = 5.0  # how often a waiting worker checks that its parent is alive
+AHEAD_OF_EPOCH = 16  # batches of the next epoch a persistent worker makes before it is asked
+FRESH = {"state": None, "seq": 0, "units": None, "carry": None}  # an epoch from its beginning
+
+
+class WorkerLink:
+    """The training process's end of one worker process."""
+
+    def __init__(
+        self, context: Any, setup: WorkerSetup, runtime: WorkerRuntime, worker: int, ahead: int, persistent: bool
+    ):
+        self.worker = worker
+        commands, self._commands = context.Pipe(duplex=False)
+        credits, self._credits = context.Pipe(duplex=False)
+        self._items, items = context.Pipe(duplex=False)
+        self.process = context.Process(
+            target=serve,
+            args=(setup, runtime, worker, commands, credits, items, ahead, persistent, os.getpid()),
+            name=f"seqshard-worker-{worker}",
+            daemon=True,
+        )
+        self.process.start()
+        for end in (commands, credits, items):  # the worker's ends: its own now
+            end.close()
+        os.set_blocking(self._credits.fileno(), False)
+
+    def run(self, iteration: int, epoch: int, spec: dict[str, Any]) -> None:
+        """Start an iteration (the worker abandons one it is running)."""
+        self._commands.send(("run", iteration, epoch, spec))
+
+    def take(self, timeout: float) -> tuple[int, Item]:
+        """The worker's next (iteration, item), waiting at most ``timeout`` seconds (0: no limit)."""
+        if timeout and not self._items.poll(timeout):
+            raise RuntimeError(
+                f"seqshard worker {self.worker} sent no batch for {timeout} s (the loader's timeout option): "
+                "a slow disk or server, or a stuck transform?"
+            )
+        try:
+            data = self._items.recv_bytes()
+        except (EOFError, OSError):
+            raise RuntimeError(self._gone()) from None
+        iteration, item = pickle.loads(data)
+        return iteration, BatchItem(*item) if isinstance(item, tuple) else item
+
+    def credit(self) -> None:
+        """Tell the worker one of its items was taken (it may make one more)."""
+        with contextlib.suppress(BlockingIOError):  # the pipe is full of credits the worker has not needed yet
+            os.write(self._credits.fileno(), b"\1")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Ask the worker to exit and wait for it (stopped by force after ``timeout`` seconds)."""
+        with contextlib.suppress(OSError):
+            self._commands.send(("stop",))
+        for end in (self._commands, self._credits, self._items):
+            end.close()
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout)
+
+    def _gone(self) -> str:
+        self.process.join(1.0)
+        code = self.process.exitcode
+        how = "is still running" if code is None else f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+        return (
+            f"seqshard worker {self.worker} (pid {self.process.pid}) stopped unexpectedly ({how}); "
+            "if it was killed for memory (signal 9), try fewer num_workers or smaller windows."
+        )
+
+
+def serve(
+    setup: WorkerSetup,
+    runtime: WorkerRuntime,
+    worker: int,
+    commands: Any,
+    credits: Any,
+    items: Any,
+    ahead: int,
+    persistent: bool,
+    parent: int,
+) -> None:
+    """The body of a worker process."""
+    _settle(setup, worker)
+    try:
+        WorkerLoop(setup, runtime, worker, commands, credits, items, ahead, persistent, parent).serve()
+    except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
+        pass  # interrupted, or the training process is gone: it reports what happened
+    finally:
+        for end in (commands, credits, items):
+            end.close()
+
+
+def _settle(setup: WorkerSetup, worker: int) -> None:
+    """One math thread per worker (as torch's DataLoader workers), and Python's and torch's
+    global generators seeded per worker (for transforms that use them)."""
+    import torch
+
+    torch.set_num_threads(1)
+    seed = (setup.options.shuffling.seed * 1_000_003 + setup.rank * 1_009 + worker) % 2**63
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
+class _NextEpoch:
+    """The next epoch, made ahead by a persistent worker: its run and what it made so far."""
+
+    def __init__(self, run: ReaderRun):
+        self.run = run
+        self.made: deque[Made | EndItem | ErrorItem] = deque()
+
+    @property
+    def done(self) -> bool:
+        return len(self.made) >= AHEAD_OF_EPOCH or (bool(self.made) and not isinstance(self.made[-1], Made))
+
+    def step(self) -> None:
+        made = self.run.make()
+        self.made.append(made)
+        if isinstance(made, Made):
+            self.run.prepare()
+
+
+class WorkerLoop:
+    """What a worker process does: waits for a command, runs the iteration it asks for,
+    sending items as credits allow, and in the time it would wait, makes the next epoch."""
+
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        runtime: WorkerRuntime,
+        worker: int,
+        commands: Any,
+        credits: Any,
+        items: Any,
+        ahead: int,
+        persistent: bool,
+        parent: int,
+    ):
+        self.setup, self.runtime, self.worker = setup, runtime, worker
+        self._commands, self._credits_in, self._items = commands, credits, items
+        self._ahead = ahead
+        self._persistent = persistent and not setup.options.epochs.continues_stream
+        self._parent = parent
+        self._credits = 0
+        self._next: _NextEpoch | None = None
+        self._epoch = -1  # the epoch of the last request
+
+    def serve(self) -> None:
+        command = self._wait_command()
+        while command[0] == "run":
+            _, iteration, epoch, spec = command
+            try:
+                command = self._run(iteration, epoch, spec)
+            except Exception as error:  # a bug or a user's transform; the training process raises it
+                self._send(iteration, ErrorItem(self.worker, spec["seq"], _portable(error, self.worker)))
+                self._next = None
+                command = self._wait_command()
+
+    # -- one iteration ------------------------------------------------------------------------
+    def _run(self, iteration: int, epoch: int, spec: dict[str, Any]) -> tuple:
+        self._epoch = epoch
+        self._credits = self._ahead
+        self._read_credits(block=False)  # credits of an abandoned iteration are not this one's
+        self._credits = self._ahead
+        ready = self._next if self._next is not None and self._next.run.epoch == epoch and spec == FRESH else None
+        self._next = None
+        run = ready.run if ready is not None else ReaderRun(self.setup, self.runtime, self.worker, epoch, spec, True)
+        made_ahead = ready.made if ready is not None else deque()
+        while True:
+            early = bool(made_ahead)
+            made = made_ahead.popleft() if early else run.make()
+            if not isinstance(made, Made):
+                self._send(iteration, made)
+                return self._idle(run)
+            self._send(iteration, run.item(made, iteration))
+            if not early:
+                run.prepare()
+            command = self._wait_for_credit(run)
+            if command is not None:
+                return command
+
+    def _wait_for_credit(self, run: ReaderRun) -> tuple | None:
+        """Wait until an item may be sent; a command that arrives first is returned."""
+        while True:
+            if self._commands.poll():
+                return self._commands.recv()
+            if self._credits > 0:
+                return None
+            if self._may_read_ahead(run):
+                self._read_credits(block=False)
+                if not self._credits:
+                    self._step_next_epoch()
+                continue
+            if self._wait([self._commands, self._credits_in]) and not self._commands.poll():
+                self._read_credits(block=False)
+
+    def _idle(self, run: ReaderRun) -> tuple:
+        """After an iteration: make the next epoch while no command comes, then wait for one."""
+        while self._may_read_ahead(run):
+            if self._commands.poll():
+                return self._commands.recv()
+            self._step_next_epoch()
+        return self._wait_command()
+
+    # -- the next epoch, ahead of its request ---------------------------------------------
+    def _may_read_ahead(self, run: ReaderRun) -> bool:
+        if not self._persistent or run.error is not None or not run.reading_done():
+            return False
+        return self._next is None or not self._next.done
+
+    def _step_next_epoch(self) -> None:
+        if self._next is None:
+            self._next = _NextEpoch(ReaderRun(self.setup, self.runtime, self.worker, self._epoch + 1, FRESH, True))
+        self._next.step()
+
+    # -- pipes -------------------------------------------------------------------------------
+    def _send(self, iteration: int, item: Item) -> None:
+        message = (iteration, item.wire() if isinstance(item, BatchItem) else item)
+        try:
+            data = pack(message) if not _holds_tensors(item) else _forking_dumps(message)
+        except Exception as error:  # an item that does not pickle (an exotic error)
+            data = pack((iteration, ErrorItem(self.worker, item.seq, _portable(error, self.worker))))
+        self._items.send_bytes(data)
+        self._credits -= 1
+
+    def _read_credits(self, block: bool) -> None:
+        if block or self._credits_in.poll():
+            self._credits += len(os.read(self._credits_in.fileno(), 1 << 16))
+
+    def _wait(self, ends: list) -> bool:
+        """Block until one of ``ends`` is ready (True), checking the parent every WATCH_S."""
+        while True:
+            if multiprocessing.connection.wait(ends, WATCH_S):
+                return True
+            if os.getppid() != self._parent:
+                raise EOFError("the training process is gone")
+
+    def _wait_command(self) -> tuple:
+        self._wait([self._commands])
+        return self._commands.recv()
+
+
+def _holds_tensors(item: Item) -> bool:
+    """Whether a batch travels as torch tensors of their own (no slot was free or large enough)."""
+    return (
+        isinstance(item, BatchItem)
+        and item.slot is None
+        and any(hasattr(v, "untyped_storage") for v in item.batch.values())
+    )
+
+
+def _forking_dumps(value: Any) -> bytes:
+    """Pickled with torch's reductions: tensors are moved to shared memory, not copied."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 (it registers the reductions)
+
+    return bytes(ForkingPickler.dumps(value))
+
+
+def _portable(error: BaseException, worker: int) -> BaseException:
+    """``error`` as the training process can raise it: seqshard's errors as they are; others
+    as the same type (RuntimeError when it cannot be made) with the worker's traceback."""
+    if isinstance(error, SeqshardError):
+        try:
+            pickle.loads(pack(error))
+            return error
+        except Exception:
+            pass
+    text = f"Caught {type(error).__name__} in seqshard worker {worker}.\nOriginal {traceback.format_exc()}"
+    try:
+        portable = type(error)(text)
+        pickle.loads(pack(portable))
+        return portable
+    except Exception:
+        return RuntimeError(text)
