@@ -242,11 +242,19 @@ def build_loaders(
             batch_size=options.batching.batch_size,  # type: ignore[arg-type]
             shuffle=options.shuffling.shuffle,
             seed=options.shuffling.seed,
-            num_workers=options.workers.num_workers,
+            num_workers=map_style_workers(options.workers.num_workers),
             rank=rank,
             world_size=world_size,
         )
     return train, _dev_loader(config, rank, world_size)
+
+
+def map_style_workers(num_workers: int | str) -> int:
+    """``num_workers`` for a map-style loader, which measures nothing: ``"auto"`` is the cores
+    this rank may use, one left for training."""
+    from .dist import cores_per_rank
+
+    return max(1, cores_per_rank() - 1) if num_workers == "auto" else int(num_workers)
 
 
 def check_data(source: str | Path | dict[str, Any]) -> TrainConfig:

@@ -33,6 +33,22 @@ class DistContext:
         return self.world_size > 1
 
 
+def cores_per_rank() -> int:
+    """The CPU cores this process may use (its affinity) shared by the ranks of its node
+    (torchrun's ``LOCAL_WORLD_SIZE``), at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        cores = os.cpu_count() or 1
+    raw = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    try:
+        local = int(raw)
+    except ValueError:
+        raise ConfigError(f"LOCAL_WORLD_SIZE must be a whole number (ranks on this node), got {raw!r}.") from None
+    check_number("LOCAL_WORLD_SIZE", local, whole=True, at_least=1)
+    return max(1, cores // local)
+
+
 def discover(rank: int | None = None, world_size: int | None = None) -> DistContext:
     """Rank and world size: explicit arguments win, then torch.distributed, then torchrun's
     environment, then a single process."""

@@ -74,10 +74,17 @@ class OptionGroup:
 
     #: the group's options that only change how fast batches come, not which ones
     runtime_only: ClassVar[tuple[str, ...]] = ()
+    #: numeric options that also take a word (``num_workers="auto"``)
+    words: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __post_init__(self) -> None:
         for entry in fields(self):  # type: ignore[arg-type]
             value = getattr(self, entry.name)
+            if isinstance(value, str) and entry.name in self.words:
+                if value in self.words[entry.name]:
+                    continue
+                named = " or ".join(repr(word) for word in self.words[entry.name])
+                raise ConfigError(f"{entry.name} must be a whole number or {named}, got {value!r}.")
             if entry.name in NUMBERS:
                 checked = check_number(entry.name, value, optional=entry.default is None, **NUMBERS[entry.name])
                 object.__setattr__(self, entry.name, checked)
@@ -442,8 +449,11 @@ class Remote(OptionGroup):
 
 @dataclass(frozen=True)
 class Workers(OptionGroup):
-    """The DataLoader worker processes of each rank and how batches reach the training process.
-    Only ``num_workers`` changes which batches come out (it sets the readers)."""
+    """The worker processes of each rank and how batches reach the training process. Only
+    ``num_workers`` changes which batches come out (it sets the readers); ``"auto"`` chooses it
+    when the loader is made (``pipeline/rank/auto.py``)."""
+
+    words: ClassVar[dict[str, tuple[str, ...]]] = {"num_workers": ("auto",)}
 
     runtime_only = (
         "prefetch_factor",
@@ -454,7 +464,7 @@ class Workers(OptionGroup):
         "shared_slots",
     )
 
-    num_workers: int = 2
+    num_workers: int | str = 2
     prefetch_factor: int = 4
     persistent_workers: bool = False
     pin_memory: bool = False
@@ -477,6 +487,8 @@ class Workers(OptionGroup):
     @property
     def readers(self) -> int:
         """Readers per rank: one per worker process, one without workers."""
+        if isinstance(self.num_workers, str):
+            raise ConfigError("num_workers='auto' is chosen when the loader is made; these options were not resolved.")
         return max(1, self.num_workers)
 
 

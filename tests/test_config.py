@@ -94,7 +94,7 @@ def test_a_mix_in_trset(corpus):
     ("option", "message"),
     [
         ({"num_worker": 2}, r"train\.option\.num_worker is not a setting\. Did you mean 'num_workers'"),
-        ({"num_workers": "2"}, r"train\.option\.num_workers must be a whole number, got \"2\""),
+        ({"num_workers": "2"}, r"train\.option: num_workers must be a whole number or 'auto', got '2'"),
         ({"shuffle": "yes"}, r"train\.option\.shuffle must be true or false"),
         ({"uneven": "sometimes"}, r"uneven must be one of"),
         ({"batch_frames": 100, "batch_size": 4}, r"exactly one of batch_size"),

@@ -110,9 +110,12 @@ def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
     for key in ("shards", "num_shards", "world_size", "mix"):
         if saved.get(key) != current.get(key):
             found.append(f"{key} was {saved.get(key)!r}, now {current.get(key)!r}")
+    before = saved.get("options", {})
     for key, value in current["options"].items():
-        if saved.get("options", {}).get(key) != value:
-            found.append(f"option {key} was {saved.get('options', {}).get(key)!r}, now {value!r}")
+        if key not in before and value == LoaderOptions.default_of(key):
+            continue  # an option added since the state was saved, at the default its loader behaved as
+        if before.get(key) != value:
+            found.append(f"option {key} was {before.get(key)!r}, now {value!r}")
     return found
 
 

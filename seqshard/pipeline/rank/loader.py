@@ -23,6 +23,7 @@ from ..workers.pool import WorkerPool
 from ..workers.setup import make_setup
 from . import checkpoint
 from .accounts import EpochAccounts
+from .auto import auto_workers
 from .counts import planned_batches
 from .cursor import EpochCursor
 from .epochs import epoch_rules
@@ -43,10 +44,25 @@ class ShardLoader:
         mix: MixSetup | None,
         access: RemoteAccess,
     ):
-        self.table, self.options, self.context, self.mix = table, options, context, mix
+        self.table, self.context, self.mix = table, context, mix
         self.collectives = Collectives(context)
-        self._setup = make_setup(table, options, context.rank, context.world_size, tokenizer, override, mix, access)
         self._access = access
+        self._made_from = (tokenizer, override)
+        self._auto = options.workers.num_workers == "auto"  # chosen now, or taken from a loaded state
+        if self._auto:
+            options = options.replace(
+                num_workers=auto_workers(table, options, self.collectives, tokenizer, override, mix, access)
+            )
+        self._active: weakref.ref | None = None
+        self._ranks_agree = False
+        self.last_summary: dict[str, Any] | None = None
+        self._build(options)
+
+    def _build(self, options: LoaderOptions) -> None:
+        """The loader's parts for ``options`` (again when a loaded state chose the workers)."""
+        table, context, mix, access = self.table, self.context, self.mix, self._access
+        self.options = options
+        self._setup = make_setup(table, options, context.rank, context.world_size, *self._made_from, mix, access)
         self._pool = WorkerPool(self._setup, access)
         buckets = len(self._setup.bucket_bounds) + 1 if options.batching.bucket_sync else 0
         source = (
@@ -56,10 +72,7 @@ class ShardLoader:
         readers = self._setup.readers_per_rank
         self._cursor = EpochCursor(lambda e: RankPosition.fresh(e, readers, buckets), self._rules.end.continues_stream)
         self._accounts = EpochAccounts(self._setup, self._rules.end, self.collectives, access)
-        self._active: weakref.ref | None = None
         self._meter = FeedMeter(options.workers, context.rank)
-        self._ranks_agree = False
-        self.last_summary: dict[str, Any] | None = None
 
     # -- epochs and their size -----------------------------------------------------------
     @property
@@ -193,7 +206,15 @@ class ShardLoader:
         ``strict=False`` a state of the same shards saved with another world size, worker count
         or options is resumed elastically: what the saved ranks had not handed out is spread
         over the new ranks and workers, each utterance read once (other batches than an
-        uninterrupted run would give). That needs every rank's state (``gather=True``)."""
+        uninterrupted run would give). That needs every rank's state (``gather=True``).
+
+        A loader made with ``num_workers="auto"`` takes the worker count the state was saved
+        with (its readers decide the batches), so an exact resume does not depend on what the
+        measure chose this time."""
+        saved = state.get("identity", {}).get("options", {}).get("num_workers") if isinstance(state, dict) else None
+        if self._auto and isinstance(saved, int) and saved != self.options.workers.num_workers:
+            self.close()
+            self._build(self.options.replace(num_workers=saved))
         self._cursor.load(
             checkpoint.restore(state, self._identity(), self._setup, self._access, self.collectives, strict)
         )

@@ -104,13 +104,13 @@ class WorkerPool:
     def close(self) -> None:
         """Stop the worker processes (the next iteration starts them anew)."""
         links, self._links = self._links, []
-        if os.getpid() != self._owner:  # a copy of the pool in a forked process: the workers are not its
-            return
+        if os.getpid() != self._owner or sys.is_finalizing():  # a copy in a forked process; or at exit, when
+            return  # daemon workers are stopped anyway
         for link in links:
             link.stop()
 
     def __del__(self) -> None:
-        if getattr(self, "_links", None) and not sys.is_finalizing():  # at exit, daemon workers are stopped anyway
+        if getattr(self, "_links", None):
             self.close()
 
 

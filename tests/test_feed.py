@@ -1,0 +1,269 @@
+"""Keeping a training loop fed (issue 24, items 1-3 and 6): windows read ahead so no batch waits
+for a whole window, a stream's first windows are small so its first batch comes early, the next
+epoch read ahead by persistent workers, nothing of the loader's running in the training process
+between batches, the consumer's waits measured and explained, and num_workers="auto".
+
+Counted in samples read, never in milliseconds."""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import assert_resumes_everywhere, pack_small
+from seqshard import make_loader
+from seqshard.dist import cores_per_rank
+from seqshard.options import Workers
+from seqshard.pipeline.rank.auto import choose_workers
+from seqshard.pipeline.rank.feed import FeedMeter
+from seqshard.pipeline.stages.base import Stage
+from seqshard.pipeline.stages.batching import LengthBudget, SortBatch
+from seqshard.pipeline.stages.sample import Sample
+from seqshard.pipeline.stages.shuffle import WindowShuffle
+from seqshard.pipeline.workers.recipe import SHUFFLE_GROWTH, SORT_GROWTH
+from seqshard.testing import ListSource
+
+STATE_V2 = Path(__file__).parent / "data" / "state-v2"
+WINDOWS = dict(sort_window=320, shuffle_window=320)  # large enough for the first ones to be smaller
+
+
+@pytest.fixture(scope="module")
+def five_hundred(tmp_path_factory):
+    """500 tiny utterances in 2 shards."""
+    return pack_small(
+        tmp_path_factory.mktemp("five_hundred"), utts_per_file=250, speakers=10, per_speaker=50, dim=2, frames=(2, 9)
+    )
+
+
+class Counted:
+    """A transform that counts the samples it sees (in this process)."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def __call__(self, sample):
+        self.seen += 1
+        return sample
+
+
+def reads_per_batch(loader, counter):
+    """Samples read before the first batch, then between consecutive batches."""
+    found, before = [], 0
+    for _ in loader:
+        found.append(counter.seen - before)
+        before = counter.seen
+    return found
+
+
+def test_the_first_batch_comes_early_and_no_batch_waits_for_a_window(five_hundred):
+    """Without growth the first batch needs both windows read (640 samples here) and each
+    later window's boundary reads a whole window at once; now the first comes after the first
+    small windows and every batch reads about its share of the next window."""
+    counter = Counted()
+    loader = make_loader(five_hundred.pattern, batch_size=4, num_workers=0, transforms=[counter], **WINDOWS)
+    reads = reads_per_batch(loader, counter)
+    assert sum(reads) == counter.seen == 500 and len(reads) >= 125
+    assert reads[0] <= 200  # shuffle windows of 64 and 64 fill the first sort window of 64
+    assert max(reads[1:]) <= 100  # a small shuffle window at most, else about a batch's share (never 320)
+    assert sorted(reads[1:])[-2] <= 40  # a batch of 4: up to ~4 x 4 while the windows grow
+
+
+def lengths_only(lengths):
+    return [Sample(f"u{i:05d}", {"feats": range(int(n))}) for i, n in enumerate(lengths)]
+
+
+class Preparing(Stage):
+    """Hands out its source's outputs and lets the source read ahead after each, as a reader does."""
+
+    def next(self):
+        output = self.source.next()
+        self.source.prepare()
+        return output
+
+    def get_state(self):
+        return self.source.get_state()
+
+    def reset(self, state=None):
+        self._started = True
+        self.source.reset(state)
+
+
+def growing(samples, prepare=True):
+    stage = SortBatch(
+        WindowShuffle(ListSource(samples), 300, 7, 1, grow=SHUFFLE_GROWTH),
+        400,
+        LengthBudget(60),
+        7,
+        1,
+        grow=SORT_GROWTH,
+    )
+    return Preparing(stage) if prepare else stage
+
+
+def test_reading_ahead_changes_no_batch_and_resumes_everywhere():
+    samples = lengths_only(np.random.default_rng(5).integers(1, 20, 800))
+    keys = assert_resumes_everywhere(lambda: growing(samples), limit=12)
+    assert keys == [[s.key for s in b.samples] for b in growing(samples, prepare=False)]
+    assert sorted(k for batch in keys for k in batch) == [s.key for s in samples]
+    stage = growing(samples)
+    for _ in range(40):
+        next(stage)
+    sort = stage.source
+    held = [s.key for s in sort.pending()]  # taken from the source, not handed out: an elastic resume's
+    waiting = sum(len(b.samples) for b in sort._outputs[sort._emitted :])
+    rest = [s.key for b in stage for s in b.samples]
+    assert len(set(held)) == len(held) > waiting and set(held) <= set(rest)  # the next window read ahead too
+
+
+def test_a_state_saved_before_windows_grew_resumes_with_its_windows():
+    """tests/data/state-v2: a state seqshard saved at acb907c (version 2) after 7 batches;
+    resumed today it gives the batches that version gave after it, though a fresh epoch's
+    windows now grow (and give other batches)."""
+    expected = json.loads((STATE_V2 / "expected.json").read_text())
+    state = json.loads((STATE_V2 / "state.json").read_text())
+    pattern = str(STATE_V2 / "shards" / "data-*.tar")
+    loader = make_loader(pattern, **expected["options"])
+    state["identity"]["shards"] = loader.state_dict()["identity"]["shards"]  # the same shards, in this checkout
+    assert state["seqshard_loader_state"] == 2
+    loader.load_state_dict(state)
+    assert [b["keys"] for b in loader] == expected["rest"]
+    fresh = [b["keys"] for b in make_loader(pattern, **expected["options"])]
+    assert fresh[: len(expected["head"])] != expected["head"]  # the windows grow now
+    elastic = make_loader(pattern, **{**expected["options"], "num_workers": 2})
+    elastic.load_state_dict(state, strict=False)
+    rest = sorted(k for b in elastic for k in b["keys"])
+    assert rest == sorted(k for b in expected["rest"] for k in b)
+
+
+TOUCHED = multiprocessing.Value("q", 0)  # samples a worker process has read (forked workers share it)
+
+
+def touched(sample):
+    with TOUCHED.get_lock():
+        TOUCHED.value += 1
+    return sample
+
+
+def epoch_keys(loader, epoch):
+    loader.set_epoch(epoch)
+    return [b["keys"] for b in loader]
+
+
+@pytest.mark.skipif(multiprocessing.get_start_method() != "fork", reason="workers share TOUCHED through fork")
+def test_a_persistent_worker_reads_the_next_epoch_before_it_is_asked(packed):
+    options = dict(batch_size=2, num_workers=1, seed=4, shuffle_window=12, sort_window=8)
+    TOUCHED.value = 0
+    loader = make_loader(packed.pattern, persistent_workers=True, transforms=[touched], **options)
+    first = epoch_keys(loader, 0)
+    assert sum(map(len, first)) == 48
+    deadline = time.monotonic() + 60
+    while TOUCHED.value <= 48 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert TOUCHED.value > 48  # samples of epoch 1 read while no iteration was asked for
+    reference = make_loader(packed.pattern, **options)
+    assert epoch_keys(loader, 1) == epoch_keys(reference, 1)  # what it read ahead is epoch 1 as asked
+    assert epoch_keys(loader, 5) == epoch_keys(reference, 5)  # read ahead for epoch 2, dropped
+    loader.close()
+
+
+def test_the_training_process_runs_no_thread_of_the_loaders_and_waits_without_spending(packed):
+    """With workers, taking a batch is a blocking read of that worker's pipe: no thread (torch's
+    DataLoader ran a queue feeder thread per worker) and no CPU while the worker is slow."""
+    before = set(threading.enumerate())
+    loader = make_loader(
+        packed.pattern, batch_size=2, num_workers=1, transforms=[slow], shuffle_window=12, sort_window=8
+    )
+    cpu, wall = time.process_time(), time.perf_counter()
+    for _ in loader:
+        assert set(threading.enumerate()) == before
+    cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+    assert wall > 48 * 0.01 and cpu < 0.5 * wall  # generous: polling would spend the whole wait
+
+
+def slow(sample):
+    time.sleep(0.01)
+    return sample
+
+
+def a_little_slow(sample):
+    time.sleep(0.002)
+    return sample
+
+
+def test_the_consumers_waits_are_measured_and_explained_once_an_epoch(packed, caplog):
+    options = dict(batch_size=1, num_workers=0, transforms=[a_little_slow], shuffle_window=12, sort_window=8)
+    short = make_loader(packed.pattern, **options)
+    long = make_loader(packed.pattern, epoch_steps=60, uneven="repeat", **options)
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        assert len(list(short)) == 48 and 0.5 < short.stats()["data_wait"] <= 1.0  # the loop did nothing but wait
+        assert not caplog.records  # 48 steps: fewer than the 50 before the waits are judged
+        for epoch in range(2):
+            long.set_epoch(epoch)
+            assert len(list(long)) == 60
+    warnings = [r.getMessage() for r in caplog.records if "waited for batches" in r.getMessage()]
+    assert len(warnings) == 2 and all("num_workers='auto'" in w for w in warnings)  # one an epoch, naming the fix
+
+
+@pytest.mark.parametrize(
+    ("workers", "waited", "busy", "first", "says"),
+    [
+        (1, 0.5, 3.0, 0.0, "num_workers=5 or more"),  # a batch takes a worker 30 ms, a step 10 ms: 1.5 x 3
+        (2, 0.5, 0.5, 0.4, "persistent_workers=True"),  # keeps up, but the start waited
+        (2, 0.5, 0.5, 0.0, "prefetch_factor=8"),
+    ],
+)
+def test_the_advice_names_what_to_change(workers, waited, busy, first, says):
+    meter = FeedMeter(Workers(num_workers=workers), rank=0)
+    meter.steps, meter.waited, meter.busy, meter.first = 100, waited, busy, first
+    meter.started = time.perf_counter() - (1.0 + waited)  # 100 steps of 10 ms of the consumer's own
+    assert says in meter.advice(meter.share())
+
+
+def test_auto_workers_follow_the_measure_and_the_cores(monkeypatch):
+    assert choose_workers(0.002, spare=15) == 2  # cheap batches: two readers share each epoch's start
+    assert choose_workers(0.080, spare=15) == 15  # on-the-fly fbank: every core this rank may use
+    assert choose_workers(0.080, spare=1) == 1
+    assert choose_workers(None, spare=7) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert cores_per_rank() == 4
+
+
+def test_auto_workers_are_chosen_once_and_a_state_keeps_its_own(packed, monkeypatch):
+    options = dict(batch_size=2, seed=1, shuffle_window=12, sort_window=8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2}, raising=False)
+    auto = make_loader(packed.pattern, num_workers="auto", **options)
+    assert auto.options.workers.num_workers == 2  # 3 cores: 2 workers, one core left for training
+    one = make_loader(packed.pattern, num_workers=1, **options)
+    batches = iter(one)
+    for _ in range(5):
+        next(batches)
+    state = one.state_dict()
+    rest = [b["keys"] for b in batches]
+    auto.load_state_dict(state)  # saved with 1 worker: the auto loader resumes with 1, exactly
+    assert [b["keys"] for b in auto] == rest and auto.options.workers.num_workers == 1
+    with pytest.raises(Exception, match="'auto'"):
+        make_loader(packed.pattern, num_workers="many", **options)
+
+
+def kill_myself(sample):
+    if sample.key.endswith("utt003"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return sample
+
+
+def test_a_worker_killed_is_reported_not_waited_for(packed):
+    loader = make_loader(
+        packed.pattern, batch_size=2, num_workers=1, transforms=[kill_myself], shuffle_window=12, sort_window=8
+    )
+    with pytest.raises(RuntimeError, match=r"stopped unexpectedly \(killed by signal 9\)"):
+        list(loader)
