@@ -12,7 +12,6 @@ import tempfile
 from pathlib import Path
 
 from conftest import write_kaldi_dir
-
 from seqshard import make_loader, pack_data
 
 HERE = Path(__file__).parent
@@ -33,7 +32,9 @@ state = loader.state_dict()
 rest = [batch["keys"] for batch in batches]
 (HERE / "state.json").write_text(json.dumps(state, indent=1) + "\n")
 (HERE / "expected.json").write_text(
-    json.dumps({"options": OPTIONS, "head": head, "rest": rest, "made_by": sys.argv[1] if len(sys.argv) > 1 else ""}, indent=1)
+    json.dumps(
+        {"options": OPTIONS, "head": head, "rest": rest, "made_by": sys.argv[1] if len(sys.argv) > 1 else ""}, indent=1
+    )
     + "\n"
 )
 print(len(head), "+", len(rest), "batches")
