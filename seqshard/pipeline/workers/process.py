@@ -84,7 +84,7 @@ class WorkerLink:
         except (EOFError, OSError):
             raise RuntimeError(self._gone()) from None
         iteration, item = pickle.loads(data)
-        return iteration, BatchItem(*item) if isinstance(item, tuple) else item
+        return iteration, BatchItem.from_wire(item) if isinstance(item, tuple) else item
 
     def credit(self) -> None:
         """Tell the worker one of its items was taken (it may make one more)."""

@@ -53,12 +53,13 @@ class BatchItem:
     damaged: int = 0  # damaged shards the reader has met (its counters say which)
 
     def wire(self) -> tuple:
-        """The fields as a tuple (``BatchItem(*wire)`` again): a worker process sends that,
-        cheaper to unpickle than the object."""
+        """The fields as a tuple, cheaper to unpickle than the object (:meth:`from_wire` makes
+        the item again): slot places as plain tuples, lists of texts (keys, labels) as one text
+        joined with NUL (one string to unpickle, not one per sample)."""
         return (
             self.worker,
             self.seq,
-            self.batch,
+            {name: _wired(value) for name, value in self.batch.items()},
             self.state,
             self.stats,
             self.size,
@@ -70,6 +71,23 @@ class BatchItem:
             self.busy,
             self.damaged,
         )
+
+
+    @classmethod
+    def from_wire(cls, wire: tuple) -> BatchItem:
+        item = cls(*wire)
+        for name, value in item.batch.items():
+            if type(value) is str:
+                item.batch[name] = value.split("\0")
+        return item
+
+
+def _wired(value: Any) -> Any:
+    if isinstance(value, tuple):  # a place in a slot (SlotArray)
+        return tuple(value)
+    if isinstance(value, list) and value and all(type(v) is str and "\0" not in v for v in value):
+        return "\0".join(value)
+    return value
 
 
 @dataclass

@@ -99,19 +99,19 @@ class BatchSlots:
         return None
 
     # -- training-process side --------------------------------------------------------------
-    def receive(self, slot: int, arrays: dict[str, SlotArray], pin: bool) -> dict[str, Any]:
-        """Tensors over the batch's arrays in ``slot``: the shared memory itself, freed with
-        the last tensor (or view) that uses it; with ``pin``, copies in pinned memory."""
+    def receive(self, slot: int, arrays: dict[str, SlotArray | tuple], pin: bool) -> dict[str, Any]:
+        """Tensors over the batch's arrays in ``slot`` (places as :class:`SlotArray` or plain
+        ``(offset, shape, dtype)`` tuples): the shared memory itself, freed with the last tensor
+        (or view) that uses it; with ``pin``, copies in pinned memory."""
         import torch
 
         self._marks[slot] = LEASED
         lease = self._slot_memory(slot).view(_Lease)
         weakref.finalize(lease, self._free, slot)
         tensors = {}
-        for name, place in arrays.items():
-            dtype = np.dtype(place.dtype)
-            size = math.prod(place.shape) * dtype.itemsize
-            view = lease[place.offset : place.offset + size].view(dtype).reshape(place.shape)
+        for name, (offset, shape, kind) in arrays.items():
+            dtype = np.dtype(kind)
+            view = lease[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
             tensor = torch.from_numpy(view)
             tensors[name] = tensor.pin_memory() if pin else tensor
         return tensors
