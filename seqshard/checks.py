@@ -14,7 +14,7 @@ from typing import Any
 
 from .errors import ConfigError
 
-MAX_WORKERS = 1024  # DataLoader worker processes per rank: more is a mistake, not a machine
+MAX_WORKERS = 1024  # worker processes per rank: more is a mistake, not a machine
 
 
 def check_number(

@@ -422,7 +422,7 @@ def _demo_command(commands: Any) -> None:
     demo = commands.add_parser("demo", help="make a small Kaldi dataset, pack it, stream it, and say what happened")
     demo.add_argument("--out", default="seqshard-demo", help="working folder (default: %(default)s)")
     demo.add_argument("--utts", type=int, default=1200, help="utterances in the demo dataset")
-    demo.add_argument("--workers", type=int, default=2, help="DataLoader workers")
+    demo.add_argument("--workers", type=int, default=2, help="worker processes")
     demo.add_argument(
         "--train-epochs", type=int, default=6, help="epochs of the example model (2 processes); 0: no training"
     )

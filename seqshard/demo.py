@@ -124,7 +124,7 @@ def run_demo(
     print(format_result(verify(pattern, progress=False)))
 
     print(
-        f"\n== 4. stream one epoch: {num_workers} DataLoader workers, dynamic batches of <= 20000 padded frames, chars tokenized on the fly"
+        f"\n== 4. stream one epoch: {num_workers} worker processes, dynamic batches of <= 20000 padded frames, chars tokenized on the fly"
     )
     options = dict(tokenizer=out / "kaldi/units.txt", batch_frames=20000, num_workers=num_workers, seed=0)
     loader = make_loader(pattern, **options)

@@ -1,7 +1,7 @@
 """The public entries: ``make_loader`` (shards -> batches, on one GPU or many) and the
 :class:`~seqshard.protocol.Loader` shape every loader follows.
 
-A shard loader (``pipeline/rank/loader.py``) runs a reader pipeline in each DataLoader worker
+A shard loader (``pipeline/rank/loader.py``) runs a reader pipeline in each worker process
 (``pipeline/workers/``, composed by a recipe from the stages of ``pipeline/stages/``), merges
 the workers' batches into one deterministic stream, ends epochs as its options say, and keeps a
 small position that ``state_dict()``/``load_state_dict()`` save and restore exactly.

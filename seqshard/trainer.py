@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     # Leave without tearing gloo down: destroying the process group, or the interpreter's own
     # teardown, aborted a rank now and then after training had finished ("terminate called
     # without an active exception", SIGABRT) on a loaded machine. Checkpoints and the steps
-    # file are complete by now; DataLoader workers notice their parent is gone and exit.
+    # file are complete by now; worker processes notice their parent is gone and exit.
     os._exit(code)
 
 

@@ -267,3 +267,38 @@ def test_a_worker_killed_is_reported_not_waited_for(packed):
     )
     with pytest.raises(RuntimeError, match=r"stopped unexpectedly \(killed by signal 9\)"):
         list(loader)
+
+
+BUILT = multiprocessing.Value("q", 0)  # pipelines built in worker processes
+
+
+class CountBuilds(Stage):
+    """A transform stage that counts the pipelines built with it."""
+
+    def __init__(self, source, reader):
+        super().__init__(source)
+        with BUILT.get_lock():
+            BUILT.value += 1
+
+    def next(self):
+        return self.source.next()
+
+
+@pytest.mark.skipif(multiprocessing.get_start_method() != "fork", reason="workers share BUILT through fork")
+def test_a_stream_cut_into_epochs_goes_on_without_reading_its_windows_again(packed):
+    """uneven="repeat": an epoch ends at epoch_steps while the worker has made batches ahead;
+    a persistent worker sends those again next epoch and goes on with its pipeline where it
+    stood (workers that do not persist build it again from the state, reading its windows
+    again): the same batches, one pipeline for the four epochs."""
+    options = dict(
+        batch_size=2, num_workers=1, seed=2, shuffle_window=12, sort_window=8, uneven="repeat", epoch_steps=5
+    )
+    built, batches = {}, {}
+    for persistent in (False, True):
+        BUILT.value = 0
+        loader = make_loader(packed.pattern, persistent_workers=persistent, transforms=[CountBuilds], **options)
+        batches[persistent] = [epoch_keys(loader, epoch) for epoch in range(4)]
+        built[persistent] = BUILT.value
+        loader.close()
+    assert batches[True] == batches[False] and len(batches[True][3]) == 5
+    assert built == {False: 4, True: 1}

@@ -187,6 +187,11 @@ class WorkerLoop:
         self._credits = 0
         self._next: _NextEpoch | None = None
         self._epoch = -1  # the epoch of the last request
+        self._iteration = 0  # the iteration of the last request
+        # the last batches sent: (seq, packed state, what was sent, slot)
+        self._sent: deque[tuple[int, bytes, tuple, int | None]] = deque(
+            maxlen=runtime.slots.per_worker if runtime.slots else 1
+        )
 
     def serve(self) -> None:
         command = self._wait_command()
@@ -201,13 +206,16 @@ class WorkerLoop:
 
     # -- one iteration ------------------------------------------------------------------------
     def _run(self, iteration: int, epoch: int, spec: dict[str, Any]) -> tuple:
-        self._epoch = epoch
-        self._credits = self._ahead
         self._read_credits(block=False)  # credits of an abandoned iteration are not this one's
         self._credits = self._ahead
         ready = self._next if self._next is not None and self._next.run.epoch == epoch and spec == FRESH else None
         self._next = None
+        again, spec = self._sent_again(iteration, spec)
+        self._epoch, self._iteration = epoch, iteration
         run = ready.run if ready is not None else ReaderRun(self.setup, self.runtime, self.worker, epoch, spec, True)
+        for message in again:
+            self._items.send_bytes(message)
+            self._credits -= 1
         made_ahead = ready.made if ready is not None else deque()
         while True:
             early = bool(made_ahead)
@@ -245,6 +253,30 @@ class WorkerLoop:
             self._step_next_epoch()
         return self._wait_command()
 
+    def _sent_again(self, iteration: int, spec: dict[str, Any]) -> tuple[list[bytes], dict[str, Any]]:
+        """A stream that goes on across epochs (``uneven="repeat"``, mixes): the batches this
+        worker sent in the last iteration that the training process never took (it cut the
+        epoch before them) are sent again for ``iteration``, from the slots that still hold
+        them, and the spec moves past them, where the worker's live pipeline stands. Nothing
+        when the spec does not start right before them or one was taken (its slot left)."""
+        sent, self._sent = list(self._sent), deque(maxlen=self._sent.maxlen)
+        slots = self.runtime.slots
+        if not sent or not self.setup.options.epochs.continues_stream or spec.get("units") is not None:
+            return [], spec
+        seqs = [seq for seq, _, _, _ in sent]
+        if spec["seq"] not in seqs[:-1] or pickle.loads(sent[seqs.index(spec["seq"])][1]) != spec["state"]:
+            return [], spec
+        later = sent[seqs.index(spec["seq"]) + 1 :]
+        held = [slot for _, _, _, slot in later]
+        if slots is None or any(slot is None or not slots.held_unread(slot, self._iteration) for slot in held):
+            return [], spec
+        for slot in held:
+            slots.claim(slot, iteration)
+        last_seq, last_state, _, _ = later[-1]
+        messages = [pack((iteration, wire)) for _, _, wire, _ in later]
+        self._sent.extend(later)
+        return messages, {**spec, "seq": last_seq, "state": pickle.loads(last_state)}
+
     # -- the next epoch, ahead of its request ---------------------------------------------
     def _may_read_ahead(self, run: ReaderRun) -> bool:
         if not self._persistent or run.error is not None or not run.reading_done():
@@ -259,6 +291,8 @@ class WorkerLoop:
     # -- pipes -------------------------------------------------------------------------------
     def _send(self, iteration: int, item: Item) -> None:
         message = (iteration, item.wire() if isinstance(item, BatchItem) else item)
+        if isinstance(item, BatchItem) and isinstance(item.state, bytes):
+            self._sent.append((item.seq, item.state, message[1], item.slot))
         try:
             data = pack(message) if not _holds_tensors(item) else _forking_dumps(message)
         except Exception as error:  # an item that does not pickle (an exotic error)

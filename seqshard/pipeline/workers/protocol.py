@@ -72,7 +72,6 @@ class BatchItem:
             self.damaged,
         )
 
-
     @classmethod
     def from_wire(cls, wire: tuple) -> BatchItem:
         item = cls(*wire)

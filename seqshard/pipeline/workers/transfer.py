@@ -98,6 +98,14 @@ class BatchSlots:
                 return SlotArena(slot, self._slot_memory(slot))
         return None
 
+    def held_unread(self, slot: int, iteration: int) -> bool:
+        """Whether ``slot`` still holds what its worker wrote in ``iteration``, never received."""
+        return self._marks[slot] == iteration
+
+    def claim(self, slot: int, iteration: int) -> None:
+        """Hand a slot held unread over to ``iteration`` (its batch is sent again)."""
+        self._marks[slot] = iteration
+
     # -- training-process side --------------------------------------------------------------
     def receive(self, slot: int, arrays: dict[str, SlotArray | tuple], pin: bool) -> dict[str, Any]:
         """Tensors over the batch's arrays in ``slot`` (places as :class:`SlotArray` or plain
