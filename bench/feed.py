@@ -21,6 +21,8 @@ persistent workers (none with 0), the second timed; the step sleeps for STEP ms 
                   loop's own, sleeping steps without a loader, is printed for reference)
     reader        a reader's time per batch: the 0-worker run's CPU per batch (its process makes
                   the batches); the goals apply where that is below the step
+    resumed       ms from iter() to the first batch of a new loader that loaded the state saved
+                  half way through the second epoch (it reads again the windows in flight)
 
 Goals (issue 24), where a reader's time per batch is below the step: wait <= 1% over the epoch
 including its start, first batch <= 20 ms, no later wait longer than one step, <= 0.05 ms of
@@ -62,16 +64,11 @@ def run_one(args: argparse.Namespace) -> dict:
         return bare_loop(args.step, args.steps_hint)
     from seqshard import make_loader
 
-    options = json.loads(args.options)
-    loader = make_loader(
-        args.pattern,
-        args.tokenizer,
-        num_workers=args.workers,
-        persistent_workers=args.workers > 0,
-        batch_frames=BATCH_FRAMES,
-        seed=0,
-        **options,
-    )
+    options = dict(num_workers=args.workers, persistent_workers=args.workers > 0, batch_frames=BATCH_FRAMES, seed=0)
+    options |= json.loads(args.options)
+    loader = make_loader(args.pattern, args.tokenizer, **options)
+    if args.resume:
+        return resumed(loader, make_loader(args.pattern, args.tokenizer, **options))
     pause = args.step / 1000
     found = {}
     for epoch in (0, 1):
@@ -102,6 +99,22 @@ def run_one(args: argparse.Namespace) -> dict:
     return found
 
 
+def resumed(loader, again) -> dict:
+    """Milliseconds to the first batch after ``again`` loads the state ``loader`` saved half way
+    through its second epoch."""
+    steps = len(list(loader))
+    loader.set_epoch(1)
+    batches = iter(loader)
+    for _ in range(steps // 2):
+        next(batches)
+    state = loader.state_dict()
+    loader.close()
+    again.load_state_dict(state)
+    started = time.perf_counter()
+    next(iter(again))
+    return {"resumed_ms": 1000 * (time.perf_counter() - started)}
+
+
 def bare_loop(step_ms: float, steps: int) -> dict:
     """The loop alone: its own CPU per step (time.sleep and the clock reads)."""
     pause = step_ms / 1000
@@ -115,6 +128,7 @@ def bare_loop(step_ms: float, steps: int) -> dict:
 
 def measure(code: str | None, pattern: str, tokenizer: str | None, step: float, workers: int, options: dict) -> dict:
     command = [sys.executable, __file__, "one", "--pattern", pattern, "--step", str(step), "--workers", str(workers)]
+    command += ["--resume"] if options.pop("resume", False) else []
     command += ["--options", json.dumps(options)] + (["--tokenizer", tokenizer] if tokenizer else [])
     env = {**os.environ, "PYTHONPATH": code or str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -170,6 +184,7 @@ def main() -> None:
     one.add_argument("--workers", type=int, default=0)
     one.add_argument("--options", default="{}")
     one.add_argument("--bare", action="store_true")
+    one.add_argument("--resume", action="store_true")
     one.add_argument("--steps-hint", type=int, default=215)
     parser.add_argument("--utts", type=int, default=12_000)
     parser.add_argument("--steps", type=float, nargs="+", default=[5, 10, 20], help="ms a step sleeps")
@@ -193,15 +208,16 @@ def main() -> None:
         audio = audio_corpus(args.out, args.audio_minutes)
         cases += [(f"audio: {way}", audio, None, AUDIO_STEP_MS, workers, options)
                   for way, options in AUDIO_WAYS.items() for workers in args.workers]  # fmt: skip
+    cases += [("resumed", pattern, units, 0, workers, {"resume": True}) for workers in args.workers]
     runs: dict[tuple, list[dict]] = {}
     order = [(code, case) for _ in range(args.rounds) for code in codes for case in cases]
     for number, (code, case) in enumerate(random.Random(0).sample(order, len(order))):
         kind, pattern_, tokenizer, step, workers, options = case
         print(f"[{number + 1}/{len(order)}] {code} {kind} step {step:g} ms, {workers} workers", file=sys.stderr)
         runs.setdefault((code, kind, step, workers), []).append(
-            measure(codes[code], pattern_, tokenizer, step, workers, options)
+            measure(codes[code], pattern_, tokenizer, step, workers, dict(options))
         )
-    floors = {step: bare(step, 215) for step in sorted({case[3] for case in cases})}
+    floors = {step: bare(step, 215) for step in sorted({case[3] for case in cases if case[0] != "resumed"})}
     results = report(runs, codes, floors)
     load_after = os.getloadavg()[0]
     print(f"load average (2 cores shared): {load:.1f} before, {load_after:.1f} after")
@@ -220,6 +236,12 @@ def report(runs: dict[tuple, list[dict]], codes: dict, floors: dict) -> list[dic
         runs.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3], kv[0][0])
     ):
         median = {k: statistics.median(r[k] for r in found) for k in found[0]}
+        if kind == "resumed":
+            rows.append({"code": code, "kind": kind, "workers": workers, **median})
+            print(
+                f"{code:9s} {kind:22s} {'':5s} {workers:2d} first batch after load_state_dict {median['resumed_ms']:.1f} ms"
+            )
+            continue
         reader = runs.get((code, kind, step, 0))
         reader_ms = statistics.median(r["cpu_ms"] for r in reader) if reader else float("nan")
         row = {"code": code, "kind": kind, "step_ms": step, "workers": workers, "reader_ms": reader_ms, **median}

@@ -195,13 +195,14 @@ class Window:
     """A window being read: its number, the source's state where it began, its items (as
     :meth:`WindowStage.add` stores them) and what a subclass sums while it reads."""
 
-    __slots__ = ("ended", "full", "items", "number", "start", "weight")
+    __slots__ = ("ended", "full", "items", "limit", "number", "start", "weight")
 
     def __init__(self, number: int, start: State):
         self.number = number
         self.start = start
         self.items: list[Any] = []
         self.weight = 0.0
+        self.limit: Any = None  # what closes it, as the stage's add() keeps it
         self.full = False  # the items close the window
         self.ended = False  # the source ended in it
 
@@ -253,12 +254,16 @@ class WindowStage(Stage[U]):
         """The outputs of window ``number``; ``fresh`` is False when a restore re-reads it."""
         raise NotImplementedError
 
-    def add(self, window: Window, item: Any) -> None:
-        """Put ``item`` into ``window`` and set ``window.full`` when its items close it. A
-        subclass may store the item otherwise (with its length) and end a window by what it
-        holds, as long as the same items end it again when a restore re-reads them."""
-        window.items.append(item)
-        window.full = len(window.items) >= self.capacity(window.number)
+    def add(self, window: Window, item: Any) -> bool:
+        """Put ``item`` into ``window``; set ``window.full`` (and return it) when its items
+        close it. A subclass may store the item otherwise (with its length) and end a window by
+        what it holds, as long as the same items end it again when a restore re-reads them."""
+        items = window.items
+        items.append(item)
+        if window.limit is None:
+            window.limit = self.capacity(window.number)
+        window.full = len(items) >= window.limit
+        return window.full
 
     def capacity(self, number: int) -> int:
         """The most items window ``number`` holds."""
@@ -292,15 +297,18 @@ class WindowStage(Stage[U]):
 
     def _read(self, window: Window, until: int | None = None) -> Window:
         """Read items into ``window`` until it closes (or holds ``until`` items)."""
-        source, add = self.source, self.add
-        items = window.items
-        while not (window.full or window.ended) and (until is None or len(items) < until):
+        if window.full or window.ended:
+            return window
+        source, add, items = self.source, self.add, window.items
+        stop = math.inf if until is None else until
+        while len(items) < stop:
             try:
                 item = source.next()
             except StopIteration:
                 window.ended = True
                 break
-            add(window, item)
+            if add(window, item):
+                break
         return window
 
     def _arrange(self, window: Window, fresh: bool) -> None:

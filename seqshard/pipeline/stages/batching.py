@@ -298,37 +298,39 @@ class SortBatch(WindowStage[Batch]):
         self.shuffle = shuffle
         self.oversize = oversize
         self._counts: dict[str, int] = {}
-        self._limits: tuple[int, int, int, float] = (-1, 0, 0, 0.0)  # window number, most, least, batches
+        self._shares: dict[int, float] = {}  # a sample's share of a batch by its length
 
     def reset(self, state: State | None = None) -> None:
         self._counts = dict(state.get("counts", {})) if state else {}
-        self._limits = (-1, 0, 0, 0.0)
         super().reset(state)
 
     def limits(self, number: int) -> tuple[int, int, float]:
         """Window ``number``'s most samples, and the samples and batches (unpadded shares,
         summed) that close it before that (see :class:`BudgetWindow`)."""
-        if self._limits[0] != number:
-            if self.budget is None:  # a fixed window is full at its size (a growing one holds a batch)
-                least = self.cost.size if isinstance(self.cost, FixedSize) else 1
-                most = self.grow.items(self.window, number, least) if self._growing and self.grow else self.window
-                self._limits = (number, most, most, 0.0)
-            else:
-                window = self.budget.scaled(self.scale(number))
-                enough = window.batches * (1 - 1e-9)  # shares summed in floating point (80 x 0.1 < 8)
-                self._limits = (number, window.max_samples, window.min_samples, enough)
-        return self._limits[1:]
+        if self.budget is None:  # a fixed window is full at its size (a growing one holds a batch)
+            least = self.cost.size if isinstance(self.cost, FixedSize) else 1
+            most = self.grow.items(self.window, number, least) if self._growing and self.grow else self.window
+            return most, most, 0.0
+        window = self.budget.scaled(self.scale(number))
+        return window.max_samples, window.min_samples, window.batches * (1 - 1e-9)  # shares summed in floating point
 
     def capacity(self, number: int) -> int:
         return self.limits(number)[0]
 
-    def add(self, window: Window, sample: Sample) -> None:
+    def add(self, window: Window, sample: Sample) -> bool:
+        if window.limit is None:
+            window.limit = self.limits(window.number)
+        most, least, enough = window.limit
         length = self.length(sample)
-        window.items.append((length, sample))
-        window.weight += self.cost.share(length)
-        most, least, enough = self.limits(window.number)
-        count = len(window.items)
+        share = self._shares.get(length)
+        if share is None:
+            share = self._shares[length] = self.cost.share(length)
+        items = window.items
+        items.append((length, sample))
+        window.weight += share
+        count = len(items)
         window.full = count >= most or (count >= least and window.weight >= enough)
+        return window.full
 
     def unwrap(self, item: tuple[int, Sample]) -> Sample:
         return item[1]
