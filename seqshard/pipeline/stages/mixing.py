@@ -96,6 +96,10 @@ class Mix(Stage[Sample]):
     def pending(self) -> list[Any]:
         return [item for stream in self.streams for item in stream.pending()]
 
+    def prepare(self) -> None:
+        for stream in self.streams:
+            stream.prepare()
+
 
 def per_source_counts(samples: Sequence[Sample], lengths: Sequence[int], sources: int) -> list[list[int]]:
     """[utterances, summed length] per source of a batch's samples."""

@@ -86,3 +86,7 @@ class Passes(Stage):
 
     def pending(self) -> list[Any]:
         return self._inner.pending() if self._inner is not None else []
+
+    def prepare(self) -> None:
+        if self._inner is not None:
+            self._inner.prepare()
