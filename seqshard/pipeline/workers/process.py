@@ -57,12 +57,8 @@ class WorkerLink:
         commands, self._commands = context.Pipe(duplex=False)
         credits, self._credits = context.Pipe(duplex=False)
         self._items, items = context.Pipe(duplex=False)
-        self.process = context.Process(
-            target=serve,
-            args=(setup, runtime, worker, commands, credits, items, ahead, persistent, os.getpid()),
-            name=f"seqshard-worker-{worker}",
-            daemon=True,
-        )
+        loop = WorkerLoop(setup, runtime, worker, commands, credits, items, ahead, persistent, os.getpid())
+        self.process = context.Process(target=serve, args=(loop,), name=f"seqshard-worker-{worker}", daemon=True)
         self.process.start()
         for end in (commands, credits, items):  # the worker's ends: its own now
             end.close()
@@ -112,26 +108,15 @@ class WorkerLink:
         )
 
 
-def serve(
-    setup: WorkerSetup,
-    runtime: WorkerRuntime,
-    worker: int,
-    commands: Any,
-    credits: Any,
-    items: Any,
-    ahead: int,
-    persistent: bool,
-    parent: int,
-) -> None:
+def serve(loop: WorkerLoop) -> None:
     """The body of a worker process."""
-    _settle(setup, worker)
+    _settle(loop.setup, loop.worker)
     try:
-        WorkerLoop(setup, runtime, worker, commands, credits, items, ahead, persistent, parent).serve()
+        loop.serve()
     except (KeyboardInterrupt, EOFError, BrokenPipeError, ConnectionResetError):
         pass  # interrupted, or the training process is gone: it reports what happened
     finally:
-        for end in (commands, credits, items):
-            end.close()
+        loop.close()
 
 
 def _settle(setup: WorkerSetup, worker: int) -> None:
@@ -192,6 +177,10 @@ class WorkerLoop:
         self._sent: deque[tuple[int, bytes, tuple, int | None]] = deque(
             maxlen=runtime.slots.per_worker if runtime.slots else 1
         )
+
+    def close(self) -> None:
+        for end in (self._commands, self._credits_in, self._items):
+            end.close()
 
     def serve(self) -> None:
         command = self._wait_command()
