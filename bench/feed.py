@@ -19,6 +19,8 @@ persistent workers (none with 0), the second timed; the step sleeps for STEP ms 
     longest       the longest wait after the first batch
     cpu           the training process's time.process_time() over the epoch, per batch (the bare
                   loop's own, sleeping steps without a loader, is printed for reference)
+    calls         the function calls the training process makes per batch (a third epoch under
+                  sys.setprofile, the loop's own included): its work, whatever the machine's load
     reader        a reader's time per batch: the 0-worker run's CPU per batch (its process makes
                   the batches); the goals apply where that is below the step
     resumed       ms from iter() to the first batch of a new loader that loaded the state saved
@@ -230,7 +232,7 @@ def report(runs: dict[tuple, list[dict]], codes: dict, floors: dict) -> list[dic
     """Medians over rounds, printed as a table; a reader's time per batch from the 0-worker run."""
     print(f"bare loop, CPU per step: {', '.join(f'{s:g} ms: {c:.3f} ms' for s, c in floors.items())}")
     print(f"{'code':9s} {'kind':22s} {'step':>5s} {'w':>2s} {'steps':>5s} {'wait':>7s} {'after 1st':>9s} "
-          f"{'first ms':>8s} {'longest':>8s} {'cpu ms':>7s} {'reader ms':>9s}")  # fmt: skip
+          f"{'first ms':>8s} {'longest':>8s} {'cpu ms':>7s} {'calls':>6s} {'reader ms':>9s}")  # fmt: skip
     rows = []
     for (code, kind, step, workers), found in sorted(
         runs.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3], kv[0][0])
@@ -248,7 +250,7 @@ def report(runs: dict[tuple, list[dict]], codes: dict, floors: dict) -> list[dic
         rows.append(row)
         print(f"{code:9s} {kind:22s} {step:5g} {workers:2d} {median['steps']:5.0f} {median['wait']:7.2%} "
               f"{median['wait_after_first']:9.2%} {median['first_ms']:8.1f} {median['longest_ms']:8.1f} "
-              f"{median['cpu_ms']:7.3f} {reader_ms:9.2f}")  # fmt: skip
+              f"{median['cpu_ms']:7.3f} {median['calls']:6.0f} {reader_ms:9.2f}")  # fmt: skip
     print("goals where a reader's time per batch is below the step (workers > 0): wait <= 1%, first <= 20 ms, "
           "longest <= the step, cpu <= 0.05 ms")  # fmt: skip
     return rows

@@ -8,7 +8,8 @@ utterances in the same order, metadata only (no audio, no tar), in this process:
 
     seqshard         WindowShuffle (the loader's 3,000) then SortBatch with its default window,
                      which follows the budget (BudgetWindow: 64 batches' worth of samples, at
-                     least 2,000 and at most 16,384 of them)
+                     least 2,000 and at most 16,384 of them), both growing from small at the
+                     stream's start as the loader's recipe builds them (SHUFFLE_GROWTH, SORT_GROWTH)
     fixed 2000       the same with the former fixed window of 2,000 samples
     lhotse           DynamicBucketingSampler(max_duration=B, num_buckets=30, shuffle=True) over
                      a CutSet of dummy cuts of the same durations
@@ -42,6 +43,7 @@ from common import expected_speakers, utterance_frames, with_quick
 from seqshard.pipeline.stages.batching import BudgetWindow, LengthBudget, SortBatch
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.pipeline.stages.shuffle import WindowShuffle
+from seqshard.pipeline.workers.recipe import SHUFFLE_GROWTH, SORT_GROWTH
 from seqshard.testing import ListSource
 
 FRAMES_PER_SECOND = 100
@@ -79,17 +81,19 @@ class _WindowSizes(SortBatch):
 
     sizes: list[int]
 
-    def read_window(self):
-        items = super().read_window()
+    def arrange(self, items, number, fresh):
         self.sizes.append(len(items))
-        return items
+        return super().arrange(items, number, fresh)
 
 
-def seqshard_batches(frames, order, budget_frames: int, window) -> tuple[list[list[int]], list[int], float]:
+def seqshard_batches(
+    frames, order, budget_frames: int, window, grow: bool = True
+) -> tuple[list[list[int]], list[int], float]:
     """Batches (utterance indices), the sizes of its windows but the last (partial) one, and CPU
-    seconds of seqshard's stages."""
+    seconds of seqshard's stages (``grow``: the first windows small, as the loader's)."""
     samples = [Sample(str(i), {"feats": range(frames[i])}) for i in order.tolist()]  # a length, no data
-    stage = _WindowSizes(WindowShuffle(ListSource(samples), SHUFFLE_WINDOW, 0), window, LengthBudget(budget_frames), 0)
+    shuffle = WindowShuffle(ListSource(samples), SHUFFLE_WINDOW, 0, grow=SHUFFLE_GROWTH if grow else None)
+    stage = _WindowSizes(shuffle, window, LengthBudget(budget_frames), 0, grow=SORT_GROWTH if grow else None)
     stage.sizes = []
     started = time.process_time()
     batches = [[int(s.key) for s in batch.samples] for batch in stage]
@@ -131,7 +135,7 @@ def main() -> None:
         budget_frames = int(budget * FRAMES_PER_SECOND)
         window = BudgetWindow(batches=args.window_batches)
         new, windows, new_cpu = seqshard_batches(frames, order, budget_frames, window)
-        old, _, old_cpu = seqshard_batches(frames, order, budget_frames, 2000)
+        old, _, old_cpu = seqshard_batches(frames, order, budget_frames, 2000, grow=False)
         bucketed, lhotse_cpu = lhotse_batches(frames, order, budget)
         for batches in (new, old, bucketed):
             assert sorted(i for b in batches for i in b) == list(range(args.utts)), "an utterance lost or repeated"
