@@ -11,6 +11,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import signal
 import threading
 import time
@@ -304,3 +305,14 @@ def test_a_stream_cut_into_epochs_goes_on_without_reading_its_windows_again(pack
         loader.close()
     assert batches[True] == batches[False] and len(batches[True][3]) == 5
     assert built == {False: 4, True: 1}
+
+
+@pytest.mark.parametrize("values", [["a", "b"], ["a\0x", "b"], [b"x", "y"], [None, "z"], [""], ["", ""], []])
+def test_a_batch_crosses_the_pipe_as_it_was(values):
+    """Texts travel joined into one string (one to unpickle, not one per sample); anything a
+    join would change (a NUL of their own, bytes, None) travels as it is."""
+    from seqshard.pipeline.workers.protocol import BatchItem, pack
+
+    item = BatchItem(0, 1, {"texts": values, "feats": (64, (2, 3), "<f4")}, b"", b"", 2, 4, 6, slot=0)
+    again = BatchItem.from_wire(pickle.loads(pack(item.wire())))
+    assert again.batch == item.batch and again.slot == 0

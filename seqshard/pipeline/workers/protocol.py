@@ -84,8 +84,13 @@ class BatchItem:
 def _wired(value: Any) -> Any:
     if isinstance(value, tuple):  # a place in a slot (SlotArray)
         return tuple(value)
-    if isinstance(value, list) and value and all(type(v) is str and "\0" not in v for v in value):
-        return "\0".join(value)
+    if isinstance(value, list) and value:
+        try:
+            joined = "\0".join(value)
+        except TypeError:  # not all texts
+            return value
+        if joined.count("\0") == len(value) - 1:  # no NUL of their own
+            return joined
     return value
 
 
