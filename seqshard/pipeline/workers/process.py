@@ -142,10 +142,14 @@ class _NextEpoch:
         return len(self.made) >= AHEAD_OF_EPOCH or (bool(self.made) and not isinstance(self.made[-1], Made))
 
     def step(self) -> None:
-        made = self.run.make()
+        """Make one more batch (an error is kept, to be raised when that epoch is asked for)."""
+        try:
+            made = self.run.make()
+            if isinstance(made, Made):
+                self.run.prepare()
+        except Exception as error:  # a bug or a user's transform, met in the next epoch's data
+            made = ErrorItem(self.run.worker, self.run.seq, _portable(error, self.run.worker))
         self.made.append(made)
-        if isinstance(made, Made):
-            self.run.prepare()
 
 
 class WorkerLoop:
