@@ -199,7 +199,7 @@ class WorkerLoop:
 
     # -- one iteration ------------------------------------------------------------------------
     def _run(self, iteration: int, epoch: int, spec: dict[str, Any]) -> tuple:
-        self._read_credits(block=False)  # credits of an abandoned iteration are not this one's
+        self._read_credits()  # credits of an abandoned iteration are not this one's
         self._credits = self._ahead
         ready = self._next if self._next is not None and self._next.run.epoch == epoch and spec == FRESH else None
         self._next = None
@@ -231,12 +231,12 @@ class WorkerLoop:
             if self._credits > 0:
                 return None
             if self._may_read_ahead(run):
-                self._read_credits(block=False)
+                self._read_credits()
                 if not self._credits:
                     self._step_next_epoch()
                 continue
             if self._wait([self._commands, self._credits_in]) and not self._commands.poll():
-                self._read_credits(block=False)
+                self._read_credits()
 
     def _idle(self, run: ReaderRun) -> tuple:
         """After an iteration: make the next epoch while no command comes, then wait for one."""
@@ -293,8 +293,9 @@ class WorkerLoop:
         self._items.send_bytes(data)
         self._credits -= 1
 
-    def _read_credits(self, block: bool) -> None:
-        if block or self._credits_in.poll():
+    def _read_credits(self) -> None:
+        """Count the credits that have come (without waiting for any)."""
+        if self._credits_in.poll():
             self._credits += len(os.read(self._credits_in.fileno(), 1 << 16))
 
     def _wait(self, ends: list) -> bool:
