@@ -166,17 +166,17 @@ def test_impossible_windows_are_refused(window):
 def test_the_loaders_default_window_follows_the_budget_and_len_stays_exact(tmp_path):
     """make_loader's default sort_window is the budget window: batch_size=3 sorts windows of
     2,000 samples (64 batches of 3 is fewer), after a stream's first windows of 1/16, 1/8, 1/4
-    and 1/2 of that; so 4,500 utterances make windows of 125, 250, 500, 1,000, 2,000 and 625
-    samples, 42 + 84 + 167 + 334 + 667 + 209 batches, and len() counts them so."""
+    and 1/2 of that in whole batches; so 4,500 utterances make windows of 126, 252, 501, 1,002,
+    2,000 and 619 samples, 42 + 84 + 167 + 334 + 667 + 207 batches, and len() counts them so."""
     from conftest import pack_small
     from seqshard import make_loader
 
     packed = pack_small(tmp_path, utts_per_file=1500, speakers=45, per_speaker=100, dim=2, frames=(2, 6))
     loader = make_loader(packed.pattern, batch_size=3, num_workers=0, split_shards=False)
-    assert loader.planned_batches().exact and len(loader) == 1503
+    assert loader.planned_batches().exact and len(loader) == 1501
     batches = list(loader)
-    assert len(batches) == 1503 and sum(len(b["keys"]) for b in batches) == 4500
-    assert sorted(len(b["keys"]) for b in batches)[:7] == [1, 1, 1, 2, 2, 2, 3]  # what each window leaves
+    assert len(batches) == 1501 and sum(len(b["keys"]) for b in batches) == 4500
+    assert sorted(len(b["keys"]) for b in batches)[:3] == [1, 2, 3]  # the full windows leave a batch of 2 and 1
 
 
 def test_counting_sorted_batches_gives_what_cutting_them_gives():

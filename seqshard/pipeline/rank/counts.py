@@ -22,7 +22,7 @@ from ...options import Batching, BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
 from ..plan import Unit, plan_epoch, planned_utts
-from ..stages.batching import count_sorted_batches
+from ..stages.batching import count_sorted_batches, whole_batches
 from ..workers.recipe import SORT_GROWTH, batch_cost
 from ..workers.setup import WorkerSetup
 from .merge import RankPosition
@@ -104,14 +104,15 @@ def _window_samples(setup: WorkerSetup, number: int | None = None) -> int:
     the option's number, or what the default budget window reads at the index's mean share of
     a batch per sample (exact for ``batch_size``)."""
     batching = setup.options.batching
+    cost = batch_cost(batching)
     if batching.sort_window is not None:
         full = batching.sort_window
-        return full if number is None else SORT_GROWTH.items(full, number, batching.batch_size or 1)
+        return full if number is None else whole_batches(SORT_GROWTH.items(full, number), cost, full)
     window = BudgetWindow() if number is None else BudgetWindow().scaled(SORT_GROWTH.scale(number))
     histogram = dict(setup.table.length_hist)
-    cost = batch_cost(batching)
     if batching.batch_size is not None or not histogram:
-        return window.samples(cost.share(1))
+        samples = window.samples(cost.share(1))
+        return samples if number is None else whole_batches(samples, cost, BudgetWindow().samples(cost.share(1)))
     shares = sum(
         cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
     )

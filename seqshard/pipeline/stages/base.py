@@ -183,12 +183,12 @@ class Growth:
         """The share of a full window that window ``number`` holds."""
         return 1.0 if number >= 256 else min(1.0, self.first * self.factor**number)
 
-    def items(self, full: int, number: int, least: int = 1) -> int:
-        """Items of window ``number`` of windows of ``full`` items (at least ``least``)."""
+    def items(self, full: int, number: int) -> int:
+        """Items of window ``number`` of windows of ``full`` items."""
         share = self.scale(number)
         if share >= 1:
             return full
-        return min(full, max(self.floor, least, math.ceil(full * share)))
+        return min(full, max(self.floor, math.ceil(full * share)))
 
 
 class Window:

@@ -102,6 +102,14 @@ class Batch:
         return len(self.samples)
 
 
+def whole_batches(count: int, cost: BatchCost, most: int) -> int:
+    """``count`` samples rounded up to whole batches of a fixed size (at most ``most``); as they
+    are for a budget."""
+    if not isinstance(cost, FixedSize):
+        return count
+    return min(most, -(-count // cost.size) * cost.size)
+
+
 def bucket_of(batch: Batch, bounds: Sequence[int]) -> int:
     """Length bucket of a batch: how many of the ascending ``bounds`` its longest sample reaches."""
     return bisect.bisect_right(bounds, batch.longest)
@@ -266,7 +274,8 @@ def _most_per_batch(cost: BatchCost, length: int) -> int:
 class SortBatch(WindowStage[Batch]):
     """Length-sorted batches from windows of ``window``: a :class:`BudgetWindow` (``None``:
     the default one) or a fixed number of samples; with ``grow``, a stream's first windows are
-    that share of a full one (its samples, batches and bounds), doubling.
+    that share of a full one (its samples, batches and bounds), doubling, in whole batches of a
+    fixed size.
 
     ``oversize="alone"`` puts a sample that exceeds the budget on its own in a batch;
     ``"drop"`` counts it under ``dropped.oversize``. Counters: ``batches``, ``utts_batched``,
@@ -307,12 +316,20 @@ class SortBatch(WindowStage[Batch]):
     def limits(self, number: int) -> tuple[int, int, float]:
         """Window ``number``'s most samples, and the samples and batches (unpadded shares,
         summed) that close it before that (see :class:`BudgetWindow`)."""
-        if self.budget is None:  # a fixed window is full at its size (a growing one holds a batch)
-            least = self.cost.size if isinstance(self.cost, FixedSize) else 1
-            most = self.grow.items(self.window, number, least) if self._growing and self.grow else self.window
+        growing = self.scale(number) < 1  # a growing window holds whole batches of a fixed size
+        if self.budget is None:  # a fixed window is full at its size
+            if not growing or self.grow is None:
+                return self.window, self.window, 0.0
+            most = whole_batches(self.grow.items(self.window, number), self.cost, self.window)
             return most, most, 0.0
-        window = self.budget.scaled(self.scale(number))
-        return window.max_samples, window.min_samples, window.batches * (1 - 1e-9)  # shares summed in floating point
+        full, window = self.budget, self.budget.scaled(self.scale(number))
+        most, least = window.max_samples, window.min_samples
+        if growing:
+            most, least = (
+                whole_batches(most, self.cost, full.max_samples),
+                whole_batches(least, self.cost, full.min_samples),
+            )
+        return most, least, window.batches * (1 - 1e-9)  # shares summed in floating point
 
     def capacity(self, number: int) -> int:
         return self.limits(number)[0]
