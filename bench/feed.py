@@ -6,7 +6,8 @@ another checkout's (``--baseline-code``).
                          [--baseline-code DIR] [--audio-minutes 10] [--out bench/out] [--quick]
 
 Features: seqshard.demo.make_corpus (80-dim, about 310 frames an utterance) packed, batches of
-20,000 padded frames (about 215 steps an epoch for 12,000 utterances). Audio: bench/audio.py's
+20,000 padded frames (about 200 steps an epoch for 12,000 utterances), labels as text
+(``--tokenizer``: tokenized with the corpus's units, which about doubles a reader's work). Audio: bench/audio.py's
 corpus of real speech cut into 2-15 s utterances, packed as FLAC, fbank computed on the fly
 (``AUDIO_WAYS``: in the workers; the device's way is added there).
 
@@ -212,6 +213,7 @@ def main() -> None:
     parser.add_argument("--steps", type=float, nargs="+", default=[5, 10, 20], help="ms a step sleeps")
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--tokenizer", action="store_true", help="labels tokenized with the corpus's units")
     parser.add_argument("--baseline-code", help="a folder whose seqshard is measured in the same rounds (main)")
     parser.add_argument("--audio-minutes", type=float, default=10.0, help="0: no audio rows")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
@@ -226,6 +228,7 @@ def main() -> None:
     load = os.getloadavg()[0]
     pattern, units = feature_corpus(args.out, args.utts)
     codes = {"this": None} | ({"baseline": args.baseline_code} if args.baseline_code else {})
+    units = units if args.tokenizer else None
     cases = [("feats", pattern, units, step, workers, {}) for step in args.steps for workers in args.workers]
     if args.audio_minutes > 0:
         audio = audio_corpus(args.out, args.audio_minutes)

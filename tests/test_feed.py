@@ -313,6 +313,8 @@ def test_a_batch_crosses_the_pipe_as_it_was(values):
     join would change (a NUL of their own, bytes, None) travels as it is."""
     from seqshard.pipeline.workers.protocol import BatchItem, pack
 
-    item = BatchItem(0, 1, {"texts": values, "feats": (64, (2, 3), "<f4")}, b"", b"", 2, 4, 6, slot=0)
+    item = BatchItem(
+        0, 1, {"texts": values, "feats": (64, (2, 3), "<f4")}, b"", b"", 2, 4, 6, slot=0, places=("feats",)
+    )
     again = BatchItem.from_wire(pickle.loads(pack(item.wire())))
-    assert again.batch == item.batch and again.slot == 0
+    assert again.batch == item.batch and again.slot == 0 and again.places == ("feats",)

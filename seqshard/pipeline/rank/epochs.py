@@ -40,9 +40,10 @@ class StopTogether(EpochEnd):
 
     def __init__(self, collectives: Collectives):
         self.collectives = collectives
+        self._alone = not collectives.context.distributed
 
     def settle(self, item: BatchItem | None, agreed: bool) -> BatchItem | None:
-        if agreed or not self.collectives.context.distributed:
+        if agreed or self._alone:
             return item
         (everyone,) = self.collectives.all_min([0 if item is None else 1])
         return item if everyone else None
@@ -168,6 +169,11 @@ class EpochRules:
         self.end = end
         self.length = length
         self.bucket_sync = bucket_sync
+
+    @property
+    def capped(self) -> bool:
+        """Whether an epoch has a length of its own (steps, hours, a source's pass)."""
+        return type(self.length) is not EpochLength
 
     def over(self, position: RankPosition) -> bool:
         """Whether the epoch's length is reached (not the data's end)."""

@@ -131,12 +131,12 @@ class ShardLoader:
         planned = planned_batches(self._setup, self.epoch, position)
         last = planned.total if planned.exact else None  # a consumer may stop after len() batches
         damaged = [0] * len(position.workers)  # damaged shards each reader reported
-        clock = time.perf_counter
+        clock, capped = time.perf_counter, rules.capped
         try:
             stream = MergedStream(self._pool.start(position.epoch, position.worker_request()), position)
             while True:
                 asked = clock()
-                cut = rules.over(stream.position)  # the epoch's length reached, not the data's end
+                cut = capped and rules.over(stream.position)  # the epoch's length reached, not the data's end
                 item = None if cut else rules.next_item(stream)
                 if item is None:
                     break

@@ -153,6 +153,7 @@ class MergedStream:
         self.position = position
         self._reservoir: list[deque[BatchItem]] = [deque() for _ in position.queues]
         self._states_above: dict[tuple[int, int], dict[str, Any]] = {}  # emitted beyond low
+        self._done = sum(w.done for w in position.workers)  # workers that sent their end
         self._replay()
 
     def _replay(self) -> None:
@@ -179,7 +180,7 @@ class MergedStream:
 
     @property
     def exhausted(self) -> bool:
-        return all(w.done for w in self.position.workers)
+        return self._done == len(self.position.workers)
 
     def pull(self) -> BatchItem | None:
         """The next batch in turn, or None when every worker is finished."""
@@ -194,6 +195,7 @@ class MergedStream:
             spot.stats = item.stats  # type: ignore[union-attr]
             if isinstance(item, EndItem):
                 spot.done = True
+                self._done += 1
                 if spot.low == spot.pulled:
                     spot.state = item.state
                 continue

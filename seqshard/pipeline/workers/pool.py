@@ -92,7 +92,7 @@ class WorkerPool:
         pin = self.options.pin_memory and _cuda_available()
         batch = item.batch
         if item.slot is not None:
-            places = {k: v for k, v in batch.items() if isinstance(v, tuple)}
+            places = {name: batch[name] for name in item.places}
             batch.update(self.runtime.slots.receive(item.slot, places, pin))  # type: ignore[union-attr]
         else:
             batch = to_tensors(batch)

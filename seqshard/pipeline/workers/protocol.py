@@ -35,8 +35,9 @@ def unpack(value: Any) -> Any:
 @dataclass
 class BatchItem:
     """One collated batch. Arrays in ``batch`` are numpy arrays, torch tensors, or (when
-    ``slot`` is set) :class:`~.transfer.SlotArray` places in that shared slot. ``state`` and
-    ``stats`` are dicts, or their :func:`pack`ed bytes from a worker process."""
+    ``slot`` is set) :class:`~.transfer.SlotArray` places in that shared slot, under the names
+    ``places`` lists. ``state`` and ``stats`` are dicts, or their :func:`pack`ed bytes from a
+    worker process."""
 
     worker: int
     seq: int
@@ -48,18 +49,24 @@ class BatchItem:
     padded: int  # size x longest
     bucket: int = 0
     slot: int | None = None
+    places: tuple[str, ...] = ()  # the names of the arrays in the slot
     by_source: list[list[int]] | None = None  # [utterances, length] per source of a mix
     busy: float = 0.0  # seconds the reader spent making the batch
     damaged: int = 0  # damaged shards the reader has met (its counters say which)
 
     def wire(self) -> tuple:
         """The fields as a tuple, cheaper to unpickle than the object (:meth:`from_wire` makes
-        the item again): slot places as plain tuples, lists of texts (keys, labels) as one text
-        joined with NUL (one string to unpickle, not one per sample)."""
+        the item again), then the names of the lists of texts (keys, labels) sent as one text
+        joined with NUL (one string to unpickle, not one per sample); slot places as plain tuples."""
+        batch, joined = {}, []
+        for name, value in self.batch.items():
+            batch[name] = _wired(value)
+            if type(batch[name]) is str:
+                joined.append(name)
         return (
             self.worker,
             self.seq,
-            {name: _wired(value) for name, value in self.batch.items()},
+            batch,
             self.state,
             self.stats,
             self.size,
@@ -67,17 +74,20 @@ class BatchItem:
             self.padded,
             self.bucket,
             self.slot,
+            self.places,
             self.by_source,
             self.busy,
             self.damaged,
+            tuple(joined),
         )
 
     @classmethod
     def from_wire(cls, wire: tuple) -> BatchItem:
-        item = cls(*wire)
-        for name, value in item.batch.items():
-            if type(value) is str:
-                item.batch[name] = value.split("\0")
+        *fields, joined = wire
+        item = cls(*fields)
+        batch = item.batch
+        for name in joined:
+            batch[name] = batch[name].split("\0")
         return item
 
 

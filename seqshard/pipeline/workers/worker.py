@@ -141,7 +141,9 @@ class ReaderRun:
         """``made`` collated (into a slot when one is free) as the next item of this run."""
         started = time.perf_counter()
         batch = made.batch
-        arrays, slot = _collate(batch, self.collator, self.runtime, self.worker, iteration, self.in_worker_process)
+        arrays, slot, places = _collate(
+            batch, self.collator, self.runtime, self.worker, iteration, self.in_worker_process
+        )
         self.seq += 1
         mix = self.setup.mix
         return BatchItem(
@@ -155,6 +157,7 @@ class ReaderRun:
             batch.longest * len(batch),
             bucket_of(batch, self.setup.bucket_bounds),
             slot,
+            places,
             per_source_counts(batch.samples, batch.lengths, len(mix.names)) if mix else None,
             made.busy + time.perf_counter() - started,
             made.damaged,
@@ -217,19 +220,20 @@ def carry_from_json(data: list | None) -> Carry | None:
 
 def _collate(
     batch: Batch, collator: Collator, runtime: WorkerRuntime, worker: int, iteration: int, in_worker_process: bool
-) -> tuple[dict[str, Any], int | None]:
-    """The batch's arrays and the slot holding them: they are collated into a slot when one
-    is free and large enough (sent as places in it), else into new arrays (in a worker
-    process torch tensors, which travel through shared memory of their own). Without worker
-    processes slots still pay: their pages are reused, not faulted in anew."""
+) -> tuple[dict[str, Any], int | None, tuple[str, ...]]:
+    """The batch's arrays, the slot holding them and their names there: they are collated into
+    a slot when one is free and large enough (sent as places in it), else into new arrays (in a
+    worker process torch tensors, which travel through shared memory of their own). Without
+    worker processes slots still pay: their pages are reused, not faulted in anew."""
     columns = collator.layout(batch)
     arena = runtime.slots.acquire(worker, array_bytes(columns, ALIGN), iteration) if runtime.slots else None
     if arena is None:
         arrays = collator.fill(batch, columns)
         if not in_worker_process:
-            return arrays, None
+            return arrays, None, ()
         import torch
 
-        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, None
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, None, ()
     arrays = collator.fill(batch, columns, arena.allocate)
-    return {k: arena.describe(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, arena.slot
+    places = tuple(k for k, v in arrays.items() if isinstance(v, np.ndarray))
+    return {k: arena.describe(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, arena.slot, places
