@@ -79,9 +79,9 @@ class WorkerPool:
         copy); raise the error a worker reported."""
         if isinstance(item, ErrorItem):
             # Raised without a reference cycle (error -> traceback -> this frame -> item -> error),
-            # which would keep the DataLoader iterator alive until a garbage collection; one that
-            # ran in a worker forked later stopped workers not its own ("Exception ignored ...
-            # can only test a child process"). Freed with the error, the iterator stops its workers.
+            # which would keep the iteration alive until a garbage collection (one that ran in a
+            # worker forked later stopped workers not its own). Freed with the error, the
+            # iteration ends and stops its workers.
             error, item.error = item.error, None
             try:
                 raise error
