@@ -138,7 +138,8 @@ class Batching(OptionGroup):
     64 batches, 2,000 to 16,384 samples, so padding stays low at any budget; a number fixes
     the window's samples); samples over the budget
     go ``"alone"`` or are ``"drop"``ped; ``bucket_sync`` gives every rank batches of one length
-    bucket (of ``num_buckets``) at each step."""
+    bucket (of ``num_buckets``) at each step; ``grow_windows``: each epoch's first sort and
+    shuffle windows are small and grow, so its first batch comes early."""
 
     batch_size: int | None = None
     batch_frames: int | None = None
@@ -147,6 +148,7 @@ class Batching(OptionGroup):
     oversize: str = "alone"
     bucket_sync: bool = False
     num_buckets: int = 8
+    grow_windows: bool = True
 
     def __post_init__(self) -> None:
         if self.batch_size is None and self.batch_frames is None:

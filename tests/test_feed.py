@@ -76,6 +76,12 @@ def test_the_first_batch_comes_early_and_no_batch_waits_for_a_window(five_hundre
     reads = reads_per_batch(loader, counter)
     assert sum(reads) == counter.seen and len(reads) >= 120 and counter.seen >= 480
     assert reads[0] <= 200  # shuffle windows of 64 and 64 fill the first sort window of 64
+    if not stream:  # grow_windows=False: full windows from the start, as before
+        counter = Counted()
+        loader = make_loader(
+            five_hundred.pattern, batch_size=4, num_workers=0, transforms=[counter], grow_windows=False, **WINDOWS
+        )
+        assert reads_per_batch(loader, counter)[0] >= 320
     assert max(reads[1:]) <= 100  # a small shuffle window at most, else about a batch's share (never 320)
     assert sorted(reads[1:])[-2] <= 40  # a batch of 4: up to ~4 x 4 while the windows grow
 

@@ -36,7 +36,7 @@ def planned_batches(setup: WorkerSetup, epoch: int, start: RankPosition | None =
     the epoch's beginning."""
     done_steps = start.step if start is not None else 0
     resumed = start.plan_units() if start is not None else None
-    grow = start.windows_grow if start is not None else True
+    grow = setup.options.batching.grow_windows and (start is None or start.windows_grow)
     options = setup.options
     steps = options.epochs.epoch_steps
     if steps is not None:
@@ -75,7 +75,8 @@ def _elastic_rest(setup: WorkerSetup, resumed: list[list[Unit]], done_steps: int
     utts = [planned_utts(setup.table, units) for units in resumed]
     if any(n is None for n in utts):
         return _unknown("some shards have no index.json (run `seqshard index` on their folders)")
-    pairs = [pair for n in utts for pair in _reader_batches(setup, int(n))]  # type: ignore[arg-type]
+    grow = setup.options.batching.grow_windows
+    pairs = [pair for n in utts for pair in _reader_batches(setup, int(n), grow)]  # type: ignore[arg-type]
     why = _why_not_exact(setup)
     if not why and setup.options.epochs.uneven != "join" and setup.world_size > 1:
         why = "after an elastic resume a rank knows only its own share of the epoch's rest"
@@ -83,7 +84,7 @@ def _elastic_rest(setup: WorkerSetup, resumed: list[list[Unit]], done_steps: int
     return _planned(low, high, done_steps, why)
 
 
-def _reader_batches(setup: WorkerSetup, count: int, grow: bool = True) -> list[tuple[int, int]]:
+def _reader_batches(setup: WorkerSetup, count: int, grow: bool) -> list[tuple[int, int]]:
     """(low, high) batches of a reader of ``count`` samples (one pair per window; a stream's
     first windows grow, ``SORT_GROWTH``)."""
     batching = setup.options.batching

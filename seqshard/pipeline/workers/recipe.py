@@ -210,7 +210,8 @@ class Reader:
         shuffling = self.options.shuffling
         if not shuffling.shuffle:
             return source
-        return WindowShuffle(source, shuffling.shuffle_window, self.seed, *self.seed_position, grow=SHUFFLE_GROWTH)
+        grow = SHUFFLE_GROWTH if self.options.batching.grow_windows else None
+        return WindowShuffle(source, shuffling.shuffle_window, self.seed, *self.seed_position, grow=grow)
 
     def batch(self, source: Stage[Sample]) -> SortBatch:
         batching = self.options.batching
@@ -223,7 +224,7 @@ class Reader:
             length=self.setup.length,
             shuffle=self.options.shuffling.shuffle,
             oversize=batching.oversize,
-            grow=SORT_GROWTH,
+            grow=SORT_GROWTH if batching.grow_windows else None,
         )
 
 
