@@ -249,7 +249,7 @@ def build_plan(
         "remove duplicate lines from the text files.",
     )
 
-    label_rows = labels.lookup(scp.hashes).astype(np.int32 if len(labels) < 2**31 else np.int64)
+    label_rows = labels.lookup(scp.hashes).astype(np.int32 if len(labels) < 2**31 else np.int64, copy=False)
     for row in np.flatnonzero(keep & (label_rows < 0)):
         key = scp.record(int(row))[0]
         drops(
@@ -314,20 +314,24 @@ def build_plan(
             group = options.groups[number] if options.groups else None
             bounds = (group.low, group.high) if group else ()
             positions = pack_order_rng(options.seed, *bounds).permutation(len(rows))
-        shard_in_group = positions // options.utts_per_file
+        positions //= options.utts_per_file  # in place: each row's shard in its group (memory, not time)
         num_shards = math.ceil(len(rows) / options.utts_per_file)
-        counts = np.bincount(shard_in_group, minlength=num_shards)
+        counts = np.bincount(positions, minlength=num_shards)
         folder = d_out / name if name else d_out
         first_ordinal = len(tasks)
         for index in range(num_shards):
             tasks.append(
                 ShardTask(first_ordinal + index, name, index, folder / (options.fmt % index), int(counts[index]))
             )
-        shard_of_row[rows] = first_ordinal + shard_in_group
+        positions += first_ordinal
+        shard_of_row[rows] = positions
+        del rows, positions
 
     dropped = dict(drops.counts)
     if outside:
         dropped["outside_groups"] = outside
+    scp.forget_lookups()  # writing re-reads rows by number only
+    labels.forget_lookups()
     return PackPlan(
         source,
         scp,
