@@ -18,14 +18,13 @@ version 2; version 1 has no field sets).
 
 Names read from data never point outside their folder: loading an index refuses a shard name
 that is not a plain file name and a sidecar name other than the two layouts above
-(:func:`check_name`); writers check the real path too (:func:`check_inside`).
+(:func:`check_name`); writers check the real path too (``files.inside``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,18 +60,6 @@ def check_name(name: Any, where: str | Path, what: str, fix: str) -> str:
             f"{where}: {what} is named {name!r}, not a plain file name: it could point outside its folder. {fix}"
         )
     return name
-
-
-def check_inside(folder: str | Path, path: str | Path) -> Path:
-    """``path`` if, with every symbolic link resolved, it lies inside ``folder`` (checked
-    before a file is written there); else a SeqshardError naming both."""
-    real, root = os.path.realpath(path), os.path.realpath(folder)
-    if os.path.commonpath([real, root]) != root or real == root:
-        raise SeqshardError(
-            f"{path} resolves to {real}, outside {folder}: refusing to write there (a symbolic link inside the "
-            "folder points out of it; replace it with a real folder)."
-        )
-    return Path(path)
 
 
 def length_bin(frames: int) -> int:

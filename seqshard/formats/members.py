@@ -23,6 +23,7 @@ import os
 import tempfile
 import zipfile
 import zlib
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ShardError
-from .files import default_file_mode, writing
+from .files import default_file_mode, inside, writing
 
 TABLE_DIR = ".members"
 VERSION = 1
@@ -104,9 +105,10 @@ class MemberTable:
             and all(np.array_equal(getattr(self, name), getattr(other, name)) for name in _ARRAYS)
         )
 
-    def save(self, shard: str | Path) -> Path:
-        """Write the table of ``shard`` atomically (a temporary name, then a rename)."""
-        path = table_path(shard)
+    def save(self, shard: str | Path, root: str | Path | None = None) -> Path:
+        """Write the table of ``shard`` atomically (a temporary name, then a rename), inside
+        ``root``, the folder being written (default: the shard's own; see ``files.inside``)."""
+        path = inside(Path(shard).parent if root is None else root, table_path(shard))
         with writing(path):
             path.parent.mkdir(exist_ok=True)
             descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
@@ -218,47 +220,75 @@ def _check_consistent(table: MemberTable, members: int) -> None:
 
 class TableBuilder:
     """Collects a shard's members in file order (from its writer, or from reading its headers);
-    :meth:`finish` measures the file's header bytes and gives the table."""
+    :meth:`finish` gives the table. Held in compact arrays (about 85 bytes per sample of two
+    members): a pack keeps hundreds of shards open at once. A writer hands over each sample's
+    header bytes as it writes them, so that their checksums need no second read of the file."""
 
     def __init__(self) -> None:
-        self._keys: list[str] = []
-        self._sample_offsets: list[int] = []
-        self._first_member: list[int] = []
-        self._members: list[tuple[int, int, int, int]] = []  # header offset, data offset, size, suffix id
+        self._keys = bytearray()  # each key followed by the separator
+        self._num_keys = 0
+        self._sample_offsets = array("q")
+        self._member_counts = array("I")
+        self._header_offsets = array("q")
+        self._header_lengths = array("I")
+        self._sizes = array("q")
+        self._suffix_ids = array("i")
         self._suffixes: dict[str, int] = {}
+        self._crcs: array | None = array("I")  # per block of CHECK_EVERY samples; None: read them from the file
 
-    def add_sample(self, key: str, offset: int, members: Sequence[tuple[str, int, int, int]]) -> None:
+    def add_sample(
+        self,
+        key: str,
+        offset: int,
+        members: Sequence[tuple[str, int, int, int]],
+        headers: Sequence[bytes] | None = None,
+    ) -> None:
         """Sample ``key`` whose first header is at ``offset``, with ``members`` as
-        ``(suffix, header offset, data offset, size)``, in file order."""
-        self._keys.append(key)
+        ``(suffix, header offset, data offset, size)``, in file order; ``headers``: each
+        member's header bytes (from its header offset to its data offset), when at hand."""
+        if self._crcs is not None:
+            if headers is None:
+                self._crcs = None
+            else:
+                if self._num_keys % CHECK_EVERY == 0:
+                    self._crcs.append(0)
+                crc = self._crcs[-1]
+                for header in headers:
+                    crc = zlib.crc32(header, crc)
+                self._crcs[-1] = crc
+        self._keys += key.encode("utf-8", "surrogateescape") + _SEPARATOR
+        self._num_keys += 1
         self._sample_offsets.append(offset)
-        self._first_member.append(len(self._members))
+        self._member_counts.append(len(members))
         for suffix, header_at, data_at, size in members:
-            suffix_id = self._suffixes.setdefault(suffix, len(self._suffixes))
-            self._members.append((header_at, data_at, size, suffix_id))
+            self._header_offsets.append(header_at)
+            self._header_lengths.append(data_at - header_at)
+            self._sizes.append(size)
+            self._suffix_ids.append(self._suffixes.setdefault(suffix, len(self._suffixes)))
 
     def finish(self, path: str | Path, end: int) -> MemberTable:
         """The table of the tar ``path``, whose samples end at ``end`` (its end marker)."""
-        members = np.array(self._members, dtype=np.int64).reshape(-1, 4)
-        with open(path, "rb") as stream:
-            size = os.fstat(stream.fileno()).st_size
-            blocks = -(-len(self._keys) // CHECK_EVERY)
-            table = MemberTable(
-                size,
-                tuple(self._keys),
-                np.array([*self._sample_offsets, end], dtype=np.int64),
-                np.array([*self._first_member, len(members)], dtype=np.int64),
-                members[:, 0].copy(),
-                members[:, 1].copy(),
-                members[:, 2].copy(),
-                members[:, 3].astype(np.int32),
-                tuple(self._suffixes),
-                np.zeros(blocks, dtype=np.uint32),
-            )
-            if blocks:
-                with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                    data = memoryview(mapped)
-                    for block in range(blocks):
-                        table.header_crcs[block] = table.block_crc(block, data)
-                    data.release()
+        header_offsets = np.array(self._header_offsets, dtype=np.int64)
+        first_member = np.zeros(self._num_keys + 1, dtype=np.int64)
+        np.cumsum(np.array(self._member_counts, dtype=np.int64), out=first_member[1:])
+        blocks = -(-self._num_keys // CHECK_EVERY)
+        crcs = np.array(self._crcs if self._crcs is not None else np.zeros(blocks), dtype=np.uint32)
+        table = MemberTable(
+            os.stat(path).st_size,
+            _split(np.frombuffer(self._keys[:-1], dtype=np.uint8), self._num_keys),
+            np.append(np.array(self._sample_offsets, dtype=np.int64), end),
+            first_member,
+            header_offsets,
+            header_offsets + np.array(self._header_lengths, dtype=np.int64),
+            np.array(self._sizes, dtype=np.int64),
+            np.array(self._suffix_ids, dtype=np.int32),
+            tuple(self._suffixes),
+            crcs,
+        )
+        if self._crcs is None and blocks:
+            with open(path, "rb") as stream, mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                data = memoryview(mapped)
+                for block in range(blocks):
+                    table.header_crcs[block] = table.block_crc(block, data)
+                data.release()
         return table

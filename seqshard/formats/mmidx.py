@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, ShardError
-from .files import fsync_directory, write_json_atomic, writing
+from .files import fsync_directory, inside, open_output, write_json_atomic, writing
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -357,9 +357,13 @@ class TokenDatasetWriter:
                 f"(codes exist for {sorted(map(str, CODE_OF_DTYPE[layout]))})."
             )
         self._temporary = self.bin_path.with_name(f".{self.bin_path.name}.partial")
+        self._index_temporary = self.idx_path.with_name(f".{self.idx_path.name}.partial")
+        folder = self.bin_path.parent
+        for path in (self.bin_path, self.idx_path, self._temporary, self._index_temporary):
+            inside(folder, path)  # a link at one of these names does not lead the writing elsewhere
         with writing(self._temporary):
-            self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-            self._stream = open(self._temporary, "wb")  # noqa: SIM115 (closed by finish/abort)
+            folder.mkdir(parents=True, exist_ok=True)
+        self._stream = os.fdopen(open_output(self._temporary), "wb")  # closed by finish/abort
         self._sizes: list[np.ndarray] = []
         self._doc_index = [0]
         self._explicit_documents = False
@@ -415,15 +419,14 @@ class TokenDatasetWriter:
             self._stream.flush()
             os.fsync(self._stream.fileno())
             self._stream.close()
-        index_temporary = self.idx_path.with_name(f".{self.idx_path.name}.partial")
-        with writing(index_temporary), open(index_temporary, "wb") as stream:
+        with writing(self._index_temporary), os.fdopen(open_output(self._index_temporary), "wb") as stream:
             for part in parts:
                 stream.write(part)
             stream.flush()
             os.fsync(stream.fileno())
         self.idx_path.unlink(missing_ok=True)  # an old index never describes the new .bin
         os.replace(self._temporary, self.bin_path)
-        os.replace(index_temporary, self.idx_path)
+        os.replace(self._index_temporary, self.idx_path)
         fsync_directory(self.bin_path.parent)
 
     def abort(self) -> None:

@@ -14,8 +14,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import re
-import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
@@ -24,15 +22,17 @@ from typing import Any
 
 from .. import __version__
 from ..errors import ConfigError, InputError, SeqshardError, Where, option
-from ..formats.files import remove_stale_temporaries, write_json_atomic, writing
-from ..formats.index import INDEX_NAME, ShardEntry, ShardIndex
+from ..formats.files import inside, remove_stale_temporaries, write_json_atomic, writing
+from ..formats.index import ShardEntry, ShardIndex
+from ..formats.lock import FolderLock
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
 from ..progress import Progress
 from .journal import Journal, finished_shards, shard_written
+from .owned import describe_foreign, foreign_entries, in_the_way, recorded, remove_previous_pack
 from .plan import UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
 from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource
-from .write import DEFAULT_MAX_OPEN, remove_partials, write_shards
+from .write import DEFAULT_MAX_OPEN, Resume, write_shards
 
 _LOG = logging.getLogger("seqshard")
 RUN_FILE = "run.json"
@@ -123,21 +123,30 @@ def pack_data(
         raise ConfigError(f"{option('d_out', d_out)}: {d_out} is a file, not a folder.")
     with writing(d_out):
         d_out.mkdir(parents=True, exist_ok=True)
-    if overwrite:
-        _clear_output(d_out, options.fmt)
-    for folder in [d_out, d_out / STATE_DIR, *(d_out / g.name for g in options.groups)]:
-        if folder.is_dir():
-            remove_stale_temporaries(folder)
-    run = _claim_output(d_out, options, _identity_inputs(source, text_files, options))
+    described = _describe_run(options, _identity_inputs(source, text_files, options))
+    command = "seqshard pack" + (f" (part {part} of {num_parts})" if num_parts > 1 else "")
+    with FolderLock(d_out, command, shared=num_parts > 1) as lock:
+        folders = [d_out / STATE_DIR, *(d_out / g.name for g in options.groups)]
+        for folder in folders:
+            inside(d_out, folder)  # nothing is written (or removed) through a link out of the folder
+        if overwrite:
+            removed = remove_previous_pack(d_out)
+            _LOG.info("%s: removed %d files of the previous pack", d_out, removed)
+        for folder in [d_out, *folders]:
+            if folder.is_dir():
+                remove_stale_temporaries(folder)
+        _refuse_foreign_files(d_out, [d_out / g.name for g in options.groups] or [d_out], options.fmt)
+        run = _claim_output(d_out, described, alone=lock.alone)
+        lock.share()
 
-    with Progress(progress) as bars:
-        plan = build_plan(source, text_files, d_out, options, bars.bar)
-        _record_plan(d_out, run, plan)
-        try:
-            return _pack_planned(plan, options, d_out, text_files, jobs, num_parts, part, max_open, bars, started)
-        finally:
-            plan.scp.close()
-            plan.labels.close()
+        with Progress(progress) as bars:
+            plan = build_plan(source, text_files, d_out, options, bars.bar)
+            _record_plan(d_out, run, plan)
+            try:
+                return _pack_planned(plan, options, d_out, text_files, jobs, num_parts, part, max_open, bars, started)
+            finally:
+                plan.scp.close()
+                plan.labels.close()
 
 
 def _source(
@@ -188,7 +197,7 @@ def _pack_planned(
     mine = [t for t in plan.tasks if t.ordinal % num_parts == part]
     done = finished_shards(d_out)
     todo = [t for t in mine if _relative(t) not in done]
-    remove_partials(todo)
+    resume = Resume(d_out, todo, {t.ordinal for t in mine if _relative(t) in done})
     if len(todo) < len(mine):
         _LOG.info(
             "%d of this part's %d shards are already finished; writing %d",
@@ -196,15 +205,21 @@ def _pack_planned(
             len(mine),
             len(todo),
         )
-    _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars)
+    if resume.states:
+        _LOG.info("continuing %d partial shards of a killed run from their last checkpoint", len(resume.states))
+    resumed = resume.utterances
+    _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars, resume)
 
     records = finished_shards(d_out)
     complete = _write_indexes(plan, records, options, dim, d_out, text_files)
     report = _report(plan, records, todo, d_out, complete, time.perf_counter() - started, dim, options)
+    report.resumed_utts = resumed
     if complete:
-        write_json_atomic(d_out / REPORT_NAME, report.to_json())
+        for state in (d_out / STATE_DIR).glob("partial-*.json"):  # a checkpoint that ended after its shard
+            state.unlink(missing_ok=True)
+        write_json_atomic(d_out / REPORT_NAME, report.to_json(), d_out)
     else:
-        write_json_atomic(d_out / STATE_DIR / f"report-part{part}.json", report.to_json())
+        write_json_atomic(d_out / STATE_DIR / f"report-part{part}.json", report.to_json(), d_out)
     if complete and report.packed == 0:
         reasons = ", ".join(f"{reason}={count}" for reason, count in report.dropped.items())
         raise SeqshardError(
@@ -288,38 +303,47 @@ def content_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _clear_output(d_out: Path, fmt: str) -> None:
-    """Remove a previous pack from ``d_out``: its shards (any named like ``fmt``, in the
-    folder and its group sub-folders), their partial files, indexes, report and journal."""
-    shard_glob = re.sub(r"%[-+ 0#]*\d*d", "*", fmt)
-    for folder in [d_out, *(p for p in d_out.iterdir() if p.is_dir() and not p.name.startswith("."))]:
-        for path in [*folder.glob(shard_glob), *folder.glob(f".{shard_glob}.partial"), folder / INDEX_NAME]:
-            path.unlink(missing_ok=True)
-    (d_out / REPORT_NAME).unlink(missing_ok=True)
-    shutil.rmtree(d_out / STATE_DIR, ignore_errors=True)
+def _refuse_foreign_files(d_out: Path, folders: list[Path], fmt: str) -> None:
+    """Refuse to write where files that no pack here wrote would be written over, or mixed
+    with this pack's shards (another corpus copied into the folder)."""
+    blocking = in_the_way(recorded(d_out), [f for f in folders if f.is_dir()], fmt)
+    if blocking:
+        shown = ", ".join(map(str, blocking[:5])) + (f" and {len(blocking) - 5} more" if len(blocking) > 5 else "")
+        raise ConfigError(
+            f"{d_out} holds files that this pack would write over or mix its shards with, and that no pack here "
+            f"wrote: {shown}. Fix: move them elsewhere (another corpus copied here?), or pack into a new output "
+            f"folder; {option('overwrite')} removes only what an earlier pack in the folder wrote."
+        )
 
 
-def _claim_output(d_out: Path, options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
-    """Record what this folder is being packed from. A folder holding shards packed from other
-    inputs or options is refused; one where no shard file was written yet (a run that failed
-    before its first shard, or one that kept nothing) is taken over. Returns the run record."""
+def _claim_output(d_out: Path, described: dict[str, Any], alone: bool) -> dict[str, Any]:
+    """Record what this folder is being packed from (``described``). A folder holding shards
+    packed from other inputs or options is refused; one where no shard file was written yet (a
+    run that failed before its first shard, or one that kept nothing) is taken over, unless
+    other parts are packing into it (not ``alone``). Returns the run record."""
     run_file = d_out / STATE_DIR / RUN_FILE
-    described = _describe_run(options, inputs)
     if run_file.exists():
         previous = json.loads(run_file.read_text(encoding="utf-8"))
         if previous.get("fingerprint") == described["fingerprint"]:
             return previous
+        differences = "; ".join(_run_differences(previous, described))
         if _any_shard_written(d_out):
             raise ConfigError(
-                f"{d_out} holds shards packed from other inputs or options ({'; '.join(_run_differences(previous, described))}; "
-                f"see {run_file}). Use a new output folder, or pass {option('overwrite')} to replace them."
+                f"{d_out} holds shards packed from other inputs or options ({differences}; see {run_file}). Use a new "
+                f"output folder, or pass {option('overwrite')} to replace them (only what that pack wrote)."
+                + describe_foreign(foreign_entries(recorded(d_out)))
+            )
+        if not alone:
+            raise ConfigError(
+                f"{d_out} is being packed by other parts from other inputs or options ({differences}; see {run_file}): "
+                "run every part with the same inputs and options."
             )
         _LOG.info("%s: the earlier run packed no shard; starting afresh with these inputs and options", d_out)
         _forget_empty_shards(d_out)
-    described["created"] = _now()
+    described = {**described, "created": _now()}
     with writing(run_file.parent):
         run_file.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_file, described)
+    write_json_atomic(run_file, described, d_out)
     return described
 
 
@@ -342,7 +366,7 @@ def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
     """Check the plan against the one the finished shards were written from, then record it
     (``run.json``) and the shards it plans (``planned.json``, read by the loader and ``index``
     to name what an unfinished pack still lacks)."""
-    digest = hashlib.blake2b(plan.shard_of_row.tobytes(), digest_size=16)
+    digest = hashlib.blake2b(memoryview(plan.shard_of_row), digest_size=16)  # its bytes, not a copy
     for task in plan.tasks:
         digest.update(f"{task.group}/{task.path.name}:{task.num_planned}\n".encode())
     if run.get("plan") not in (None, digest.hexdigest()):
@@ -355,11 +379,11 @@ def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
         _forget_empty_shards(d_out)
     if run.get("plan") != digest.hexdigest():
         run["plan"] = digest.hexdigest()
-        write_json_atomic(d_out / STATE_DIR / RUN_FILE, run)
+        write_json_atomic(d_out / STATE_DIR / RUN_FILE, run, d_out)
     groups: dict[str, list[tuple[str, int]]] = {name: [] for name in plan.group_names}
     for task in plan.tasks:
         groups[task.group].append((task.path.name, task.num_planned))
-    write_json_atomic(d_out / STATE_DIR / PLANNED_NAME, planned_record(groups))
+    write_json_atomic(d_out / STATE_DIR / PLANNED_NAME, planned_record(groups), d_out)
 
 
 def _any_shard_written(d_out: Path) -> bool:
@@ -369,7 +393,7 @@ def _any_shard_written(d_out: Path) -> bool:
 def _forget_empty_shards(d_out: Path) -> None:
     """Drop the journals of an earlier run that wrote no shard file: the shards they record as
     empty (every utterance dropped) were planned from other inputs or another plan."""
-    for journal in (d_out / STATE_DIR).glob("journal-*.jsonl"):
+    for journal in [*(d_out / STATE_DIR).glob("journal-*.jsonl"), *(d_out / STATE_DIR).glob("partial-*.json")]:
         with writing(journal):
             journal.unlink()
 
@@ -392,6 +416,7 @@ def _write_all(
     jobs: int,
     max_open: int,
     bars: Progress,
+    resume: Resume,
 ) -> None:
     total = sum(t.num_planned for t in todo)
     if not todo:
@@ -399,7 +424,7 @@ def _write_all(
     jobs = min(jobs, len(todo))
     if jobs == 1:
         advance = bars.bar("pack", total, unit="utt")
-        write_shards(plan, todo, options, dim, Journal(d_out, f"{name}-{os.getpid()}"), advance, max_open)
+        write_shards(plan, todo, options, dim, Journal(d_out, f"{name}-{os.getpid()}"), advance, max_open, resume)
         return
     context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     counters = context.Array("q", jobs, lock=False)
@@ -407,7 +432,19 @@ def _write_all(
     processes = [
         context.Process(
             target=_job_main,
-            args=(plan, todo[j::jobs], options, dim, d_out, f"{name}-{j}-{os.getpid()}", max_open, counters, j, errors),
+            args=(
+                plan,
+                todo[j::jobs],
+                options,
+                dim,
+                d_out,
+                f"{name}-{j}-{os.getpid()}",
+                max_open,
+                resume,
+                counters,
+                j,
+                errors,
+            ),
             name=f"seqshard-pack-{j}",
         )
         for j in range(jobs)
@@ -450,6 +487,7 @@ def _job_main(
     d_out: Path,
     name: str,
     max_open: int,
+    resume: Resume,
     counters: Any,
     slot: int,
     errors: Any,
@@ -462,7 +500,7 @@ def _job_main(
             raise SystemExit(1)
 
     try:
-        write_shards(plan, tasks, options, dim, Journal(d_out, name), advance, max_open)
+        write_shards(plan, tasks, options, dim, Journal(d_out, name), advance, max_open, resume)
     except BaseException as error:  # report any failure to the parent, then exit non-zero
         errors.put(error if isinstance(error, SeqshardError) else SeqshardError(f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None

@@ -28,7 +28,8 @@ class PackReport:
     finished shards that lost every utterance while writing: they have no file and no index
     entry (``shards_done`` includes them). ``audio_stored`` counts packed utterances of audio by
     how their audio was stored: ``kept mp3`` (the original bytes), ``wav -> flac`` (decoded,
-    encoded), ...
+    encoded), ... ``resumed_utts`` counts the utterances of this run's shards that the partial
+    files of a killed run already held (continued from their last checkpoint, not read again).
     """
 
     output: str
@@ -51,6 +52,7 @@ class PackReport:
     audio_stored: dict[str, int] = field(default_factory=dict)
     length_hist: dict[int, int] = field(default_factory=dict)
     frames_file_issues: dict[str, int] = field(default_factory=dict)
+    resumed_utts: int = 0
 
     @property
     def mb_per_s(self) -> float:
@@ -81,6 +83,10 @@ class PackReport:
         lines.append(
             f"  shards           : {self.shards_done}/{self.shards_total} done, {self.shards_written_now} written by this run"
         )
+        if self.resumed_utts:
+            lines.append(
+                f"  continued        : {self.resumed_utts:>8}  utterances already in the partial shards of a killed run"
+            )
         if self.shards_empty:
             lines.append(
                 f"  empty shards     : {self.shards_empty:>8}  (every utterance dropped while writing: no file, not indexed)"

@@ -21,10 +21,11 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import ConfigError, SeqshardError, ShardError
-from ..formats.files import writing
-from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, check_inside, sidecar_name
+from ..formats.files import inside, writing
+from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, sidecar_name
+from ..formats.lock import FolderLocks
 from ..formats.members import load_table
-from ..formats.pack_state import STATE_DIR, planned_shards
+from ..formats.pack_state import STATE_DIR, pack_root, planned_shards
 from ..formats.patterns import (
     SHARD_SUFFIXES,
     named_like_sidecar,
@@ -68,6 +69,14 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
     folders = shard_folders(root)
     if not folders:
         raise ConfigError(f"{root} holds no shard files ({', '.join(SHARD_SUFFIXES)}), nor do its sub-folders.")
+    for folder in folders:
+        inside(root, folder)  # nothing is written through a link out of the folder
+    with FolderLocks([root, *folders, *filter(None, [pack_root(root)])], "seqshard index"):
+        return _rebuild(root, folders, jobs, progress, move_sidecars)
+
+
+def _rebuild(root: Path, folders: list[Path], jobs: int, progress: bool, move_sidecars: bool) -> list[Path]:
+    """:func:`rebuild_index` once its folders are locked."""
     journal = finished_shards(root) if (root / STATE_DIR).is_dir() else {}
     _refuse_unfinished_pack(root, journal)
     run = _pack_run(root)
@@ -172,7 +181,7 @@ def _old_layout_sidecars(folder: Path) -> list[tuple[Path, str, str]]:
 def _link_new_names(folder: Path, old: list[tuple[Path, str, str]], previous: ShardIndex | None) -> None:
     """Give each old-layout sidecar its new name too, and point ``previous``'s entries there."""
     for path, shard, field_set in old:
-        new = check_inside(folder, folder / sidecar_name(shard, field_set))
+        new = inside(folder, folder / sidecar_name(shard, field_set))
         with writing(new):
             new.parent.mkdir(parents=True, exist_ok=True)
             if new.exists():
@@ -214,7 +223,7 @@ def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[st
             if scan.problems:
                 raise ConfigError(f"{folder / car.name} is damaged, not indexing it: {'; '.join(scan.problems)}")
             if scan.table is not None:
-                scan.table.save(folder / car.name)
+                scan.table.save(folder / car.name, folder)
             measured = scan.entry
             entry.sidecars[name] = SidecarEntry(
                 car.name, measured.bytes, measured.checksum, measured.first_key, measured.last_key

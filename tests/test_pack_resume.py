@@ -1,0 +1,101 @@
+"""A pack killed late continues its partial shards from their last checkpoint: the rerun reads
+only what the killed run had not handled, leaves finished shards alone, and ends with the
+bytes an uninterrupted pack writes."""
+
+import contextlib
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import kaldiio
+import pytest
+
+from conftest import write_kaldi_dir
+from seqshard import pack_data
+
+STATE = ".seqshard-pack"
+
+
+def _wait_for(condition, process, what: str, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None, f"the pack ended before {what}: {process.stderr.read().decode()}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def _write_end(fifo) -> int | None:
+    """The write end of ``fifo`` once a process reads it (kept open: the reader waits on)."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while no process reads it
+    except OSError:
+        return None
+
+
+def _journal_lines(out) -> int:
+    return sum(len(path.read_text().splitlines()) for path in (out / STATE).glob("journal-*.jsonl"))
+
+
+def _handled(out) -> list[int]:
+    found = []
+    for path in (out / STATE).glob("partial-*.json"):
+        with contextlib.suppress(ValueError):  # being replaced
+            found.append(json.loads(path.read_text())["handled"])
+    return found
+
+
+@pytest.mark.parametrize("partial", ["intact", "cut short"])
+def test_a_pack_killed_late_continues_its_partial_shard_from_its_last_checkpoint(tmp_path, partial):
+    data = write_kaldi_dir(tmp_path / "d", speakers=5, per_speaker=8, dim=4, frames=(5, 20))  # 40 utterances
+    # the last scp line reads its matrix through a FIFO: the pack stops there, late, every other utterance handled
+    lines = data.scp.read_text().splitlines()
+    last = lines[-1].split()[0]
+    fifo = tmp_path / "last.fifo"
+    os.mkfifo(fifo)
+    data.scp.write_text("\n".join([*lines[:-1], f"{last} cat {fifo} |"]) + "\n")
+    out = tmp_path / "out"
+    options = dict(utts_per_file=10, allow_pipes=True, progress=False)
+    script = (
+        "import seqshard.prep.write as w\n"
+        "w.CHECKPOINT_SHARE = w.CHECKPOINT_SECONDS = 0  # a checkpoint after every utterance\n"
+        "from seqshard import pack_data\n"
+        f"pack_data({str(data.scp)!r}, {str(data.text)!r}, {str(out)!r}, **{options!r})\n"
+    )
+    process = subprocess.Popen([sys.executable, "-c", script], start_new_session=True, stderr=subprocess.PIPE)
+    held = []
+    try:
+        _wait_for(lambda: held.append(_write_end(fifo)) or held[-1] is not None, process, "the last utterance")
+        # 4 shards of 10: the 3 without the last utterance are finished, the 4th holds 9 of its 10
+        _wait_for(lambda: _journal_lines(out) == 3 and _handled(out) == [9], process, "the checkpoint of 9")
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)  # the whole job, as a scheduler kills it
+        process.wait()
+        for end in filter(None, held):
+            os.close(end)
+    (partial_file,) = out.glob(".data-*.tar.partial")
+    if partial == "cut short":
+        with open(partial_file, "r+b") as stream:
+            stream.truncate(stream.seek(0, os.SEEK_END) - 512)
+    finished = {path.name: path.stat().st_mtime_ns for path in out.glob("data-*.tar")}
+    assert len(finished) == 3 and partial_file.name[1 : -len(".partial")] not in finished
+    fifo.unlink()
+    buffer = io.BytesIO()
+    kaldiio.save_mat(buffer, data.arrays[last])
+    fifo.write_bytes(buffer.getvalue())  # the same scp line now reads a file
+
+    report = pack_data(data.scp, data.text, out, **options)
+
+    assert report.complete and report.packed == 40 and report.shards_written_now == 1
+    assert report.resumed_utts == (9 if partial == "intact" else 0)
+    assert {name: (out / name).stat().st_mtime_ns for name in finished} == finished  # not written again
+    assert not list(out.glob(".*.partial")) and not list((out / STATE).glob("partial-*.json"))
+    clean = pack_data(data.scp, data.text, tmp_path / "clean", **options)
+    assert clean.packed == 40
+    for shard in sorted(out.glob("data-*.tar")):
+        assert shard.read_bytes() == (tmp_path / "clean" / shard.name).read_bytes()
+    indexes = [json.loads((folder / "index.json").read_text())["shards"] for folder in (out, tmp_path / "clean")]
+    assert indexes[0] == indexes[1]
