@@ -110,3 +110,16 @@ def test_a_second_pack_is_refused_while_parts_of_one_pack_share_the_folder(tmp_p
     index = ShardIndex.load(out)  # part 0, the last to finish, indexed all five
     assert [entry.num_utts for entry in index.shards] == [10, 10, 10, 10, 8]
     assert not (out / ".seqshard.lock").exists()
+
+
+def test_what_a_killed_writer_left_neither_blocks_nor_stays(tmp_path, packed):
+    shards = tmp_path / "shards"
+    shutil.copytree(packed.out, shards)
+    (shards / ".seqshard.lock").write_text('{"pid": 1, "host": "gone", "command": "seqshard index"}\n')  # no flock
+    left = [shards / ".members/.data-00001.tar.npz.x1y2z3.partial", shards / ".index.json.a1b2c3.partial"]
+    for path in left:
+        path.write_bytes(b"half")
+
+    rebuild_index(shards, progress=False)
+
+    assert not any(path.exists() for path in left) and not (shards / ".seqshard.lock").exists()

@@ -121,15 +121,18 @@ def write_json_atomic(path: Path, data: Any, root: str | Path | None = None, syn
 
 
 def remove_stale_temporaries(folder: Path, older_than: float = STALE_SECONDS) -> int:
-    """Delete ``.NAME.*.partial`` JSON temporaries in ``folder`` left by killed runs; returns
-    how many. Recent ones are kept: another process may be about to rename its own."""
+    """Delete ``.NAME.*.partial`` temporaries of JSON files and member tables in ``folder``
+    (and its ``.members``) left by killed runs; returns how many. Recent ones are kept:
+    another process may be about to rename its own (a writer holding the folder's lock alone
+    passes ``older_than=0``)."""
     removed = 0
     now = time.time()
-    for path in folder.glob(f".*.json.*{TEMPORARY_SUFFIX}"):
-        with contextlib.suppress(OSError):
-            if now - path.stat().st_mtime > older_than:
-                path.unlink()
-                removed += 1
+    for pattern in (f".*.json.*{TEMPORARY_SUFFIX}", f".members/.*.npz.*{TEMPORARY_SUFFIX}"):
+        for path in folder.glob(pattern):
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime >= older_than:
+                    path.unlink()
+                    removed += 1
     return removed
 
 

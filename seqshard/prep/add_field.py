@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, InputError, SeqshardError, SkipCounter, Where, option
-from ..formats.files import inside, writing
+from ..formats.files import inside, remove_stale_temporaries, writing
 from ..formats.index import FieldSet, ShardIndex, SidecarEntry, sidecar_name
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import unescape_key
@@ -192,6 +192,9 @@ def add_field(
                 for folder in folders
                 if not _already_added(folder, index := ShardIndex.load(folder), name, overwrite, field_source.identity)  # type: ignore[arg-type]
             }
+            for folder in folders:  # what killed writers left (this one holds the folders alone)
+                remove_stale_temporaries(folder, older_than=0)
+                remove_stale_temporaries(inside(root, folder / FIELDS_DIR / name), older_than=0)
             if overwrite:
                 _remove_field(root, list(indexes), name)
             report = _add(root, indexes, name, field_source, allow_missing, jobs, progress, files)

@@ -51,6 +51,8 @@ def finished_shards(d_out: Path, kind: str = "journal") -> dict[str, dict[str, A
     to ``d_out``."""
     records: dict[str, dict[str, Any]] = {}
     for _, record in journal_records(d_out, kind):
+        if not (isinstance(record.get("name"), str) and isinstance(record.get("bytes"), int)):
+            continue  # not a line seqshard wrote: its shard is not taken as finished
         relative = record_path(record)
         path = Path(d_out) / relative
         if _on_disk_as_recorded(path, record):
@@ -84,7 +86,7 @@ def shard_written(record: dict[str, Any]) -> bool:
 
 
 def record_path(record: dict[str, Any]) -> str:
-    return f"{record['group']}/{record['name']}" if record["group"] else record["name"]
+    return f"{record['group']}/{record['name']}" if record.get("group") else record["name"]
 
 
 PARTIAL_STATE = "partial-{:05d}.json"

@@ -37,8 +37,8 @@ from .sources import LABEL_MEMBER
 
 _LOG = logging.getLogger("seqshard")
 DEFAULT_MAX_OPEN = 256
-CHECKPOINT_SHARE = 0.05  # of a sweep's utterances handled between checkpoints of its open shards
-CHECKPOINT_SECONDS = 2.0  # and at least this long between them
+CHECKPOINT_SHARE = 0.02  # of a sweep's utterances handled between checkpoints of its open shards
+CHECKPOINT_SECONDS = 1.0  # and at least this long between them
 
 
 @dataclass

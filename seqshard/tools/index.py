@@ -21,12 +21,13 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import ConfigError, SeqshardError, ShardError
-from ..formats.files import inside, writing
+from ..formats.files import inside, remove_stale_temporaries, writing
 from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, sidecar_name
 from ..formats.lock import FolderLocks
 from ..formats.members import load_table
 from ..formats.pack_state import STATE_DIR, pack_root, planned_shards
 from ..formats.patterns import (
+    FIELDS_DIR,
     SHARD_SUFFIXES,
     named_like_sidecar,
     old_layout_sidecar,
@@ -77,6 +78,9 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
 
 def _rebuild(root: Path, folders: list[Path], jobs: int, progress: bool, move_sidecars: bool) -> list[Path]:
     """:func:`rebuild_index` once its folders are locked."""
+    for folder in folders:  # what killed writers left (this one holds the folders alone)
+        for written in [folder, *(folder / FIELDS_DIR).glob("*")]:
+            remove_stale_temporaries(inside(root, written), older_than=0)
     journal = finished_shards(root) if (root / STATE_DIR).is_dir() else {}
     _refuse_unfinished_pack(root, journal)
     run = _pack_run(root)
