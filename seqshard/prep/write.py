@@ -248,7 +248,8 @@ class _Committer:
             except FileNotFoundError:
                 continue  # finished (renamed) since: nothing to continue
             try:
-                os.fsync(descriptor)  # the bytes the state counts are on disk before the state is
+                with writing(partial):
+                    os.fsync(descriptor)  # the bytes the state counts are on disk before the state is
             finally:
                 os.close(descriptor)
             save_partial(self._journal.root, ordinal, state)
