@@ -123,3 +123,17 @@ def test_what_a_killed_writer_left_neither_blocks_nor_stays(tmp_path, packed):
     rebuild_index(shards, progress=False)
 
     assert not any(path.exists() for path in left) and not (shards / ".seqshard.lock").exists()
+
+
+def test_binarize_holds_its_output_prefix_and_not_the_folder(tmp_path):
+    from seqshard.formats.lock import FolderLock
+    from seqshard.prep.binarize import binarize
+
+    (tmp_path / "units").write_text("<unk> 0\nA 1\nB 2\n")
+    (tmp_path / "lines.txt").write_text("A B\nB A A\n")
+    options = dict(append_eos=False, progress=False)
+    with FolderLock(tmp_path, "seqshard binarize", name=".train.lock"):  # another process binarizing train
+        with pytest.raises(FolderBusyError, match=r"seqshard binarize, since .*so seqshard binarize does not start"):
+            binarize(tmp_path / "lines.txt", tmp_path / "train", tmp_path / "units", **options)
+        assert binarize(tmp_path / "lines.txt", tmp_path / "valid", tmp_path / "units", **options).sequences == 2
+    assert not (tmp_path / "train.bin").exists() and not (tmp_path / ".valid.lock").exists()

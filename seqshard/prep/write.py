@@ -38,7 +38,7 @@ from .sources import LABEL_MEMBER
 _LOG = logging.getLogger("seqshard")
 DEFAULT_MAX_OPEN = 256
 CHECKPOINT_SHARE = 0.02  # of a sweep's utterances handled between checkpoints of its open shards
-CHECKPOINT_SECONDS = 1.0  # and at least this long between them
+CHECKPOINT_SECONDS = 0.5  # and at least this long between them
 
 
 @dataclass
@@ -208,6 +208,9 @@ class _Committer:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="seqshard-commit")
         self._checkpoints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seqshard-checkpoint")
         self._checkpoint: Future | None = None
+        self._latest: list[tuple[int, dict[str, Any], Path]] | None = None  # the snapshot still to record
+        self._draining = False
+        self._slot = threading.Lock()  # guards the two above
         self.checkpointed: set[int] = set()  # ordinals of shards with a recorded state
         self._lock = threading.Lock()
         self._pending: list[Future] = []
@@ -235,11 +238,26 @@ class _Committer:
 
     def checkpoint(self, shards: Sequence[_OpenShard]) -> None:
         """Record how far ``shards`` got, on a thread of its own (the fsyncs wait for the
-        disk; a checkpoint still being written when the next is due is waited for)."""
+        disk, the reading does not): their state now replaces any snapshot still waiting, and
+        the newest snapshot is always recorded."""
+        snapshot = [(shard.task.ordinal, shard.state(), shard.writer.temp_path) for shard in shards]
+        with self._slot:
+            self._latest = snapshot
+            if self._draining:
+                return
+            self._draining = True
         if self._checkpoint is not None:
-            self._checkpoint.result()
-        taken = [(shard.task.ordinal, shard.state(), shard.writer.temp_path) for shard in shards]
-        self._checkpoint = self._checkpoints.submit(self._save_states, taken)
+            self._checkpoint.result()  # the previous drain ended: raise its failure, if any
+        self._checkpoint = self._checkpoints.submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._slot:
+                snapshot, self._latest = self._latest, None
+                if snapshot is None:
+                    self._draining = False
+                    return
+            self._save_states(snapshot)
 
     def _save_states(self, taken: list[tuple[int, dict[str, Any], Path]]) -> None:
         for ordinal, state, partial in taken:
