@@ -73,6 +73,10 @@ class SentencePieceTokenizer:
     def vocab_size(self) -> int:
         return int(self._load().get_piece_size())
 
+    def is_control(self, piece_id: int) -> bool:
+        """Whether ``piece_id`` is a control symbol (``<s>``, ``</s>``): never a piece of encoded text."""
+        return bool(self._load().is_control(piece_id))
+
     @property
     def unk_id(self) -> int:
         return int(self._load().unk_id())
