@@ -47,6 +47,8 @@ class SentenceBatches:
         counts = self.plan.bounds[chosen + 1] - starts
         total = int(counts.sum())
         positions = self.plan.order[np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total)]
+        # rows longest source first, as fairseq's collater sorts them (pack_padded_sequence needs it)
+        positions = positions[np.lexsort((-self.plan.src_len[positions], np.repeat(np.arange(len(counts)), counts)))]
         indices = self.plan.index[positions]
         sources = self.plan.source[positions] if self.mixed else None
         if sources is None:
