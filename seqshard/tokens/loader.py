@@ -43,6 +43,7 @@ def make_token_loader(
     tgt: str | Path | None = None,
     *,
     block_size: int | None = None,
+    block_style: str = "megatron",
     max_tokens: int = 4096,
     max_sentences: int | None = None,
     max_positions: int | None = None,
@@ -68,9 +69,12 @@ def make_token_loader(
     dropped and counted. Language token ids (``src_lang_id``/``tgt_lang_id``, or per pair) are
     prepended. Every rank gets the same number of batches, drawn from every length range.
 
-    ``block_size=N`` (one dataset, language modelling) reads every token instead: the stream
-    cut into blocks of N + 1 tokens (``input``/``target`` shifted by one), ``max_tokens // N``
-    blocks a batch (see ``tokens/blocks.py``).
+    ``block_size=N`` (one dataset, language modelling) reads every token instead, ``max_tokens //
+    N`` blocks a batch (see ``tokens/blocks.py``): ``block_style="megatron"`` cuts the stream
+    into blocks of N + 1 tokens as Megatron's ``GPTDataset`` (``input``/``target`` shifted by
+    one, the last partial block dropped); ``"fairseq"`` as fairseq's ``TokenBlockDataset``
+    (``target`` the N tokens from k x N, ``input`` the same shifted right with eos at a
+    sequence's start, the last block kept and padded).
 
     ``pad_id``/``eos_id`` None: from the datasets' ``PREFIX.json``, else fairseq's 1 and 2, the
     pad only if it never occurs in the data (``tokens/ids.py``); batches carry ``src_mask`` /
@@ -88,12 +92,17 @@ def make_token_loader(
         pair = as_pair(src)
         if pair.tgt is not None:
             raise ConfigError(f"block_size reads one language-model dataset, not the pair {pair}.")
-        rules = block_rules(block_size, max_tokens, max_sentences, max_positions, shuffle, seed)
+        rules = block_rules(block_size, max_tokens, max_sentences, max_positions, shuffle, seed, block_style)
         dataset = OpenPair(pair).src
         warning = separator_warning(dataset)
         if warning and context.rank == 0:
             _LOG.warning("%s", warning)
-        return TokenLoader(BlockBatching(pair.src, dataset, rules), num_workers, context)
+        ids = special_ids(
+            [dataset], pad_id, eos_id, pads=rules.style == "fairseq"
+        )  # Megatron's blocks are never padded
+        return TokenLoader(BlockBatching(pair.src, dataset, rules, ids), num_workers, context)
+    if block_style != "megatron":
+        raise ConfigError(f"block_style={block_style!r} cuts language-model blocks: give block_size=N with it.")
     if isinstance(src, Mux):
         if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
             raise ConfigError("with a mux, give targets and language ids in each TokenPair.")
