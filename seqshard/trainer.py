@@ -202,6 +202,17 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(content).hexdigest()[:16]
 
 
+def input_dim(loader: Any, name: str) -> int:
+    """The model's input size: the columns of the loader's ``feats``; ConfigError when its
+    batches hold no feature vectors (audio read as waveforms)."""
+    if loader.dim is None:
+        raise ConfigError(
+            f"{name}: the trainer's model reads feature vectors, and these batches hold none (shards of audio are "
+            'batched as waveforms): set train.option.features to "fbank".'
+        )
+    return int(loader.dim)
+
+
 def run_settings(settings: dict[str, Any], dim: int | None, tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
     """What a checkpoint records of the run, by section (see :func:`changes_since`)."""
     return {
@@ -264,7 +275,8 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     if loaded.data["tokenizer"] is None:
         raise ConfigError(f"{name}: the trainer needs train.option.tokenizer (its CTC targets are token ids).")
     tokenizer = make_tokenizer(loaded.data["tokenizer"], loaded.loader.get("split"))
-    recorded = run_settings(settings, loader.dim, tokenizer)
+    dim = input_dim(loader, name)
+    recorded = run_settings(settings, dim, tokenizer)
     checkpoint, epoch, step, changes = None, 0, 0, None  # epoch: the one to run next; step: optimizer steps done
     if checkpoint_path.exists():
         checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=False)
@@ -280,7 +292,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
 
     torch.manual_seed(int(config["train"]["option"].get("seed", 0)))
     model = nn.parallel.DistributedDataParallel(
-        SmallCTC(loader.dim, tokenizer.vocab_size, settings["hidden"], settings["layers"]).to(device),
+        SmallCTC(dim, tokenizer.vocab_size, settings["hidden"], settings["layers"]).to(device),
         device_ids=[device.index] if cuda else None,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=settings["lr"])

@@ -91,6 +91,22 @@ def test_fbank_on_the_fly_has_the_keys_feature_shards_give(audio_shards, num_wor
     assert count == 16
 
 
+def test_the_loaders_dim_is_the_fbanks_it_computes_and_sizes_the_trainers_model(audio_shards):
+    """The example trainer sizes its model by loader.dim, None for audio shards before (issue 23, item 13)."""
+    from seqshard.config import build_loaders
+    from seqshard.trainer import SmallCTC, input_dim
+
+    option = {"large_dataset": True, "trset": str(audio_shards[1]), "batch_size": 4, "num_workers": 0, **SMALL}
+    loader, _ = build_loaders({"train": {"option": {**option, "features": "fbank", "num_mel_bins": 40}}})
+    batch = next(iter(loader))
+    assert loader.dim == input_dim(loader, "cfg") == batch["feats"].shape[2] == 40
+    log_probs, _ = SmallCTC(input_dim(loader, "cfg"), 10, hidden=8, layers=1)(batch["feats"], batch["feat_lens"])
+    assert log_probs.shape[-1] == 10
+    waves, _ = build_loaders({"train": {"option": option}})
+    with pytest.raises(ConfigError, match=r'cfg: the trainer.s model reads feature vectors, .*features to "fbank"'):
+        input_dim(waves, "cfg")
+
+
 @pytest.mark.parametrize(("old", "new"), [(8000, 16000), (22050, 16000), (16000, 8000), (44100, 16000)])
 def test_resampling_keeps_a_tone_and_gives_round_n_new_over_old(old, new):
     n = old + 123

@@ -86,8 +86,9 @@ class ShardLoader:
 
     @property
     def dim(self) -> int | None:
-        """The feature dimension the index records (None for shards without features)."""
-        return self.table.dim
+        """Columns of the batches' ``feats``: the fbank's the loader computes (``features="fbank"``),
+        else what the shards' index records; None for batches without features."""
+        return self._setup.dim
 
     @property
     def tokenizer(self) -> Tokenizer | None:

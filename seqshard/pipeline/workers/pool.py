@@ -106,7 +106,7 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
     else:
         longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=2000)
         frames = int(batching.batch_size * longest) + 1  # type: ignore[operator]
-    feature_bytes = frames * (table.dim or 80) * itemsize
+    feature_bytes = frames * (setup.dim or 80) * itemsize
     slot_bytes = min(MAX_SLOT_BYTES, int(feature_bytes * 1.25) + (1 << 20))
     if workers.num_workers == 0:  # batches made in this process: a ring for what training still holds
         return BatchSlots(1, 4, slot_bytes, context)

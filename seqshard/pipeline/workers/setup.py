@@ -75,6 +75,15 @@ class WorkerSetup:
         return plan[self.rank][worker]
 
     @property
+    def dim(self) -> int | None:
+        """Columns of the feature vectors in batches: those of the fbank the loader computes
+        from audio (``features="fbank"``), else of the shards' features as the index records
+        them; None for batches without features (waveforms, labels only)."""
+        if self.audio.features == "fbank":
+            return self.audio.fbank.dim
+        return self.table.dim
+
+    @property
     def decodes_audio(self) -> bool:
         """Whether readers decode the shards' audio (to process it, or to batch waveforms)."""
         return self.fields.audio is not None and self.fields.features is None
