@@ -14,8 +14,9 @@ exact where the plan decides it, else bounds that hold, else an estimate that sa
   part's most favourable samples.
 - Estimate: a reader of several windows does not know which samples share a window (the
   shuffle decides): its windows are counted on ``DRAWS`` random orders of the same lengths,
-  and the bounds are the extremes found, widened by their spread, said so in ``why``. Beyond
-  ``SIMULATED_SAMPLES`` a reader's count is scaled from that many.
+  and the bounds are the extremes found, widened by their spread, said so in ``why``. A reader
+  of more samples than its share of ``SIMULATED_SAMPLES`` (at least two windows) has its count
+  scaled from that many.
 
 Samples that ``skip_bad`` or the label filters (``max_tokens``, frames per token) drop as they
 are read are not foreseen: the bounds count them (the real count can only be lower), and
@@ -40,7 +41,7 @@ from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
 from .merge import RankPosition
 
-SIMULATED_SAMPLES = 40_000  # lengths drawn and cut into windows per reader (more are scaled from them)
+SIMULATED_SAMPLES = 40_000  # lengths drawn and cut into windows, shared by the readers (at least 2 windows each)
 DRAWS = 8  # random orders of a reader's lengths counted, for a reader of several windows
 LARGE_DRAWS, LARGE = 2, 200_000  # fewer of them for a table of more utterances (each order is long)
 AUDIO_SLACK = 3  # frames between an index's 10 ms frames of audio and the fbank frames the loader counts
@@ -229,15 +230,16 @@ def _drawn_counts(
     and one batch."""
     found: list[list[float]] = [[], []]
     draws = DRAWS if (setup.table.num_utts or 0) <= LARGE else LARGE_DRAWS
+    cap = max(2 * _window_samples(setup), SIMULATED_SAMPLES // (setup.world_size * setup.readers_per_rank))
     for end, (values, counts) in enumerate((low, high)):
         total = int(counts.sum())
         shares = np.array([cost.share(int(v)) for v in values])
         for draw in range(draws):
             rng = stage_rng(setup.options.shuffling.seed, Seed.ESTIMATE, *position, end, draw)
-            if total <= SIMULATED_SAMPLES:
+            if total <= cap:
                 drawn = rng.permutation(np.repeat(np.arange(len(values)), counts))
             else:
-                drawn = rng.choice(len(values), size=SIMULATED_SAMPLES, p=counts / total)
+                drawn = rng.choice(len(values), size=cap, p=counts / total)
             batches = _windows_batches(values[drawn], shares[drawn], setup, cost)
             found[end].append(batches * total / max(1, len(drawn)))
     spread = [max(f) - min(f) for f in found]
