@@ -308,6 +308,18 @@ def test_bad_lists_and_bad_audio_at_load(tmp_path):
     assert loader.last_summary["ranks"][0]["dropped"] == {"malformed_line": 3}
 
 
+def test_a_nemo_manifest_given_as_a_list_names_what_it_holds_and_what_a_list_must(tmp_path):
+    """Audio options over it said "these hold: read_error.txt" (issue 23, item 20)."""
+    wav = REALDATA / "audio/librispeech/1995-1837-0001.wav"
+    record = {"audio_filepath": str(wav), "duration": 1.2, "text": "hello"}
+    (tmp_path / "train.list").write_text(json.dumps(record) + "\n")
+    loader = make_loader(tmp_path / "train.list", features="fbank", batch_size=2, num_workers=0)
+    with pytest.raises(InputError, match=r'train.list sample 1 .*holds keys "audio_filepath", "duration", "text"; a '
+                       r'line of a sample list .* "key" and "wav" strings') as error:  # fmt: skip
+        list(loader)
+    assert "read_error" not in str(error.value)
+
+
 def test_channel_and_rate_problems_at_load(tmp_path):
     soundfile.write(tmp_path / "st.wav", np.zeros((800, 2), np.int16) + 5, 8000)
     (tmp_path / "wav.scp").write_text(f"st {tmp_path / 'st.wav'}\n")

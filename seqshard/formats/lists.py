@@ -203,7 +203,17 @@ class ListSampleStream:
             or not isinstance(record.get("key"), str)
             or not isinstance(record.get("wav"), str)
         ):
-            raise InputError(where, "malformed_line", f'the line needs "key" and "wav" strings (found {line[:80]!r}).')
+            if isinstance(record, dict):
+                held = f"keys {', '.join(json.dumps(k) for k in list(record)[:8])}" if record else "no keys"
+            else:
+                held = f"a JSON {type(record).__name__}, not an object"
+            raise InputError(
+                where,
+                "malformed_line",
+                f"this line holds {held}; a line of a sample list (WeNet's raw list) is a JSON object with "
+                '"key" and "wav" strings ("txt", "start", "end" optional), and a shard list names one shard a line.',
+                'write the list in that form (e.g. {"key": "utt1", "wav": "a.wav", "txt": "hello"}).',
+            )
         if "start" in record or "end" in record:
             start, end = record.get("start", 0), record.get("end", -1)
             seconds = (_seconds(start), _seconds(end))

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ShardError
-from .lists import ListSampleStream
+from .lists import READ_ERROR_FIELD, ListSampleStream
 from .members import has_table_format, load_table
 from .patterns import is_list_name
 from .remote import RemoteAccess
@@ -77,4 +77,5 @@ def first_sample_fields(path: str | Path, access: RemoteAccess | None = None) ->
         return []
     if sample is None:
         return []
-    return list(sample.fields) or ["wav", "txt"]  # a list's samples are only named when read
+    fields = [name for name in sample.fields if name != READ_ERROR_FIELD]  # a bad list line: told when read
+    return fields or ["wav", "txt"]  # a list's samples (audio and text) are only named when read
