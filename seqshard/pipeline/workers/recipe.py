@@ -227,6 +227,31 @@ def batch_cost(batching: Batching) -> BatchCost:
     return LengthBudget(int(batching.batch_frames), batching.quadratic_frames)  # type: ignore[arg-type]
 
 
+SAMPLE_HINT = (
+    "a transforms= function (and a keep_if predicate) gets a seqshard Sample, not a dict: read a field as "
+    "sample['feats'] or sample.fields['feats'], set one with sample.fields['feats'] = value, and return the sample"
+)
+
+
+def _explained(function: Callable[[Sample], Any], returns_sample: bool) -> Callable[[Sample], Any]:
+    """``function`` whose dict-style use of a sample (``sample['x'] = v``, ``sample.get``, a
+    dict returned) fails with what a Sample offers, not a bare TypeError or AttributeError."""
+    name = getattr(function, "__qualname__", repr(function))
+
+    def call(sample: Sample) -> Any:
+        try:
+            result = function(sample)
+        except (TypeError, AttributeError) as error:
+            if "'Sample' object" not in str(error):
+                raise
+            raise type(error)(f"{error} (in {name}): {SAMPLE_HINT}.") from error
+        if returns_sample and not isinstance(result, Sample):
+            raise TypeError(f"{name} returned {type(result).__name__}, not the sample: {SAMPLE_HINT}.")
+        return result
+
+    return call
+
+
 def default_recipe(reader: Reader) -> Stage:
     """read -> labels -> audio -> transforms -> length filter -> shuffle -> batch."""
     samples = reader.transforms(reader.audio(reader.labels(reader.read())))
@@ -236,12 +261,12 @@ def default_recipe(reader: Reader) -> Stage:
 def apply_transform(transform: Any, source: Stage[Sample], reader: Reader) -> Stage[Sample]:
     """One entry of ``transforms`` as a stage over ``source``."""
     if isinstance(transform, KeepIf):
-        predicate, name = transform.predicate, transform.name
+        predicate, name = _explained(transform.predicate, returns_sample=False), transform.name
         return Filter(source, lambda sample: None if predicate(sample) else name)
     if isinstance(transform, type) and issubclass(transform, Stage):
         return transform(source, reader)
     if callable(transform):
-        return Map(source, transform, reader.skip)
+        return Map(source, _explained(transform, returns_sample=True), reader.skip)
     raise ConfigError(
         f"transforms takes functions (sample -> sample), keep_if(...) and Stage subclasses, not {transform!r}."
     )
