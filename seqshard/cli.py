@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .errors import SeqshardError, command_line_flags
+from .errors import SeqshardError, command_line_flags, counted
 
 # Python parameter names whose command-line flag is spelled differently (messages name the flag).
 RENAMED_FLAGS = {
@@ -94,7 +94,7 @@ def _inspect(args: argparse.Namespace) -> int:
         plot_lengths(summary, args.plot)
         print(f"length histogram written to {args.plot}", file=sys.stderr)
     problems = [
-        f"{len(summary[name])} selected shard(s) are {what}"
+        f"{counted(len(summary[name]), 'selected shard', 'is')} {what}"
         for name, what in (("missing_shards", "missing"), ("damaged_shards", "damaged or cut short"))
         if summary[name]
     ]
@@ -150,11 +150,12 @@ def _cmvn(args: argparse.Namespace) -> int:
     write_cmvn(stats, args.out)
     dropped = sum(stats.dropped.values())
     print(
-        f"wrote {args.out}: mean and std of {len(stats.mean)} dimensions over {stats.utterances} utterances "
-        f"({stats.frames} frames)" + (f"; {dropped} skipped as bad ({stats.dropped})" if dropped else "")
+        f"wrote {args.out}: mean and std of {counted(len(stats.mean), 'dimension')} over "
+        f"{counted(stats.utterances, 'utterance')} ({counted(stats.frames, 'frame')})"
+        + (f"; {dropped} skipped as bad ({stats.dropped})" if dropped else "")
     )
     if stats.floored:
-        print(f"seqshard cmvn: {stats.floored} dimension(s) are constant; their std is set to 1e-5", file=sys.stderr)
+        print(f"seqshard cmvn: {counted(stats.floored, 'dimension', 'is')} constant; std set to 1e-5", file=sys.stderr)
     return 0
 
 

@@ -30,7 +30,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, counted
 from .mix import mux
 from .options import LoaderOptions
 from .scp_dataset import MapStyleLoader
@@ -281,7 +281,7 @@ def check_shards(config: TrainConfig, key: str) -> None:
     if missing and not skipped:
         fix = "restore them" + (" or set train.option.skip_bad to train on the others" if key == "trset" else "")
         raise ConfigError(
-            f"{config.source}: train.option.{key}: {len(missing)} selected shard(s) are missing, first "
+            f"{config.source}: train.option.{key}: {counted(len(missing), 'selected shard', 'is')} missing, first "
             f"{missing[0].path} ({missing[0].why}). Fix: {fix}."
         )
 

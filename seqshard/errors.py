@@ -59,6 +59,18 @@ class _Redacting(logging.Filter):
 
 _LOG.addFilter(_Redacting())
 
+_VERBS = {"is": "are", "was": "were", "has": "have"}
+
+
+def counted(count: int, noun: str, verb: str = "") -> str:
+    """``count`` with ``noun`` (and ``verb``) agreeing: ``counted(1, "shard")`` -> "1 shard",
+    ``counted(2, "shard", "is")`` -> "2 shards are"."""
+    if count == 1:
+        return f"{count} {noun}" + (f" {verb}" if verb else "")
+    plural = noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else noun + "s"
+    return f"{count} {plural}" + (f" {_VERBS.get(verb, verb)}" if verb else "")
+
+
 # How options are spelled in messages: ``None`` from Python (``skip_bad=True``), else the
 # command line's flags by Python name (``--skip-bad``), set by ``seqshard.cli`` for one command.
 _FLAGS: contextvars.ContextVar[Mapping[str, str] | None] = contextvars.ContextVar("seqshard_flags", default=None)

@@ -21,7 +21,7 @@ from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, ClassVar
 
 from .checks import MAX_WORKERS, check_flag, check_number
-from .errors import ConfigError, option
+from .errors import ConfigError, counted, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .formats.cache import parse_bytes
@@ -373,7 +373,8 @@ class BadData(OptionGroup):
         if share < 1:
             allowed += f" ({share * 100:g}% of {shards}, rounded down)"
         return (
-            f"{damaged + missing} of the {shards} selected shard(s) were bad this epoch ({damaged} damaged, "
+            f"{damaged + missing} of {counted(shards, 'selected shard')} {'was' if damaged + missing == 1 else 'were'} "
+            f"bad this epoch ({damaged} damaged, "
             f"{missing} missing): more than the {allowed}. The warnings above name them; repair or re-upload "
             "them, or raise max_bad_shards."
         )

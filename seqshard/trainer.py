@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import apply_overrides, build_loaders, load_config, read_json
-from .errors import ConfigError, SeqshardError
+from .errors import ConfigError, SeqshardError, counted
 from .progress import Progress
 from .text.tokenizers import Tokenizer, UnitsTokenizer, make_tokenizer
 
@@ -283,7 +283,8 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         epoch, step = checkpoint["epoch"], checkpoint["step"]
         if epoch >= settings["epochs"]:
             say(
-                f"{checkpoint_path} is the checkpoint of a finished run: all {epoch} epochs done, {step} steps; "
+                f"{checkpoint_path} is the checkpoint of a finished run: all {counted(epoch, 'epoch')} done, "
+                f"{counted(step, 'step')}; "
                 f"nothing to train (set epochs above {epoch} to train on, or remove it to start afresh)"
             )
             return 0
@@ -313,7 +314,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         if changes is not None:
             say(changes)
     else:
-        say(f"training from scratch: {settings['epochs']} epochs, checkpoints in {checkpoint_path}")
+        say(f"training from scratch: {counted(settings['epochs'], 'epoch')}, checkpoints in {checkpoint_path}")
 
     def loss_of(batch: dict[str, Any]) -> torch.Tensor:
         log_probs, lengths = model(batch["feats"].to(device, non_blocking=True), batch["feat_lens"].to(device))
@@ -370,7 +371,9 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
                     save(epoch)
                     say(f"epoch {epoch} step {step} checkpoint saved")
                 if stopping:
-                    say(f"stopped after {steps_this_run} steps of this run (--stop-after-steps); run again to go on")
+                    say(
+                        f"stopped after {counted(steps_this_run, 'step')} of this run (--stop-after-steps); run again to go on"
+                    )
                     return 0
         if meter.steps:
             say(f"epoch {epoch} step {step} {meter.line()}")
@@ -380,7 +383,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         epoch += 1
         save(epoch)  # the epoch is done: a resume starts the next one
         say(f"epoch {epoch - 1} done at step {step}, checkpoint saved")
-    say(f"finished: {settings['epochs']} epochs, {step} steps")
+    say(f"finished: {counted(settings['epochs'], 'epoch')}, {counted(step, 'step')}")
     return 0
 
 

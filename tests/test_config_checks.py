@@ -228,6 +228,6 @@ def test_config_names_a_missing_train_shard_unless_skip_bad(corpus, tmp_path):
     shards = tmp_path / "shards"
     pack_data(corpus["train"].scp, corpus["train"].text, shards, utts_per_file=4, progress=False)
     (shards / "data-00001.tar").unlink()
-    with pytest.raises(ConfigError, match=r"trset: 1 selected shard\(s\) are missing, first .*data-00001\.tar"):
+    with pytest.raises(ConfigError, match=r"trset: 1 selected shard is missing, first .*data-00001\.tar"):
         check_data(hyper(corpus, trset=str(shards)))
     check_data(hyper(corpus, trset=str(shards), skip_bad=True))

@@ -303,7 +303,7 @@ def test_damage_and_missing_files_are_named_or_counted(tmp_path):
     packed = pack_small(tmp_path, utts_per_file=10)
     with pytest.raises(
         ShardError,
-        match=r"5 selected shard\(s\) are missing: data-00005\.tar \(named in the pattern, but it does not exist\)",
+        match=r"5 selected shards are missing: data-00005\.tar \(named in the pattern, but it does not exist\)",
     ):
         make_loader(f"{packed.out}/data-0000{{0..9}}.tar")
     from seqshard.formats.tar import SampleStream

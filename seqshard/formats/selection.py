@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError, ShardError, option
+from ..errors import ConfigError, ShardError, counted, option
 from .index import ShardIndex
 from .lists import shard_list
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
@@ -67,7 +67,7 @@ def missing_error(missing: Sequence[MissingShard]) -> ShardError:
     return ShardError(
         missing[0].place[0] if len(folders) == 1 else "the selected shards",
         None,
-        f"{len(missing)} selected shard(s) are missing: {shown}{more}. Fix: restore them or finish the pack that "
+        f"{counted(len(missing), 'selected shard', 'is')} missing: {shown}{more}. Fix: restore them or finish the pack that "
         f"writes them; or pass {option('skip_bad')} to read the others (the missing ones are counted).",
     )
 

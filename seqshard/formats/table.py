@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, ShardError
+from ..errors import ConfigError, ShardError, counted
 from . import remote
 from .index import ShardIndex, merge_histograms
 from .lists import scan_list
@@ -124,10 +124,10 @@ class _Gathered:
         unindexed = [p for p in paths if not is_list_name(p) and (index is None or index.entry(_name(p)) is None)]
         if index is not None and unindexed:
             _LOG.warning(
-                "%s: %d selected shard(s) are not in its index.json and are read without its facts (a copy, or "
-                "added after the index? run `seqshard index` on the folder)",
+                "%s: %s not in its index.json, read without its facts (a copy, or added after the index? run "
+                "`seqshard index` on the folder)",
                 folder,
-                len(unindexed),
+                counted(len(unindexed), "selected shard", "is"),
             )
         access = self.access
         for path in paths:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, ShardError
+from ..errors import ConfigError, ShardError, counted
 from ..formats.patterns import Patterns
 from ..formats.remote import RemoteAccess
 from ..formats.selection import missing_error
@@ -96,8 +96,8 @@ def check_missing(table: ShardTable, bad_data: BadData) -> None:
                 f"{bad_data.over_budget(0, len(table.missing), total)} Missing: {'; '.join(shown)}.",
             )
         _LOG.warning(
-            "%d selected shard(s) are missing and are not read (skip_bad): %s",
-            len(table.missing),
+            "%s missing and not read (skip_bad): %s",
+            counted(len(table.missing), "selected shard", "is"),
             "; ".join(f"{path} ({m.why})" for path, m in zip(shown, table.missing)),
         )
     if not table.shards:

@@ -20,7 +20,7 @@ import logging
 from typing import Any
 
 from ...dist import Collectives
-from ...errors import ShardError, option, redact
+from ...errors import ShardError, counted, option, redact
 from ...formats.remote import RemoteAccess
 from ...formats.streams import count_samples
 from ...options import LoaderOptions
@@ -172,7 +172,7 @@ class EpochAccounts:
                 "seqshard epoch %d: %s%s",
                 position.epoch,
                 "; ".join(f"rank {r['rank']}: {describe(r)}" for r in ranks),
-                f"; {len(missing)} selected shard(s) missing, not read" if missing else "",
+                f"; {counted(len(missing), 'selected shard')} missing, not read" if missing else "",
             )
             warning = None if cut else unread_warning(position.epoch, ranks, self.setup.options)
             if warning:
@@ -226,7 +226,7 @@ class EpochAccounts:
 
 
 def describe(summary: dict[str, Any]) -> str:
-    text = f"{summary['steps']} steps, {summary['utts']} utts"
+    text = f"{counted(summary['steps'], 'step')}, {counted(summary['utts'], 'utt')}"
     if "left" in summary:
         text += f" of {summary['planned']} planned, {summary['left']} left unread"
     for kind in ("dropped", "filtered"):

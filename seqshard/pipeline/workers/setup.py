@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from ...errors import ConfigError, SeqshardError
+from ...errors import ConfigError, SeqshardError, counted
 from ...features.audio import AudioOptions
 from ...formats.index import bin_bounds, histogram_percentile
 from ...formats.remote import RemoteAccess
@@ -210,7 +210,7 @@ def _noise_table(patterns: Any, access: RemoteAccess | None) -> ShardTable:
     table = ShardTable.from_patterns(patterns, access)
     if table.missing:
         shown = "; ".join(f"{m.path} ({m.why})" for m in table.missing[:5])
-        raise ConfigError(f"noise: {len(table.missing)} file(s) of the noise set are missing: {shown}.")
+        raise ConfigError(f"noise: {counted(len(table.missing), 'file')} of the noise set missing: {shown}.")
     return table
 
 
