@@ -106,7 +106,7 @@ def test_every_command_and_the_trainer_take_only_whole_option_names(capsys):
 
 
 def test_counts_of_one_are_singular(tmp_path, capsys):
-    """ "1 shards" (issue 23, item 20)."""
+    """inspect and verify said "1 shards" (issue 23, item 20)."""
     from conftest import write_kaldi_dir
     from seqshard import pack_data
     from seqshard.cli import main
