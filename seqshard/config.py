@@ -81,6 +81,7 @@ MAP_STYLE_KEYS = (
     "strip_spaces",
 )  # large_dataset: false  # Python objects: give them to make_loader directly
 MAP_STYLE_BATCH_SIZE = 16  # the map-style loader's batch_size when none is given
+MAX_NESTING = 64  # lists and objects within each other in a config (a deeper one is refused, not recursed into)
 KALDI_SETS = {"trset": "with large_dataset false, trset", "devset": "devset"}
 
 
@@ -111,6 +112,7 @@ def load_config(source: str | Path | dict[str, Any], *, name: str = "the config"
     ``name`` in messages)."""
     where = name if isinstance(source, dict) else str(source)
     document = source if isinstance(source, dict) else read_json(Path(source))
+    _check_nesting(document, where)
     option = _option_section(document, where)
     config = TrainConfig(where, {}, given=set(option))
     for key, value in option.items():
@@ -284,6 +286,16 @@ def check_shards(config: TrainConfig, key: str) -> None:
             f"{config.source}: train.option.{key}: {counted(len(missing), 'selected shard', 'is')} missing, first "
             f"{missing[0].path} ({missing[0].why}). Fix: {fix}."
         )
+    spec = config.loader.get("epoch_source")
+    if key == "trset" and spec is not None and len(local) == len(_leaf_patterns(config.data[key])):
+        from .formats.remote import RemoteAccess
+        from .pipeline.sources import check_epoch_source, mixed_table
+
+        try:  # the loader's own check, on the same tables
+            _, mix = mixed_table(_patterns(config.source, config.data[key]), RemoteAccess())
+            check_epoch_source(mix, spec)
+        except ConfigError as error:
+            raise ConfigError(f"{config.source}: train.option: {error}") from None
 
 
 def _leaf_patterns(shards: Any) -> list[str]:
@@ -521,6 +533,26 @@ def parse_json(text: str, where: str) -> Any:
         raise ConfigError(f"{where}:{error.lineno}: not valid JSON ({error.msg}).") from None
     except _JsonProblem as problem:
         raise ConfigError(f"{where}:{problem.line}: {problem.problem}") from None
+    except RecursionError:
+        raise ConfigError(_too_deep(where)) from None
+
+
+def _check_nesting(document: Any, where: str) -> None:
+    """Refuse a config whose lists and objects nest deeper than MAX_NESTING (no setting does)."""
+    stack = [(document, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise ConfigError(_too_deep(where))
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _too_deep(where: str) -> str:
+    return (
+        f"{where}: lists and objects nest deeper than {MAX_NESTING} levels, which no setting needs (a mix of mixes "
+        "takes a few): is it the config?"
+    )
 
 
 def read_json(path: Path) -> Any:

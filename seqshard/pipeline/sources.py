@@ -65,6 +65,13 @@ class MixSetup:
         return source, size
 
 
+def check_epoch_source(mix: MixSetup, spec: int | str | None) -> None:
+    """Refuse an ``epoch_source`` that cannot end an epoch of ``mix`` now (the loader, and
+    ``seqshard config`` before it), not after an endless epoch."""
+    if spec is not None:
+        mix.epoch_source(spec)
+
+
 def open_sources(
     patterns: Patterns | Mux, options: LoaderOptions, access: RemoteAccess
 ) -> tuple[ShardTable, MixSetup | None]:
@@ -72,8 +79,7 @@ def open_sources(
     applied; the mix's set-up when it is one."""
     if isinstance(patterns, Mux):
         table, mix = mixed_table(patterns, access)
-        if options.epochs.epoch_source is not None:
-            mix.epoch_source(options.epochs.epoch_source)  # refused now, not after an endless epoch
+        check_epoch_source(mix, options.epochs.epoch_source)
     else:
         table, mix = ShardTable.from_patterns(patterns, access), None
     check_missing(table, options.bad_data)
