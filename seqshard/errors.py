@@ -57,7 +57,25 @@ class _Redacting(logging.Filter):
         return True
 
 
-_LOG.addFilter(_Redacting())
+_REDACTING = _Redacting()
+_LOG.addFilter(_REDACTING)
+# Libraries that log the URLs seqshard hands them (fsspec's http logs each one at DEBUG): a
+# filter acts only on its own logger's records, so each of theirs gets one, those made later
+# (a module's logger, on import) when a remote file system is made (:func:`redact_libraries`).
+REDACTED_LIBRARIES = ("fsspec", "s3fs", "gcsfs", "adlfs", "aiohttp", "aiobotocore", "botocore", "urllib3")
+
+
+def redact_libraries() -> None:
+    """Redact the records of every logger of :data:`REDACTED_LIBRARIES` that exists now."""
+    names = set(logging.root.manager.loggerDict) | set(REDACTED_LIBRARIES)
+    for name in names:
+        if name.split(".")[0] in REDACTED_LIBRARIES:
+            logger = logging.getLogger(name)
+            if _REDACTING not in logger.filters:
+                logger.addFilter(_REDACTING)
+
+
+redact_libraries()
 
 _VERBS = {"is": "are", "was": "were", "has": "have"}
 

@@ -119,3 +119,13 @@ def test_inspect_and_verify_never_show_credentials(served, capsys):
     assert "DAMAGED http://***@" in verified.out and "verify http://***@" in verified.err  # its progress lines
     for shown in (inspected, as_json, verified):
         assert_hidden(shown.out + shown.err)
+
+
+def test_the_debug_lines_of_fsspec_never_show_credentials(served, caplog):
+    """fsspec's http logs each URL at DEBUG (issue 23, item 20)."""
+    caplog.set_level(logging.DEBUG, "fsspec")
+    with ShardServer(served) as server:
+        assert len(keys_of(make_loader(signed(server, "data-{00000..00001}.tar"), **OPTIONS))) == 12
+    shown = [r.getMessage() for r in caplog.records if r.name.startswith("fsspec")]
+    assert any("/shards/data-00001.tar?sig=***&token=***&n=1" in line for line in shown), shown[:5]
+    assert_hidden(caplog.text)

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, ShardError, option, redact
+from ..errors import ConfigError, ShardError, option, redact, redact_libraries
 from .prefetch import ReadAhead
 
 if TYPE_CHECKING:
@@ -237,6 +237,7 @@ class RemoteAccess:
             if key not in _SYSTEMS:
                 try:
                     _SYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+                    redact_libraries()  # the loggers its modules made on import
                 except TypeError as error:
                     raise ConfigError(f"storage_options do not suit {protocol}:// ({error}).") from None
                 except (ImportError, ValueError) as error:
