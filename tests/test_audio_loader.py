@@ -2,6 +2,7 @@
 SpecAugment as stages (seeded, resumable), WeNet lists and wav.scp read directly, bad audio."""
 
 import json
+import logging
 import re
 import shutil
 
@@ -266,11 +267,17 @@ def test_wenet_shard_list_and_raw_list_load(tmp_path):
         assert len(waves["flac"]) == soundfile.info(records[1]["wav"]).frames
 
 
-def test_kaldi_wav_scp_loads_with_labels_from_text(tmp_path):
+def test_kaldi_wav_scp_loads_with_labels_from_text_and_says_when_it_has_none(tmp_path, caplog):
     data = write_audio_dir(tmp_path / "d", utts=6)
     loader = make_loader(data.wav_scp, labels=data.text, batch_size=2, num_workers=2)
     texts = {k: t for b in loader for k, t in zip(b["keys"], b["texts"])}
-    assert texts == data.labels
+    assert texts == data.labels and "wav.scp" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        batches = list(make_loader(data.wav_scp, batch_size=2, num_workers=0))
+    assert (
+        "texts" not in batches[0] and caplog.text.count("wav.scp holds KEY PATH lines (a wav.scp) and no labels") == 1
+    )
+    assert "pass labels= the Kaldi text file of the same keys" in caplog.text  # said once, not a word before
 
 
 def test_bad_lists_and_bad_audio_at_load(tmp_path):

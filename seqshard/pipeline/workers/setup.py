@@ -173,6 +173,15 @@ def make_setup(
     )
     if mix is not None and rank == 0:
         _warn_of_windows_over_a_pass(setup, mix)
+    unlabelled = [shard.path for shard in table.shards if shard.path.endswith(".scp")]
+    if unlabelled and override is None and rank == 0:
+        _LOG.warning(
+            "%s %s KEY PATH lines (a wav.scp) and no labels: batches hold no texts%s; pass labels= the Kaldi text "
+            "file of the same keys (labels='data/train/text').",
+            unlabelled[0] if len(unlabelled) == 1 else f"{unlabelled[0]} and {counted(len(unlabelled) - 1, 'other')}",
+            "holds" if len(unlabelled) == 1 else "hold",
+            f", and empty labels from the {tokenizer.describe()}" if tokenizer is not None else "",
+        )
     return setup
 
 
