@@ -364,7 +364,7 @@ def test_a_waveform_batch_at_two_rates_gives_each_samples_rate_and_says_so(tmp_p
     caplog.clear()
     with caplog.at_level("WARNING", logger="seqshard"):
         (batch,) = list(make_loader(tmp_path / "wav.scp", batch_size=3, num_workers=0, resample_to=16000))
-    assert batch["sample_rate"].tolist() == [16000] * 3 and not caplog.records
+    assert batch["sample_rate"].tolist() == [16000] * 3 and not [r for r in caplog.records if "rate" in r.getMessage()]
 
 
 def _feature_shards(tmp_path):

@@ -225,6 +225,14 @@ def test_fairseq_blocks_are_those_of_fairseqs_own_token_block_dataset(case, pref
             assert hashlib.sha256(array.astype("<i8").tobytes()).hexdigest() == str(made[f"{case}.{name}_sha256"])
     last = batches[-1]
     assert (last["input"][~last["src_mask"]] == 1).all() and last["src_lengths"].tolist() == [len(target) % size]
+    stream = TokenDataset(MEGATRON / prefix).tokens
+    megatrons = [
+        (stream[k * size : k * size + size], stream[k * size + 1 : k * size + size + 1]) for k in range(len(batches))
+    ]
+    same = sum(
+        np.array_equal(b["input"][0], i) and np.array_equal(b["target"][0], t) for b, (i, t) in zip(batches, megatrons)
+    )
+    assert same == 0  # none is a block of Megatron's style (the default)
     stats = loader.stats()
     assert (stats["epoch_tokens"], stats["tokens"], stats["dropped"]) == (len(target), len(target), {})
 

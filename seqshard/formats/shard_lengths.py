@@ -45,9 +45,9 @@ class ShardLengths:
         """From each shard's ``(histogram, shortest, longest)``, or None when it has no index entry."""
         bins = [b for shard in shards if shard for b in shard[0]]
         first, last = (min(bins), max(bins)) if bins else (0, -1)
-        counts = np.zeros((len(shards), last - first + 1), dtype=np.int64)
-        shortest = np.zeros(len(shards), dtype=np.int64)
-        longest = np.zeros(len(shards), dtype=np.int64)
+        counts = np.zeros((len(shards), last - first + 1), dtype=np.int32)
+        shortest = np.zeros(len(shards), dtype=np.int32)
+        longest = np.zeros(len(shards), dtype=np.int32)
         known = np.zeros(len(shards), dtype=bool)
         for row, shard in enumerate(shards):
             if shard is None or not shard[0]:
@@ -65,7 +65,7 @@ class ShardLengths:
         firsts = [p.first for p in parts if p.counts.shape[1]]
         first = min(firsts, default=0)
         last = max((p.first + p.counts.shape[1] - 1 for p in parts if p.counts.shape[1]), default=-1)
-        counts = np.zeros((sum(len(p.known) for p in parts), last - first + 1), dtype=np.int64)
+        counts = np.zeros((sum(len(p.known) for p in parts), last - first + 1), dtype=np.int32)
         row = 0
         for part in parts:
             at = part.first - first
