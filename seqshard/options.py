@@ -59,6 +59,7 @@ NUMBERS: dict[str, dict[str, Any]] = {
     "max_bad_shards": dict(at_least=0, what="a fraction of the shards (< 1) or a count (>= 1)"),
     "remote_retries": dict(whole=True, at_least=0, what="a whole number >= 0"),
     "remote_timeout": dict(above=0, what="a number of seconds > 0"),
+    "remote_min_rate": dict(above=0, what="a number of bytes per second > 0"),
     "num_workers": dict(whole=True, at_least=0, at_most=MAX_WORKERS),
     "prefetch_factor": dict(whole=True, at_least=1, at_most=MAX_PREFETCH),
     "timeout": dict(at_least=0, what="a number of seconds >= 0 (0: no limit)"),
@@ -385,13 +386,22 @@ class Remote(OptionGroup):
     cache (``cache_dir``, ``cache_limit``), retries and timeout, and whether ``pipe:`` commands
     may run. None of it changes which batches come out."""
 
-    runtime_only = ("storage_options", "cache_dir", "cache_limit", "remote_retries", "remote_timeout", "allow_pipes")
+    runtime_only = (
+        "storage_options",
+        "cache_dir",
+        "cache_limit",
+        "remote_retries",
+        "remote_timeout",
+        "remote_min_rate",
+        "allow_pipes",
+    )
 
     storage_options: dict[str, Any] | None = None
     cache_dir: str | None = None
     cache_limit: str | int | None = None
     remote_retries: int = 4
     remote_timeout: float = 60.0
+    remote_min_rate: float = 256 << 10  # a request slower than this on average, past remote_timeout, has stalled
     allow_pipes: bool = False
 
     def check(self) -> None:
@@ -424,6 +434,7 @@ class Remote(OptionGroup):
             storage_options=dict(self.storage_options or {}),
             retries=self.remote_retries,
             timeout_s=self.remote_timeout,
+            min_rate=self.remote_min_rate,
             cache=cache,
             allow_pipes=self.allow_pipes,
         )

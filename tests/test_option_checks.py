@@ -48,6 +48,7 @@ OUT_OF_RANGE = {
     "max_bad_shards": [-1],
     "remote_retries": [-1, 2.5],
     "remote_timeout": [0],
+    "remote_min_rate": [0, -5],
     "num_workers": [-1, 10**18, 1.5],
     "prefetch_factor": [0, 10**9],
     "timeout": [-1],
