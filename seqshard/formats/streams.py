@@ -12,7 +12,8 @@ from pathlib import Path
 from ..errors import ShardError
 from .lists import ListSampleStream
 from .members import has_table_format, load_table
-from .patterns import is_list_name
+from .nemo import ManifestSampleStream
+from .patterns import is_list_name, is_manifest_name
 from .remote import RemoteAccess
 from .shar import CutStream, FieldTarStream, JsonlFieldStream, open_shar, shar_field_of
 from .sliced import SlicedSampleStream
@@ -33,6 +34,8 @@ def open_samples(
     """A sample stream over a shard (or a raw list), from byte ``start`` (sample ``ordinal``);
     ``access`` reads remote shards (and reads local ones ahead). A local tar with a member
     table is sliced by it (``formats/members.py``) unless ``use_table=False``."""
+    if is_manifest_name(str(path)):
+        return ManifestSampleStream(path, start, ordinal, read_data=read_data)
     if is_list_name(str(path)):
         return ListSampleStream(path, start, ordinal, read_data=read_data)
     if (shar_field := shar_field_of(str(path))) is not None:
