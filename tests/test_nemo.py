@@ -110,7 +110,7 @@ def test_several_manifests_and_nemo_braces(tmp_path):
     report = pack_data(None, None, tmp_path / "out", manifest=pattern, progress=False)
     assert report.packed == 2
     assert sorted(read_all(pattern)) == ["3_jackson_1", "7_jackson_1"]
-    with pytest.raises(ConfigError, match="manifest_2.json does not exist"):
+    with pytest.raises(ConfigError, match=r"manifest_2\.json does not exist"):
         pack_data(None, None, tmp_path / "o2", manifest=str(tmp_path / "manifest__OP_0..2_CL_.json"), progress=False)
 
 
@@ -191,5 +191,5 @@ def test_tarred_set_refuses_a_member_named_twice(tmp_path):
     (tmp_path / "tarred_audio_manifest.json").write_text(json.dumps(entry) + "\n")
     with open_samples(str(tmp_path / "audio_0.tar")) as stream:
         assert stream.next_sample().key == "a"
-        with pytest.raises(ShardError, match="'a.wav' is in the tar twice"):
+        with pytest.raises(ShardError, match=r"'a\.wav' is in the tar twice"):
             stream.next_sample()
