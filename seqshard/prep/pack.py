@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -154,7 +154,8 @@ def pack_data(
     for folder in [d_out, d_out / STATE_DIR, *(d_out / g.name for g in options.groups)]:
         if folder.is_dir():
             remove_stale_temporaries(folder)
-    run = _claim_output(d_out, options, _identity_inputs(source, text_files, options))
+    digest = getattr(source, "content_hash", content_hash)  # a dataset's files are too large to read twice
+    run = _claim_output(d_out, options, _identity_inputs(source, text_files, options), digest)
 
     with Progress(progress) as bars:
         plan = build_plan(source, text_files, d_out, options, bars.bar)
@@ -307,7 +308,9 @@ def _identity_inputs(source: PackSource, text_files: Sequence[Path], options: Pa
     return [*source.files, *text_files, *dict.fromkeys(lengths)]
 
 
-def _describe_run(options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
+def _describe_run(
+    options: PackOptions, inputs: Sequence[Path], digest: Callable[[Path], str] | None = None
+) -> dict[str, Any]:
     """What a pack is made from: its options and its inputs' content (not their mtimes).
 
     ``skip_bad`` is left out: it does not change a shard that was written without a skip, and
@@ -315,7 +318,8 @@ def _describe_run(options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any
     """
     described_options = json.loads(json.dumps(asdict(options)))
     del described_options["skip_bad"]
-    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": content_hash(p)} for p in inputs]
+    digest = digest or content_hash
+    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": digest(p)} for p in inputs]
     identity = hashlib.sha256(json.dumps([described_options, [f["blake2b"] for f in files]]).encode()).hexdigest()
     return {"options": described_options, "inputs": files, "fingerprint": identity}
 
@@ -340,12 +344,14 @@ def _clear_output(d_out: Path, fmt: str) -> None:
     shutil.rmtree(d_out / STATE_DIR, ignore_errors=True)
 
 
-def _claim_output(d_out: Path, options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
+def _claim_output(
+    d_out: Path, options: PackOptions, inputs: Sequence[Path], digest: Callable[[Path], str] | None = None
+) -> dict[str, Any]:
     """Record what this folder is being packed from. A folder holding shards packed from other
     inputs or options is refused; one where no shard file was written yet (a run that failed
     before its first shard, or one that kept nothing) is taken over. Returns the run record."""
     run_file = d_out / STATE_DIR / RUN_FILE
-    described = _describe_run(options, inputs)
+    described = _describe_run(options, inputs, digest)
     if run_file.exists():
         previous = json.loads(run_file.read_text(encoding="utf-8"))
         if previous.get("fingerprint") == described["fingerprint"]:
