@@ -30,11 +30,17 @@ Patterns = str | Path | Sequence[str | Path]
 
 
 def is_list_name(name: str) -> bool:
-    return name.endswith(LIST_SUFFIXES)
+    return name.endswith(LIST_SUFFIXES) and not _is_index(name)
 
 
 def is_manifest_name(name: str) -> bool:
-    return name.endswith(MANIFEST_SUFFIXES)
+    return name.endswith(MANIFEST_SUFFIXES) and not _is_index(name)
+
+
+def _is_index(name: str) -> bool:
+    from .index import INDEX_NAME  # index.py imports this module
+
+    return name.rsplit("/", 1)[-1] == INDEX_NAME
 
 
 def is_shard_name(name: str) -> bool:

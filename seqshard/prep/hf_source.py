@@ -60,8 +60,9 @@ class DatasetSource(AudioSource):
     ):
         self.dataset = dataset_files(path, split)
         super().__init__(list(self.dataset.files), [], options)
-        names = list(Batches(self.dataset).schema().names)
-        self.audio_column = audio_column(Batches(self.dataset).schema(), audio)
+        schema = Batches(self.dataset).schema()
+        names = list(schema.names)
+        self.audio_column = audio_column(schema, audio)
         self.text_column = text_column(names, text)
         self.id_column = id_column(names, key)
         missing = [name for name in options.fields if name not in names]

@@ -99,8 +99,8 @@ def pack_data(
     inputs = {"f_scps": f_scps, "wav_scp": wav_scp, "manifest": manifest, "hf": hf}
     if sum(value is not None for value in inputs.values()) != 1:
         raise ConfigError(
-            f"give one input: {option('f_scps', '...')} (features), {option('wav_scp', '...')} (audio), "
-            f"{option('manifest', '...')} (NeMo manifests) or {option('hf', '...')} (a Hugging Face dataset)."
+            f"give either {option('f_scps', '...')} (features), {option('wav_scp', '...')} (audio), "
+            f"{option('manifest', '...')} (NeMo manifests) or {option('hf', '...')} (a Hugging Face dataset): one input."
         )
     texts_inside = manifest is not None or hf is not None
     if texts_inside and f_labels is not None:
