@@ -45,14 +45,20 @@ def assert_same(found, expected):
 
 @pytest.mark.parametrize(
     ("source", "split"),
-    [("saved", None), ("saved", "test"), ("hub", None), ("hub/data/test-*.parquet", None)],
+    [
+        ("saved", None),
+        ("saved", "test"),
+        ("saved/train/data-00000-of-00001.arrow", None),
+        ("hub", None),
+        ("hub/data/test-*.parquet", None),
+    ],
 )
 def test_pack_matches_datasets(tmp_path, source, split):
-    """A save_to_disk folder (its only split asked for, else train) and the Hub's parquet
-    layout (a folder, a glob) give the rows `datasets` reads."""
+    """A save_to_disk folder (the split asked for, else train), one of its arrow files and
+    the Hub's parquet layout (a folder, a glob) give the rows `datasets` reads."""
     report = pack_data(None, None, tmp_path / "out", hf=str(HF / source), split=split, progress=False)
     expected_split = split or ("test" if "test" in source else "train")
-    if source == "saved":
+    if source.startswith("saved"):
         expected = reference(datasets.load_from_disk(str(HF / "saved"))[expected_split])
     else:
         expected = reference(datasets.Dataset.from_parquet(str(HF / f"hub/data/{expected_split}-*.parquet")))
