@@ -49,7 +49,7 @@ def read_all(pattern, **options) -> dict[str, dict]:
             "text": batch["texts"][0],
             "audio": batch["audio"][0, : batch["audio_lens"][0]].numpy(),
             "rate": int(batch["sample_rate"][0]),
-            "speaker": batch["speaker"][0],
+            "speaker": batch.get("speaker", [None])[0],
         }
     return found
 
@@ -193,3 +193,30 @@ def test_tarred_set_refuses_a_member_named_twice(tmp_path):
         assert stream.next_sample().key == "a"
         with pytest.raises(ShardError, match=r"'a\.wav' is in the tar twice"):
             stream.next_sample()
+
+
+def write_tarred(folder: Path, members: list[str], manifest: list[str]) -> None:
+    """A one-tar NeMo set: ``members`` (0.1 s WAVs) in audio_0.tar, entries naming ``manifest``."""
+    data = io.BytesIO()
+    soundfile.write(data, np.zeros(800, np.int16), 8000, format="WAV")
+    with tarfile.open(folder / "audio_0.tar", "w") as tar:
+        for name in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data.getvalue())
+            tar.addfile(info, io.BytesIO(data.getvalue()))
+    lines = [json.dumps({"audio_filepath": n, "duration": 0.1, "text": n, "shard_id": 0}) for n in manifest]
+    (folder / "tarred_audio_manifest.json").write_text("\n".join(lines) + "\n")
+
+
+def test_tarred_member_without_entry_is_passed_over_and_said(tmp_path, caplog):
+    write_tarred(tmp_path, ["a.wav", "b.wav"], ["b.wav"])
+    assert list(read_all(str(tmp_path))) == ["b"]
+    assert "1 member(s) have no entry" in caplog.text
+
+
+def test_tarred_entry_without_member_is_a_damaged_shard(tmp_path):
+    write_tarred(tmp_path, ["a.wav"], ["a.wav", "gone.wav"])
+    with pytest.raises(ShardError, match=r"holds 1 samples where its index\.json says 2"):
+        read_all(str(tmp_path))
+    loader = make_loader(str(tmp_path), batch_size=1, num_workers=0, skip_bad=True, max_bad_shards=1.0)
+    assert sum(len(b["keys"]) for b in loader) + loader.stats()["dropped"]["damaged"] == 2
