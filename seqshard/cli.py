@@ -59,6 +59,13 @@ def _pack(args: argparse.Namespace) -> int:
         num_mel_bins=args.num_mel_bins,
         resample_to=args.resample_to,
         channel=args.channel,
+        manifest=args.manifest,
+        hf=args.hf,
+        split=args.split,
+        audio_column=args.audio_column,
+        text_column=args.text_column,
+        id_column=args.id_column,
+        fields=args.fields,
     )
     print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
     return 0
@@ -223,8 +230,20 @@ def _pack_command(commands: Any) -> None:
     pack.add_argument("--resample-to", type=int, metavar="HZ", help="resample audio to this rate for fbank")
     pack.add_argument("--channel", type=int, help="keep this channel of multi-channel audio (default: mix down)")
     pack.add_argument(
-        "--text", nargs="+", action="extend", required=True, help="Kaldi text file(s): 'UTT-ID label words'"
+        "--manifest",
+        nargs="+",
+        action="extend",
+        help="NeMo manifest(s), instead of --scp/--wav-scp and --text (braces and NeMo's _OP_/_CL_ expand)",
     )
+    pack.add_argument(
+        "--hf", metavar="PATH", help="a Hugging Face dataset: save_to_disk folder, parquet or arrow file(s) or a glob"
+    )
+    pack.add_argument("--split", help="the dataset's split (default: its only one, else train)")
+    pack.add_argument("--audio-column", help="the dataset's audio column (default: the first audio column)")
+    pack.add_argument("--text-column", help="the text column (default: text, sentence, transcript, ...)")
+    pack.add_argument("--id-column", help="the key column (default: id when there is one, else row numbers)")
+    pack.add_argument("--fields", metavar="A,B", help="keep these manifest keys (dataset columns) as fields NAME.json")
+    pack.add_argument("--text", nargs="+", action="extend", help="Kaldi text file(s): 'UTT-ID label words'")
     pack.add_argument("--out", required=True, help="output folder")
     pack.add_argument("--fmt", default="data-%05d.tar", help="shard file name pattern (default: %(default)s)")
     pack.add_argument(

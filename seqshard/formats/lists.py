@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -69,15 +70,17 @@ def _problem(error: InputError) -> bytes:
     return "\t".join((error.reason, error.problem, error.fix or "")).encode()
 
 
-def scan_list(path: Path) -> int:
-    """How many samples a raw list (or wav.scp) holds, checking that no key repeats and that
-    there is at least one (ConfigError naming the lines otherwise). Lines that cannot be read
-    are counted here and reported when the loader reaches them."""
+def scan_list(path: Path, key_of: Callable[[bytes], str] | None = None) -> int:
+    """How many samples a raw list (or wav.scp; or with ``key_of``, the key of a line, another
+    list of JSON lines) holds, checking that no key repeats and that there is at least one
+    (ConfigError naming the lines otherwise). Lines that cannot be read are counted here and
+    reported when the loader reaches them."""
+    key_of = key_of or _key_of
     keys = []
     with open(path, "rb") as stream:
         for line in stream:
             if line.strip():
-                keys.append(key_hash(_key_of(line)))
+                keys.append(key_hash(key_of(line)))
     if not keys:
         raise ConfigError(f"{path} holds no samples (an empty list).")
     hashes = np.asarray(keys, dtype=np.uint64)
@@ -161,9 +164,14 @@ class ListSampleStream:
                     fields["txt"] = str(record["txt"]).encode("utf-8")
                 if "start" in record or "end" in record:
                     fields[SEGMENT_FIELD] = json.dumps({"start": record["start"], "end": record["end"]}).encode()
+                fields.update(self._more_fields(record))
         sample = TarRecord(str(record["key"]), fields, offset, self.ordinal)
         self.ordinal += 1
         return sample
+
+    def _more_fields(self, record: dict) -> dict[str, bytes]:
+        """Fields beyond audio, text and segment (none in a raw list)."""
+        return {}
 
     def _audio(self, record: dict) -> dict[str, bytes]:
         """The audio's bytes under its extension, or why they cannot be read."""

@@ -17,7 +17,7 @@ import os
 import re
 import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,10 +26,12 @@ from .. import __version__
 from ..errors import ConfigError, InputError, SeqshardError, Where, option
 from ..formats.files import remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import INDEX_NAME, ShardEntry, ShardIndex
+from ..formats.nemo import manifest_files
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
 from ..progress import Progress
 from .journal import Journal, finished_shards, shard_written
-from .plan import UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
+from .nemo_source import ManifestSource
+from .plan import UTTS_PER_FILE, PackOptions, PackPlan, PackSource, ShardTask, build_plan, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
 from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource
 from .write import DEFAULT_MAX_OPEN, remove_partials, write_shards
@@ -40,7 +42,7 @@ RUN_FILE = "run.json"
 
 def pack_data(
     f_scps: str | Path | Sequence[str | Path] | None,
-    f_labels: str | Path | Sequence[str | Path],
+    f_labels: str | Path | Sequence[str | Path] | None,
     d_out: str | Path,
     fmt: str = "data-%05d.tar",
     filter_group: Sequence[str] | str | None = None,
@@ -68,9 +70,20 @@ def pack_data(
     num_mel_bins: int = 80,
     resample_to: int | None = None,
     channel: int | None = None,
+    manifest: str | Path | Sequence[str | Path] | None = None,
+    hf: str | Path | None = None,
+    split: str | None = None,
+    audio_column: str | None = None,
+    text_column: str | None = None,
+    id_column: str | None = None,
+    fields: Sequence[str] | str | None = None,
 ) -> PackReport:
     """Pack ``feats.scp`` file(s), or audio named by ``wav_scp`` file(s) (cut by ``segments``),
-    with ``text`` file(s) into tar shards under ``d_out``.
+    with ``text`` file(s) into tar shards under ``d_out``; or the audio and texts of NeMo
+    manifest(s) (``manifest``), or of a Hugging Face dataset (``hf``: a ``save_to_disk``
+    folder, parquet or arrow files; ``split``, ``audio_column``, ``text_column``,
+    ``id_column``), with no text files. ``fields`` keeps a manifest's other keys (a dataset's
+    other columns) as fields ``NAME.json``.
 
     ``filter_group=["10:1000", "1000:2000"]`` writes utterances of ``[10, 1000)`` frames (for
     audio: seconds) to ``d_out/10_1000/`` and so on (others are dropped and counted); without it
@@ -83,9 +96,21 @@ def pack_data(
     report). See README for every option.
     """
     started = time.perf_counter()
-    if (f_scps is None) == (wav_scp is None):
-        raise ConfigError(f"give either {option('f_scps', '...')} (features) or {option('wav_scp', '...')} (audio).")
-    text_files = _as_paths(f_labels, "f_labels")
+    inputs = {"f_scps": f_scps, "wav_scp": wav_scp, "manifest": manifest, "hf": hf}
+    if sum(value is not None for value in inputs.values()) != 1:
+        raise ConfigError(
+            f"give either {option('f_scps', '...')} (features), {option('wav_scp', '...')} (audio), "
+            f"{option('manifest', '...')} (NeMo manifests) or {option('hf', '...')} (a Hugging Face dataset): one input."
+        )
+    texts_inside = manifest is not None or hf is not None
+    if texts_inside and f_labels is not None:
+        raise ConfigError(
+            f"{option('f_labels', '...')}: the texts come from the {'manifest' if manifest is not None else 'dataset'}; "
+            "leave the text files out."
+        )
+    if not texts_inside and f_labels is None:
+        raise ConfigError(f"{option('f_labels', '...')}: give the text file(s) with the labels.")
+    text_files = [] if f_labels is None else _as_paths(f_labels, "f_labels")
     if num_frames_files:
         num_frames_files = _as_paths(num_frames_files, "num_frames_files")
     if overwrite and num_parts > 1:
@@ -100,7 +125,7 @@ def pack_data(
         )
     options = PackOptions(
         fmt=fmt,
-        groups=parse_groups(filter_group, seconds=wav_scp is not None),
+        groups=parse_groups(filter_group, seconds=f_scps is None),
         utts_per_file=utts_per_file,
         shuffle=shuffle,
         seed=seed,
@@ -116,9 +141,10 @@ def pack_data(
         num_mel_bins=num_mel_bins,
         resample_to=resample_to,
         channel=channel,
+        fields=tuple(fields.split(",") if isinstance(fields, str) else fields or ()),
     )
-    source = _source(f_scps, wav_scp, segments, options)
     d_out = Path(d_out)
+    source = _source(inputs, segments, options, (split, audio_column, text_column, id_column), d_out)
     if d_out.exists() and not d_out.is_dir():
         raise ConfigError(f"{option('d_out', d_out)}: {d_out} is a file, not a folder.")
     with writing(d_out):
@@ -128,7 +154,8 @@ def pack_data(
     for folder in [d_out, d_out / STATE_DIR, *(d_out / g.name for g in options.groups)]:
         if folder.is_dir():
             remove_stale_temporaries(folder)
-    run = _claim_output(d_out, options, _identity_inputs(source, text_files, options))
+    digest = getattr(source, "content_hash", content_hash)  # a dataset's files are too large to read twice
+    run = _claim_output(d_out, options, _identity_inputs(source, text_files, options), digest)
 
     with Progress(progress) as bars:
         plan = build_plan(source, text_files, d_out, options, bars.bar)
@@ -141,12 +168,23 @@ def pack_data(
 
 
 def _source(
-    f_scps: str | Path | Sequence[str | Path] | None,
-    wav_scp: str | Path | Sequence[str | Path] | None,
+    inputs: Mapping[str, Any],
     segments: str | Path | Sequence[str | Path] | None,
     options: PackOptions,
-) -> FeatureSource | AudioSource:
-    """What the pack reads: feature matrices, or audio (cut by segments)."""
+    columns: tuple[str | None, ...],
+    d_out: Path,
+) -> PackSource:
+    """What the pack reads: feature matrices, audio (cut by segments), NeMo manifests or a
+    Hugging Face dataset (``columns``: its split, audio, text and id columns)."""
+    f_scps, wav_scp = inputs["f_scps"], inputs["wav_scp"]
+    if options.fields and inputs["manifest"] is None and inputs["hf"] is None:
+        raise ConfigError(f"{option('fields', '...')}: for NeMo manifests and Hugging Face datasets.")
+    if segments is not None and f_scps is None and wav_scp is None:
+        raise ConfigError(f"{option('segments', '...')}: cuts the recordings of {option('wav_scp', '...')}.")
+    if inputs["hf"] is None and any(c is not None for c in columns):
+        raise ConfigError(
+            f"{option('split', '...')} and the column options: for a Hugging Face dataset ({option('hf', '...')})."
+        )
     if f_scps is not None:
         audio_only = [
             option(name, value)
@@ -165,6 +203,12 @@ def _source(
                 f"{option('audio_format', 'keep')} stores each file's original bytes, so it cannot apply "
                 f"{', '.join(changes)}: use {option('audio_format', 'flac')} (lossless), or leave them out."
             )
+    if inputs["manifest"] is not None:
+        return ManifestSource(manifest_files(inputs["manifest"]), options)
+    if inputs["hf"] is not None:
+        from .hf_source import DatasetSource
+
+        return DatasetSource(inputs["hf"], *columns, options, d_out)
     return AudioSource(
         _as_paths(wav_scp, "wav_scp"), _as_paths(segments, "segments") if segments is not None else [], options
     )
@@ -253,9 +297,7 @@ def parse_path_map(path_map: Mapping[str, str] | Sequence[str] | None) -> tuple[
     return tuple(pairs)
 
 
-def _identity_inputs(
-    source: FeatureSource | AudioSource, text_files: Sequence[Path], options: PackOptions
-) -> list[Path]:
+def _identity_inputs(source: PackSource, text_files: Sequence[Path], options: PackOptions) -> list[Path]:
     """The files whose content decides what a pack writes (inputs, text, length files)."""
     lengths = [Path(f) for f in options.num_frames_files] or [
         Path(f).parent / name
@@ -266,7 +308,9 @@ def _identity_inputs(
     return [*source.files, *text_files, *dict.fromkeys(lengths)]
 
 
-def _describe_run(options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
+def _describe_run(
+    options: PackOptions, inputs: Sequence[Path], digest: Callable[[Path], str] | None = None
+) -> dict[str, Any]:
     """What a pack is made from: its options and its inputs' content (not their mtimes).
 
     ``skip_bad`` is left out: it does not change a shard that was written without a skip, and
@@ -274,7 +318,8 @@ def _describe_run(options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any
     """
     described_options = json.loads(json.dumps(asdict(options)))
     del described_options["skip_bad"]
-    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": content_hash(p)} for p in inputs]
+    digest = digest or content_hash
+    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": digest(p)} for p in inputs]
     identity = hashlib.sha256(json.dumps([described_options, [f["blake2b"] for f in files]]).encode()).hexdigest()
     return {"options": described_options, "inputs": files, "fingerprint": identity}
 
@@ -299,12 +344,14 @@ def _clear_output(d_out: Path, fmt: str) -> None:
     shutil.rmtree(d_out / STATE_DIR, ignore_errors=True)
 
 
-def _claim_output(d_out: Path, options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
+def _claim_output(
+    d_out: Path, options: PackOptions, inputs: Sequence[Path], digest: Callable[[Path], str] | None = None
+) -> dict[str, Any]:
     """Record what this folder is being packed from. A folder holding shards packed from other
     inputs or options is refused; one where no shard file was written yet (a run that failed
     before its first shard, or one that kept nothing) is taken over. Returns the run record."""
     run_file = d_out / STATE_DIR / RUN_FILE
-    described = _describe_run(options, inputs)
+    described = _describe_run(options, inputs, digest)
     if run_file.exists():
         previous = json.loads(run_file.read_text(encoding="utf-8"))
         if previous.get("fingerprint") == described["fingerprint"]:
