@@ -19,6 +19,7 @@ _EXPORTS = {
     "Mux": "seqshard.mix",
     "TokenDataset": "seqshard.formats.mmidx",
     "TokenPair": "seqshard.tokens.pairs",
+    "token_pairs": "seqshard.tokens.databin",
     "make_token_loader": "seqshard.tokens.loader",
     "TokenLoader": "seqshard.tokens.loader",
     "binarize": "seqshard.prep.binarize",
