@@ -24,6 +24,7 @@ from .checks import MAX_WORKERS, check_flag, check_number
 from .errors import ConfigError, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
+from .features.speaker_cmvn import SpeakerCmvn
 from .formats.cache import parse_bytes
 from .formats.remote import RemoteAccess
 
@@ -32,6 +33,7 @@ START_METHODS = tuple(multiprocessing.get_all_start_methods())
 MAX_PREFETCH = 256  # batches each worker prepares ahead (each takes a slot of shared memory)
 DEFAULT_BATCH_FRAMES = 20000  # when neither batch_size nor batch_frames is given
 CACHE_LIMIT = "a size such as '200GB' or '500MiB', or a number of bytes > 0"
+SPEAKER = "speaker"  # cmvn="speaker": each sample's speaker statistics (pack --cmvn-scp)
 
 # The numeric options: what kind of number, and its bounds (check_number's arguments). An option
 # whose default is None may also be None.
@@ -268,6 +270,7 @@ class Audio(OptionGroup):
     noise_snr: tuple[float, float] = (5.0, 20.0)
     noise_prob: float = 1.0
     cmvn: str | None = None
+    cmvn_norm_vars: bool = False
     spec_augment: bool | dict[str, Any] = False
     channel: int | None = None
 
@@ -283,7 +286,12 @@ class Audio(OptionGroup):
         for bound in self.noise_snr:
             check_number("noise_snr", bound, what="(low, high) in dB, finite numbers")
         if not isinstance(self.cmvn, (str, os.PathLike, type(None))):
-            raise ConfigError(f"cmvn must be a path or None, got {self.cmvn!r}.")
+            raise ConfigError(f"cmvn must be a path, 'speaker' or None, got {self.cmvn!r}.")
+        if self.cmvn_norm_vars and self.cmvn != SPEAKER:
+            raise ConfigError(
+                "cmvn_norm_vars is Kaldi's --norm-vars for cmvn='speaker'; a `seqshard cmvn` file always divides by "
+                "the standard deviation: leave cmvn_norm_vars out."
+            )
         self.parsed()
 
     def parsed(self) -> AudioOptions:
@@ -310,7 +318,7 @@ class Audio(OptionGroup):
             self.noise,
             tuple(self.noise_snr),
             self.noise_prob,
-            Cmvn.load(self.cmvn) if self.cmvn else None,
+            SpeakerCmvn(self.cmvn_norm_vars) if self.cmvn == SPEAKER else Cmvn.load(self.cmvn) if self.cmvn else None,
             _spec_augment(self.spec_augment),
             self.channel,
         )

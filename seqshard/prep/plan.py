@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -25,6 +25,9 @@ from ..formats.kaldi import ArkLocation, parse_location
 from ..formats.keys import escape_key
 from ..formats.keytable import KeyTable
 from ..seeds import pack_order_rng
+
+if TYPE_CHECKING:
+    from .speakers import Speakers
 
 
 class PackSource(Protocol):
@@ -128,6 +131,8 @@ class PackOptions:
     num_mel_bins: int = 80
     resample_to: int | None = None
     channel: int | None = None
+    utt2spk: str | None = None  # each utterance's speaker, recorded (``speakers.py``)
+    cmvn_scp: str | None = None  # the speakers' Kaldi CMVN statistics, recorded
 
     def __post_init__(self) -> None:
         if self.audio_format not in ("flac", "keep"):
@@ -194,6 +199,7 @@ class PackPlan:
     label_issues: dict[str, int] = field(default_factory=dict)  # text-side problems by reason
     num_labels: int = 0
     frames_file_issues: dict[str, int] = field(default_factory=dict)  # length-file lines skipped, by reason
+    speakers: Speakers | None = None  # speaker and CMVN members of each utterance (pack --utt2spk/--cmvn-scp)
 
     @property
     def num_planned(self) -> int:
