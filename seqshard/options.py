@@ -230,16 +230,25 @@ class Labels(OptionGroup):
 @dataclass(frozen=True)
 class Reading(OptionGroup):
     """Which fields are read (``fields``: names or member suffixes as ``inspect`` lists them;
-    None: the shards' own) and which is the feature field."""
+    None: the shards' own), which is the feature field, and the folder relative paths in
+    lists read directly are taken from (``path_root``; None: the current folder, else the
+    list's)."""
 
     fields: tuple[str, ...] | None = None
     feature_field: str | None = None
+    path_root: str | None = None
 
     def check(self) -> None:
         if self.fields is not None and (isinstance(self.fields, str) or not self.fields):
             raise ConfigError(f"fields must be a non-empty list of field names, got {self.fields!r}.")
         if not isinstance(self.feature_field, (str, type(None))):
             raise ConfigError(f"feature_field must be a field name or None, got {self.feature_field!r}.")
+        if self.path_root is not None:
+            if not isinstance(self.path_root, (str, os.PathLike)) or not os.path.isdir(self.path_root):
+                raise ConfigError(
+                    f"path_root must be a folder (where relative paths of lists start), got {self.path_root!r}."
+                )
+            object.__setattr__(self, "path_root", os.fspath(self.path_root))
 
 
 @dataclass(frozen=True)
