@@ -7,9 +7,13 @@ from __future__ import annotations
 import re
 
 import pytest
+import sentencepiece
 
-from seqshard import ConfigError, TokenDataset, binarize
-from seqshard.text.tokenizers import UnitsTokenizer, make_tokenizer
+from conftest import REALDATA
+from seqshard import ConfigError, TokenDataset, UnitsTokenizer, binarize
+from seqshard.text.tokenizers import make_tokenizer
+
+BPE = REALDATA / "tokenizers/librispeech.train_960_unigram5000.bpemodel"
 
 # What `espnet2.bin.tokenize_text --token_type char --write_vocabulary true --add_symbol
 # '<blank>:0' --add_symbol '<unk>:1' --add_symbol '<sos/eos>:-1'` writes: counted characters
@@ -76,3 +80,24 @@ def test_binarize_takes_a_token_list(tmp_path, token_list):
         espnet_ids(ESPNET_CHARS, "THE SEA") + [eos],
         espnet_ids(ESPNET_CHARS, "WHITE") + [eos],
     ]
+
+
+def test_a_bpe_token_list_maps_the_models_pieces_as_espnet_does(tmp_path):
+    """ESPnet's bpe route: SentencepiecesTokenizer (the model's pieces), then the token list's
+    ids, which follow the training text's piece counts, not the model's own ids."""
+    model = sentencepiece.SentencePieceProcessor(model_file=str(BPE))
+    text = "IT WAS THE FIRST GREAT SORROW OF HIS LIFE"
+    pieces = model.encode(text, out_type=str)
+    listed = ["<blank>", "<unk>", *sorted(set(pieces[1:]), reverse=True), "<sos/eos>"]  # pieces[0] left out
+    path = tmp_path / "tokens.txt"
+    path.write_text("\n".join(listed) + "\n", encoding="utf-8")
+    tokenizer = UnitsTokenizer(path, pieces=BPE)
+    expected = [listed.index(p) if p in listed else 1 for p in pieces]
+    assert tokenizer.encode(text) == expected and expected[0] == 1 and tokenizer.split == "piece"
+    assert tokenizer.encode_many([text, "LIFE"]) == [
+        expected,
+        [listed.index(p) for p in model.encode("LIFE", out_type=str)],
+    ]
+    assert "pieces of SentencePiece model" in tokenizer.describe()
+    with pytest.raises(ConfigError, match="'piece' with pieces=MODEL"):
+        UnitsTokenizer(path, split="char", pieces=BPE)

@@ -89,11 +89,19 @@ class UnitsTokenizer:
     ``split="char"`` maps each character (spaces to ``▁`` or ``<space>`` when the units have
     one, else to ``<unk>``); ``"word"`` maps each whitespace-separated word. ``split=None``
     chooses from the units: ``"char"`` when every unit other than ``<...>`` symbols is one
-    character, else ``"word"``."""
+    character, else ``"word"``. With ``pieces`` (a SentencePiece model: ESPnet's ``bpemodel``,
+    WeNet's ``bpe_model``) the text is split into the model's pieces, each mapped through the
+    units (``split="piece"``), as ESPnet and WeNet give BPE ids."""
 
-    def __init__(self, units: str | Path, split: str | None = None, unk: str = "<unk>"):
-        if split not in (None, "char", "word"):
-            raise ConfigError(f"split must be 'char', 'word' or None (chosen from the units), got {split!r}.")
+    def __init__(
+        self, units: str | Path, split: str | None = None, unk: str = "<unk>", pieces: str | Path | None = None
+    ):
+        if split not in ((None, "piece") if pieces is not None else (None, "char", "word")):
+            raise ConfigError(
+                f"split must be 'char', 'word' or None (chosen from the units), or 'piece' with pieces=MODEL; got "
+                f"{split!r}{' with pieces' if pieces is not None else ''}."
+            )
+        self.pieces = SentencePieceTokenizer(pieces) if pieces is not None else None
         self.units = str(units)
         try:
             lines = Path(units).read_text(encoding="utf-8").splitlines()
@@ -106,7 +114,7 @@ class UnitsTokenizer:
             raise ConfigError(f"{units} has no {unk!r} unit for unknown tokens.")
         self.unk = self.ids[unk]
         self.space = next((self.ids[u] for u in SPACE_UNITS if u in self.ids), self.unk)
-        self.split = split or self._split_of_units()
+        self.split = "piece" if self.pieces is not None else split or self._split_of_units()
 
     def _units(self, lines: list[str]) -> dict[str, int]:
         """``TOKEN ID`` lines (blank lines ignored)."""
@@ -154,6 +162,9 @@ class UnitsTokenizer:
         return "char" if all(len(u) == 1 for u in plain) else "word"
 
     def encode_many(self, texts: list[str]) -> list[list[int]]:
+        if self.pieces is not None:
+            ids, unk = self.ids, self.unk
+            return [[ids.get(piece, unk) for piece in pieces] for pieces in self.pieces.encode_pieces_many(texts)]
         return [self.encode(text) for text in texts]
 
     @property
@@ -162,6 +173,8 @@ class UnitsTokenizer:
         return next((self.ids[u] for u in EOS_UNITS if u in self.ids), None)
 
     def encode(self, text: str) -> list[int]:
+        if self.pieces is not None:
+            return self.encode_many([text])[0]
         if self.split == "word":
             return [self.ids.get(word, self.unk) for word in text.split()]
         return [self.space if ch.isspace() else self.ids.get(ch, self.unk) for ch in text]
@@ -176,7 +189,8 @@ class UnitsTokenizer:
 
     def describe(self) -> str:
         kind = "token list" if self.token_list else "units file"
-        return f"{kind} {self.units} split into {self.split}s"
+        split = f"pieces of {self.pieces.describe()}" if self.pieces is not None else f"{self.split}s"
+        return f"{kind} {self.units} split into {split}"
 
 
 @runtime_checkable
