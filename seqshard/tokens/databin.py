@@ -186,7 +186,7 @@ def token_pairs(
         tuple(str(folder) for folder in folders),
         tuple(directions),
         {lang: str(path) for lang, path in dictionaries.items()},
-        token_ids.found,
+        dict(sorted(token_ids.found.items())),
     )
 
 
