@@ -83,21 +83,21 @@ def test_binarize_takes_a_token_list(tmp_path, token_list):
 
 
 def test_a_bpe_token_list_maps_the_models_pieces_as_espnet_does(tmp_path):
-    """ESPnet's bpe route: SentencepiecesTokenizer (the model's pieces), then the token list's
-    ids, which follow the training text's piece counts, not the model's own ids."""
+    """ESPnet's bpe route: asr.sh writes the token list from the model's vocabulary (<blank>,
+    <unk>, the pieces after <unk> <s> </s>, <sos/eos>); SentencepiecesTokenizer gives the
+    model's pieces and TokenIDConverter their line numbers: the model's id less one."""
     model = sentencepiece.SentencePieceProcessor(model_file=str(BPE))
-    text = "IT WAS THE FIRST GREAT SORROW OF HIS LIFE"
-    pieces = model.encode(text, out_type=str)
-    listed = ["<blank>", "<unk>", *sorted(set(pieces[1:]), reverse=True), "<sos/eos>"]  # pieces[0] left out
+    listed = ["<blank>", "<unk>", *(model.id_to_piece(i) for i in range(3, model.get_piece_size())), "<sos/eos>"]
     path = tmp_path / "tokens.txt"
     path.write_text("\n".join(listed) + "\n", encoding="utf-8")
     tokenizer = UnitsTokenizer(path, pieces=BPE)
-    expected = [listed.index(p) if p in listed else 1 for p in pieces]
-    assert tokenizer.encode(text) == expected and expected[0] == 1 and tokenizer.split == "piece"
-    assert tokenizer.encode_many([text, "LIFE"]) == [
-        expected,
-        [listed.index(p) for p in model.encode("LIFE", out_type=str)],
+    text = "IT WAS THE FIRST GREAT SORROW OF HIS LIFE"
+    assert tokenizer.encode(text) == [i - 1 for i in model.encode(text)] == [14, 13, 2, 137, 118, 1505, 5, 16, 169]
+    unknown = "ÆSIR"  # a character the model never saw: its piece is not listed
+    assert tokenizer.encode_many([text, unknown])[1] == [
+        listed.index(p) if p in listed else 1 for p in model.encode(unknown, out_type=str)
     ]
+    assert 1 in tokenizer.encode(unknown) and tokenizer.split == "piece" and tokenizer.eos_id == len(listed) - 1
     assert "pieces of SentencePiece model" in tokenizer.describe()
     with pytest.raises(ConfigError, match="'piece' with pieces=MODEL"):
         UnitsTokenizer(path, split="char", pieces=BPE)
