@@ -48,20 +48,19 @@ def read_utt2spk(path):
     return dict(line.split() for line in path.read_text().splitlines())
 
 
+def pack_fsdd(out, **speakers):
+    """The FSDD data dir packed as it is, its absolute ark paths mapped to realdata."""
+    data = FSDD / "data/test"
+    return pack_data(
+        data / "feats.scp", data / "text", out, path_root=FSDD, path_map=FSDD_MAP, progress=False, **speakers
+    )
+
+
 @pytest.fixture(scope="module")
 def fsdd(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdd") / "shards"
     data = FSDD / "data/test"
-    report = pack_data(
-        data / "feats.scp",
-        data / "text",
-        out,
-        path_root=FSDD,
-        path_map=FSDD_MAP,
-        utt2spk=data / "utt2spk",
-        cmvn_scp=data / "cmvn.scp",
-        progress=False,
-    )
+    report = pack_fsdd(out, utt2spk=data / "utt2spk", cmvn_scp=data / "cmvn.scp")
     assert report.packed == 10 and report.dropped == {}
     raw = {
         line.split()[0]: kaldiio.load_mat(str(FSDD / "mfcc" / line.split()[1].rsplit("/", 1)[1]))
@@ -116,16 +115,7 @@ def test_a_cmvn_scp_by_utterance_without_utt2spk(fsdd, tmp_path):
     _, raw, stats = fsdd
     by_utterance = tmp_path / "cmvn.scp"  # apply-cmvn without --utt2spk looks statistics up by utterance
     by_utterance.write_text("".join(f"{key} {FSDD}/mfcc/cmvn_test.ark:9\n" for key in raw))
-    data = FSDD / "data/test"
-    pack_data(
-        data / "feats.scp",
-        data / "text",
-        tmp_path / "shards",
-        path_root=FSDD,
-        path_map=FSDD_MAP,
-        cmvn_scp=by_utterance,
-        progress=False,
-    )
+    pack_fsdd(tmp_path / "shards", cmvn_scp=by_utterance)
     normalized, batch = batch_of(tmp_path / "shards", cmvn="speaker")
     assert "spk" not in batch
     assert all(np.array_equal(f, kaldi_apply_cmvn(raw[k], stats, False)) for k, f in normalized.items())
