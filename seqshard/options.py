@@ -234,6 +234,8 @@ class Reading(OptionGroup):
     lists read directly are taken from (``path_root``; None: the current folder, else the
     list's)."""
 
+    runtime_only = ("path_root",)  # where the files are, not which samples: a moved corpus resumes
+
     fields: tuple[str, ...] | None = None
     feature_field: str | None = None
     path_root: str | None = None
