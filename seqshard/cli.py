@@ -66,6 +66,8 @@ def _pack(args: argparse.Namespace) -> int:
         text_column=args.text_column,
         id_column=args.id_column,
         fields=args.fields,
+        utt2spk=args.utt2spk,
+        cmvn_scp=args.cmvn_scp,
     )
     print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
     return 0
@@ -289,6 +291,12 @@ def _pack_command(commands: Any) -> None:
         action="append",
         metavar="FILE",
         help="utt2num_frames file(s); default: utt2num_frames next to each scp, else matrix headers",
+    )
+    pack.add_argument("--utt2spk", help="Kaldi utt2spk: record each utterance's speaker (field spk)")
+    pack.add_argument(
+        "--cmvn-scp",
+        help="Kaldi cmvn.scp (by speaker with --utt2spk, else by utterance): record each utterance's CMVN statistics "
+        "(field cmvn) for make_loader(cmvn='speaker')",
     )
     pack.add_argument("--max-open", type=int, default=256, help="shards written at once per job (default: %(default)s)")
     pack.add_argument(

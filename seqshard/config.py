@@ -99,7 +99,7 @@ def loader_keys() -> dict[str, tuple[Any, str]]:
     """make_loader options settable from a file: name -> (default, type annotation)."""
     keys = {}
     for item in LoaderOptions.option_fields():
-        if item.name in NOT_FROM_FILES:
+        if item.name in NOT_FROM_FILES or item.name in DATA_KEYS:  # path_root: the data key's meaning
             continue
         default = item.default if item.default is not MISSING else None
         keys[item.name] = (default, str(item.type))

@@ -24,6 +24,7 @@ from .checks import MAX_WORKERS, check_flag, check_number
 from .errors import ConfigError, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
+from .features.speaker_cmvn import SpeakerCmvn
 from .formats.cache import parse_bytes
 from .formats.remote import RemoteAccess
 
@@ -32,6 +33,7 @@ START_METHODS = tuple(multiprocessing.get_all_start_methods())
 MAX_PREFETCH = 256  # batches each worker prepares ahead (each takes a slot of shared memory)
 DEFAULT_BATCH_FRAMES = 20000  # when neither batch_size nor batch_frames is given
 CACHE_LIMIT = "a size such as '200GB' or '500MiB', or a number of bytes > 0"
+SPEAKER = "speaker"  # cmvn="speaker": each sample's speaker statistics (pack --cmvn-scp)
 
 # The numeric options: what kind of number, and its bounds (check_number's arguments). An option
 # whose default is None may also be None.
@@ -229,16 +231,27 @@ class Labels(OptionGroup):
 @dataclass(frozen=True)
 class Reading(OptionGroup):
     """Which fields are read (``fields``: names or member suffixes as ``inspect`` lists them;
-    None: the shards' own) and which is the feature field."""
+    None: the shards' own), which is the feature field, and the folder relative paths in
+    lists read directly are taken from (``path_root``; None: the current folder, else the
+    list's)."""
+
+    runtime_only = ("path_root",)  # where the files are, not which samples: a moved corpus resumes
 
     fields: tuple[str, ...] | None = None
     feature_field: str | None = None
+    path_root: str | None = None
 
     def check(self) -> None:
         if self.fields is not None and (isinstance(self.fields, str) or not self.fields):
             raise ConfigError(f"fields must be a non-empty list of field names, got {self.fields!r}.")
         if not isinstance(self.feature_field, (str, type(None))):
             raise ConfigError(f"feature_field must be a field name or None, got {self.feature_field!r}.")
+        if self.path_root is not None:
+            if not isinstance(self.path_root, (str, os.PathLike)) or not os.path.isdir(self.path_root):
+                raise ConfigError(
+                    f"path_root must be a folder (where relative paths of lists start), got {self.path_root!r}."
+                )
+            object.__setattr__(self, "path_root", os.fspath(self.path_root))
 
 
 @dataclass(frozen=True)
@@ -269,6 +282,7 @@ class Audio(OptionGroup):
     noise_snr: tuple[float, float] = (5.0, 20.0)
     noise_prob: float = 1.0
     cmvn: str | None = None
+    cmvn_norm_vars: bool = False
     spec_augment: bool | dict[str, Any] = False
     channel: int | None = None
 
@@ -284,7 +298,12 @@ class Audio(OptionGroup):
         for bound in self.noise_snr:
             check_number("noise_snr", bound, what="(low, high) in dB, finite numbers")
         if not isinstance(self.cmvn, (str, os.PathLike, type(None))):
-            raise ConfigError(f"cmvn must be a path or None, got {self.cmvn!r}.")
+            raise ConfigError(f"cmvn must be a path, 'speaker' or None, got {self.cmvn!r}.")
+        if self.cmvn_norm_vars and self.cmvn != SPEAKER:
+            raise ConfigError(
+                "cmvn_norm_vars is Kaldi's --norm-vars for cmvn='speaker'; a `seqshard cmvn` file always divides by "
+                "the standard deviation: leave cmvn_norm_vars out."
+            )
         self.parsed()
 
     def parsed(self) -> AudioOptions:
@@ -311,7 +330,7 @@ class Audio(OptionGroup):
             self.noise,
             tuple(self.noise_snr),
             self.noise_prob,
-            Cmvn.load(self.cmvn) if self.cmvn else None,
+            SpeakerCmvn(self.cmvn_norm_vars) if self.cmvn == SPEAKER else Cmvn.load(self.cmvn) if self.cmvn else None,
             _spec_augment(self.spec_augment),
             self.channel,
         )

@@ -124,6 +124,7 @@ else:
             "from-fairseq.md",
             "from-nemo.md",
             "from-huggingface.md",
+            "from-espnet.md",
         } <= names
 
     def write_guide(tmp_path, text):

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, Where, option
 from .fbank import FbankOptions, fbank
+from .speaker_cmvn import SpeakerCmvn
 
 KALDI_SCALE = 32768.0  # Kaldi's features work on int16-scale samples
 
@@ -49,7 +50,7 @@ class AudioOptions:
     noise: Any = None  # patterns of noise shards
     noise_snr: tuple[float, float] = (5.0, 20.0)
     noise_prob: float = 1.0
-    cmvn: Cmvn | None = None  # from a file written by `seqshard cmvn`
+    cmvn: Cmvn | SpeakerCmvn | None = None  # from a file written by `seqshard cmvn`, or per speaker
     spec_augment: SpecAugmentOptions | None = None
     channel: int | None = None
 

@@ -35,9 +35,12 @@ READ_ERROR_FIELD = "read_error.txt"  # why a sample's audio could not be read
 RELATIVE_PATHS = "check the path (a relative path is taken from the current folder, else from the list's folder)."
 
 
-def resolve(path: str, listed_in: Path) -> Path:
-    """A path written in a list: from the current folder, else from the list's folder."""
+def resolve(path: str, listed_in: Path, root: str | Path | None = None) -> Path:
+    """A path written in a list: from ``root`` when given, else from the current folder, else
+    from the list's folder."""
     candidate = Path(path)
+    if root is not None and not candidate.is_absolute():
+        return Path(root) / candidate
     if candidate.is_absolute() or candidate.exists():
         return candidate
     beside = listed_in.parent / candidate
@@ -113,8 +116,17 @@ class ListSampleStream:
     :class:`~.tar.SampleStream`. A sample's fields are its audio file's bytes under the
     file's extension, its ``txt`` and, when cut, ``segment.json``."""
 
-    def __init__(self, path: str | Path, start: int = 0, ordinal: int = 0, read_data: bool = True, **_: object):
+    def __init__(
+        self,
+        path: str | Path,
+        start: int = 0,
+        ordinal: int = 0,
+        read_data: bool = True,
+        path_root: str | Path | None = None,
+        **_: object,
+    ):
         self.path = str(path)
+        self.path_root = path_root
         self._stream = open(path, "rb")  # noqa: SIM115 (closed by close())
         self._stream.seek(start)
         self._read_data = read_data
@@ -176,10 +188,8 @@ class ListSampleStream:
     def _audio(self, record: dict) -> dict[str, bytes]:
         """The audio's bytes under its extension, or why they cannot be read."""
         location = parse_wav_location(str(record["wav"]))
-        if not location.is_pipe and location.offset is None:
-            location = WavLocation(str(resolve(location.path, Path(self.path))))
-        elif location.offset is not None:
-            location = WavLocation(str(resolve(location.path, Path(self.path))), location.offset)
+        if not location.is_pipe:
+            location = WavLocation(str(resolve(location.path, Path(self.path), self.path_root)), location.offset)
         where = Where(self.path, self.ordinal + 1, str(record["key"]))
         if location.is_pipe:
             raise InputError(
@@ -193,7 +203,8 @@ class ListSampleStream:
             return {location.format: read_location(location, where)}
         except InputError as error:
             if error.reason == "missing_audio":
-                error = InputError(error.where, error.reason, error.problem, RELATIVE_PATHS)
+                fix = f"check the path (relative paths are taken from path_root={self.path_root!s})."
+                error = InputError(error.where, error.reason, error.problem, fix if self.path_root else RELATIVE_PATHS)
             return {READ_ERROR_FIELD: _problem(error)}
 
     def _parse(self, line: bytes, where: Where) -> dict:

@@ -34,14 +34,16 @@ def open_samples(
     read_ahead: bool = True,
     access: RemoteAccess | None = None,
     use_table: bool = True,
+    path_root: str | None = None,
 ) -> AnyStream:
     """A sample stream over a shard (or a raw list), from byte ``start`` (sample ``ordinal``);
     ``access`` reads remote shards (and reads local ones ahead). A local tar with a member
-    table is sliced by it (``formats/members.py``) unless ``use_table=False``."""
+    table is sliced by it (``formats/members.py``) unless ``use_table=False``. A list's
+    relative paths are taken from ``path_root`` when given."""
     if is_manifest_name(str(path)):
-        return ManifestSampleStream(path, start, ordinal, read_data=read_data)
+        return ManifestSampleStream(path, start, ordinal, read_data=read_data, path_root=path_root)
     if is_list_name(str(path)):
-        return ListSampleStream(path, start, ordinal, read_data=read_data)
+        return ListSampleStream(path, start, ordinal, read_data=read_data, path_root=path_root)
     if (shar_field := shar_field_of(str(path))) is not None:
         return open_shar(str(path), shar_field, start, ordinal, read_data, read_ahead)
     if not is_remote(str(path)) and (nemo := nemo_shard_of(path)) is not None:

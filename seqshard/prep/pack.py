@@ -34,10 +34,12 @@ from .nemo_source import ManifestSource
 from .plan import UTTS_PER_FILE, PackOptions, PackPlan, PackSource, ShardTask, build_plan, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
 from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource
+from .speakers import Speakers
 from .write import DEFAULT_MAX_OPEN, remove_partials, write_shards
 
 _LOG = logging.getLogger("seqshard")
 RUN_FILE = "run.json"
+ADDED_OPTIONS = ("utt2spk", "cmvn_scp", "fields")  # left out of a run's record while unset
 
 
 def pack_data(
@@ -77,6 +79,8 @@ def pack_data(
     text_column: str | None = None,
     id_column: str | None = None,
     fields: Sequence[str] | str | None = None,
+    utt2spk: str | Path | None = None,
+    cmvn_scp: str | Path | None = None,
 ) -> PackReport:
     """Pack ``feats.scp`` file(s), or audio named by ``wav_scp`` file(s) (cut by ``segments``),
     with ``text`` file(s) into tar shards under ``d_out``; or the audio and texts of NeMo
@@ -90,7 +94,8 @@ def pack_data(
     all go to ``d_out``. Audio is stored as FLAC when it is integer PCM and as its original bytes
     when FLAC cannot hold it exactly (MP3, Ogg, float; ``audio_format="keep"``: always the
     original bytes), or as fbank features computed now (``features="fbank"``, ``num_mel_bins``,
-    ``resample_to``).
+    ``resample_to``). ``utt2spk`` and ``cmvn_scp`` (Kaldi's) record each utterance's speaker
+    and its speaker's CMVN statistics, for the loader's ``cmvn="speaker"``.
     Each folder gets ``index.json``; ``d_out/pack_report.json`` says what happened. Bad input
     raises InputError naming file, line and key, unless ``skip_bad`` (then it is counted in the
     report). See README for every option.
@@ -142,7 +147,10 @@ def pack_data(
         resample_to=resample_to,
         channel=channel,
         fields=tuple(fields.split(",") if isinstance(fields, str) else fields or ()),
+        utt2spk=str(utt2spk) if utt2spk else None,
+        cmvn_scp=str(cmvn_scp) if cmvn_scp else None,
     )
+    speakers = _speakers(options)
     d_out = Path(d_out)
     source = _source(inputs, segments, options, (split, audio_column, text_column, id_column), d_out)
     if d_out.exists() and not d_out.is_dir():
@@ -155,16 +163,22 @@ def pack_data(
         if folder.is_dir():
             remove_stale_temporaries(folder)
     digest = getattr(source, "content_hash", content_hash)  # a dataset's files are too large to read twice
-    run = _claim_output(d_out, options, _identity_inputs(source, text_files, options), digest)
+    identity_files = [*_identity_inputs(source, text_files, options), *(speakers.files if speakers else [])]
+    run = _claim_output(d_out, options, identity_files, digest)
 
     with Progress(progress) as bars:
         plan = build_plan(source, text_files, d_out, options, bars.bar)
+        plan.speakers = speakers
         _record_plan(d_out, run, plan)
         try:
+            if speakers is not None and not skip_bad:  # before a shard is written
+                speakers.check(plan, plan.source.dim(plan))
             return _pack_planned(plan, options, d_out, text_files, jobs, num_parts, part, max_open, bars, started)
         finally:
             plan.scp.close()
             plan.labels.close()
+            if speakers is not None:
+                speakers.close()
 
 
 def _source(
@@ -212,6 +226,17 @@ def _source(
     return AudioSource(
         _as_paths(wav_scp, "wav_scp"), _as_paths(segments, "segments") if segments is not None else [], options
     )
+
+
+def _speakers(options: PackOptions) -> Speakers | None:
+    """The speaker and CMVN members the pack adds, when asked for."""
+    if options.utt2spk is None and options.cmvn_scp is None:
+        return None
+    utt2spk, cmvn_scp = (
+        _as_paths(path, name)[0] if path else None
+        for path, name in ((options.utt2spk, "utt2spk"), (options.cmvn_scp, "cmvn_scp"))
+    )
+    return Speakers(utt2spk, cmvn_scp, options)
 
 
 def _pack_planned(
@@ -319,6 +344,9 @@ def _describe_run(
     described_options = json.loads(json.dumps(asdict(options)))
     del described_options["skip_bad"]
     digest = digest or content_hash
+    for name in ADDED_OPTIONS:  # unset, they change nothing: a pack begun before they existed resumes
+        if described_options[name] in (None, []):
+            del described_options[name]
     files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": digest(p)} for p in inputs]
     identity = hashlib.sha256(json.dumps([described_options, [f["blake2b"] for f in files]]).encode()).hexdigest()
     return {"options": described_options, "inputs": files, "fingerprint": identity}

@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -27,6 +27,9 @@ from ..formats.keys import escape_key
 from ..formats.keytable import KeyTable
 from ..formats.patterns import FIELD_SET_NAME
 from ..seeds import pack_order_rng
+
+if TYPE_CHECKING:
+    from .speakers import Speakers
 
 
 class PackSource(Protocol):
@@ -135,6 +138,8 @@ class PackOptions:
     resample_to: int | None = None
     channel: int | None = None
     fields: tuple[str, ...] = ()  # a manifest's or dataset's other keys kept as fields NAME.json
+    utt2spk: str | None = None  # each utterance's speaker, recorded (``speakers.py``)
+    cmvn_scp: str | None = None  # the speakers' Kaldi CMVN statistics, recorded
 
     def __post_init__(self) -> None:
         if self.audio_format not in ("flac", "keep"):
@@ -207,6 +212,7 @@ class PackPlan:
     label_issues: dict[str, int] = field(default_factory=dict)  # text-side problems by reason
     num_labels: int = 0
     frames_file_issues: dict[str, int] = field(default_factory=dict)  # length-file lines skipped, by reason
+    speakers: Speakers | None = None  # speaker and CMVN members of each utterance (pack --utt2spk/--cmvn-scp)
 
     @property
     def num_planned(self) -> int:

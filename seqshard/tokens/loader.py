@@ -25,12 +25,15 @@ from ..errors import ConfigError, StateMismatchError
 from ..mix import Mux, flatten
 from ..protocol import PlannedBatches, length_of
 from ..seeds import Seed, stage_rng
+from ..text.fairseq_dict import FairseqDictionary
 from .blocks import BlockBatching, block_rules, separator_warning
 from .collate import CollateRules, as_tensors
-from .ids import special_ids
+from .databin import DataBin, Direction
+from .ids import SpecialIds, special_ids
 from .pairs import OpenPair, TokenPair, as_pair
 from .plan import BatchRules
 from .sentences import SentenceBatching
+from .sources import EpochSources
 
 _LOG = logging.getLogger("seqshard")
 STATE_VERSION = 1
@@ -39,7 +42,7 @@ GROUP_BATCHES = 16  # batches built together (one gather per source for all of t
 
 
 def make_token_loader(
-    src: str | Path | TokenPair | Mux,
+    src: str | Path | TokenPair | Mux | DataBin,
     tgt: str | Path | None = None,
     *,
     block_size: int | None = None,
@@ -61,7 +64,10 @@ def make_token_loader(
     """A loader of fairseq-style batches from ``src`` (a ``.bin``/``.idx`` prefix) and
     ``tgt`` (a prefix, or None for one side), or from a :func:`seqshard.mux` of
     :class:`TokenPair`s (a virtual epoch of ``virtual_size`` sentences, shares by weights or
-    temperature, drawn anew each epoch).
+    temperature, drawn anew each epoch), or from a data_bin's directions
+    (:func:`seqshard.token_pairs`): each epoch reads what each direction's epoch reads (one
+    shard folder per epoch, as fairseq's multilingual task), every sentence once, or sampled by
+    ``seqshard.mux(data_bin, temperature=T)``; ``source`` in a batch is the direction's number.
 
     Batches never hold more than ``max_tokens`` padded tokens on either side (B x longest),
     nor more than ``max_sentences``; pairs longer than ``max_positions`` (default 1024) are
@@ -83,8 +89,8 @@ def make_token_loader(
     check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     context = discover(rank, world_size)
     if block_size is not None:
-        if isinstance(src, Mux) or tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
-            raise ConfigError("block_size reads one language-model dataset: no target, mux or language ids.")
+        if isinstance(src, (Mux, DataBin)) or tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
+            raise ConfigError("block_size reads one language-model dataset: no target, mux, data_bin or language ids.")
         pair = as_pair(src)
         if pair.tgt is not None:
             raise ConfigError(f"block_size reads one language-model dataset, not the pair {pair}.")
@@ -94,12 +100,10 @@ def make_token_loader(
         if warning and context.rank == 0:
             _LOG.warning("%s", warning)
         return TokenLoader(BlockBatching(pair.src, dataset, rules), num_workers, context)
-    if isinstance(src, Mux):
+    if isinstance(src, (Mux, DataBin)):
         if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
-            raise ConfigError("with a mux, give targets and language ids in each TokenPair.")
-        leaves, shares = flatten(src, lambda pair: len(OpenPair(as_pair(pair))))
-        pairs: list[TokenPair] = [as_pair(leaf) for leaf in leaves]
-        mixed: np.ndarray | None = shares
+            raise ConfigError("with a mux or a data_bin, give targets and language ids in each TokenPair.")
+        leaves, mixed = _leaves(src)
     else:
         pair = as_pair(src)
         if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
@@ -109,21 +113,61 @@ def make_token_loader(
                 src_lang_id if src_lang_id is not None else pair.src_lang_id,
                 tgt_lang_id if tgt_lang_id is not None else pair.tgt_lang_id,
             )
-        pairs, mixed = [pair], None
-    for pair in pairs:
-        check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
-        check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
+        leaves, mixed = [pair], None
+    for leaf in leaves:
+        for pair in _pairs_of(leaf):
+            check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
+            check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
     check_flag("left_pad_source", left_pad_source)
     if max_positions is None:
         max_positions = DEFAULT_MAX_POSITIONS
     rules = BatchRules(max_tokens, max_sentences, max_positions, shuffle, seed, virtual_size)
-    opened = [OpenPair(p) for p in pairs]
-    if len({o.tgt is None for o in opened}) > 1:
+    fixed = {leaf: OpenPair(leaf) for leaf in leaves if isinstance(leaf, TokenPair)}
+    sources = EpochSources(leaves, mixed, fixed)
+    first = sources.open(sources.epoch(0).pairs)
+    if len({o.tgt is None for o in first}) > 1:
         raise ConfigError("mix pairs with targets or pairs without, not both.")
-    datasets = [d for o in opened for d in (o.src, o.tgt) if d is not None]
-    ids = special_ids(datasets, pad_id, eos_id)
+    if _of_data_bin(src):  # fairseq's dictionaries: <pad> 1, </s> 2
+        ids = SpecialIds(
+            FairseqDictionary.pad_id if pad_id is None else pad_id,
+            FairseqDictionary.eos_id if eos_id is None else eos_id,
+            "dictionary" if pad_id is None else "given",
+            "dictionary" if eos_id is None else "given",
+        )
+    else:
+        ids = special_ids([d for o in first for d in (o.src, o.tgt) if d is not None], pad_id, eos_id)
     collate = CollateRules(ids.pad_id, ids.eos_id, left_pad_source)
-    return TokenLoader(SentenceBatching(pairs, opened, mixed, rules, collate, ids), num_workers, context)
+    return TokenLoader(SentenceBatching(sources, rules, collate, ids), num_workers, context)
+
+
+def _leaves(src: Mux | DataBin) -> tuple[list[TokenPair | Direction], np.ndarray | None]:
+    """A mux's leaves (token pairs or data_bin directions) and their shares, or a data_bin's
+    directions read whole (no shares: fairseq's ``concat`` sampling)."""
+    if isinstance(src, DataBin):
+        return list(src.directions), None
+    if any(isinstance(source, DataBin) for source in src.sources):
+        raise ConfigError("mux(data_bin, ...) takes the data_bin alone (its directions are the sources).")
+    leaves, shares = flatten(src, _size)
+    return [leaf if isinstance(leaf, Direction) else as_pair(leaf) for leaf in leaves], shares
+
+
+def _size(leaf: TokenPair | Direction | str | Path | tuple) -> int:
+    """A mux leaf's size for temperature sampling: sentences of a pair, or of every shard a
+    direction is read from."""
+    return len(leaf) if isinstance(leaf, Direction) else len(OpenPair(as_pair(leaf)))
+
+
+def _pairs_of(leaf: TokenPair | Direction) -> list[TokenPair]:
+    if isinstance(leaf, TokenPair):
+        return [leaf]
+    return [part.pair for parts in leaf.shards for part in parts]
+
+
+def _of_data_bin(src: Any) -> bool:
+    """A data_bin, or a mux of its directions alone: ids from its fairseq dictionaries."""
+    if isinstance(src, DataBin):
+        return True
+    return isinstance(src, Mux) and all(isinstance(source, Direction) for source in src.sources)
 
 
 class Batching(Protocol):

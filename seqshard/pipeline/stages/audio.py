@@ -20,6 +20,7 @@ import numpy as np
 from ...errors import InputError, SkipCounter, option
 from ...features.audio import AudioOptions, audio_fbank, spec_augment
 from ...features.fbank import FbankOptions
+from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
 from ...formats.audio import cut, decode_audio, resample
 from ...formats.fields import AudioBytes, field_name
 from ...formats.lists import SEGMENT_FIELD
@@ -155,6 +156,29 @@ def mix(audio: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
     return (audio + scale * noise).astype(np.float32)
 
 
+class SpeakerNormalize:
+    """Kaldi's per-speaker CMVN of a sample's features by its ``cmvn`` field (its speaker's
+    statistics), which leaves the sample once applied."""
+
+    def __init__(self, cmvn: SpeakerCmvn):
+        self.cmvn = cmvn
+
+    def __call__(self, sample: Sample) -> Sample:
+        stats = sample.fields.pop(STATS_FIELD, None)
+        if stats is None:
+            raise InputError(
+                sample.where(),
+                "no_cmvn",
+                f"the sample has no speaker statistics (field {STATS_FIELD!r}).",
+                "pack with --utt2spk and --cmvn-scp (every utterance's speaker needs statistics).",
+            )
+        try:
+            sample.fields[FEATS] = self.cmvn.normalize(sample.fields[FEATS], stats)
+        except ValueError as error:
+            raise InputError(sample.where(), "bad_cmvn", f"{error}.") from None
+        return sample
+
+
 def signal_stages(
     source: Stage[Sample],
     options: AudioOptions,
@@ -184,7 +208,9 @@ def signal_stages(
         if options.features == "fbank":
             fbank_options = options.fbank
             stage = Map(stage, lambda s: to_fbank(s, fbank_options, draw(Seed.DITHER, s)), skip)
-    if options.cmvn is not None:
+    if isinstance(options.cmvn, SpeakerCmvn):
+        stage = Map(stage, SpeakerNormalize(options.cmvn), skip)
+    elif options.cmvn is not None:
         cmvn = options.cmvn
 
         def normalize(sample: Sample) -> Sample:

@@ -146,6 +146,7 @@ class Reader:
             self.read_ahead,
             fields.sets,
             self.access,
+            self.options.reading.path_root,
         )
         return Map(reader, Decoder(self.table, fields.wanted, fields.features), self.skip)
 
