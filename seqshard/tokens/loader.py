@@ -13,6 +13,7 @@ lost and none repeated. The loader follows :class:`seqshard.protocol.Loader`.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -172,7 +173,7 @@ class TokenLoader:
         self._start = 0  # where the next iteration starts in this rank's list (after a resume)
         self._history: list[dict[str, Any]] | None = None  # deals of this epoch before the current one
         self._finished = False  # the epoch's last batch was taken: the next iter() runs the next epoch
-        self._running: Iterator[dict[str, Any]] | None = None
+        self._running: weakref.ref | None = None  # the open iteration (weak: a dropped one stops its workers at once)
         self._counts = batching.new_counts()
         self.device = device
         self._copier: CudaCopier | None = None
@@ -248,8 +249,9 @@ class TokenLoader:
         numbers = self._lists()[self.context.rank][self._start :]
         self._step, self._start = self._start, 0
         self._counts = self.batching.new_counts()
-        self._running = self._batches([int(n) for n in numbers], self._step + len(numbers))
-        return self._running
+        running = self._batches([int(n) for n in numbers], self._step + len(numbers))
+        self._running = weakref.ref(running)
+        return running
 
     def _batches(self, numbers: list[int], end: int) -> Iterator[dict[str, Any]]:
         """The batches ``numbers``, the last of them this rank's ``end``-th of the epoch."""
@@ -303,7 +305,8 @@ class TokenLoader:
 
     def close(self) -> None:
         """Stop the workers of an iteration still open (iterating again starts them anew)."""
-        running, self._running = self._running, None
+        running = self._running() if self._running is not None else None
+        self._running = None
         if running is not None:
             running.close()
 
