@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from ...device import CudaCopier, is_cuda, one_ahead, require_device
+from ...features.audio import AudioOptions
 from ...features.on_device import BatchFeatures
 from ...options import LoaderOptions
 from ..workers.protocol import BatchItem, Item
@@ -22,11 +23,12 @@ Receive = Callable[[Item], Item]
 
 
 class Delivery:
-    """How one loader's batches reach the training loop (see the module's text)."""
+    """How one loader's batches reach the training loop (see the module's text); ``audio``:
+    the loader's audio options as parsed once (``WorkerSetup.audio``)."""
 
-    def __init__(self, options: LoaderOptions):
-        audio = options.audio
-        self.features = BatchFeatures(audio.parsed(), options.collation.dtype) if audio.feature_device else None
+    def __init__(self, options: LoaderOptions, audio: AudioOptions):
+        later = options.audio.feature_device is not None
+        self.features = BatchFeatures(audio, options.collation.dtype) if later else None
         self.device = options.workers.device if is_cuda(options.workers.device) else None
         require_device(self.device)
         self.copier: CudaCopier | None = None  # made at the first iteration (it opens a CUDA stream)

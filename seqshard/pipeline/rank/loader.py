@@ -48,7 +48,7 @@ class ShardLoader:
         self._setup = make_setup(table, options, context.rank, context.world_size, tokenizer, override, mix, access)
         self._access = access
         self._pool = WorkerPool(self._setup, access)
-        self._delivery = Delivery(options)
+        self._delivery = Delivery(options, self._setup.audio)
         buckets = len(self._setup.bucket_bounds) + 1 if options.batching.bucket_sync else 0
         source = (
             mix.epoch_source(options.epochs.epoch_source) if mix and options.epochs.epoch_source is not None else None
