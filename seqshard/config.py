@@ -378,7 +378,7 @@ def _dev_loader(config: TrainConfig, rank: int | None, world_size: int | None) -
         return None
     from .loader import make_loader
 
-    shared = {k: v for k, v in config.loader.items() if k in ("split", "strip_spaces", "pad_label", "dtype")}
+    shared = {k: v for k, v in config.loader.items() if k in ("split", "strip_spaces", "pad_label", "dtype", "device")}
     return make_loader(
         config.data["devset"],
         config.data["tokenizer"],

@@ -21,6 +21,7 @@ from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, ClassVar
 
 from .checks import MAX_WORKERS, check_flag, check_number
+from .device import check_device, same_device
 from .errors import ConfigError, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
@@ -269,7 +270,11 @@ class Collation(OptionGroup):
 @dataclass(frozen=True)
 class Audio(OptionGroup):
     """How audio becomes model input (README, Audio): ``features="fbank"`` on the fly (else
-    padded waveforms), resampling, speed perturbation, noise, CMVN, SpecAugment, a channel."""
+    padded waveforms), resampling, speed perturbation, noise, CMVN, SpecAugment, a channel;
+    ``feature_device`` makes fbank, CMVN and SpecAugment in torch where the batch is handed
+    over (``"cuda"``: on the GPU, with ``device="cuda"``) instead of in the workers."""
+
+    runtime_only = ("feature_device",)
 
     features: str | None = None
     num_mel_bins: int = 80
@@ -285,8 +290,19 @@ class Audio(OptionGroup):
     cmvn_norm_vars: bool = False
     spec_augment: bool | dict[str, Any] = False
     channel: int | None = None
+    feature_device: str | None = None
 
     def check(self) -> None:
+        object.__setattr__(self, "feature_device", check_device("feature_device", self.feature_device))
+        if self.feature_device is not None and self.features != "fbank":
+            raise ConfigError(
+                f"feature_device={self.feature_device!r} says where fbank is made: it needs features='fbank'."
+            )
+        if self.feature_device is not None and self.cmvn == SPEAKER:
+            raise ConfigError(
+                "cmvn='speaker' applies each speaker's statistics in the workers, to features made there: "
+                "leave feature_device out (fbank in the workers), or use a global cmvn file."
+            )
         if self.speed_perturb is not None and not isinstance(self.speed_perturb, (tuple, list)):
             raise ConfigError(
                 f"speed_perturb must be a list of factors (e.g. [0.9, 1.0, 1.1]), got {self.speed_perturb!r}."
@@ -461,8 +477,9 @@ class Remote(OptionGroup):
 
 @dataclass(frozen=True)
 class Workers(OptionGroup):
-    """The DataLoader worker processes of each rank and how batches reach the training process.
-    Only ``num_workers`` changes which batches come out (it sets the readers)."""
+    """The DataLoader worker processes of each rank and how batches reach the training process
+    (``device="cuda"``: on the GPU, copied one ahead). Only ``num_workers`` changes which
+    batches come out (it sets the readers)."""
 
     runtime_only = (
         "prefetch_factor",
@@ -471,6 +488,7 @@ class Workers(OptionGroup):
         "multiprocessing_context",
         "timeout",
         "shared_slots",
+        "device",
     )
 
     num_workers: int = 2
@@ -480,8 +498,10 @@ class Workers(OptionGroup):
     multiprocessing_context: str | None = None
     timeout: float = 0
     shared_slots: bool = True
+    device: str | None = None
 
     def check(self) -> None:
+        object.__setattr__(self, "device", check_device("device", self.device))
         if self.timeout and not self.num_workers:
             raise ConfigError(
                 f"timeout={self.timeout!r} bounds the wait for a worker's batch, and num_workers=0 makes batches in "
@@ -607,6 +627,12 @@ class LoaderOptions:
     def _check_across(self) -> None:
         if self.batching.bucket_sync and self.epochs.uneven == "join":
             raise ConfigError("bucket_sync needs the ranks to step together; it cannot be used with uneven='join'.")
+        made, handed = self.audio.feature_device, self.workers.device or "cpu"
+        if made is not None and not same_device(made, handed):
+            raise ConfigError(
+                f"feature_device={made!r} makes the features where batches are handed over, which is {handed!r} "
+                f"(device={self.workers.device!r}): give device={made!r}, or feature_device={handed!r}."
+            )
 
     def flat(self) -> dict[str, Any]:
         """Every option by its flat name."""

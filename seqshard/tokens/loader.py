@@ -13,6 +13,7 @@ lost and none repeated. The loader follows :class:`seqshard.protocol.Loader`.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,6 +21,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..checks import MAX_WORKERS, check_flag, check_number
+from ..device import CudaCopier, check_device, is_cuda, one_ahead, require_device
 from ..dist import Collectives, DistContext, discover
 from ..errors import ConfigError, StateMismatchError
 from ..mix import Mux, flatten
@@ -27,7 +29,7 @@ from ..protocol import PlannedBatches, length_of
 from ..seeds import Seed, stage_rng
 from ..text.fairseq_dict import FairseqDictionary
 from .blocks import BlockBatching, block_rules, separator_warning
-from .collate import CollateRules, as_tensors
+from .collate import CollateRules, as_tensors, with_net_input
 from .databin import DataBin, Direction
 from .ids import SpecialIds, special_ids
 from .pairs import OpenPair, TokenPair, as_pair
@@ -58,6 +60,7 @@ def make_token_loader(
     eos_id: int | None = None,
     left_pad_source: bool = True,
     num_workers: int = 0,
+    device: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
 ) -> TokenLoader:
@@ -81,10 +84,15 @@ def make_token_loader(
     ``pad_id``/``eos_id`` None: from the datasets' ``PREFIX.json``, else fairseq's 1 and 2, the
     pad only if it never occurs in the data (``tokens/ids.py``); batches carry ``src_mask`` /
     ``target_mask`` and lengths, so any pad id works.
+
+    ``device="cuda"``: batches come on the GPU, each copied on a side stream while the step
+    before it runs (``seqshard/device.py``).
     """
     check_number("pad_id", pad_id, whole=True, at_least=0, optional=True)
     check_number("eos_id", eos_id, whole=True, at_least=0, optional=True)
     check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+    device = check_device("device", device)
+    require_device(device)
     check_number("rank", rank, whole=True, at_least=0, optional=True)
     check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     context = discover(rank, world_size)
@@ -99,7 +107,7 @@ def make_token_loader(
         warning = separator_warning(dataset)
         if warning and context.rank == 0:
             _LOG.warning("%s", warning)
-        return TokenLoader(BlockBatching(pair.src, dataset, rules), num_workers, context)
+        return TokenLoader(BlockBatching(pair.src, dataset, rules), num_workers, context, device)
     if isinstance(src, (Mux, DataBin)):
         if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
             raise ConfigError("with a mux or a data_bin, give targets and language ids in each TokenPair.")
@@ -137,7 +145,7 @@ def make_token_loader(
     else:
         ids = special_ids([d for o in first for d in (o.src, o.tgt) if d is not None], pad_id, eos_id)
     collate = CollateRules(ids.pad_id, ids.eos_id, left_pad_source)
-    return TokenLoader(SentenceBatching(sources, rules, collate, ids), num_workers, context)
+    return TokenLoader(SentenceBatching(sources, rules, collate, ids), num_workers, context, device)
 
 
 def _leaves(src: Mux | DataBin) -> tuple[list[TokenPair | Direction], np.ndarray | None]:
@@ -197,7 +205,7 @@ def _as_built(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class TokenLoader:
     """Iterate it once per epoch; see :func:`make_token_loader` and :class:`seqshard.protocol.Loader`."""
 
-    def __init__(self, batching: Batching, num_workers: int, context: DistContext):
+    def __init__(self, batching: Batching, num_workers: int, context: DistContext, device: str | None = None):
         self.batching = batching
         self.rules = batching.rules
         self.num_workers = num_workers
@@ -209,8 +217,10 @@ class TokenLoader:
         self._start = 0  # where the next iteration starts in this rank's list (after a resume)
         self._history: list[dict[str, Any]] | None = None  # deals of this epoch before the current one
         self._finished = False  # the epoch's last batch was taken: the next iter() runs the next epoch
-        self._running: Iterator[dict[str, Any]] | None = None
+        self._running: weakref.ref | None = None  # the open iteration (weak: a dropped one stops its workers at once)
         self._counts = batching.new_counts()
+        self.device = device
+        self._copier: CudaCopier | None = None
 
     # -- plans ---------------------------------------------------------------------------
     def plan(self, epoch: int | None = None, world_size: int | None = None) -> Any:
@@ -283,8 +293,9 @@ class TokenLoader:
         numbers = self._lists()[self.context.rank][self._start :]
         self._step, self._start = self._start, 0
         self._counts = self.batching.new_counts()
-        self._running = self._batches([int(n) for n in numbers], self._step + len(numbers))
-        return self._running
+        running = self._batches([int(n) for n in numbers], self._step + len(numbers))
+        self._running = weakref.ref(running)
+        return running
 
     def _batches(self, numbers: list[int], end: int) -> Iterator[dict[str, Any]]:
         """The batches ``numbers``, the last of them this rank's ``end``-th of the epoch."""
@@ -302,20 +313,44 @@ class TokenLoader:
                 collate_fn=_as_built,  # batches are built whole by the dataset
             )
             built = (batch for group in loader for batch in group)
+        delivered = self._delivered(built)
         try:
-            for arrays in built:
+            for arrays, batch in delivered:
                 self._step += 1
                 self.batching.count(self._counts, arrays)
                 self._finished = self._step == end  # a state saved now starts the next epoch
-                yield as_tensors(arrays)
+                yield batch
             self._history = None  # the epoch is done: the next starts from its plan
             self._finished = True
         finally:
-            del built  # a DataLoader iterator's workers stop when it goes
+            del built, delivered  # a DataLoader iterator's workers stop when it goes
+            if self._copier is not None:
+                self._copier.close()
+
+    def _delivered(self, built: Iterator[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """Each batch's arrays with the batch handed over: tensors over the arrays, or with
+        ``device="cuda"`` on the GPU, the next batch's copy started before one is handed over."""
+        if not is_cuda(self.device):
+            return ((arrays, as_tensors(arrays)) for arrays in built)
+        if self._copier is None:
+            self._copier = CudaCopier(self.device)  # type: ignore[arg-type]
+        copier = self._copier
+
+        def start(arrays: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+            host = as_tensors(arrays)
+            del host["net_input"]  # made again from the copied tensors
+            return arrays, copier.start(host)
+
+        def finish(started: tuple[dict[str, Any], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+            arrays, copy = started
+            return arrays, with_net_input(copier.finish(copy))
+
+        return one_ahead(built, start, finish)
 
     def close(self) -> None:
         """Stop the workers of an iteration still open (iterating again starts them anew)."""
-        running, self._running = self._running, None
+        running = self._running() if self._running is not None else None
+        self._running = None
         if running is not None:
             running.close()
 

@@ -27,7 +27,7 @@ from ..plan import Unit, plan_epoch, source_plan
 from ..sources import MixSetup
 from ..stages.collate import Collator, speech_rules
 from ..stages.fieldplan import FieldPlan, plan_fields
-from ..stages.lengths import Duration, Length, Measure
+from ..stages.lengths import Duration, FbankFrames, Length, Measure
 
 _LOG = logging.getLogger("seqshard")
 
@@ -157,6 +157,9 @@ def make_setup(
         )
     features = "feats" if audio.features == "fbank" else fields.features
     length = _measure(features, fields.audio, tokenizer is not None)
+    if options.audio.feature_device is not None:
+        length = FbankFrames(audio.fbank)  # the frames of fbank in the workers: the same batches
+        _check_batch_features(fields, audio)
     if not any(suffixes for _, suffixes in table.field_sets):
         raise ConfigError(
             f"no sample could be read from the first shard of each folder ({_first_problem(table.shards[0].path, access)}): "
@@ -214,6 +217,20 @@ def _warn_of_windows_over_a_pass(setup: WorkerSetup, mix: MixSetup) -> None:
                 share,
                 int(per_reader / share),
             )
+
+
+def _check_batch_features(fields: FieldPlan, audio: AudioOptions) -> None:
+    """What fbank made from the batch (``feature_device``) needs of the shards and options."""
+    if fields.audio is None or fields.features is not None:
+        raise ConfigError(
+            "feature_device makes fbank from the waveforms of a batch: it needs shards that hold audio (wav, flac, "
+            "...) and no feature field read with it."
+        )
+    if audio.cmvn is not None and len(audio.cmvn.mean) != audio.fbank.dim:
+        raise ConfigError(
+            f"cmvn has statistics of {len(audio.cmvn.mean)} dimensions and fbank makes {audio.fbank.dim}: give "
+            "statistics of these features (`seqshard cmvn`), or num_mel_bins to match them."
+        )
 
 
 def _noise_table(patterns: Any, access: RemoteAccess | None) -> ShardTable:
