@@ -246,7 +246,7 @@ def main() -> None:
         print("FAIL  no CUDA device: this script checks the GPU path")
         sys.exit(1)
     device = torch.device(args.device)
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(torch.device(device).index or 0)
     info("device", f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     began = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
