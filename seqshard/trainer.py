@@ -120,6 +120,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--steps-file", type=Path, help="write every step's batch keys, loss and learning rate here (JSON lines)"
     )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model trains (auto: cuda when there is a GPU); on cuda the loader hands batches over on it",
+    )
     return parser.parse_args(argv)
 
 
@@ -155,7 +161,10 @@ def init_distributed(cuda: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Train; then leave the process at once (see the comment at the end)."""
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        print("error: --device cuda, and torch finds no CUDA device here", file=sys.stderr)
+        return 1
     torch.set_flush_denormal(True)  # on CPU, denormal values in a training LSTM slowed steps 5x
     init_distributed(cuda)
     try:
@@ -269,6 +278,9 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
 
     checkpoint_path = args.out / "ckpt.pt"
     config, name = load_settings(args, rank)
+    option = config["train"]["option"]
+    if cuda and option.get("large_dataset"):  # shards: batches handed over on this GPU (unless the config says)
+        option.setdefault("device", str(device))
     loader, dev = build_loaders(config, name=name)
     loaded = load_config(config, name=name)
     settings = loaded.trainer

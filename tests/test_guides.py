@@ -116,7 +116,16 @@ else:
 
     def test_every_route_has_a_guide():
         names = {guide.name for guide in GUIDES}
-        assert {"from-kaldi.md", "from-wenet.md", "from-webdataset.md", "from-lhotse.md", "from-fairseq.md"} <= names
+        assert {
+            "from-kaldi.md",
+            "from-wenet.md",
+            "from-webdataset.md",
+            "from-lhotse.md",
+            "from-fairseq.md",
+            "from-nemo.md",
+            "from-huggingface.md",
+            "from-espnet.md",
+        } <= names
 
     def test_every_package_a_guide_imports_comes_with_what_it_says_to_install():
         """A guide names the extra (`pip install -e ".[NAME]"`) of each package its code imports
