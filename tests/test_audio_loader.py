@@ -342,7 +342,9 @@ def test_a_nemo_manifest_given_as_a_list_names_what_it_holds_and_what_a_list_mus
     with pytest.raises(InputError, match=r'train.list sample 1 .*holds keys "audio_filepath", "duration", "text"; a '
                        r'line of a sample list .* "key" and "wav" strings') as error:  # fmt: skip
         list(loader)
-    assert "read_error" not in str(error.value)
+    assert "read_error" not in str(error.value) and "give the file a .json or .jsonl name" in str(error.value)
+    (tmp_path / "train.list").rename(tmp_path / "train.json")  # as that name says, NeMo's
+    assert [b["texts"] for b in make_loader(tmp_path / "train.json", batch_size=2, num_workers=0)] == [["hello"]]
 
 
 def test_channel_and_rate_problems_at_load(tmp_path):

@@ -231,7 +231,9 @@ class ListSampleStream:
                 "malformed_line",
                 f"this line holds {held}; a line of a sample list (WeNet's raw list) is a JSON object with "
                 '"key" and "wav" strings ("txt", "start", "end" optional), and a shard list names one shard a line.',
-                'write the list in that form (e.g. {"key": "utt1", "wav": "a.wav", "txt": "hello"}).',
+                "a NeMo manifest line (audio_filepath): give the file a .json or .jsonl name, read as NeMo's"
+                if isinstance(record, dict) and "audio_filepath" in record
+                else 'write the list in that form (e.g. {"key": "utt1", "wav": "a.wav", "txt": "hello"}).',
             )
         if "start" in record or "end" in record:
             start, end = record.get("start", 0), record.get("end", -1)
