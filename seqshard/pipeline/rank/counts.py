@@ -345,7 +345,7 @@ def _why_not_exact(setup: WorkerSetup, estimated: bool) -> tuple[str, bool]:
 def _unknown_why(setup: WorkerSetup) -> str:
     if not setup.table.indexed:
         return "some shards have no index.json (run `seqshard index` on their folders)"
-    return "some shards' index.json records no lengths (run `seqshard index` on their folders)"
+    return "the lengths of some samples are not recorded (lists and manifests, or an index.json without them)"
 
 
 def _planned(low: int, high: int, done_steps: int, why: str, holds: bool = False) -> PlannedBatches:
