@@ -10,14 +10,17 @@ offset, size and suffix, the file's size, and a CRC-32 of the header bytes of ev
 ``CHECK_EVERY`` samples.
 
 A reader trusts a table only as far as it checks it against the file: the file's size when it
-opens it, each block's header bytes (names, sizes, header checksums) before it hands out the
-block's first sample, and the end-of-archive block. A table that disagrees (the shard edited
-or replaced after its table was written) is a damaged shard (ShardError naming the file).
-A shard without a table is read by parsing its headers, as before.
+opens it, before it hands out a block's first sample the block's header bytes (their CRC-32)
+and what they say of each member (name, size, place: :meth:`MemberTable.headers_agree`), and
+the end-of-archive block. A table that disagrees (damaged, edited, or the shard changed after
+it was written) is not used from there on: the shard is read by its headers (``sliced.py``). A
+table that is not consistent in itself cannot be read (ShardError naming the shard). A shard
+without a table is read by parsing its headers, as before.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import tempfile
@@ -78,8 +81,7 @@ class MemberTable:
     def block_crc(self, block: int, data: memoryview, base: int = 0) -> int:
         """CRC-32 of the header bytes of block ``block``'s members (one after the other), read
         from ``data`` (bytes of the file from offset ``base``)."""
-        low, high = block * CHECK_EVERY, min((block + 1) * CHECK_EVERY, self.num_samples)
-        first, last = int(self.first_member[low]), int(self.first_member[high])
+        first, last = self.block_members(block)[2:]
         crc = 0
         for start, end in zip(
             (self.header_offsets[first:last] - base).tolist(), (self.data_offsets[first:last] - base).tolist()
@@ -87,10 +89,62 @@ class MemberTable:
             crc = zlib.crc32(data[start:end], crc)  # a C call per member: cheaper than gathering them
         return crc
 
+    def block_members(self, block: int) -> tuple[int, int, int, int]:
+        """``(first sample, end sample, first member, end member)`` of block ``block``."""
+        low, high = block * CHECK_EVERY, min((block + 1) * CHECK_EVERY, self.num_samples)
+        return low, high, int(self.first_member[low]), int(self.first_member[high])
+
+    def headers_agree(self, block: int, data: memoryview, base: int = 0) -> bool:
+        """Whether the tar headers of block ``block``'s members, read from ``data`` (bytes of
+        the file from offset ``base``, a header's), say what the table says: each member's
+        name (``KEY.SUFFIX``) and size, a regular file, one after the other as a walk over the
+        headers finds them (to the next block's first header, or the end). Checked at once for
+        the whole block in numpy. False also where this check cannot tell: a block with pax or
+        GNU long-name headers, a ustar name prefix, entries between members, or a size written
+        otherwise than in 11 octal digits (a walk over the headers must tell)."""
+        if not self._plain_blocks[block]:
+            return False
+        low, high, first, last = self.block_members(block)
+        sizes = self.sizes[first:last]
+        blocks = np.frombuffer(data[: len(data) - len(data) % _HEADER], dtype=np.uint8).reshape(-1, _HEADER)
+        headers = blocks[(self.header_offsets[first:last] - base) // _HEADER]  # tar headers start at multiples of 512
+        size_end, kind = headers[:, 135], headers[:, 156]
+        if (
+            not np.array_equal(headers[:, 124:135], ((sizes[:, None] >> _OCTAL_SHIFTS) & 7 | 48).astype(np.uint8))
+            or not np.all((size_end == 0) | (size_end == 32))
+            or not np.all((kind == 48) | (kind == 0) | (kind == 55))  # a regular file: "0", NUL (old tars), "7"
+            or np.any(headers[:, 345])  # a ustar name prefix
+        ):
+            return False
+        counts = np.diff(self.first_member[low : high + 1]).tolist()
+        keys = [key for key, count in zip(self.keys[low:high], counts) for _ in range(count)]
+        suffixes = [self.suffixes[i] for i in self.suffix_ids[first:last].tolist()]
+        names = [f"{key}.{suffix}".encode("utf-8", "surrogateescape") for key, suffix in zip(keys, suffixes)]
+        if max(map(len, names)) > _NAME_BYTES:
+            return False
+        expected = np.array(names, dtype=f"S{_NAME_BYTES}").view(np.uint8).reshape(-1, _NAME_BYTES)  # NUL-padded
+        return bool(np.array_equal(headers[:, :_NAME_BYTES], expected))
+
+    @functools.cached_property
+    def _plain_blocks(self) -> np.ndarray:
+        """Per block, whether the table puts each of its members right after one 512-byte
+        header, each sample at its first member's header and each member's header where the
+        one before it ends (padded to 512 bytes), and no member at 8 GiB or more: the layout
+        :meth:`headers_agree` checks in numpy (computed once, for every block at once)."""
+        if not self.num_samples:
+            return np.zeros(0, dtype=bool)
+        ends = self.data_offsets + self.sizes + (-self.sizes % _HEADER)
+        following = np.append(self.header_offsets[1:], self.end)
+        members = (self.data_offsets - self.header_offsets == _HEADER) & (ends == following) & (self.sizes < 8**11)
+        samples = self.sample_offsets[:-1] == self.header_offsets[self.first_member[:-1]]
+        firsts = self.first_member[::CHECK_EVERY][: len(self.header_crcs)]
+        return np.logical_and.reduceat(members, firsts) & np.logical_and.reduceat(
+            samples, np.arange(0, self.num_samples, CHECK_EVERY)
+        )
+
     def block_span(self, block: int) -> tuple[int, int]:
         """The bytes from the first header to the last data byte of block ``block``."""
-        low, high = block * CHECK_EVERY, min((block + 1) * CHECK_EVERY, self.num_samples)
-        first, last = int(self.first_member[low]), int(self.first_member[high])
+        low, _, first, last = self.block_members(block)
         if first == last:
             return int(self.sample_offsets[low]), int(self.sample_offsets[low])
         return int(self.header_offsets[first]), int(self.data_offsets[last - 1] + self.sizes[last - 1])
@@ -129,6 +183,10 @@ class MemberTable:
                 raise
         return path
 
+
+_HEADER = 512  # a tar header; headers_agree reads its name (bytes 0-99), size (124-135: 11 octal
+_NAME_BYTES = 100  # digits, then NUL or space), type flag (156) and name prefix (345-499)
+_OCTAL_SHIFTS = np.arange(30, -1, -3, dtype=np.int64)  # of the 11 octal digits of a size, first to last
 
 _ARRAYS = (
     "sample_offsets",

@@ -37,6 +37,7 @@ from .sample import Sample
 
 _LOG = logging.getLogger("seqshard")
 DAMAGED = "damaged."  # counter prefix: one counter per damaged shard, by its number in the table
+DAMAGED_TABLE = "damaged_table."  # and per shard whose member table disagreed with it (read by its headers)
 DUPLICATE_KEYS = "duplicate_keys"
 ADD_FIELD_AGAIN = "add the field again with `seqshard add-field`"  # a stream's out_of_step_fix may say otherwise
 REPLACED = (
@@ -218,9 +219,11 @@ class _OpenUnit:
                     None,
                     f"its last sample is {last!r} where its index.json says {expected[1]!r}: {REPLACED}",
                 )
-            mismatch = getattr(stream, "mismatch", None)  # a shard that differs from its member table
-            if mismatch is not None:
-                raise ShardError(stream.path, None, mismatch)
+
+    def damaged_table(self) -> bool:
+        """Whether a member table of this unit's files disagreed with its file (that file is
+        read by its headers from there on)."""
+        return any(getattr(stream, "mismatch", None) is not None for stream in self.streams)
 
     def position(self) -> list:
         return [self.index, [stream.resume_offset for stream in self.streams], self.ordinal]
@@ -238,7 +241,9 @@ class ShardReader(Stage[Sample]):
     A damaged shard (unreadable, truncated, shorter than its index says, other first or last
     key than its index records) raises ShardError naming it, or with ``skip`` is left at the
     damage: counted by shard (``damaged.<shard>``), its planned samples not read under
-    ``dropped.damaged``. Keys read twice are counted (see the module docstring).
+    ``dropped.damaged``. A shard whose member table disagrees with it is read by its headers
+    and counted by shard (``damaged_table.<shard>``). Keys read twice are counted (see the
+    module docstring).
     ``read_ahead=False`` reads only what is asked for.
     """
 
@@ -356,6 +361,7 @@ class ShardReader(Stage[Sample]):
                 self._damaged(error, slot.unit, at)
                 sample = None
             if sample is None:
+                self._count_table(slot)
                 slot.close()
                 del self._slots[self._turn]
                 self._counts["units_done"] += 1
@@ -379,7 +385,13 @@ class ShardReader(Stage[Sample]):
             )
         self._counts[DUPLICATE_KEYS] += len(repeats)
 
+    def _count_table(self, slot: _OpenUnit) -> None:
+        if slot.damaged_table():
+            self._counts[f"{DAMAGED_TABLE}{slot.unit.shard}"] = 1  # by shard, as damaged shards are
+
     def get_state(self) -> State:
+        for slot in self._slots:
+            self._count_table(slot)
         return {
             "next": self._next_unit,
             "turn": self._turn,
@@ -388,6 +400,8 @@ class ShardReader(Stage[Sample]):
         }
 
     def stats(self) -> dict[str, int]:
+        for slot in self._slots:
+            self._count_table(slot)
         return dict(self._counts)
 
     def remaining_units(self) -> list[Unit]:
