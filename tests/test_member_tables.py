@@ -4,6 +4,7 @@ parsing the headers, and checked against the file they describe."""
 
 import json
 import logging
+import re
 import shutil
 import tarfile
 
@@ -300,3 +301,43 @@ def test_a_shard_cut_short_since_it_was_indexed_fails_before_any_of_its_samples(
             seen.extend(keys)
     assert "seqshard verify" in str(error.value)
     assert set(seen) <= set(first)  # nothing of the cut shard
+
+
+def _npy_header(shape, dtype="<i8"):
+    """The bytes of an .npy header declaring an array of ``shape``."""
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("one_shard_of_70", ["short"], indirect=True)
+@pytest.mark.parametrize("compression", ["stored", "deflated"])
+def test_a_table_declaring_a_4_gib_array_is_refused_before_it_is_allocated(one_shard_of_70, tmp_path, compression):
+    """The .npy header of a table's array declares 2**29 int64 (4 GiB); the entry holds 4 MB of
+    zeros (deflated: 1000x) or 16 bytes (stored). Refused, naming the table, allocating nothing."""
+    import tracemalloc
+    import zipfile
+
+    out = tmp_path / "shards"
+    shutil.copytree(one_shard_of_70.out, out)
+    path = table_path(out / "data-00000.tar")
+    with zipfile.ZipFile(path) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    method = zipfile.ZIP_DEFLATED if compression == "deflated" else zipfile.ZIP_STORED
+    entries["sizes.npy"] = _npy_header((1 << 29,)) + bytes(4 << 20 if compression == "deflated" else 16)
+    with zipfile.ZipFile(path, "w", method) as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ShardError) as error:
+            load_table(out / "data-00000.tar")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20  # 4 GiB before
+    assert re.search(
+        r"data-00000\.tar: its member table \S+ cannot be read \(array 'sizes' .*declares", str(error.value)
+    )

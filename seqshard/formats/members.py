@@ -21,6 +21,7 @@ without a table is read by parsing its headers, as before.
 from __future__ import annotations
 
 import functools
+import math
 import mmap
 import os
 import tempfile
@@ -34,6 +35,7 @@ import numpy as np
 
 from ..errors import ShardError
 from .files import default_file_mode, writing
+from .inflation import MIN_INFLATION_LIMIT, InflationError, inflation_limit, limits_text
 
 TABLE_DIR = ".members"
 VERSION = 1
@@ -215,11 +217,10 @@ def load_table(shard: str | Path) -> MemberTable | None:
     is not consistent in itself, raises ShardError naming the shard."""
     path = table_path(shard)
     try:
-        with np.load(path, allow_pickle=False) as stored:
-            arrays = {name: stored[name] for name in stored.files}
+        arrays = _read_arrays(path, os.stat(shard).st_size)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile) as error:
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, EOFError) as error:
         raise ShardError(shard, None, f"its member table {path} cannot be read ({error}). {REBUILD}") from None
     try:
         if int(arrays["version"]) != VERSION:
@@ -244,6 +245,52 @@ def load_table(shard: str | Path) -> MemberTable | None:
     except (KeyError, ValueError, TypeError) as error:
         raise ShardError(shard, None, f"its member table {path} is damaged ({error}). {REBUILD}") from None
     return table
+
+
+_BLOBS = ("keys", "suffixes")  # names joined by NUL, as uint8
+_NUMBERS = ("version", "file_size")  # one integer each
+
+
+def _read_arrays(path: Path, shard_bytes: int) -> dict[str, np.ndarray]:
+    """The arrays of the table ``path`` (an ``.npz``) of a shard of ``shard_bytes`` bytes, each
+    checked before anything is allocated for it: a whole-number array (bytes for names, one
+    number for version and size) whose declared size is what its zip entry holds, an entry
+    inflating within the rule of ``inflation.py``, and no array larger than the shard itself
+    (a table holds a few numbers per 512-byte tar header). ValueError naming what is wrong."""
+    arrays = {}
+    with zipfile.ZipFile(path) as archive:
+        entries = {info.filename: info for info in archive.infolist()}
+        for name in (*_NUMBERS, *_BLOBS, *_ARRAYS):
+            info = entries.get(f"{name}.npy")
+            if info is None:
+                raise KeyError(f"it has no array {name!r}")
+            if info.compress_type != zipfile.ZIP_STORED and info.file_size > inflation_limit(info.compress_size):
+                raise InflationError(
+                    f"array {name!r} of {info.compress_size} compressed bytes declares {info.file_size} ({limits_text()})"
+                )
+            with archive.open(info) as stream:
+                version = np.lib.format.read_magic(stream)
+                if version not in ((1, 0), (2, 0)):
+                    raise ValueError(f"array {name!r} has .npy version {version}")
+                read_header = (
+                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+                )
+                shape, _, dtype = read_header(stream, max_header_size=1 << 12)
+                count = math.prod(shape)
+                declared = count * dtype.itemsize
+                if (
+                    dtype.kind not in "iu"
+                    or (name in _NUMBERS and shape != ())
+                    or (name not in _NUMBERS and len(shape) != 1)
+                ):
+                    raise ValueError(f"array {name!r} is {dtype} of shape {shape}, not the whole numbers of a table")
+                if declared != info.file_size - stream.tell() or declared > max(MIN_INFLATION_LIMIT, shard_bytes):
+                    raise InflationError(
+                        f"array {name!r} declares {declared} bytes where its entry holds {info.file_size - stream.tell()} "
+                        f"and the shard {shard_bytes}"
+                    )
+                arrays[name] = np.frombuffer(stream.read(declared), dtype=dtype, count=count).reshape(shape)
+    return arrays
 
 
 def _check_consistent(table: MemberTable, members: int) -> None:

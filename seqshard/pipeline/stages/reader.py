@@ -185,8 +185,14 @@ class _OpenUnit:
 
     def _check_key(self, number: int, part: TarRecord) -> None:
         """Remember the key read from file ``number``; the first sample of a file must have
-        the first key its index records."""
+        the first key its index records, and no sample may lie beyond its count."""
         self.last_keys[number] = part.key
+        if self.expected is not None and part.ordinal >= self.expected:
+            raise ShardError(
+                self.streams[number].path,
+                part.offset,
+                f"it holds more samples than the {self.expected} its index.json says: {REPLACED}",
+            )
         expected = self.key_ranges[number]
         if part.ordinal == 0 and expected is not None and part.key != expected[0]:
             raise ShardError(
