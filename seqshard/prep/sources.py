@@ -54,13 +54,17 @@ Progress = Callable[[str, int], Callable[[int], None]] | None
 
 
 def check_key(key: str, where: Where, options: PackOptions) -> None:
-    problem = key_problem(key)
-    if problem and not (options.escape_keys and key):
+    """InputError ``bad_key`` for a key no shard can hold as it is (or, with ``escape_keys``,
+    escaped): every route of keys into a pack (feats.scp, wav.scp, segments) comes here."""
+    problem = key_problem(key, escaped=options.escape_keys)
+    if problem:
+        escaping = not options.escape_keys and key_problem(key, escaped=True) is None
         raise InputError(
             where,
             "bad_key",
             f"{problem}.",
-            f"rename the utterance, or pass {option('escape_keys')} to store it percent-encoded.",
+            "rename the utterance"
+            + (f", or pass {option('escape_keys')} to store it percent-encoded." if escaping else "."),
         )
 
 
