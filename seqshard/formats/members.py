@@ -36,6 +36,7 @@ import numpy as np
 from ..errors import ShardError
 from .files import default_file_mode, writing
 from .inflation import MIN_INFLATION_LIMIT, InflationError, inflation_limit, limits_text
+from .npy import npy_header_size, npy_layout
 
 TABLE_DIR = ".members"
 VERSION = 1
@@ -248,6 +249,7 @@ def load_table(shard: str | Path) -> MemberTable | None:
 
 
 _BLOBS = ("keys", "suffixes")  # names joined by NUL, as uint8
+_MAX_HEADER = 4096  # bytes of an array's .npy header (numpy writes 128)
 _NUMBERS = ("version", "file_size")  # one integer each
 
 
@@ -269,24 +271,22 @@ def _read_arrays(path: Path, shard_bytes: int) -> dict[str, np.ndarray]:
                     f"array {name!r} of {info.compress_size} compressed bytes declares {info.file_size} ({limits_text()})"
                 )
             with archive.open(info) as stream:
-                version = np.lib.format.read_magic(stream)
-                if version not in ((1, 0), (2, 0)):
-                    raise ValueError(f"array {name!r} has .npy version {version}")
-                read_header = (
-                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                )
-                shape, _, dtype = read_header(stream, max_header_size=1 << 12)
+                start = stream.read(12)
+                size = npy_header_size(start)
+                if size > _MAX_HEADER:
+                    raise ValueError(f"array {name!r} has a header of {size} bytes")
+                header = start[:size] if size <= len(start) else start + stream.read(size - len(start))
+                shape, dtype, _, declared = npy_layout(header)
                 count = math.prod(shape)
-                declared = count * dtype.itemsize
                 if (
                     dtype.kind not in "iu"
                     or (name in _NUMBERS and shape != ())
                     or (name not in _NUMBERS and len(shape) != 1)
                 ):
                     raise ValueError(f"array {name!r} is {dtype} of shape {shape}, not the whole numbers of a table")
-                if declared != info.file_size - stream.tell() or declared > max(MIN_INFLATION_LIMIT, shard_bytes):
+                if declared != info.file_size - size or declared > max(MIN_INFLATION_LIMIT, shard_bytes):
                     raise InflationError(
-                        f"array {name!r} declares {declared} bytes where its entry holds {info.file_size - stream.tell()} "
+                        f"array {name!r} declares {declared} bytes where its entry holds {info.file_size - size} "
                         f"and the shard {shard_bytes}"
                     )
                 arrays[name] = np.frombuffer(stream.read(declared), dtype=dtype, count=count).reshape(shape)
