@@ -196,3 +196,57 @@ def test_a_line_longer_than_the_line_bound_is_refused(tmp_path, monkeypatch):
     folder = write_cuts(tmp_path / "shar", [cut(0), cut(1, note="x" * 2000)], name="cuts.000000.jsonl")
     with pytest.raises(ShardError, match=r"jsonl at byte \d+: line 2 is not read: a line is longer than 1000 bytes"):
         shar_index(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# other files seqshard reads: a pack's plan and run, list files, units files
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"groups": []}', r"not a pack's plan"),
+        (
+            b'{"groups": {"": [["data-00009.tar", "x"]]}}',
+            r"the utterances of data-00009\.tar is 'x', not a whole number",
+        ),
+        (
+            b'{"groups": {"": [["data-00009.tar", 1e300]]}}',
+            r"the utterances of data-00009\.tar is 1e\+300, not a whole number",
+        ),
+        (b'{"groups": {"": [["data-00009.tar", 10, 3]]}}', r"a planned shard is \['data-00009.tar', 10, 3\]"),
+        (b"\xff", r"unreadable \('utf-8' codec"),
+        (b"[" * 100000, r"unreadable \(maximum recursion depth"),
+    ],
+)
+def test_a_hostile_plan_of_an_unfinished_pack_is_named(one_shard, tmp_path, content, message):
+    copy = tmp_path / "copy"
+    shutil.copytree(one_shard, copy)
+    (copy / "index.json").unlink()  # a pack that has not finished: the loader reads its plan
+    (copy / ".seqshard-pack" / "planned.json").write_bytes(content)
+    with pytest.raises(SeqshardError, match=rf"planned\.json: {message}.* pack again into a new folder"):
+        make_loader(copy, batch_size=2, num_workers=0)
+
+
+def test_a_hostile_index_list_units_or_run_file_is_named(one_shard, tmp_path):
+    from seqshard.errors import ConfigError
+    from seqshard.formats.lists import shard_list
+    from seqshard.text.tokenizers import UnitsTokenizer
+    from seqshard.tools.index import rebuild_index
+
+    copy = tmp_path / "copy"
+    shutil.copytree(one_shard, copy)
+    for content in (b"\xff{", b"[" * 100000):
+        (copy / "index.json").write_bytes(content)
+        with pytest.raises(SeqshardError, match=r"index\.json: unreadable index"):
+            ShardIndex.load(copy)
+    (tmp_path / "a.list").write_bytes(b"\xff\xfeshard.tar\n")
+    with pytest.raises(ConfigError, match=r"a\.list: not UTF-8 text"):
+        shard_list(tmp_path / "a.list")
+    for unit_id in ("\u00b2", "-5", "9" * 5000):
+        (tmp_path / "units.txt").write_text(f"<unk> 0\na {unit_id}\n")
+        with pytest.raises(ConfigError, match=r"units\.txt:2: expected 'TOKEN ID' with an ID from 0 to 2147483647"):
+            UnitsTokenizer(tmp_path / "units.txt")
+    (copy / ".seqshard-pack" / "run.json").write_text('["not", "a", "run"]')
+    with pytest.raises(ConfigError, match=r"run\.json: unreadable .*how the pack stored keys"):
+        rebuild_index(copy, progress=False)

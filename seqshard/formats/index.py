@@ -375,9 +375,9 @@ class ShardIndex:
                 data = json.load(stream)
         except FileNotFoundError:
             return None
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
             raise SeqshardError(
-                f"{path}: unreadable index ({error}). Rebuild it with `seqshard index {folder}`."
+                f"{path}: unreadable index ({str(error)[:200]}). Rebuild it with `seqshard index {folder}`."
             ) from None
         return cls.from_json(data, path, f"seqshard index {folder}")
 

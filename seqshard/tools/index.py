@@ -253,7 +253,18 @@ def _previous_index(folder: Path) -> ShardIndex | None:
 
 
 def _pack_run(root: Path) -> dict | None:
+    """The options the pack in ``root`` recorded (whether it escaped keys, ...), or None when
+    none was recorded; ConfigError naming the file when it cannot be read."""
     run_file = root / STATE_DIR / "run.json"
     if not run_file.is_file():
         return None
-    return json.loads(run_file.read_text(encoding="utf-8")).get("options")
+    try:
+        options = json.loads(run_file.read_text(encoding="utf-8")).get("options")
+        if not isinstance(options, dict) or not isinstance(options.get("escape_keys", False), bool):
+            raise ValueError("its options are not the pack's")
+    except (OSError, ValueError, RecursionError, AttributeError) as error:
+        raise ConfigError(
+            f"{run_file}: unreadable ({str(error)[:200]}): it says how the pack stored keys, which the index must "
+            "record. Fix: restore it, or pack again into a new folder."
+        ) from None
+    return options
