@@ -250,3 +250,17 @@ def test_a_hostile_index_list_units_or_run_file_is_named(one_shard, tmp_path):
     (copy / ".seqshard-pack" / "run.json").write_text('["not", "a", "run"]')
     with pytest.raises(ConfigError, match=r"run\.json: unreadable .*how the pack stored keys"):
         rebuild_index(copy, progress=False)
+
+
+@pytest.mark.parametrize("content", ["nan\n", "0\n", "x\n", "inf"])
+def test_a_hostile_kaldi_frame_shift_file_is_named_not_written_into_the_index(tmp_path, content):
+    """It was read as NaN or 0 ms into index.json (which its own loader then refused), or
+    silently taken as 10 ms."""
+    from conftest import write_kaldi_dir
+    from seqshard import pack_data
+    from seqshard.errors import ConfigError
+
+    data = write_kaldi_dir(tmp_path / "k", speakers=1, per_speaker=2, dim=2, frames=(2, 4))
+    (data.root / "frame_shift").write_text(content)
+    with pytest.raises(ConfigError, match=r"frame_shift: .* is not a frame shift in seconds"):
+        pack_data(data.scp, data.text, tmp_path / "out", progress=False)

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import InputError, SkipCounter, Where, option
+from ..checks import read_number
+from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import (
     Audio,
     cut,
@@ -511,6 +512,13 @@ def _frame_shift_ms(files: Sequence[Path]) -> float:
     """Kaldi's ``frame_shift`` file (seconds) next to the first scp, else 10 ms."""
     candidate = Path(files[0]).parent / FRAME_SHIFT_FILE
     try:
-        return float(candidate.read_text().split()[0]) * 1000
-    except (OSError, ValueError, IndexError):
+        text = candidate.read_text(encoding="utf-8", errors="replace")
+    except OSError:
         return 10.0
+    try:
+        return float(read_number("its frame shift", float(text.split()[0]), above=0, at_most=60)) * 1000  # type: ignore[arg-type]
+    except (ValueError, IndexError):
+        raise ConfigError(
+            f"{candidate}: {text[:40]!r} is not a frame shift in seconds (a finite number > 0, such as 0.01): the "
+            "index records it and loaders count hours by it. Fix: correct the file, or remove it (10 ms is assumed)."
+        ) from None
