@@ -58,21 +58,12 @@ def _plain(value: Any) -> int | float | None:
     return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
-def check_number(
-    name: str,
-    value: Any,
-    *,
-    whole: bool = False,
-    at_least: float | None = None,
-    above: float | None = None,
-    at_most: float | None = None,
-    optional: bool = False,
-    what: str | None = None,
-) -> int | float | None:
+def check_number(name: str, value: Any, *, what: str | None = None, **rule: Any) -> int | float | None:
     """``value`` as a Python int or float (numpy's numbers too, so a state stays JSON-safe),
-    checked by :func:`number_problem`. Else ConfigError ``"NAME must be WHAT, got VALUE."``,
-    WHAT saying what failed unless ``what`` says what the option is (e.g. "a number of seconds > 0")."""
-    problem = number_problem(value, whole=whole, at_least=at_least, above=above, at_most=at_most, optional=optional)
+    checked by :func:`number_problem` with ``rule`` (``whole``, ``at_least``, ``above``,
+    ``at_most``, ``optional``). Else ConfigError ``"NAME must be WHAT, got VALUE."``, WHAT
+    saying what failed unless ``what`` says what the option is (e.g. "a number of seconds > 0")."""
+    problem = number_problem(value, **rule)
     if problem is not None:
         raise ConfigError(f"{name} must be {what or problem}, got {value!r}.")
     return _plain(value)
@@ -83,21 +74,12 @@ class NumberError(ValueError):
     and what it must be, for the reader to add the file and the fix."""
 
 
-def read_number(
-    field: str,
-    value: Any,
-    *,
-    whole: bool = False,
-    at_least: float | None = None,
-    above: float | None = None,
-    at_most: float | None = None,
-    optional: bool = False,
-) -> int | float | None:
+def read_number(field: str, value: Any, **rule: Any) -> int | float | None:
     """A number read from a file (an index, a manifest, metadata), checked as options are
-    (:func:`number_problem`): a string, a list, NaN, infinity or a value out of range raises
-    NumberError ``"FIELD is VALUE, not WHAT"`` (the value cut short), never a numpy or Python
-    error further on."""
-    problem = number_problem(value, whole=whole, at_least=at_least, above=above, at_most=at_most, optional=optional)
+    (:func:`number_problem` with ``rule``): a string, a list, NaN, infinity or a value out of
+    range raises NumberError ``"FIELD is VALUE, not WHAT"`` (the value cut short), never a numpy
+    or Python error further on."""
+    problem = number_problem(value, **rule)
     if problem is not None:
         raise NumberError(f"{field} is {shown(value)}, not {problem}")
     return _plain(value)
