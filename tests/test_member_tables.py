@@ -226,8 +226,16 @@ def _shorten_a_label(stored, number):
     stored["sizes"][member] = 1
 
 
-@pytest.mark.parametrize("edit", [_swap_two_keys, _shorten_a_label])
-@pytest.mark.parametrize("number", [3, 66])
+@pytest.mark.parametrize(
+    ("one_shard_of_70", "edit", "number"),
+    [  # in the first block of 64 samples and in the second; ustar names, and pax ones (long keys)
+        ("short", _swap_two_keys, 66),
+        ("short", _shorten_a_label, 3),
+        ("long", _swap_two_keys, 3),
+        ("long", _shorten_a_label, 66),
+    ],
+    indirect=["one_shard_of_70"],
+)
 def test_a_table_with_other_keys_or_sizes_than_the_headers_never_serves_them(one_shard_of_70, tmp_path, edit, number):
     out = tmp_path / "shards"
     shutil.copytree(one_shard_of_70.out, out)
