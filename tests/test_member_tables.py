@@ -14,7 +14,7 @@ import pytest
 from conftest import pack_small
 from seqshard import add_field, make_loader
 from seqshard.errors import ShardError
-from seqshard.formats.members import TABLE_DIR, load_table, table_path
+from seqshard.formats.members import TABLE_DIR, TableBuilder, load_table, table_path
 from seqshard.formats.sliced import SlicedSampleStream
 from seqshard.formats.streams import open_samples, skip_samples
 from seqshard.formats.tar import SampleStream, member_table
@@ -224,6 +224,30 @@ def _swap_two_keys(stored, number):
 def _shorten_a_label(stored, number):
     member = int(stored["first_member"][number]) + 1  # a sample's members: feats.npy, txt
     stored["sizes"][member] = 1
+
+
+def _forge_without(path, numbers):
+    """A table of ``path`` without samples ``numbers``, consistent in itself and with header
+    checksums the file matches (as a forger would make it): only the headers tell."""
+    builder = TableBuilder()
+    with SampleStream(path, read_data=False, where=True) as stream:
+        while (sample := stream.next_sample()) is not None:
+            if sample.ordinal not in numbers:
+                builder.add_sample(sample.key, sample.offset, sample.members)
+        end = stream.resume_offset
+    builder.finish(path, end).save(path)
+
+
+@pytest.mark.parametrize(
+    ("one_shard_of_70", "numbers"), [("short", {0}), ("long", {40}), ("short", {69})], indirect=["one_shard_of_70"]
+)
+def test_a_forged_table_leaving_out_a_sample_never_hides_it(one_shard_of_70, tmp_path, numbers):
+    out = tmp_path / "shards"
+    shutil.copytree(one_shard_of_70.out, out)
+    _forge_without(out / "data-00000.tar", numbers)
+    loader = make_loader(out, batch_size=7, shuffle=False, num_workers=0)
+    assert sorted(k for batch in loader for k in batch["keys"]) == sorted(one_shard_of_70.data.keys)
+    assert loader.stats()["damaged_tables"] == 1
 
 
 @pytest.mark.parametrize(

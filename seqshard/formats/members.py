@@ -131,15 +131,17 @@ class MemberTable:
     @functools.cached_property
     def _plain_blocks(self) -> np.ndarray:
         """Per block, whether the table puts each of its members right after one 512-byte
-        header, each sample at its first member's header and each member's header where the
-        one before it ends (padded to 512 bytes), and no member at 8 GiB or more: the layout
-        :meth:`headers_agree` checks in numpy (computed once, for every block at once)."""
+        header, each sample at its first member's header (the first at byte 0) and each
+        member's header where the one before it ends (padded to 512 bytes), and no member at
+        8 GiB or more: the layout :meth:`headers_agree` checks in numpy (computed once, for
+        every block at once)."""
         if not self.num_samples:
             return np.zeros(0, dtype=bool)
         ends = self.data_offsets + self.sizes + (-self.sizes % _HEADER)
         following = np.append(self.header_offsets[1:], self.end)
         members = (self.data_offsets - self.header_offsets == _HEADER) & (ends == following) & (self.sizes < 8**11)
         samples = self.sample_offsets[:-1] == self.header_offsets[self.first_member[:-1]]
+        samples[0] &= self.sample_offsets[0] == 0  # else what precedes the first sample is walked over
         firsts = self.first_member[::CHECK_EVERY][: len(self.header_crcs)]
         return np.logical_and.reduceat(members, firsts) & np.logical_and.reduceat(
             samples, np.arange(0, self.num_samples, CHECK_EVERY)

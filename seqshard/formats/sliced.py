@@ -143,7 +143,10 @@ class SlicedSampleStream:
         low, high, _, _ = self._table.block_members(block)
         headers = self._table.header_offsets
         try:
-            with SampleStream(self.path, self._offsets[low], read_data=False, read_ahead=False, where=True) as walk:
+            start = (
+                self._offsets[low] if low else 0
+            )  # from the file's start: nothing before the first sample is skipped
+            with SampleStream(self.path, start, read_data=False, read_ahead=False, where=True) as walk:
                 for number in range(low, high):
                     record = walk.next_sample()
                     members = range(self._first[number], self._first[number + 1])
@@ -178,7 +181,8 @@ class SlicedSampleStream:
         if self.path not in _WARNED:
             _WARNED.add(self.path)
             _LOG.warning("%s: %s", self.path, self.mismatch)
-        start = self._offsets[self._next] if start is None else start
+        if start is None:  # where the samples read so far end (verified), or the file's start
+            start = self._offsets[self._next] if self._next else 0
         self._headers = SampleStream(self.path, start, self.ordinal, self._read_data, *self._opening)
 
     def _next_by_headers(self) -> TarRecord | None:
