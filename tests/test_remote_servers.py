@@ -331,3 +331,17 @@ def test_a_stream_that_trickles_stops_at_its_deadline():
         remote._read_up_to(Trickle(), 10**6, time.monotonic() + 0.2)
     assert time.monotonic() - started < 1
     assert remote.Failure.of(remote._Stalled(0.2)).kind == "stalled"
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_a_remote_index_that_is_not_text_is_named(tmp_path, ranges):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "index.json").write_bytes(b'{"version": 1, "shards": [\xff\xfe]}')
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / "index.json").write_text('{"a": 1}')
+    with ShardServer(tmp_path, ranges=ranges) as server:
+        access = remote.RemoteAccess()
+        with pytest.raises(ShardError, match=r"index.json.*not UTF-8 text"):
+            access.read_text(f"{server.url}/shards/index.json")
+        assert access.read_text(f"{server.url}/good/index.json") == '{"a": 1}'
+        assert access.read_text(f"{server.url}/none/index.json") is None
