@@ -283,7 +283,7 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
         gc.collect()  # only this test's garbage reaches the child (not earlier tests' in this process)
         gc.disable()
         try:
-            for _ in range(3):
+            for _ in range(6):
                 dropped = remote.RemoteAccess()
                 dropped.server_size(f"{server.url}/shards/{shard_names(packed)[0]}")
                 cycle = [dropped]
@@ -294,7 +294,8 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
         finally:
             gc.enable()
         child.join(30)
-    assert child.exitcode == 0 and times.get() < 2.0  # 1 s per dropped loader before (3 s here)
+    # 1 s per dropped loader before (6 s here); the margin is for a loaded machine (2.6 s seen at load 10)
+    assert child.exitcode == 0 and times.get() < 4.5
 
 
 def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):
