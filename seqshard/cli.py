@@ -165,6 +165,13 @@ def _cmvn(args: argparse.Namespace) -> int:
     )
     if stats.floored:
         print(f"seqshard cmvn: {counted(stats.floored, 'dimension', 'is')} constant; std set to 1e-5", file=sys.stderr)
+    if stats.non_finite_frames:
+        print(
+            f"seqshard cmvn: {counted(stats.non_finite_frames, 'frame')} of {counted(stats.non_finite_utterances, 'utterance')} "
+            f"hold NaN or infinity and are left out of the statistics (first: {', '.join(stats.non_finite_keys)}); the "
+            "loader's check_finite=True drops such utterances in training",
+            file=sys.stderr,
+        )
     return 0
 
 

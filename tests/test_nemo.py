@@ -211,7 +211,7 @@ def write_tarred(folder: Path, members: list[str], manifest: list[str]) -> None:
 def test_tarred_member_without_entry_is_passed_over_and_said(tmp_path, caplog):
     write_tarred(tmp_path, ["a.wav", "b.wav"], ["b.wav"])
     assert list(read_all(str(tmp_path))) == ["b"]
-    assert "1 member(s) have no entry" in caplog.text
+    assert "1 member without an entry" in caplog.text
 
 
 def test_tarred_entry_without_member_is_a_damaged_shard(tmp_path):

@@ -33,7 +33,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, ShardError, Where
+from ..errors import InputError, ShardError, Where, counted
 from .index import ShardEntry, ShardIndex, length_bin
 from .lists import SEGMENT_FIELD
 from .nemo import SHARD_KEY, Entry, parse_entry
@@ -183,9 +183,9 @@ class NemoTarStream:
         self._tar.close()
         if self._unlisted:
             _LOG.warning(
-                "%s: %d member(s) have no entry in %s and were passed over (a manifest filtered after tarring?)",
+                "%s: %s without an entry in %s passed over (a manifest filtered after tarring?)",
                 self.path,
-                self._unlisted,
+                counted(self._unlisted, "member"),
                 self.manifest,
             )
             self._unlisted = 0

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, Where, option
+from ..errors import ConfigError, InputError, Where, counted, option
 from ..formats.mmidx import (
     TokenDataset,
     TokenDatasetWriter,
@@ -199,7 +199,9 @@ def binarize(
     if warning:
         _LOG.warning("%s", warning)
     if empty:
-        _LOG.warning("%s: %d empty line(s), each stored as a sequence of its own (kept for alignment)", text, empty)
+        _LOG.warning(
+            "%s: %s, each stored as a sequence of its own (kept for alignment)", text, counted(empty, "empty line")
+        )
     return report
 
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, SkipCounter, Where, option
+from ..errors import ConfigError, InputError, SkipCounter, Where, counted, option
 from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.kaldi import ArkLocation, parse_location
 from ..formats.keys import escape_key
@@ -247,7 +247,9 @@ def build_plan(
     else:
         labels = KeyTable.scan(text_files, label_issues, needs_value=False, check=note_empty, progress=scan_progress)
     if empty_labels:  # kept (a silent recording may have none), but never unannounced
-        _LOG.warning("%d label(s) are empty, packed as empty texts (first: %s)", len(empty_labels), empty_labels[0])
+        _LOG.warning(
+            "%s empty, packed as empty texts (first: %s)", counted(len(empty_labels), "label", "is"), empty_labels[0]
+        )
         label_issues.counts["empty_label"] = len(empty_labels)
     if len(scp) + scp.bad_lines == 0:
         raise InputError(

@@ -26,7 +26,7 @@ from ...formats.streams import count_samples
 from ...options import LoaderOptions
 from ...text.tokenizers import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from ..plan import Unit, planned_utts
-from ..stages.reader import DAMAGED
+from ..stages.reader import DAMAGED, DAMAGED_TABLE
 from ..workers.setup import WorkerSetup
 from .epochs import EpochEnd
 from .merge import RankPosition
@@ -67,6 +67,7 @@ class EpochAccounts:
             "tokens": counters.get("tokens", 0),
             "unknown_tokens": counters.get("unknown_tokens", 0),
             "damaged_shards": damaged_shards(counters),
+            "damaged_tables": len(shard_numbers(counters, DAMAGED_TABLE)),
             "duplicate_keys": counters.get("duplicate_keys", 0),
             "missing_shards": len(self.table.missing),
         }
@@ -217,7 +218,9 @@ class EpochAccounts:
         todo = {u.shard for worker in units for u in worker if self.table.shards[u.shard].num_utts is None}
         todo -= set(self._counted)
         if todo:
-            _LOG.info("counting the samples of %d unindexed shard(s); `seqshard index` records them", len(todo))
+            _LOG.info(
+                "counting the samples of %s; `seqshard index` records them", counted(len(todo), "unindexed shard")
+            )
         for shard in sorted(todo):
             try:
                 self._counted[shard] = count_samples(self.table.shards[shard].path, self.access)
@@ -269,4 +272,9 @@ def damaged_shards(counters: dict[str, int]) -> int:
 
 def damaged_shard_numbers(counters: dict[str, int]) -> set[int]:
     """The table numbers of the shards the readers found damaged."""
-    return {int(name[len(DAMAGED) :]) for name, count in counters.items() if name.startswith(DAMAGED) and count}
+    return shard_numbers(counters, DAMAGED)
+
+
+def shard_numbers(counters: dict[str, int], prefix: str) -> set[int]:
+    """The table numbers of the shards counted under ``prefix`` (``damaged.``, ``damaged_table.``)."""
+    return {int(name[len(prefix) :]) for name, count in counters.items() if name.startswith(prefix) and count}
