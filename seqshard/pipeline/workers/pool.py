@@ -103,6 +103,8 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
         frames = 0
     elif batching.batch_frames is not None:
         frames = batching.batch_frames
+    elif batching.budgets is not None:
+        frames = max(batching.budgets.budgets)
     else:
         longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=2000)
         frames = int(batching.batch_size * longest) + 1  # type: ignore[operator]
