@@ -248,11 +248,11 @@ class TokenLoader:
             self._epoch += 1
             self._finished = False
 
-    def skip_batches(self, n: int) -> None:
+    def skip_batches(self, n: int) -> int:
         """Move the next iteration's start ``n`` batches on (fewer at the epoch's end) without
         building them: call it on every rank with the same ``n``, after ``load_state_dict`` (or
         before an epoch's first ``iter()``). They count as steps taken, and as ``skipped`` in
-        ``stats()`` and the state."""
+        ``stats()`` and the state. Returns how many it skipped."""
         check_number("n", n, whole=True, at_least=0)
         self.close()
         self._next_epoch_if_finished()
@@ -263,6 +263,7 @@ class TokenLoader:
         self._start += taken
         self._skipped += taken
         self._step = self._start
+        return taken
 
     def _batches(self, numbers: list[int], end: int) -> Iterator[dict[str, Any]]:
         """The batches ``numbers``, the last of them this rank's ``end``-th of the epoch."""

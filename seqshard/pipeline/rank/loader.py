@@ -179,16 +179,19 @@ class ShardLoader:
         batches = batch_plan.rest_of_epoch(self._setup, self._cursor.peek())
         return sorted(batches, key=lambda batch: (-key(batch), batch.step))[:k]
 
-    def skip_batches(self, n: int) -> None:
+    def skip_batches(self, n: int) -> int:
         """Move the next iteration's start ``n`` batches on without reading them (fewer at
         the epoch's end): call it on every rank with the same ``n``, after ``load_state_dict``
         (or before an epoch's first ``iter()``). The batches are those an uninterrupted run
         would have handed out next; they count as steps, and ``stats()["skipped"]`` counts them
-        and their utterances (kept in the state). Raises NotPlannable as
-        :meth:`heaviest_batches` does."""
+        and their utterances (kept in the state). Returns how many it skipped. Raises
+        NotPlannable as :meth:`heaviest_batches` does."""
         check_number("n", n, whole=True, at_least=0)
         self._close_active()
-        self._cursor.load(batch_plan.skip(self._setup, self._cursor.peek(), n))
+        start = self._cursor.peek()
+        moved = batch_plan.skip(self._setup, start, n)
+        self._cursor.load(moved)
+        return moved.step - start.step
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:

@@ -9,6 +9,7 @@ longest, per-sample values (``keys``, ``texts``, stacked numbers) are cut to its
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 LENGTHS_SUFFIX = "_lens"
@@ -29,7 +30,7 @@ def split_batch(batch: dict[str, Any], parts: int) -> list[dict[str, Any]]:
     count = min(parts, size) if size else 1
     bounds = [round(size * n / count) for n in range(count + 1)]
     found = []
-    for low, high in zip(bounds, bounds[1:]):
+    for low, high in itertools.pairwise(bounds):
         part = {key: _cut(value, size, low, high) for key, value in batch.items()}
         for name, lengths in padded.items():
             longest = max(0, int(part[lengths].max())) if high > low else 0

@@ -6,6 +6,7 @@ and the conversion of what they send into tensors (shared slots are received wit
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -56,6 +57,7 @@ class WorkerPool:
                 prefetch_factor=options.prefetch_factor if workers > 0 else None,
                 multiprocessing_context=self._context if workers > 0 else None,
                 timeout=options.timeout,
+                worker_init_fn=leave_with_the_rank if workers > 0 else None,
             )
         return self._dataloader
 
@@ -113,6 +115,14 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
     if workers.num_workers == 0:  # batches made in this process: a ring for what training still holds
         return BatchSlots(1, 4, slot_bytes, context)
     return BatchSlots(workers.num_workers, workers.prefetch_factor + 3, slot_bytes, context)
+
+
+def leave_with_the_rank(worker: int) -> None:
+    """A worker ignores the signals a scheduler sends a whole job before it stops it (SIGTERM,
+    SIGUSR1; torchrun and Slurm signal every process): its rank decides when to stop (a trainer
+    finishes its step and saves a checkpoint first), and a worker leaves when its rank does."""
+    for number in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, signal.SIG_IGN)
 
 
 def _unchanged(item: Any) -> Any:
