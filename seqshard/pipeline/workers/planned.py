@@ -184,7 +184,7 @@ class PlannedShardReader(ShardReader):
                     "indexed from its pack journal): pack it again, or remove its folder's .members/ and "
                     ".seqshard-pack/ and run `seqshard index` on the folder."
                 )
-            self._tables = {shard: (tables, lengths)}  # units are read shard after shard: keep the last
+            self._tables[shard] = (tables, lengths)
         return self._tables[shard]
 
     def _skip_to(self, unit: Unit) -> tuple[list[int], int]:
