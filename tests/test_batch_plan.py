@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import pack_small
 
+from conftest import pack_small
 from seqshard import make_loader
 from seqshard.formats.members import load_table, table_path
 from seqshard.formats.tar import member_table
@@ -44,7 +44,10 @@ def test_heaviest_batches_are_batches_the_epoch_yields(shards, num_workers):
 
 
 def test_with_ranks_that_stop_together_the_plan_ends_where_the_first_rank_runs_out(shards):
-    alone = [shapes(make_loader(shards.pattern, num_workers=0, rank=r, world_size=2, uneven="join", **OPTIONS)) for r in (0, 1)]
+    alone = [
+        shapes(make_loader(shards.pattern, num_workers=0, rank=r, world_size=2, uneven="join", **OPTIONS))
+        for r in (0, 1)
+    ]
     end = min(map(len, alone))
     assert len(alone[0]) != len(alone[1])  # else the test shows nothing
     for rank in (0, 1):
@@ -57,7 +60,9 @@ def test_with_ranks_that_stop_together_the_plan_ends_where_the_first_rank_runs_o
 def test_skip_batches_after_a_resume_gives_the_uninterrupted_runs_later_batches(shards, num_workers, world_size):
     def loader():
         rank = world_size - 1
-        return make_loader(shards.pattern, num_workers=num_workers, rank=rank, world_size=world_size, uneven="join", **OPTIONS)
+        return make_loader(
+            shards.pattern, num_workers=num_workers, rank=rank, world_size=world_size, uneven="join", **OPTIONS
+        )
 
     uninterrupted = [batch["keys"] for batch in loader()]
     first = loader()
