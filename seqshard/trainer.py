@@ -449,7 +449,7 @@ def step_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def preflight(loader: Any, runner: StepRunner, dim: int, vocab_size: int, say: Any) -> None:
+def preflight(loader: Any, runner: StepRunner, dim: int, vocab_size: int, device: torch.device, say: Any) -> None:
     """One step (forward and backward, no update) on a synthetic batch of the shape of the
     epoch's heaviest batch by padded frames and of its longest, so that a batch that does not
     fit shows now, not hours into the run (it runs in parts, and its bucket's limit is lowered)."""
@@ -465,7 +465,7 @@ def preflight(loader: Any, runner: StepRunner, dim: int, vocab_size: int, say: A
     shapes = dict.fromkeys((b.size, b.longest) for b in (planned[0], max(planned, key=lambda b: b.longest)))
     before = runner.guard.out_of_memory
     for size, longest in shapes:
-        runner.backward(synthetic_batch(size, longest, dim, vocab_size))
+        runner.backward(synthetic_batch(size, longest, dim, vocab_size, device))
         runner.model.zero_grad(set_to_none=True)
     shown = ", ".join(f"{size} x {longest}" for size, longest in shapes)
     verdict = "fit" if runner.guard.out_of_memory == before else "ran out of memory: such batches run in parts"
@@ -559,7 +559,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     if checkpoint is not None:
         guard.load(checkpoint.get("memory"))
     if args.preflight:
-        preflight(loader, runner, loader.dim, tokenizer.vocab_size, say)
+        preflight(loader, runner, loader.dim, tokenizer.vocab_size, device, say)
     steps_this_run = 0
     while epoch < settings["epochs"]:
         loader.set_epoch(epoch)

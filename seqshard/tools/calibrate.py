@@ -5,7 +5,8 @@ histogram), a synthetic batch at the bucket's longest length is given to the use
 function (forward and backward, as in training) with more and more samples: the batch fits
 when the step raises no out-of-memory error and, on a GPU, its peak memory
 (``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``) stays under the limit
-(a fraction of the card's memory, or a number of bytes). The largest batch that fits, found by
+(a fraction of the card's memory, or a number of bytes); the batches are made on the device
+(the step's copy to it is then none). The largest batch that fits, found by
 doubling then bisecting from the previous bucket's, gives the bucket's budget of padded frames
 (batch size x longest length); ``make_loader(..., budgets=FILE)`` cuts each bucket's batches
 under its own. The same helpers (a synthetic batch, what counts as out of memory, the peak)
@@ -92,20 +93,23 @@ def _is_cuda(device: Any) -> bool:
     return str(device).startswith("cuda")
 
 
-def synthetic_batch(size: int, longest: int, dim: int, vocab_size: int = 2, seed: int = 0) -> dict[str, Any]:
+def synthetic_batch(
+    size: int, longest: int, dim: int, vocab_size: int = 2, device: Any = "cpu", seed: int = 0
+) -> dict[str, Any]:
     """A batch shaped as ``make_loader`` yields it: ``size`` utterances of ``longest`` frames
     of ``dim`` features (normal noise), labels of ``longest // 8`` tokens (ids cycling from 1,
-    so a CTC model with 4x subsampling can align them), keys and texts."""
+    so a CTC model with 4x subsampling can align them), keys and texts; its tensors made on
+    ``device`` (a batch of millions of frames is made in a blink on a GPU, in seconds on CPU)."""
     import torch
 
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator(device=device).manual_seed(seed)
     tokens = max(1, longest // 8)
-    ids = torch.arange(tokens) % max(1, vocab_size - 1) + 1
+    ids = torch.arange(tokens, device=device) % max(1, vocab_size - 1) + 1
     return {
-        "feats": torch.randn(size, longest, dim, generator=generator),
-        "feat_lens": torch.full((size,), longest, dtype=torch.int64),
+        "feats": torch.randn(size, longest, dim, generator=generator, device=device),
+        "feat_lens": torch.full((size,), longest, dtype=torch.int64, device=device),
         "labels": ids.repeat(size, 1),
-        "label_lens": torch.full((size,), tokens, dtype=torch.int64),
+        "label_lens": torch.full((size,), tokens, dtype=torch.int64, device=device),
         "keys": [f"synthetic-{n}" for n in range(size)],
         "texts": [""] * size,
     }
@@ -233,7 +237,7 @@ def _largest_batch(
     def fits(size: int) -> bool:
         reset_peak(device)
         try:
-            step(synthetic_batch(size, length, dim, vocab))
+            step(synthetic_batch(size, length, dim, vocab, device))
         except BaseException as error:
             if not is_out_of_memory(error):
                 raise

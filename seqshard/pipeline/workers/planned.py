@@ -25,8 +25,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from ...errors import ConfigError
 from ...formats.fields import field_name
 from ...formats.members import MemberTable, has_table_format, load_table
@@ -156,18 +154,28 @@ class Unchanged(Stage[Sample]):
         return merge_counts(super().stats(), self._own.get("counts", {}))
 
 
+@dataclass(frozen=True)
+class _ShardPlan:
+    """What a planned reader takes from a shard's member tables: keys, lengths, and each
+    sample's offset (one more: the end) in each field file read, as Python lists."""
+
+    keys: Sequence[str]
+    lengths: list[int]
+    offsets: list[tuple[str, list[int]]]  # field set -> offsets
+
+
 class PlannedShardReader(ShardReader):
     """A :class:`ShardReader` whose units are read from member tables: the same samples in the
     same order, and the same state, with a length and no data."""
 
     def __init__(self, table: ShardTable, units: list[Unit], interleave: int, field_sets: Sequence[str]):
         super().__init__(table, units, interleave, None, False, field_sets)
-        self._tables: dict[int, tuple[list[tuple[str, MemberTable]], np.ndarray]] = {}
+        self._plans: dict[int, _ShardPlan] = {}
 
-    def _tables_of(self, shard: int) -> tuple[list[tuple[str, MemberTable]], np.ndarray]:
-        """The member table of each field file of ``shard`` read, and its samples' lengths."""
-        if shard not in self._tables:
-            tables = []
+    def _plan_of(self, shard: int) -> _ShardPlan:
+        """The member tables of ``shard``'s field files read, as a :class:`_ShardPlan`."""
+        if shard not in self._plans:
+            tables: dict[str, MemberTable] = {}
             for name, path in self._files(Unit(shard)):
                 found = load_table(path) if has_table_format(path) else None
                 if found is None:
@@ -175,8 +183,8 @@ class PlannedShardReader(ShardReader):
                         f"the batches cannot be known without reading the samples: {path} has no member table "
                         "(remote shards, lists and Shar folders have none; `seqshard index` writes them for local tars)."
                     )
-                tables.append((name, found))
-            lengths = dict(tables)[MAIN].lengths if MAIN in self.field_sets else None
+                tables[name] = found
+            lengths = tables[MAIN].lengths if MAIN in tables else None
             if lengths is None:
                 raise NotPlannable(
                     f"the batches cannot be known without reading the samples: the member table of "
@@ -184,53 +192,40 @@ class PlannedShardReader(ShardReader):
                     "indexed from its pack journal): pack it again, or remove its folder's .members/ and "
                     ".seqshard-pack/ and run `seqshard index` on the folder."
                 )
-            self._tables[shard] = (tables, lengths)
-        return self._tables[shard]
+            offsets = [(name, table.sample_offsets.tolist()) for name, table in tables.items()]
+            self._plans[shard] = _ShardPlan(tables[MAIN].keys, lengths.tolist(), offsets)
+        return self._plans[shard]
 
     def _skip_to(self, unit: Unit) -> tuple[list[int], int]:
-        tables, _ = self._tables_of(unit.shard)
-        ordinal = min(unit.first(), tables[0][1].num_samples)
-        return [int(table.sample_offsets[ordinal]) for _, table in tables], ordinal
+        plan = self._plan_of(unit.shard)
+        ordinal = min(unit.first(), len(plan.keys))
+        return [offsets[ordinal] for _, offsets in plan.offsets], ordinal
 
     def _open(self, index: int, unit: Unit, offsets: Sequence[int], ordinal: int) -> Any:
-        tables, lengths = self._tables_of(unit.shard)
-        return _PlannedUnit(index, unit, tables, lengths, ordinal, self.table.shards[unit.shard].path)
+        return _PlannedUnit(index, unit, self._plan_of(unit.shard), ordinal, self.table.shards[unit.shard].path)
 
 
 class _PlannedUnit:
-    """One unit read from its member tables (the interface of the reader's open units)."""
+    """One unit read from its shard's plan (the interface of the reader's open units)."""
 
-    def __init__(
-        self,
-        index: int,
-        unit: Unit,
-        tables: Sequence[tuple[str, MemberTable]],
-        lengths: np.ndarray,
-        ordinal: int,
-        path: str,
-    ):
-        self.index, self.unit, self.tables, self.lengths, self.ordinal, self.path = (
-            index,
-            unit,
-            tables,
-            lengths,
-            ordinal,
-            path,
-        )
+    def __init__(self, index: int, unit: Unit, plan: _ShardPlan, ordinal: int, path: str):
+        self.index, self.unit, self.plan, self.ordinal, self.path = index, unit, plan, ordinal, path
 
     def close(self) -> None:
         pass
 
     def next_sample(self) -> Sample | None:
-        unit, first = self.unit, self.tables[0][1]
-        while (unit.stop is None or self.ordinal < unit.stop) and self.ordinal < first.num_samples:
+        unit, plan = self.unit, self.plan
+        end = len(plan.keys) if unit.stop is None else min(unit.stop, len(plan.keys))
+        while self.ordinal < end:
             number = self.ordinal
             self.ordinal += 1
             if number >= unit.start and (number - unit.start) % unit.step == 0:
-                offsets = tuple((name, int(table.sample_offsets[number])) for name, table in self.tables)
-                length = int(self.lengths[number])
-                return Sample(first.keys[number], {PLANNED: length}, unit.shard, number, offsets, self.path)
+                offsets = tuple((name, at[number]) for name, at in plan.offsets)
+                return Sample(
+                    plan.keys[number], {PLANNED: plan.lengths[number]}, unit.shard, number, offsets, self.path
+                )
         return None
 
     def position(self) -> list:
-        return [self.index, [int(table.sample_offsets[self.ordinal]) for _, table in self.tables], self.ordinal]
+        return [self.index, [at[self.ordinal] for _, at in self.plan.offsets], self.ordinal]
