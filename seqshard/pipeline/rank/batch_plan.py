@@ -30,8 +30,9 @@ from .merge import MergedStream, RankPosition
 class PlannedBatch:
     """A batch the loader will hand out: its ``step`` in the epoch (1 for the first),
     ``size`` (samples), ``longest`` length (its padded length), ``frames`` (its lengths summed),
-    length ``bucket`` and ``cost`` (the loader's batch cost: padded length, or the quadratic
-    cost with ``quadratic_frames``)."""
+    length ``bucket`` (of the loader's ``budgets``, else of ``bucket_sync``: 0 without) and
+    ``cost`` (the loader's batch cost: padded length, or the quadratic cost with
+    ``quadratic_frames``)."""
 
     step: int
     size: int
@@ -78,7 +79,7 @@ class PlannedStream(MergedStream):
         )
 
 
-def _unplanned_start(position: RankPosition) -> None:
+def _refuse_elastic(position: RankPosition) -> None:
     if position.plan is not None or position.carry is not None:
         raise NotPlannable(
             "the batches cannot be known without reading the samples: after an elastic resume (another world "
@@ -90,6 +91,7 @@ def _walk(setup: WorkerSetup, start: RankPosition, limit: int | None, cost: Call
     """The batches from ``start`` on (at most ``limit``), and the position after them."""
     position = copy.deepcopy(start)
     stream = PlannedStream(setup, position)
+    budgets = setup.options.batching.budgets
     found: list[PlannedBatch] = []
     while limit is None or len(found) < limit:
         item = stream.pull()
@@ -97,9 +99,8 @@ def _walk(setup: WorkerSetup, start: RankPosition, limit: int | None, cost: Call
             break
         stream.emit(item)
         longest = item.padded // item.size
-        found.append(
-            PlannedBatch(position.step, item.size, longest, item.length, item.bucket, cost(item.size, longest))
-        )
+        bucket = budgets.bucket_of(longest) if budgets is not None else item.bucket
+        found.append(PlannedBatch(position.step, item.size, longest, item.length, bucket, cost(item.size, longest)))
     return found, position
 
 
@@ -114,7 +115,7 @@ def rest_of_epoch(setup: WorkerSetup, start: RankPosition) -> list[PlannedBatch]
     """The batches the loader hands out on this rank from ``start`` (where its next iteration
     begins) to the end of the epoch; NotPlannable says why when they cannot be known."""
     planned = planned_setup(setup)
-    _unplanned_start(start)
+    _refuse_elastic(start)
     cost = batch_cost_of(setup)
     epochs = setup.options.epochs
     limit = None if epochs.epoch_steps is None else max(0, epochs.epoch_steps - start.step)
@@ -135,7 +136,7 @@ def skip(setup: WorkerSetup, start: RankPosition, count: int) -> RankPosition:
     each reader's state after its last batch skipped, the steps counted, and the batches and
     utterances skipped (not as handed out)."""
     planned = planned_setup(setup)
-    _unplanned_start(start)
+    _refuse_elastic(start)
     steps = setup.options.epochs.epoch_steps
     limit = count if steps is None else max(0, min(count, steps - start.step))
     skipped, position = _walk(planned, start, limit, lambda size, longest: 0.0)
