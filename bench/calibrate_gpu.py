@@ -102,7 +102,7 @@ def epoch(loader, device: torch.device, budgets=None) -> dict:
     steps alone (the loader runs in this process: batches of the calibrated budgets are too large
     for shared-memory slots), peak memory, out-of-memory errors, and the largest share of its
     bucket's budget a batch used."""
-    from seqshard.tools.calibrate import free_memory, is_out_of_memory, peak_memory, reset_peak
+    from seqshard.tools.calibrate import peak_memory, reset_peak, within_memory
     from seqshard.trainer import timed
 
     reset_peak(device)
@@ -114,16 +114,8 @@ def epoch(loader, device: torch.device, budgets=None) -> dict:
         if budgets is not None:
             share = max(share, size * longest / budgets.budget_of(longest))
         began = time.perf_counter()
-        try:
-            step(batch)
-            failed = False
-        except BaseException as error:
-            if not is_out_of_memory(error):
-                raise
-            failed = True
-        if failed:
+        if not within_memory(step, batch)[0]:
             errors += 1
-            free_memory()
             continue
         stepping += time.perf_counter() - began  # step() waits for the loss: the GPU is done
         steps += 1
@@ -142,21 +134,13 @@ def epoch(loader, device: torch.device, budgets=None) -> dict:
 
 def edges(budgets, shortest: list[int], device: torch.device, limit: int | None) -> list[dict]:
     """Per bucket, a step on the batch its budget allows at its shortest length."""
-    from seqshard.tools.calibrate import free_memory, is_out_of_memory, peak_memory, reset_peak, synthetic_batch
+    from seqshard.tools.calibrate import peak_memory, reset_peak, synthetic_batch, within_memory
 
     found = []
     for bucket, (budget, length) in enumerate(zip(budgets.budgets, shortest)):
         size = budget // length
         reset_peak(device)
-        try:
-            step(synthetic_batch(size, length, 80, len(LETTERS), device))
-            failed = False
-        except BaseException as error:
-            if not is_out_of_memory(error):
-                raise
-            failed = True
-        if failed:
-            free_memory()
+        failed = not within_memory(step, synthetic_batch(size, length, 80, len(LETTERS), device))[0]
         peak = None if failed else peak_memory(device)
         row = {"bucket": bucket, "size": size, "length": length, "peak_bytes": peak, "out_of_memory": failed}
         row["peak_over_limit"] = None if peak is None or limit is None else peak / limit
@@ -202,9 +186,8 @@ def main() -> None:
         row: dict = {"calibrate_seconds": time.perf_counter() - started, "budgets": list(budgets.budgets)}
         row["bounds"] = list(budgets.bounds)
         row["batch_sizes"] = [b.batch_size for b in buckets]
-        row["edges"] = edges(
-            budgets, [1 + (budgets.bounds[b - 1] if b else 0) for b in range(len(buckets))], device, limit
-        )
+        shortest = [budgets.bounds[b - 1] if b else min(utterance_lengths(shards)) for b in range(len(buckets))]
+        row["edges"] = edges(budgets, shortest, device, limit)
         for edge in row["edges"]:
             print(f"  {layers} layers edge: {edge}", flush=True)
         loader = make_loader(pattern, tokenizer=shards.parent / "units.txt", budgets=str(out), num_workers=0)

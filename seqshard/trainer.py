@@ -44,7 +44,7 @@ from .pipeline.stages.split import split_batch
 from .pipeline.workers.setup import bucket_bounds
 from .progress import Progress
 from .text.tokenizers import Tokenizer, UnitsTokenizer, make_tokenizer
-from .tools.calibrate import free_memory, is_out_of_memory, peak_memory, reset_peak, synthetic_batch
+from .tools.calibrate import free_memory, peak_memory, reset_peak, synthetic_batch, within_memory
 
 #: sections of a checkpoint's recorded settings whose change a resume refuses (the saved weights
 #: cannot take it); changes of the others (schedule, run) are applied with a note
@@ -377,14 +377,13 @@ class StepRunner:
         parts = self.guard.parts_for(lengths)
         ran_out = False
         while True:
-            try:
-                with getattr(self.model, "no_sync", contextlib.nullcontext)():  # ranks average after
-                    loss = accumulate_gradients(self.model, self.loss_of, batch, parts)
+            with getattr(self.model, "no_sync", contextlib.nullcontext)():  # ranks average after
+                fitted, loss = within_memory(accumulate_gradients, self.model, self.loss_of, batch, parts)
+            if fitted:
                 break
-            except BaseException as error:
-                if not is_out_of_memory(error) or parts >= size:
-                    raise
-            self.model.zero_grad(set_to_none=True)  # outside the except block: the failed step's tensors are gone
+            if parts >= size:
+                raise torch.OutOfMemoryError(f"one utterance of {longest} frames does not fit in memory")
+            self.model.zero_grad(set_to_none=True)
             free_memory()
             parts, ran_out = min(parts * 2, size), True
             self.guard.out_of_memory += 1

@@ -69,6 +69,18 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
+def within_memory(function: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+    """``function(*args)``: ``(True, its result)``, or ``(False, None)`` when it ran out of
+    memory (what it held given back); any other error is raised."""
+    try:
+        return True, function(*args)
+    except BaseException as error:
+        if not is_out_of_memory(error):
+            raise
+    free_memory()  # outside the except block: the exception, and the frames it holds, are gone
+    return False, None
+
+
 def reset_peak(device: Any) -> None:
     """Start measuring the peak memory of ``device`` afresh (CUDA only)."""
     import torch
@@ -236,16 +248,7 @@ def _largest_batch(
 
     def fits(size: int) -> bool:
         reset_peak(device)
-        try:
-            step(synthetic_batch(size, length, dim, vocab, device))
-        except BaseException as error:
-            if not is_out_of_memory(error):
-                raise
-            failed = True
-        else:
-            failed = False
-        if failed:  # outside the except block: the exception and its frames are gone
-            free_memory()
+        if not within_memory(lambda: step(synthetic_batch(size, length, dim, vocab, device)))[0]:
             return False
         peaks[size] = peak_memory(device) if limit is not None else None
         return limit is None or peaks[size] <= limit  # type: ignore[operator]
