@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from conftest import pack_small
-from seqshard import make_loader, split_batch
+from seqshard import build_loaders, make_loader, split_batch
 from seqshard.cli import main
 from seqshard.errors import ConfigError
 from seqshard.trainer import MemoryGuard, SmallCTC, StepRunner, accumulate_gradients
@@ -67,6 +67,10 @@ def test_budgets_are_checked_where_they_are_given(shards, tmp_path):
     budgets["buckets"].append({"longest": 79, "budget": 400})
     with pytest.raises(ConfigError, match="without batch_size, batch_frames"):
         make_loader(shards.pattern, budgets=budgets, batch_frames=1000)
+    loader, _ = build_loaders(
+        {"train": {"option": {"large_dataset": True, "trset": shards.pattern, "budgets": budgets}}}
+    )
+    assert loader.options.batching.budgets.budgets == (600, 400)  # hyper-p.json takes them too
     for batch in make_loader(shards.pattern, budgets=budgets, num_workers=0):
         longest = int(batch["feat_lens"].max())
         assert len(batch["keys"]) * longest <= (600 if longest < 30 else 400)
