@@ -84,7 +84,7 @@ def test_skip_batches_after_a_resume_gives_the_uninterrupted_runs_later_batches(
     assert stats["skipped"] == {"batches": 4, "utts": skipped} and stats["steps"] == len(uninterrupted)
     assert summary["utts"] + summary["skipped"] + summary["left"] == summary["planned"] and summary["left"] == 0
     past = loader()
-    assert past.skip_batches(10**6) == len(uninterrupted) and list(past) == []  # no further than the epoch
+    assert past.skip_batches(10**6) == len(uninterrupted) and past.heaviest_batches() == []  # not past the epoch
 
 
 def test_what_the_plan_cannot_see_is_refused(shards, tmp_path):

@@ -61,11 +61,13 @@ def is_out_of_memory(error: BaseException) -> bool:
 
 
 def free_memory() -> None:
-    """Give back what a failed step left (after its exception is gone)."""
+    """Give a GPU back what a failed step left (after its exception is gone): tensors held in
+    reference cycles are collected, and the allocator's cache emptied. On CPU, tensors go with
+    their last reference."""
     import torch
 
-    gc.collect()
     if torch.cuda.is_available():
+        gc.collect()
         torch.cuda.empty_cache()
 
 
