@@ -19,6 +19,8 @@ _EXPORTS = {
     "Mux": "seqshard.mix",
     "TokenDataset": "seqshard.formats.mmidx",
     "TokenPair": "seqshard.tokens.pairs",
+    "token_pairs": "seqshard.tokens.databin",
+    "UnitsTokenizer": "seqshard.text.tokenizers",
     "make_token_loader": "seqshard.tokens.loader",
     "TokenLoader": "seqshard.tokens.loader",
     "binarize": "seqshard.prep.binarize",

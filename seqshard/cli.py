@@ -59,6 +59,15 @@ def _pack(args: argparse.Namespace) -> int:
         num_mel_bins=args.num_mel_bins,
         resample_to=args.resample_to,
         channel=args.channel,
+        manifest=args.manifest,
+        hf=args.hf,
+        split=args.split,
+        audio_column=args.audio_column,
+        text_column=args.text_column,
+        id_column=args.id_column,
+        fields=args.fields,
+        utt2spk=args.utt2spk,
+        cmvn_scp=args.cmvn_scp,
     )
     print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
     return 0
@@ -248,8 +257,20 @@ def _pack_command(commands: Any) -> None:
     pack.add_argument("--resample-to", type=int, metavar="HZ", help="resample audio to this rate for fbank")
     pack.add_argument("--channel", type=int, help="keep this channel of multi-channel audio (default: mix down)")
     pack.add_argument(
-        "--text", nargs="+", action="extend", required=True, help="Kaldi text file(s): 'UTT-ID label words'"
+        "--manifest",
+        nargs="+",
+        action="extend",
+        help="NeMo manifest(s), instead of --scp/--wav-scp and --text (braces and NeMo's _OP_/_CL_ expand)",
     )
+    pack.add_argument(
+        "--hf", metavar="PATH", help="a Hugging Face dataset: save_to_disk folder, parquet or arrow file(s) or a glob"
+    )
+    pack.add_argument("--split", help="the dataset's split (default: its only one, else train)")
+    pack.add_argument("--audio-column", help="the dataset's audio column (default: the first audio column)")
+    pack.add_argument("--text-column", help="the text column (default: text, sentence, transcript, ...)")
+    pack.add_argument("--id-column", help="the key column (default: id when there is one, else row numbers)")
+    pack.add_argument("--fields", metavar="A,B", help="keep these manifest keys (dataset columns) as fields NAME.json")
+    pack.add_argument("--text", nargs="+", action="extend", help="Kaldi text file(s): 'UTT-ID label words'")
     pack.add_argument("--out", required=True, help="output folder")
     pack.add_argument("--fmt", default="data-%05d.tar", help="shard file name pattern (default: %(default)s)")
     pack.add_argument(
@@ -295,6 +316,12 @@ def _pack_command(commands: Any) -> None:
         action="append",
         metavar="FILE",
         help="utt2num_frames file(s); default: utt2num_frames next to each scp, else matrix headers",
+    )
+    pack.add_argument("--utt2spk", help="Kaldi utt2spk: record each utterance's speaker (field spk)")
+    pack.add_argument(
+        "--cmvn-scp",
+        help="Kaldi cmvn.scp (by speaker with --utt2spk, else by utterance): record each utterance's CMVN statistics "
+        "(field cmvn) for make_loader(cmvn='speaker')",
     )
     pack.add_argument("--max-open", type=int, default=256, help="shards written at once per job (default: %(default)s)")
     pack.add_argument(

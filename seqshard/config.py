@@ -99,7 +99,7 @@ def loader_keys() -> dict[str, tuple[Any, str]]:
     """make_loader options settable from a file: name -> (default, type annotation)."""
     keys = {}
     for item in LoaderOptions.option_fields():
-        if item.name in NOT_FROM_FILES:
+        if item.name in NOT_FROM_FILES or item.name in DATA_KEYS:  # path_root: the data key's meaning
             continue
         default = item.default if item.default is not MISSING else None
         keys[item.name] = (default, str(item.type))
@@ -378,7 +378,7 @@ def _dev_loader(config: TrainConfig, rank: int | None, world_size: int | None) -
         return None
     from .loader import make_loader
 
-    shared = {k: v for k, v in config.loader.items() if k in ("split", "strip_spaces", "pad_label", "dtype")}
+    shared = {k: v for k, v in config.loader.items() if k in ("split", "strip_spaces", "pad_label", "dtype", "device")}
     return make_loader(
         config.data["devset"],
         config.data["tokenizer"],

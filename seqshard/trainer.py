@@ -148,6 +148,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="A-B",
         help="skip the batches of steps A to B (counted from 1) without reading them: a loss spike's",
     )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model trains (auto: cuda when there is a GPU); on cuda the loader hands batches over on it",
+    )
     return parser.parse_args(argv)
 
 
@@ -183,7 +189,10 @@ def init_distributed(cuda: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Train; then leave the process at once (see the comment at the end)."""
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        print("error: --device cuda, and torch finds no CUDA device here", file=sys.stderr)
+        return 1
     torch.set_flush_denormal(True)  # on CPU, denormal values in a training LSTM slowed steps 5x
     init_distributed(cuda)
     try:
@@ -484,6 +493,9 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     checkpoint_path = args.out / "ckpt.pt"
     preemption = Preemption()  # before any worker process starts
     config, name = load_settings(args, rank)
+    option = config["train"]["option"]
+    if cuda and option.get("large_dataset"):  # shards: batches handed over on this GPU (unless the config says)
+        option.setdefault("device", str(device))
     loader, dev = build_loaders(config, name=name)
     guard = MemoryGuard(length_buckets(loader))
     loaded = load_config(config, name=name)

@@ -257,6 +257,24 @@ def test_kaldi_wav_scp_loads_with_labels_from_text(tmp_path):
     assert texts == data.labels
 
 
+def test_a_wav_scp_of_paths_relative_to_another_folder_reads_with_path_root(tmp_path):
+    data = write_audio_dir(tmp_path / "corpus/wav", utts=3)  # a data dir made elsewhere: paths from corpus/
+    scp = tmp_path / "lists/wav.scp"
+    scp.parent.mkdir()
+    scp.write_text("".join(f"{key} wav/{key}.wav\n" for key in data.audio))
+    with pytest.raises(InputError, match=r"cannot open 'wav/utt000\.wav'") as error:
+        list(make_loader(scp, labels=data.text, batch_size=3, num_workers=0))
+    assert error.value.reason == "missing_audio"
+    (batch,) = list(make_loader(scp, labels=data.text, batch_size=3, num_workers=0, path_root=tmp_path / "corpus"))
+    assert {k: a[: int(n)].tolist() for k, a, n in zip(batch["keys"], batch["audio"], batch["audio_lens"])} == {
+        k: (v / 32768).astype(np.float32).tolist() for k, v in data.audio.items()
+    }
+    with pytest.raises(InputError, match=re.escape(f"path_root={tmp_path}")):
+        list(make_loader(scp, labels=data.text, batch_size=3, num_workers=0, path_root=tmp_path))
+    with pytest.raises(ConfigError, match="path_root must be a folder"):
+        make_loader(scp, path_root=tmp_path / "nowhere")
+
+
 def test_bad_lists_and_bad_audio_at_load(tmp_path):
     good = write_audio_dir(tmp_path / "d", utts=4)
     (tmp_path / "shards.list").write_text("a.tar\nmissing.tar\n")

@@ -116,7 +116,16 @@ else:
 
     def test_every_route_has_a_guide():
         names = {guide.name for guide in GUIDES}
-        assert {"from-kaldi.md", "from-wenet.md", "from-webdataset.md", "from-lhotse.md", "from-fairseq.md"} <= names
+        assert {
+            "from-kaldi.md",
+            "from-wenet.md",
+            "from-webdataset.md",
+            "from-lhotse.md",
+            "from-fairseq.md",
+            "from-nemo.md",
+            "from-huggingface.md",
+            "from-espnet.md",
+        } <= names
 
     def write_guide(tmp_path, text):
         guide = tmp_path / "from-test.md"

@@ -252,6 +252,15 @@ def test_the_advice_follows_what_happened(packed):
         server.faults[names[0]] = ["short"] * 10
         text = _failure(url, remote_retries=1)
         assert "ended before the bytes asked for" in text and "credentials" not in text
+        server.faults[names[0]] = ["trickle:0.1"] * 3  # a byte every 0.2 s: each socket read is answered
+        started = time.monotonic()
+        text = _failure(url, remote_retries=0, remote_timeout=0.25, remote_min_rate=1e6)
+        assert time.monotonic() - started < 3, "a trickling server must fail by its deadline"
+        assert "slower than 1e+06 bytes/s" in text and "remote_min_rate=" in text and "failed after 1" in text
+        server.faults[names[0]] = ["redirect"]
+        text = _failure(url, remote_retries=3)
+        assert "redirected the request again and again (10 redirects: http://" in text
+        assert "failed after 1 attempt(s)" in text and "check the host and port" not in text
         server.faults[names[0]] = []
     down = server.url
     text = _failure(f"{down}/shards/data-00000.tar?token=1", remote_retries=0)
@@ -306,3 +315,19 @@ def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):
         seen = retries()
         time.sleep(1.5)
         assert retries() == seen
+
+
+def test_a_stream_that_trickles_stops_at_its_deadline():
+    """A server without ranges is read through one GET (RemoteStream): each read answers, but
+    the whole read must still end by its deadline."""
+
+    class Trickle:
+        def read(self, size):
+            time.sleep(0.01)
+            return b"x"
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="not complete within"):
+        remote._read_up_to(Trickle(), 10**6, time.monotonic() + 0.2)
+    assert time.monotonic() - started < 1
+    assert remote.Failure.of(remote._Stalled(0.2)).kind == "stalled"

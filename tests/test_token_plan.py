@@ -121,7 +121,7 @@ def test_the_plan_is_the_algorithm_of_its_docstring(corpora, case, source, epoch
             make_token_loader(mixed, virtual_size=case["virtual_size"], rank=r, world_size=world, **options)
             for r in range(world)
         ]
-        pairs, shares = made, loaders[0].batching.shares
+        pairs, shares = made, loaders[0].batching.sources.shares
     else:
         pair = made[0] if source == "one pair" else TokenPair(mono)
         loaders = [make_token_loader(pair, rank=r, world_size=world, **options) for r in range(world)]

@@ -20,7 +20,8 @@ from pathlib import Path
 from ..errors import ConfigError
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-LIST_SUFFIXES = (".list", ".scp")  # WeNet lists and Kaldi wav.scp, read directly (see formats/lists.py)
+MANIFEST_SUFFIXES = (".json", ".jsonl")  # NeMo manifests, read directly (see formats/nemo.py)
+LIST_SUFFIXES = (".list", ".scp", *MANIFEST_SUFFIXES)  # and WeNet lists and Kaldi wav.scp (formats/lists.py)
 FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
 FIELDS_DIR = "fields"  # FOLDER/fields/NAME/data-00042.tar: field set NAME of FOLDER/data-00042.tar
 SHAR_CUTS = re.compile(r"cuts(?P<id>(?:\.[^.]+)*?)\.jsonl(?:\.gz)?")  # a Lhotse Shar shard (formats/shar.py)
@@ -29,7 +30,17 @@ Patterns = str | Path | Sequence[str | Path]
 
 
 def is_list_name(name: str) -> bool:
-    return name.endswith(LIST_SUFFIXES)
+    return name.endswith(LIST_SUFFIXES) and not _is_index(name)
+
+
+def is_manifest_name(name: str) -> bool:
+    return name.endswith(MANIFEST_SUFFIXES) and not _is_index(name)
+
+
+def _is_index(name: str) -> bool:
+    from .index import INDEX_NAME  # index.py imports this module
+
+    return name.rsplit("/", 1)[-1] == INDEX_NAME
 
 
 def is_shard_name(name: str) -> bool:
@@ -71,10 +82,17 @@ def pattern_list(patterns: Patterns) -> list[str]:
 
 
 def expand_pattern(pattern: str) -> list[Alternative]:
-    """Every brace alternative of ``pattern``, each with the shard files it names."""
+    """Every brace alternative of ``pattern`` (NeMo's ``_OP_``/``_CL_`` are braces too), each
+    with the shard files it names."""
     from braceexpand import braceexpand
 
-    return [_alternative(text) for text in dict.fromkeys(braceexpand(pattern))]
+    return [_alternative(text) for text in dict.fromkeys(braceexpand(nemo_braces(pattern)))]
+
+
+def nemo_braces(pattern: str) -> str:
+    """``pattern`` with NeMo's brace tags ``_OP_`` and ``_CL_`` (its sharded manifests and tars:
+    ``audio__OP_0..127_CL_.tar``) as ``{`` and ``}``."""
+    return pattern.replace("_OP_", "{").replace("_CL_", "}")
 
 
 def _alternative(text: str) -> Alternative:

@@ -19,6 +19,7 @@ from pathlib import Path
 from ..errors import ConfigError, ShardError, option
 from .index import ShardIndex
 from .lists import shard_list
+from .nemo_tarred import nemo_index
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
 from .patterns import Alternative, Patterns, expand_pattern, named_like_sidecar, pattern_list
 from .shar import shar_index
@@ -108,9 +109,9 @@ def select_shards(patterns: Patterns) -> ShardSelection:
 
 def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
     """The folder's index.json, or the facts of a Lhotse Shar folder (its field files are
-    then sidecars, never shards)."""
+    then sidecars, never shards) or of a NeMo tarred set (from its manifest)."""
     if folder not in selection.indexes:
-        selection.indexes[folder] = shar_index(folder) or ShardIndex.load(folder)
+        selection.indexes[folder] = shar_index(folder) or ShardIndex.load(folder) or nemo_index(folder)
     return selection.indexes[folder]
 
 

@@ -20,7 +20,8 @@ from ..errors import ConfigError, ShardError
 from . import remote
 from .index import ShardIndex, merge_histograms
 from .lists import scan_list
-from .patterns import Patterns, is_list_name
+from .nemo import scan_manifest
+from .patterns import Patterns, is_list_name, is_manifest_name
 from .remote import RemoteAccess, is_pipe, is_remote
 from .remote_selection import RemoteSelection, split_patterns
 from .selection import MissingShard, ShardSelection, select_shards
@@ -131,7 +132,8 @@ class _Gathered:
         for path in paths:
             entry = index.entry(_name(path)) if index else None
             if is_list_name(path):  # a raw list, read as a shard of its lines
-                self.shards.append(ShardInfo(path, Path(path).stat().st_size, scan_list(Path(path))))
+                scan = scan_manifest if is_manifest_name(path) else scan_list
+                self.shards.append(ShardInfo(path, Path(path).stat().st_size, scan(Path(path))))
             elif entry is None:
                 size = access.size(path) if remote.is_remote(path) else Path(path).stat().st_size
                 self.shards.append(ShardInfo(path, size, escaped_keys=escaped))

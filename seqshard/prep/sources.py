@@ -14,9 +14,10 @@ and bad-input rules.
 
 from __future__ import annotations
 
+import json
 import logging
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,7 @@ from ..formats.audio import (
     resample,
     store,
 )
+from ..formats.fields import NODATA
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import key_problem
 from ..formats.keytable import KeyTable
@@ -275,6 +277,7 @@ class AudioSource:
 
     kind = "audio"
     unit = "10 ms"
+    durations = "utt2dur", "regenerate utt2dur (or delete it to read durations from the audio)."  # name, fix
 
     def __init__(self, wav_scp: Sequence[Path], segments: Sequence[Path], options: PackOptions):
         self.wav_files = [Path(f) for f in wav_scp]
@@ -449,8 +452,8 @@ class _AudioReader:
             raise InputError(
                 where,
                 "duration_mismatch",
-                f"utt2dur says {planned / 100:g} s but the audio lasts {audio.seconds:g} s.",
-                "regenerate utt2dur (or delete it to read durations from the audio).",
+                f"{self.source.durations[0]} says {planned / 100:g} s but the audio lasts {audio.seconds:g} s.",
+                self.source.durations[1],
             )
         options = self.options
         if options.features == "fbank":
@@ -481,6 +484,17 @@ class _AudioReader:
 
 # ---------------------------------------------------------------------------------------
 # shared helpers
+
+
+def field_members(values: Mapping[str, Any], names: Sequence[str]) -> Members:
+    """Extra fields kept on request (``fields``): each of ``names`` as ``NAME.json``, or
+    ``NAME.nodata`` where ``values`` lacks it."""
+    return [
+        (f"{name}.json", [json.dumps(values[name], ensure_ascii=False).encode("utf-8")])
+        if name in values
+        else (f"{name}.{NODATA}", [b""])
+        for name in names
+    ]
 
 
 def _beside(files: Sequence[Path], name: str) -> list[Path]:

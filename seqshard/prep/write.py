@@ -154,8 +154,11 @@ def _write_sweep(
                     task = by_ordinal[ordinal]
                     shard = open_shards[ordinal] = _OpenShard(task, ShardWriter(task.path), task.num_planned)
                 key, value = plan.scp.record(int(row))
+                where = plan.scp.where(int(row), key)
                 try:
-                    members, length, stored = reader.read(int(row), key, value, plan.scp.where(int(row), key))
+                    members, length, stored = reader.read(int(row), key, value, where)
+                    if plan.speakers is not None:
+                        members += plan.speakers.members(key, where, dim)
                 except InputError as error:
                     skip(error)
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1

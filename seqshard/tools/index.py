@@ -2,7 +2,8 @@
 
 For a folder written by ``seqshard pack`` (also one packed in parts on several machines) the
 pack journal already describes each finished shard; shards it does not describe, and shards
-made by other tools, are read in full.
+made by other tools, are read in full. A NeMo tarred set's index comes from its manifest
+(entries per tar, lengths from their durations: ``formats/nemo_tarred.py``).
 
 Sidecars of ``add-field`` in the old layout (``data-00042.NAME.tar`` beside the shard, which
 globs of the shards select) are moved to ``fields/NAME/data-00042.tar`` on request: each gets
@@ -24,6 +25,7 @@ from ..errors import ConfigError, SeqshardError, ShardError
 from ..formats.files import writing
 from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, check_inside, sidecar_name
 from ..formats.members import load_table
+from ..formats.nemo_tarred import nemo_index
 from ..formats.pack_state import STATE_DIR, planned_shards
 from ..formats.patterns import (
     SHARD_SUFFIXES,
@@ -65,6 +67,11 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
             f"{root} is a Lhotse Shar folder: seqshard reads what it holds from its cuts files and needs no "
             f"index.json (`seqshard inspect {root}` shows it)."
         )
+    nemo = nemo_index(root)
+    if nemo is not None:  # counts and lengths are the manifest's (its durations), as NeMo reads them
+        nemo.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        nemo.created_by = f"seqshard {__version__} index (a NeMo tarred set's manifest)"
+        return [nemo.save(root)]
     folders = shard_folders(root)
     if not folders:
         raise ConfigError(f"{root} holds no shard files ({', '.join(SHARD_SUFFIXES)}), nor do its sub-folders.")

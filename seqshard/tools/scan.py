@@ -14,6 +14,7 @@ from ..formats.files import crc32_of
 from ..formats.index import ShardEntry, length_bin
 from ..formats.lists import SEGMENT_FIELD
 from ..formats.members import MemberTable, TableBuilder, has_table_format
+from ..formats.nemo_tarred import nemo_shard_of
 from ..formats.npy import decode_npy
 from ..formats.shar import shar_field_of
 from ..formats.streams import open_samples
@@ -62,7 +63,8 @@ def scan_shard(
         return ShardScan(ShardEntry(name, 0, 0, 0, ""), feature_field, problems=[str(error)])
     scan = ShardScan(ShardEntry(name, 0, 0, size, f"crc32:{crc:08x}"), feature_field)
     keys_seen: set[str] = set()
-    table = TableBuilder() if has_table_format(str(path)) and shar_field_of(str(path)) is None else None
+    foreign = shar_field_of(str(path)) is not None or nemo_shard_of(path) is not None  # samples are not member runs
+    table = TableBuilder() if has_table_format(str(path)) and not foreign else None
     try:
         with SampleStream(path, where=True) if table is not None else open_samples(path, access=access) as stream:
             while (sample := stream.next_sample()) is not None:

@@ -28,6 +28,7 @@ from .accounts import EpochAccounts
 from .batch_plan import PlannedBatch
 from .counts import planned_batches
 from .cursor import EpochCursor
+from .delivery import Delivery
 from .epochs import epoch_rules
 from .merge import MergedStream, RankPosition
 
@@ -57,6 +58,7 @@ class ShardLoader:
         self._setup = make_setup(table, options, context.rank, context.world_size, tokenizer, override, mix, access)
         self._access = access
         self._pool = WorkerPool(self._setup, access)
+        self._delivery = Delivery(options, self._setup.audio)
         buckets = len(self._setup.bucket_bounds) + 1 if options.batching.bucket_sync else 0
         source = (
             mix.epoch_source(options.epochs.epoch_source) if mix and options.epochs.epoch_source is not None else None
@@ -96,8 +98,9 @@ class ShardLoader:
 
     @property
     def dim(self) -> int | None:
-        """The feature dimension the index records (None for shards without features)."""
-        return self.table.dim
+        """The feature dimension: the index's, or fbank's when it is made on the fly (None for
+        shards without features)."""
+        return self._setup.audio.fbank.dim if self._setup.audio.features == "fbank" else self.table.dim
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -122,8 +125,8 @@ class ShardLoader:
         if not self._ranks_agree and self.context.distributed and self._rules.end.gathers_summary:
             self._ranks_agree = checkpoint.check_ranks_agree(self._identity(), self.collectives)
         self._accounts.start_bad_shard_count(position)
-        items = self._pool.items(position.epoch, position.worker_request())
-        stream = MergedStream(items, position, self._pool.receive)
+        items = self._delivery.items(self._pool.items(position.epoch, position.worker_request()), self._pool.receive)
+        stream = MergedStream(items, position)
         started, self._seconds = time.perf_counter(), 0.0
         planned = planned_batches(self._setup, self.epoch, position)
         last = planned.total if planned.exact else None  # a consumer may stop after len() batches

@@ -109,6 +109,7 @@ class _OpenUnit:
         read_ahead: bool,
         key_ranges: Sequence[tuple[str, str] | None],
         access: RemoteAccess | None,
+        path_root: str | None = None,
     ):
         self.index = index
         self.unit = unit
@@ -119,7 +120,9 @@ class _OpenUnit:
         self.streams: list[AnyStream] = []
         try:
             for (_, path), offset in zip(files, offsets):
-                self.streams.append(open_samples(path, offset, ordinal, read_ahead=read_ahead, access=access))
+                self.streams.append(
+                    open_samples(path, offset, ordinal, read_ahead=read_ahead, access=access, path_root=path_root)
+                )
         except BaseException:
             self.close()
             raise
@@ -239,7 +242,8 @@ class ShardReader(Stage[Sample]):
     key than its index records) raises ShardError naming it, or with ``skip`` is left at the
     damage: counted by shard (``damaged.<shard>``), its planned samples not read under
     ``dropped.damaged``. Keys read twice are counted (see the module docstring).
-    ``read_ahead=False`` reads only what is asked for.
+    ``read_ahead=False`` reads only what is asked for; ``path_root``: the folder relative paths
+    of lists read directly are taken from.
     """
 
     def __init__(
@@ -251,6 +255,7 @@ class ShardReader(Stage[Sample]):
         read_ahead: bool = True,
         field_sets: Sequence[str] = (MAIN,),
         access: RemoteAccess | None = None,
+        path_root: str | None = None,
     ):
         super().__init__(None)
         if interleave < 1:
@@ -263,6 +268,7 @@ class ShardReader(Stage[Sample]):
         self.read_ahead = read_ahead
         self.field_sets = tuple(field_sets)
         self.access = access
+        self.path_root = path_root
         self._units = units
         self._next_unit = 0
         self._slots: list[_OpenUnit] = []
@@ -291,7 +297,16 @@ class ShardReader(Stage[Sample]):
             _check_local_size(shard)
         ranges = [shard.key_range(name) for name in self.field_sets]
         return _OpenUnit(
-            index, unit, self._files(unit), offsets, ordinal, shard.num_utts, self.read_ahead, ranges, self.access
+            index,
+            unit,
+            self._files(unit),
+            offsets,
+            ordinal,
+            shard.num_utts,
+            self.read_ahead,
+            ranges,
+            self.access,
+            self.path_root,
         )
 
     def _close_all(self) -> None:

@@ -146,6 +146,7 @@ class Reader:
             self.read_ahead,
             fields.sets,
             self.access,
+            self.options.reading.path_root,
         )
         return Map(reader, Decoder(self.table, fields.wanted, fields.features), self.skip)
 
@@ -173,7 +174,8 @@ class Reader:
         normalisation and masking (CMVN, SpecAugment), as the loader's options ask."""
         setup = self.setup
         noise = self._noise() if setup.noise_table is not None and setup.decodes_audio else None
-        return signal_stages(source, setup.audio, setup.decodes_audio, self.sample_rng, noise, self.skip)
+        later = self.options.audio.feature_device is not None  # fbank made from the batch (features/on_device.py)
+        return signal_stages(source, setup.audio, setup.decodes_audio, self.sample_rng, noise, self.skip, later)
 
     def _noise(self) -> Stage[Sample]:
         """Every noise shard, pass after pass, each pass in an order of this reader's own; bad

@@ -8,12 +8,14 @@ pickled to spawned DataLoader workers and handed to recipes (``recipe.Reader``).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
 from ...errors import ConfigError, SeqshardError
 from ...features.audio import AudioOptions
+from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
+from ...formats.fields import field_name
 from ...formats.index import bin_bounds, histogram_percentile
 from ...formats.remote import RemoteAccess
 from ...formats.streams import open_samples
@@ -25,7 +27,7 @@ from ..plan import Unit, plan_epoch, source_plan
 from ..sources import MixSetup
 from ..stages.collate import Collator, speech_rules
 from ..stages.fieldplan import FieldPlan, plan_fields
-from ..stages.lengths import Duration, Length, Measure
+from ..stages.lengths import Duration, FbankFrames, Length, Measure
 
 _LOG = logging.getLogger("seqshard")
 
@@ -104,6 +106,26 @@ def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
     return tuple(b for b in bounds if b > bin_bounds(min(histogram))[0])
 
 
+def _speaker_fields(table: ShardTable, options: LoaderOptions, audio: AudioOptions, needs_text: bool) -> FieldPlan:
+    """The field plan; with ``cmvn="speaker"`` it reads each sample's speaker statistics too
+    (shards without them are refused here, not sample by sample), which the CMVN stage
+    consumes, so that no batch carries them."""
+    wanted = options.reading.fields
+    if not isinstance(audio.cmvn, SpeakerCmvn):
+        return plan_fields(table, wanted, options.reading.feature_field, needs_text)
+    names = {field_name(suffix) for _, suffixes in table.field_sets for suffix in suffixes}
+    if STATS_FIELD not in names:
+        raise ConfigError(
+            f"cmvn='speaker' normalizes by each utterance's speaker statistics, which these shards do not hold (field "
+            f"{STATS_FIELD!r}; they have: {', '.join(sorted(names)) or 'unknown'}): pack them with --utt2spk utt2spk "
+            "--cmvn-scp cmvn.scp."
+        )
+    if wanted is not None and STATS_FIELD not in wanted:
+        wanted = (*wanted, STATS_FIELD)
+    fields = plan_fields(table, wanted, options.reading.feature_field, needs_text)
+    return replace(fields, batched=tuple(entry for entry in fields.batched if entry[0] != STATS_FIELD))
+
+
 def make_setup(
     table: ShardTable,
     options: LoaderOptions,
@@ -116,10 +138,8 @@ def make_setup(
 ) -> WorkerSetup:
     """What every reader of a loader with these options needs; the checks that involve the data
     (its fields, a tokenizer, the noise set) run here, once."""
-    fields = plan_fields(
-        table, options.reading.fields, options.reading.feature_field, tokenizer is not None and override is None
-    )
     audio = options.audio.parsed()
+    fields = _speaker_fields(table, options, audio, tokenizer is not None and override is None)
     if tokenizer is None and options.limits.count_tokens:
         raise ConfigError(
             "max_tokens, min_frames_per_token and max_frames_per_token count label tokens: give a tokenizer."
@@ -137,6 +157,9 @@ def make_setup(
         )
     features = "feats" if audio.features == "fbank" else fields.features
     length = _measure(features, fields.audio, tokenizer is not None)
+    if options.audio.feature_device is not None:
+        length = FbankFrames(audio.fbank)  # the frames of fbank in the workers: the same batches
+        _check_batch_features(fields, audio)
     if not any(suffixes for _, suffixes in table.field_sets):
         raise ConfigError(
             f"no sample could be read from the first shard of each folder ({_first_problem(table.shards[0].path, access)}): "
@@ -194,6 +217,20 @@ def _warn_of_windows_over_a_pass(setup: WorkerSetup, mix: MixSetup) -> None:
                 share,
                 int(per_reader / share),
             )
+
+
+def _check_batch_features(fields: FieldPlan, audio: AudioOptions) -> None:
+    """What fbank made from the batch (``feature_device``) needs of the shards and options."""
+    if fields.audio is None or fields.features is not None:
+        raise ConfigError(
+            "feature_device makes fbank from the waveforms of a batch: it needs shards that hold audio (wav, flac, "
+            "...) and no feature field read with it."
+        )
+    if audio.cmvn is not None and len(audio.cmvn.mean) != audio.fbank.dim:
+        raise ConfigError(
+            f"cmvn has statistics of {len(audio.cmvn.mean)} dimensions and fbank makes {audio.fbank.dim}: give "
+            "statistics of these features (`seqshard cmvn`), or num_mel_bins to match them."
+        )
 
 
 def _noise_table(patterns: Any, access: RemoteAccess | None) -> ShardTable:
