@@ -1,7 +1,7 @@
 """The example trainer (examples/train_ddp.py -> seqshard.trainer) run for real: it learns,
 it is killed with SIGKILL and resumed with the batches and losses of the uninterrupted run,
-it stops, is preempted (SIGTERM) and resumes under torchrun with 2 ranks, and says when a run
-is finished."""
+it is preempted (SIGTERM) and resumes under torchrun with 2 ranks, and says when a run is
+finished."""
 
 from __future__ import annotations
 
@@ -143,14 +143,12 @@ def resumed_at(lines: list[str]) -> tuple[int, int]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
-def test_two_ranks_stop_are_preempted_and_resume_exactly(tmp_path: Path):
+def test_two_ranks_are_preempted_and_resume_exactly(tmp_path: Path):
     reference = run("--out", str(tmp_path / "ref"), "--steps-file", str(tmp_path / "ref.jsonl"), cwd=tmp_path, ranks=2)
     assert FINISHED.match(reference[-1]), reference
     out = ["--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "run.jsonl")]
-    first = run(*out, "--stop-after-steps", "7", cwd=tmp_path, ranks=2)
-    assert any(line.startswith("stopped after 7 steps") for line in first), first
 
-    # resumed, then preempted: SIGTERM to torchrun (which passes it to the ranks) after a checkpoint
+    # preempted: SIGTERM to torchrun (which passes it to the ranks) after a checkpoint
     process = subprocess.Popen(
         command(*out, ranks=2), cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
@@ -158,12 +156,11 @@ def test_two_ranks_stop_are_preempted_and_resume_exactly(tmp_path: Path):
     lines = []
     for raw in process.stdout:
         lines.append(raw.decode(errors="replace").rstrip("\n"))
-        if (m := SAVED.match(lines[-1])) and int(m[2]) >= 10:
+        if (m := SAVED.match(lines[-1])) and int(m[2]) >= 5:
             process.send_signal(signal.SIGTERM)
             break
     lines += process.stdout.read().decode(errors="replace").splitlines()
     process.wait(timeout=60)
-    assert resumed_at(lines) == (0, 7), lines
     stopped = {int(m[1]): int(m[2]) for m in map(PREEMPTED.match, lines) if m}
     assert sorted(stopped) == [0, 1] and len(set(stopped.values())) == 1, lines  # both ranks, at one step
     checkpoint = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
