@@ -164,6 +164,13 @@ def _cmvn(args: argparse.Namespace) -> int:
     )
     if stats.floored:
         print(f"seqshard cmvn: {stats.floored} dimension(s) are constant; their std is set to 1e-5", file=sys.stderr)
+    if stats.non_finite_frames:
+        print(
+            f"seqshard cmvn: {stats.non_finite_frames} frame(s) of {stats.non_finite_utterances} utterance(s) hold NaN "
+            f"or infinity and are left out of the statistics (first: {', '.join(stats.non_finite_keys)}); the loader's "
+            "check_finite=True drops such utterances in training",
+            file=sys.stderr,
+        )
     return 0
 
 

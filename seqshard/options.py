@@ -401,10 +401,12 @@ class Pipeline(OptionGroup):
 @dataclass(frozen=True)
 class BadData(OptionGroup):
     """``skip_bad``: count and skip bad samples and damaged shards instead of stopping, within
-    ``max_bad_shards`` (a fraction of the shards below 1, or a count) per epoch."""
+    ``max_bad_shards`` (a fraction of the shards below 1, or a count) per epoch;
+    ``check_finite``: drop samples whose features hold NaN or infinity (``dropped.non_finite``)."""
 
     skip_bad: bool = False
     max_bad_shards: float = 0.05
+    check_finite: bool = False
 
     def shard_budget(self, num_shards: int) -> int:
         """How many bad (damaged, missing) shards an epoch may skip before the run stops."""

@@ -283,7 +283,7 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
         gc.collect()  # only this test's garbage reaches the child (not earlier tests' in this process)
         gc.disable()
         try:
-            for _ in range(3):
+            for _ in range(6):
                 dropped = remote.RemoteAccess()
                 dropped.server_size(f"{server.url}/shards/{shard_names(packed)[0]}")
                 cycle = [dropped]
@@ -294,7 +294,8 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
         finally:
             gc.enable()
         child.join(30)
-    assert child.exitcode == 0 and times.get() < 2.0  # 1 s per dropped loader before (3 s here)
+    # 1 s per dropped loader before (6 s here); the margin is for a loaded machine (2.6 s seen at load 10)
+    assert child.exitcode == 0 and times.get() < 4.5
 
 
 def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):
@@ -331,3 +332,17 @@ def test_a_stream_that_trickles_stops_at_its_deadline():
         remote._read_up_to(Trickle(), 10**6, time.monotonic() + 0.2)
     assert time.monotonic() - started < 1
     assert remote.Failure.of(remote._Stalled(0.2)).kind == "stalled"
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_a_remote_index_that_is_not_text_is_named(tmp_path, ranges):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "index.json").write_bytes(b'{"version": 1, "shards": [\xff\xfe]}')
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / "index.json").write_text('{"a": 1}')
+    with ShardServer(tmp_path, ranges=ranges) as server:
+        access = remote.RemoteAccess()
+        with pytest.raises(ShardError, match=r"index.json.*not UTF-8 text"):
+            access.read_text(f"{server.url}/shards/index.json")
+        assert access.read_text(f"{server.url}/good/index.json") == '{"a": 1}'
+        assert access.read_text(f"{server.url}/none/index.json") is None

@@ -70,8 +70,9 @@ class Cmvn:
             std = np.asarray(data["std"], dtype=np.float32)
         except (OSError, ValueError, KeyError) as error:
             raise ConfigError(f"cmvn {str(path)!r}: not a file written by `seqshard cmvn` ({error}).") from None
-        if mean.shape != std.shape or mean.ndim != 1 or (std <= 0).any():
-            raise ConfigError(f"cmvn {str(path)!r}: mean and std must be vectors of one length, std > 0.")
+        finite = np.isfinite(mean).all() and np.isfinite(std).all()
+        if mean.shape != std.shape or mean.ndim != 1 or not finite or (std <= 0).any():
+            raise ConfigError(f"cmvn {str(path)!r}: mean and std must be vectors of one length, finite, std > 0.")
         return cls(mean, std)
 
     def normalize(self, feats: np.ndarray) -> np.ndarray:

@@ -53,12 +53,15 @@ def shard_list(path: Path) -> list[str] | None:
     The one reader of shard lists, for local and remote selections alike."""
     if path.name.endswith(".scp"):
         return None
-    with open(path, encoding="utf-8") as stream:
+    with open(path, "rb") as stream:
         first = next((line for line in stream if line.strip()), None)
-        if first is None or first.lstrip().startswith("{"):
+        if first is None or first.lstrip().startswith(b"{"):
             return None  # a raw list (an empty one is reported as such)
         stream.seek(0)
-        lines = [(number, line.strip()) for number, line in enumerate(stream, 1) if line.strip()]
+        try:
+            lines = [(number, line.decode("utf-8").strip()) for number, line in enumerate(stream, 1) if line.strip()]
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{path}: not UTF-8 text ({error.reason}): not a list of shards or samples.") from None
     for number, line in lines:
         if not (is_shard_name(url_name(line)) or (is_remote(line) and has_query(line))):
             raise ConfigError(

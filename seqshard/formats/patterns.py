@@ -140,8 +140,9 @@ def _shard_beside(folder: Path, stem: str) -> str | None:
 
 
 def old_layout_sidecar(path: Path) -> tuple[str, str] | None:
-    """``(shard name, field set)`` of ``STEM.NAME.tar`` beside a shard ``STEM.tar``, the layout
-    of ``add-field`` before ``fields/NAME/`` (``seqshard index --move-sidecars`` moves them)."""
+    """``(shard name, field set)`` of ``STEM.NAME.tar`` beside a shard ``STEM.tar``, named as
+    ``add-field`` named sidecars before ``fields/NAME/`` (``seqshard index --move-sidecars``
+    moves them). A name is no evidence by itself: ``selection.is_sidecar`` decides."""
     if not path.name.endswith(".tar"):
         return None
     base, dot, name = path.name[: -len(".tar")].rpartition(".")
@@ -151,15 +152,14 @@ def old_layout_sidecar(path: Path) -> tuple[str, str] | None:
     return None if shard is None else (shard, name)
 
 
-def named_like_sidecar(path: Path) -> bool:
-    """A field file of ``add-field``, recognised without an index (one written before its index
-    entry, by a run that was killed, is still not a shard): ``FOLDER/fields/NAME/STEM.tar`` of
-    a shard ``FOLDER/STEM.tar``, or the old layout ``STEM.NAME.tar`` beside it."""
+def in_fields_folder(path: Path) -> bool:
+    """Whether ``path`` is ``FOLDER/fields/NAME/STEM.tar`` beside a shard ``FOLDER/STEM.tar``:
+    a field file of ``add-field`` (one written before its index entry, by a run that was
+    killed, is still not a shard). Files named like the old layout, ``STEM.NAME.tar``, need
+    more evidence (``selection.is_sidecar``): WebDataset shards are often named ``part.1.tar``."""
     fields = path.parent.parent
     in_fields = fields.name == FIELDS_DIR and bool(FIELD_SET_NAME.fullmatch(path.parent.name))
-    if in_fields and path.name.endswith(".tar") and _shard_beside(fields.parent, shard_stem(path.name)):
-        return True
-    return old_layout_sidecar(path) is not None
+    return in_fields and path.name.endswith(".tar") and _shard_beside(fields.parent, shard_stem(path.name)) is not None
 
 
 def shards_in_folder(folder: Path) -> list[Path]:

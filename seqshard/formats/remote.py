@@ -393,13 +393,20 @@ class RemoteAccess:
             )
 
     def read_text(self, url: str) -> str | None:
-        """A small text object (an index.json), or None when there is none."""
+        """A small text object (an index.json: at most INDEX_BYTES of UTF-8), or None when there
+        is none."""
         fs, path = self.filesystem(url)
+        deadline = self.deadline_s(INDEX_BYTES)
         try:
-            deadline = self.deadline_s(INDEX_BYTES)
-            return self.retrying(url, "reading", lambda: _cat(fs, path, deadline)).decode("utf-8")
+            data = self.retrying(url, "reading", lambda: _cat(fs, path, deadline, start=0, end=INDEX_BYTES + 1))
         except NotOnServer:
             return None
+        if len(data) > INDEX_BYTES:
+            raise ShardError(url, None, f"larger than the {INDEX_BYTES} bytes an index may hold: not an index.json")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ShardError(url, error.start, "not UTF-8 text: not an index.json written by seqshard") from None
 
     def glob(self, pattern: str) -> list[str]:
         """URLs matching a glob, where the store can list (not plain http)."""

@@ -89,3 +89,21 @@ def first_sample_fields(path: str | Path, access: RemoteAccess | None = None) ->
     if sample is None:
         return []
     return list(sample.fields) or ["wav", "txt"]  # a list's samples are only named when read
+
+
+def same_keys(path: str | Path, other: str | Path) -> bool:
+    """Whether two shards hold the same keys in the same order (read by their headers; False
+    when either cannot be read): what makes a file a field file of a shard."""
+    try:
+        with (
+            open_samples(path, read_data=False, read_ahead=False) as one,
+            open_samples(other, read_data=False, read_ahead=False) as two,
+        ):
+            while True:
+                first, second = one.next_sample(), two.next_sample()
+                if first is None or second is None:
+                    return first is None and second is None
+                if first.key != second.key:
+                    return False
+    except ShardError:
+        return False

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import InputError, SkipCounter, Where, option
+from ..checks import read_number
+from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import (
     Audio,
     cut,
@@ -56,13 +57,17 @@ Progress = Callable[[str, int], Callable[[int], None]] | None
 
 
 def check_key(key: str, where: Where, options: PackOptions) -> None:
-    problem = key_problem(key)
-    if problem and not (options.escape_keys and key):
+    """InputError ``bad_key`` for a key no shard can hold as it is (or, with ``escape_keys``,
+    escaped): every route of keys into a pack (feats.scp, wav.scp, segments) comes here."""
+    problem = key_problem(key, escaped=options.escape_keys)
+    if problem:
+        escaping = not options.escape_keys and key_problem(key, escaped=True) is None
         raise InputError(
             where,
             "bad_key",
             f"{problem}.",
-            f"rename the utterance, or pass {option('escape_keys')} to store it percent-encoded.",
+            "rename the utterance"
+            + (f", or pass {option('escape_keys')} to store it percent-encoded." if escaping else "."),
         )
 
 
@@ -521,6 +526,13 @@ def _frame_shift_ms(files: Sequence[Path]) -> float:
     """Kaldi's ``frame_shift`` file (seconds) next to the first scp, else 10 ms."""
     candidate = Path(files[0]).parent / FRAME_SHIFT_FILE
     try:
-        return float(candidate.read_text().split()[0]) * 1000
-    except (OSError, ValueError, IndexError):
+        text = candidate.read_text(encoding="utf-8", errors="replace")
+    except OSError:
         return 10.0
+    try:
+        return float(read_number("its frame shift", float(text.split()[0]), above=0, at_most=60)) * 1000  # type: ignore[arg-type]
+    except (ValueError, IndexError):
+        raise ConfigError(
+            f"{candidate}: {text[:40]!r} is not a frame shift in seconds (a finite number > 0, such as 0.01): the "
+            "index records it and loaders count hours by it. Fix: correct the file, or remove it (10 ms is assumed)."
+        ) from None

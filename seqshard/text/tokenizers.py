@@ -8,6 +8,7 @@ tokenizer=my_tokenizer)``).
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -15,6 +16,8 @@ from ..errors import ConfigError, option
 
 EOS_UNITS = ("</s>", "<eos>", "<sos/eos>")
 SPACE_UNITS = ("▁", "<space>")
+_UNIT_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits ("²" is a digit to str.isdigit, not to int)
+MAX_UNIT_ID = 2**31 - 1  # labels are batched as int32-sized ids
 UNKNOWN_WARN_AFTER = 2000  # tokens seen before the share of unknown tokens is judged
 UNKNOWN_WARN_SHARE = 0.05
 
@@ -124,8 +127,10 @@ class UnitsTokenizer:
             parts = line.split()
             if not parts:
                 continue
-            if len(parts) != 2 or not parts[1].lstrip("-").isdigit():
-                raise ConfigError(f"{self.units}:{number}: expected 'TOKEN ID', found {line!r}.")
+            if len(parts) != 2 or not _UNIT_ID.fullmatch(parts[1]) or int(parts[1]) > MAX_UNIT_ID:
+                raise ConfigError(
+                    f"{self.units}:{number}: expected 'TOKEN ID' with an ID from 0 to {MAX_UNIT_ID}, found {line[:80]!r}."
+                )
             token, unit_id = parts[0], int(parts[1])
             if token in ids or unit_id in owners:
                 clash = f"unit {token!r} again" if token in ids else f"id {unit_id} already for {owners[unit_id]!r}"

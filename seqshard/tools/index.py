@@ -29,11 +29,11 @@ from ..formats.nemo_tarred import nemo_index
 from ..formats.pack_state import STATE_DIR, planned_shards
 from ..formats.patterns import (
     SHARD_SUFFIXES,
-    named_like_sidecar,
     old_layout_sidecar,
     shard_subfolders,
     shards_in_folder,
 )
+from ..formats.selection import is_sidecar
 from ..formats.shar import is_shar_folder
 from ..formats.tar import member_table
 from ..prep.journal import finished_shards
@@ -82,7 +82,7 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
     for folder in folders:
         prefix = "" if folder == root else f"{folder.name}/"
         previous = _previous_index(folder)
-        old_sidecars = _old_layout_sidecars(folder)
+        old_sidecars = _old_layout_sidecars(folder, previous)
         if move_sidecars:
             _link_new_names(folder, old_sidecars, previous)
         elif old_sidecars:
@@ -95,7 +95,7 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
                 old_sidecars[0][0].name,
                 root,
             )
-        shards = [s for s in shards_in_folder(folder) if not _is_sidecar(s, previous)]
+        shards = [s for s in shards_in_folder(folder) if not is_sidecar(s, previous)]
         entries: dict[str, ShardEntry] = {}
         feature: dict = dict(previous.feature) if previous else {}
         fields: dict[str, None] = dict.fromkeys(previous.fields if previous else [])
@@ -170,10 +170,11 @@ def _ensure_table(shard: Path) -> None:
         table.save(shard)
 
 
-def _old_layout_sidecars(folder: Path) -> list[tuple[Path, str, str]]:
-    """``(file, shard name, field set)`` of each sidecar in the old layout in ``folder``."""
+def _old_layout_sidecars(folder: Path, previous: ShardIndex | None) -> list[tuple[Path, str, str]]:
+    """``(file, shard name, field set)`` of each sidecar in the old layout in ``folder`` (on
+    evidence: ``selection.is_sidecar``)."""
     found = ((path, old_layout_sidecar(path)) for path in sorted(folder.glob("*.tar")))
-    return [(path, *names) for path, names in found if names is not None]
+    return [(path, *names) for path, names in found if names is not None and is_sidecar(path, previous)]
 
 
 def _link_new_names(folder: Path, old: list[tuple[Path, str, str]], previous: ShardIndex | None) -> None:
@@ -197,11 +198,6 @@ def _link_new_names(folder: Path, old: list[tuple[Path, str, str]], previous: Sh
         for field_set, car in entry.sidecars.items():
             if (folder / sidecar_name(entry.name, field_set)).is_file():
                 car.name = sidecar_name(entry.name, field_set)
-
-
-def _is_sidecar(path: Path, previous: ShardIndex | None) -> bool:
-    """A field file beside a shard: listed as one by the index being replaced, or named so."""
-    return (previous is not None and path.name in previous.sidecar_names()) or named_like_sidecar(path)
 
 
 def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[str, ShardEntry]) -> dict[str, FieldSet]:
@@ -264,7 +260,18 @@ def _previous_index(folder: Path) -> ShardIndex | None:
 
 
 def _pack_run(root: Path) -> dict | None:
+    """The options the pack in ``root`` recorded (whether it escaped keys, ...), or None when
+    none was recorded; ConfigError naming the file when it cannot be read."""
     run_file = root / STATE_DIR / "run.json"
     if not run_file.is_file():
         return None
-    return json.loads(run_file.read_text(encoding="utf-8")).get("options")
+    try:
+        options = json.loads(run_file.read_text(encoding="utf-8")).get("options")
+        if not isinstance(options, dict) or not isinstance(options.get("escape_keys", False), bool):
+            raise ValueError("its options are not the pack's")
+    except (OSError, ValueError, RecursionError, AttributeError) as error:
+        raise ConfigError(
+            f"{run_file}: unreadable ({str(error)[:200]}): it says how the pack stored keys, which the index must "
+            "record. Fix: restore it, or pack again into a new folder."
+        ) from None
+    return options

@@ -26,7 +26,7 @@ from ...formats.streams import count_samples
 from ...options import LoaderOptions
 from ...text.tokenizers import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from ..plan import Unit, planned_utts
-from ..stages.reader import DAMAGED
+from ..stages.reader import DAMAGED, DAMAGED_TABLE
 from ..workers.setup import WorkerSetup
 from .epochs import EpochEnd
 from .merge import RankPosition
@@ -67,6 +67,7 @@ class EpochAccounts:
             "tokens": counters.get("tokens", 0),
             "unknown_tokens": counters.get("unknown_tokens", 0),
             "damaged_shards": damaged_shards(counters),
+            "damaged_tables": len(shard_numbers(counters, DAMAGED_TABLE)),
             "duplicate_keys": counters.get("duplicate_keys", 0),
             "missing_shards": len(self.table.missing),
             "skipped": {"batches": position.skipped_batches, "utts": position.skipped_utts},
@@ -279,4 +280,9 @@ def damaged_shards(counters: dict[str, int]) -> int:
 
 def damaged_shard_numbers(counters: dict[str, int]) -> set[int]:
     """The table numbers of the shards the readers found damaged."""
-    return {int(name[len(DAMAGED) :]) for name, count in counters.items() if name.startswith(DAMAGED) and count}
+    return shard_numbers(counters, DAMAGED)
+
+
+def shard_numbers(counters: dict[str, int], prefix: str) -> set[int]:
+    """The table numbers of the shards counted under ``prefix`` (``damaged.``, ``damaged_table.``)."""
+    return {int(name[len(prefix) :]) for name, count in counters.items() if name.startswith(prefix) and count}

@@ -15,12 +15,16 @@ restores a worker exactly: ``loader.skip_batches`` hands such states to the work
 What the plan cannot see, it refuses (:func:`unplannable` says why): a recipe or transforms of
 the user's, audio measured as it is decoded, limits that count label tokens, ``skip_bad``
 (bad samples are only found by reading), ``bucket_sync``, epochs cut by hours, an elastic
-resume, and shards without member tables or without lengths in them.
+resume, and shards without member tables or without lengths in them, or whose size is not
+their table's. A table is trusted as far as that: one that disagrees with its shard otherwise
+(which a worker finds as it reads, counting ``damaged_tables``) makes the plan differ from the
+batches; ``seqshard verify`` finds such shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -183,6 +187,12 @@ class PlannedShardReader(ShardReader):
                         f"the batches cannot be known without reading the samples: {path} has no member table "
                         "(remote shards, lists and Shar folders have none; `seqshard index` writes them for local tars)."
                     )
+                if found.file_size != os.stat(path).st_size:  # a reader would go by the headers: the plan cannot
+                    raise NotPlannable(
+                        f"the batches cannot be known without reading the samples: {path} changed since its member "
+                        f"table was made ({os.stat(path).st_size} bytes, the table says {found.file_size}): check it "
+                        "with `seqshard verify`, then `seqshard index` its folder."
+                    )
                 tables[name] = found
             lengths = tables[MAIN].lengths if MAIN in tables else None
             if lengths is None:
@@ -213,6 +223,9 @@ class _PlannedUnit:
 
     def close(self) -> None:
         pass
+
+    def damaged_table(self) -> bool:
+        return False  # the plan takes the table as it is (its size checked against the shard's)
 
     def next_sample(self) -> Sample | None:
         unit, plan = self.unit, self.plan

@@ -3,7 +3,8 @@
 A recipe is a function ``recipe(reader) -> Stage`` of batches. :func:`default_recipe` is what
 ``make_loader``'s options describe::
 
-    read (the source: decoded samples) -> labels -> audio -> transforms -> length filter -> shuffle -> batch
+    read (the source: decoded samples) -> labels -> audio -> finite check -> transforms -> length filter
+      -> shuffle -> batch
 
 The source a recipe starts from is one stage whatever the loader reads: this reader's units of
 the epoch (or of one pass, with ``uneven="repeat"``), or a mix of endless streams of passes
@@ -46,7 +47,7 @@ from ..stages.audio import decode, signal_stages
 from ..stages.base import Filter, Map, Stage
 from ..stages.batching import BatchCost, BucketBudgets, FixedSize, LengthBudget, SortBatch
 from ..stages.decode import Decoder
-from ..stages.filters import length_filter
+from ..stages.filters import finite_filter, length_filter
 from ..stages.labels import Labeler, Labels
 from ..stages.mixing import Mix
 from ..stages.passes import Passes
@@ -192,6 +193,12 @@ class Reader:
 
         return Passes(one_pass)
 
+    def finite(self, source: Stage[Sample]) -> Stage[Sample]:
+        """With ``check_finite``, samples whose features (or waveforms) hold NaN or infinity
+        are dropped and counted (``dropped.non_finite``)."""
+        field = self.setup.checked_field
+        return finite_filter(source, field) if self.options.bad_data.check_finite and field else source
+
     def transforms(self, source: Stage[Sample]) -> Stage[Sample]:
         """The loader's ``transforms``, in order."""
         for transform in self.options.pipeline.transforms:
@@ -233,8 +240,8 @@ def batch_cost(batching: Batching) -> BatchCost:
 
 
 def default_recipe(reader: Reader) -> Stage:
-    """read -> labels -> audio -> transforms -> length filter -> shuffle -> batch."""
-    samples = reader.transforms(reader.audio(reader.labels(reader.read())))
+    """read -> labels -> audio -> finite check -> transforms -> length filter -> shuffle -> batch."""
+    samples = reader.transforms(reader.finite(reader.audio(reader.labels(reader.read()))))
     return reader.batch(reader.shuffle(reader.filter_lengths(samples)))
 
 

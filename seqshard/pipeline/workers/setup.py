@@ -81,6 +81,14 @@ class WorkerSetup:
         """Whether readers decode the shards' audio (to process it, or to batch waveforms)."""
         return self.fields.audio is not None and self.fields.features is None
 
+    @property
+    def checked_field(self) -> str | None:
+        """The array ``check_finite`` checks once audio is processed: the features (stored,
+        or fbank's), else the decoded waveforms; None when samples hold neither."""
+        if self.audio.features == "fbank":
+            return "feats"
+        return self.fields.features or ("audio" if self.decodes_audio else None)
+
     def collator(self) -> Collator:
         rules = speech_rules(
             self.fields.features or "feats", self.options.collation.pad_label, self.options.collation.dtype
@@ -180,6 +188,8 @@ def make_setup(
             "epoch_hours counts hours of the feature field's frames (or of audio), which these shards or fields= "
             "do not include: give epoch_steps."
         )
+    if options.bad_data.check_finite and features is None and not (fields.audio and fields.features is None):
+        raise ConfigError("check_finite checks features or audio, which these shards or fields= do not include.")
     bounds = bucket_bounds(table, batching.num_buckets) if batching.bucket_sync else ()
     noise = _noise_table(audio.noise, access) if audio.noise is not None else None
     setup = WorkerSetup(
