@@ -25,6 +25,8 @@ _EXPORTS = {
     "TokenLoader": "seqshard.tokens.loader",
     "binarize": "seqshard.prep.binarize",
     "build_loaders": "seqshard.config",
+    "calibrate": "seqshard.tools.calibrate",
+    "split_batch": "seqshard.pipeline.stages.split",
     "ShardLoader": "seqshard.loader",
     "Loader": "seqshard.protocol",
     "PlannedBatches": "seqshard.protocol",

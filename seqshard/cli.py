@@ -1,4 +1,4 @@
-"""The ``seqshard`` command: pack, inspect, verify, index, add-field, binarize, cmvn, config, demo."""
+"""The ``seqshard`` command: pack, inspect, verify, index, add-field, binarize, cmvn, calibrate, config, demo."""
 
 from __future__ import annotations
 
@@ -175,6 +175,30 @@ def _cmvn(args: argparse.Namespace) -> int:
     return 0
 
 
+def _calibrate(args: argparse.Namespace) -> int:
+    from .tools.calibrate import HEADER, calibrate
+
+    if args.max_memory is not None and args.memory_fraction is not None:
+        print("seqshard calibrate: error: give --memory-fraction or --max-memory, not both", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.getcwd())  # --step names a module of the working folder, as `python -m` finds it
+    print(HEADER, flush=True)
+    calibrate(
+        args.patterns,
+        args.step,
+        out=args.out,
+        device=args.device,
+        memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
+        max_memory=args.max_memory,
+        buckets=args.buckets,
+        dim=args.dim,
+        vocab_size=args.vocab_size,
+        report=lambda line: print(line, flush=True),
+    )
+    print(f"wrote {args.out}: make_loader(..., budgets={args.out!r}) cuts each bucket's batches under its budget")
+    return 0
+
+
 def _config(args: argparse.Namespace) -> int:
     from .config import check_data, explain
 
@@ -214,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         _index_command,
         _binarize_command,
         _cmvn_command,
+        _calibrate_command,
         _config_command,
         _demo_command,
     ):
@@ -440,6 +465,29 @@ def _cmvn_command(commands: Any) -> None:
     cmvn.add_argument("--workers", type=int, default=0, help="DataLoader workers (default: %(default)s)")
     cmvn.add_argument("--skip-bad", action="store_true", help="count and skip bad samples instead of stopping")
     cmvn.set_defaults(run=_cmvn)
+
+
+def _calibrate_command(commands: Any) -> None:
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="find each length bucket's largest batch a training step fits in memory (budgets for make_loader)",
+    )
+    calibrate.add_argument("patterns", nargs="+", help="shard patterns or folders (their index.json gives lengths)")
+    calibrate.add_argument(
+        "--step", required=True, help="MODULE:FUNCTION, a training step (forward and backward) on a batch dict"
+    )
+    calibrate.add_argument("-o", "--out", required=True, help="the budgets file to write (JSON)")
+    calibrate.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when there is one)")
+    calibrate.add_argument(
+        "--memory-fraction", type=float, help="of the GPU's memory a step may peak at (default: 0.9)"
+    )
+    calibrate.add_argument("--max-memory", type=int, help="bytes a step may peak at on the GPU")
+    calibrate.add_argument("--buckets", type=int, default=8, help="length buckets (default: %(default)s)")
+    calibrate.add_argument("--dim", type=int, help="feature dimension (default: the index's)")
+    calibrate.add_argument(
+        "--vocab-size", type=int, default=2, help="label ids of the synthetic batches are below it (default: 2)"
+    )
+    calibrate.set_defaults(run=_calibrate)
 
 
 def _config_command(commands: Any) -> None:

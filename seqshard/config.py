@@ -128,7 +128,7 @@ def load_config(source: str | Path | dict[str, Any], *, name: str = "the config"
             config.loader[key] = tuple(config.loader[key])
     if config.data["large_dataset"]:
         options = dict(config.loader)
-        if "batch_size" not in options and "batch_frames" not in options:
+        if not {"batch_size", "batch_frames", "budgets"} & set(options):
             options["batch_frames"] = 20000  # make_loader's default
         if isinstance(config.data["trset"], dict):  # a mix: make_loader runs it as an endless stream
             _patterns(where, config.data["trset"])
@@ -661,7 +661,7 @@ def explain(source: str | Path | dict[str, Any]) -> str:
     lines += ["", f"loader: {kind}"]
     for key, (default, _) in loader_keys().items():
         value = config.loader.get(key, default)
-        if key == "batch_frames" and "batch_size" not in config.loader and value is None:
+        if key == "batch_frames" and not {"batch_size", "budgets"} & set(config.loader) and value is None:
             value = 20000 if large else None
         if key == "batch_size" and not large and value is None:
             value = MAP_STYLE_BATCH_SIZE

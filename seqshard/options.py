@@ -26,6 +26,7 @@ from .errors import ConfigError, counted, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .features.speaker_cmvn import SpeakerCmvn
+from .formats.budgets import budgets_from
 from .formats.cache import parse_bytes
 from .formats.remote import RemoteAccess
 
@@ -120,7 +121,8 @@ class BudgetWindow:
 class Batching(OptionGroup):
     """How samples become batches: a fixed count or a budget of padded frames (``batch_frames``,
     20000 when neither is given; ``quadratic_frames`` makes the cost grow with the square of the
-    length), cut from length-sorted windows (``sort_window``: ``None`` sizes each window to hold
+    length; ``budgets``, one per length bucket, as ``seqshard calibrate`` finds them), cut from
+    length-sorted windows (``sort_window``: ``None`` sizes each window to hold
     64 batches, 2,000 to 16,384 samples, so padding stays low at any budget; a number fixes
     the window's samples); samples over the budget
     go ``"alone"`` or are ``"drop"``ped; ``bucket_sync`` gives every rank batches of one length
@@ -133,9 +135,12 @@ class Batching(OptionGroup):
     oversize: str = "alone"
     bucket_sync: bool = False
     num_buckets: int = 8
+    budgets: str | dict | None = None  # per length bucket (`seqshard calibrate`): a file, its dict, or Budgets
 
     def __post_init__(self) -> None:
-        if self.batch_size is None and self.batch_frames is None:
+        if self.budgets is not None:
+            object.__setattr__(self, "budgets", budgets_from(self.budgets))
+        elif self.batch_size is None and self.batch_frames is None:
             object.__setattr__(self, "batch_frames", DEFAULT_BATCH_FRAMES)
         super().__post_init__()
 
@@ -143,6 +148,11 @@ class Batching(OptionGroup):
         if self.batch_size is not None and self.batch_frames is not None:
             raise ConfigError(
                 "give exactly one of batch_size (fixed) or batch_frames (dynamic, padded frames per batch)."
+            )
+        if self.budgets is not None and (self.batch_size, self.batch_frames, self.quadratic_frames) != (None,) * 3:
+            raise ConfigError(
+                "budgets gives each length bucket its own padded frames per batch: give it without batch_size, "
+                "batch_frames or quadratic_frames."
             )
         largest_window = BudgetWindow().max_samples if self.sort_window is None else self.sort_window
         if self.batch_size is not None and self.batch_size > largest_window:
@@ -656,6 +666,8 @@ class LoaderOptions:
                 value = [qualified_name(t) for t in value]
             elif name == "recipe":
                 value = None if value is None else qualified_name(value)
+            elif name == "budgets":
+                value = None if value is None else value.to_json()
             elif name in SEQUENCES and value is not None:
                 value = list(value)
             described[name] = value

@@ -6,8 +6,10 @@ of the shards selects it, and the tar itself is untouched, so ``tar``, WebDatase
 read it as before). The packer and ``add-field`` write it with each shard and sidecar;
 ``seqshard index`` builds it for shards other tools wrote. It holds, as arrays: each sample's
 key and resume offset (where its first header starts), each member's header offset, data
-offset, size and suffix, the file's size, and a CRC-32 of the header bytes of every block of
-``CHECK_EVERY`` samples.
+offset, size and suffix, the file's size, a CRC-32 of the header bytes of every block of
+``CHECK_EVERY`` samples, and (when its writer knew them) each sample's length in the index's
+unit (frames of the feature field, or 10 ms of audio): what lets a loader plan an epoch's
+batches without reading a sample (``loader.heaviest_batches``, ``loader.skip_batches``).
 
 A reader trusts a table only as far as it checks it against the file: the file's size when it
 opens it, before it hands out a block's first sample the block's header bytes (their CRC-32)
@@ -72,6 +74,7 @@ class MemberTable:
     suffix_ids: np.ndarray  # int32 per member: its suffix in ``suffixes``
     suffixes: tuple[str, ...]
     header_crcs: np.ndarray  # uint32 per block of CHECK_EVERY samples
+    lengths: np.ndarray | None = None  # int64 per sample, when its writer knew them (see the module docstring)
 
     @property
     def num_samples(self) -> int:
@@ -155,7 +158,8 @@ class MemberTable:
         return int(self.header_offsets[first]), int(self.data_offsets[last - 1] + self.sizes[last - 1])
 
     def same_as(self, other: MemberTable) -> bool:
-        """Whether both describe the same bytes the same way."""
+        """Whether both describe the same bytes the same way (lengths describe the data, and a
+        table made from headers alone has none: they are not compared)."""
         return (
             self.file_size == other.file_size
             and self.keys == other.keys
@@ -178,6 +182,7 @@ class MemberTable:
                         keys=_join(self.keys),
                         suffixes=_join(self.suffixes),
                         **{name: getattr(self, name) for name in _ARRAYS},
+                        **({"lengths": self.lengths} if self.lengths is not None else {}),
                     )
                     os.fchmod(stream.fileno(), default_file_mode())
                     stream.flush()
@@ -243,6 +248,7 @@ def load_table(shard: str | Path) -> MemberTable | None:
             arrays["suffix_ids"].astype(np.int32, copy=False),
             suffixes,
             arrays["header_crcs"].astype(np.uint32, copy=False),
+            arrays["lengths"].astype(np.int64, copy=False) if "lengths" in arrays else None,
         )
         _check_consistent(table, members)
     except (KeyError, ValueError, TypeError) as error:
@@ -253,6 +259,7 @@ def load_table(shard: str | Path) -> MemberTable | None:
 _BLOBS = ("keys", "suffixes")  # names joined by NUL, as uint8
 _MAX_HEADER = 4096  # bytes of an array's .npy header (numpy writes 128)
 _NUMBERS = ("version", "file_size")  # one integer each
+_OPTIONAL = ("lengths",)  # arrays a table may lack (written before they were)
 
 
 def _read_arrays(path: Path, shard_bytes: int) -> dict[str, np.ndarray]:
@@ -264,8 +271,10 @@ def _read_arrays(path: Path, shard_bytes: int) -> dict[str, np.ndarray]:
     arrays = {}
     with zipfile.ZipFile(path) as archive:
         entries = {info.filename: info for info in archive.infolist()}
-        for name in (*_NUMBERS, *_BLOBS, *_ARRAYS):
+        for name in (*_NUMBERS, *_BLOBS, *_ARRAYS, *_OPTIONAL):
             info = entries.get(f"{name}.npy")
+            if info is None and name in _OPTIONAL:
+                continue
             if info is None:
                 raise KeyError(f"it has no array {name!r}")
             if info.compress_type != zipfile.ZIP_STORED and info.file_size > inflation_limit(info.compress_size):
@@ -321,6 +330,8 @@ def _check_consistent(table: MemberTable, members: int) -> None:
         raise ValueError("it ends outside the file")
     if np.any(table.suffix_ids < 0) or np.any(table.suffix_ids >= len(table.suffixes)):
         raise ValueError("it names member suffixes it does not have")
+    if table.lengths is not None and (len(table.lengths) != samples or np.any(table.lengths < 0)):
+        raise ValueError("its sample lengths are not one whole number >= 0 per sample")
 
 
 class TableBuilder:
@@ -333,11 +344,16 @@ class TableBuilder:
         self._first_member: list[int] = []
         self._members: list[tuple[int, int, int, int]] = []  # header offset, data offset, size, suffix id
         self._suffixes: dict[str, int] = {}
+        self._lengths: list[int] = []  # -1: not known
 
-    def add_sample(self, key: str, offset: int, members: Sequence[tuple[str, int, int, int]]) -> None:
+    def add_sample(
+        self, key: str, offset: int, members: Sequence[tuple[str, int, int, int]], length: int | None = None
+    ) -> None:
         """Sample ``key`` whose first header is at ``offset``, with ``members`` as
-        ``(suffix, header offset, data offset, size)``, in file order."""
+        ``(suffix, header offset, data offset, size)``, in file order, and its ``length`` when
+        known (the table keeps lengths only when every sample's is)."""
         self._keys.append(key)
+        self._lengths.append(-1 if length is None else int(length))
         self._sample_offsets.append(offset)
         self._first_member.append(len(self._members))
         for suffix, header_at, data_at, size in members:
@@ -361,6 +377,7 @@ class TableBuilder:
                 members[:, 3].astype(np.int32),
                 tuple(self._suffixes),
                 np.zeros(blocks, dtype=np.uint32),
+                np.array(self._lengths, dtype=np.int64) if self._lengths and min(self._lengths) >= 0 else None,
             )
             if blocks:
                 with mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ) as mapped:

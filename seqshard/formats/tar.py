@@ -84,8 +84,9 @@ class ShardWriter:
         self.num_samples = 0
         self._table = TableBuilder()
 
-    def add(self, key: str, fields: Sequence[tuple[str, Sequence[BytesLike]]]) -> None:
-        """Append one sample: ``fields`` is ``[(field_name, [buffer, ...]), ...]``."""
+    def add(self, key: str, fields: Sequence[tuple[str, Sequence[BytesLike]]], length: int | None = None) -> None:
+        """Append one sample: ``fields`` is ``[(field_name, [buffer, ...]), ...]``; its
+        ``length`` (frames, or 10 ms of audio) goes into the member table when given."""
         buffers: list[BytesLike] = []
         members = []
         start = at = self.size
@@ -99,7 +100,7 @@ class ShardWriter:
             at += len(header) + size + (-size % BLOCK)
         self._write(buffers)
         if members:
-            self._table.add_sample(key, start, members)
+            self._table.add_sample(key, start, members, length)
         self.num_samples += 1
 
     def _write(self, buffers: list[BytesLike]) -> None:

@@ -167,7 +167,7 @@ def _write_sweep(
                         shard.audio_stored[stored] = shard.audio_stored.get(stored, 0) + 1
                     members.append((LABEL_MEMBER, [_label(plan, int(row), key).encode("utf-8")]))
                     shard_key = options.shard_key(key)
-                    shard.writer.add(shard_key, members)
+                    shard.writer.add(shard_key, members, length)
                     shard.members.update(dict.fromkeys(name for name, _ in members))
                     shard.count(shard_key, length)
                 shard.remaining -= 1

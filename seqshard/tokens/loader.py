@@ -226,6 +226,7 @@ class TokenLoader:
         self._finished = False  # the epoch's last batch was taken: the next iter() runs the next epoch
         self._running: weakref.ref | None = None  # the open iteration (weak: a dropped one stops its workers at once)
         self._counts = batching.new_counts()
+        self._skipped = 0  # batches of this epoch moved past unread (skip_batches), counted in _step
         self.device = device
         self._copier: CudaCopier | None = None
 
@@ -290,9 +291,9 @@ class TokenLoader:
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.close()  # an iteration still open ends here (its workers stop)
-        if self._finished:  # without set_epoch, the next epoch (never the same order again by accident)
-            self._epoch += 1
-            self._finished = False
+        self._next_epoch_if_finished()
+        if self._start == 0:
+            self._skipped = 0
         if self.context.rank == 0 and self._start == 0 and self._history is None:
             warning = self.batching.warning(self.plan(), self._epoch, self.context.world_size)
             if warning:
@@ -303,6 +304,28 @@ class TokenLoader:
         running = self._batches([int(n) for n in numbers], self._step + len(numbers))
         self._running = weakref.ref(running)
         return running
+
+    def _next_epoch_if_finished(self) -> None:
+        if self._finished:  # without set_epoch, the next epoch (never the same order again by accident)
+            self._epoch += 1
+            self._finished = False
+
+    def skip_batches(self, n: int) -> int:
+        """Move the next iteration's start ``n`` batches on (fewer at the epoch's end) without
+        building them: call it on every rank with the same ``n``, after ``load_state_dict`` (or
+        before an epoch's first ``iter()``). They count as steps taken, and as ``skipped`` in
+        ``stats()`` and the state. Returns how many it skipped."""
+        check_number("n", n, whole=True, at_least=0)
+        self.close()
+        self._next_epoch_if_finished()
+        if self._start == 0:
+            self._skipped = 0
+        mine = len(self._lists()[self.context.rank])
+        taken = max(0, min(n, mine - self._start))
+        self._start += taken
+        self._skipped += taken
+        self._step = self._start
+        return taken
 
     def _batches(self, numbers: list[int], end: int) -> Iterator[dict[str, Any]]:
         """The batches ``numbers``, the last of them this rank's ``end``-th of the epoch."""
@@ -367,6 +390,7 @@ class TokenLoader:
         return {
             "epoch": self._epoch,
             "steps": self._step,
+            "skipped": self._skipped,
             "steps_in_epoch": self.planned_batches().total,
             **self.batching.stats(self.plan(), self._counts),
         }
@@ -381,14 +405,15 @@ class TokenLoader:
         else:
             steps = [None] * self.context.world_size
             steps[self.context.rank] = self._step
-        epoch, history = self._epoch, self._history or []
+        epoch, history, skipped = self._epoch, self._history or [], self._skipped
         if self._finished:
-            epoch, history, steps = epoch + 1, [], [0 if s is not None else None for s in steps]
+            epoch, history, steps, skipped = epoch + 1, [], [0 if s is not None else None for s in steps], 0
         return {
             "seqshard_token_loader_state": STATE_VERSION,
             "identity": self.batching.identity(),
             "epoch": epoch,
             "deals": [*history, {"world_size": self.context.world_size, "steps": steps}],
+            "skipped": skipped,
         }
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
@@ -423,3 +448,4 @@ class TokenLoader:
         self._epoch = int(state["epoch"])
         self._finished = False
         self._step = self._start
+        self._skipped = int(state.get("skipped", 0))

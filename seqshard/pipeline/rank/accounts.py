@@ -6,7 +6,7 @@ Everything comes from the workers' counters in the rank's position and from the 
 summary is right after a resume too. What an epoch left unread is counted also for shards
 without an index (their samples are counted from their headers, once per loader).
 
-For every rank, and summed over ranks, ``utts + dropped + filtered + left = planned``, where
+For every rank, and summed over ranks, ``utts + skipped + dropped + filtered + left = planned``, where
 ``planned`` is what the epoch's plan gives the rank. The first rank (rank 0) also carries
 what no rank reads: the utterances of missing shards (``planned`` and ``dropped["missing"]``,
 where an index records them) and, after an elastic resume, what the saved readers had done
@@ -70,6 +70,7 @@ class EpochAccounts:
             "damaged_tables": len(shard_numbers(counters, DAMAGED_TABLE)),
             "duplicate_keys": counters.get("duplicate_keys", 0),
             "missing_shards": len(self.table.missing),
+            "skipped": {"batches": position.skipped_batches, "utts": position.skipped_utts},
         }
         if self.setup.mix is not None:
             found["sources"] = self.source_stats(position)
@@ -186,6 +187,7 @@ class EpochAccounts:
             "rank": self.setup.rank,
             "steps": position.step,
             "utts": position.utts,
+            "skipped": position.skipped_utts,
             "dropped": stats["dropped"],
             "filtered": stats["filtered"],
         }
@@ -197,7 +199,13 @@ class EpochAccounts:
         if all(p is not None for p in planned):
             total = sum(planned) + position.before_planned + self._missing_utts()  # type: ignore[arg-type]
             summary["planned"] = total
-            summary["left"] = total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
+            summary["left"] = (
+                total
+                - position.utts
+                - position.skipped_utts
+                - sum(stats["dropped"].values())
+                - sum(stats["filtered"].values())
+            )
         return summary
 
     def planned_utts(self, position: RankPosition) -> int | None:
@@ -230,6 +238,8 @@ class EpochAccounts:
 
 def describe(summary: dict[str, Any]) -> str:
     text = f"{counted(summary['steps'], 'step')}, {counted(summary['utts'], 'utt')}"
+    if summary.get("skipped"):
+        text += f" ({summary['skipped']} more skipped unread)"
     if "left" in summary:
         text += f" of {summary['planned']} planned, {summary['left']} left unread"
     for kind in ("dropped", "filtered"):

@@ -339,11 +339,16 @@ class ShardReader(Stage[Sample]):
         if all(name in known for name in self.field_sets):
             offsets, ordinal = [known[name] for name in self.field_sets], unit.at
         elif unit.first() and unit.step == 1:
-            found = [skip_samples(path, unit.first(), self.access) for _, path in self._files(unit)]
-            offsets, ordinal = [offset for offset, _ in found], found[0][1]
+            offsets, ordinal = self._skip_to(unit)
         else:
             offsets, ordinal = [0] * len(self.field_sets), 0
         return self._open(index, unit, offsets, ordinal)
+
+    def _skip_to(self, unit: Unit) -> tuple[list[int], int]:
+        """Where ``unit``'s first sample starts in each field file, and its ordinal (smaller
+        when the shard holds fewer samples)."""
+        found = [skip_samples(path, unit.first(), self.access) for _, path in self._files(unit)]
+        return [offset for offset, _ in found], found[0][1]
 
     def _damaged(self, error: ShardError, unit: Unit, at: int) -> None:
         """Raise, or (skipping) count the damaged shard and its planned samples from ``at`` on

@@ -6,6 +6,7 @@ and the conversion of what they send into tensors (shared slots are received wit
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +58,7 @@ class WorkerPool:
                 prefetch_factor=options.prefetch_factor if workers > 0 else None,
                 multiprocessing_context=self._context if workers > 0 else None,
                 timeout=options.timeout,
+                worker_init_fn=leave_with_the_rank if workers > 0 else None,
             )
         return self._dataloader
 
@@ -106,6 +108,8 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
         frames = 0
     elif batching.batch_frames is not None:
         frames = batching.batch_frames
+    elif batching.budgets is not None:
+        frames = max(batching.budgets.budgets)
     else:
         longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=2000)
         frames = int(batching.batch_size * longest) + 1  # type: ignore[operator]
@@ -118,6 +122,14 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
     # beyond the batches prefetched: those training holds, and pinned ones still being copied
     spare = 5 if workers.pin_memory or is_cuda(workers.device) else 3
     return BatchSlots(workers.num_workers, workers.prefetch_factor + spare, slot_bytes, context)
+
+
+def leave_with_the_rank(worker: int) -> None:
+    """A worker ignores the signals a scheduler sends a whole job before it stops it (SIGTERM,
+    SIGUSR1; torchrun and Slurm signal every process): its rank decides when to stop (a trainer
+    finishes its step and saves a checkpoint first), and a worker leaves when its rank does."""
+    for number in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, signal.SIG_IGN)
 
 
 def _unchanged(item: Any) -> Any:

@@ -45,7 +45,7 @@ from ...seeds import Seed, stage_rng
 from ..plan import Unit
 from ..stages.audio import decode, signal_stages
 from ..stages.base import Filter, Map, Stage
-from ..stages.batching import BatchCost, FixedSize, LengthBudget, SortBatch
+from ..stages.batching import BatchCost, BucketBudgets, FixedSize, LengthBudget, SortBatch
 from ..stages.decode import Decoder
 from ..stages.filters import finite_filter, length_filter
 from ..stages.labels import Labeler, Labels
@@ -230,9 +230,12 @@ class Reader:
 
 
 def batch_cost(batching: Batching) -> BatchCost:
-    """What a batch may hold: a fixed count, or a budget of padded length."""
+    """What a batch may hold: a fixed count, or a budget of padded length (one per length
+    bucket with ``budgets``)."""
     if batching.batch_size is not None:
         return FixedSize(batching.batch_size)
+    if batching.budgets is not None:
+        return BucketBudgets(batching.budgets)  # type: ignore[arg-type]
     return LengthBudget(int(batching.batch_frames), batching.quadratic_frames)  # type: ignore[arg-type]
 
 

@@ -183,7 +183,7 @@ def make_setup(
             "not tar shards, or damaged? `seqshard verify PATTERN` names what is wrong with each."
         )
     batching = options.batching
-    if batching.batch_frames is not None and length.unit != "frames":
+    if (batching.batch_frames is not None or batching.budgets is not None) and length.unit != "frames":
         raise ConfigError(
             "batch_frames counts frames of the feature field (or 10 ms of audio), which these shards or fields= "
             "do not include; batch by batch_size."
