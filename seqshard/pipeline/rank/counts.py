@@ -3,7 +3,9 @@ exact where the plan decides it, else bounds that hold, else an estimate that sa
 
 - Exact: ``epoch_steps``; fixed ``batch_size`` over indexed shards without length filters,
   ``skip_bad`` or copies of a mix (a sorted window of ``n`` samples gives ``ceil(n /
-  batch_size)`` batches, and the plan gives every reader's ``n``).
+  batch_size)`` batches, and the plan gives every reader's ``n``); and any epoch of at most
+  ``EXACT_UTTS`` samples whose batches are known before reading (member tables that keep
+  each sample's length, nothing the plan cannot see: ``batch_plan.py``), walked batch by batch.
 - Bounds: each reader's samples are known to its shards' index: how many, and their lengths
   to a histogram bin (8 per octave) within the shard's exact shortest and longest. A reader
   whose samples make one sort window (a small epoch) cuts them into greedy batches of its
@@ -31,6 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ...errors import SeqshardError
 from ...formats.index import BINS_PER_OCTAVE, bin_bounds
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
@@ -39,8 +42,10 @@ from ..plan import Unit, plan_epoch, planned_utts
 from ..stages.batching import BatchCost, count_sorted_batches
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
+from .batch_plan import rest_of_epoch
 from .merge import RankPosition
 
+EXACT_UTTS = 20_000  # epochs up to this size are walked batch by batch when the plan knows them (exact)
 SIMULATED_SAMPLES = 40_000  # lengths drawn and cut into windows, shared by the readers (at least 2 windows each)
 DRAWS = 8  # random orders of a reader's lengths counted, for a reader of several windows
 LARGE_DRAWS, LARGE = 2, 200_000  # fewer of them for a table of more utterances (each order is long)
@@ -63,6 +68,9 @@ def planned_batches(setup: WorkerSetup, epoch: int, start: RankPosition | None =
         return _stream_estimate(setup, done_steps)
     if resumed is not None:
         return _elastic_rest(setup, resumed, done_steps, epoch)
+    exact = _walked(setup, epoch, start)
+    if exact is not None:
+        return exact
     plan = plan_epoch(
         setup.table,
         epoch,
@@ -84,6 +92,19 @@ def planned_batches(setup: WorkerSetup, epoch: int, start: RankPosition | None =
         low, high = min(lows), min(highs)
     estimated = any(pair[2] for rank in found for pair in rank)  # type: ignore[index]
     return _planned(low, high, done_steps, *_why_not_exact(setup, estimated))
+
+
+def _walked(setup: WorkerSetup, epoch: int, start: RankPosition | None) -> PlannedBatches | None:
+    """The exact count of a small epoch whose batches the plan knows (member tables with
+    lengths, nothing the plan cannot see: ``batch_plan.py``), by walking them; else None."""
+    if (setup.table.num_utts or math.inf) > EXACT_UTTS:
+        return None
+    position = start if start is not None else RankPosition.fresh(epoch, setup.readers_per_rank, 0)
+    try:
+        rest = len(rest_of_epoch(setup, position))
+    except SeqshardError:  # NotPlannable, or a table the plan cannot use: the bounds below
+        return None
+    return PlannedBatches(position.step + rest, rest)
 
 
 def _elastic_rest(setup: WorkerSetup, resumed: list[list[Unit]], done_steps: int, epoch: int) -> PlannedBatches:
