@@ -34,6 +34,7 @@ from ..formats.patterns import Patterns
 from ..formats.table import ShardTable
 from ..options import BudgetWindow
 from ..pipeline.workers.setup import bucket_bounds
+from ..seeds import torch_generator
 
 Step = Callable[[dict[str, Any]], Any]
 OUT_OF_MEMORY_TEXTS = ("out of memory", "can't allocate memory")  # torch's CPU allocator raises RuntimeError
@@ -116,7 +117,7 @@ def synthetic_batch(
     ``device`` (a batch of millions of frames is made in a blink on a GPU, in seconds on CPU)."""
     import torch
 
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch_generator(seed, device)
     tokens = max(1, longest // 8)
     ids = torch.arange(tokens, device=device) % max(1, vocab_size - 1) + 1
     return {
