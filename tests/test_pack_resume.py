@@ -12,10 +12,12 @@ import sys
 import time
 
 import kaldiio
+import numpy as np
 import pytest
 
 from conftest import write_kaldi_dir
 from seqshard import pack_data
+from seqshard.formats.members import load_table
 
 STATE = ".seqshard-pack"
 
@@ -52,6 +54,8 @@ def _same_as_an_uninterrupted_pack(data, out, clean, **options) -> None:
     assert pack_data(data.scp, data.text, clean, **options).packed == 16
     for shard in sorted(out.glob("data-*.tar")):
         assert shard.read_bytes() == (clean / shard.name).read_bytes()
+        table, fresh = load_table(shard), load_table(clean / shard.name)  # lengths too: batches plan by them
+        assert table.same_as(fresh) and np.array_equal(table.lengths, fresh.lengths)
     indexes = [json.loads((folder / "index.json").read_text())["shards"] for folder in (out, clean)]
     assert indexes[0] == indexes[1]
 

@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import read_number, shown
 from ..errors import ConfigError, ShardError
 from .files import fsync_directory, inside, open_output, write_json_atomic, writing
 
@@ -166,6 +167,8 @@ class TokenMeta:
 
     @classmethod
     def read(cls, path: Path) -> TokenMeta:
+        """``PREFIX.json`` with every value checked (:meth:`check`); ShardError naming the
+        file, the field and the fix."""
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as error:
@@ -175,9 +178,40 @@ class TokenMeta:
                 path, None, f"not a seqshard token metadata file of version {META_VERSION} (seqshard_token_meta)."
             )
         try:
-            return cls(**data)
+            meta = cls(**data)
         except TypeError as error:
             raise ShardError(path, None, f"unexpected fields ({error}).") from None
+        try:
+            meta.check()
+        except ValueError as error:
+            raise ShardError(path, None, f"{error}. Fix: binarize again (or correct the field).") from None
+        return meta
+
+    def check(self) -> None:
+        """ValueError naming the field unless every value is of its kind and in range: a known
+        layout and integer dtype; counts >= 0; ``vocab_size`` >= 1 and within the dtype's ids;
+        ``eos_id``, ``bos_id`` and ``unk_id`` (tokens) below ``vocab_size``; ``pad_id`` a
+        whole number >= 0 (it may lie outside the vocabulary); a flag for ``eos_appended``."""
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout is {shown(self.layout)}, not one of {', '.join(LAYOUTS)}")
+        dtypes = {str(np.dtype(t)) for t in DTYPE_OF_CODE[self.layout].values()}
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype is {shown(self.dtype)}, not one of {', '.join(sorted(dtypes))}")
+        for name in ("sequences", "tokens"):
+            read_number(name, getattr(self, name), whole=True, at_least=0)
+        if not isinstance(self.data, str):
+            raise ValueError(f"data is {shown(self.data)}, not the fingerprint string binarize writes")
+        ids = int(np.iinfo(np.dtype(self.dtype)).max) + 1
+        read_number("vocab_size", self.vocab_size, whole=True, at_least=1, at_most=ids)
+        for name in ("eos_id", "bos_id", "unk_id"):
+            read_number(name, getattr(self, name), whole=True, at_least=0, at_most=self.vocab_size - 1, optional=True)
+        read_number("pad_id", self.pad_id, whole=True, at_least=0, at_most=2**63 - 1, optional=True)
+        if not isinstance(self.eos_appended, bool):
+            raise ValueError(f"eos_appended is {shown(self.eos_appended)}, not true or false")
+        for name in ("tokenizer", "dictionary"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+                raise ValueError(f"{name} is {shown(value)}, not null or the path and sha256 binarize writes")
 
 
 def data_fingerprint(prefix: str | Path, part: int = FINGERPRINT_BYTES) -> str:
@@ -329,7 +363,26 @@ class TokenDataset:
                 f"{mine[3]} tokens of {mine[1]} in {mine[0]}'s (sha256 {mine[4][:12]}...): it belongs to other "
                 "files; delete it, or binarize again.",
             )
+        problem = self._disagreement(meta)
+        if problem is not None:
+            raise ShardError(path, None, f"{problem}: it does not describe these tokens. Fix: binarize again.")
         return meta
+
+    def _disagreement(self, meta: TokenMeta) -> str | None:
+        """What the tokens say against ``meta``, looking where its fingerprint looks (the first
+        and last MiB of the tokens: all of a small dataset): an id at or above ``vocab_size``,
+        or a first or last sequence not ending with ``eos_id`` where ``eos_appended`` says
+        every one does."""
+        part = FINGERPRINT_BYTES // self.dtype.itemsize
+        for tokens in (self._data[:part], self._data[-part:]):
+            if len(tokens) and int(tokens.max()) >= meta.vocab_size:
+                return f"vocab_size is {meta.vocab_size}, but the tokens hold id {int(tokens.max())}"
+        if meta.eos_appended and meta.eos_id is not None:
+            for number in {0, len(self) - 1} if len(self) else ():
+                sequence = self[number]
+                if not len(sequence) or int(sequence[-1]) != meta.eos_id:
+                    return f"eos_appended is true, but sequence {number} does not end with eos_id {meta.eos_id}"
+        return None
 
     def __repr__(self) -> str:
         return (

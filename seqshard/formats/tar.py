@@ -20,6 +20,7 @@ import mmap
 import os
 import tarfile
 import zlib
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,11 +67,12 @@ def _padding(size: int) -> bytes:
 @dataclass(frozen=True)
 class WrittenPart:
     """The first ``size`` bytes of a shard being written: ``samples`` whole samples, CRC-32
-    ``crc32``."""
+    ``crc32``, and the samples' lengths for the member table (int64 bytes; empty: unknown)."""
 
     size: int
     crc32: int
     samples: int
+    lengths: bytes = b""
 
 
 class ShardWriter:
@@ -119,10 +121,12 @@ class ShardWriter:
             SampleStream(self.temp_path, read_data=False, read_ahead=False, where=True) as stream,
             open(self.temp_path, "rb", buffering=0) as reader,
         ):
+            lengths = array("q", part.lengths)
             while (sample := stream.next_sample()) is not None:
                 assert sample.members is not None
                 headers = [os.pread(reader.fileno(), data - at, at) for _, at, data, _ in sample.members]
-                self._table.add_sample(sample.key, sample.offset, sample.members, headers)
+                length = lengths[self.num_samples] if self.num_samples < len(lengths) else None
+                self._table.add_sample(sample.key, sample.offset, sample.members, length, headers)
                 self.num_samples += 1
             end = stream.resume_offset
         if self.num_samples != part.samples or end != part.size:
@@ -131,10 +135,11 @@ class ShardWriter:
 
     def written(self) -> WrittenPart:
         """What is written so far (durable once the partial file is fsync'd)."""
-        return WrittenPart(self.size, self.crc32, self.num_samples)
+        return WrittenPart(self.size, self.crc32, self.num_samples, self._table.lengths_bytes())
 
-    def add(self, key: str, fields: Sequence[tuple[str, Sequence[BytesLike]]]) -> None:
-        """Append one sample: ``fields`` is ``[(field_name, [buffer, ...]), ...]``."""
+    def add(self, key: str, fields: Sequence[tuple[str, Sequence[BytesLike]]], length: int | None = None) -> None:
+        """Append one sample: ``fields`` is ``[(field_name, [buffer, ...]), ...]``; its
+        ``length`` (frames, or 10 ms of audio) goes into the member table when given."""
         buffers: list[BytesLike] = []
         members = []
         headers = []
@@ -150,7 +155,7 @@ class ShardWriter:
             at += len(header) + size + (-size % BLOCK)
         self._write(buffers)
         if members:
-            self._table.add_sample(key, start, members, headers)
+            self._table.add_sample(key, start, members, length, headers)
         self.num_samples += 1
 
     def _write(self, buffers: list[BytesLike]) -> None:

@@ -35,6 +35,7 @@ from ..formats.lock import FolderLocks
 from ..formats.npy import decode_npy, npy_parts
 from ..formats.pack_state import STATE_DIR, pack_root
 from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, old_layout_sidecar, shard_subfolders
+from ..formats.selection import is_sidecar
 from ..formats.tar import SampleStream, ShardWriter, temporary_path
 from ..progress import Progress
 from .journal import Journal, finished_shards
@@ -196,7 +197,7 @@ def add_field(
                 remove_stale_temporaries(folder, older_than=0)
                 remove_stale_temporaries(inside(root, folder / FIELDS_DIR / name), older_than=0)
             if overwrite:
-                _remove_field(root, list(indexes), name)
+                _remove_field(root, indexes, name)
             report = _add(root, indexes, name, field_source, allow_missing, jobs, progress, files)
     except InputError as error:
         error.skippable = False  # add-field stops at bad input: there is nothing to skip to
@@ -278,15 +279,16 @@ def _already_added(folder: Path, index: ShardIndex, name: str, overwrite: bool, 
     )
 
 
-def _remove_field(root: Path, folders: list[Path], name: str) -> None:
-    """Delete field set ``name``'s sidecars (both layouts) and journals."""
-    for folder in folders:
+def _remove_field(root: Path, indexes: dict[Path, ShardIndex], name: str) -> None:
+    """Delete field set ``name``'s sidecars (both layouts; the old one only on evidence, never a
+    shard named ``STEM.NAME.tar``) and journals."""
+    for folder, index in indexes.items():
         fields = folder / FIELDS_DIR / name
         if fields.is_dir():
             for path in inside(folder, fields).glob("*.tar"):
                 path.unlink()
         for path in folder.glob(f"*.{name}.tar"):
-            if old_layout_sidecar(path) is not None:
+            if old_layout_sidecar(path) is not None and is_sidecar(path, index):
                 path.unlink()
     for journal in inside(root, root / STATE_DIR).glob(f"field-{name}-*.jsonl"):
         journal.unlink()

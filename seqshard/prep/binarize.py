@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, Where, option
+from ..errors import ConfigError, InputError, Where, counted, option
 from ..formats.files import inside, open_output
 from ..formats.lock import FolderLock
 from ..formats.mmidx import (
@@ -174,7 +174,7 @@ def binarize(
             vocab_size=encoder.vocab_size,
             eos_id=eos_id if eos_id is not None else encoder.eos_id,
             eos_appended=eos is not None,
-            pad_id=getattr(encoder, "pad_id", None),
+            pad_id=padding_id(encoder, eos_id if eos_id is not None else encoder.eos_id),
             bos_id=getattr(encoder, "bos_id", None),
             unk_id=encoder.unk_id,
             tokenizer=_identity(tokenizer, encoder if dictionary is None else getattr(encoder, "pieces", None)),
@@ -204,8 +204,25 @@ def binarize(
     if warning:
         _LOG.warning("%s", warning)
     if empty:
-        _LOG.warning("%s: %d empty line(s), each stored as a sequence of its own (kept for alignment)", text, empty)
+        _LOG.warning(
+            "%s: %s, each stored as a sequence of its own (kept for alignment)", text, counted(empty, "empty line")
+        )
     return report
+
+
+def padding_id(encoder: Tokenizer, eos: int | None) -> int:
+    """The pad ``PREFIX.json`` records: the vocabulary's own; else an id that encoded text
+    never holds, so that a loader never mistakes a token for padding: a SentencePiece model's
+    ``<s>`` (a control symbol, which encoding never gives and binarize never appends), else
+    ``vocab_size`` (one past every id: an embedding looked up at padding needs one row more)."""
+    pad = getattr(encoder, "pad_id", None)
+    if pad is not None:
+        return int(pad)
+    if isinstance(encoder, SentencePieceTokenizer):
+        bos = encoder.bos_id
+        if bos is not None and bos != eos and encoder.is_control(bos):
+            return bos
+    return max(encoder.vocab_size, eos + 1 if eos is not None else 0)
 
 
 def _encoder(tokenizer: str | Path | Tokenizer | None, dictionary: str | Path | None, split: str | None) -> Tokenizer:

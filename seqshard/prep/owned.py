@@ -26,14 +26,13 @@ from ..formats.files import TEMPORARY_SUFFIX
 from ..formats.index import INDEX_NAME, ShardIndex, check_name, old_sidecar_name
 from ..formats.lock import LOCK_NAME
 from ..formats.members import TABLE_DIR, table_path
-from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_shards
+from ..formats.pack_state import REPORT_NAME, STATE_DIR, planned_shards
 from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, is_shard_name, shard_stem
 from ..formats.tar import temporary_path
 from .journal import journal_records
 
 _LOG = logging.getLogger("seqshard")
 SHOWN = 5
-STATE_FILES = ("run.json", PLANNED_NAME, "journal-*.jsonl", "field-*.jsonl", "report-part*.json", "progress-*.json")
 
 
 @dataclass
@@ -95,9 +94,8 @@ def remove_previous_pack(root: Path) -> int:
             _remove_if_empty(folder, root)
     removed += _unlink(root / REPORT_NAME)
     state = root / STATE_DIR
-    if state.is_dir() and not state.is_symlink():
-        for pattern in [*STATE_FILES, f".*{TEMPORARY_SUFFIX}"]:
-            removed += sum(_unlink(path) for path in state.glob(pattern))
+    if state.is_dir() and not state.is_symlink():  # seqshard's own folder: its files all go
+        removed += sum(_unlink(path) for path in state.iterdir() if path.is_file() or path.is_symlink())
         _remove_if_empty(state)
     return removed
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..errors import counted
 from ..formats.index import merge_histograms
 from .journal import shard_written
 
@@ -78,7 +79,8 @@ class PackReport:
             lines.append(f"  frames file issue: {count:>8}  {reason} (lengths read from the matrix headers instead)")
         for name, group in self.groups.items():
             lines.append(
-                f"  group {name or '(all)':<11}: {group.utts} utts in {group.shards} shards, {group.frames} frames, {group.bytes / 1e6:.1f} MB"
+                f"  group {name or '(all)':<11}: {counted(group.utts, 'utt')} in {counted(group.shards, 'shard')}, "
+                f"{counted(group.frames, 'frame')}, {group.bytes / 1e6:.1f} MB"
             )
         lines.append(
             f"  shards           : {self.shards_done}/{self.shards_total} done, {self.shards_written_now} written by this run"

@@ -15,6 +15,7 @@ there (:class:`Resume`).
 
 from __future__ import annotations
 
+import base64
 import logging
 import os
 import threading
@@ -79,6 +80,7 @@ class _OpenShard:
             "bytes": written.size,
             "crc32": written.crc32,
             "samples": written.samples,
+            "lengths": base64.b64encode(written.lengths).decode("ascii"),  # int64 each, for the member table
             "num_frames": self.num_frames,
             "min_frames": self.min_frames,
             "max_frames": self.max_frames,
@@ -93,7 +95,10 @@ class _OpenShard:
     @classmethod
     def resume(cls, task: ShardTask, root: Path, state: dict[str, Any]) -> _OpenShard:
         """The shard as a checkpoint left it (ShardError when its partial file disagrees)."""
-        writer = ShardWriter(task.path, root, WrittenPart(state["bytes"], state["crc32"], state["samples"]))
+        lengths = base64.b64decode(state["lengths"], validate=True)
+        if len(lengths) != 8 * state["samples"]:
+            raise ValueError(f"{len(lengths) // 8} lengths for {state['samples']} samples")
+        writer = ShardWriter(task.path, root, WrittenPart(state["bytes"], state["crc32"], state["samples"], lengths))
         return cls(
             task,
             writer,
@@ -311,8 +316,11 @@ def _write_sweep(
                         committer.submit(open_shards.pop(ordinal))
                     continue
                 key, value = plan.scp.record(int(row))
+                where = plan.scp.where(int(row), key)
                 try:
-                    members, length, stored = reader.read(int(row), key, value, plan.scp.where(int(row), key))
+                    members, length, stored = reader.read(int(row), key, value, where)
+                    if plan.speakers is not None:
+                        members += plan.speakers.members(key, where, dim)
                 except InputError as error:
                     skip(error)
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
@@ -321,7 +329,7 @@ def _write_sweep(
                         shard.audio_stored[stored] = shard.audio_stored.get(stored, 0) + 1
                     members.append((LABEL_MEMBER, [_label(plan, int(row), key).encode("utf-8")]))
                     shard_key = options.shard_key(key)
-                    shard.writer.add(shard_key, members)
+                    shard.writer.add(shard_key, members, length)
                     shard.members.update(dict.fromkeys(name for name, _ in members))
                     shard.count(shard_key, length)
                 shard.remaining -= 1

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ...checks import check_number
 from ...dist import Collectives, DistContext
+from ...errors import ConfigError
 from ...formats.remote import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
@@ -21,12 +23,21 @@ from ...text.tokenizers import Tokenizer
 from ..sources import MixSetup
 from ..workers.pool import WorkerPool
 from ..workers.setup import make_setup
-from . import checkpoint
+from . import batch_plan, checkpoint
 from .accounts import EpochAccounts
+from .batch_plan import PlannedBatch
 from .counts import planned_batches
 from .cursor import EpochCursor
+from .delivery import Delivery
 from .epochs import epoch_rules
 from .merge import MergedStream, RankPosition
+
+_BATCH_MEASURES: dict[str, Callable[[PlannedBatch], float]] = {
+    "cost": lambda batch: batch.cost,
+    "padded": lambda batch: batch.padded,
+    "longest": lambda batch: batch.longest,
+    "size": lambda batch: batch.size,
+}
 
 
 class ShardLoader:
@@ -47,6 +58,7 @@ class ShardLoader:
         self._setup = make_setup(table, options, context.rank, context.world_size, tokenizer, override, mix, access)
         self._access = access
         self._pool = WorkerPool(self._setup, access)
+        self._delivery = Delivery(options, self._setup.audio)
         buckets = len(self._setup.bucket_bounds) + 1 if options.batching.bucket_sync else 0
         source = (
             mix.epoch_source(options.epochs.epoch_source) if mix and options.epochs.epoch_source is not None else None
@@ -86,8 +98,9 @@ class ShardLoader:
 
     @property
     def dim(self) -> int | None:
-        """The feature dimension the index records (None for shards without features)."""
-        return self.table.dim
+        """Columns of the batches' ``feats``: the fbank's the loader computes (``features="fbank"``),
+        else what the shards' index records; None for batches without features."""
+        return self._setup.dim
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -112,8 +125,8 @@ class ShardLoader:
         if not self._ranks_agree and self.context.distributed and self._rules.end.gathers_summary:
             self._ranks_agree = checkpoint.check_ranks_agree(self._identity(), self.collectives)
         self._accounts.start_bad_shard_count(position)
-        items = self._pool.items(position.epoch, position.worker_request())
-        stream = MergedStream(items, position, self._pool.receive)
+        items = self._delivery.items(self._pool.items(position.epoch, position.worker_request()), self._pool.receive)
+        stream = MergedStream(items, position)
         started, self._seconds = time.perf_counter(), 0.0
         planned = planned_batches(self._setup, self.epoch, position)
         last = planned.total if planned.exact else None  # a consumer may stop after len() batches
@@ -153,6 +166,35 @@ class ShardLoader:
         previous = self._active() if self._active is not None else None
         if previous is not None:
             previous.close()
+
+    # -- the plan: batches known before reading ---------------------------------------------
+    def heaviest_batches(self, k: int = 1, by: str | Callable[[PlannedBatch], float] = "cost") -> list[PlannedBatch]:
+        """The ``k`` costliest batches the next iteration hands out on this rank (the epoch's, or
+        its rest after a resume), costliest first: each a batch the epoch will yield, found from
+        the shards' member tables without reading a sample. ``by``: ``"cost"`` (the loader's
+        batch cost), ``"padded"`` (size x longest), ``"longest"``, ``"size"``, or a function of a
+        :class:`~.batch_plan.PlannedBatch`. Raises NotPlannable (a ConfigError) naming what the
+        plan cannot see (README, Batches known before reading)."""
+        check_number("k", k, whole=True, at_least=1)
+        key = by if callable(by) else _BATCH_MEASURES.get(by)
+        if key is None:
+            raise ConfigError(f"by must be one of {', '.join(_BATCH_MEASURES)} or a function, got {by!r}.")
+        batches = batch_plan.rest_of_epoch(self._setup, self._cursor.peek())
+        return sorted(batches, key=lambda batch: (-key(batch), batch.step))[:k]
+
+    def skip_batches(self, n: int) -> int:
+        """Move the next iteration's start ``n`` batches on without reading them (fewer at
+        the epoch's end): call it on every rank with the same ``n``, after ``load_state_dict``
+        (or before an epoch's first ``iter()``). The batches are those an uninterrupted run
+        would have handed out next; they count as steps, and ``stats()["skipped"]`` counts them
+        and their utterances (kept in the state). Returns how many it skipped. Raises
+        NotPlannable as :meth:`heaviest_batches` does."""
+        check_number("n", n, whole=True, at_least=0)
+        self._close_active()
+        start = self._cursor.peek()
+        moved = batch_plan.skip(self._setup, start, n)
+        self._cursor.load(moved)
+        return moved.step - start.step
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:

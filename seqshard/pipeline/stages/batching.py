@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ...checks import check_number
 from ...errors import ConfigError
+from ...formats.budgets import Budgets
 from ...options import BudgetWindow
 from ...seeds import Seed, stage_rng
 from .base import Stage, State, WindowStage, merge_counts
@@ -85,6 +86,24 @@ class LengthBudget(BatchCost):
 
     def share(self, length: int) -> float:
         return min(1.0, self.cost(1, length) / self.budget)  # an oversize sample goes alone (or is dropped)
+
+
+@dataclass(frozen=True)
+class BucketBudgets(BatchCost):
+    """A budget of padded length per length bucket (``seqshard calibrate``'s): a batch of
+    ``count`` samples whose longest falls in bucket ``b`` costs ``count x longest`` of bucket
+    ``b``'s budget."""
+
+    budgets: Budgets
+
+    def cost(self, count: int, longest: int) -> float:
+        return count * longest
+
+    def fits(self, count: int, longest: int) -> bool:
+        return count * longest <= self.budgets.budget_of(longest)
+
+    def share(self, length: int) -> float:
+        return min(1.0, length / self.budgets.budget_of(length))
 
 
 @dataclass

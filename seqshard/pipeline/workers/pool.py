@@ -6,15 +6,17 @@ and the conversion of what they send into tensors (shared slots are received wit
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections.abc import Iterator
 from typing import Any
 
+from ...device import is_cuda
 from ...formats.remote import RemoteAccess
 from ..stages.collate import to_tensors
 from .protocol import BatchItem, ErrorItem, Item
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
-from .transfer import BatchSlots
+from .transfer import BatchSlots, current_stream_event
 from .worker import IterationChannel
 
 MAX_SLOT_BYTES = 64 << 20
@@ -56,6 +58,7 @@ class WorkerPool:
                 prefetch_factor=options.prefetch_factor if workers > 0 else None,
                 multiprocessing_context=self._context if workers > 0 else None,
                 timeout=options.timeout,
+                worker_init_fn=leave_with_the_rank if workers > 0 else None,
             )
         return self._dataloader
 
@@ -74,14 +77,16 @@ class WorkerPool:
                 del error
         if not isinstance(item, BatchItem):
             return item
-        pin = self.options.pin_memory and _cuda_available()
+        on_device = is_cuda(self.options.device)  # copied on by seqshard/device.py, which waits for its copies
+        pin = (self.options.pin_memory or on_device) and _cuda_available()
         batch = item.batch
         if item.slot is not None:
             places = {k: v for k, v in batch.items() if not isinstance(v, list)}
-            batch.update(self.runtime.slots.receive(item.slot, places, pin))  # type: ignore[union-attr]
+            fence = None if on_device else current_stream_event
+            batch.update(self.runtime.slots.receive(item.slot, places, pin, fence))  # type: ignore[union-attr]
         else:
             batch = to_tensors(batch)
-            if pin:
+            if pin and not on_device:
                 batch = {k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in batch.items()}
         item.batch = batch
         return item
@@ -103,14 +108,28 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
         frames = 0
     elif batching.batch_frames is not None:
         frames = batching.batch_frames
+    elif batching.budgets is not None:
+        frames = max(batching.budgets.budgets)
     else:
         longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=2000)
         frames = int(batching.batch_size * longest) + 1  # type: ignore[operator]
-    feature_bytes = frames * (table.dim or 80) * itemsize
+    feature_bytes = frames * (setup.dim or 80) * itemsize
+    if setup.decodes_audio and (setup.audio.features is None or options.audio.feature_device is not None):
+        feature_bytes = frames * int(setup.audio.fbank.sample_rate) // 100 * 4  # float32 samples, 10 ms a frame
     slot_bytes = min(MAX_SLOT_BYTES, int(feature_bytes * 1.25) + (1 << 20))
     if workers.num_workers == 0:  # batches made in this process: a ring for what training still holds
         return BatchSlots(1, 4, slot_bytes, context)
-    return BatchSlots(workers.num_workers, workers.prefetch_factor + 3, slot_bytes, context)
+    # beyond the batches prefetched: those training holds, and pinned ones still being copied
+    spare = 5 if workers.pin_memory or is_cuda(workers.device) else 3
+    return BatchSlots(workers.num_workers, workers.prefetch_factor + spare, slot_bytes, context)
+
+
+def leave_with_the_rank(worker: int) -> None:
+    """A worker ignores the signals a scheduler sends a whole job before it stops it (SIGTERM,
+    SIGUSR1; torchrun and Slurm signal every process): its rank decides when to stop (a trainer
+    finishes its step and saves a checkpoint first), and a worker leaves when its rank does."""
+    for number in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, signal.SIG_IGN)
 
 
 def _unchanged(item: Any) -> Any:

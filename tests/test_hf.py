@@ -1,0 +1,108 @@
+"""`pack --hf`: Hugging Face datasets packed from the files `datasets` wrote (tests/realdata/hf),
+checked against `datasets` itself: the same ids, texts and decoded samples."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from conftest import read_audio_shards
+from seqshard.errors import ConfigError
+from seqshard.formats.hf import Batches, dataset_files
+from seqshard.prep.pack import pack_data
+
+datasets = pytest.importorskip("datasets")
+
+HF = Path(__file__).parent / "realdata" / "hf"
+
+
+def reference(dataset) -> dict[str, tuple[np.ndarray, str]]:
+    """id -> (int16 samples, text) as `datasets` holds them (decoded with soundfile: decoding
+    in `datasets` itself needs torchcodec)."""
+    rows = dataset.cast_column("audio", datasets.Audio(decode=False))
+    return {
+        row["id"]: (soundfile.read(io.BytesIO(row["audio"]["bytes"]), dtype="int16")[0], row["sentence"])
+        for row in rows
+    }
+
+
+def packed(out: Path) -> dict[str, tuple[np.ndarray, str]]:
+    return {key: (samples, text) for key, (samples, _, _, text) in read_audio_shards(sorted(out.glob("*.tar"))).items()}
+
+
+def assert_same(found, expected):
+    assert sorted(found) == sorted(expected)
+    for key, (samples, text) in expected.items():
+        assert found[key][1] == text
+        np.testing.assert_array_equal(found[key][0], samples)
+
+
+@pytest.mark.parametrize(
+    ("source", "split"),
+    [
+        ("saved", None),
+        ("saved", "test"),
+        ("saved/train/data-00000-of-00001.arrow", None),
+        ("hub", None),
+        ("hub/data/test-*.parquet", None),
+    ],
+)
+def test_pack_matches_datasets(tmp_path, source, split):
+    """A save_to_disk folder (the split asked for, else train), one of its arrow files and
+    the Hub's parquet layout (a folder, a glob) give the rows `datasets` reads."""
+    report = pack_data(None, None, tmp_path / "out", hf=str(HF / source), split=split, progress=False)
+    expected_split = split or ("test" if "test" in source else "train")
+    if source.startswith("saved"):
+        expected = reference(datasets.load_from_disk(str(HF / "saved"))[expected_split])
+    else:
+        expected = reference(datasets.Dataset.from_parquet(str(HF / f"hub/data/{expected_split}-*.parquet")))
+    assert report.input_utts == report.packed == len(expected)
+    assert_same(packed(tmp_path / "out"), expected)
+
+
+def test_decoded_arrays_are_stored_losslessly_as_flac(tmp_path):
+    pack_data(None, None, tmp_path / "out", hf=str(HF / "decoded.parquet"), progress=False)
+    row = datasets.Dataset.from_parquet(str(HF / "decoded.parquet"))[0]
+    found = read_audio_shards(sorted((tmp_path / "out").glob("*.tar")))
+    samples, rate, suffix, text = found["row-000000000"]  # no id column: keys by row number
+    assert (rate, suffix, text) == (row["audio"]["sampling_rate"], "flac", row["transcription"])
+    np.testing.assert_array_equal(samples / 32768, np.asarray(row["audio"]["array"], dtype=np.float32))
+
+
+def test_fields_keep_other_columns(tmp_path):
+    pack_data(None, None, tmp_path / "out", hf=str(HF / "saved"), fields=["speaker"], progress=False)
+    with tarfile.open(next((tmp_path / "out").glob("*.tar"))) as tar:
+        speakers = {m.name: tar.extractfile(m).read() for m in tar if m.name.endswith(".speaker.json")}
+    assert speakers == {f"{n}_jackson_1.speaker.json": b'"jackson"' for n in (5, 6, 7)}
+
+
+def test_row_groups_are_read_one_at_a_time(tmp_path):
+    """Memory follows one row group: a parquet file of one-row groups packs the same rows."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(HF / "hub/data/train-00000-of-00001.parquet")
+    pq.write_table(table, tmp_path / "train.parquet", row_group_size=1)
+    dataset = dataset_files(tmp_path / "train.parquet")
+    assert [batch.num_rows for _, _, batch in Batches(dataset).all(["id"])] == [1, 1, 1]
+    pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "train.parquet"), progress=False)
+    assert_same(packed(tmp_path / "out"), reference(datasets.Dataset.from_parquet(str(tmp_path / "train.parquet"))))
+    rows = [json.loads(line)["at"] for line in (tmp_path / "out/.seqshard-pack/rows.jsonl").read_text().splitlines()]
+    assert rows == [[0, 0, 0], [0, 1, 0], [0, 2, 0]]
+
+
+def test_wrong_split_or_column_names_what_there_is(tmp_path):
+    with pytest.raises(ConfigError, match=r"no split 'valid' \(it has: train, test\)"):
+        pack_data(None, None, tmp_path / "a", hf=str(HF / "saved"), split="valid", progress=False)
+    with pytest.raises(ConfigError, match="no such column"):
+        pack_data(None, None, tmp_path / "b", hf=str(HF / "saved"), text_column="words", progress=False)
+    import pyarrow.parquet as pq
+
+    pq.write_table(pq.read_table(HF / "decoded.parquet").drop_columns(["transcription"]), tmp_path / "x.parquet")
+    with pytest.raises(ConfigError, match="none of the text columns"):
+        pack_data(None, None, tmp_path / "c", hf=str(tmp_path / "x.parquet"), progress=False)
