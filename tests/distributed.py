@@ -95,6 +95,7 @@ def _run_harness(harness: str, config_file: str, env: dict, log: str) -> None:
     """A rank's process: a session of its own (killed as a group), the rank's environment, its
     output to ``log``, then the harness as a script."""
     os.setsid()
+    multiprocessing.set_start_method("fork", force=True)  # its DataLoader workers as a torchrun rank's: forked
     os.environ.update(env)
     output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     sys.stdout.flush()
