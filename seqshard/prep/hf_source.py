@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import Audio
+from ..formats.files import open_output
 from ..formats.hf import Batches, audio_column, cell_audio, dataset_files, id_column, text_column
 from ..formats.keytable import KeyTable
 from ..formats.pack_state import STATE_DIR
@@ -87,7 +88,7 @@ class DatasetSource(AudioSource):
         temporary = self.rows_file.with_name(f".{ROWS_FILE}.{os.getpid()}")
         prefix = self.dataset.split or "row"
         number = 0
-        with open(temporary, "w", encoding="utf-8") as rows:
+        with os.fdopen(open_output(temporary), "w", encoding="utf-8") as rows:
             for file, batch_number, batch in Batches(self.dataset).all(columns):
                 texts = batch.column(self.text_column).to_pylist()
                 keys = batch.column(self.id_column).to_pylist() if self.id_column else None
