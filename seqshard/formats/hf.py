@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..checks import shown
 from ..errors import ConfigError, InputError, Where, option
 from .audio import Audio, decode_audio
 
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 TEXT_COLUMNS = ("text", "sentence", "transcript", "transcription", "normalized_text")
 ID_COLUMN = "id"
 ENCODED_CELL, DECODED_CELL = {"bytes", "path"}, {"array", "sampling_rate"}
+MAX_SAMPLE_RATE = 655350  # FLAC's highest rate (libsndfile's); no recording is sampled faster
 SPLIT_NAME = re.compile(r"(?P<split>[A-Za-z0-9_.]+?)(?:[-_.].*)?")  # a split's files: SPLIT-00000-of-00004.parquet
 
 
@@ -242,6 +244,13 @@ def _given(name: str, names: Sequence[str], flag: str) -> str:
 def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tuple[bytes | None, Audio]:
     """An audio cell's encoded bytes (None for a decoded cell) and its audio."""
     if isinstance(cell, dict) and cell.get("bytes") is not None:
+        if not isinstance(cell["bytes"], (bytes, bytearray, memoryview)):
+            raise InputError(
+                where,
+                "unreadable_audio",
+                f'the audio cell\'s "bytes" are {shown(cell["bytes"])}, not the bytes of an audio file.',
+                "check the audio column (a binary column of encoded audio).",
+            )
         data = bytes(cell["bytes"])
         return data, decode_audio(data, where, channel)
     if isinstance(cell, dict) and isinstance(cell.get("path"), str) and "array" not in cell:
@@ -258,7 +267,16 @@ def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tu
             ) from None
         return data, decode_audio(data, where, channel)
     if isinstance(cell, dict) and cell.get("array") is not None and isinstance(cell.get("sampling_rate"), int):
-        return None, decoded_audio(np.asarray(cell["array"], dtype=np.float64), cell["sampling_rate"], where, channel)
+        try:
+            array = np.asarray(cell["array"], dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InputError(
+                where,
+                "unreadable_audio",
+                f"the decoded audio's array holds values that are not numbers ({shown(cell['array'])}).",
+                "check the audio column.",
+            ) from None
+        return None, decoded_audio(array, cell["sampling_rate"], where, channel)
     raise InputError(
         where,
         "unreadable_audio",
@@ -277,8 +295,12 @@ def decoded_audio(array: np.ndarray, rate: int, where: Where, channel: int | Non
                 where, "bad_channel", f"channel {channel} does not exist: the audio has {frames.shape[1]}."
             )
         array = frames[:, channel] if channel is not None else frames.mean(axis=1)
-    if array.ndim != 1 or rate <= 0 or not len(array):
-        raise InputError(where, "unreadable_audio", f"the decoded audio has shape {array.shape} at {rate} Hz.")
+    if array.ndim != 1 or not 0 < rate <= MAX_SAMPLE_RATE or not len(array):
+        raise InputError(
+            where,
+            "unreadable_audio",
+            f"the decoded audio has shape {array.shape} at {rate} Hz (audio is 1 to {MAX_SAMPLE_RATE} Hz).",
+        )
     subtype = "FLOAT"
     if np.abs(array).max() <= 1.0:
         for name, scale in (("PCM_16", 1 << 15), ("PCM_24", 1 << 23)):
