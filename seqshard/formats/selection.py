@@ -19,7 +19,7 @@ from pathlib import Path
 from ..errors import ConfigError, ShardError, counted, option
 from .index import ShardIndex
 from .lists import shard_list
-from .nemo_tarred import nemo_index
+from .nemo_tarred import NEMO_FORMAT, nemo_index
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
 from .patterns import Alternative, Patterns, expand_pattern, in_fields_folder, old_layout_sidecar, pattern_list
 from .shar import shar_index
@@ -177,6 +177,8 @@ def _absent(alternative: Alternative, selection: ShardSelection) -> list[Missing
         if index is not None:
             expected = {entry.name: entry.num_utts for entry in index.shards}
             why = "listed in its folder's index.json, but the file is missing"
+            if index.source.get("format") == NEMO_FORMAT:
+                why = "its shard id has entries in the folder's NeMo manifest, but the tar is missing"
         else:
             planned = planned_in_folder(folder)
             if planned is None:
