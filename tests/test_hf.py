@@ -185,3 +185,27 @@ def test_ids_texts_and_fields_that_are_lists_or_bytes_are_refused_not_their_str(
         with pytest.raises(InputError, match=r"field 's' is .*, which JSON cannot hold") as error:
             field_members({"s": bad}, ["s"], where)
         assert error.value.reason == "bad_field"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("dataset_dict.json", "{x"), r"dataset_dict\.json cannot be read as JSON"),
+        (("dataset_dict.json", '{"splits": "train"}'), r"dataset_dict\.json has no list 'splits' \(found 'train'\)"),
+        (("dataset_dict.json", '{"splits": ["../../etc"]}'), r"splits names '\.\./\.\./etc', not a file or folder"),
+        (("train/state.json", '{"_data_files": 5}'), r"state\.json has no list '_data_files'"),
+        (("train/state.json", '{"_data_files": [{"filename": "/etc/passwd"}]}'), r"names '/etc/passwd', not a file"),
+        (("train/data-00000-of-00001.arrow", b"\xff" * 2000), r"\.arrow cannot be read as arrow \(.*an Arrow file"),
+    ],
+)
+def test_a_hostile_save_to_disk_folder_is_named_not_a_traceback(tmp_path, edit, message):
+    """Tracebacks before: JSONDecodeError, KeyError, TypeError, pyarrow's OSError; a split of
+    "train" given as a string matched by substring, and '..' read a folder outside."""
+    import shutil
+
+    shutil.copytree(HF / "saved", tmp_path / "saved")
+    name, content = edit
+    target = tmp_path / "saved" / name
+    target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "saved"), split="train", progress=False)
