@@ -324,13 +324,14 @@ def test_bad_lists_and_bad_audio_at_load(tmp_path):
     rank = loader.last_summary["ranks"][0]
     assert rank["dropped"] == {"missing_audio": 1, "unreadable_audio": 1, "bad_segment": 1}
     assert rank["planned"] == 7 == rank["utts"] + sum(rank["dropped"].values())
-    bad_lines = [lines[0], "{not json", '{"key": "k"}', '{"key": "s", "wav": "x.wav", "start": null}', lines[2]]
+    listed = json.dumps({"key": "l", "wav": str(good.root / "utt000.wav"), "txt": ["a", "b"]})  # was "['a', 'b']"
+    bad_lines = [lines[0], "{not json", '{"key": "k"}', '{"key": "s", "wav": "x.wav", "start": null}', listed, lines[2]]
     (tmp_path / "bad.list").write_text("\n".join(bad_lines) + "\n")
     with pytest.raises(InputError, match=r"bad.list sample 2 \(key 'line-2'\): the line is not JSON"):
         list(make_loader(tmp_path / "bad.list", batch_size=2, num_workers=0))
     loader = make_loader(tmp_path / "bad.list", batch_size=2, num_workers=0, skip_bad=True)
     assert sorted(k for b in loader for k in b["keys"]) == sorted([good.keys[0], good.keys[1]])
-    assert loader.last_summary["ranks"][0]["dropped"] == {"malformed_line": 3}
+    assert loader.last_summary["ranks"][0]["dropped"] == {"malformed_line": 4}
 
 
 def test_a_nemo_manifest_given_as_a_list_names_what_it_holds_and_what_a_list_must(tmp_path):

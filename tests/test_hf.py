@@ -13,7 +13,7 @@ import pytest
 import soundfile
 
 from conftest import read_audio_shards
-from seqshard.errors import ConfigError
+from seqshard.errors import ConfigError, InputError
 from seqshard.formats.hf import Batches, dataset_files
 from seqshard.prep.pack import pack_data
 
@@ -106,3 +106,106 @@ def test_wrong_split_or_column_names_what_there_is(tmp_path):
     pq.write_table(pq.read_table(HF / "decoded.parquet").drop_columns(["transcription"]), tmp_path / "x.parquet")
     with pytest.raises(ConfigError, match="none of the text columns"):
         pack_data(None, None, tmp_path / "c", hf=str(tmp_path / "x.parquet"), progress=False)
+
+
+def _wav(samples: int) -> bytes:
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.zeros(samples, dtype=np.int16), 16000, format="WAV", subtype="PCM_16")
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("column", "bad", "good", "reason"),
+    [
+        ("audio", {"bytes": "RIFF", "path": "a.wav"}, {"bytes": _wav(1600).decode("latin-1"), "path": "b"}, None),
+        (
+            "audio",
+            {"array": [0.1, float("nan")], "sampling_rate": 16000},
+            {"array": [0.1], "sampling_rate": 8000},
+            "non_finite",
+        ),
+        (
+            "audio",
+            {"array": ["x", "y"], "sampling_rate": 16000},
+            {"array": ["0.5"], "sampling_rate": 8000},
+            "unreadable_audio",
+        ),
+        (
+            "audio",
+            {"array": [0.1, 0.2], "sampling_rate": 2**62},
+            {"array": [0.1], "sampling_rate": 8000},
+            "unreadable_audio",
+        ),
+        ("id", None, "b", "bad_key"),
+        ("score", float("nan"), 1.0, "bad_field"),
+    ],
+)
+def test_a_hostile_cell_is_a_counted_skip_never_garbage_or_a_traceback(tmp_path, column, bad, good, reason):
+    """Row 0 holds the hostile cell, row 1 a good one: a named, counted skip of row 0 (before:
+    tracebacks from bytes() of a string, float() of 'x' and libsndfile's int of the rate; NaN
+    audio, the key 'None' and NaN in a .json field packed as they were)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = [{"id": "a", "audio": {"bytes": _wav(1600), "path": "a.wav"}, "text": "ok", "score": 1.0} for _ in "ab"]
+    rows[0][column], rows[1][column], rows[1]["id"] = bad, good, "b"
+    if column == "audio" and "array" in bad:
+        rows[1]["audio"] = {**good, "array": good["array"] * 1600}
+    pq.write_table(pa.table({name: [row[name] for row in rows] for name in rows[0]}), tmp_path / "x.parquet")
+    if reason is None:  # a string column of audio: both rows refused, by name
+        with pytest.raises(InputError, match=r"the audio cell's \"bytes\" are 'RIFF', not the bytes"):
+            pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "x.parquet"), progress=False)
+        return
+    report = pack_data(
+        None, None, tmp_path / "out", hf=str(tmp_path / "x.parquet"), fields=["score"], skip_bad=True, progress=False
+    )
+    assert report.dropped == {reason: 1} and report.packed == 1 and report.input_utts == 2
+    assert list(packed(tmp_path / "out")) == ["b"]
+
+
+def test_ids_texts_and_fields_that_are_lists_or_bytes_are_refused_not_their_str():
+    from seqshard.errors import Where
+    from seqshard.prep.hf_source import _parse_row, _parse_text, _row
+    from seqshard.prep.sources import field_members
+
+    def line(key, text):
+        return json.dumps(_row(key, text, ("id", "text"), [0, 0, 3], Path("x.parquet"))).encode()
+
+    where = Where("rows.jsonl", 4)
+    assert _parse_row(line(7, 12), where, True)[0] == "7" and _parse_text(line(7, 12), where, False) == ("7", "12")
+    for bad in ([1], {"a": 1}, 1.5, True):
+        with pytest.raises(
+            InputError, match=r"x\.parquet, batch 0, row 3: its id \(column id\) is .*, not a string"
+        ) as error:
+            _parse_row(line(bad, "t"), where, True)
+        assert error.value.reason == "bad_key"
+    with pytest.raises(InputError, match=r"its text \(column text\) is \['x', 'y'\], not a string") as error:
+        _parse_text(line("a", ["x", "y"]), where, False)
+    assert error.value.reason == "bad_label"
+    assert field_members({"s": [1, "x"]}, ["s", "t"], where) == [("s.json", [b'[1, "x"]']), ("t.nodata", [b""])]
+    for bad in (b"\xff", float("inf"), {"x": float("nan")}):
+        with pytest.raises(InputError, match=r"field 's' is .*, which JSON cannot hold") as error:
+            field_members({"s": bad}, ["s"], where)
+        assert error.value.reason == "bad_field"
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("dataset_dict.json", "{x"), r"dataset_dict\.json cannot be read as JSON"),
+        (("dataset_dict.json", '{"splits": "train"}'), r"dataset_dict\.json has no list 'splits' \(found 'train'\)"),
+        (("dataset_dict.json", '{"splits": ["../../etc"]}'), r"splits names '\.\./\.\./etc', not a file or folder"),
+        (("train/state.json", '{"_data_files": 5}'), r"state\.json has no list '_data_files'"),
+        (("train/state.json", '{"_data_files": [{"filename": "/etc/passwd"}]}'), r"names '/etc/passwd', not a file"),
+        (("train/data-00000-of-00001.arrow", b"\xff" * 2000), r"\.arrow cannot be read as arrow \(.*an Arrow file"),
+    ],
+)
+def test_a_hostile_save_to_disk_folder_is_named_not_a_traceback(tmp_path, edit, message):
+    """Tracebacks before: JSONDecodeError, KeyError, TypeError, pyarrow's OSError; a split of
+    "train" given as a string matched by substring, and '..' read a folder outside."""
+    import shutil
+
+    shutil.copytree(HF / "saved", tmp_path / "saved")
+    name, content = edit
+    target = tmp_path / "saved" / name
+    target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "saved"), split="train", progress=False)

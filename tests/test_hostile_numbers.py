@@ -50,6 +50,8 @@ def set_entry(field, value):
         (set_entry("num_frames", float("nan")), r"num_frames is nan, not a whole number"),
         (set_entry("bytes", "x"), r"bytes is 'x', not a whole number"),
         (set_entry("max_frames", 1), r"num_frames \d+, min_frames \d+ and max_frames 1 do not fit 10 utterances"),
+        (set_entry("max_frames", 2**40), r"max_frames is 1099511627776, not >= 0 and <= 2147483647"),
+        (set_entry("length_hist", {"320": 10}), r"length_hist has a bin '320', not a number from 0 to 247"),
         (set_entry("length_hist", {"x": 1}), r"length_hist has a bin 'x'"),
         (set_entry("length_hist", {"20": 11}), r"length_hist\['20'\] is 11, not >= 0 and <= 10"),
         (set_entry("checksum", 7), r"checksum is 7, not a string"),

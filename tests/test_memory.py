@@ -165,3 +165,20 @@ def test_a_step_that_runs_out_of_memory_runs_in_parts_and_lowers_its_buckets_lim
     assert 0 < guard.limits[bucket] <= limit
     runner.backward(batch)  # the bucket's lowered limit splits it before it runs out
     assert guard.out_of_memory == 2 and guard.largest[bucket] == (9, int(batch["feat_lens"].max()))
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("buckets", 0, "buckets must be >= 1"),
+        ("dim", 0, "dim must be >= 1"),  # synthetic batches of 0 columns: budgets of nothing
+        ("vocab_size", 1, "vocab_size must be a whole number >= 2"),  # label ids from 1 would be out of range
+        ("max_memory", -5, "max_memory must be >= 1"),
+        ("memory_fraction", 2.0, "memory_fraction must be > 0 and <= 1"),  # on CPU it went unread
+    ],
+)
+def test_calibrate_refuses_settings_that_would_calibrate_nothing(shards, option, value, message):
+    from seqshard.tools.calibrate import calibrate
+
+    with pytest.raises(ConfigError, match=message):
+        calibrate(shards.pattern, step_under_limit, device="cpu", **{option: value})

@@ -220,3 +220,36 @@ def test_tarred_entry_without_member_is_a_damaged_shard(tmp_path):
         read_all(str(tmp_path))
     loader = make_loader(str(tmp_path), batch_size=1, num_workers=0, skip_bad=True, max_bad_shards=1.0)
     assert sum(len(b["keys"]) for b in loader) + loader.stats()["dropped"]["damaged"] == 2
+
+
+@pytest.mark.parametrize("field", ["duration", "offset"])
+def test_a_duration_beyond_int32_frames_is_a_malformed_line_not_an_overflow(tmp_path, field):
+    """Lengths are int32 counts of 10 ms frames: 1e15 s in a tarred set's manifest ended in an
+    OverflowError when the loader planned it."""
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    for manifest in [copy / "tarred_audio_manifest.json", *(copy / "sharded_manifests").glob("*.json")]:
+        lines = entries(manifest)
+        lines[0][field] = 1e15
+        manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(
+        ShardError, match=rf'"{field}" must be a .*number of seconds .* 21474836 \(found 1000000000000000'
+    ):
+        make_loader(str(copy), batch_size=2, num_workers=0)
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_tar_the_manifest_names_but_the_folder_lacks_is_a_missing_shard_not_fewer_samples(tmp_path, sharded):
+    """audio_1.tar removed: 3 of 6 entries were served with nothing said (missing_shards 0)."""
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    (copy / "audio_1.tar").unlink()
+    if not sharded:
+        shutil.rmtree(copy / "sharded_manifests")
+    with pytest.raises(ShardError, match=r"audio_1\.tar \(its shard id has entries in the folder's NeMo manifest"):
+        make_loader(str(copy), batch_size=2, num_workers=0)
+    loader = make_loader(str(copy), batch_size=2, num_workers=0, skip_bad=True, max_bad_shards=0.5)
+    assert sum(len(batch["keys"]) for batch in loader) == 3
+    assert loader.stats()["missing_shards"] == 1
+    with pytest.raises(ConfigError, match=r"entries of 1 tar the folder lacks \(audio_1\.tar\)"):
+        rebuild_index(copy, progress=False)

@@ -107,3 +107,20 @@ def test_an_unfinished_multi_part_pack_is_not_read_or_indexed_as_if_complete(tmp
     assert report.complete and (out / "index.json").exists()
     assert sorted(keys_of(make_loader(f"{out}/data-*.tar", batch_size=4, num_workers=0))) == sorted(data.keys)
     assert main(["index", "--quiet", str(out)]) == 0
+
+
+@pytest.mark.parametrize("pattern", ["{folder}", "{folder}/*.tar", "{folder}/part-{{0,1}}.tar"])
+def test_a_dangling_link_named_like_a_shard_is_a_missing_shard(tmp_path, pattern):
+    """A folder of foreign shards (no index) linked from a disk that is not mounted: the link
+    was passed over and the other shards read as if they were all."""
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    (folder / "part-0.tar").write_bytes(b"\0" * 1024)
+    (folder / "part-1.tar").symlink_to(tmp_path / "unmounted/part-1.tar")
+    (folder / "notes.txt").symlink_to(tmp_path / "unmounted/notes.txt")  # not named like a shard: not one
+    selection = select_shards(pattern.format(folder=folder))
+    assert selection.paths == [folder / "part-0.tar"]
+    assert [(m.path, m.why) for m in selection.missing] == [
+        (folder / "part-1.tar", f"a link to {tmp_path / 'unmounted/part-1.tar'}, which does not exist")
+    ]
+    assert select_shards(str(folder / "part-0.tar")).missing == []  # a shard named alone: the link is not asked for

@@ -165,3 +165,22 @@ def test_the_loader_refuses_what_cannot_normalize(fsdd, packed):
         make_loader(packed.pattern, cmvn="speaker", num_workers=0)
     with pytest.raises(ConfigError, match="cmvn_norm_vars is Kaldi's --norm-vars for cmvn='speaker'"):
         make_loader(fsdd[0], cmvn_norm_vars=True, num_workers=0)
+
+
+@pytest.mark.parametrize(
+    ("mean", "norm_vars", "named"),
+    [(1e300, False, "means are beyond"), (1e30, True, "offsets"), (1e30, False, None), (-3.0, True, None)],
+)
+def test_statistics_whose_normalization_overflows_float_are_refused_not_applied_as_infinity(mean, norm_vars, named):
+    from seqshard.features.speaker_cmvn import SpeakerCmvn, stats_problem
+
+    count, dim = 10.0, 3
+    stats = np.array([[mean * count] * dim + [count], [abs(mean) * count] * dim + [0.0]])
+    feats = np.ones((4, dim), dtype=np.float32)
+    if named is None:
+        assert stats_problem(stats, dim) is None
+        assert np.isfinite(SpeakerCmvn(norm_vars).normalize(feats, stats)).all()
+        return
+    with pytest.raises(ValueError, match=named):
+        SpeakerCmvn(norm_vars).normalize(feats, stats)
+    assert (stats_problem(stats, dim) is None) == norm_vars  # pack refuses what no loader could apply

@@ -238,3 +238,22 @@ def test_a_state_of_another_data_bin_is_refused(data_bin, tmp_path):
         make_token_loader(token_pairs(other), max_tokens=40).load_state_dict(state)
     with pytest.raises(ConfigError, match="lang_pairs: fra_Latn-eng_Latn is not in"):
         token_pairs(data_bin, lang_pairs=["fra_Latn-eng_Latn"])
+
+
+@pytest.mark.parametrize("largest", [7, 30])
+def test_ids_past_the_dictionary_are_refused_not_taken_for_language_tokens(tmp_path, largest):
+    """A .bin made with a larger dictionary: id 7 was served as the language token that
+    augment_dictionary numbers 7 here, id 30 as a word no embedding has."""
+    from seqshard.formats.mmidx import TokenDatasetWriter
+
+    folder = tmp_path / "data_bin" / "shard000"
+    folder.mkdir(parents=True)
+    for lang in ("aaa_Latn", "bbb_Latn"):
+        (folder / f"dict.{lang}.txt").write_text("x 5\ny 4\nz 3\n")  # ids 4-6; language tokens get 7 and 8
+        writer = TokenDatasetWriter(folder / f"train.aaa_Latn-bbb_Latn.{lang}", np.uint16, layout="fairseq")
+        writer.add_many([[4, 5, 2], [6, largest if lang == "bbb_Latn" else 4, 2]])
+        writer.finish()
+    with pytest.raises(
+        ConfigError, match=rf"bbb_Latn\.bin holds token id {largest}, but .*dict\.bbb_Latn\.txt has 7 ids"
+    ):
+        token_pairs(tmp_path / "data_bin")

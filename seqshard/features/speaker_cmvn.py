@@ -19,6 +19,7 @@ import numpy as np
 STATS_FIELD = "cmvn"  # the sample field holding its speaker's statistics (``KEY.cmvn.npy``)
 SPEAKER_FIELD = "spk"  # the sample field holding its speaker (``KEY.spk.txt``)
 VARIANCE_FLOOR = 1.0e-20  # Kaldi's
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def stats_problem(stats: np.ndarray, dim: int | None = None) -> str | None:
@@ -33,6 +34,8 @@ def stats_problem(stats: np.ndarray, dim: int | None = None) -> str | None:
     count = float(stats[0, -1])
     if count < 1.0:
         return f"the statistics count {count:g} frames (Kaldi needs at least 1)"
+    if np.abs(stats[0, :-1] / count).max() > FLOAT32_MAX:
+        return "the statistics' means are beyond float features' range (3.4e38)"
     return None
 
 
@@ -59,4 +62,7 @@ class SpeakerCmvn:
             return feats + (-mean).astype(np.float32)
         variance = np.maximum(stats[1, :dim] / count - mean * mean, VARIANCE_FLOOR)
         scale = 1.0 / np.sqrt(variance)
-        return feats * scale.astype(np.float32) + (-(mean * scale)).astype(np.float32)
+        offset = -(mean * scale)
+        if np.abs(offset).max() > FLOAT32_MAX:
+            raise ValueError("the statistics' offsets (-mean / std) are beyond float features' range (3.4e38)")
+        return feats * scale.astype(np.float32) + offset.astype(np.float32)

@@ -19,16 +19,18 @@ embedded) or, decoded, ``{"array", "sampling_rate"}``.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ..checks import shown
 from ..errors import ConfigError, InputError, Where, option
 from .audio import Audio, decode_audio
 
@@ -38,6 +40,8 @@ if TYPE_CHECKING:
 TEXT_COLUMNS = ("text", "sentence", "transcript", "transcription", "normalized_text")
 ID_COLUMN = "id"
 ENCODED_CELL, DECODED_CELL = {"bytes", "path"}, {"array", "sampling_rate"}
+MAX_SAMPLE_RATE = 655350  # FLAC's highest rate (libsndfile's); no recording is sampled faster
+FILE_KINDS = {"parquet": "a parquet", "arrow": "an Arrow"}
 SPLIT_NAME = re.compile(r"(?P<split>[A-Za-z0-9_.]+?)(?:[-_.].*)?")  # a split's files: SPLIT-00000-of-00004.parquet
 
 
@@ -66,7 +70,7 @@ def dataset_files(path: str | Path, split: str | None = None) -> DatasetFiles:
     text = str(path)
     root = Path(text)
     if (root / "dataset_dict.json").is_file():
-        splits = json.loads((root / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+        splits = _names(root / "dataset_dict.json", "splits", lambda name: name)
         chosen = _choose(splits, split, root)
         return DatasetFiles(_saved_split(root / chosen), "arrow", chosen)
     if (root / "state.json").is_file():
@@ -109,8 +113,29 @@ def _choose(splits: Sequence[str], split: str | None, root: Path) -> str:
 
 
 def _saved_split(folder: Path) -> tuple[Path, ...]:
-    state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
-    return tuple(folder / item["filename"] for item in state["_data_files"])
+    files = _names(
+        folder / "state.json", "_data_files", lambda item: item.get("filename") if isinstance(item, dict) else None
+    )
+    return tuple(folder / name for name in files)
+
+
+def _names(path: Path, field: str, name_of: Callable[[Any], Any]) -> list[str]:
+    """The names ``field`` of a ``save_to_disk`` JSON file lists (``name_of`` each item's),
+    each a file or folder beside it: ConfigError naming the file when it is not JSON, lacks
+    the list, or names something elsewhere (``..``, a path)."""
+    fix = "Fix: save the dataset again with datasets' save_to_disk."
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ConfigError(f"{path} cannot be read as JSON ({str(error)[:200]}). {fix}") from None
+    items = document.get(field) if isinstance(document, dict) else None
+    if not isinstance(items, list) or not items:
+        raise ConfigError(f"{path} has no list {field!r} (found {shown(items)}). {fix}")
+    names = [name_of(item) for item in items]
+    for name in names:
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise ConfigError(f"{path}: {field} names {shown(name)}, not a file or folder beside it. {fix}")
+    return names
 
 
 def _split_of(file: Path, root: Path | None) -> str:
@@ -135,9 +160,14 @@ class Batches:
     def schema(self) -> pa.Schema:
         pa = pyarrow()
         first = self.dataset.files[0]
-        if self.dataset.kind == "parquet":
-            return pa.parquet.read_schema(first)
-        return self._arrow(first).schema
+        with self._reading(first):
+            if self.dataset.kind == "parquet":
+                return pa.parquet.read_schema(first)
+            return self._arrow(first).schema
+
+    def _reading(self, path: Path) -> contextlib.AbstractContextManager[None]:
+        """Turns pyarrow's errors about ``path`` into a ConfigError naming it."""
+        return _reading(path, self.dataset.kind)
 
     def _arrow(self, path: Path) -> Any:
         pa = pyarrow()
@@ -153,33 +183,54 @@ class Batches:
             return (reader.get_batch(i) for i in range(reader.num_record_batches))
         return iter(reader)
 
+    def _batches_of(self, path: Path, columns: Sequence[str]) -> Iterator[Any]:
+        if self.dataset.kind == "parquet":
+            file = pyarrow().parquet.ParquetFile(path)
+            return (file.read_row_group(group, columns=list(columns)) for group in range(file.num_row_groups))
+        return (batch.select(list(columns)) for batch in self._arrow_batches(path))
+
     def all(self, columns: Sequence[str]) -> Iterator[tuple[int, int, Any]]:
         """``(file number, batch number, batch)`` of every batch, in order."""
         for number, path in enumerate(self.dataset.files):
-            if self.dataset.kind == "parquet":
-                file = pyarrow().parquet.ParquetFile(path)
-                for group in range(file.num_row_groups):
-                    yield number, group, file.read_row_group(group, columns=list(columns))
-            else:
-                for batch_number, batch in enumerate(self._arrow_batches(path)):
-                    yield number, batch_number, batch.select(list(columns))
+            with self._reading(path):
+                batches = enumerate(self._batches_of(path, columns))
+            while True:
+                with self._reading(path):
+                    found = next(batches, None)
+                if found is None:
+                    break
+                yield number, *found
 
     def batch(self, file: int, number: int, columns: Sequence[str]) -> Any:
         """Batch ``number`` of file ``file`` (read forward: batches asked for in order are read once)."""
         path = self.dataset.files[file]
-        if self.dataset.kind == "parquet":
-            if self._open is None or self._open[0] != file:
-                self._open = file, pyarrow().parquet.ParquetFile(path)
-            return self._open[1].read_row_group(number, columns=list(columns))
-        if self._stream is None or self._stream[0] != file or self._stream[1] > number:
-            self._stream = file, 0, self._arrow_batches(path)
-        file_, at, batches = self._stream
-        for batch in batches:
-            self._stream = file_, at + 1, batches
-            if at == number:
-                return batch.select(list(columns))
-            at += 1
+        with self._reading(path):
+            if self.dataset.kind == "parquet":
+                if self._open is None or self._open[0] != file:
+                    self._open = file, pyarrow().parquet.ParquetFile(path)
+                return self._open[1].read_row_group(number, columns=list(columns))
+            if self._stream is None or self._stream[0] != file or self._stream[1] > number:
+                self._stream = file, 0, self._arrow_batches(path)
+            file_, at, batches = self._stream
+            for batch in batches:
+                self._stream = file_, at + 1, batches
+                if at == number:
+                    return batch.select(list(columns))
+                at += 1
         raise InputError(Where(path), "unreadable_audio", f"the file has no batch {number} (changed since the scan?).")
+
+
+@contextlib.contextmanager
+def _reading(path: Path, kind: str) -> Iterator[None]:
+    pa = pyarrow()
+    try:
+        yield
+    except (pa.ArrowException, OSError, KeyError) as error:
+        said = str(error)[:200] or type(error).__name__
+        raise ConfigError(
+            f"{path} cannot be read as {kind} ({said}): damaged, cut short, or not {FILE_KINDS[kind]} file with the "
+            "dataset's columns. Fix: download or save it again."
+        ) from None
 
 
 def _feature_types(schema: pa.Schema) -> dict[str, str]:
@@ -242,6 +293,13 @@ def _given(name: str, names: Sequence[str], flag: str) -> str:
 def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tuple[bytes | None, Audio]:
     """An audio cell's encoded bytes (None for a decoded cell) and its audio."""
     if isinstance(cell, dict) and cell.get("bytes") is not None:
+        if not isinstance(cell["bytes"], (bytes, bytearray, memoryview)):
+            raise InputError(
+                where,
+                "unreadable_audio",
+                f'the audio cell\'s "bytes" are {shown(cell["bytes"])}, not the bytes of an audio file.',
+                "check the audio column (a binary column of encoded audio).",
+            )
         data = bytes(cell["bytes"])
         return data, decode_audio(data, where, channel)
     if isinstance(cell, dict) and isinstance(cell.get("path"), str) and "array" not in cell:
@@ -258,7 +316,16 @@ def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tu
             ) from None
         return data, decode_audio(data, where, channel)
     if isinstance(cell, dict) and cell.get("array") is not None and isinstance(cell.get("sampling_rate"), int):
-        return None, decoded_audio(np.asarray(cell["array"], dtype=np.float64), cell["sampling_rate"], where, channel)
+        try:
+            array = np.asarray(cell["array"], dtype=np.float64)
+        except (TypeError, ValueError):
+            raise InputError(
+                where,
+                "unreadable_audio",
+                f"the decoded audio's array holds values that are not numbers ({shown(cell['array'])}).",
+                "check the audio column.",
+            ) from None
+        return None, decoded_audio(array, cell["sampling_rate"], where, channel)
     raise InputError(
         where,
         "unreadable_audio",
@@ -277,8 +344,12 @@ def decoded_audio(array: np.ndarray, rate: int, where: Where, channel: int | Non
                 where, "bad_channel", f"channel {channel} does not exist: the audio has {frames.shape[1]}."
             )
         array = frames[:, channel] if channel is not None else frames.mean(axis=1)
-    if array.ndim != 1 or rate <= 0 or not len(array):
-        raise InputError(where, "unreadable_audio", f"the decoded audio has shape {array.shape} at {rate} Hz.")
+    if array.ndim != 1 or not 0 < rate <= MAX_SAMPLE_RATE or not len(array):
+        raise InputError(
+            where,
+            "unreadable_audio",
+            f"the decoded audio has shape {array.shape} at {rate} Hz (audio is 1 to {MAX_SAMPLE_RATE} Hz).",
+        )
     subtype = "FLOAT"
     if np.abs(array).max() <= 1.0:
         for name, scale in (("PCM_16", 1 << 15), ("PCM_24", 1 << 23)):

@@ -193,10 +193,11 @@ class ShardEntry:
         entry = _mapping(entry, "a shard entry")
         name = entry.get("name")
         size = _count("bytes", entry.get("bytes"), MAX_BYTES)
-        utts = _count("num_utts", entry.get("num_utts"), max_samples(name if isinstance(name, str) else "", size))
+        most = min(MAX_LENGTH, max_samples(name if isinstance(name, str) else "", size))
+        utts = _count("num_utts", entry.get("num_utts"), most)
         frames = _count("num_frames", entry.get("num_frames"))
         shortest, longest = (
-            None if entry.get(f) is None else _count(f, entry[f]) for f in ("min_frames", "max_frames")
+            None if entry.get(f) is None else _count(f, entry[f], MAX_LENGTH) for f in ("min_frames", "max_frames")
         )
         histogram = {}
         for bin_, count in _mapping(entry.get("length_hist", {}), "its length_hist").items():
@@ -247,7 +248,8 @@ class ShardEntry:
 
 MAX_BYTES = 1 << 56  # a size in bytes beyond this is not a file's
 MAX_COUNT = 1 << 53  # counts of utterances and frames beyond this are not a dataset's
-MAX_BIN = 64 * BINS_PER_OCTAVE  # the bin of a length of 2**64 frames
+MAX_LENGTH = (1 << 31) - 1  # an utterance's length and a shard's utterance count are int32 wherever they are kept
+MAX_BIN = 31 * BINS_PER_OCTAVE - 1  # the bin of a length of MAX_LENGTH frames
 
 
 def max_samples(name: str, size: int) -> int:

@@ -176,7 +176,7 @@ class ListSampleStream:
             if self._read_data:
                 fields.update(self._audio(record))
                 if "txt" in record:
-                    fields["txt"] = str(record["txt"]).encode("utf-8")
+                    fields["txt"] = record["txt"].encode("utf-8")
                 if "start" in record or "end" in record:
                     fields[SEGMENT_FIELD] = json.dumps({"start": record["start"], "end": record["end"]}).encode()
                 fields.update(self._more_fields(record))
@@ -237,6 +237,12 @@ class ListSampleStream:
                 "a NeMo manifest line (audio_filepath): give the file a .json or .jsonl name, read as NeMo's"
                 if isinstance(record, dict) and "audio_filepath" in record
                 else 'write the list in that form (e.g. {"key": "utt1", "wav": "a.wav", "txt": "hello"}).',
+            )
+        if "txt" in record and not isinstance(record["txt"], str):
+            raise InputError(
+                Where(where.path, where.line, record["key"]),
+                "malformed_line",
+                f'"txt" must be a string (found {record["txt"]!r:.40}).',
             )
         if "start" in record or "end" in record:
             start, end = record.get("start", 0), record.get("end", -1)

@@ -273,7 +273,7 @@ def read_layout(index: np.ndarray, idx_path: Path) -> tuple[str, int, int, int]:
     )
 
 
-def _dtype_of(layout: str, code: int, idx_path: Path) -> np.dtype:
+def dtype_of(layout: str, code: int, idx_path: Path) -> np.dtype:
     if code in DTYPE_OF_CODE[layout]:
         return np.dtype(DTYPE_OF_CODE[layout][code])
     known = sorted(DTYPE_OF_CODE[layout])
@@ -306,7 +306,7 @@ class TokenDataset:
                 raise ConfigError(f"{path} does not exist (a token dataset is PREFIX.bin + PREFIX.idx).")
         index = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
         self.layout, code, count, documents = read_layout(index, self.idx_path)
-        self.dtype = _dtype_of(self.layout, code, self.idx_path)
+        self.dtype = dtype_of(self.layout, code, self.idx_path)
         offset = HEADER.size if self.layout == "megatron" else FAIRSEQ_HEADER.size
         self.sizes = np.frombuffer(index, dtype="<i4", count=count, offset=offset)
         self.pointers = np.frombuffer(index, dtype="<i8", count=count, offset=offset + count * 4)

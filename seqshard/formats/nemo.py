@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, InputError, Where, option
+from .index import MAX_LENGTH
 from .lists import ListSampleStream, scan_list
 from .patterns import FIELD_SET_NAME, nemo_braces
 
@@ -36,6 +37,7 @@ TEXT_KEYS = ("text", "normalized_text")
 ID_KEY = "id"
 SHARD_KEY = "shard_id"  # the tar of a tarred set's entry (nemo_tarred.py)
 READ_KEYS = frozenset({*AUDIO_KEYS, *TEXT_KEYS, ID_KEY, SHARD_KEY, "duration", "offset"})  # not extra fields
+MAX_SECONDS = MAX_LENGTH // 100  # lengths are kept as int32 counts of 10 ms frames (about 248 days)
 MANIFEST_FIX = 'each line is a JSON object with "audio_filepath" and "duration" (NeMo\'s manifest format).'
 
 
@@ -103,16 +105,19 @@ def parse_entry(line: bytes | str, where: Where) -> Entry:
     if not isinstance(audio, str) or not audio:
         raise InputError(where, "malformed_line", 'the line has no "audio_filepath" string.', MANIFEST_FIX)
     duration, offset = _seconds(record.get("duration")), record.get("offset")
-    if duration is None or duration <= 0:
+    if duration is None or not 0 < duration <= MAX_SECONDS:
         raise InputError(
             where,
             "malformed_line",
-            f'"duration" must be a positive number of seconds (found {record.get("duration")!r:.40}).',
+            f'"duration" must be a positive number of seconds up to {MAX_SECONDS} (found {record.get("duration")!r:.40}).',
             MANIFEST_FIX,
         )
-    if offset is not None and (_seconds(offset) is None or offset < 0):
+    if offset is not None and (_seconds(offset) is None or not 0 <= offset <= MAX_SECONDS):
         raise InputError(
-            where, "malformed_line", f'"offset" must be a number of seconds >= 0 (found {offset!r:.40}).', MANIFEST_FIX
+            where,
+            "malformed_line",
+            f'"offset" must be a number of seconds from 0 to {MAX_SECONDS} (found {offset!r:.40}).',
+            MANIFEST_FIX,
         )
     text = next((record[k] for k in TEXT_KEYS if k in record), "")
     if not isinstance(text, str):

@@ -42,6 +42,8 @@ from .tar import BLOCK, TarRecord, TarStream
 
 _LOG = logging.getLogger("seqshard")
 TAR_NAME = re.compile(r"audio[^/]*_(\d+)[^/]*\.tar")  # NeMo's rule for a tar's shard id
+TAR_NAME_ID = re.compile(r"^(audio[^/]*_)(\d+)([^/]*\.tar)$")  # the same, to name another shard's tar alike
+SHARDED_ID = re.compile(r"manifest_(\d+)\.json")
 TARRED_MANIFEST = "tarred_audio_manifest.json"
 SHARDED_MANIFEST = "sharded_manifests/manifest_{}.json"
 SUB_ENTRY = re.compile(r"(?P<stem>.+)-sub\d+(?P<ext>\.\w+)?")  # a further cut of one stored file
@@ -61,6 +63,16 @@ def nemo_shard_of(path: str | Path) -> tuple[int, Path] | None:
         if manifest.is_file():
             return shard, manifest
     return None
+
+
+def _manifest_shard_ids(folder: Path) -> set[int]:
+    """The shard ids a tarred set's manifests name: those of its sharded manifests' names,
+    else of the entries of ``tarred_audio_manifest.json``."""
+    sharded = [SHARDED_ID.fullmatch(p.name) for p in (folder / "sharded_manifests").glob("manifest_*.json")]
+    if any(sharded):
+        return {int(match[1]) for match in sharded if match}
+    manifest = folder / TARRED_MANIFEST
+    return set(MANIFESTS.shard_ids(manifest)) if manifest.is_file() else set()
 
 
 def is_nemo_folder(folder: Path) -> bool:
@@ -101,6 +113,12 @@ class _Manifests:
                 stream.seek(offset)
                 entries.append(_entry(stream.readline(), manifest, offset)[0])
         return entries
+
+    def shard_ids(self, manifest: Path) -> list[int]:
+        """The shard ids ``manifest``'s entries name."""
+        self.entries(manifest, -1)
+        assert self._scanned is not None
+        return list(self._scanned[1])
 
     @staticmethod
     def _scan(manifest: Path) -> dict[int, array]:
@@ -240,29 +258,34 @@ class NemoTarStream:
 
 def nemo_index(folder: Path) -> ShardIndex | None:
     """The index a NeMo tarred set's manifest implies for ``folder`` (its tars: entry counts,
-    lengths in 10 ms frames from the durations), or None when ``folder`` holds none."""
+    lengths in 10 ms frames from the durations), or None when ``folder`` holds none. A shard
+    id the manifest names without its tar in the folder is listed too (named as the others
+    are), so that the tar is a missing shard, never silently fewer samples."""
     if not folder.is_dir() or not is_nemo_folder(folder):
         return None
+    tars = {found[0]: (path, found[1]) for path in shards_in_folder(folder) if (found := nemo_shard_of(path))}
+    if not tars:
+        return None
+    some_tar = next(iter(tars.values()))[0]
+    for shard in sorted(_manifest_shard_ids(folder) - set(tars)):
+        path = folder / TAR_NAME_ID.sub(lambda m, n=shard: f"{m[1]}{n}{m[3]}", some_tar.name, count=1)
+        manifest = folder / SHARDED_MANIFEST.format(shard)
+        tars[shard] = path, manifest if manifest.is_file() else folder / TARRED_MANIFEST
     entries = []
-    for path in shards_in_folder(folder):
-        found = nemo_shard_of(path)
-        if found is None:
-            continue
-        frames = [max(1, round(e.duration * 100)) for e in MANIFESTS.entries(found[1], found[0])]
+    for shard, (path, manifest) in sorted(tars.items()):
+        frames = [max(1, round(e.duration * 100)) for e in MANIFESTS.entries(manifest, shard)]
         entries.append(
             ShardEntry(
                 path.name,
                 len(frames),
                 sum(frames),
-                path.stat().st_size,
+                path.stat().st_size if path.is_file() else 0,
                 "",
                 dict(Counter(length_bin(f) for f in frames)),
                 min(frames, default=None),
                 max(frames, default=None),
             )
         )
-    if not entries:
-        return None
     return ShardIndex(
         entries,
         feature={"field": "audio", "kind": "audio", "label_field": "txt", "frame_shift_ms": 10.0},

@@ -19,9 +19,17 @@ from pathlib import Path
 from ..errors import ConfigError, ShardError, counted, option
 from .index import ShardIndex
 from .lists import shard_list
-from .nemo_tarred import nemo_index
+from .nemo_tarred import NEMO_FORMAT, nemo_index
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
-from .patterns import Alternative, Patterns, expand_pattern, in_fields_folder, old_layout_sidecar, pattern_list
+from .patterns import (
+    Alternative,
+    Patterns,
+    expand_pattern,
+    in_fields_folder,
+    is_shard_name,
+    old_layout_sidecar,
+    pattern_list,
+)
 from .shar import shar_index
 from .streams import same_keys
 
@@ -177,11 +185,18 @@ def _absent(alternative: Alternative, selection: ShardSelection) -> list[Missing
         if index is not None:
             expected = {entry.name: entry.num_utts for entry in index.shards}
             why = "listed in its folder's index.json, but the file is missing"
+            if index.source.get("format") == NEMO_FORMAT:
+                why = "its shard id has entries in the folder's NeMo manifest, but the tar is missing"
         else:
             planned = planned_in_folder(folder)
             if planned is None:
                 if _unfinished_without_record(folder):
                     absent.append(MissingShard(folder, "written by a pack that has not finished (no index.json)"))
+                absent.extend(
+                    MissingShard(link, f"a link to {os.readlink(link)}, which does not exist")
+                    for link in dangling_shard_links(folder)
+                    if alternative.covers(link)
+                )
                 continue
             expected = planned
             why = "planned by a pack that has not finished writing it (no index.json yet)"
@@ -193,6 +208,12 @@ def _absent(alternative: Alternative, selection: ShardSelection) -> list[Missing
     if alternative.kind == "file" and not alternative.files and not absent:
         absent.append(MissingShard(Path(alternative.text), "named in the pattern, but it does not exist"))
     return absent
+
+
+def dangling_shard_links(folder: Path) -> list[Path]:
+    """Links named like shards in ``folder`` whose target does not exist (a disk not mounted,
+    a copy removed): shards that should be there."""
+    return sorted(p for p in folder.iterdir() if is_shard_name(p.name) and p.is_symlink() and not p.exists())
 
 
 def _unfinished_without_record(folder: Path) -> bool:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checks import shown
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import Audio
 from ..formats.files import open_output
@@ -36,12 +37,29 @@ SAMPLED_BYTES = 1 << 20  # the head and tail hashed for a file's identity
 
 
 def _parse_row(line: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
-    return json.loads(line)["key"], line.decode("utf-8")
+    row = json.loads(line)
+    if "bad_key" in row:
+        raise InputError(where, "bad_key", f"{row['bad_key']}.", "give ids as strings or whole numbers (--id-column).")
+    return row["key"], line.decode("utf-8")
 
 
 def _parse_text(line: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
     row = json.loads(line)
+    if "bad_text" in row:
+        raise InputError(where, "bad_label", f"{row['bad_text']}.", "choose a column of strings with --text-column.")
     return row["key"], row["text"]
+
+
+def _row(key: object, text: object, columns: tuple[str | None, str], at: list[int], file: Path) -> dict:
+    """A row of ``rows.jsonl``: its key and text as strings, or why its cells cannot be one
+    (a null id, a list or bytes: never their ``str()``); ``columns``: the id and text columns."""
+    row: dict = {"key": str(key), "text": "" if text is None else str(text), "at": at}
+    where = f"{file}, batch {at[1]}, row {at[2]}"
+    if not isinstance(key, (str, int)) or isinstance(key, bool):
+        row["bad_key"] = f"{where}: its id (column {columns[0]}) is {shown(key)}, not a string or a whole number"
+    if text is not None and (not isinstance(text, (str, int, float)) or isinstance(text, bool)):
+        row["bad_text"] = f"{where}: its text (column {columns[1]}) is {shown(text)}, not a string"
+    return row
 
 
 class DatasetSource(AudioSource):
@@ -93,13 +111,10 @@ class DatasetSource(AudioSource):
                 texts = batch.column(self.text_column).to_pylist()
                 keys = batch.column(self.id_column).to_pylist() if self.id_column else None
                 for row, text in enumerate(texts):
-                    key = str(keys[row]) if keys is not None else f"{prefix}-{number:09d}"
-                    rows.write(
-                        json.dumps(
-                            {"key": key, "text": "" if text is None else str(text), "at": [file, batch_number, row]}
-                        )
-                        + "\n"
-                    )
+                    key = keys[row] if keys is not None else f"{prefix}-{number:09d}"
+                    at = [file, batch_number, row]
+                    columns = (self.id_column, self.text_column)
+                    rows.write(json.dumps(_row(key, text, columns, at, self.dataset.files[file])) + "\n")
                     number += 1
         os.replace(temporary, self.rows_file)
 
@@ -155,5 +170,5 @@ class _DatasetReader(_AudioReader):
     def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int, str | None]:
         members, frames, how = super().read(row, key, value, where)
         if self.options.fields:
-            members += field_members(self._cell(value)[0], self.options.fields)
+            members += field_members(self._cell(value)[0], self.options.fields, where)
         return members, frames, how

@@ -72,5 +72,5 @@ class _ManifestReader(_AudioReader):
     def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int, str | None]:
         members, frames, how = super().read(row, key, value, where)
         if self.options.fields:
-            members += field_members(parse_entry(value, where).record, self.options.fields)
+            members += field_members(parse_entry(value, where).record, self.options.fields, where)
         return members, frames, how

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checks import read_number
+from ..checks import read_number, shown
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import (
     Audio,
@@ -451,6 +451,13 @@ class _AudioReader:
         """The utterance's members, its length and how its audio was stored (``kept mp3``,
         ``wav -> flac``; None for fbank features)."""
         original, audio = self._utterance(key, value, where)
+        if not np.isfinite(audio.samples.sum(dtype=np.float64)):  # float WAV, decoded arrays: never stored
+            raise InputError(
+                where,
+                "non_finite",
+                f"the audio holds NaN or infinity (first at sample {int(np.flatnonzero(~np.isfinite(audio.samples))[0])}).",
+                "check how the audio was made.",
+            )
         planned = int(self.plan.frames[row]) if self.plan is not None else -1
         frames = round(audio.seconds * 100)
         if planned >= 0 and abs(planned - frames) > 1:
@@ -491,15 +498,25 @@ class _AudioReader:
 # shared helpers
 
 
-def field_members(values: Mapping[str, Any], names: Sequence[str]) -> Members:
+def field_members(values: Mapping[str, Any], names: Sequence[str], where: Where) -> Members:
     """Extra fields kept on request (``fields``): each of ``names`` as ``NAME.json``, or
-    ``NAME.nodata`` where ``values`` lacks it."""
-    return [
-        (f"{name}.json", [json.dumps(values[name], ensure_ascii=False).encode("utf-8")])
-        if name in values
-        else (f"{name}.{NODATA}", [b""])
-        for name in names
-    ]
+    ``NAME.nodata`` where ``values`` lacks it; InputError (``bad_field``) for a value JSON
+    cannot hold (bytes, NaN, infinity)."""
+    members: Members = []
+    for name in names:
+        if name not in values:
+            members.append((f"{name}.{NODATA}", [b""]))
+            continue
+        try:
+            members.append((f"{name}.json", [json.dumps(values[name], ensure_ascii=False, allow_nan=False).encode()]))
+        except (TypeError, ValueError):
+            raise InputError(
+                where,
+                "bad_field",
+                f"field {name!r} is {shown(values[name])}, which JSON cannot hold (bytes, NaN or infinity).",
+                f"leave {name} out of {option('fields', '...')}, or make its values numbers, strings or lists.",
+            ) from None
+    return members
 
 
 def _beside(files: Sequence[Path], name: str) -> list[Path]:

@@ -34,13 +34,14 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ..formats.mmidx import paths_of, read_layout
+from ..formats.mmidx import dtype_of, paths_of, read_layout
 from ..text.fairseq_dict import FairseqDictionary
 from .pairs import TokenPair
 
 LANG_TOK_STYLES = {"multilingual": "__{}__", "mbart": "[{}]"}  # fairseq's get_lang_tok
 SHARD_MODES = ("epoch", "all", "first")
 _NUMBERS = re.compile(r"(\d+)")
+SAMPLED_BYTES = 1 << 12  # of each .bin's head and tail whose ids are checked against its dictionary
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,8 @@ def token_pairs(
         tgt_id = token_ids.id(tgt, tgt) if decoder_langtok else None
         holding = [(folder, parts.get((src, tgt)) or parts.get((tgt, src))) for folder, parts in zip(searched, found)]
         holding = [(folder, prefixes) for folder, prefixes in holding if prefixes]
-        shards_of = tuple(_parts(prefixes, src, tgt, src_id, tgt_id) for _, prefixes in holding)
+        sizes = {src: token_ids.size(src), tgt: token_ids.size(tgt)}
+        shards_of = tuple(_parts(prefixes, src, tgt, src_id, tgt_id, sizes) for _, prefixes in holding)
         directions.append(Direction(src, tgt, tuple(str(folder) for folder, _ in holding), shards_of, mode))
     return DataBin(
         str(data_bin) if isinstance(data_bin, (str, Path)) else str(folders[0].parent),
@@ -287,12 +289,15 @@ def _wanted(
     return wanted
 
 
-def _parts(prefixes: list[str], src: str, tgt: str, src_id: int | None, tgt_id: int | None) -> tuple[Part, ...]:
-    """Direction ``src-tgt``'s parts in one folder, from their stored prefixes (either name)."""
+def _parts(
+    prefixes: list[str], src: str, tgt: str, src_id: int | None, tgt_id: int | None, sizes: dict[str, tuple[int, Path]]
+) -> tuple[Part, ...]:
+    """Direction ``src-tgt``'s parts in one folder, from their stored prefixes (either name);
+    ``sizes``: each language's dictionary size and file, which the ids must stay below."""
     parts = []
     for prefix in prefixes:
         pair = TokenPair(f"{prefix}.{src}", f"{prefix}.{tgt}", src_id, tgt_id)
-        count, other = _sequences(pair.src), _sequences(pair.tgt)
+        count, other = _sequences(pair.src, *sizes[src]), _sequences(pair.tgt, *sizes[tgt])
         if other != count:
             raise ConfigError(
                 f"{pair.src} holds {count} sentences but {pair.tgt} {other}: the two sides of a direction need one "
@@ -302,17 +307,34 @@ def _parts(prefixes: list[str], src: str, tgt: str, src_id: int | None, tgt_id: 
     return tuple(parts)
 
 
-def _sequences(prefix: str) -> int:
+def _sequences(prefix: str, vocab: int, dictionary: Path) -> int:
     """The sentence count in a ``.idx`` header (the file's pages are not read), once its
-    ``.bin`` is known to exist; the whole index is checked when an epoch opens it."""
+    ``.bin`` is known to exist; the whole index is checked when an epoch opens it. The ids at
+    the ``.bin``'s head and tail must be below ``vocab``, the size of its ``dictionary``: a
+    ``.bin`` binarized with another dictionary would give other words' ids, and ids past the
+    dictionary would be taken for language tokens."""
     bin_path, idx_path = paths_of(prefix)
     if not bin_path.is_file():
         raise ConfigError(f"{bin_path} does not exist (a token dataset is PREFIX.bin + PREFIX.idx).")
     index = np.memmap(idx_path, dtype=np.uint8, mode="r")
     try:
-        return int(read_layout(index, idx_path)[2])
+        layout, code, count, _ = read_layout(index, idx_path)
     finally:
         del index
+    dtype = dtype_of(layout, code, idx_path)
+    with open(bin_path, "rb") as stream:
+        head = stream.read(SAMPLED_BYTES)
+        stream.seek(max(0, bin_path.stat().st_size - SAMPLED_BYTES))
+        tail = stream.read()
+    for part in (head, tail):
+        ids = np.frombuffer(part[: len(part) - len(part) % dtype.itemsize], dtype=dtype)
+        if len(ids) and int(ids.max()) >= vocab:
+            raise ConfigError(
+                f"{bin_path} holds token id {int(ids.max())}, but {dictionary} has {vocab} ids (0 to {vocab - 1}, "
+                "fairseq's four specials first): it was binarized with another dictionary. Fix: binarize it again "
+                "with this dictionary, or put the dictionary it was made with in the first shard folder."
+            )
+    return int(count)
 
 
 class _LangTokens:
@@ -325,6 +347,8 @@ class _LangTokens:
         self.languages = languages
         self.style = style
         self._loaded: dict[str, dict[str, int]] = {}  # content digest -> token ids after augmenting
+        self._sizes: dict[str, int] = {}  # content digest -> the dictionary's ids
+        self._size_of: dict[Path, int] = {}
         self.found: dict[str, int] = {}
 
     def id(self, dictionary_lang: str, lang: str) -> int:
@@ -333,6 +357,11 @@ class _LangTokens:
         ids = self._augmented(dictionary_lang)
         self.found.setdefault(token, ids[token])
         return ids[token]
+
+    def size(self, lang: str) -> tuple[int, Path]:
+        """The size of ``lang``'s dictionary (its ids, language tokens not added) and its file."""
+        self._augmented(lang)
+        return self._size_of[self.dictionaries[lang]], self.dictionaries[lang]
 
     def _augmented(self, dictionary_lang: str) -> dict[str, int]:
         path = self.dictionaries[dictionary_lang]
@@ -345,7 +374,7 @@ class _LangTokens:
         if digest not in self._loaded:
             dictionary = FairseqDictionary(path)
             tokens = {}
-            size = len(dictionary)
+            size = self._sizes[digest] = len(dictionary)
             for lang in self.languages:
                 token = self.style.format(lang)
                 if token in dictionary.ids:
@@ -354,4 +383,5 @@ class _LangTokens:
                     tokens[token] = size
                     size += 1
             self._loaded[digest] = tokens
+        self._size_of[path] = self._sizes[digest]
         return self._loaded[digest]

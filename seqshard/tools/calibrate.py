@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..checks import check_number
 from ..errors import ConfigError
 from ..formats.budgets import Budgets, save_budgets
 from ..formats.index import bin_bounds
@@ -180,6 +181,15 @@ def calibrate(
     CPU when it raises no out-of-memory error. ``report`` gets a line per bucket."""
     import torch
 
+    for name, value in (
+        ("buckets", buckets),
+        ("dim", dim),
+        ("max_batch_size", max_batch_size),
+        ("max_memory", max_memory),
+    ):
+        check_number(name, value, whole=True, at_least=1, optional=name in ("dim", "max_memory"))
+    check_number("vocab_size", vocab_size, whole=True, at_least=2, what="a whole number >= 2 (ids from 1, 0 the blank)")
+    check_number("memory_fraction", memory_fraction, above=0, at_most=1, optional=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     limit = _memory_limit(device, memory_fraction, max_memory)
     table = ShardTable.from_patterns(shards)

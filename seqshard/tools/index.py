@@ -71,6 +71,13 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
         )
     nemo = nemo_index(root)
     if nemo is not None:  # counts and lengths are the manifest's (its durations), as NeMo reads them
+        missing = [entry.name for entry in nemo.shards if not (root / entry.name).is_file()]
+        if missing:
+            raise ConfigError(
+                f"{root}: the NeMo manifest has entries of {counted(len(missing), 'tar')} the folder lacks "
+                f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): restore them, or remove their entries "
+                "from the manifest."
+            )
         nemo.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         nemo.created_by = f"seqshard {__version__} index (a NeMo tarred set's manifest)"
         with FolderLocks([root], "seqshard index"):
