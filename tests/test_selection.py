@@ -124,3 +124,17 @@ def test_a_dangling_link_named_like_a_shard_is_a_missing_shard(tmp_path, pattern
         (folder / "part-1.tar", f"a link to {tmp_path / 'unmounted/part-1.tar'}, which does not exist")
     ]
     assert select_shards(str(folder / "part-0.tar")).missing == []  # a shard named alone: the link is not asked for
+
+
+def test_index_refuses_a_folder_with_a_dangling_link_named_like_a_shard(tmp_path):
+    """An index of the other shards would hide the linked one for good."""
+    from seqshard.errors import ConfigError
+    from seqshard.tools.index import rebuild_index
+
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    (folder / "part-0.tar").write_bytes(b"\0" * 1024)
+    (folder / "part-1.tar").symlink_to(tmp_path / "unmounted/part-1.tar")
+    with pytest.raises(ConfigError, match=r"part-1.tar -> .*unmounted/part-1.tar\): mount or restore"):
+        rebuild_index(folder, progress=False)
+    assert not (folder / "index.json").exists()

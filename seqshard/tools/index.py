@@ -35,7 +35,7 @@ from ..formats.patterns import (
     shard_subfolders,
     shards_in_folder,
 )
-from ..formats.selection import is_sidecar
+from ..formats.selection import dangling_shard_links, is_sidecar
 from ..formats.shar import is_shar_folder
 from ..formats.tar import member_table
 from ..prep.journal import finished_shards
@@ -87,6 +87,14 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
         raise ConfigError(f"{root} holds no shard files ({', '.join(SHARD_SUFFIXES)}), nor do its sub-folders.")
     for folder in folders:
         inside(root, folder)  # nothing is written through a link out of the folder
+        dangling = dangling_shard_links(folder)
+        if dangling:  # an index without them would hide those shards for good
+            raise ConfigError(
+                f"{folder}: {counted(len(dangling), 'link')} named like a shard point at nothing "
+                f"({', '.join(f'{p.name} -> {os.readlink(p)}' for p in dangling[:3])}"
+                f"{' ...' if len(dangling) > 3 else ''}): mount or restore what they point at, or remove the links, "
+                "then index again."
+            )
     with FolderLocks([root, *folders, *filter(None, [pack_root(root)])], "seqshard index"):
         return _rebuild(root, folders, jobs, progress, move_sidecars)
 
