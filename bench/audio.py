@@ -30,42 +30,17 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import soundfile
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
+from common import speech_corpus as make_corpus
 from common import with_quick
 from fbank import knf_frames  # bench/fbank.py: the same bare-loop baseline
 
 from seqshard import make_loader, pack_data
 
-RATE = 16000
-SPEECH = Path(__file__).parent.parent / "tests" / "realdata" / "audio"
 UTTS_PER_FILE = 25  # several shards, so that jobs have shards to share
-SOURCES = ["librispeech/1995-1837-0001.wav", "aishell1/BAC009S0724W0121.wav", "ami/ES2011a.Headset-0-40s-46s.wav"]
-
-
-def make_corpus(root: Path, minutes: float, seed: int = 0) -> tuple[Path, Path, float]:
-    """wav.scp + text of about ``minutes`` of speech; returns (wav.scp, text, seconds)."""
-    root.mkdir(parents=True, exist_ok=True)
-    pool = np.concatenate([soundfile.read(SPEECH / name, dtype="int16")[0] for name in SOURCES])
-    rng = np.random.default_rng(seed)
-    scp, text, total = [], [], 0.0
-    number = 0
-    while total < minutes * 60:
-        length = int(rng.uniform(2, 15) * RATE)
-        start = int(rng.integers(0, len(pool) - min(length, len(pool) - 1)))
-        piece = np.resize(np.roll(pool, -start), length) * rng.uniform(0.3, 1.0)
-        key = f"utt{number:06d}"
-        soundfile.write(root / f"{key}.wav", piece.astype(np.int16), RATE, subtype="PCM_16")
-        scp.append(f"{key} {root / f'{key}.wav'}\n")
-        text.append(f"{key} WORDS OF UTTERANCE {number}\n")
-        total += length / RATE
-        number += 1
-    (root / "wav.scp").write_text("".join(scp))
-    (root / "text").write_text("".join(text))
-    return root / "wav.scp", root / "text", total
 
 
 def knf_loop(wav_scp: Path) -> float:

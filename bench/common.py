@@ -289,3 +289,38 @@ def packed_corpus(work: Path, gb: float, name: str = "loader-shards", utts_per_f
 
 def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+SPEECH = HERE.parent / "tests" / "realdata" / "audio"
+SPEECH_SOURCES = [
+    "librispeech/1995-1837-0001.wav",
+    "aishell1/BAC009S0724W0121.wav",
+    "ami/ES2011a.Headset-0-40s-46s.wav",
+]
+
+
+def speech_corpus(root: Path, minutes: float, seed: int = 0, rate: int = 16000) -> tuple[Path, Path, float]:
+    """wav.scp + text of about ``minutes`` of speech: utterances of 2-15 s cut from the real
+    16 kHz speech under tests/realdata/audio, each with its own gain, as 16-bit WAV; returns
+    (wav.scp, text, seconds)."""
+    import numpy as np
+    import soundfile
+
+    root.mkdir(parents=True, exist_ok=True)
+    pool = np.concatenate([soundfile.read(SPEECH / name, dtype="int16")[0] for name in SPEECH_SOURCES])
+    rng = np.random.default_rng(seed)
+    scp, text, total = [], [], 0.0
+    number = 0
+    while total < minutes * 60:
+        length = int(rng.uniform(2, 15) * rate)
+        start = int(rng.integers(0, len(pool) - min(length, len(pool) - 1)))
+        piece = np.resize(np.roll(pool, -start), length) * rng.uniform(0.3, 1.0)
+        key = f"utt{number:06d}"
+        soundfile.write(root / f"{key}.wav", piece.astype(np.int16), rate, subtype="PCM_16")
+        scp.append(f"{key} {root / f'{key}.wav'}\n")
+        text.append(f"{key} WORDS OF UTTERANCE {number}\n")
+        total += length / rate
+        number += 1
+    (root / "wav.scp").write_text("".join(scp))
+    (root / "text").write_text("".join(text))
+    return root / "wav.scp", root / "text", total

@@ -1,6 +1,7 @@
 """Does the loader keep the example model fed? Step time from memory against from shards.
 
-    python bench/train_feed.py [--utts 2400] [--epochs 2] [--hidden 256] [--layers 1] [--device cuda] [--quick]
+    python bench/train_feed.py [--utts 2400] [--epochs 2] [--hidden 256] [--layers 1] [--quick]
+    python bench/train_feed.py --device cuda [--audio] [--workers 2]
 
 On a GPU machine (epochs of >= 500 steps, both models; about 5 min each on one H100/H200):
 
@@ -16,11 +17,19 @@ with one torch thread:
     shards w2  make_loader batches, num_workers=2
     shards auto  num_workers="auto" (the count it chose is printed)
 
+With --audio the corpus is speech instead (--minutes of it, cut from tests/realdata/audio, FLAC
+shards) and fbank is made on the fly, which :func:`fbank_rows` compares:
+
+    memory             the epoch's batches (fbank in the workers) materialised first
+    fbank workers wN   features="fbank" in N workers
+    fbank device wN    features="fbank", feature_device=--device: the workers only decode
+
 Prints step time, the ratio against memory, and the data-wait fraction (time waiting for the
 next batch / step time, the loader's own stats()["data_wait"] beside it); writes
-OUT/train_feed.json. With --device cuda (on a GPU machine) the model runs there with pinned
-batches. Goals: CPU, data-wait <= 5%; GPU (issue 24), data-wait <= 1% and step time within 3%
-of memory's with the count "auto" chose.
+OUT/train_feed.json. With --device cuda (on a GPU machine) the model runs there and the loaders
+hand batches over on it (device="cuda": each copied while the step before runs); the memory
+row's batches are on the GPU before the epoch. Goals: CPU, data-wait <= 5%; GPU (issue 24),
+data-wait <= 1% and step time within 3% of memory's with the count "auto" chose.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
-from common import with_quick
+from common import speech_corpus, with_quick
 
 ROOT = Path(__file__).parent.parent
 
@@ -64,6 +73,32 @@ def train_epoch(model, optimizer, ctc, batches, device) -> dict:
     return {"steps": steps, "utts": utts, "seconds": total, "wait": waited}
 
 
+def fbank_rows(workers: int, device: str) -> dict[str, dict]:
+    """make_loader options of audio shards with fbank made in ``workers`` workers, and with the
+    workers only decoding and fbank made where batches are handed over (``device``)."""
+    fbank = dict(features="fbank", num_workers=workers, persistent_workers=workers > 0)
+    return {
+        f"fbank workers w{workers}": fbank,
+        f"fbank device w{workers}": {**fbank, "feature_device": device},
+    }
+
+
+def speech_shards(out: Path, minutes: float) -> tuple[Path, Path]:
+    """FLAC shards of ``minutes`` of speech (made once) and a character units file for them
+    (as seqshard.demo writes one)."""
+    from seqshard import pack_data
+
+    shards = out / "speech-shards"
+    if not (shards / "index.json").exists():
+        wav_scp, text, _ = speech_corpus(out / "speech", minutes)
+        pack_data(None, text, shards, wav_scp=wav_scp, utts_per_file=50, progress=False)
+    chars = sorted({c for line in (out / "speech/text").read_text().splitlines() for c in line.split(" ", 1)[1]})
+    units = out / "speech-units.txt"
+    lines = ["<blank> 0", "<unk> 1"] + [f"{'▁' if c == ' ' else c} {i + 2}" for i, c in enumerate(chars)]
+    units.write_text("\n".join(lines) + "\n")
+    return shards, units
+
+
 def main() -> None:
     from seqshard import make_loader, pack_data
     from seqshard.demo import make_corpus
@@ -77,19 +112,34 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--batch-frames", type=int, default=20000)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--workers", type=int, default=2, help="workers of the last rows")
+    parser.add_argument("--audio", action="store_true", help="speech shards, fbank in the workers and on the device")
+    parser.add_argument("--minutes", type=float, default=20.0, help="of speech, with --audio")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
-    args = with_quick(parser, utts=200, out=ROOT / "bench" / "out" / "quick")
+    args = with_quick(parser, utts=200, minutes=2.0, out=ROOT / "bench" / "out" / "quick")
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     device = torch.device(args.device)
     data = args.out / "train_feed"
-    shards = data / "shards"
-    if not (shards / "index.json").exists() or ShardIndex.load(shards).num_utts != args.utts:
-        shutil.rmtree(data, ignore_errors=True)
-        make_corpus(data / "kaldi", args.utts)
-        pack_data(data / "kaldi/feats.scp", data / "kaldi/text", shards, utts_per_file=200, progress=False)
-    options = dict(batch_frames=args.batch_frames, seed=0, pin_memory=device.type == "cuda")
-    units = data / "kaldi/units.txt"
+    options = dict(batch_frames=args.batch_frames, seed=0, device=args.device if device.type == "cuda" else None)
+    if args.audio:
+        shards, units = speech_shards(data, args.minutes)
+        rows = {"memory": dict(features="fbank", num_workers=args.workers), **fbank_rows(args.workers, args.device)}
+    else:
+        shards = data / "shards"
+        if not (shards / "index.json").exists() or ShardIndex.load(shards).num_utts != args.utts:
+            shutil.rmtree(data / "kaldi", ignore_errors=True)
+            shutil.rmtree(shards, ignore_errors=True)
+            make_corpus(data / "kaldi", args.utts)
+            pack_data(data / "kaldi/feats.scp", data / "kaldi/text", shards, utts_per_file=200, progress=False)
+        units = data / "kaldi/units.txt"
+        shards = f"{shards}/data-*.tar"
+        rows = {
+            "memory": dict(num_workers=0),
+            "shards w0": dict(num_workers=0),
+            f"shards w{args.workers}": dict(num_workers=args.workers, persistent_workers=args.workers > 0),
+            "shards auto": dict(num_workers="auto", persistent_workers=True),
+        }
 
     def fresh_model():
         torch.manual_seed(0)
@@ -97,15 +147,15 @@ def main() -> None:
         return model, torch.optim.Adam(model.parameters(), lr=1e-3), torch.nn.CTCLoss(zero_infinity=True)
 
     results = {}
-    for name, workers in (("memory", 0), ("shards w0", 0), ("shards w2", 2), ("shards auto", "auto")):
-        loader = make_loader(f"{shards}/data-*.tar", units, num_workers=workers, persistent_workers=workers != 0,
-                             **options)  # fmt: skip
+    for name, row in rows.items():
+        loader = make_loader(shards, units, **options, **row)
         model, optimizer, ctc = fresh_model()
         runs = []
         for epoch in range(args.epochs):
             loader.set_epoch(epoch)
             batches = list(loader) if name == "memory" else loader
             runs.append(train_epoch(model, optimizer, ctc, batches, device))
+        loader.close()
         last = runs[-1]  # the first epoch warms up (workers start, pages fault in)
         results[name] = {
             "workers": loader.options.workers.num_workers,
@@ -120,18 +170,19 @@ def main() -> None:
     print(f"{card}; model: {args.layers} LSTM layer(s) of {args.hidden}; second of {args.epochs} epochs, "
           f"{results['memory']['steps']} steps an epoch")  # fmt: skip
     print(
-        f"{'fed from':12s} {'workers':>7s} {'ms/step':>8s} {'vs memory':>9s} {'data-wait':>9s} {'(loader)':>8s} {'utts/s':>7s}"
+        f"{'fed from':18s} {'workers':>7s} {'ms/step':>8s} {'vs memory':>9s} {'data-wait':>9s} {'(loader)':>8s} {'utts/s':>7s}"
     )
     for name, found in results.items():
         found["vs_memory"] = round(found["step_ms"] / base, 3)
-        print(f"{name:12s} {found['workers']:>7} {found['step_ms']:8.2f} {found['vs_memory']:8.3f}x "
+        print(f"{name:18s} {found['workers']:>7} {found['step_ms']:8.2f} {found['vs_memory']:8.3f}x "
               f"{found['data_wait']:9.1%} {found['loader_data_wait']:8.1%} {found['utts_per_s']:7.0f}")  # fmt: skip
     if device.type == "cuda":
         print("goal (GPU): data-wait <= 1% and ms/step within 3% of memory's (1.03x) for 'shards auto'")
     else:
         print("goal (CPU): data-wait <= 5% of step time")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "train_feed.json").write_text(json.dumps({"device": args.device, "card": card, **results}, indent=1))
+    found = {"device": args.device, "card": card, "audio": args.audio, **results}
+    (args.out / f"train_feed{'-audio' if args.audio else ''}.json").write_text(json.dumps(found, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,12 @@
-"""Checks of option values, one rule for every loader, the config and the trainer.
+"""Checks of numbers, one rule for options (every loader, the config, the trainer) and for
+numbers read from files (indexes, manifests, metadata).
 
-A numeric option is a real number (a whole one where it counts something), never a bool or a
-string, finite (NaN passes every ``<=`` check and infinity never ends a loop) and within its
-bounds; otherwise :class:`~seqshard.errors.ConfigError` names the option and what it must be,
-before Python or torch fail further on with an error that names neither.
+A number is a real number (a whole one where it counts something), never a bool or a string,
+finite (NaN passes every ``<=`` check and infinity never ends a loop) and within its bounds;
+otherwise :class:`~seqshard.errors.ConfigError` names the option and what it must be
+(:func:`check_number`), or :class:`NumberError` names the field read from a file
+(:func:`read_number`, for its reader to name the file and the fix), before Python, numpy or
+torch fail further on with an error that names neither.
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ from .errors import ConfigError
 MAX_WORKERS = 1024  # worker processes per rank: more is a mistake, not a machine
 
 
-def check_number(
-    name: str,
+def number_problem(
     value: Any,
     *,
     whole: bool = False,
@@ -26,31 +28,67 @@ def check_number(
     above: float | None = None,
     at_most: float | None = None,
     optional: bool = False,
-    what: str | None = None,
-) -> int | float | None:
-    """``value`` as a Python int or float (numpy's numbers too, so a state stays JSON-safe),
-    checked: a number (``whole``: a whole number), finite, ``>= at_least``, ``> above`` and
-    ``<= at_most`` (each bound when given); ``None`` too when ``optional``. Else ConfigError
-    ``"NAME must be WHAT, got VALUE."``, WHAT saying what failed unless ``what`` says what the
-    option is (e.g. "a number of seconds > 0")."""
+) -> str | None:
+    """What ``value`` must be and is not (``"a whole number"``, ``"a finite number"``,
+    ``">= 0 and <= 10"``), or None when it is a number (``whole``: a whole number; never a
+    bool or a string), finite, ``>= at_least``, ``> above`` and ``<= at_most``; None is fine
+    when ``optional``."""
     if value is None and optional:
-        return value
-    bounds = [f">= {at_least}"] if at_least is not None else []
-    bounds += [f"> {above}"] if above is not None else []
-    bounds += [f"<= {at_most}"] if at_most is not None else []
+        return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if whole else numbers.Real):
-        problem = ("a whole number" if whole else "a number") + (" or None" if optional else "")
-    elif not isinstance(value, numbers.Integral) and not math.isfinite(value):
-        problem = "a finite number"
-    elif (
+        return ("a whole number" if whole else "a number") + (" or None" if optional else "")
+    if not isinstance(value, numbers.Integral) and not math.isfinite(value):
+        return "a finite number"
+    if (
         (at_least is not None and value < at_least)
         or (above is not None and value <= above)
         or (at_most is not None and value > at_most)
     ):
-        problem = " and ".join(bounds)
-    else:
-        return int(value) if isinstance(value, numbers.Integral) else float(value)
-    raise ConfigError(f"{name} must be {what or problem}, got {value!r}.")
+        bounds = [f">= {at_least}"] if at_least is not None else []
+        bounds += [f"> {above}"] if above is not None else []
+        bounds += [f"<= {at_most}"] if at_most is not None else []
+        return " and ".join(bounds)
+    return None
+
+
+def _plain(value: Any) -> int | float | None:
+    """A checked number as a Python int or float (numpy's too, so that a state stays JSON-safe)."""
+    if value is None:
+        return None
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
+
+
+def check_number(name: str, value: Any, *, what: str | None = None, **rule: Any) -> int | float | None:
+    """``value`` as a Python int or float (numpy's numbers too, so a state stays JSON-safe),
+    checked by :func:`number_problem` with ``rule`` (``whole``, ``at_least``, ``above``,
+    ``at_most``, ``optional``). Else ConfigError ``"NAME must be WHAT, got VALUE."``, WHAT
+    saying what failed unless ``what`` says what the option is (e.g. "a number of seconds > 0")."""
+    problem = number_problem(value, **rule)
+    if problem is not None:
+        raise ConfigError(f"{name} must be {what or problem}, got {value!r}.")
+    return _plain(value)
+
+
+class NumberError(ValueError):
+    """A number read from a file that breaks its rule; the message names the field, the value
+    and what it must be, for the reader to add the file and the fix."""
+
+
+def read_number(field: str, value: Any, **rule: Any) -> int | float | None:
+    """A number read from a file (an index, a manifest, metadata), checked as options are
+    (:func:`number_problem` with ``rule``): a string, a list, NaN, infinity or a value out of
+    range raises NumberError ``"FIELD is VALUE, not WHAT"`` (the value cut short), never a numpy
+    or Python error further on."""
+    problem = number_problem(value, **rule)
+    if problem is not None:
+        raise NumberError(f"{field} is {shown(value)}, not {problem}")
+    return _plain(value)
+
+
+def shown(value: Any) -> str:
+    """``repr(value)``, cut short past 40 characters (for messages about values read from files)."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def check_flag(name: str, value: Any) -> bool:

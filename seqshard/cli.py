@@ -1,4 +1,4 @@
-"""The ``seqshard`` command: pack, inspect, verify, index, add-field, binarize, cmvn, config, demo."""
+"""The ``seqshard`` command: pack, inspect, verify, index, add-field, binarize, cmvn, calibrate, config, demo."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from . import __version__
-from .errors import SeqshardError, command_line_flags
+from .errors import SeqshardError, command_line_flags, counted
 
 # Python parameter names whose command-line flag is spelled differently (messages name the flag).
 RENAMED_FLAGS = {
@@ -59,6 +59,15 @@ def _pack(args: argparse.Namespace) -> int:
         num_mel_bins=args.num_mel_bins,
         resample_to=args.resample_to,
         channel=args.channel,
+        manifest=args.manifest,
+        hf=args.hf,
+        split=args.split,
+        audio_column=args.audio_column,
+        text_column=args.text_column,
+        id_column=args.id_column,
+        fields=args.fields,
+        utt2spk=args.utt2spk,
+        cmvn_scp=args.cmvn_scp,
     )
     print(json.dumps(report.to_json(), indent=1) if args.json else report.format_text())
     return 0
@@ -94,7 +103,7 @@ def _inspect(args: argparse.Namespace) -> int:
         plot_lengths(summary, args.plot)
         print(f"length histogram written to {args.plot}", file=sys.stderr)
     problems = [
-        f"{len(summary[name])} selected shard(s) are {what}"
+        f"{counted(len(summary[name]), 'selected shard', 'is')} {what}"
         for name, what in (("missing_shards", "missing"), ("damaged_shards", "damaged or cut short"))
         if summary[name]
     ]
@@ -150,11 +159,43 @@ def _cmvn(args: argparse.Namespace) -> int:
     write_cmvn(stats, args.out)
     dropped = sum(stats.dropped.values())
     print(
-        f"wrote {args.out}: mean and std of {len(stats.mean)} dimensions over {stats.utterances} utterances "
-        f"({stats.frames} frames)" + (f"; {dropped} skipped as bad ({stats.dropped})" if dropped else "")
+        f"wrote {args.out}: mean and std of {counted(len(stats.mean), 'dimension')} over "
+        f"{counted(stats.utterances, 'utterance')} ({counted(stats.frames, 'frame')})"
+        + (f"; {dropped} skipped as bad ({stats.dropped})" if dropped else "")
     )
     if stats.floored:
-        print(f"seqshard cmvn: {stats.floored} dimension(s) are constant; their std is set to 1e-5", file=sys.stderr)
+        print(f"seqshard cmvn: {counted(stats.floored, 'dimension', 'is')} constant; std set to 1e-5", file=sys.stderr)
+    if stats.non_finite_frames:
+        print(
+            f"seqshard cmvn: {counted(stats.non_finite_frames, 'frame')} of {counted(stats.non_finite_utterances, 'utterance')} "
+            f"hold NaN or infinity and are left out of the statistics (first: {', '.join(stats.non_finite_keys)}); the "
+            "loader's check_finite=True drops such utterances in training",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from .tools.calibrate import HEADER, calibrate
+
+    if args.max_memory is not None and args.memory_fraction is not None:
+        print("seqshard calibrate: error: give --memory-fraction or --max-memory, not both", file=sys.stderr)
+        return 2
+    sys.path.insert(0, os.getcwd())  # --step names a module of the working folder, as `python -m` finds it
+    print(HEADER, flush=True)
+    calibrate(
+        args.patterns,
+        args.step,
+        out=args.out,
+        device=args.device,
+        memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
+        max_memory=args.max_memory,
+        buckets=args.buckets,
+        dim=args.dim,
+        vocab_size=args.vocab_size,
+        report=lambda line: print(line, flush=True),
+    )
+    print(f"wrote {args.out}: make_loader(..., budgets={args.out!r}) cuts each bucket's batches under its budget")
     return 0
 
 
@@ -197,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
         _index_command,
         _binarize_command,
         _cmvn_command,
+        _calibrate_command,
         _config_command,
         _demo_command,
     ):
@@ -223,8 +265,20 @@ def _pack_command(commands: Any) -> None:
     pack.add_argument("--resample-to", type=int, metavar="HZ", help="resample audio to this rate for fbank")
     pack.add_argument("--channel", type=int, help="keep this channel of multi-channel audio (default: mix down)")
     pack.add_argument(
-        "--text", nargs="+", action="extend", required=True, help="Kaldi text file(s): 'UTT-ID label words'"
+        "--manifest",
+        nargs="+",
+        action="extend",
+        help="NeMo manifest(s), instead of --scp/--wav-scp and --text (braces and NeMo's _OP_/_CL_ expand)",
     )
+    pack.add_argument(
+        "--hf", metavar="PATH", help="a Hugging Face dataset: save_to_disk folder, parquet or arrow file(s) or a glob"
+    )
+    pack.add_argument("--split", help="the dataset's split (default: its only one, else train)")
+    pack.add_argument("--audio-column", help="the dataset's audio column (default: the first audio column)")
+    pack.add_argument("--text-column", help="the text column (default: text, sentence, transcript, ...)")
+    pack.add_argument("--id-column", help="the key column (default: id when there is one, else row numbers)")
+    pack.add_argument("--fields", metavar="A,B", help="keep these manifest keys (dataset columns) as fields NAME.json")
+    pack.add_argument("--text", nargs="+", action="extend", help="Kaldi text file(s): 'UTT-ID label words'")
     pack.add_argument("--out", required=True, help="output folder")
     pack.add_argument("--fmt", default="data-%05d.tar", help="shard file name pattern (default: %(default)s)")
     pack.add_argument(
@@ -270,6 +324,12 @@ def _pack_command(commands: Any) -> None:
         action="append",
         metavar="FILE",
         help="utt2num_frames file(s); default: utt2num_frames next to each scp, else matrix headers",
+    )
+    pack.add_argument("--utt2spk", help="Kaldi utt2spk: record each utterance's speaker (field spk)")
+    pack.add_argument(
+        "--cmvn-scp",
+        help="Kaldi cmvn.scp (by speaker with --utt2spk, else by utterance): record each utterance's CMVN statistics "
+        "(field cmvn) for make_loader(cmvn='speaker')",
     )
     pack.add_argument("--max-open", type=int, default=256, help="shards written at once per job (default: %(default)s)")
     pack.add_argument(
@@ -405,6 +465,29 @@ def _cmvn_command(commands: Any) -> None:
     cmvn.add_argument("--workers", type=int, default=0, help="DataLoader workers (default: %(default)s)")
     cmvn.add_argument("--skip-bad", action="store_true", help="count and skip bad samples instead of stopping")
     cmvn.set_defaults(run=_cmvn)
+
+
+def _calibrate_command(commands: Any) -> None:
+    calibrate = commands.add_parser(
+        "calibrate",
+        help="find each length bucket's largest batch a training step fits in memory (budgets for make_loader)",
+    )
+    calibrate.add_argument("patterns", nargs="+", help="shard patterns or folders (their index.json gives lengths)")
+    calibrate.add_argument(
+        "--step", required=True, help="MODULE:FUNCTION, a training step (forward and backward) on a batch dict"
+    )
+    calibrate.add_argument("-o", "--out", required=True, help="the budgets file to write (JSON)")
+    calibrate.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when there is one)")
+    calibrate.add_argument(
+        "--memory-fraction", type=float, help="of the GPU's memory a step may peak at (default: 0.9)"
+    )
+    calibrate.add_argument("--max-memory", type=int, help="bytes a step may peak at on the GPU")
+    calibrate.add_argument("--buckets", type=int, default=8, help="length buckets (default: %(default)s)")
+    calibrate.add_argument("--dim", type=int, help="feature dimension (default: the index's)")
+    calibrate.add_argument(
+        "--vocab-size", type=int, default=2, help="label ids of the synthetic batches are below it (default: 2)"
+    )
+    calibrate.set_defaults(run=_calibrate)
 
 
 def _config_command(commands: Any) -> None:

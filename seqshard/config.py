@@ -30,7 +30,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import ConfigError, InputError
+from .errors import ConfigError, InputError, counted
 from .mix import mux
 from .options import LoaderOptions
 from .scp_dataset import MapStyleLoader
@@ -81,6 +81,7 @@ MAP_STYLE_KEYS = (
     "strip_spaces",
 )  # large_dataset: false  # Python objects: give them to make_loader directly
 MAP_STYLE_BATCH_SIZE = 16  # the map-style loader's batch_size when none is given
+MAX_NESTING = 64  # lists and objects within each other in a config (a deeper one is refused, not recursed into)
 KALDI_SETS = {"trset": "with large_dataset false, trset", "devset": "devset"}
 
 
@@ -99,7 +100,7 @@ def loader_keys() -> dict[str, tuple[Any, str]]:
     """make_loader options settable from a file: name -> (default, type annotation)."""
     keys = {}
     for item in LoaderOptions.option_fields():
-        if item.name in NOT_FROM_FILES:
+        if item.name in NOT_FROM_FILES or item.name in DATA_KEYS:  # path_root: the data key's meaning
             continue
         default = item.default if item.default is not MISSING else None
         keys[item.name] = (default, str(item.type))
@@ -111,6 +112,7 @@ def load_config(source: str | Path | dict[str, Any], *, name: str = "the config"
     ``name`` in messages)."""
     where = name if isinstance(source, dict) else str(source)
     document = source if isinstance(source, dict) else read_json(Path(source))
+    _check_nesting(document, where)
     option = _option_section(document, where)
     config = TrainConfig(where, {}, given=set(option))
     for key, value in option.items():
@@ -126,7 +128,7 @@ def load_config(source: str | Path | dict[str, Any], *, name: str = "the config"
             config.loader[key] = tuple(config.loader[key])
     if config.data["large_dataset"]:
         options = dict(config.loader)
-        if "batch_size" not in options and "batch_frames" not in options:
+        if not {"batch_size", "batch_frames", "budgets"} & set(options):
             options["batch_frames"] = 20000  # make_loader's default
         if isinstance(config.data["trset"], dict):  # a mix: make_loader runs it as an endless stream
             _patterns(where, config.data["trset"])
@@ -289,9 +291,19 @@ def check_shards(config: TrainConfig, key: str) -> None:
     if missing and not skipped:
         fix = "restore them" + (" or set train.option.skip_bad to train on the others" if key == "trset" else "")
         raise ConfigError(
-            f"{config.source}: train.option.{key}: {len(missing)} selected shard(s) are missing, first "
+            f"{config.source}: train.option.{key}: {counted(len(missing), 'selected shard', 'is')} missing, first "
             f"{missing[0].path} ({missing[0].why}). Fix: {fix}."
         )
+    spec = config.loader.get("epoch_source")
+    if key == "trset" and spec is not None and len(local) == len(_leaf_patterns(config.data[key])):
+        from .formats.remote import RemoteAccess
+        from .pipeline.sources import check_epoch_source, mixed_table
+
+        try:  # the loader's own check, on the same tables
+            _, mix = mixed_table(_patterns(config.source, config.data[key]), RemoteAccess())
+            check_epoch_source(mix, spec)
+        except ConfigError as error:
+            raise ConfigError(f"{config.source}: train.option: {error}") from None
 
 
 def _leaf_patterns(shards: Any) -> list[str]:
@@ -386,7 +398,7 @@ def _dev_loader(config: TrainConfig, rank: int | None, world_size: int | None) -
         return None
     from .loader import make_loader
 
-    shared = {k: v for k, v in config.loader.items() if k in ("split", "strip_spaces", "pad_label", "dtype")}
+    shared = {k: v for k, v in config.loader.items() if k in ("split", "strip_spaces", "pad_label", "dtype", "device")}
     return make_loader(
         config.data["devset"],
         config.data["tokenizer"],
@@ -529,6 +541,26 @@ def parse_json(text: str, where: str) -> Any:
         raise ConfigError(f"{where}:{error.lineno}: not valid JSON ({error.msg}).") from None
     except _JsonProblem as problem:
         raise ConfigError(f"{where}:{problem.line}: {problem.problem}") from None
+    except RecursionError:
+        raise ConfigError(_too_deep(where)) from None
+
+
+def _check_nesting(document: Any, where: str) -> None:
+    """Refuse a config whose lists and objects nest deeper than MAX_NESTING (no setting does)."""
+    stack = [(document, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise ConfigError(_too_deep(where))
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else ()
+        stack.extend((child, depth + 1) for child in children)
+
+
+def _too_deep(where: str) -> str:
+    return (
+        f"{where}: lists and objects nest deeper than {MAX_NESTING} levels, which no setting needs (a mix of mixes "
+        "takes a few): is it the config?"
+    )
 
 
 def read_json(path: Path) -> Any:
@@ -637,7 +669,7 @@ def explain(source: str | Path | dict[str, Any]) -> str:
     lines += ["", f"loader: {kind}"]
     for key, (default, _) in loader_keys().items():
         value = config.loader.get(key, default)
-        if key == "batch_frames" and "batch_size" not in config.loader and value is None:
+        if key == "batch_frames" and not {"batch_size", "budgets"} & set(config.loader) and value is None:
             value = 20000 if large else None
         if key == "batch_size" and not large and value is None:
             value = MAP_STYLE_BATCH_SIZE

@@ -4,7 +4,7 @@
    over several compressed arks, ``text``, ``utt2num_frames``;
 2. packs it into two length groups of globally shuffled shards;
 3. inspects and verifies the shards;
-4. streams one epoch through a 2-worker DataLoader with dynamic batches and on-the-fly
+4. streams one epoch through 2 worker processes with dynamic batches and on-the-fly
    tokenization, and checks every utterance came exactly once;
 5. stops half way, saves the loader state, resumes in a new loader, and checks the batches
    are those of the uninterrupted run;

@@ -57,7 +57,37 @@ class _Redacting(logging.Filter):
         return True
 
 
-_LOG.addFilter(_Redacting())
+_REDACTING = _Redacting()
+_LOG.addFilter(_REDACTING)
+# Libraries that log the URLs seqshard hands them (fsspec's http logs each one at DEBUG): a
+# filter acts only on its own logger's records, so each of theirs gets one, those made later
+# (a module's logger, on import) when a remote file system is made (:func:`redact_libraries`).
+REDACTED_LIBRARIES = ("fsspec", "s3fs", "gcsfs", "adlfs", "aiohttp", "aiobotocore", "botocore", "urllib3")
+
+
+def redact_libraries() -> None:
+    """Redact the records of every logger of :data:`REDACTED_LIBRARIES` that exists now."""
+    names = set(logging.root.manager.loggerDict) | set(REDACTED_LIBRARIES)
+    for name in names:
+        if name.split(".")[0] in REDACTED_LIBRARIES:
+            logger = logging.getLogger(name)
+            if _REDACTING not in logger.filters:
+                logger.addFilter(_REDACTING)
+
+
+redact_libraries()
+
+_VERBS = {"is": "are", "was": "were", "has": "have"}
+
+
+def counted(count: int, noun: str, verb: str = "") -> str:
+    """``count`` with ``noun`` (and ``verb``) agreeing: ``counted(1, "shard")`` -> "1 shard",
+    ``counted(2, "shard", "is")`` -> "2 shards are"."""
+    if count == 1:
+        return f"{count} {noun}" + (f" {verb}" if verb else "")
+    plural = noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else noun + "s"
+    return f"{count} {plural}" + (f" {_VERBS.get(verb, verb)}" if verb else "")
+
 
 # How options are spelled in messages: ``None`` from Python (``skip_bad=True``), else the
 # command line's flags by Python name (``--skip-bad``), set by ``seqshard.cli`` for one command.

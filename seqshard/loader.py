@@ -52,9 +52,11 @@ def make_loader(
     pipeline (``transforms``, ``recipe``), filters (``min_frames``, ``max_frames``,
     ``max_tokens``, ``min_frames_per_token``, ``max_frames_per_token``), labels (``split``,
     ``strip_spaces``, ``pad_label``), workers (``num_workers``, ``prefetch_factor``,
-    ``persistent_workers``, ``pin_memory``), bad data (``skip_bad``), and epochs across
+    ``persistent_workers``, ``pin_memory``; ``device="cuda"`` hands batches over on the GPU, each
+    copied while the step before runs), bad data (``skip_bad``), and epochs across
     ranks (``uneven`` = ``"stop"``, ``"repeat"`` or ``"join"``; ``epoch_steps`` or
-    ``epoch_hours``; ``bucket_sync``), audio (``features``, ``resample_to``, ...: README).
+    ``epoch_hours``; ``bucket_sync``), audio (``features``, ``feature_device``, ``resample_to``,
+    ...: README).
 
     ``patterns`` may be a :func:`seqshard.mux` of patterns (nested muxes too): each source is
     an endless stream of its own shards, mixed by weights or temperature; the stream goes on

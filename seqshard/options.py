@@ -21,9 +21,12 @@ from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, ClassVar
 
 from .checks import MAX_WORKERS, check_flag, check_number
-from .errors import ConfigError, option
+from .device import check_device, same_device
+from .errors import ConfigError, counted, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
+from .features.speaker_cmvn import SpeakerCmvn
+from .formats.budgets import budgets_from
 from .formats.cache import parse_bytes
 from .formats.remote import RemoteAccess
 
@@ -32,6 +35,7 @@ START_METHODS = tuple(multiprocessing.get_all_start_methods())
 MAX_PREFETCH = 256  # batches each worker prepares ahead (each takes a slot of shared memory)
 DEFAULT_BATCH_FRAMES = 20000  # when neither batch_size nor batch_frames is given
 CACHE_LIMIT = "a size such as '200GB' or '500MiB', or a number of bytes > 0"
+SPEAKER = "speaker"  # cmvn="speaker": each sample's speaker statistics (pack --cmvn-scp)
 
 # The numeric options: what kind of number, and its bounds (check_number's arguments). An option
 # whose default is None may also be None.
@@ -59,6 +63,7 @@ NUMBERS: dict[str, dict[str, Any]] = {
     "max_bad_shards": dict(at_least=0, what="a fraction of the shards (< 1) or a count (>= 1)"),
     "remote_retries": dict(whole=True, at_least=0, what="a whole number >= 0"),
     "remote_timeout": dict(above=0, what="a number of seconds > 0"),
+    "remote_min_rate": dict(above=0, what="a number of bytes per second > 0"),
     "num_workers": dict(whole=True, at_least=0, at_most=MAX_WORKERS),
     "prefetch_factor": dict(whole=True, at_least=1, at_most=MAX_PREFETCH),
     "timeout": dict(at_least=0, what="a number of seconds >= 0 (0: no limit)"),
@@ -134,7 +139,8 @@ class BudgetWindow:
 class Batching(OptionGroup):
     """How samples become batches: a fixed count or a budget of padded frames (``batch_frames``,
     20000 when neither is given; ``quadratic_frames`` makes the cost grow with the square of the
-    length), cut from length-sorted windows (``sort_window``: ``None`` sizes each window to hold
+    length; ``budgets``, one per length bucket, as ``seqshard calibrate`` finds them), cut from
+    length-sorted windows (``sort_window``: ``None`` sizes each window to hold
     64 batches, 2,000 to 16,384 samples, so padding stays low at any budget; a number fixes
     the window's samples); samples over the budget
     go ``"alone"`` or are ``"drop"``ped; ``bucket_sync`` gives every rank batches of one length
@@ -149,9 +155,12 @@ class Batching(OptionGroup):
     bucket_sync: bool = False
     num_buckets: int = 8
     grow_windows: bool = True
+    budgets: str | dict | None = None  # per length bucket (`seqshard calibrate`): a file, its dict, or Budgets
 
     def __post_init__(self) -> None:
-        if self.batch_size is None and self.batch_frames is None:
+        if self.budgets is not None:
+            object.__setattr__(self, "budgets", budgets_from(self.budgets))
+        elif self.batch_size is None and self.batch_frames is None:
             object.__setattr__(self, "batch_frames", DEFAULT_BATCH_FRAMES)
         super().__post_init__()
 
@@ -159,6 +168,11 @@ class Batching(OptionGroup):
         if self.batch_size is not None and self.batch_frames is not None:
             raise ConfigError(
                 "give exactly one of batch_size (fixed) or batch_frames (dynamic, padded frames per batch)."
+            )
+        if self.budgets is not None and (self.batch_size, self.batch_frames, self.quadratic_frames) != (None,) * 3:
+            raise ConfigError(
+                "budgets gives each length bucket its own padded frames per batch: give it without batch_size, "
+                "batch_frames or quadratic_frames."
             )
         largest_window = BudgetWindow().max_samples if self.sort_window is None else self.sort_window
         if self.batch_size is not None and self.batch_size > largest_window:
@@ -248,16 +262,27 @@ class Labels(OptionGroup):
 @dataclass(frozen=True)
 class Reading(OptionGroup):
     """Which fields are read (``fields``: names or member suffixes as ``inspect`` lists them;
-    None: the shards' own) and which is the feature field."""
+    None: the shards' own), which is the feature field, and the folder relative paths in
+    lists read directly are taken from (``path_root``; None: the current folder, else the
+    list's)."""
+
+    runtime_only = ("path_root",)  # where the files are, not which samples: a moved corpus resumes
 
     fields: tuple[str, ...] | None = None
     feature_field: str | None = None
+    path_root: str | None = None
 
     def check(self) -> None:
         if self.fields is not None and (isinstance(self.fields, str) or not self.fields):
             raise ConfigError(f"fields must be a non-empty list of field names, got {self.fields!r}.")
         if not isinstance(self.feature_field, (str, type(None))):
             raise ConfigError(f"feature_field must be a field name or None, got {self.feature_field!r}.")
+        if self.path_root is not None:
+            if not isinstance(self.path_root, (str, os.PathLike)) or not os.path.isdir(self.path_root):
+                raise ConfigError(
+                    f"path_root must be a folder (where relative paths of lists start), got {self.path_root!r}."
+                )
+            object.__setattr__(self, "path_root", os.fspath(self.path_root))
 
 
 @dataclass(frozen=True)
@@ -275,7 +300,11 @@ class Collation(OptionGroup):
 @dataclass(frozen=True)
 class Audio(OptionGroup):
     """How audio becomes model input (README, Audio): ``features="fbank"`` on the fly (else
-    padded waveforms), resampling, speed perturbation, noise, CMVN, SpecAugment, a channel."""
+    padded waveforms), resampling, speed perturbation, noise, CMVN, SpecAugment, a channel;
+    ``feature_device`` makes fbank, CMVN and SpecAugment in torch where the batch is handed
+    over (``"cuda"``: on the GPU, with ``device="cuda"``) instead of in the workers."""
+
+    runtime_only = ("feature_device",)
 
     features: str | None = None
     num_mel_bins: int = 80
@@ -288,10 +317,22 @@ class Audio(OptionGroup):
     noise_snr: tuple[float, float] = (5.0, 20.0)
     noise_prob: float = 1.0
     cmvn: str | None = None
+    cmvn_norm_vars: bool = False
     spec_augment: bool | dict[str, Any] = False
     channel: int | None = None
+    feature_device: str | None = None
 
     def check(self) -> None:
+        object.__setattr__(self, "feature_device", check_device("feature_device", self.feature_device))
+        if self.feature_device is not None and self.features != "fbank":
+            raise ConfigError(
+                f"feature_device={self.feature_device!r} says where fbank is made: it needs features='fbank'."
+            )
+        if self.feature_device is not None and self.cmvn == SPEAKER:
+            raise ConfigError(
+                "cmvn='speaker' applies each speaker's statistics in the workers, to features made there: "
+                "leave feature_device out (fbank in the workers), or use a global cmvn file."
+            )
         if self.speed_perturb is not None and not isinstance(self.speed_perturb, (tuple, list)):
             raise ConfigError(
                 f"speed_perturb must be a list of factors (e.g. [0.9, 1.0, 1.1]), got {self.speed_perturb!r}."
@@ -303,7 +344,12 @@ class Audio(OptionGroup):
         for bound in self.noise_snr:
             check_number("noise_snr", bound, what="(low, high) in dB, finite numbers")
         if not isinstance(self.cmvn, (str, os.PathLike, type(None))):
-            raise ConfigError(f"cmvn must be a path or None, got {self.cmvn!r}.")
+            raise ConfigError(f"cmvn must be a path, 'speaker' or None, got {self.cmvn!r}.")
+        if self.cmvn_norm_vars and self.cmvn != SPEAKER:
+            raise ConfigError(
+                "cmvn_norm_vars is Kaldi's --norm-vars for cmvn='speaker'; a `seqshard cmvn` file always divides by "
+                "the standard deviation: leave cmvn_norm_vars out."
+            )
         self.parsed()
 
     def parsed(self) -> AudioOptions:
@@ -330,7 +376,7 @@ class Audio(OptionGroup):
             self.noise,
             tuple(self.noise_snr),
             self.noise_prob,
-            Cmvn.load(self.cmvn) if self.cmvn else None,
+            SpeakerCmvn(self.cmvn_norm_vars) if self.cmvn == SPEAKER else Cmvn.load(self.cmvn) if self.cmvn else None,
             _spec_augment(self.spec_augment),
             self.channel,
         )
@@ -375,10 +421,12 @@ class Pipeline(OptionGroup):
 @dataclass(frozen=True)
 class BadData(OptionGroup):
     """``skip_bad``: count and skip bad samples and damaged shards instead of stopping, within
-    ``max_bad_shards`` (a fraction of the shards below 1, or a count) per epoch."""
+    ``max_bad_shards`` (a fraction of the shards below 1, or a count) per epoch;
+    ``check_finite``: drop samples whose features hold NaN or infinity (``dropped.non_finite``)."""
 
     skip_bad: bool = False
     max_bad_shards: float = 0.05
+    check_finite: bool = False
 
     def shard_budget(self, num_shards: int) -> int:
         """How many bad (damaged, missing) shards an epoch may skip before the run stops."""
@@ -393,7 +441,8 @@ class BadData(OptionGroup):
         if share < 1:
             allowed += f" ({share * 100:g}% of {shards}, rounded down)"
         return (
-            f"{damaged + missing} of the {shards} selected shard(s) were bad this epoch ({damaged} damaged, "
+            f"{damaged + missing} of {counted(shards, 'selected shard')} {'was' if damaged + missing == 1 else 'were'} "
+            f"bad this epoch ({damaged} damaged, "
             f"{missing} missing): more than the {allowed}. The warnings above name them; repair or re-upload "
             "them, or raise max_bad_shards."
         )
@@ -405,13 +454,22 @@ class Remote(OptionGroup):
     cache (``cache_dir``, ``cache_limit``), retries and timeout, and whether ``pipe:`` commands
     may run. None of it changes which batches come out."""
 
-    runtime_only = ("storage_options", "cache_dir", "cache_limit", "remote_retries", "remote_timeout", "allow_pipes")
+    runtime_only = (
+        "storage_options",
+        "cache_dir",
+        "cache_limit",
+        "remote_retries",
+        "remote_timeout",
+        "remote_min_rate",
+        "allow_pipes",
+    )
 
     storage_options: dict[str, Any] | None = None
     cache_dir: str | None = None
     cache_limit: str | int | None = None
     remote_retries: int = 4
     remote_timeout: float = 60.0
+    remote_min_rate: float = 256 << 10  # a request slower than this on average, past remote_timeout, has stalled
     allow_pipes: bool = False
 
     def check(self) -> None:
@@ -444,6 +502,7 @@ class Remote(OptionGroup):
             storage_options=dict(self.storage_options or {}),
             retries=self.remote_retries,
             timeout_s=self.remote_timeout,
+            min_rate=self.remote_min_rate,
             cache=cache,
             allow_pipes=self.allow_pipes,
         )
@@ -451,9 +510,10 @@ class Remote(OptionGroup):
 
 @dataclass(frozen=True)
 class Workers(OptionGroup):
-    """The worker processes of each rank and how batches reach the training process. Only
-    ``num_workers`` changes which batches come out (it sets the readers); ``"auto"`` chooses it
-    when the loader is made (``pipeline/rank/auto.py``)."""
+    """The worker processes of each rank and how batches reach the training process
+    (``device="cuda"``: on the GPU, copied one ahead). Only ``num_workers`` changes which
+    batches come out (it sets the readers); ``"auto"`` chooses it when the loader is made
+    (``pipeline/rank/auto.py``)."""
 
     words: ClassVar[dict[str, tuple[str, ...]]] = {"num_workers": ("auto",)}
 
@@ -464,6 +524,7 @@ class Workers(OptionGroup):
         "multiprocessing_context",
         "timeout",
         "shared_slots",
+        "device",
     )
 
     num_workers: int | str = 2
@@ -473,8 +534,10 @@ class Workers(OptionGroup):
     multiprocessing_context: str | None = None
     timeout: float = 0
     shared_slots: bool = True
+    device: str | None = None
 
     def check(self) -> None:
+        object.__setattr__(self, "device", check_device("device", self.device))
         if self.timeout and not self.num_workers:
             raise ConfigError(
                 f"timeout={self.timeout!r} bounds the wait for a worker's batch, and num_workers=0 makes batches in "
@@ -602,6 +665,12 @@ class LoaderOptions:
     def _check_across(self) -> None:
         if self.batching.bucket_sync and self.epochs.uneven == "join":
             raise ConfigError("bucket_sync needs the ranks to step together; it cannot be used with uneven='join'.")
+        made, handed = self.audio.feature_device, self.workers.device or "cpu"
+        if made is not None and not same_device(made, handed):
+            raise ConfigError(
+                f"feature_device={made!r} makes the features where batches are handed over, which is {handed!r} "
+                f"(device={self.workers.device!r}): give device={made!r}, or feature_device={handed!r}."
+            )
 
     def flat(self) -> dict[str, Any]:
         """Every option by its flat name."""
@@ -622,6 +691,8 @@ class LoaderOptions:
                 value = [qualified_name(t) for t in value]
             elif name == "recipe":
                 value = None if value is None else qualified_name(value)
+            elif name == "budgets":
+                value = None if value is None else value.to_json()
             elif name in SEQUENCES and value is not None:
                 value = list(value)
             described[name] = value

@@ -9,7 +9,7 @@ A loader is iterated once per epoch and yields batches (dicts). Code written for
   state saved after an epoch's last batch resumes into the next epoch;
 - ``len(loader)`` is the number of batches of the current epoch on this rank where that is
   known exactly; where it is not, ``len()`` raises TypeError saying why, and
-  ``planned_batches()`` gives an estimate with its error;
+  ``planned_batches()`` gives an estimate with the bounds of the real count;
 - ``stats()`` says what the epoch did so far (at least ``epoch`` and ``steps``);
 - ``dim`` is the feature dimension of batched features (None where batches hold none);
 - ``close()`` stops worker processes and releases files (iterating again starts them anew).
@@ -26,14 +26,23 @@ from typing import Any, Protocol, runtime_checkable
 class PlannedBatches:
     """How many batches an epoch holds on this rank: ``total`` in the whole epoch and
     ``remaining`` after what a loaded state had already handed out. ``exact`` when the count is
-    known; otherwise an estimate from the shards' index, within ``error`` (a fraction of
-    ``total``, e.g. 0.05) of the real count, with ``why`` it is not exact."""
+    known; otherwise an estimate from the shards' index, the real count between ``low`` and
+    ``high`` (``error``: the larger distance from ``total`` to either, as a fraction of
+    ``total``), with ``why`` it is not exact and what the bounds rest on."""
 
     total: int
     remaining: int
     exact: bool = True
     error: float = 0.0
     why: str = ""
+    low: int | None = None  # None: ``total`` (exact) or not known
+    high: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.low is None and self.exact:
+            object.__setattr__(self, "low", self.total)
+        if self.high is None and self.exact:
+            object.__setattr__(self, "high", self.total)
 
 
 @runtime_checkable
@@ -67,6 +76,7 @@ def length_of(planned: PlannedBatches, loader: str) -> int:
     if not planned.exact:
         raise TypeError(
             f"the number of batches of this {loader} is not known before the epoch is read ({planned.why}); "
-            f"loader.planned_batches() estimates it: about {planned.total} (within {planned.error:.0%})."
+            f"loader.planned_batches() estimates it: about {planned.total}"
+            + (f" ({planned.low} to {planned.high})." if planned.low is not None else " (no bounds known).")
         )
     return planned.total

@@ -48,3 +48,13 @@ def pack_order_rng(seed: int, *group: float) -> np.random.Generator:
     without a stage id, as packs have always been, so a pack resumed by this version writes the
     same shards as the version that started it."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *group])))
+
+
+def torch_generator(seed: int, device: object = "cpu") -> object:
+    """A torch generator on ``device`` seeded with ``seed``, a number drawn from a
+    :func:`stage_rng` (random numbers made where the data is, e.g. fbank dither on a GPU)."""
+    import torch
+
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int(seed))
+    return generator

@@ -20,14 +20,17 @@ one process.
 from __future__ import annotations
 
 import argparse
+import bisect
+import contextlib
 import hashlib
 import json
 import math
 import os
+import signal
 import sys
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +39,12 @@ import torch.distributed as dist
 from torch import nn
 
 from .config import apply_overrides, build_loaders, load_config, read_json
-from .errors import ConfigError, SeqshardError
+from .errors import ConfigError, SeqshardError, counted
+from .pipeline.stages.split import split_batch
+from .pipeline.workers.setup import bucket_bounds
 from .progress import Progress
 from .text.tokenizers import Tokenizer, UnitsTokenizer, make_tokenizer
+from .tools.calibrate import free_memory, peak_memory, reset_peak, synthetic_batch, within_memory
 
 #: sections of a checkpoint's recorded settings whose change a resume refuses (the saved weights
 #: cannot take it); changes of the others (schedule, run) are applied with a note
@@ -47,7 +53,9 @@ REFUSED_CHANGES = ("model", "tokenizer")
 
 class SmallCTC(nn.Module):
     """Per-frame normalisation, two strided convolutions (4x fewer frames), LSTM layers, a
-    linear output for CTC."""
+    linear output for CTC. Padding frames are zeroed before each convolution, so an utterance's
+    outputs do not depend on how far its batch is padded (a batch run in parts gives the
+    gradients of the whole)."""
 
     def __init__(self, dim: int, vocab: int, hidden: int = 256, layers: int = 2):
         super().__init__()
@@ -62,9 +70,17 @@ class SmallCTC(nn.Module):
         self.output = nn.Linear(hidden, vocab)
 
     def forward(self, feats: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = self.subsample(self.normalise(feats).transpose(1, 2)).transpose(1, 2)
-        hidden, _ = self.lstm(hidden)
-        return self.output(hidden).log_softmax(-1), (lengths + 3) // 4
+        hidden = self.normalise(feats).transpose(1, 2)  # B x D x T
+        for convolution, activation in zip(self.subsample[::2], self.subsample[1::2]):
+            hidden = activation(convolution(hidden.masked_fill(~_mask(lengths, hidden.shape[2]), 0.0)))
+            lengths = (lengths + 1) // 2
+        hidden, _ = self.lstm(hidden.transpose(1, 2))
+        return self.output(hidden).log_softmax(-1), lengths
+
+
+def _mask(lengths: torch.Tensor, frames: int) -> torch.Tensor:
+    """B x 1 x frames: True on each utterance's frames, False on its padding."""
+    return (torch.arange(frames, device=lengths.device) < lengths[:, None]).unsqueeze(1)
 
 
 def timed(batches: Any) -> Iterator[tuple[Any, float]]:
@@ -120,6 +136,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--steps-file", type=Path, help="write every step's batch keys, loss and learning rate here (JSON lines)"
     )
+    parser.add_argument(
+        "--no-preflight",
+        dest="preflight",
+        action="store_false",
+        help="do not run a step on the shape of the epoch's heaviest batches before training",
+    )
+    parser.add_argument(
+        "--skip-steps",
+        type=step_range,
+        metavar="A-B",
+        help="skip the batches of steps A to B (counted from 1) without reading them: a loss spike's",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model trains (auto: cuda when there is a GPU); on cuda the loader hands batches over on it",
+    )
     return parser.parse_args(argv)
 
 
@@ -155,7 +189,10 @@ def init_distributed(cuda: bool) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Train; then leave the process at once (see the comment at the end)."""
     args = parse_args(argv)
-    cuda = torch.cuda.is_available()
+    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if cuda and not torch.cuda.is_available():
+        print("error: --device cuda, and torch finds no CUDA device here", file=sys.stderr)
+        return 1
     torch.set_flush_denormal(True)  # on CPU, denormal values in a training LSTM slowed steps 5x
     init_distributed(cuda)
     try:
@@ -202,6 +239,17 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     return hashlib.sha256(content).hexdigest()[:16]
 
 
+def input_dim(loader: Any, name: str) -> int:
+    """The model's input size: the columns of the loader's ``feats``; ConfigError when its
+    batches hold no feature vectors (audio read as waveforms)."""
+    if loader.dim is None:
+        raise ConfigError(
+            f"{name}: the trainer's model reads feature vectors, and these batches hold none (shards of audio are "
+            'batched as waveforms): set train.option.features to "fbank".'
+        )
+    return int(loader.dim)
+
+
 def run_settings(settings: dict[str, Any], dim: int | None, tokenizer: Tokenizer) -> dict[str, dict[str, Any]]:
     """What a checkpoint records of the run, by section (see :func:`changes_since`)."""
     return {
@@ -246,6 +294,203 @@ def lr_schedule(step: int, warmup: int) -> float:
     return min(step / max(1, warmup), math.sqrt(max(1, warmup) / step))
 
 
+# -- memory: batches run in parts when a step runs out of memory ---------------------------------
+
+
+def largest_part(lengths: torch.Tensor, parts: int) -> int:
+    """Padded frames (samples x longest) of the largest of ``parts`` parts of a batch whose
+    utterances have ``lengths`` (cut as :func:`seqshard.split_batch` cuts)."""
+    return max(
+        len(part["feat_lens"]) * int(part["feat_lens"].max()) for part in split_batch({"feat_lens": lengths}, parts)
+    )
+
+
+class MemoryGuard:
+    """Per length bucket (cut at ``bounds``), the padded frames (batch size x longest length)
+    above which a batch runs in parts: lowered when a step runs out of memory and kept in the
+    checkpoint (``memory``), so that the rest of the run, resumed or not, splits such batches
+    before they run out again. Also the largest batch seen per bucket, and how many times a
+    step ran out of memory."""
+
+    def __init__(self, bounds: Sequence[int] = ()):
+        self.bounds = tuple(int(bound) for bound in bounds)
+        self.limits: dict[int, int] = {}
+        self.largest: dict[int, tuple[int, int]] = {}  # bucket -> (samples, longest) of its largest batch
+        self.out_of_memory = 0
+
+    def bucket_of(self, longest: int) -> int:
+        return bisect.bisect_right(self.bounds, longest)
+
+    def parts_for(self, lengths: torch.Tensor) -> int:
+        """How many parts a batch of utterances of ``lengths`` runs in: 1, or the fewest
+        (doubling) whose largest is within its bucket's limit."""
+        limit = self.limits.get(self.bucket_of(int(lengths.max())))
+        parts = 1
+        while limit is not None and parts < len(lengths) and largest_part(lengths, parts) > limit:
+            parts *= 2
+        return parts
+
+    def lower(self, longest: int, padded: int) -> None:
+        """A batch whose longest has ``longest`` frames ran (in parts) with ``padded`` frames at most."""
+        bucket = self.bucket_of(longest)
+        self.limits[bucket] = min(self.limits.get(bucket, padded), padded)
+
+    def note(self, size: int, longest: int) -> None:
+        bucket = self.bucket_of(longest)
+        samples, frames = self.largest.get(bucket, (0, 0))
+        if size * longest > samples * frames:
+            self.largest[bucket] = (size, longest)
+
+    def describe_largest(self) -> str:
+        return " ".join(f"{bucket}:{size}x{longest}" for bucket, (size, longest) in sorted(self.largest.items()))
+
+    def state(self, device: torch.device) -> dict[str, Any]:
+        """What the checkpoint keeps: each bucket's limit, the lowest any rank found (a collective)."""
+        unset = 2**62
+        limits = torch.tensor([self.limits.get(b, unset) for b in range(len(self.bounds) + 1)], device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(limits, op=dist.ReduceOp.MIN)
+        self.limits = {b: int(v) for b, v in enumerate(limits.tolist()) if v != unset}
+        return {"bounds": list(self.bounds), "limits": {str(b): v for b, v in self.limits.items()}}
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        if state is not None and state.get("bounds") == list(self.bounds):
+            self.limits = {int(b): int(v) for b, v in state["limits"].items()}
+
+
+def length_buckets(loader: Any) -> tuple[int, ...]:
+    """The bounds of the loader's length buckets: its budgets', else 8 of equal mass from the
+    shards' length histogram, else one bucket."""
+    options, table = getattr(loader, "options", None), getattr(loader, "table", None)
+    if options is not None and options.batching.budgets is not None:
+        return options.batching.budgets.bounds
+    if table is not None and table.length_hist:
+        return bucket_bounds(table, 8)
+    return ()
+
+
+def accumulate_gradients(model: nn.Module, loss_of: Any, batch: dict[str, Any], parts: int) -> float:
+    """Forward and backward ``batch`` in ``parts`` (:func:`seqshard.split_batch`), each part's
+    loss weighted by its share of the batch's utterances, so that the gradients add up to the
+    whole batch's (its loss is a mean over utterances); the batch's loss."""
+    pieces = split_batch(batch, parts) if parts > 1 else [batch]
+    size, total = len(batch["keys"]), 0.0
+    for piece in pieces:
+        loss = loss_of(piece) * (len(piece["keys"]) / size)
+        loss.backward()
+        total += float(loss.item())
+    return total
+
+
+class StepRunner:
+    """A training step's forward and backward passes, in parts when the batch's bucket limit
+    (:class:`MemoryGuard`) says so or the step runs out of memory: then memory is freed and the
+    batch runs in twice as many parts, and the bucket's limit is lowered. Never a batch skipped."""
+
+    def __init__(self, model: nn.Module, loss_of: Any, guard: MemoryGuard, report: Any):
+        self.model, self.loss_of, self.guard, self.report = model, loss_of, guard, report
+
+    def backward(self, batch: dict[str, Any]) -> float:
+        """The batch's loss, its gradients in the model's parameters (not averaged over ranks)."""
+        lengths = batch["feat_lens"]
+        size, longest = len(lengths), int(lengths.max())
+        parts = self.guard.parts_for(lengths)
+        ran_out = False
+        while True:
+            with getattr(self.model, "no_sync", contextlib.nullcontext)():  # ranks average after
+                fitted, loss = within_memory(accumulate_gradients, self.model, self.loss_of, batch, parts)
+            if fitted:
+                break
+            if parts >= size:
+                raise torch.OutOfMemoryError(f"one utterance of {longest} frames does not fit in memory")
+            self.model.zero_grad(set_to_none=True)
+            free_memory()
+            parts, ran_out = min(parts * 2, size), True
+            self.guard.out_of_memory += 1
+            self.report(f"out of memory on a batch of {size} x {longest} frames: running it in {parts} parts")
+        if ran_out:
+            self.guard.lower(longest, largest_part(lengths, parts))
+        self.guard.note(size, longest)
+        return loss
+
+
+def average_gradients(model: nn.Module) -> None:
+    """Average the ranks' gradients (what DDP does during the backward pass, done after it so
+    that a rank may run its batch in parts): one all-reduce of them all."""
+    world = dist.get_world_size()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if world == 1 or not grads:
+        return
+    flat = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(flat)
+    flat /= world
+    at = 0
+    for grad in grads:
+        grad.copy_(flat[at : at + grad.numel()].view_as(grad))
+        at += grad.numel()
+
+
+# -- preemption and skipped steps -----------------------------------------------------------------
+
+
+class Preemption:
+    """SIGTERM or SIGUSR1 (what a scheduler such as Slurm sends before it stops a job): the
+    step under way finishes, then the ranks agree (one all-reduce of one number a step) to stop
+    at the same step; the trainer saves its checkpoint and exits 0."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self) -> None:
+        self.received = 0
+        for number in self.SIGNALS:
+            signal.signal(number, self._note)
+
+    def _note(self, number: int, frame: Any) -> None:
+        self.received = number
+
+    def agreed(self, device: torch.device) -> str | None:
+        """The signal's name when any rank received one (on every rank: a collective)."""
+        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return signal.Signals(int(flag.item())).name if int(flag.item()) else None
+
+
+def step_range(text: str) -> tuple[int, int]:
+    """``A-B`` (steps counted from 1, both included) for ``--skip-steps``."""
+    first, _, last = text.partition("-")
+    try:
+        low, high = int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A-B (steps, e.g. 1200-1350), got {text!r}") from None
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"expected 1 <= A <= B, got {text!r}")
+    return low, high
+
+
+def preflight(loader: Any, runner: StepRunner, dim: int, vocab_size: int, device: torch.device, say: Any) -> None:
+    """One step (forward and backward, no update) on a synthetic batch of the shape of the
+    epoch's heaviest batch by padded frames and of its longest, so that a batch that does not
+    fit shows now, not hours into the run (it runs in parts, and its bucket's limit is lowered)."""
+    try:
+        planned = loader.heaviest_batches(2**31 - 1, by="padded")
+    except (AttributeError, ConfigError) as error:  # a map-style loader has no plan; a plan may be refused
+        say(
+            f"preflight skipped: {error if isinstance(error, ConfigError) else 'the loader has no plan of its batches'}"
+        )
+        return
+    if not planned:
+        return
+    shapes = dict.fromkeys((b.size, b.longest) for b in (planned[0], max(planned, key=lambda b: b.longest)))
+    before = runner.guard.out_of_memory
+    for size, longest in shapes:
+        runner.backward(synthetic_batch(size, longest, dim, vocab_size, device))
+        runner.model.zero_grad(set_to_none=True)
+    shown = ", ".join(f"{size} x {longest}" for size, longest in shapes)
+    verdict = "fit" if runner.guard.out_of_memory == before else "ran out of memory: such batches run in parts"
+    say(f"preflight: the epoch's heaviest batches ({shown} frames) {verdict}")
+
+
 def train(args: argparse.Namespace, cuda: bool) -> int:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
@@ -257,21 +502,28 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
             print(message, flush=True)
 
     checkpoint_path = args.out / "ckpt.pt"
+    preemption = Preemption()  # before any worker process starts
     config, name = load_settings(args, rank)
+    option = config["train"]["option"]
+    if cuda and option.get("large_dataset"):  # shards: batches handed over on this GPU (unless the config says)
+        option.setdefault("device", str(device))
     loader, dev = build_loaders(config, name=name)
+    guard = MemoryGuard(length_buckets(loader))
     loaded = load_config(config, name=name)
     settings = loaded.trainer
     if loaded.data["tokenizer"] is None:
         raise ConfigError(f"{name}: the trainer needs train.option.tokenizer (its CTC targets are token ids).")
     tokenizer = make_tokenizer(loaded.data["tokenizer"], loaded.loader.get("split"))
-    recorded = run_settings(settings, loader.dim, tokenizer)
+    dim = input_dim(loader, name)
+    recorded = run_settings(settings, dim, tokenizer)
     checkpoint, epoch, step, changes = None, 0, 0, None  # epoch: the one to run next; step: optimizer steps done
     if checkpoint_path.exists():
         checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=False)
         epoch, step = checkpoint["epoch"], checkpoint["step"]
         if epoch >= settings["epochs"]:
             say(
-                f"{checkpoint_path} is the checkpoint of a finished run: all {epoch} epochs done, {step} steps; "
+                f"{checkpoint_path} is the checkpoint of a finished run: all {counted(epoch, 'epoch')} done, "
+                f"{counted(step, 'step')}; "
                 f"nothing to train (set epochs above {epoch} to train on, or remove it to start afresh)"
             )
             return 0
@@ -280,7 +532,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
 
     torch.manual_seed(int(config["train"]["option"].get("seed", 0)))
     model = nn.parallel.DistributedDataParallel(
-        SmallCTC(loader.dim, tokenizer.vocab_size, settings["hidden"], settings["layers"]).to(device),
+        SmallCTC(dim, tokenizer.vocab_size, settings["hidden"], settings["layers"]).to(device),
         device_ids=[device.index] if cuda else None,
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=settings["lr"])
@@ -301,7 +553,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         if changes is not None:
             say(changes)
     else:
-        say(f"training from scratch: {settings['epochs']} epochs, checkpoints in {checkpoint_path}")
+        say(f"training from scratch: {counted(settings['epochs'], 'epoch')}, checkpoints in {checkpoint_path}")
 
     def loss_of(batch: dict[str, Any]) -> torch.Tensor:
         log_probs, lengths = model(batch["feats"].to(device, non_blocking=True), batch["feat_lens"].to(device))
@@ -310,6 +562,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     def save(next_epoch: int) -> None:
         """``next_epoch``: the epoch a resume runs (the current one, or the next when it is done)."""
         loader_state = loader.state_dict()  # a collective: every rank calls it at the same step
+        memory = guard.state(device)  # a collective too
         if rank == 0:
             temporary = checkpoint_path.with_name(checkpoint_path.name + ".partial")
             state = {
@@ -319,57 +572,100 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
                 "loader": loader_state,
                 "epoch": next_epoch,
                 "step": step,
+                "memory": memory,
             }
             torch.save(state, temporary)
             temporary.replace(checkpoint_path)
 
     steps_file = args.steps_file.open("a", buffering=1) if args.steps_file is not None and rank == 0 else None
     meter = FeedMeter()
+    runner = StepRunner(model, loss_of, guard, lambda line: print(f"rank {rank} step {step + 1}: {line}", flush=True))
+    if checkpoint is not None:
+        guard.load(checkpoint.get("memory"))
+    if args.preflight:
+        preflight(loader, runner, loader.dim, tokenizer.vocab_size, device, say)
     steps_this_run = 0
     while epoch < settings["epochs"]:
         loader.set_epoch(epoch)
-        planned = loader.planned_batches()
-        with Progress(rank == 0 and planned.total > 0, interval=30) as bars:
-            advance = bars.bar(f"epoch {epoch}", planned.remaining, unit="batch", exact=planned.exact)
-            for batch, waited in timed(loader):
-                started = time.perf_counter() - waited
-                model.train()
-                loss = loss_of(batch)
-                optimizer.zero_grad()
-                loss.backward()
-                rate = optimizer.param_groups[0]["lr"]
-                optimizer.step()
-                scheduler.step()
-                step += 1
-                steps_this_run += 1
-                value = loss.item()
-                meter.add(
-                    waited, time.perf_counter() - started, len(batch["keys"]), int(batch["feat_lens"].sum()), value
-                )
-                advance(1)
-                if steps_file is not None:
-                    record = {"step": step, "keys": list(batch["keys"]), "loss": value, "lr": rate}
-                    steps_file.write(json.dumps(record) + "\n")
-                stopping = args.stop_after_steps is not None and steps_this_run >= args.stop_after_steps
-                if step % settings["log_every"] == 0:
-                    say(f"epoch {epoch} step {step} {meter.line()}")
-                    meter.reset()
-                if step % settings["save_every"] == 0 or stopping:
-                    save(epoch)
-                    say(f"epoch {epoch} step {step} checkpoint saved")
-                if stopping:
-                    say(f"stopped after {steps_this_run} steps of this run (--stop-after-steps); run again to go on")
-                    return 0
+        while True:  # an iteration of the epoch; again after a range of steps is skipped
+            if args.skip_steps is not None and args.skip_steps[0] <= step + 1 <= args.skip_steps[1]:
+                step = skip_steps(loader, step, args.skip_steps[1], scheduler, say)
+            planned = loader.planned_batches()
+            skipping = False
+            with Progress(rank == 0 and planned.total > 0, interval=30) as bars:
+                advance = bars.bar(f"epoch {epoch}", planned.remaining, unit="batch", exact=planned.exact)
+                for batch, waited in timed(loader):
+                    started = time.perf_counter() - waited
+                    model.train()
+                    optimizer.zero_grad()
+                    value = runner.backward(batch)
+                    average_gradients(model)
+                    rate = optimizer.param_groups[0]["lr"]
+                    optimizer.step()
+                    scheduler.step()
+                    step += 1
+                    steps_this_run += 1
+                    meter.add(
+                        waited, time.perf_counter() - started, len(batch["keys"]), int(batch["feat_lens"].sum()), value
+                    )
+                    advance(1)
+                    if steps_file is not None:
+                        record = {"step": step, "keys": list(batch["keys"]), "loss": value, "lr": rate}
+                        steps_file.write(json.dumps(record) + "\n")
+                    stopping = args.stop_after_steps is not None and steps_this_run >= args.stop_after_steps
+                    signalled = preemption.agreed(device)
+                    if step % settings["log_every"] == 0:
+                        say(f"epoch {epoch} step {step} {meter.line()} {memory_line(guard, device)}")
+                        meter.reset()
+                    if step % settings["save_every"] == 0 or stopping or signalled:
+                        save(epoch)
+                        say(f"epoch {epoch} step {step} checkpoint saved")
+                    if signalled:
+                        print(f"rank {rank}: {signalled}: stopped after step {step}, checkpoint saved", flush=True)
+                        return 0
+                    if stopping:
+                        say(
+                            f"stopped after {counted(steps_this_run, 'step')} of this run (--stop-after-steps); run again to go on"
+                        )
+                        return 0
+                    if args.skip_steps is not None and step + 1 == args.skip_steps[0]:
+                        skipping = True  # the loader moves on from its state after this step
+                        break
+            if not skipping:
+                break
+            loader.load_state_dict(loader.state_dict())
         if meter.steps:
-            say(f"epoch {epoch} step {step} {meter.line()}")
+            say(f"epoch {epoch} step {step} {meter.line()} {memory_line(guard, device)}")
             meter.reset()
         if dev is not None:
             say(f"epoch {epoch} dev loss {evaluate(model, dev, loss_of, epoch, device):.3f}")
         epoch += 1
         save(epoch)  # the epoch is done: a resume starts the next one
         say(f"epoch {epoch - 1} done at step {step}, checkpoint saved")
-    say(f"finished: {settings['epochs']} epochs, {step} steps")
+    say(f"finished: {counted(settings['epochs'], 'epoch')}, {counted(step, 'step')}")
     return 0
+
+
+def memory_line(guard: MemoryGuard, device: torch.device) -> str:
+    """The peak memory since the last line (CUDA's allocations; on CPU the process's peak RSS)
+    and the largest batch so far per length bucket (``bucket:samples x longest``)."""
+    peak = peak_memory(device)
+    reset_peak(device)
+    line = f"peak-mem {peak / 2**20:.0f} MiB largest {guard.describe_largest() or '-'}"
+    return line + (f" out-of-memory {guard.out_of_memory}" if guard.out_of_memory else "")
+
+
+def skip_steps(loader: Any, step: int, last: int, scheduler: Any, say: Any) -> int:
+    """Skip the loader's batches up to step ``last`` (without reading them; as far as the
+    epoch goes) and count them as steps (the learning rate follows); the step reached."""
+    if not hasattr(loader, "skip_batches"):
+        raise ConfigError("--skip-steps needs a loader that can skip batches unread (a shard loader).")
+    skipped = loader.skip_batches(last - step)
+    for _ in range(skipped):
+        scheduler.step()
+    if skipped:
+        say(f"skipped steps {step + 1}-{step + skipped} (--skip-steps): {skipped} batches, not read")
+    return step + skipped
 
 
 def evaluate(model: nn.Module, dev: Any, loss_of: Any, epoch: int, device: torch.device) -> float:

@@ -21,7 +21,9 @@ class ShardServer:
     ``faults[name]`` is a list of actions used up by successive GETs of that file: a status
     such as ``"500"``, ``"404"`` or ``"403"``, ``"truncate"`` (half the body, then the
     connection closes), ``"short"`` (a whole answer of half the bytes asked for), ``"slow:S"``
-    (wait S seconds first). ``latency`` delays every request.
+    (wait S seconds first), ``"trickle:S"`` (the body one byte every S seconds), ``"redirect"``
+    (answered with a redirect to itself, forever: a redirect loop). ``latency`` delays every
+    request.
     ``requests`` logs (method, path, range).
     ``ranges=False`` ignores Range headers (200 with the whole file, as ``python -m http.server``).
     """
@@ -35,6 +37,7 @@ class ShardServer:
         self.requests: list[tuple[str, str, str | None]] = []
         self.missing: set[str] = set()  # names answered with 404 every time
         self._lock = threading.Lock()
+        self._stopped = threading.Event()  # set when the server stops (ends trickling answers)
         self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self._server.daemon_threads = True
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
@@ -56,6 +59,7 @@ class ShardServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._stopped.set()
         self._server.shutdown()
         self._server.server_close()
         with self._lock:
@@ -97,6 +101,13 @@ class ShardServer:
                 file = server.root / path.lstrip("/")
                 if action.startswith("slow:"):
                     time.sleep(float(action.split(":", 1)[1]))
+                if action == "redirect":
+                    server.faults[Path(path).name].insert(0, "redirect")  # every hop redirects again
+                    self.send_response(302)
+                    self.send_header("Location", self.path)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 if action.isdigit() and action != "404":
                     return self._status(int(action))
                 if action == "404" or Path(path).name in server.missing or not file.is_file():
@@ -121,6 +132,13 @@ class ShardServer:
                     self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
                 self.end_headers()
                 if not body:
+                    return
+                if action.startswith("trickle:"):
+                    for byte in part:
+                        self.wfile.write(bytes([byte]))
+                        self.wfile.flush()
+                        if server._stopped.wait(float(action.split(":", 1)[1])):
+                            return
                     return
                 if action == "truncate":
                     self.wfile.write(part[: len(part) // 2])

@@ -58,3 +58,22 @@ def test_table_lines_that_resemble_ark_entries_are_read_as_tables(tmp_path):
     (tmp_path / "text").write_text("utt1 [noise] RIFF\n")
     with pytest.raises(SeqshardError, match=r"nothing was packed.*\(missing_ark=1\)"):  # read as an scp line
         pack_data(scp, tmp_path / "text", tmp_path / "out", skip_bad=True, progress=False)
+
+
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [("feats/global_cmvn.ark", "matrix"), ("feats/global_cmvn.txt", "text matrix"), (None, "text vector")],
+)
+def test_a_keyless_kaldi_object_given_as_scp_is_named_as_such(tmp_path, name, what):
+    """compute-cmvn-stats' global_cmvn.ark has no key: it was read as text that is not UTF-8
+    ("try iconv -f GBK"), or as a line without a value."""
+    (tmp_path / "text").write_text("a x\n")
+    path = GENERATED / name if name else tmp_path / "vector.txt"
+    if name is None:
+        path.write_text(" [ 1.5 -2 3e4 ]\n")
+    with pytest.raises(InputError) as error:
+        pack_data(path, tmp_path / "text", tmp_path / "out", skip_bad=True, progress=False)
+    assert error.value.reason == "not_a_table" and error.value.where.line == 1 and not error.value.skippable
+    message = str(error.value)
+    assert f"the file is one Kaldi {what} written without a key" in message and "iconv" not in message
+    assert "run `seqshard cmvn` on the shards" in message

@@ -2,6 +2,7 @@
 SpecAugment as stages (seeded, resumable), WeNet lists and wav.scp read directly, bad audio."""
 
 import json
+import logging
 import re
 import shutil
 
@@ -89,6 +90,22 @@ def test_fbank_on_the_fly_has_the_keys_feature_shards_give(audio_shards, num_wor
             np.testing.assert_allclose(feats, expected, atol=1e-5)
             count += 1
     assert count == 16
+
+
+def test_the_loaders_dim_is_the_fbanks_it_computes_and_sizes_the_trainers_model(audio_shards):
+    """The example trainer sizes its model by loader.dim, None for audio shards before (issue 23, item 13)."""
+    from seqshard.config import build_loaders
+    from seqshard.trainer import SmallCTC, input_dim
+
+    option = {"large_dataset": True, "trset": str(audio_shards[1]), "batch_size": 4, "num_workers": 0, **SMALL}
+    loader, _ = build_loaders({"train": {"option": {**option, "features": "fbank", "num_mel_bins": 40}}})
+    batch = next(iter(loader))
+    assert loader.dim == input_dim(loader, "cfg") == batch["feats"].shape[2] == 40
+    log_probs, _ = SmallCTC(input_dim(loader, "cfg"), 10, hidden=8, layers=1)(batch["feats"], batch["feat_lens"])
+    assert log_probs.shape[-1] == 10
+    waves, _ = build_loaders({"train": {"option": option}})
+    with pytest.raises(ConfigError, match=r'cfg: the trainer.s model reads feature vectors, .*features to "fbank"'):
+        input_dim(waves, "cfg")
 
 
 @pytest.mark.parametrize(("old", "new"), [(8000, 16000), (22050, 16000), (16000, 8000), (44100, 16000)])
@@ -250,11 +267,35 @@ def test_wenet_shard_list_and_raw_list_load(tmp_path):
         assert len(waves["flac"]) == soundfile.info(records[1]["wav"]).frames
 
 
-def test_kaldi_wav_scp_loads_with_labels_from_text(tmp_path):
+def test_kaldi_wav_scp_loads_with_labels_from_text_and_says_when_it_has_none(tmp_path, caplog):
     data = write_audio_dir(tmp_path / "d", utts=6)
     loader = make_loader(data.wav_scp, labels=data.text, batch_size=2, num_workers=2)
     texts = {k: t for b in loader for k, t in zip(b["keys"], b["texts"])}
-    assert texts == data.labels
+    assert texts == data.labels and "wav.scp" not in caplog.text
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        batches = list(make_loader(data.wav_scp, batch_size=2, num_workers=0))
+    assert (
+        "texts" not in batches[0] and caplog.text.count("wav.scp holds KEY PATH lines (a wav.scp) and no labels") == 1
+    )
+    assert "pass labels= the Kaldi text file of the same keys" in caplog.text  # said once, not a word before
+
+
+def test_a_wav_scp_of_paths_relative_to_another_folder_reads_with_path_root(tmp_path):
+    data = write_audio_dir(tmp_path / "corpus/wav", utts=3)  # a data dir made elsewhere: paths from corpus/
+    scp = tmp_path / "lists/wav.scp"
+    scp.parent.mkdir()
+    scp.write_text("".join(f"{key} wav/{key}.wav\n" for key in data.audio))
+    with pytest.raises(InputError, match=r"cannot open 'wav/utt000\.wav'") as error:
+        list(make_loader(scp, labels=data.text, batch_size=3, num_workers=0))
+    assert error.value.reason == "missing_audio"
+    (batch,) = list(make_loader(scp, labels=data.text, batch_size=3, num_workers=0, path_root=tmp_path / "corpus"))
+    assert {k: a[: int(n)].tolist() for k, a, n in zip(batch["keys"], batch["audio"], batch["audio_lens"])} == {
+        k: (v / 32768).astype(np.float32).tolist() for k, v in data.audio.items()
+    }
+    with pytest.raises(InputError, match=re.escape(f"path_root={tmp_path}")):
+        list(make_loader(scp, labels=data.text, batch_size=3, num_workers=0, path_root=tmp_path))
+    with pytest.raises(ConfigError, match="path_root must be a folder"):
+        make_loader(scp, path_root=tmp_path / "nowhere")
 
 
 def test_bad_lists_and_bad_audio_at_load(tmp_path):
@@ -283,13 +324,28 @@ def test_bad_lists_and_bad_audio_at_load(tmp_path):
     rank = loader.last_summary["ranks"][0]
     assert rank["dropped"] == {"missing_audio": 1, "unreadable_audio": 1, "bad_segment": 1}
     assert rank["planned"] == 7 == rank["utts"] + sum(rank["dropped"].values())
-    bad_lines = [lines[0], "{not json", '{"key": "k"}', '{"key": "s", "wav": "x.wav", "start": null}', lines[2]]
+    listed = json.dumps({"key": "l", "wav": str(good.root / "utt000.wav"), "txt": ["a", "b"]})  # was "['a', 'b']"
+    bad_lines = [lines[0], "{not json", '{"key": "k"}', '{"key": "s", "wav": "x.wav", "start": null}', listed, lines[2]]
     (tmp_path / "bad.list").write_text("\n".join(bad_lines) + "\n")
     with pytest.raises(InputError, match=r"bad.list sample 2 \(key 'line-2'\): the line is not JSON"):
         list(make_loader(tmp_path / "bad.list", batch_size=2, num_workers=0))
     loader = make_loader(tmp_path / "bad.list", batch_size=2, num_workers=0, skip_bad=True)
     assert sorted(k for b in loader for k in b["keys"]) == sorted([good.keys[0], good.keys[1]])
-    assert loader.last_summary["ranks"][0]["dropped"] == {"malformed_line": 3}
+    assert loader.last_summary["ranks"][0]["dropped"] == {"malformed_line": 4}
+
+
+def test_a_nemo_manifest_given_as_a_list_names_what_it_holds_and_what_a_list_must(tmp_path):
+    """Audio options over it said "these hold: read_error.txt" (issue 23, item 20)."""
+    wav = REALDATA / "audio/librispeech/1995-1837-0001.wav"
+    record = {"audio_filepath": str(wav), "duration": 1.2, "text": "hello"}
+    (tmp_path / "train.list").write_text(json.dumps(record) + "\n")
+    loader = make_loader(tmp_path / "train.list", features="fbank", batch_size=2, num_workers=0)
+    with pytest.raises(InputError, match=r'train.list sample 1 .*holds keys "audio_filepath", "duration", "text"; a '
+                       r'line of a sample list .* "key" and "wav" strings') as error:  # fmt: skip
+        list(loader)
+    assert "read_error" not in str(error.value) and "give the file a .json or .jsonl name" in str(error.value)
+    (tmp_path / "train.list").rename(tmp_path / "train.json")  # as that name says, NeMo's
+    assert [b["texts"] for b in make_loader(tmp_path / "train.json", batch_size=2, num_workers=0)] == [["hello"]]
 
 
 def test_channel_and_rate_problems_at_load(tmp_path):
@@ -329,7 +385,7 @@ def test_a_waveform_batch_at_two_rates_gives_each_samples_rate_and_says_so(tmp_p
     caplog.clear()
     with caplog.at_level("WARNING", logger="seqshard"):
         (batch,) = list(make_loader(tmp_path / "wav.scp", batch_size=3, num_workers=0, resample_to=16000))
-    assert batch["sample_rate"].tolist() == [16000] * 3 and not caplog.records
+    assert batch["sample_rate"].tolist() == [16000] * 3 and not [r for r in caplog.records if "rate" in r.getMessage()]
 
 
 def _feature_shards(tmp_path):

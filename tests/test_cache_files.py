@@ -142,3 +142,18 @@ def test_threads_opening_a_damaged_copy_at_once_all_get_the_fetched_one(tmp_path
         for thread in threads:
             thread.join()
         assert errors == [] and crcs == [zlib.crc32(good)] * 4
+
+
+@pytest.mark.parametrize("link", [FOLDER, f"{FOLDER}/.locks"])
+def test_the_cache_never_writes_through_a_link(tmp_path, link):
+    """A link planted in cache_dir (its folder, its locks) leads nothing out of it."""
+    from seqshard.errors import OutputError
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    cache_dir = tmp_path / "cache"
+    (cache_dir / link).parent.mkdir(parents=True, exist_ok=True)
+    (cache_dir / link).symlink_to(elsewhere)
+    with pytest.raises(OutputError, match="symbolic link"):
+        ShardCache(cache_dir)
+    assert list(elsewhere.iterdir()) == []

@@ -103,3 +103,21 @@ def test_every_command_and_the_trainer_take_only_whole_option_names(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--conf", "hyper-p.json"])
     assert "unrecognized arguments: --conf" in capsys.readouterr().err
+
+
+def test_counts_of_one_are_singular(tmp_path, capsys):
+    """inspect and verify said "1 shards" (issue 23, item 20)."""
+    from conftest import write_kaldi_dir
+    from seqshard import pack_data
+    from seqshard.cli import main
+    from seqshard.errors import counted
+
+    assert [counted(1, "shard"), counted(2, "shard", "is"), counted(0, "entry", "has")] == [
+        "1 shard", "2 shards are", "0 entries have"
+    ]  # fmt: skip
+    data = write_kaldi_dir(tmp_path / "kaldi", speakers=1, per_speaker=1, dim=2)
+    pack_data(data.scp, data.text, tmp_path / "one", utts_per_file=10, progress=False)
+    assert main(["inspect", str(tmp_path / "one"), "--quiet"]) == 0
+    assert main(["verify", str(tmp_path / "one"), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("1 shard, 1 utterance, ") and "checked 1 shard: 0 damaged" in out, out

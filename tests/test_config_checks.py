@@ -228,6 +228,39 @@ def test_config_names_a_missing_train_shard_unless_skip_bad(corpus, tmp_path):
     shards = tmp_path / "shards"
     pack_data(corpus["train"].scp, corpus["train"].text, shards, utts_per_file=4, progress=False)
     (shards / "data-00001.tar").unlink()
-    with pytest.raises(ConfigError, match=r"trset: 1 selected shard\(s\) are missing, first .*data-00001\.tar"):
+    with pytest.raises(ConfigError, match=r"trset: 1 selected shard is missing, first .*data-00001\.tar"):
         check_data(hyper(corpus, trset=str(shards)))
     check_data(hyper(corpus, trset=str(shards), skip_bad=True))
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("elsewhere/data-*.tar", r"epoch_source 'elsewhere/data-\*\.tar' is not one of the mixed sources"),
+        (2, r"epoch_source 2 is not one of the mixed sources"),
+        (1, r"epoch_source '.*data-00001\.tar' has weight 0 in the mux"),
+    ],
+)
+def test_config_refuses_an_epoch_source_the_loader_would_refuse(corpus, spec, message):
+    """`seqshard config` said OK for it (issue 23, item 20): one check for both."""
+    shards = f"{corpus['root']}/shards"
+    trset = {"mux": [f"{shards}/data-00000.tar", f"{shards}/data-00001.tar"], "weights": [1, 0]}
+    config = hyper(corpus, trset=trset, epoch_source=spec)
+    with pytest.raises(ConfigError, match=message):
+        check_data(config)
+    with pytest.raises(ConfigError, match=message):
+        build_loaders(config)
+    check_data(hyper(corpus, trset=trset, epoch_source=0))
+
+
+def test_a_config_nested_too_deeply_is_refused_not_recursed_into(tmp_path, corpus):
+    """A RecursionError before (issue 23, item 20)."""
+    deep = tmp_path / "deep.json"
+    deep.write_text('{"train": {"option": {"trset": ' + "[" * 100_000 + "]" * 100_000 + "}}}")
+    with pytest.raises(ConfigError, match=r"deep.json: lists and objects nest deeper than 64 levels"):
+        load_config(deep)
+    mix = f"{corpus['root']}/shards/data-*.tar"
+    for _ in range(2000):
+        mix = {"mux": [mix]}
+    with pytest.raises(ConfigError, match=r"the config: lists and objects nest deeper than 64 levels"):
+        build_loaders(hyper(corpus, trset=mix, **MIX))

@@ -126,7 +126,7 @@ def test_more_bad_shards_than_the_count_stop_every_rank_as_one_process_stops(bad
     folder, pattern = bad_set
     damage(folder, 0)
     problem = (
-        "3 of the 5 selected shard(s) were bad this epoch (2 damaged, 1 missing): "
+        "3 of 5 selected shards were bad this epoch (2 damaged, 1 missing): "
         "more than the 2 that max_bad_shards=2 allows."
     )
     with pytest.raises(ShardError, match=problem.replace("(", r"\(").replace(")", r"\)")):
@@ -147,7 +147,7 @@ def test_the_default_share_of_one_shard_is_said_in_numbers(tmp_path):
     with pytest.raises(ShardError) as error:
         list(make_loader(pattern, batch_size=2, num_workers=0, skip_bad=True))
     assert (
-        "1 of the 1 selected shard(s) were bad this epoch (1 damaged, 0 missing): more than the 0 that "
+        "1 of 1 selected shard was bad this epoch (1 damaged, 0 missing): more than the 0 that "
         "max_bad_shards=0.05 allows (5% of 1, rounded down)."
     ) in str(error.value)
 

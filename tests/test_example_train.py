@@ -1,6 +1,7 @@
 """The example trainer (examples/train_ddp.py -> seqshard.trainer) run for real: it learns,
 it is killed with SIGKILL and resumed with the batches and losses of the uninterrupted run,
-it stops and resumes under torchrun with 2 ranks, and says when a run is finished."""
+it is preempted (SIGTERM) and resumes under torchrun with 2 ranks, and says when a run is
+finished."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -29,7 +31,10 @@ SETTINGS = {
 }
 OPTIONS = ["--demo-utts", "160"] + [f"--set={k}={json.dumps(v)}" for k, v in SETTINGS.items()]
 SAVED = re.compile(r"^epoch (\d+) step (\d+) checkpoint saved$")
-LOGGED = re.compile(r"^epoch \d+ step \d+ loss \S+ \d+ utts/s \d+ frames/s data-wait \d+\.\d%$")
+LOGGED = re.compile(
+    r"^epoch \d+ step \d+ loss \S+ \d+ utts/s \d+ frames/s data-wait \d+\.\d% peak-mem \d+ MiB largest( \d+:\d+x\d+)+$"
+)
+PREEMPTED = re.compile(r"^rank (\d+): SIGTERM: stopped after step (\d+), checkpoint saved$")
 RESUMED = re.compile(r"^resumed from .*: epoch (\d+), after step (\d+)$")
 FINISHED = re.compile(r"^finished: 2 epochs, (\d+) steps$")
 DEV = re.compile(r"^epoch (\d+) dev loss (\S+)$")
@@ -137,14 +142,33 @@ def resumed_at(lines: list[str]) -> tuple[int, int]:
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.timeout(300)
-def test_two_ranks_stop_and_resume_exactly(tmp_path: Path):
+@pytest.mark.timeout(400)
+def test_two_ranks_are_preempted_and_resume_exactly(tmp_path: Path):
     reference = run("--out", str(tmp_path / "ref"), "--steps-file", str(tmp_path / "ref.jsonl"), cwd=tmp_path, ranks=2)
     assert FINISHED.match(reference[-1]), reference
     out = ["--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "run.jsonl")]
-    first = run(*out, "--stop-after-steps", "7", cwd=tmp_path, ranks=2)
-    assert any(line.startswith("stopped after 7 steps") for line in first), first
+
+    # preempted: SIGTERM to torchrun (which passes it to the ranks) after a checkpoint
+    process = subprocess.Popen(
+        command(*out, ranks=2), cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    assert process.stdout is not None
+    lines = []
+    for raw in process.stdout:
+        lines.append(raw.decode(errors="replace").rstrip("\n"))
+        if (m := SAVED.match(lines[-1])) and int(m[2]) >= 5:
+            process.send_signal(signal.SIGTERM)
+            break
+    lines += process.stdout.read().decode(errors="replace").splitlines()
+    process.wait(timeout=60)
+    stopped = {int(m[1]): int(m[2]) for m in map(PREEMPTED.match, lines) if m}
+    assert sorted(stopped) == [0, 1] and len(set(stopped.values())) == 1, lines  # both ranks, at one step
+    checkpoint = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
+    assert checkpoint["step"] == stopped[0] and not FINISHED.match(lines[-1])
+    assert not any("Unable to shutdown process" in line or "seqshard/trainer.py" in line for line in lines), lines
+
+    # running again goes on with the batches and losses of the uninterrupted run
     lines = run(*out, cwd=tmp_path, ranks=2)
-    assert resumed_at(lines) == (0, 7), lines
+    assert resumed_at(lines)[1] == stopped[0], lines
     assert FINISHED.match(lines[-1]), lines
     assert_same_steps(records(tmp_path / "run.jsonl"), records(tmp_path / "ref.jsonl"))  # rank 0's batches and losses

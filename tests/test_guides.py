@@ -116,7 +116,47 @@ else:
 
     def test_every_route_has_a_guide():
         names = {guide.name for guide in GUIDES}
-        assert {"from-kaldi.md", "from-wenet.md", "from-webdataset.md", "from-lhotse.md", "from-fairseq.md"} <= names
+        assert {
+            "from-kaldi.md",
+            "from-wenet.md",
+            "from-webdataset.md",
+            "from-lhotse.md",
+            "from-fairseq.md",
+            "from-nemo.md",
+            "from-huggingface.md",
+            "from-espnet.md",
+        } <= names
+
+    def test_every_package_a_guide_imports_comes_with_what_it_says_to_install():
+        """A guide names the extra (`pip install -e ".[NAME]"`) of each package its code imports
+        that seqshard itself does not install (issue 23, item 20: webdataset, lhotse)."""
+        import ast
+        import importlib.metadata
+
+        import tomllib
+
+        project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+
+        def distributions(requirements):
+            return {re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0].lower() for r in requirements}
+
+        core = distributions(project["dependencies"])
+        extras = {name: distributions(reqs) for name, reqs in project["optional-dependencies"].items()}
+        providers = importlib.metadata.packages_distributions()
+        for guide in GUIDES:
+            text = guide.read_text(encoding="utf-8")
+            named = [e for found in re.findall(r'pip install -e "?\.\[([\w,-]+)\]', text) for e in found.split(",")]
+            installed = core.union(*(extras[name] for name in named))
+            for language, line, code in guide_blocks(text):
+                if language != "python":
+                    continue
+                for node in ast.walk(ast.parse(code)):
+                    names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                    if isinstance(node, ast.ImportFrom) and not node.level:
+                        names = [node.module]
+                    for top in {name.split(".")[0] for name in names} - set(sys.stdlib_module_names) - {"seqshard"}:
+                        found = {d.lower() for d in providers.get(top, [top])}
+                        assert found & installed, f"{guide.name}:{line} imports {top}, which no extra it names installs"
 
     def write_guide(tmp_path, text):
         guide = tmp_path / "from-test.md"

@@ -303,7 +303,7 @@ def test_damage_and_missing_files_are_named_or_counted(tmp_path):
     packed = pack_small(tmp_path, utts_per_file=10)
     with pytest.raises(
         ShardError,
-        match=r"5 selected shard\(s\) are missing: data-00005\.tar \(named in the pattern, but it does not exist\)",
+        match=r"5 selected shards are missing: data-00005\.tar \(named in the pattern, but it does not exist\)",
     ):
         make_loader(f"{packed.out}/data-0000{{0..9}}.tar")
     from seqshard.formats.tar import SampleStream
@@ -466,3 +466,25 @@ def test_loader_options_are_checked_with_their_names(packed):
         f"{packed.out.parent}/*", batch_size=4, num_workers=0
     )  # a glob's folders stand for their shards
     assert sum(len(b["keys"]) for b in everything) == 48
+
+
+def test_texts_come_as_stored_and_tokens_from_the_stripped_text(tmp_path):
+    """webdataset's decode keeps a .txt member as stored (its compressed.tar's end with a newline);
+    so does the loader; the tokenizer reads it without the whitespace around it (issue 23, item 17)."""
+    import gzip
+    import tarfile
+
+    shard = REALDATA / "webdataset/webdataset-testdata/compressed.tar"
+    with tarfile.open(shard) as archive:
+        stored = {
+            m.name.split(".", 1)[0]: gzip.decompress(archive.extractfile(m).read()).decode()
+            for m in archive.getmembers()
+            if m.isfile()
+        }
+    units = tmp_path / "units.txt"
+    units.write_text("<unk> 0\n▁ 1\n" + "".join(f"{c} {n}\n" for n, c in enumerate("deghiloprwz", start=2)))
+    loader = make_loader(shard, units, batch_size=8, num_workers=0, shuffle=False)
+    batch = next(iter(loader))
+    assert dict(zip(batch["keys"], batch["texts"])) == stored and all(t.endswith("\n") for t in stored.values())
+    for key, row in zip(batch["keys"], batch["labels"].tolist()):
+        assert [t for t in row if t != -1] == [2 + "deghiloprwz".index(c) for c in stored[key].strip()]

@@ -4,6 +4,7 @@ parsing the headers, and checked against the file they describe."""
 
 import json
 import logging
+import re
 import shutil
 import tarfile
 
@@ -13,7 +14,7 @@ import pytest
 from conftest import pack_small
 from seqshard import add_field, make_loader
 from seqshard.errors import ShardError
-from seqshard.formats.members import TABLE_DIR, load_table, table_path
+from seqshard.formats.members import TABLE_DIR, TableBuilder, load_table, table_path
 from seqshard.formats.sliced import SlicedSampleStream
 from seqshard.formats.streams import open_samples, skip_samples
 from seqshard.formats.tar import SampleStream, member_table
@@ -180,18 +181,20 @@ def _rename_a_sample_in_place(path, old_key, new_key):
     path.write_bytes(bytes(data))
 
 
-def test_a_shard_edited_after_its_table_is_a_damaged_shard_named_with_its_table(packed_with_words):
+def test_a_shard_edited_after_its_table_is_read_by_its_headers_and_its_table_counted(packed_with_words, caplog):
     out = packed_with_words.out
     path = out / "data-00002.tar"
     key = load_table(path).keys[5]
-    _rename_a_sample_in_place(path, key, key[:-1] + ("x" if key[-1] != "x" else "y"))
-    with pytest.raises(
-        ShardError, match=r"data-00002\.tar: the headers of its samples .* differ from its member table"
-    ):
-        batches(make_loader(out, **dict(OPTIONS, interleave=1)))
-    loader = make_loader(out, skip_bad=True, max_bad_shards=1, **OPTIONS)
-    batches(loader)
-    assert loader.stats()["damaged_shards"] == 1
+    renamed = key[:-1] + ("x" if key[-1] != "x" else "y")
+    _rename_a_sample_in_place(path, key, renamed)
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        loader = make_loader(out, **dict(OPTIONS, interleave=1))
+        keys = [k for keys, _ in batches(loader) for k in keys]
+        batches(loader)  # a second epoch: no second warning
+    assert len(keys) == 48 and renamed in keys and key not in keys  # what the headers say
+    assert (loader.stats()["damaged_tables"], loader.stats()["damaged_shards"]) == (1, 0)
+    warned = [r.getMessage() for r in caplog.records if "member table" in r.getMessage()]
+    assert len(warned) == 1 and "data-00002.tar: the headers of its samples" in warned[0]
     problems = [p for shard, found in verify(str(out), progress=False).damaged.items() for p in found]
     assert (
         f"its member table {table_path(path)} differs from its headers: rebuild it with `seqshard index` on its folder"
@@ -199,7 +202,95 @@ def test_a_shard_edited_after_its_table_is_a_damaged_shard_named_with_its_table(
     )
     rebuild_index(out, progress=False)  # the edit was on purpose: the table follows the file
     assert load_table(path).same_as(member_table(path))
-    assert len([k for keys, _ in batches(make_loader(out, **OPTIONS)) for k in keys]) == 48
+    loader = make_loader(out, **OPTIONS)
+    assert len([k for keys, _ in batches(loader) for k in keys]) == 48
+    assert loader.stats()["damaged_tables"] == 0
+
+
+@pytest.fixture(scope="module", params=["short", "long"])
+def one_shard_of_70(request, tmp_path_factory):
+    """70 samples in one shard (two blocks of checked headers); long keys need pax headers."""
+    prefix = "spk" if request.param == "short" else "s" * 120
+    root = tmp_path_factory.mktemp("seventy")
+    return pack_small(root, utts_per_file=100, speakers=2, per_speaker=35, dim=3, frames=(2, 5), prefix=prefix)
+
+
+def _swap_two_keys(stored, number):
+    keys = bytes(stored["keys"]).split(b"\0")
+    keys[number], keys[number + 1] = keys[number + 1], keys[number]
+    stored["keys"] = np.frombuffer(b"\0".join(keys), dtype=np.uint8)
+
+
+def _shorten_a_label(stored, number):
+    member = int(stored["first_member"][number]) + 1  # a sample's members: feats.npy, txt
+    stored["sizes"][member] = 1
+
+
+def _forge_without(path, numbers):
+    """A table of ``path`` without samples ``numbers``, consistent in itself and with header
+    checksums the file matches (as a forger would make it): only the headers tell."""
+    builder = TableBuilder()
+    with SampleStream(path, read_data=False, where=True) as stream:
+        while (sample := stream.next_sample()) is not None:
+            if sample.ordinal not in numbers:
+                builder.add_sample(sample.key, sample.offset, sample.members)
+        end = stream.resume_offset
+    builder.finish(path, end).save(path)
+
+
+@pytest.mark.parametrize(
+    ("one_shard_of_70", "numbers"), [("short", {0}), ("long", {40}), ("short", {69})], indirect=["one_shard_of_70"]
+)
+def test_a_forged_table_leaving_out_a_sample_never_hides_it(one_shard_of_70, tmp_path, numbers):
+    out = tmp_path / "shards"
+    shutil.copytree(one_shard_of_70.out, out)
+    _forge_without(out / "data-00000.tar", numbers)
+    loader = make_loader(out, batch_size=7, shuffle=False, num_workers=0)
+    assert sorted(k for batch in loader for k in batch["keys"]) == sorted(one_shard_of_70.data.keys)
+    assert loader.stats()["damaged_tables"] == 1
+
+
+@pytest.mark.parametrize(
+    ("one_shard_of_70", "edit", "number"),
+    [  # in the first block of 64 samples and in the second; ustar names, and pax ones (long keys)
+        ("short", _swap_two_keys, 66),
+        ("short", _shorten_a_label, 3),
+        ("long", _swap_two_keys, 3),
+        ("long", _shorten_a_label, 66),
+    ],
+    indirect=["one_shard_of_70"],
+)
+def test_a_table_with_other_keys_or_sizes_than_the_headers_never_serves_them(one_shard_of_70, tmp_path, edit, number):
+    out = tmp_path / "shards"
+    shutil.copytree(one_shard_of_70.out, out)
+    path = out / "data-00000.tar"
+    stored = dict(np.load(table_path(path)))
+    edit(stored, number)
+    with open(table_path(path), "wb") as stream:
+        np.savez(stream, **stored)
+    loader = make_loader(out, batch_size=7, shuffle=False, num_workers=0)
+    found = {}
+    for batch in loader:
+        for row, key in enumerate(batch["keys"]):
+            found[key] = (batch["feats"][row, : batch["feat_lens"][row]].numpy(), batch["texts"][row])
+    data = one_shard_of_70.data
+    assert sorted(found) == sorted(data.keys)
+    for key, (feats, text) in found.items():
+        np.testing.assert_array_equal(feats, data.arrays[key])
+        assert text == data.labels[key]
+    assert (loader.stats()["damaged_tables"], loader.stats()["damaged_shards"]) == (1, 0)
+
+
+def test_a_good_table_of_long_keys_is_checked_by_a_walk_over_its_headers(one_shard_of_70):
+    path = one_shard_of_70.out / "data-00000.tar"
+    table = load_table(path)
+    with open(path, "rb") as stream:
+        data = stream.read()
+    long_keys = len(table.keys[0]) > 100
+    assert [table.headers_agree(block, memoryview(data)) for block in (0, 1)] == [not long_keys] * 2
+    loader = make_loader(one_shard_of_70.out, batch_size=7, shuffle=False, num_workers=0)
+    assert sum(len(batch["keys"]) for batch in loader) == 70
+    assert loader.stats()["damaged_tables"] == 0
 
 
 def test_a_truncated_shard_with_a_table_fails_as_it_does_without(packed_with_words):
@@ -242,3 +333,43 @@ def test_a_shard_cut_short_since_it_was_indexed_fails_before_any_of_its_samples(
             seen.extend(keys)
     assert "seqshard verify" in str(error.value)
     assert set(seen) <= set(first)  # nothing of the cut shard
+
+
+def _npy_header(shape, dtype="<i8"):
+    """The bytes of an .npy header declaring an array of ``shape``."""
+    import io
+
+    buffer = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buffer, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("one_shard_of_70", ["short"], indirect=True)
+@pytest.mark.parametrize("compression", ["stored", "deflated"])
+def test_a_table_declaring_a_4_gib_array_is_refused_before_it_is_allocated(one_shard_of_70, tmp_path, compression):
+    """The .npy header of a table's array declares 2**29 int64 (4 GiB); the entry holds 4 MB of
+    zeros (deflated: 1000x) or 16 bytes (stored). Refused, naming the table, allocating nothing."""
+    import tracemalloc
+    import zipfile
+
+    out = tmp_path / "shards"
+    shutil.copytree(one_shard_of_70.out, out)
+    path = table_path(out / "data-00000.tar")
+    with zipfile.ZipFile(path) as archive:
+        entries = {name: archive.read(name) for name in archive.namelist()}
+    method = zipfile.ZIP_DEFLATED if compression == "deflated" else zipfile.ZIP_STORED
+    entries["sizes.npy"] = _npy_header((1 << 29,)) + bytes(4 << 20 if compression == "deflated" else 16)
+    with zipfile.ZipFile(path, "w", method) as archive:
+        for name, data in entries.items():
+            archive.writestr(name, data)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ShardError) as error:
+            load_table(out / "data-00000.tar")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20  # 4 GiB before
+    assert re.search(
+        r"data-00000\.tar: its member table \S+ cannot be read \(array 'sizes' .*declares", str(error.value)
+    )

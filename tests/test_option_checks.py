@@ -48,6 +48,7 @@ OUT_OF_RANGE = {
     "max_bad_shards": [-1],
     "remote_retries": [-1, 2.5],
     "remote_timeout": [0],
+    "remote_min_rate": [0, -5],
     "num_workers": [-1, 10**18, 1.5],
     "prefetch_factor": [0, 10**9],
     "timeout": [-1],
@@ -117,6 +118,11 @@ def test_a_bad_number_for_a_loader_option_is_named(name, value):
         (dict(cache_dir=5), "cache_dir must be a path"),
         (dict(transforms=5), "transforms must be a list"),
         (dict(labels=["text", 5]), "labels must be a Kaldi text file or a list of them"),
+        (dict(device="gpu"), "device must be None, 'cpu', 'cuda' or 'cuda:N'"),
+        (dict(feature_device="cpu"), "feature_device='cpu' says where fbank is made: it needs features='fbank'"),
+        (dict(features="fbank", feature_device="cuda"), "give device='cuda', or feature_device='cpu'"),
+        (dict(features="fbank", feature_device="cuda:1", device="cuda:0"), "give device='cuda:1'"),
+        (dict(features="fbank", feature_device="cpu", cmvn="speaker"), "cmvn='speaker' applies each speaker's"),
     ],
 )
 def test_other_options_are_named(options, message):

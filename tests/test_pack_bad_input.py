@@ -230,3 +230,58 @@ def test_a_byte_order_mark_is_not_part_of_the_first_key(tmp_path, kaldi_dir, cap
         report = pack_data(kaldi_dir.scp, kaldi_dir.text, tmp_path / "out", progress=False)
     assert report.packed == 48 and report.label_issues == {}
     assert "starts with a UTF-8 byte order mark" in caplog.text
+
+
+def _nul_key_inputs(root: Path, route: str) -> dict:
+    """pack_data's inputs with one utterance key (of three) holding a NUL character, by route."""
+    from conftest import write_audio_dir
+
+    keys = ["u0", "u\x001", "u2"]
+    text = root / "text"
+    text.write_text("".join(f"{key} words {n}\n" for n, key in enumerate(keys)))
+    if route == "feats.scp":
+        with kaldiio.WriteHelper(f"ark,scp:{root / 'f.ark'},{root / 'feats.scp'}") as writer:
+            for n, key in enumerate(keys):
+                writer(key, np.full((3 + n, 2), n, dtype=np.float32))
+        return dict(f_scps=root / "feats.scp", f_labels=text)
+    audio = write_audio_dir(root / "audio", utts=3, seconds=(0.2, 0.3))
+    wavs = [line.split(" ", 1)[1] for line in audio.wav_scp.read_text().splitlines()]
+    wav_scp = root / "wav.scp"
+    if route == "wav.scp":
+        wav_scp.write_text("".join(f"{key} {wav}\n" for key, wav in zip(keys, wavs)))
+        return dict(f_scps=None, f_labels=text, wav_scp=wav_scp)
+    wav_scp.write_text("".join(f"rec{n} {wav}\n" for n, wav in enumerate(wavs)))
+    (root / "segments").write_text("".join(f"{key} rec{n} 0.0 0.15\n" for n, key in enumerate(keys)))
+    return dict(f_scps=None, f_labels=text, wav_scp=wav_scp, segments=root / "segments")
+
+
+@pytest.mark.parametrize("route", ["feats.scp", "wav.scp", "segments"])
+def test_a_key_holding_nul_is_a_bad_key_on_every_route(tmp_path, route):
+    """Such a key ended its member names (and the member table's keys) early: pack reported it
+    packed and wrote a shard its own loader refused, all its utterances lost."""
+    from seqshard import make_loader
+
+    inputs = _nul_key_inputs(tmp_path, route)
+    scp = inputs.pop("f_scps")
+    with pytest.raises(InputError) as error:
+        pack_data(scp, inputs.pop("f_labels"), tmp_path / "strict", progress=False, **inputs)
+    assert error.value.reason == "bad_key" and "NUL character" in str(error.value)
+    assert "(key 'u\\x001')" in str(error.value) and "escape_keys=True" in str(error.value)
+    report = pack_data(scp, tmp_path / "text", tmp_path / "skip", skip_bad=True, progress=False, **inputs)
+    assert (report.input_utts, report.packed, report.dropped) == (3, 2, {"bad_key": 1})
+    loader = make_loader(tmp_path / "skip", batch_size=2, num_workers=0, shuffle=False)
+    assert sorted(k for batch in loader for k in batch["keys"]) == ["u0", "u2"]
+    assert loader.stats()["damaged_shards"] == 0
+    escaped = pack_data(scp, tmp_path / "text", tmp_path / "esc", escape_keys=True, progress=False, **inputs)
+    loader = make_loader(tmp_path / "esc", batch_size=2, num_workers=0, shuffle=False)
+    assert escaped.packed == 3 and sorted(k for batch in loader for k in batch["keys"]) == sorted(
+        ["u0", "u\x001", "u2"]
+    )
+
+
+def test_a_key_too_long_for_a_tar_header_is_a_bad_key_even_escaped():
+    from seqshard.formats.keys import MAX_KEY_BYTES, key_problem
+
+    assert key_problem("a" * MAX_KEY_BYTES) is None
+    assert "beyond the 65536" in key_problem("é" * MAX_KEY_BYTES)
+    assert "bytes long escaped" in key_problem("." * (MAX_KEY_BYTES // 2), escaped=True)

@@ -93,8 +93,9 @@ def test_parts_agree_on_an_empty_shard(tmp_path):
 def test_a_file_left_under_an_empty_shards_name_is_removed(tmp_path):
     data = damaged_middle_shard(tmp_path)
     out = tmp_path / "out"
-    out.mkdir()
-    (out / "data-00001.tar").write_bytes(bytes(10240))  # what an earlier seqshard left: an empty tar
+    (out / ".seqshard-pack").mkdir(parents=True)  # an earlier pack here planned it and left an empty tar
+    (out / ".seqshard-pack/planned.json").write_text(json.dumps({"groups": {"": [["data-00001.tar", 10]]}}))
+    (out / "data-00001.tar").write_bytes(bytes(10240))
     pack_data(data.scp, data.text, out, utts_per_file=10, shuffle=False, skip_bad=True, progress=False)
     assert not (out / "data-00001.tar").exists()
 

@@ -196,4 +196,4 @@ def test_empty_labels_are_counted_and_packed(tmp_path, kaldi_dir, caplog):
     with caplog.at_level("WARNING", logger="seqshard"):
         report = pack_data(kaldi_dir.scp, kaldi_dir.text, tmp_path / "out", progress=False)
     assert report.packed == 48 and report.label_issues == {"empty_label": 1}
-    assert "1 label(s) are empty" in caplog.text
+    assert "1 label is empty" in caplog.text

@@ -70,14 +70,14 @@ def test_failures_and_skips_never_show_credentials(served, caplog):
         braces = signed(server, "data-{00000..00009}.tar")  # the server has 8 of them
         with pytest.raises(ShardError) as missing:
             make_loader(braces, **OPTIONS)
-        assert "2 selected shard(s) are missing" in str(missing.value)
+        assert "2 selected shards are missing" in str(missing.value)
         skipping = make_loader(braces, skip_bad=True, max_bad_shards=2, **OPTIONS)
         assert len(keys_of(skipping)) == 48
 
         server.faults["data-00003.tar"] = ["500"] * 10
         with pytest.raises(ShardError) as failing:
             keys_of(make_loader(secret_url(server, "/shards/"), remote_retries=1, **OPTIONS))
-        assert "failed after 2 attempt(s)" in str(failing.value)
+        assert "failed after 2 attempts" in str(failing.value)
         server.faults["data-00003.tar"] = ["500"] * 10
         failing_signed = make_loader(signed(server, "data-{00000..00007}.tar"), remote_retries=1, **OPTIONS)
         with pytest.raises(ShardError) as failing_again:
@@ -91,7 +91,7 @@ def test_failures_and_skips_never_show_credentials(served, caplog):
         assert_hidden(str(error) + repr(error))
     for loader in (skipping, damaged):
         assert_hidden(repr(loader.stats()) + repr(loader.last_summary))
-    assert "are missing and are not read" in caplog.text and "skipping (the rest of) a damaged shard" in caplog.text
+    assert "are missing and not read" in caplog.text and "skipping (the rest of) a damaged shard" in caplog.text
     assert "retrying in" in caplog.text and "http://alice:***@" not in caplog.text and "http://***@" in caplog.text
     assert_hidden(caplog.text)
 
@@ -119,3 +119,13 @@ def test_inspect_and_verify_never_show_credentials(served, capsys):
     assert "DAMAGED http://***@" in verified.out and "verify http://***@" in verified.err  # its progress lines
     for shown in (inspected, as_json, verified):
         assert_hidden(shown.out + shown.err)
+
+
+def test_the_debug_lines_of_fsspec_never_show_credentials(served, caplog):
+    """fsspec's http logs each URL at DEBUG (issue 23, item 20)."""
+    caplog.set_level(logging.DEBUG, "fsspec")
+    with ShardServer(served) as server:
+        assert len(keys_of(make_loader(signed(server, "data-{00000..00001}.tar"), **OPTIONS))) == 12
+    shown = [r.getMessage() for r in caplog.records if r.name.startswith("fsspec")]
+    assert any("/shards/data-00001.tar?sig=***&token=***&n=1" in line for line in shown), shown[:5]
+    assert_hidden(caplog.text)

@@ -208,14 +208,14 @@ def test_missing_urls_follow_the_rule_of_missing_files(packed, tmp_path):
     an error naming them, or with skip_bad counted against max_bad_shards with local ones."""
     with ShardServer(packed.parent) as server:
         braces = f"{server.url}/shards/data-{{00000..00009}}.tar"  # the folder has 8
-        with pytest.raises(ShardError, match=r"2 selected shard\(s\) are missing: data-00008.tar \(.*data-00009.tar"):
+        with pytest.raises(ShardError, match=r"2 selected shards are missing: data-00008.tar \(.*data-00009.tar"):
             make_loader(braces, num_workers=0, **OPTIONS)
         loader = make_loader(braces, num_workers=0, skip_bad=True, max_bad_shards=2, **OPTIONS)
         assert len(keys_of(loader)) == 48 and loader.stats()["missing_shards"] == 2
         mixed = [braces, str(tmp_path / "data-00000.tar")]  # and a local file that does not exist
         with pytest.raises(
             ShardError,
-            match=r"3 of the 11 selected shard\(s\) were bad this epoch \(0 damaged, 3 missing\): more than the 2 that max_bad_shards=2",
+            match=r"3 of 11 selected shards were bad this epoch \(0 damaged, 3 missing\): more than the 2 that max_bad_shards=2",
         ):
             make_loader(mixed, num_workers=0, skip_bad=True, max_bad_shards=2, **OPTIONS)
         assert (
@@ -223,7 +223,7 @@ def test_missing_urls_follow_the_rule_of_missing_files(packed, tmp_path):
         )
         listing = tmp_path / "data.list"
         listing.write_text(f"{server.url}/shards/data-00000.tar\n{server.url}/shards/gone.tar\n")
-        with pytest.raises(ShardError, match=r"1 selected shard\(s\) are missing: gone.tar"):
+        with pytest.raises(ShardError, match=r"1 selected shard is missing: gone.tar"):
             make_loader(str(listing), num_workers=0, **OPTIONS)
         result = verify(braces, progress=False)
         assert sorted(result.missing) == [f"{server.url}/shards/data-{n:05d}.tar" for n in (8, 9)]
@@ -241,17 +241,26 @@ def test_the_advice_follows_what_happened(packed):
         url = f"{server.url}/shards/"
         server.faults[names[0]] = ["503"] * 10
         text = _failure(url, remote_retries=1)
-        assert "failed after 2 attempt(s)" in text and "kept answering HTTP 503" in text
+        assert "failed after 2 attempts" in text and "kept answering HTTP 503" in text
         assert "credentials" not in text and "remote_retries=8" in text
         server.faults[names[0]] = ["403"] * 10
         text = _failure(url, remote_retries=3)
-        assert "failed after 1 attempt(s)" in text and "refuses access (HTTP 403)" in text and "credentials" in text
+        assert "failed after 1 attempt:" in text and "refuses access (HTTP 403)" in text and "credentials" in text
         server.faults[names[0]] = ["slow:2"] * 3
         text = _failure(url, remote_retries=1, remote_timeout=0.3)
         assert "no answer within 0.3 s" in text and "remote_timeout=120" in text and "credentials" not in text
         server.faults[names[0]] = ["short"] * 10
         text = _failure(url, remote_retries=1)
         assert "ended before the bytes asked for" in text and "credentials" not in text
+        server.faults[names[0]] = ["trickle:0.1"] * 3  # a byte every 0.2 s: each socket read is answered
+        started = time.monotonic()
+        text = _failure(url, remote_retries=0, remote_timeout=0.25, remote_min_rate=1e6)
+        assert time.monotonic() - started < 3, "a trickling server must fail by its deadline"
+        assert "slower than 1e+06 bytes/s" in text and "remote_min_rate=" in text and "failed after 1" in text
+        server.faults[names[0]] = ["redirect"]
+        text = _failure(url, remote_retries=3)
+        assert "redirected the request again and again (10 redirects: http://" in text
+        assert "failed after 1 attempt:" in text and "check the host and port" not in text
         server.faults[names[0]] = []
     down = server.url
     text = _failure(f"{down}/shards/data-00000.tar?token=1", remote_retries=0)
@@ -274,7 +283,7 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
         gc.collect()  # only this test's garbage reaches the child (not earlier tests' in this process)
         gc.disable()
         try:
-            for _ in range(3):
+            for _ in range(6):
                 dropped = remote.RemoteAccess()
                 dropped.server_size(f"{server.url}/shards/{shard_names(packed)[0]}")
                 cycle = [dropped]
@@ -285,7 +294,8 @@ def test_a_forked_worker_does_not_close_its_parents_sessions(packed):
         finally:
             gc.enable()
         child.join(30)
-    assert child.exitcode == 0 and times.get() < 2.0  # 1 s per dropped loader before (3 s here)
+    # 1 s per dropped loader before (6 s here); the margin is for a loaded machine (2.6 s seen at load 10)
+    assert child.exitcode == 0 and times.get() < 4.5
 
 
 def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):
@@ -306,3 +316,33 @@ def test_a_shard_that_fails_stops_its_reads_ahead(packed, tmp_path, caplog):
         seen = retries()
         time.sleep(1.5)
         assert retries() == seen
+
+
+def test_a_stream_that_trickles_stops_at_its_deadline():
+    """A server without ranges is read through one GET (RemoteStream): each read answers, but
+    the whole read must still end by its deadline."""
+
+    class Trickle:
+        def read(self, size):
+            time.sleep(0.01)
+            return b"x"
+
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="not complete within"):
+        remote._read_up_to(Trickle(), 10**6, time.monotonic() + 0.2)
+    assert time.monotonic() - started < 1
+    assert remote.Failure.of(remote._Stalled(0.2)).kind == "stalled"
+
+
+@pytest.mark.parametrize("ranges", [True, False])
+def test_a_remote_index_that_is_not_text_is_named(tmp_path, ranges):
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "shards" / "index.json").write_bytes(b'{"version": 1, "shards": [\xff\xfe]}')
+    (tmp_path / "good").mkdir()
+    (tmp_path / "good" / "index.json").write_text('{"a": 1}')
+    with ShardServer(tmp_path, ranges=ranges) as server:
+        access = remote.RemoteAccess()
+        with pytest.raises(ShardError, match=r"index.json.*not UTF-8 text"):
+            access.read_text(f"{server.url}/shards/index.json")
+        assert access.read_text(f"{server.url}/good/index.json") == '{"a": 1}'
+        assert access.read_text(f"{server.url}/none/index.json") is None

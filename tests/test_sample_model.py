@@ -204,6 +204,31 @@ def test_a_custom_recipe_and_a_user_stage_resume_everywhere(corpus):
         make_loader(corpus.pattern, transforms=["not a function"])
 
 
+def set_like_a_dict(sample):
+    sample["feats"] = sample["feats"] * 2
+    return sample
+
+
+def returns_a_dict(sample):
+    return {"feats": sample["feats"], "txt": sample["txt"]}
+
+
+@pytest.mark.parametrize(
+    ("transform", "error", "said"),
+    [
+        (set_like_a_dict, TypeError, r"'Sample' object does not support item assignment \(in set_like_a_dict\)"),
+        (lambda sample: sample.get("txt") or sample, AttributeError, r"'Sample' object has no attribute 'get'"),
+        (returns_a_dict, TypeError, r"returns_a_dict returned dict, not the sample"),
+        (keep_if(lambda sample: sample.items(), "x"), AttributeError, r"has no attribute 'items'"),
+    ],
+)
+def test_a_dict_style_transform_is_told_what_a_sample_offers(corpus, transform, error, said):
+    """It got a bare TypeError/AttributeError (issue 23, item 20)."""
+    loader = make_loader(corpus.pattern, batch_size=4, transforms=[transform], num_workers=0, **SMALL)
+    with pytest.raises(error, match=said + r".*gets a seqshard Sample, not a dict: .*sample.fields\['feats'\] = value"):
+        next(iter(loader))
+
+
 def test_epoch_steps_and_hours_cut_epochs_in_any_mode_where_they_make_sense(corpus):
     stop = make_loader(corpus.pattern, batch_size=2, epoch_steps=5, num_workers=2, **SMALL)
     for epoch in range(2):

@@ -18,7 +18,9 @@ def test_stage_ids_are_unique_and_below_the_users():
 
 
 def test_no_module_makes_a_generator_of_its_own():
-    makers = re.compile(r"default_rng\(|SeedSequence\(|np\.random\.seed\(|random\.Random\(|RandomState\(")
+    makers = re.compile(
+        r"default_rng\(|SeedSequence\(|np\.random\.seed\(|random\.Random\(|RandomState\(|torch\.Generator\("
+    )
     found = [
         f"{path.relative_to(PACKAGE)}:{number}"
         for path in PACKAGE.rglob("*.py")

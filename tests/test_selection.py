@@ -65,12 +65,12 @@ def test_a_shard_listed_in_the_index_but_missing_is_named_or_counted(tmp_path, c
     gone.unlink()
     for pattern in (packed.pattern, str(packed.out), f"{packed.out}/data-0000[0-4].tar"):
         with pytest.raises(
-            ShardError, match=r"1 selected shard\(s\) are missing: data-00002\.tar \(listed in its folder's index\.json"
+            ShardError, match=r"1 selected shard is missing: data-00002\.tar \(listed in its folder's index\.json"
         ):
             make_loader(pattern, batch_size=4)
     with pytest.raises(
         ShardError,
-        match=r"1 of the 5 selected shard\(s\) were bad this epoch \(0 damaged, 1 missing\): more than the 0 that max_bad_shards=0\.05 allows",
+        match=r"1 of 5 selected shards was bad this epoch \(0 damaged, 1 missing\): more than the 0 that max_bad_shards=0\.05 allows",
     ):
         make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True)
     loader = make_loader(packed.pattern, batch_size=4, num_workers=2, skip_bad=True, max_bad_shards=0.2)
@@ -94,7 +94,7 @@ def test_an_unfinished_multi_part_pack_is_not_read_or_indexed_as_if_complete(tmp
     assert sorted(p.name for p in out.glob("*.tar")) == ["data-00000.tar", "data-00002.tar", "data-00004.tar"]
     with pytest.raises(
         ShardError,
-        match=r"2 selected shard\(s\) are missing: data-00001\.tar \(planned by a pack that has not finished",
+        match=r"2 selected shards are missing: data-00001\.tar \(planned by a pack that has not finished",
     ):
         make_loader(f"{out}/data-*.tar", batch_size=4)
     loader = make_loader(str(out), batch_size=4, num_workers=0, skip_bad=True, max_bad_shards=2)
@@ -107,3 +107,34 @@ def test_an_unfinished_multi_part_pack_is_not_read_or_indexed_as_if_complete(tmp
     assert report.complete and (out / "index.json").exists()
     assert sorted(keys_of(make_loader(f"{out}/data-*.tar", batch_size=4, num_workers=0))) == sorted(data.keys)
     assert main(["index", "--quiet", str(out)]) == 0
+
+
+@pytest.mark.parametrize("pattern", ["{folder}", "{folder}/*.tar", "{folder}/part-{{0,1}}.tar"])
+def test_a_dangling_link_named_like_a_shard_is_a_missing_shard(tmp_path, pattern):
+    """A folder of foreign shards (no index) linked from a disk that is not mounted: the link
+    was passed over and the other shards read as if they were all."""
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    (folder / "part-0.tar").write_bytes(b"\0" * 1024)
+    (folder / "part-1.tar").symlink_to(tmp_path / "unmounted/part-1.tar")
+    (folder / "notes.txt").symlink_to(tmp_path / "unmounted/notes.txt")  # not named like a shard: not one
+    selection = select_shards(pattern.format(folder=folder))
+    assert selection.paths == [folder / "part-0.tar"]
+    assert [(m.path, m.why) for m in selection.missing] == [
+        (folder / "part-1.tar", f"a link to {tmp_path / 'unmounted/part-1.tar'}, which does not exist")
+    ]
+    assert select_shards(str(folder / "part-0.tar")).missing == []  # a shard named alone: the link is not asked for
+
+
+def test_index_refuses_a_folder_with_a_dangling_link_named_like_a_shard(tmp_path):
+    """An index of the other shards would hide the linked one for good."""
+    from seqshard.errors import ConfigError
+    from seqshard.tools.index import rebuild_index
+
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    (folder / "part-0.tar").write_bytes(b"\0" * 1024)
+    (folder / "part-1.tar").symlink_to(tmp_path / "unmounted/part-1.tar")
+    with pytest.raises(ConfigError, match=r"part-1.tar -> .*unmounted/part-1.tar\): mount or restore"):
+        rebuild_index(folder, progress=False)
+    assert not (folder / "index.json").exists()

@@ -329,7 +329,7 @@ def test_fields_names_shar_fields_and_only_their_files_are_opened(shar, monkeypa
 def test_inspect_says_what_a_shar_folder_is_and_index_leaves_it_alone(shar, tmp_path, capsys):
     assert main(["inspect", "--quiet", str(shar.folder)]) == 0
     out = capsys.readouterr().out
-    assert "is a Lhotse Shar folder: 11 cuts in 3 shard(s)" in out
+    assert "is a Lhotse Shar folder: 11 cuts in 3 shards" in out
     assert "field files: ali, features, recording, speaker" in out
     assert main(["inspect", "--json", "--quiet", str(shar.folder)]) == 0
     summary = json.loads(capsys.readouterr().out)

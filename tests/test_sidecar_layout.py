@@ -100,7 +100,7 @@ def test_the_old_layout_reads_and_index_moves_it_on_request(with_sidecar, caplog
     assert len(webdataset_keys(sorted(glob.glob(f"{out}/data-*.tar")))) == 96  # what the old layout did to globs
     with caplog.at_level("WARNING", logger="seqshard"):
         assert main(["index", "--quiet", str(out)]) == 0
-    assert "5 sidecar(s) of add-field are in the old layout" in caplog.text and "--move-sidecars" in caplog.text
+    assert "5 sidecars are in the old layout of add-field" in caplog.text and "--move-sidecars" in caplog.text
     assert main(["index", "--quiet", "--move-sidecars", str(out)]) == 0
     assert sorted(p.name for p in out.glob("*.tar")) == [f"data-0000{i}.tar" for i in range(5)]
     car = ShardIndex.load(out).shards[0].sidecars["spk"]
@@ -132,3 +132,37 @@ def test_wids_over_a_glob_of_the_shards_sees_no_sidecar(with_sidecar, tmp_path):
     samples = [dataset[i] for i in range(len(dataset))]
     assert len(samples) == 48 and sorted(s["__key__"] for s in samples) == sorted(with_sidecar.data.keys)
     assert all(sorted(k for k in s if not k.startswith("__")) == [".feats.npy", ".txt"] for s in samples)
+
+
+def write_webdataset_shard(path, keys):
+    with wds.TarWriter(str(path)) as sink:
+        for key in keys:
+            sink.write({"__key__": key, "txt": f"text of {key}"})
+
+
+def test_foreign_shards_with_dotted_names_are_shards_not_sidecars(tmp_path, caplog):
+    """WebDataset shards part.tar, part.1.tar and part.v2.tar are three shards (other keys): a
+    dotted name alone never makes a file a field file of add-field's old layout."""
+    folder = tmp_path / "foreign"
+    folder.mkdir()
+    names = {"part.tar": "a", "part.1.tar": "b", "part.v2.tar": "c"}
+    for name, prefix in names.items():
+        write_webdataset_shard(folder / name, [f"{prefix}{n}" for n in range(5)])
+    options = dict(batch_size=4, num_workers=0, shuffle=False)
+
+    def keys(pattern):
+        return sorted(k for batch in make_loader(pattern, **options) for k in batch["keys"])
+
+    assert keys(folder) == sorted(f"{p}{n}" for p in "abc" for n in range(5))
+    assert keys(folder / "part.1.tar") == [f"b{n}" for n in range(5)]  # named directly
+    assert keys(str(folder / "part.*.tar")) == sorted(f"{p}{n}" for p in "bc" for n in range(5))
+    assert main(["index", "--quiet", str(folder)]) == 0
+    assert sorted(entry.name for entry in ShardIndex.load(folder).shards) == sorted(names)
+    # the same keys in the same order as part.tar is evidence: a field file no index lists, named in a warning
+    (folder / "index.json").unlink()
+    write_webdataset_shard(folder / "part.spk.tar", [f"a{n}" for n in range(5)])
+    with caplog.at_level("WARNING", logger="seqshard"):
+        assert len(keys(folder)) == 15
+    assert "part.spk.tar holds the keys of part.tar in the same order" in caplog.text
+    with pytest.raises(ConfigError, match=r"part\.spk\.tar is a field file of add-field, read with its shard"):
+        make_loader(folder / "part.spk.tar", **options)

@@ -45,8 +45,11 @@ def _row(pair, side, index):
 
 
 def _fairseq(pairs, ids, sources, left_pad_source):
-    """fairseq's LanguagePairDataset.collater of these rows, in their order, with our masks."""
+    """fairseq's LanguagePairDataset.collater of these rows, with our masks: rows sorted longest
+    source first (``src_lengths.sort(descending=True)``; ties here in their given order)."""
     src = [_row(pairs[s], "src", i) for s, i in zip(sources, ids)]
+    order = sorted(range(len(ids)), key=lambda r: -len(src[r]))
+    ids, sources, src = [ids[r] for r in order], [sources[r] for r in order], [src[r] for r in order]
     tgt = [_row(pairs[s], "tgt", i) for s, i in zip(sources, ids)]
 
     def pad(rows, left):

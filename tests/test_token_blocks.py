@@ -2,6 +2,7 @@
 once per epoch, blocks shuffled per epoch, ranks even, exact and elastic resume, and drops said
 out loud; on the real Megatron openwebtext file that the sentence batching cut by 45%."""
 
+import hashlib
 import json
 import logging
 import time
@@ -193,3 +194,53 @@ def test_a_drop_of_two_percent_by_max_positions_is_warned(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="seqshard"):
         assert sum(b["nsentences"] for b in make_token_loader(lm, max_positions=30)) == 98
     assert "2 of 100 sentences (2%) are not read: 2 longer than max_positions=30 dropped" in caplog.text
+
+
+FAIRSEQ_BLOCKS = REALDATA / "fairseq/token_blocks.npz"  # fairseq 0.12.2's TokenBlockDataset wrote them
+MEGATRON = REALDATA / "megatron"
+
+
+@pytest.mark.parametrize(
+    ("case", "prefix", "size"),
+    [
+        ("ag_news_7", "ag_news_prompt_inputs_document", 7),  # no eos between documents: 14 blocks start with one
+        ("ag_news_100", "ag_news_prompt_inputs_document", 100),
+        ("openwebtext_1024", "meg-gpt2-openwebtext_text_document", 1024),  # megatron's style: 0 of 1,330 the same
+    ],
+)
+def test_fairseq_blocks_are_those_of_fairseqs_own_token_block_dataset(case, prefix, size):
+    made = np.load(FAIRSEQ_BLOCKS)
+    loader = make_token_loader(
+        MEGATRON / prefix, block_size=size, block_style="fairseq", max_tokens=size, shuffle=False, pad_id=1, eos_id=2
+    )
+    batches = list(loader)
+    assert [b["id"].item() for b in batches] == list(range(len(made[f"{case}.lengths"])))  # the last one kept
+    assert [b["ntokens"] for b in batches] == made[f"{case}.lengths"].tolist()
+    source = np.concatenate([b["input"][b["src_mask"]].numpy() for b in batches])
+    target = np.concatenate([b["target"][b["target_mask"]].numpy() for b in batches])
+    if f"{case}.source" in made:
+        assert np.array_equal(source, made[f"{case}.source"]) and np.array_equal(target, made[f"{case}.target"])
+    else:
+        for name, array in (("source", source), ("target", target)):
+            assert hashlib.sha256(array.astype("<i8").tobytes()).hexdigest() == str(made[f"{case}.{name}_sha256"])
+    last = batches[-1]
+    assert (last["input"][~last["src_mask"]] == 1).all() and last["src_lengths"].tolist() == [len(target) % size]
+    stream = TokenDataset(MEGATRON / prefix).tokens
+    megatrons = [
+        (stream[k * size : k * size + size], stream[k * size + 1 : k * size + size + 1]) for k in range(len(batches))
+    ]
+    same = sum(
+        np.array_equal(b["input"][0], i) and np.array_equal(b["target"][0], t) for b, (i, t) in zip(batches, megatrons)
+    )
+    assert same == 0  # none is a block of Megatron's style (the default)
+    stats = loader.stats()
+    assert (stats["epoch_tokens"], stats["tokens"], stats["dropped"]) == (len(target), len(target), {})
+
+
+def test_fairseq_blocks_need_a_pad_that_is_no_token_and_megatrons_none(caplog):
+    with pytest.raises(ConfigError, match=r"pad_id 1 \(fairseq's padding\) is a token of .*openwebtext"):
+        make_token_loader(OPENWEBTEXT, block_size=1024, block_style="fairseq")
+    with pytest.raises(ConfigError, match="block_style must be one of 'megatron', 'fairseq', got 'gpt'"):
+        make_token_loader(OPENWEBTEXT, block_size=1024, block_style="gpt")
+    with pytest.raises(ConfigError, match="block_style='fairseq' cuts language-model blocks: give block_size=N"):
+        make_token_loader(OPENWEBTEXT, block_style="fairseq", pad_id=0)

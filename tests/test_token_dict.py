@@ -105,9 +105,9 @@ def test_binarize_records_the_ids_it_used(corpus, tmp_path):
     assert meta["tokenizer"]["path"] == str(BPE)
     dataset = TokenDataset(tmp_path / "d")
     assert (meta["sequences"], meta["tokens"]) == (len(dataset), dataset.num_tokens) and dataset.meta.pad_id == 1
-    binarize(corpus / "train.txt", tmp_path / "s", BPE, progress=False)  # SentencePiece's own ids: no pad piece
+    binarize(corpus / "train.txt", tmp_path / "s", BPE, progress=False)  # SentencePiece's ids: no pad piece, <s> pads
     meta = TokenDataset(tmp_path / "s").meta
-    assert (meta.vocab_size, meta.pad_id, meta.bos_id, meta.eos_id, meta.unk_id) == (5000, None, 1, 2, 0)
+    assert (meta.vocab_size, meta.pad_id, meta.bos_id, meta.eos_id, meta.unk_id) == (5000, 1, 1, 2, 0)  # pad: <s>
     assert meta.dictionary is None and meta.tokenizer["path"] == str(BPE)
     (tmp_path / "d.json").replace(tmp_path / "s.json")  # metadata of other files
     with pytest.raises(ShardError, match=r"s.json: describes .* it belongs to other files"):

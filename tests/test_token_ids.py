@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from conftest import REALDATA
-from seqshard import binarize, make_token_loader
+from seqshard import TokenDataset, binarize, make_token_loader
 from seqshard.errors import ConfigError
 from seqshard.formats.mmidx import TokenDatasetWriter
 
@@ -41,7 +41,7 @@ def test_ids_come_from_the_metadata(tmp_path):
     assert (loader.batching.collate.pad_id, loader.batching.collate.eos_id) == (1, 2)
     batch = next(iter(loader))
     assert (batch["prev_output_tokens"][:, 0] == 2).all()
-    assert loader.stats()["ids"]["pad_from"] == "default"  # checked: never in the data
+    assert loader.stats()["ids"]["pad_from"] == "metadata"  # <s>: a control symbol, recorded by binarize
     assert make_token_loader(src, tgt, pad_id=7, eos_id=5).stats()["ids"]["pad_from"] == "given"
 
 
@@ -73,3 +73,31 @@ def test_masks_come_from_lengths_even_where_the_pad_is_a_token(tmp_path):
     assert batch["src_mask"][row].tolist() == [False, False, False, True, True]
     assert batch["target_mask"][order.index(1)].tolist() == [True] * 4
     assert "src_mask" not in batch["net_input"]  # fairseq's models take the three inputs only
+
+
+def test_binarize_records_a_pad_that_is_no_token_and_the_loader_takes_its_own_files(tmp_path):
+    """WeNet's units (<blank> 0, <unk> 1): 1 occurs, so fairseq's pad would be refused (issue 23, item 12)."""
+    units = ["<blank>", "<unk>", *"EHIORSTW", "▁", "<sos/eos>"]
+    (tmp_path / "units.txt").write_text("".join(f"{u} {n}\n" for n, u in enumerate(units)), encoding="utf-8")
+    for side, lines in (("src", LINES), ("tgt", LINES[::-1])):
+        (tmp_path / f"{side}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        binarize(tmp_path / f"{side}.txt", tmp_path / side, tmp_path / "units.txt", progress=False)
+    src = TokenDataset(tmp_path / "src")
+    assert src.meta.pad_id == src.meta.vocab_size == len(units) and 1 in src.tokens  # <unk> (G, F, L, ...) occurs
+    loader = make_token_loader(str(tmp_path / "src"), str(tmp_path / "tgt"), shuffle=False)
+    assert loader.stats()["ids"] == {"pad_id": 12, "eos_id": 11, "pad_from": "metadata", "eos_from": "metadata"}
+    batch = next(iter(loader))
+    assert (batch["src_tokens"][~batch["src_mask"]] == 12).all() and (~batch["src_mask"]).any()
+    # a PREFIX.json written before pads were recorded: one past its vocabulary, never a token
+    for side in ("src", "tgt"):
+        path = tmp_path / f"{side}.json"
+        path.write_text(path.read_text().replace('"pad_id": 12', '"pad_id": null'))
+    old = make_token_loader(str(tmp_path / "src"), str(tmp_path / "tgt")).stats()["ids"]
+    assert (old["pad_id"], old["pad_from"]) == (12, "vocab_size")
+    writer = TokenDatasetWriter(tmp_path / "bare", np.uint16)  # no PREFIX.json, holding 12
+    writer.add_many([[3, 12, 11], [4, 11], [5, 11], [6, 11]])
+    writer.finish()
+    (tmp_path / "src.json").write_text((tmp_path / "src.json").read_text().replace('"pad_id": null', '"pad_id": 12'))
+    with pytest.raises(ConfigError, match=r"pad_id 12 \(the pad the other datasets' PREFIX.json name\) is a token of "
+                       r".*bare \(1 times\): .*bare has no PREFIX.json naming a pad .*; pass pad_id=ID"):  # fmt: skip
+        make_token_loader(str(tmp_path / "bare"), str(tmp_path / "src"))

@@ -121,7 +121,7 @@ def test_the_plan_is_the_algorithm_of_its_docstring(corpora, case, source, epoch
             make_token_loader(mixed, virtual_size=case["virtual_size"], rank=r, world_size=world, **options)
             for r in range(world)
         ]
-        pairs, shares = made, loaders[0].batching.shares
+        pairs, shares = made, loaders[0].batching.sources.shares
     else:
         pair = made[0] if source == "one pair" else TokenPair(mono)
         loaders = [make_token_loader(pair, rank=r, world_size=world, **options) for r in range(world)]
@@ -134,7 +134,9 @@ def test_the_plan_is_the_algorithm_of_its_docstring(corpora, case, source, epoch
         taken = [[(int(plan.source[p]), int(plan.index[p])) for p in plan.batch(n)] for n in plan.ranks[rank]]
         assert taken == ranks[rank]
         ids = [batch["id"].tolist() for batch in loader]
-        assert ids == [[index for _, index in batch] for batch in ranks[rank]]
+        sizes = [TokenDataset(pair.src).sizes + (pair.src_lang_id is not None) for pair in pairs]
+        longest_first = [sorted(batch, key=lambda sentence: -sizes[sentence[0]][sentence[1]]) for batch in ranks[rank]]
+        assert ids == [[index for _, index in batch] for batch in longest_first]  # rows as fairseq's collater
         assert (plan.dropped, plan.left) == (dropped, left)
 
 

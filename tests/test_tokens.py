@@ -242,6 +242,23 @@ def test_exact_resume_mid_epoch(pairs, num_workers):
         assert head + [b["id"].tolist() for b in resumed] == expected, cut
 
 
+def test_skip_batches_after_a_resume_gives_the_later_batches_unbuilt(pairs):
+    src, tgt = pairs["de"]
+    options = dict(max_tokens=250, seed=2)
+    expected = [b["id"].tolist() for b in make_token_loader(src, tgt, **options)]
+    loader = make_token_loader(src, tgt, **options)
+    iterator = iter(loader)
+    next(iterator)
+    resumed = make_token_loader(src, tgt, **options)
+    resumed.load_state_dict(loader.state_dict())
+    assert resumed.skip_batches(3) == 3 and resumed.stats()["skipped"] == 3
+    again = make_token_loader(src, tgt, **options)
+    again.load_state_dict(json.loads(json.dumps(resumed.state_dict())))  # the skip is in the state
+    assert [b["id"].tolist() for b in again] == expected[4:]
+    assert again.stats()["skipped"] == 3 and again.stats()["steps"] == len(expected)
+    assert make_token_loader(src, tgt, **options).skip_batches(10**6) == len(expected)  # no further than the epoch
+
+
 def test_elastic_resume_from_two_ranks_to_three_loses_and_repeats_nothing(pairs):
     src, tgt = pairs["de"]
     options = dict(max_tokens=250, seed=9)

@@ -14,6 +14,7 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, Where, option
 from .fbank import FbankOptions, fbank
+from .speaker_cmvn import SpeakerCmvn
 
 KALDI_SCALE = 32768.0  # Kaldi's features work on int16-scale samples
 
@@ -49,7 +50,7 @@ class AudioOptions:
     noise: Any = None  # patterns of noise shards
     noise_snr: tuple[float, float] = (5.0, 20.0)
     noise_prob: float = 1.0
-    cmvn: Cmvn | None = None  # from a file written by `seqshard cmvn`
+    cmvn: Cmvn | SpeakerCmvn | None = None  # from a file written by `seqshard cmvn`, or per speaker
     spec_augment: SpecAugmentOptions | None = None
     channel: int | None = None
 
@@ -69,8 +70,9 @@ class Cmvn:
             std = np.asarray(data["std"], dtype=np.float32)
         except (OSError, ValueError, KeyError) as error:
             raise ConfigError(f"cmvn {str(path)!r}: not a file written by `seqshard cmvn` ({error}).") from None
-        if mean.shape != std.shape or mean.ndim != 1 or (std <= 0).any():
-            raise ConfigError(f"cmvn {str(path)!r}: mean and std must be vectors of one length, std > 0.")
+        finite = np.isfinite(mean).all() and np.isfinite(std).all()
+        if mean.shape != std.shape or mean.ndim != 1 or not finite or (std <= 0).any():
+            raise ConfigError(f"cmvn {str(path)!r}: mean and std must be vectors of one length, finite, std > 0.")
         return cls(mean, std)
 
     def normalize(self, feats: np.ndarray) -> np.ndarray:
@@ -84,8 +86,15 @@ def audio_fbank(
     samples: np.ndarray, rate: int, options: FbankOptions, where: Where, rng: np.random.Generator | None = None
 ) -> np.ndarray:
     """Kaldi fbank of float ``samples`` in [-1, 1] at ``rate``, which must be the rate the
-    options are set for (else InputError, reason ``sample_rate_mismatch``): the one function
-    behind pack-time and on-the-fly fbank."""
+    options are set for (:func:`check_rate`): the one function behind pack-time and on-the-fly
+    fbank."""
+    check_rate(rate, options, where)
+    return fbank(samples * KALDI_SCALE, options, rng if options.dither > 0 else None)
+
+
+def check_rate(rate: int, options: FbankOptions, where: Where) -> None:
+    """InputError (reason ``sample_rate_mismatch``) unless audio at ``rate`` is what fbank with
+    ``options`` is set for."""
     if rate != options.sample_rate:
         raise InputError(
             where,
@@ -93,20 +102,29 @@ def audio_fbank(
             f"the audio is at {rate} Hz where fbank is set for {options.sample_rate:g} Hz.",
             f"pass {option('resample_to', int(options.sample_rate))}.",
         )
-    return fbank(samples * KALDI_SCALE, options, rng if options.dither > 0 else None)
 
 
 def spec_augment(feats: np.ndarray, options: SpecAugmentOptions, rng: np.random.Generator) -> np.ndarray:
     """A copy of ``feats`` (T x D) with frequency and time masks set to zero."""
     out = np.array(feats, dtype=feats.dtype, copy=True)
-    frames, bins = out.shape
-    for _ in range(options.freq_masks):
-        width = int(rng.integers(0, min(options.max_freq_width, bins) + 1))
-        start = int(rng.integers(0, bins - width + 1))
+    masks = draw_masks(*out.shape, options, rng)
+    for start, width in masks[: options.freq_masks]:
         out[:, start : start + width] = 0
-    longest = min(options.max_time_width, int(frames * options.max_time_ratio))
-    for _ in range(options.time_masks):
-        width = int(rng.integers(0, longest + 1))
-        start = int(rng.integers(0, frames - width + 1))
+    for start, width in masks[options.freq_masks :]:
         out[start : start + width] = 0
     return out
+
+
+def draw_masks(frames: int, bins: int, options: SpecAugmentOptions, rng: np.random.Generator) -> np.ndarray:
+    """SpecAugment's masks of a ``frames`` x ``bins`` utterance, as ``(start, width)`` rows
+    (``freq_masks`` bands, then ``time_masks`` spans; int64): what :func:`spec_augment` sets to
+    zero, drawn alone so that the masks can be applied elsewhere (on the device)."""
+    masks = np.empty((options.freq_masks + options.time_masks, 2), dtype=np.int64)
+    for row in range(options.freq_masks):
+        width = int(rng.integers(0, min(options.max_freq_width, bins) + 1))
+        masks[row] = int(rng.integers(0, bins - width + 1)), width
+    longest = min(options.max_time_width, int(frames * options.max_time_ratio))
+    for row in range(options.freq_masks, len(masks)):
+        width = int(rng.integers(0, longest + 1))
+        masks[row] = int(rng.integers(0, frames - width + 1)), width
+    return masks

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ..errors import InputError, Where, option
+from ..errors import InputError, Where, counted, option
 from .fields import AUDIO_EXTENSIONS
 
 if TYPE_CHECKING:
@@ -213,7 +213,7 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
         raise InputError(
             where,
             "unreadable_audio",
-            f"the WAV header says its data is {missing} byte(s) longer than the file holds (cut short, or bytes "
+            f"the WAV header says its data is {counted(missing, 'byte')} longer than the file holds (cut short, or bytes "
             "removed, e.g. by git's line-ending conversion).",
             "restore the original file.",
         )
@@ -231,7 +231,7 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
         raise InputError(
             where,
             "bad_channel",
-            f"channel {channel} does not exist: the audio has {samples.shape[1]} channel(s).",
+            f"channel {channel} does not exist: the audio has {counted(samples.shape[1], 'channel')}.",
             f"choose {option('channel', 0)} .. {samples.shape[1] - 1}, or leave it out to mix down.",
         )
     if len(mono) == 0:

@@ -38,7 +38,7 @@ from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
 from ..errors import ConfigError, ShardError
-from .files import crc32_of
+from .files import crc32_of, inside, open_output
 
 _LOG = logging.getLogger("seqshard")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
@@ -75,9 +75,10 @@ class ShardCache:
                     f"cache_dir: {self.root} holds files that seqshard's cache did not write (it has no {TAG}); "
                     "choose another cache_dir, or move that folder away."
                 )
+            inside(cache_dir, self.root / ".locks")  # neither folder a link out of cache_dir
             (self.root / ".locks").mkdir(parents=True, exist_ok=True)
             if not (self.root / TAG).is_file():
-                (self.root / TAG).write_text(_TAG_TEXT)
+                _write_text(self.root / TAG, _TAG_TEXT)
         except OSError as error:
             raise ConfigError(f"cache_dir {self.root} cannot be created: {error.strerror}.") from None
 
@@ -147,7 +148,7 @@ class ShardCache:
             return False
         file.seek(0)
         with contextlib.suppress(OSError):
-            marker.write_text(mark)
+            _write_text(marker, mark)
         return True
 
     def _touch(self, path: Path) -> Path:
@@ -157,7 +158,7 @@ class ShardCache:
 
     @contextlib.contextmanager
     def _locked(self, name: str) -> Iterator[None]:
-        with open(self.root / ".locks" / name, "a") as lock:
+        with os.fdopen(open_output(self.root / ".locks" / name, append=True)) as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
                 yield
@@ -171,7 +172,7 @@ class ShardCache:
         partial = final.with_name(f"{final.name}.part-{os.getpid()}")
         crc = 0
         try:
-            with open(partial, "wb") as out:
+            with os.fdopen(open_output(partial), "wb") as out:
                 while True:
                     data = source.read(chunk_bytes)
                     if not data:
@@ -191,7 +192,7 @@ class ShardCache:
                 opened = open(final, "rb")  # noqa: SIM115 (returned open)
             if expected is not None and expected[1] is not None:
                 marker = self.root / ".locks" / f"{final.name}.ok"
-                marker.write_text(f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {expected[1]}")
+                _write_text(marker, f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {expected[1]}")
             return opened
         except OSError as error:
             raise ShardError(url, None, f"cannot write the cache file {partial}: {error.strerror or error}") from None
@@ -230,7 +231,7 @@ class ShardCache:
 
     def _being_fetched(self, name: str) -> bool:
         """Whether a process (this one included) holds the fetch lock of ``name``."""
-        with open(self.root / ".locks" / name, "a") as lock:
+        with os.fdopen(open_output(self.root / ".locks" / name, append=True)) as lock:
             try:
                 fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -242,3 +243,9 @@ class ShardCache:
 def _foreign(folder: Path) -> bool:
     """Whether a folder holds entries that a cache being set up beside it would not have made."""
     return any(path.name not in (TAG, ".locks") for path in folder.iterdir())
+
+
+def _write_text(path: Path, text: str) -> None:
+    """A small file of the cache's own, never written through a link at its name."""
+    with os.fdopen(open_output(path), "w") as file:
+        file.write(text)

@@ -3,7 +3,7 @@
 Decoding is explicit and safe: ``.npy`` arrays without pickle (a view of the bytes read, no
 copy), ``.llc`` arrays (lilcom-compressed, as lhotse stores features; needs ``lilcom``),
 ``.txt`` UTF-8 text, ``.json`` JSON, audio (``.wav``, ``.flac``, ...) kept as its encoded bytes
-until an audio stage decodes it, ``.gz`` decompressed first (within limits: at most
+until an audio stage decodes it, ``.gz`` decompressed first (within the limits of ``inflation.py``: at most
 :data:`MAX_INFLATION` times the member's size, or 1 MiB, and :data:`MAX_INFLATED_BYTES`, so a
 small member cannot fill memory). A member whose extension has no decoder is passed through as its bytes,
 still compressed if it is, under its whole suffix as its name (``KEY.audio.pth`` is field
@@ -20,13 +20,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
+from .inflation import MAX_INFLATED_BYTES, MAX_INFLATION, MIN_INFLATION_LIMIT, InflationError, inflation_limit
 from .npy import decode_npy
 
 AUDIO_EXTENSIONS = ("wav", "flac", "mp3", "ogg", "opus", "sph", "m4a")
 NODATA = "nodata"
-MAX_INFLATION = 200  # a gzip'd member may inflate to this many times its size (text and JSON: 3-20x)
-MAX_INFLATED_BYTES = 1 << 30  # and never beyond this (an hour of 80-dim float32 features is 115 MB)
-MIN_INFLATION_LIMIT = 1 << 20  # small members may always inflate this far (short repetitive text or JSON)
 _FEED = 16 << 10  # compressed bytes inflated at a time
 
 
@@ -86,10 +84,6 @@ DECODERS: dict[str, Callable[[bytes | memoryview], Any]] = {
 }
 
 
-class InflationError(ValueError):
-    """A compressed member that would inflate beyond the limits (a bad sample)."""
-
-
 @lru_cache(maxsize=1024)
 def split_suffix(suffix: str) -> tuple[str, str, bool]:
     """``(name, extension, gzipped)`` of a member suffix: ``feats.npy`` -> ``("feats", "npy",
@@ -118,7 +112,7 @@ def inflate(data: bytes | memoryview, limit: int | None = None) -> bytes:
     more than that is held. The input is fed ``_FEED`` bytes at a time: zlib copies the input
     left after each gzip member, so feeding it whole takes time quadratic in their number."""
     if limit is None:
-        limit = min(MAX_INFLATED_BYTES, max(MIN_INFLATION_LIMIT, MAX_INFLATION * len(data)))
+        limit = inflation_limit(len(data))
     view = memoryview(data)
     parts: list[bytes] = []
     size = position = 0

@@ -1,9 +1,13 @@
 """Writing output files safely: complete or absent under their final name, with the mode the
-user's umask gives, and errors that name the file (disk full, read-only, no permission)."""
+user's umask gives, errors that name the file (disk full, read-only, no permission), and only
+inside the folder being written: :func:`inside` refuses a path that a symbolic link leads out
+of it, and files are opened without following a link at their own name (:func:`open_output`).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import tempfile
@@ -44,12 +48,62 @@ def writing(path: str | Path) -> Iterator[None]:
         raise OutputError.from_os_error(error.filename or path, error) from None
 
 
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON to ``path`` so that a reader sees the old file or the new one, never half.
+def inside(folder: str | Path, path: str | Path) -> Path:
+    """``path`` when, with every symbolic link resolved, it lies in ``folder`` (checked before
+    anything is written or removed there); else OutputError naming the link that leads out and
+    the fix. ``folder`` itself may be a link: where it points is the user's choice."""
+    root, real = os.path.realpath(folder), os.path.realpath(path)
+    if real == root or os.path.commonpath([real, root]) == root:
+        return Path(path)
+    link = _first_link(Path(folder), Path(path))
+    if link is None:
+        raise OutputError(path, f"lies outside {folder}: refusing to write there.", "name a file inside the folder.")
+    raise OutputError(
+        link,
+        f"is a symbolic link to {os.readlink(link)}, outside {folder}: seqshard writes only inside the folder "
+        f"it writes (here {real} would be written).",
+        f"replace the link with a real {'folder' if os.path.isdir(link) else 'file'} (a copy of what it points to), "
+        "or remove it; to write where it points, give that folder itself as the output.",
+    )
+
+
+def _first_link(folder: Path, path: Path) -> Path | None:
+    """The first symbolic link on the way from ``folder`` down to ``path``."""
+    try:
+        parts = path.relative_to(folder).parts
+    except ValueError:
+        return None
+    at = folder
+    for part in parts:
+        at = at / part
+        if at.is_symlink():
+            return at
+    return None
+
+
+def open_output(path: Path, append: bool = False) -> int:
+    """A descriptor of ``path`` opened for writing (created, emptied unless ``append``), never
+    through a symbolic link at ``path`` itself (OutputError naming it)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        return os.open(path, flags, 0o666)
+    except OSError as error:
+        if error.errno == errno.ELOOP:
+            raise OutputError(
+                path, f"is a symbolic link (to {os.readlink(path)}): refusing to write through it.", "remove the link."
+            ) from None
+        raise OutputError.from_os_error(path, error) from None
+
+
+def write_json_atomic(path: Path, data: Any, root: str | Path | None = None, sync: bool = True) -> None:
+    """Write JSON to ``path`` so that a reader sees the old file or the new one, never half,
+    and only inside ``root`` (default: ``path``'s own folder; see :func:`inside`). ``sync``:
+    on disk before the rename (without it a lost machine may leave the file empty).
 
     The temporary file has a unique name: parts of a pack running at once may write the same
     file (they write the same content). The file gets the mode of any new file (umask).
     """
+    inside(path.parent if root is None else root, path)
     with writing(path):
         descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
         try:
@@ -58,7 +112,8 @@ def write_json_atomic(path: Path, data: Any) -> None:
                 stream.write("\n")
                 stream.flush()
                 os.fchmod(stream.fileno(), default_file_mode())
-                os.fsync(stream.fileno())
+                if sync:
+                    os.fsync(stream.fileno())
             os.replace(temporary, path)
         except BaseException:
             Path(temporary).unlink(missing_ok=True)
@@ -66,15 +121,18 @@ def write_json_atomic(path: Path, data: Any) -> None:
 
 
 def remove_stale_temporaries(folder: Path, older_than: float = STALE_SECONDS) -> int:
-    """Delete ``.NAME.*.partial`` JSON temporaries in ``folder`` left by killed runs; returns
-    how many. Recent ones are kept: another process may be about to rename its own."""
+    """Delete ``.NAME.*.partial`` temporaries of JSON files and member tables in ``folder``
+    (and its ``.members``) left by killed runs; returns how many. Recent ones are kept:
+    another process may be about to rename its own (a writer holding the folder's lock alone
+    passes ``older_than=0``)."""
     removed = 0
     now = time.time()
-    for path in folder.glob(f".*.json.*{TEMPORARY_SUFFIX}"):
-        with contextlib.suppress(OSError):
-            if now - path.stat().st_mtime > older_than:
-                path.unlink()
-                removed += 1
+    for pattern in (f".*.json.*{TEMPORARY_SUFFIX}", f".members/.*.npz.*{TEMPORARY_SUFFIX}"):
+        for path in folder.glob(pattern):
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime >= older_than:
+                    path.unlink()
+                    removed += 1
     return removed
 
 

@@ -18,21 +18,24 @@ version 2; version 1 has no field sets).
 
 Names read from data never point outside their folder: loading an index refuses a shard name
 that is not a plain file name and a sidecar name other than the two layouts above
-(:func:`check_name`); writers check the real path too (:func:`check_inside`).
+(:func:`check_name`); writers check the real path too (``files.inside``).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from ..checks import number_problem, read_number, shown
 from ..errors import SeqshardError
 from .files import write_json_atomic
+from .inflation import MAX_INFLATION, MIN_INFLATION_LIMIT
 from .patterns import FIELD_SET_NAME, FIELDS_DIR, shard_stem
 
 INDEX_NAME = "index.json"
@@ -61,18 +64,6 @@ def check_name(name: Any, where: str | Path, what: str, fix: str) -> str:
             f"{where}: {what} is named {name!r}, not a plain file name: it could point outside its folder. {fix}"
         )
     return name
-
-
-def check_inside(folder: str | Path, path: str | Path) -> Path:
-    """``path`` if, with every symbolic link resolved, it lies inside ``folder`` (checked
-    before a file is written there); else a SeqshardError naming both."""
-    real, root = os.path.realpath(path), os.path.realpath(folder)
-    if os.path.commonpath([real, root]) != root or real == root:
-        raise SeqshardError(
-            f"{path} resolves to {real}, outside {folder}: refusing to write there (a symbolic link inside the "
-            "folder points out of it; replace it with a real folder)."
-        )
-    return Path(path)
 
 
 def length_bin(frames: int) -> int:
@@ -125,12 +116,14 @@ class SidecarEntry:
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> SidecarEntry:
+        """The entry read from an index (ValueError naming the field that is not what it must be)."""
+        entry = _mapping(entry, "a sidecar")
         return cls(
-            str(entry["name"]),
-            int(entry["bytes"]),
-            str(entry["checksum"]),
-            _optional_str(entry.get("first_key")),
-            _optional_str(entry.get("last_key")),
+            _text(entry, "name"),
+            _count("bytes", entry.get("bytes"), MAX_BYTES),
+            _text(entry, "checksum"),
+            _text(entry, "first_key", optional=True),
+            _text(entry, "last_key", optional=True),
         )
 
 
@@ -147,13 +140,26 @@ class FieldSet:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> FieldSet:
+        """The field set read from an index (ValueError naming the field that is not what it must be)."""
+        data = _mapping(data, "a field set")
+        layout = _mapping(data.get("layout") or {}, "its layout")
+        if layout:
+            shape = layout.get("shape")
+            if not isinstance(layout.get("dtype"), str) or not isinstance(shape, list):
+                raise ValueError(f'its layout is {shown(layout)}, not {{"dtype": "NAME", "shape": [SIZE, ...]}}')
+            for size in shape:
+                read_number("a size in its layout's shape", size, whole=True, at_least=0, at_most=MAX_COUNT)
+            try:
+                np.dtype(layout["dtype"])
+            except TypeError:
+                raise ValueError(f"its layout's dtype is {shown(layout['dtype'])}, not a numpy dtype") from None
         return cls(
-            [str(f) for f in data["fields"]],
-            str(data.get("source", "")),
-            str(data.get("created", "")),
-            bool(data.get("allow_missing", False)),
-            str(data.get("digest", "")),
-            dict(data.get("layout") or {}),
+            _texts(data, "fields"),
+            _text(data, "source", default=""),
+            _text(data, "created", default=""),
+            _flag(data, "allow_missing"),
+            _text(data, "digest", default=""),
+            dict(layout),
         )
 
 
@@ -181,18 +187,48 @@ class ShardEntry:
 
     @classmethod
     def from_json(cls, entry: dict[str, Any]) -> ShardEntry:
+        """The entry read from an index or a pack journal: every number checked (a whole number,
+        in range, and consistent: no more utterances than the shard's bytes can hold, frames
+        between the shortest and longest length times the count); ValueError naming the field."""
+        entry = _mapping(entry, "a shard entry")
+        name = entry.get("name")
+        size = _count("bytes", entry.get("bytes"), MAX_BYTES)
+        most = min(MAX_LENGTH, max_samples(name if isinstance(name, str) else "", size))
+        utts = _count("num_utts", entry.get("num_utts"), most)
+        frames = _count("num_frames", entry.get("num_frames"))
+        shortest, longest = (
+            None if entry.get(f) is None else _count(f, entry[f], MAX_LENGTH) for f in ("min_frames", "max_frames")
+        )
+        histogram = {}
+        for bin_, count in _mapping(entry.get("length_hist", {}), "its length_hist").items():
+            if not isinstance(bin_, str) or not bin_.isdecimal() or int(bin_) > MAX_BIN:
+                raise ValueError(f"length_hist has a bin {shown(bin_)}, not a number from 0 to {MAX_BIN}")
+            histogram[int(bin_)] = _count(f"length_hist[{bin_!r}]", count, utts)
+        measured = sum(histogram.values())  # the utterances whose length is known
+        if measured > utts:
+            raise ValueError(f"length_hist counts {measured} utterances where num_utts is {utts}")
+        if (
+            shortest is not None
+            and longest is not None
+            and not (shortest <= longest and measured * shortest <= frames <= measured * longest)
+        ):
+            raise ValueError(
+                f"num_frames {frames}, min_frames {shortest} and max_frames {longest} do not fit {measured} utterances"
+            )
         return cls(
-            name=entry["name"],
-            num_utts=int(entry["num_utts"]),
-            num_frames=int(entry["num_frames"]),
-            bytes=int(entry["bytes"]),
-            checksum=str(entry["checksum"]),
-            length_hist={int(k): int(v) for k, v in entry.get("length_hist", {}).items()},
-            min_frames=_optional_int(entry.get("min_frames")),
-            max_frames=_optional_int(entry.get("max_frames")),
-            sidecars={k: SidecarEntry.from_json(v) for k, v in entry.get("sidecars", {}).items()},
-            first_key=_optional_str(entry.get("first_key")),
-            last_key=_optional_str(entry.get("last_key")),
+            name=name,  # type: ignore[arg-type]  # checked by check_names
+            num_utts=utts,
+            num_frames=frames,
+            bytes=size,
+            checksum=_text(entry, "checksum"),
+            length_hist=histogram,
+            min_frames=shortest,
+            max_frames=longest,
+            sidecars={
+                k: SidecarEntry.from_json(v) for k, v in _mapping(entry.get("sidecars", {}), "its sidecars").items()
+            },
+            first_key=_text(entry, "first_key", optional=True),
+            last_key=_text(entry, "last_key", optional=True),
         )
 
     def check_names(self, where: str | Path, number: int, fix: str) -> None:
@@ -210,12 +246,51 @@ class ShardEntry:
                 )
 
 
-def _optional_int(value: Any) -> int | None:
-    return None if value is None else int(value)
+MAX_BYTES = 1 << 56  # a size in bytes beyond this is not a file's
+MAX_COUNT = 1 << 53  # counts of utterances and frames beyond this are not a dataset's
+MAX_LENGTH = (1 << 31) - 1  # an utterance's length and a shard's utterance count are int32 wherever they are kept
+MAX_BIN = 31 * BINS_PER_OCTAVE - 1  # the bin of a length of MAX_LENGTH frames
 
 
-def _optional_str(value: Any) -> str | None:
-    return None if value is None else str(value)
+def max_samples(name: str, size: int) -> int:
+    """The most samples a shard file ``name`` of ``size`` bytes can hold: each has a 512-byte
+    tar header (a gzip'd shard inflates within the rule of ``inflation.py``)."""
+    if name.endswith((".gz", ".tgz")):
+        size = max(MIN_INFLATION_LIMIT, MAX_INFLATION * size)
+    return size // 512
+
+
+def _count(field: str, value: Any, at_most: int = MAX_COUNT) -> int:
+    """A whole number from 0 to ``at_most`` read from an index (NumberError naming ``field``)."""
+    return int(read_number(field, value, whole=True, at_least=0, at_most=at_most))  # type: ignore[arg-type]
+
+
+def _mapping(value: Any, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} is {shown(value)}, not a JSON object")
+    return value
+
+
+def _text(data: dict[str, Any], field: str, optional: bool = False, default: str | None = None) -> Any:
+    """``data[field]``, a string (None when ``optional`` and absent; ``default`` when given and absent)."""
+    value = data.get(field, default)
+    if isinstance(value, str) or (value is None and optional):
+        return value
+    raise ValueError(f"{field} is {shown(value)}, not a string")
+
+
+def _texts(data: dict[str, Any], field: str) -> list[str]:
+    value = data.get(field, [])
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(f"{field} is {shown(value)}, not a list of strings")
+    return list(value)
+
+
+def _flag(data: dict[str, Any], field: str) -> bool:
+    value = data.get(field, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{field} is {shown(value)}, not true or false")
+    return value
 
 
 @dataclass
@@ -289,9 +364,9 @@ class ShardIndex:
                 data = json.load(stream)
         except FileNotFoundError:
             return None
-        except (OSError, json.JSONDecodeError) as error:
+        except (OSError, ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
             raise SeqshardError(
-                f"{path}: unreadable index ({error}). Rebuild it with `seqshard index {folder}`."
+                f"{path}: unreadable index ({str(error)[:200]}). Rebuild it with `seqshard index {folder}`."
             ) from None
         return cls.from_json(data, path, f"seqshard index {folder}")
 
@@ -299,23 +374,56 @@ class ShardIndex:
     def from_json(cls, data: dict[str, Any], where: str | Path, rebuild: str) -> ShardIndex:
         """The index parsed from ``data`` (read from ``where``; ``rebuild`` is the command
         that rebuilds it, for the message when it is not an index)."""
-        if not isinstance(data, dict) or data.get("format") != FORMAT or int(data.get("version", 0)) > VERSION:
+        version = data.get("version", 0) if isinstance(data, dict) else None
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != FORMAT
+            or number_problem(version, whole=True)
+            or version > VERSION
+        ):
             raise SeqshardError(f"{where}: not a seqshard index of version <= {VERSION}. Rebuild it with `{rebuild}`.")
         fix = f"The index was not written by seqshard, or was altered: rebuild it with `{rebuild}`."
-        shards = [ShardEntry.from_json(s) for s in data["shards"]]
-        for number, entry in enumerate(shards):
-            entry.check_names(where, number, fix)
-        field_sets = {k: FieldSet.from_json(v) for k, v in data.get("field_sets", {}).items()}
+        shards = []
+        for number, entry in enumerate(data.get("shards") if isinstance(data.get("shards"), list) else [None]):
+            try:
+                shards.append(ShardEntry.from_json(entry))
+            except ValueError as error:
+                name = f" ({entry['name']})" if isinstance(entry, dict) and isinstance(entry.get("name"), str) else ""
+                raise SeqshardError(f"{where}: shard entry {number}{name}: {error}. {fix}") from None
+            shards[-1].check_names(where, number, fix)
+        try:
+            field_sets = {
+                k: FieldSet.from_json(v) for k, v in _mapping(data.get("field_sets", {}), "field_sets").items()
+            }
+            feature = _feature_facts(_mapping(data.get("feature", {}), "feature"))
+            keys = _mapping(data.get("keys", {}), "keys")
+            escaped, fields = _flag(keys, "escaped"), _texts(data, "fields")
+            source = _mapping(data.get("source", {}), "source")
+        except ValueError as error:
+            raise SeqshardError(f"{where}: {error}. {fix}") from None
         for name in field_sets:
             if not FIELD_SET_NAME.fullmatch(name):
                 raise SeqshardError(f"{where}: a field set is named {name!r}. {fix}")
         return cls(
             shards=shards,
-            feature=data.get("feature", {}),
-            created=data.get("created", ""),
-            created_by=data.get("created_by", ""),
-            source=data.get("source", {}),
-            escaped_keys=bool(data.get("keys", {}).get("escaped", False)),
-            fields=[str(f) for f in data.get("fields", [])],
+            feature=feature,
+            created=str(data.get("created", "")),
+            created_by=str(data.get("created_by", "")),
+            source=source,
+            escaped_keys=escaped,
+            fields=fields,
             field_sets=field_sets,
         )
+
+
+def _feature_facts(feature: dict[str, Any]) -> dict[str, Any]:
+    """An index's ``feature`` facts with the numbers loaders use checked: ``dim`` (a whole
+    number >= 1) and ``frame_shift_ms`` (a number > 0), each or None; names are strings."""
+    checked = dict(feature)
+    rules = {"dim": dict(whole=True, at_least=1, at_most=MAX_COUNT), "frame_shift_ms": dict(above=0, at_most=1e6)}
+    for name, rule in rules.items():
+        if name in feature:
+            checked[name] = read_number(f"feature {name}", feature[name], optional=True, **rule)  # type: ignore[arg-type]
+    for name in ("field", "dtype", "kind"):
+        _text(feature, name, optional=True)
+    return checked

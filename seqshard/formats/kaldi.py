@@ -33,10 +33,12 @@ _VECTOR_TOKENS = {b"FV", b"DV"}
 ASCII_WHITESPACE = " \t\n\r\v\f"
 _ASCII_SPACE_RUN = re.compile(r"[ \t\n\r\v\f]+")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
-# An ark entry: a key as Kaldi accepts it (no ASCII whitespace or control byte, no 0xFF), one
-# space, then a binary value (``\0B``) or a text one (``[`` after optional spaces).
-_ENTRY = re.compile(rb"([^\x00-\x20\x7f\xff]+) (?:\0B| *\[)")
-_ENTRY_OR_TEXT_VECTOR = re.compile(rb"([^\x00-\x20\x7f\xff]+) (?:\0B| *\[| *-?[0-9])")
+# An ark entry: a key (no ASCII whitespace, no 0xFF; kaldiio also writes the control bytes Kaldi
+# refuses, NUL included, and the scp line of such a key, dropped as a bad key, must not cost its
+# neighbour in the ark), one space, then a binary value (``\0B``) or a text one (``[`` after
+# optional spaces).
+_ENTRY = re.compile(rb"([^\x09-\x0d\x20\xff]+) (?:\0B| *\[)")
+_ENTRY_OR_TEXT_VECTOR = re.compile(rb"([^\x09-\x0d\x20\xff]+) (?:\0B| *\[| *-?[0-9])")
 _MAX_KEY_BYTES = 4096
 _GIT_HINT = (
     "a common cause is git's CR LF conversion (core.autocrlf, or `text=auto` in .gitattributes): "
@@ -110,9 +112,31 @@ _ARCHIVE_KINDS = {  # what the values are, and the Kaldi tool that copies them, 
 }
 
 
+# A Kaldi object written without a key (compute-cmvn-stats' global statistics, copy-matrix's
+# output): a binary value, or a text matrix (`[` alone on its first line) or vector.
+_KEYLESS_START = re.compile(rb"(?:\0B(\x04|[A-Z0-9]+)| *(\[)[ \t\r\n]*$| *(\[)( +-?[0-9][0-9.eE+-]*)+ +\][ \t\r\n]*$)")
+
+
 def _refuse_archive(raw: bytes, where: Where) -> None:
-    """Refuse an ark given where a table file (scp, text) is expected, saying what it holds
-    and how to write the scp that indexes it (else its binary values read as non-UTF-8 text)."""
+    """Refuse an ark, or a Kaldi object written without a key, given where a table file (scp,
+    text) is expected, saying what it holds and what to give instead (else its binary values
+    read as non-UTF-8 text)."""
+    keyless = _KEYLESS_START.match(raw)
+    if keyless is not None:
+        token, text_matrix, _, _ = keyless.groups()
+        if token is not None:
+            what = {b"FV": "vector", b"DV": "vector", b"\x04": "integer vector"}.get(token, "matrix")
+        else:
+            what = "text matrix" if text_matrix else "text vector"
+        raise InputError(
+            where,
+            "not_a_table",
+            f"the file is one Kaldi {what} written without a key (as compute-cmvn-stats writes global "
+            "statistics, e.g. global_cmvn.ark), not a table file of `KEY VALUE` lines.",
+            "give the table file itself (a feats.scp: `KEY ark:OFFSET` lines; a text: `KEY words` lines); for "
+            "global CMVN statistics of the packed features, run `seqshard cmvn` on the shards.",
+            skippable=False,  # the whole file is of the wrong kind, not one bad line
+        )
     match = _ARCHIVE_START.match(raw)
     if match is None:
         return

@@ -9,7 +9,7 @@ when it is needed.
 
 from __future__ import annotations
 
-import mmap
+import os
 import re
 from array import array
 from collections.abc import Callable, Sequence
@@ -60,7 +60,7 @@ class KeyTable:
         self.bad_key_hashes = np.zeros(0, dtype=np.uint64) if bad_key_hashes is None else bad_key_hashes
         self._order = np.argsort(hashes, kind="stable").astype(np.int32 if len(hashes) < 2**31 else np.int64)
         self._sorted = hashes[self._order]
-        self._maps: dict[int, mmap.mmap] = {}
+        self._files: dict[int, int] = {}  # file id -> descriptor
 
     @classmethod
     def scan(
@@ -111,27 +111,30 @@ class KeyTable:
         )
 
     def __len__(self) -> int:
-        return len(self.hashes)
+        return len(self.lines)
+
+    def forget_lookups(self) -> None:
+        """Free what finding rows by key takes (20 bytes a row), keeping what re-reading a
+        row needs: a pack's tables once its plan is made."""
+        empty = np.zeros(0, dtype=np.uint64)
+        self.hashes, self._sorted, self._order = empty, empty, empty.astype(np.int32)
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_maps"] = {}
+        state["_files"] = {}
         return state
 
     def where(self, row: int, key: str | None = None) -> Where:
         return Where(self.files[self.file_ids[row]], int(self.lines[row]), key)
 
     def record(self, row: int) -> tuple[str, str]:
-        """``(key, value)`` of a row, re-read from its file."""
+        """``(key, value)`` of a row, re-read from its file (by ``pread``, not a memory map:
+        a pack re-reads every line, and mapped pages would count in its memory)."""
         file_id = int(self.file_ids[row])
-        data = self._maps.get(file_id)
-        if data is None:
-            with open(self.files[file_id], "rb") as stream:
-                data = self._maps[file_id] = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
-        start = int(self.offsets[row])
-        end = data.find(b"\n", start)
-        raw = data[start : end if end >= 0 else len(data)]
-        return self.parse(raw, self.where(row), False)
+        descriptor = self._files.get(file_id)
+        if descriptor is None:
+            descriptor = self._files[file_id] = os.open(self.files[file_id], os.O_RDONLY | os.O_CLOEXEC)
+        return self.parse(_line_at(descriptor, int(self.offsets[row])), self.where(row), False)
 
     def find(self, key: str) -> tuple[int, str] | None:
         """``(row, value)`` of the first line with ``key``, or None."""
@@ -142,13 +145,17 @@ class KeyTable:
         return (row, value) if found == key else None
 
     def lookup(self, hashes: np.ndarray) -> np.ndarray:
-        """For each hash, the first row (in input order) with that key hash, else -1."""
-        position = np.searchsorted(self._sorted, hashes)
-        position = np.minimum(position, max(len(self._sorted) - 1, 0))
+        """For each hash, the first row (in input order) with that key hash, else -1 (as the
+        rows' integer type; computed in place: a pack looks up millions at once)."""
         if len(self._sorted) == 0:
-            return np.full(len(hashes), -1, dtype=np.int64)
-        found = self._sorted[position] == hashes
-        return np.where(found, self._order[position], -1).astype(np.int64)
+            return np.full(len(hashes), -1, dtype=self._order.dtype)
+        position = np.searchsorted(self._sorted, hashes)
+        np.minimum(position, len(self._sorted) - 1, out=position)
+        missing = self._sorted[position] != hashes
+        rows = self._order[position]
+        del position
+        rows[missing] = -1
+        return rows
 
     def repeated_rows(self) -> list[tuple[int, int]]:
         """``(row, first_row)`` for every row whose key appeared on an earlier row."""
@@ -173,9 +180,9 @@ class KeyTable:
         return repeated
 
     def close(self) -> None:
-        for data in self._maps.values():
-            data.close()
-        self._maps.clear()
+        for descriptor in self._files.values():
+            os.close(descriptor)
+        self._files.clear()
 
 
 class _Columns:
@@ -216,6 +223,20 @@ class _Columns:
         columns = (self.hashes, self.file_ids, self.lines, self.offsets)
         values = self.values[: self.size] if self.values is not None else None
         return (*(c[: self.size] for c in columns), values)
+
+
+def _line_at(descriptor: int, start: int, piece: int = 512) -> bytes:
+    """The line starting at byte ``start`` of a file, without its newline."""
+    pieces = []
+    while True:
+        chunk = os.pread(descriptor, piece, start)
+        end = chunk.find(b"\n")
+        if end >= 0 or len(chunk) < piece:
+            pieces.append(chunk[:end] if end >= 0 else chunk)
+            return b"".join(pieces)
+        pieces.append(chunk)
+        start += piece
+        piece = min(piece * 2, 1 << 20)
 
 
 def _count_lines(path: Path) -> int:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,9 +35,12 @@ READ_ERROR_FIELD = "read_error.txt"  # why a sample's audio could not be read
 RELATIVE_PATHS = "check the path (a relative path is taken from the current folder, else from the list's folder)."
 
 
-def resolve(path: str, listed_in: Path) -> Path:
-    """A path written in a list: from the current folder, else from the list's folder."""
+def resolve(path: str, listed_in: Path, root: str | Path | None = None) -> Path:
+    """A path written in a list: from ``root`` when given, else from the current folder, else
+    from the list's folder."""
     candidate = Path(path)
+    if root is not None and not candidate.is_absolute():
+        return Path(root) / candidate
     if candidate.is_absolute() or candidate.exists():
         return candidate
     beside = listed_in.parent / candidate
@@ -49,12 +53,15 @@ def shard_list(path: Path) -> list[str] | None:
     The one reader of shard lists, for local and remote selections alike."""
     if path.name.endswith(".scp"):
         return None
-    with open(path, encoding="utf-8") as stream:
+    with open(path, "rb") as stream:
         first = next((line for line in stream if line.strip()), None)
-        if first is None or first.lstrip().startswith("{"):
+        if first is None or first.lstrip().startswith(b"{"):
             return None  # a raw list (an empty one is reported as such)
         stream.seek(0)
-        lines = [(number, line.strip()) for number, line in enumerate(stream, 1) if line.strip()]
+        try:
+            lines = [(number, line.decode("utf-8").strip()) for number, line in enumerate(stream, 1) if line.strip()]
+        except UnicodeDecodeError as error:
+            raise ConfigError(f"{path}: not UTF-8 text ({error.reason}): not a list of shards or samples.") from None
     for number, line in lines:
         if not (is_shard_name(url_name(line)) or (is_remote(line) and has_query(line))):
             raise ConfigError(
@@ -69,15 +76,17 @@ def _problem(error: InputError) -> bytes:
     return "\t".join((error.reason, error.problem, error.fix or "")).encode()
 
 
-def scan_list(path: Path) -> int:
-    """How many samples a raw list (or wav.scp) holds, checking that no key repeats and that
-    there is at least one (ConfigError naming the lines otherwise). Lines that cannot be read
-    are counted here and reported when the loader reaches them."""
+def scan_list(path: Path, key_of: Callable[[bytes], str] | None = None) -> int:
+    """How many samples a raw list (or wav.scp; or with ``key_of``, the key of a line, another
+    list of JSON lines) holds, checking that no key repeats and that there is at least one
+    (ConfigError naming the lines otherwise). Lines that cannot be read are counted here and
+    reported when the loader reaches them."""
+    key_of = key_of or _key_of
     keys = []
     with open(path, "rb") as stream:
         for line in stream:
             if line.strip():
-                keys.append(key_hash(_key_of(line)))
+                keys.append(key_hash(key_of(line)))
     if not keys:
         raise ConfigError(f"{path} holds no samples (an empty list).")
     hashes = np.asarray(keys, dtype=np.uint64)
@@ -110,8 +119,17 @@ class ListSampleStream:
     :class:`~.tar.SampleStream`. A sample's fields are its audio file's bytes under the
     file's extension, its ``txt`` and, when cut, ``segment.json``."""
 
-    def __init__(self, path: str | Path, start: int = 0, ordinal: int = 0, read_data: bool = True, **_: object):
+    def __init__(
+        self,
+        path: str | Path,
+        start: int = 0,
+        ordinal: int = 0,
+        read_data: bool = True,
+        path_root: str | Path | None = None,
+        **_: object,
+    ):
         self.path = str(path)
+        self.path_root = path_root
         self._stream = open(path, "rb")  # noqa: SIM115 (closed by close())
         self._stream.seek(start)
         self._read_data = read_data
@@ -158,20 +176,23 @@ class ListSampleStream:
             if self._read_data:
                 fields.update(self._audio(record))
                 if "txt" in record:
-                    fields["txt"] = str(record["txt"]).encode("utf-8")
+                    fields["txt"] = record["txt"].encode("utf-8")
                 if "start" in record or "end" in record:
                     fields[SEGMENT_FIELD] = json.dumps({"start": record["start"], "end": record["end"]}).encode()
+                fields.update(self._more_fields(record))
         sample = TarRecord(str(record["key"]), fields, offset, self.ordinal)
         self.ordinal += 1
         return sample
 
+    def _more_fields(self, record: dict) -> dict[str, bytes]:
+        """Fields beyond audio, text and segment (none in a raw list)."""
+        return {}
+
     def _audio(self, record: dict) -> dict[str, bytes]:
         """The audio's bytes under its extension, or why they cannot be read."""
         location = parse_wav_location(str(record["wav"]))
-        if not location.is_pipe and location.offset is None:
-            location = WavLocation(str(resolve(location.path, Path(self.path))))
-        elif location.offset is not None:
-            location = WavLocation(str(resolve(location.path, Path(self.path))), location.offset)
+        if not location.is_pipe:
+            location = WavLocation(str(resolve(location.path, Path(self.path), self.path_root)), location.offset)
         where = Where(self.path, self.ordinal + 1, str(record["key"]))
         if location.is_pipe:
             raise InputError(
@@ -185,7 +206,8 @@ class ListSampleStream:
             return {location.format: read_location(location, where)}
         except InputError as error:
             if error.reason == "missing_audio":
-                error = InputError(error.where, error.reason, error.problem, RELATIVE_PATHS)
+                fix = f"check the path (relative paths are taken from path_root={self.path_root!s})."
+                error = InputError(error.where, error.reason, error.problem, fix if self.path_root else RELATIVE_PATHS)
             return {READ_ERROR_FIELD: _problem(error)}
 
     def _parse(self, line: bytes, where: Where) -> dict:
@@ -203,7 +225,25 @@ class ListSampleStream:
             or not isinstance(record.get("key"), str)
             or not isinstance(record.get("wav"), str)
         ):
-            raise InputError(where, "malformed_line", f'the line needs "key" and "wav" strings (found {line[:80]!r}).')
+            if isinstance(record, dict):
+                held = f"keys {', '.join(json.dumps(k) for k in list(record)[:8])}" if record else "no keys"
+            else:
+                held = f"a JSON {type(record).__name__}, not an object"
+            raise InputError(
+                where,
+                "malformed_line",
+                f"this line holds {held}; a line of a sample list (WeNet's raw list) is a JSON object with "
+                '"key" and "wav" strings ("txt", "start", "end" optional), and a shard list names one shard a line.',
+                "a NeMo manifest line (audio_filepath): give the file a .json or .jsonl name, read as NeMo's"
+                if isinstance(record, dict) and "audio_filepath" in record
+                else 'write the list in that form (e.g. {"key": "utt1", "wav": "a.wav", "txt": "hello"}).',
+            )
+        if "txt" in record and not isinstance(record["txt"], str):
+            raise InputError(
+                Where(where.path, where.line, record["key"]),
+                "malformed_line",
+                f'"txt" must be a string (found {record["txt"]!r:.40}).',
+            )
         if "start" in record or "end" in record:
             start, end = record.get("start", 0), record.get("end", -1)
             seconds = (_seconds(start), _seconds(end))

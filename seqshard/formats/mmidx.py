@@ -35,8 +35,9 @@ from typing import Any
 
 import numpy as np
 
+from ..checks import read_number, shown
 from ..errors import ConfigError, ShardError
-from .files import fsync_directory, write_json_atomic, writing
+from .files import fsync_directory, inside, open_output, write_json_atomic, writing
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -166,6 +167,8 @@ class TokenMeta:
 
     @classmethod
     def read(cls, path: Path) -> TokenMeta:
+        """``PREFIX.json`` with every value checked (:meth:`check`); ShardError naming the
+        file, the field and the fix."""
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except (ValueError, UnicodeDecodeError) as error:
@@ -175,9 +178,40 @@ class TokenMeta:
                 path, None, f"not a seqshard token metadata file of version {META_VERSION} (seqshard_token_meta)."
             )
         try:
-            return cls(**data)
+            meta = cls(**data)
         except TypeError as error:
             raise ShardError(path, None, f"unexpected fields ({error}).") from None
+        try:
+            meta.check()
+        except ValueError as error:
+            raise ShardError(path, None, f"{error}. Fix: binarize again (or correct the field).") from None
+        return meta
+
+    def check(self) -> None:
+        """ValueError naming the field unless every value is of its kind and in range: a known
+        layout and integer dtype; counts >= 0; ``vocab_size`` >= 1 and within the dtype's ids;
+        ``eos_id``, ``bos_id`` and ``unk_id`` (tokens) below ``vocab_size``; ``pad_id`` a
+        whole number >= 0 (it may lie outside the vocabulary); a flag for ``eos_appended``."""
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout is {shown(self.layout)}, not one of {', '.join(LAYOUTS)}")
+        dtypes = {str(np.dtype(t)) for t in DTYPE_OF_CODE[self.layout].values()}
+        if self.dtype not in dtypes:
+            raise ValueError(f"dtype is {shown(self.dtype)}, not one of {', '.join(sorted(dtypes))}")
+        for name in ("sequences", "tokens"):
+            read_number(name, getattr(self, name), whole=True, at_least=0)
+        if not isinstance(self.data, str):
+            raise ValueError(f"data is {shown(self.data)}, not the fingerprint string binarize writes")
+        ids = int(np.iinfo(np.dtype(self.dtype)).max) + 1
+        read_number("vocab_size", self.vocab_size, whole=True, at_least=1, at_most=ids)
+        for name in ("eos_id", "bos_id", "unk_id"):
+            read_number(name, getattr(self, name), whole=True, at_least=0, at_most=self.vocab_size - 1, optional=True)
+        read_number("pad_id", self.pad_id, whole=True, at_least=0, at_most=2**63 - 1, optional=True)
+        if not isinstance(self.eos_appended, bool):
+            raise ValueError(f"eos_appended is {shown(self.eos_appended)}, not true or false")
+        for name in ("tokenizer", "dictionary"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, dict) and all(isinstance(v, str) for v in value.values())):
+                raise ValueError(f"{name} is {shown(value)}, not null or the path and sha256 binarize writes")
 
 
 def data_fingerprint(prefix: str | Path, part: int = FINGERPRINT_BYTES) -> str:
@@ -239,7 +273,7 @@ def read_layout(index: np.ndarray, idx_path: Path) -> tuple[str, int, int, int]:
     )
 
 
-def _dtype_of(layout: str, code: int, idx_path: Path) -> np.dtype:
+def dtype_of(layout: str, code: int, idx_path: Path) -> np.dtype:
     if code in DTYPE_OF_CODE[layout]:
         return np.dtype(DTYPE_OF_CODE[layout][code])
     known = sorted(DTYPE_OF_CODE[layout])
@@ -272,7 +306,7 @@ class TokenDataset:
                 raise ConfigError(f"{path} does not exist (a token dataset is PREFIX.bin + PREFIX.idx).")
         index = np.memmap(self.idx_path, dtype=np.uint8, mode="r")
         self.layout, code, count, documents = read_layout(index, self.idx_path)
-        self.dtype = _dtype_of(self.layout, code, self.idx_path)
+        self.dtype = dtype_of(self.layout, code, self.idx_path)
         offset = HEADER.size if self.layout == "megatron" else FAIRSEQ_HEADER.size
         self.sizes = np.frombuffer(index, dtype="<i4", count=count, offset=offset)
         self.pointers = np.frombuffer(index, dtype="<i8", count=count, offset=offset + count * 4)
@@ -329,7 +363,26 @@ class TokenDataset:
                 f"{mine[3]} tokens of {mine[1]} in {mine[0]}'s (sha256 {mine[4][:12]}...): it belongs to other "
                 "files; delete it, or binarize again.",
             )
+        problem = self._disagreement(meta)
+        if problem is not None:
+            raise ShardError(path, None, f"{problem}: it does not describe these tokens. Fix: binarize again.")
         return meta
+
+    def _disagreement(self, meta: TokenMeta) -> str | None:
+        """What the tokens say against ``meta``, looking where its fingerprint looks (the first
+        and last MiB of the tokens: all of a small dataset): an id at or above ``vocab_size``,
+        or a first or last sequence not ending with ``eos_id`` where ``eos_appended`` says
+        every one does."""
+        part = FINGERPRINT_BYTES // self.dtype.itemsize
+        for tokens in (self._data[:part], self._data[-part:]):
+            if len(tokens) and int(tokens.max()) >= meta.vocab_size:
+                return f"vocab_size is {meta.vocab_size}, but the tokens hold id {int(tokens.max())}"
+        if meta.eos_appended and meta.eos_id is not None:
+            for number in {0, len(self) - 1} if len(self) else ():
+                sequence = self[number]
+                if not len(sequence) or int(sequence[-1]) != meta.eos_id:
+                    return f"eos_appended is true, but sequence {number} does not end with eos_id {meta.eos_id}"
+        return None
 
     def __repr__(self) -> str:
         return (
@@ -357,9 +410,13 @@ class TokenDatasetWriter:
                 f"(codes exist for {sorted(map(str, CODE_OF_DTYPE[layout]))})."
             )
         self._temporary = self.bin_path.with_name(f".{self.bin_path.name}.partial")
+        self._index_temporary = self.idx_path.with_name(f".{self.idx_path.name}.partial")
+        folder = self.bin_path.parent
+        for path in (self.bin_path, self.idx_path, self._temporary, self._index_temporary):
+            inside(folder, path)  # a link at one of these names does not lead the writing elsewhere
         with writing(self._temporary):
-            self.bin_path.parent.mkdir(parents=True, exist_ok=True)
-            self._stream = open(self._temporary, "wb")  # noqa: SIM115 (closed by finish/abort)
+            folder.mkdir(parents=True, exist_ok=True)
+        self._stream = os.fdopen(open_output(self._temporary), "wb")  # closed by finish/abort
         self._sizes: list[np.ndarray] = []
         self._doc_index = [0]
         self._explicit_documents = False
@@ -415,15 +472,14 @@ class TokenDatasetWriter:
             self._stream.flush()
             os.fsync(self._stream.fileno())
             self._stream.close()
-        index_temporary = self.idx_path.with_name(f".{self.idx_path.name}.partial")
-        with writing(index_temporary), open(index_temporary, "wb") as stream:
+        with writing(self._index_temporary), os.fdopen(open_output(self._index_temporary), "wb") as stream:
             for part in parts:
                 stream.write(part)
             stream.flush()
             os.fsync(stream.fileno())
         self.idx_path.unlink(missing_ok=True)  # an old index never describes the new .bin
         os.replace(self._temporary, self.bin_path)
-        os.replace(index_temporary, self.idx_path)
+        os.replace(self._index_temporary, self.idx_path)
         fsync_directory(self.bin_path.parent)
 
     def abort(self) -> None:

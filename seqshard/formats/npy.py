@@ -38,16 +38,11 @@ def decode_npy(data: bytes | memoryview) -> np.ndarray:
     before (members of one layout and length share it) is looked up, not parsed.
     """
     view = memoryview(data)
-    if len(view) >= 10 and view[6] == 1:
-        total = 10 + (view[8] | view[9] << 8)
-    elif len(view) >= 12 and view[6] in (2, 3):
-        total = 12 + int.from_bytes(view[8:12], "little")
-    else:
-        total = 10
+    total = npy_header_size(view[:12])
     header = bytes(view[:total])
     layout = _LAYOUTS.get(header)
     if layout is None:
-        layout = _layout(header)
+        layout = npy_layout(header)
         if len(_LAYOUTS) >= MAX_LAYOUTS:
             _LAYOUTS.clear()
         _LAYOUTS[header] = layout
@@ -63,8 +58,19 @@ MAX_LAYOUTS = 4096  # utterance lengths repeat: most headers have been seen befo
 _LAYOUTS: dict[bytes, tuple[tuple[int, ...], np.dtype, str, int]] = {}
 
 
-def _layout(header: bytes) -> tuple[tuple[int, ...], np.dtype, str, int]:
-    """Shape, dtype, order and payload size an ``.npy`` header (magic to padding) declares."""
+def npy_header_size(start: bytes) -> int:
+    """The size of an ``.npy`` header (magic to padding) from its first 12 bytes."""
+    if len(start) >= 10 and start[6] == 1:
+        return 10 + (start[8] | start[9] << 8)
+    if len(start) >= 12 and start[6] in (2, 3):
+        return 12 + int.from_bytes(start[8:12], "little")
+    return 10
+
+
+def npy_layout(header: bytes) -> tuple[tuple[int, ...], np.dtype, str, int]:
+    """Shape, dtype, order and payload size an ``.npy`` header (magic to padding) declares
+    (ValueError for anything but a plain numeric array), parsed without Python's parser when
+    it is what numpy writes."""
     if header[:6] != _MAGIC[: len(header)] or len(header) < 6:
         raise ValueError("not an .npy array (bad magic bytes)")
     if len(header) < 10:

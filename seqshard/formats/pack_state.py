@@ -11,7 +11,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .index import check_name
+from ..checks import NumberError, read_number, shown
+from ..errors import SeqshardError
+from .index import MAX_COUNT, check_name
 
 STATE_DIR = ".seqshard-pack"
 PLANNED_NAME = "planned.json"
@@ -29,19 +31,35 @@ def pack_root(folder: Path) -> Path | None:
 
 def planned_shards(root: Path) -> dict[str, dict[str, int]] | None:
     """``{group: {shard name: planned utterances}}`` recorded by the pack in ``root``
-    (group ``""`` without length groups), or None when the pack recorded no plan. Names that
-    could point outside the folder are refused."""
+    (group ``""`` without length groups), or None when the pack recorded no plan. A plan that
+    cannot be read, names that could point outside the folder and counts that are not whole
+    numbers from 0 are refused (SeqshardError naming the file)."""
     path = root / STATE_DIR / PLANNED_NAME
+    fix = "It was not written by seqshard, or was altered: pack again into a new folder."
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except FileNotFoundError:
         return None
-    fix = "It was not written by seqshard, or was altered: pack again into a new folder."
+    except (OSError, ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
+        raise SeqshardError(f"{path}: unreadable ({str(error)[:200]}). {fix}") from None
+    groups = data.get("groups") if isinstance(data, dict) else None
+    if not isinstance(groups, dict) or not all(isinstance(shards, list) for shards in groups.values()):
+        raise SeqshardError(f'{path}: not a pack\'s plan ({{"groups": {{GROUP: [[SHARD, UTTERANCES], ...]}}}}). {fix}')
     planned: dict[str, dict[str, int]] = {}
-    for group, shards in data["groups"].items():
+    for group, shards in groups.items():
         if group:
             check_name(group, path, "a length group", fix)
-        planned[group] = {check_name(name, path, "a planned shard", fix): int(count) for name, count in shards}
+        planned[group] = {}
+        for shard in shards:
+            if not isinstance(shard, list) or len(shard) != 2:
+                raise SeqshardError(f"{path}: a planned shard is {shown(shard)}, not [NAME, UTTERANCES]. {fix}")
+            name = check_name(shard[0], path, "a planned shard", fix)
+            try:
+                planned[group][name] = int(
+                    read_number(f"the utterances of {name}", shard[1], whole=True, at_least=0, at_most=MAX_COUNT)
+                )  # type: ignore[arg-type]
+            except NumberError as error:
+                raise SeqshardError(f"{path}: {error}. {fix}") from None
     return planned
 
 

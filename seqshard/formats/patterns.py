@@ -20,7 +20,8 @@ from pathlib import Path
 from ..errors import ConfigError
 
 SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
-LIST_SUFFIXES = (".list", ".scp")  # WeNet lists and Kaldi wav.scp, read directly (see formats/lists.py)
+MANIFEST_SUFFIXES = (".json", ".jsonl")  # NeMo manifests, read directly (see formats/nemo.py)
+LIST_SUFFIXES = (".list", ".scp", *MANIFEST_SUFFIXES)  # and WeNet lists and Kaldi wav.scp (formats/lists.py)
 FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
 FIELDS_DIR = "fields"  # FOLDER/fields/NAME/data-00042.tar: field set NAME of FOLDER/data-00042.tar
 SHAR_CUTS = re.compile(r"cuts(?P<id>(?:\.[^.]+)*?)\.jsonl(?:\.gz)?")  # a Lhotse Shar shard (formats/shar.py)
@@ -29,7 +30,17 @@ Patterns = str | Path | Sequence[str | Path]
 
 
 def is_list_name(name: str) -> bool:
-    return name.endswith(LIST_SUFFIXES)
+    return name.endswith(LIST_SUFFIXES) and not _is_index(name)
+
+
+def is_manifest_name(name: str) -> bool:
+    return name.endswith(MANIFEST_SUFFIXES) and not _is_index(name)
+
+
+def _is_index(name: str) -> bool:
+    from .index import INDEX_NAME  # index.py imports this module
+
+    return name.rsplit("/", 1)[-1] == INDEX_NAME
 
 
 def is_shard_name(name: str) -> bool:
@@ -71,10 +82,17 @@ def pattern_list(patterns: Patterns) -> list[str]:
 
 
 def expand_pattern(pattern: str) -> list[Alternative]:
-    """Every brace alternative of ``pattern``, each with the shard files it names."""
+    """Every brace alternative of ``pattern`` (NeMo's ``_OP_``/``_CL_`` are braces too), each
+    with the shard files it names."""
     from braceexpand import braceexpand
 
-    return [_alternative(text) for text in dict.fromkeys(braceexpand(pattern))]
+    return [_alternative(text) for text in dict.fromkeys(braceexpand(nemo_braces(pattern)))]
+
+
+def nemo_braces(pattern: str) -> str:
+    """``pattern`` with NeMo's brace tags ``_OP_`` and ``_CL_`` (its sharded manifests and tars:
+    ``audio__OP_0..127_CL_.tar``) as ``{`` and ``}``."""
+    return pattern.replace("_OP_", "{").replace("_CL_", "}")
 
 
 def _alternative(text: str) -> Alternative:
@@ -122,8 +140,9 @@ def _shard_beside(folder: Path, stem: str) -> str | None:
 
 
 def old_layout_sidecar(path: Path) -> tuple[str, str] | None:
-    """``(shard name, field set)`` of ``STEM.NAME.tar`` beside a shard ``STEM.tar``, the layout
-    of ``add-field`` before ``fields/NAME/`` (``seqshard index --move-sidecars`` moves them)."""
+    """``(shard name, field set)`` of ``STEM.NAME.tar`` beside a shard ``STEM.tar``, named as
+    ``add-field`` named sidecars before ``fields/NAME/`` (``seqshard index --move-sidecars``
+    moves them). A name is no evidence by itself: ``selection.is_sidecar`` decides."""
     if not path.name.endswith(".tar"):
         return None
     base, dot, name = path.name[: -len(".tar")].rpartition(".")
@@ -133,15 +152,14 @@ def old_layout_sidecar(path: Path) -> tuple[str, str] | None:
     return None if shard is None else (shard, name)
 
 
-def named_like_sidecar(path: Path) -> bool:
-    """A field file of ``add-field``, recognised without an index (one written before its index
-    entry, by a run that was killed, is still not a shard): ``FOLDER/fields/NAME/STEM.tar`` of
-    a shard ``FOLDER/STEM.tar``, or the old layout ``STEM.NAME.tar`` beside it."""
+def in_fields_folder(path: Path) -> bool:
+    """Whether ``path`` is ``FOLDER/fields/NAME/STEM.tar`` beside a shard ``FOLDER/STEM.tar``:
+    a field file of ``add-field`` (one written before its index entry, by a run that was
+    killed, is still not a shard). Files named like the old layout, ``STEM.NAME.tar``, need
+    more evidence (``selection.is_sidecar``): WebDataset shards are often named ``part.1.tar``."""
     fields = path.parent.parent
     in_fields = fields.name == FIELDS_DIR and bool(FIELD_SET_NAME.fullmatch(path.parent.name))
-    if in_fields and path.name.endswith(".tar") and _shard_beside(fields.parent, shard_stem(path.name)):
-        return True
-    return old_layout_sidecar(path) is not None
+    return in_fields and path.name.endswith(".tar") and _shard_beside(fields.parent, shard_stem(path.name)) is not None
 
 
 def shards_in_folder(folder: Path) -> list[Path]:

@@ -8,8 +8,11 @@ host is noted, and its shards are read front to back through one plain GET each
 (:class:`RemoteStream`), which is how shards are read anyway; only starting inside a shard
 then costs the download of the bytes before it.
 
-Each request is retried on a 5xx, a timeout, a refused or dropped connection or a short body,
-with bounded, jittered exponential backoff. Only an answer that says the object does not exist
+Each request is retried on a 5xx, a timeout, a refused or dropped connection, a short body or a
+stall, with bounded, jittered exponential backoff. Besides ``remote_timeout`` for each wait on
+the socket, every request has a deadline of its own, twice ``remote_timeout`` plus its size at
+``remote_min_rate``: a server that trickles bytes (or a proxy that holds a connection open)
+fails the request within that time instead of never. Only an answer that says the object does not exist
 (HTTP 404, S3's NoSuchKey) means a missing shard (:class:`NotOnServer`, not retried); fsspec's
 http backend reports any failure to learn a size as FileNotFoundError, so its cause decides.
 What still fails is a :class:`~seqshard.errors.ShardError` naming the URL and what happened
@@ -37,13 +40,14 @@ import os
 import random
 import subprocess
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, ShardError, option, redact
+from ..errors import ConfigError, ShardError, counted, option, redact, redact_libraries
 from .prefetch import ReadAhead
 
 if TYPE_CHECKING:
@@ -55,6 +59,7 @@ _LOG = logging.getLogger("seqshard")
 CHUNK_BYTES = 8 << 20
 AHEAD = 4  # chunks fetched ahead of the reader
 FETCH_THREADS = 8
+INDEX_BYTES = 64 << 20  # the size an index.json is given time for (a folder of some 100,000 shards)
 
 
 def is_remote(path: str) -> bool:
@@ -97,11 +102,19 @@ class _BodyError(OSError):
     """An answer whose body is not as long as asked for."""
 
 
+class _Stalled(TimeoutError):
+    """A request that did not complete by its deadline (its bytes came too slowly)."""
+
+    def __init__(self, seconds: float):
+        super().__init__(f"not complete within {seconds:.1f} s")
+
+
 @dataclass(frozen=True)
 class Failure:
     """What a failed request met, in the terms that decide whether to retry and what to advise.
     ``kind``: missing, denied (401/403), rejected (other 4xx), server (5xx, 408, 429), timeout,
-    connection (refused, reset, dropped), body (shorter than asked) or other; ``error`` is the
+    stalled (past its deadline), redirects (a redirect loop), connection (refused, reset,
+    dropped), body (shorter than asked) or other; ``error`` is the
     exception that says so."""
 
     kind: str
@@ -116,6 +129,8 @@ class Failure:
             if cause is None or status == 404 or (status is None and not _network_error(cause)):
                 return cls("missing", error, 404)
             error = cause  # fsspec's http size() reports any failure (a refused connection too) as not found
+        if type(error).__name__ == "TooManyRedirects":  # aiohttp's, before its status (that of the last hop)
+            return cls("redirects", error)
         status = _status(error)
         if status == 404:
             return cls("missing", error, status)
@@ -125,13 +140,15 @@ class Failure:
             return cls("rejected" if 400 <= status < 500 and status not in (408, 429) else "server", error, status)
         if isinstance(error, _BodyError):
             return cls("body", error)
+        if isinstance(error, _Stalled):
+            return cls("stalled", error)
         if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
             return cls("timeout", error)
         return cls("connection" if _network_error(error) else "other", error)
 
     @property
     def retried(self) -> bool:
-        return self.kind not in ("missing", "denied", "rejected")
+        return self.kind not in ("missing", "denied", "rejected", "redirects")
 
     def advice(self, access: RemoteAccess) -> str:
         """What happened and what to do, after the retries."""
@@ -157,6 +174,17 @@ class Failure:
             )
         if self.kind == "timeout":
             return f"no answer within {access.timeout_s:g} s. Fix: for a slow store or network raise {timeout}"
+        if self.kind == "stalled":
+            rate = option("remote_min_rate", max(1024, int(access.min_rate // 4)))
+            return (
+                f"the bytes came slower than {access.min_rate:g} bytes/s (remote_min_rate) past {2 * access.timeout_s:g} s "
+                f"(a stalled server or proxy). Fix: check the server; for a network that slow lower {rate}"
+            )
+        if self.kind == "redirects":
+            return (
+                f"the server redirected the request again and again ({_redirects(self.error)}). Fix: check the URL "
+                "(a redirect loop is the server's or proxy's configuration)"
+            )
         if self.kind == "connection":
             return (
                 "the connection failed or dropped. Fix: check the host and port and that the server is up; a server "
@@ -205,6 +233,7 @@ class RemoteAccess:
     retries: int = 4
     backoff_s: float = 0.5
     timeout_s: float = 60.0
+    min_rate: float = 256 << 10
     chunk_bytes: int = CHUNK_BYTES
     ahead: int = AHEAD
     cache: ShardCache | None = None
@@ -237,6 +266,7 @@ class RemoteAccess:
             if key not in _SYSTEMS:
                 try:
                     _SYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+                    redact_libraries()  # the loggers its modules made on import
                 except TypeError as error:
                     raise ConfigError(f"storage_options do not suit {protocol}:// ({error}).") from None
                 except (ImportError, ValueError) as error:
@@ -246,6 +276,12 @@ class RemoteAccess:
                     ) from None
             fs = _SYSTEMS[key]
         return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
+
+    def deadline_s(self, size: int) -> float:
+        """The longest a request for ``size`` bytes may take in all: its bytes at the minimum
+        rate, after twice the timeout (a server that does not answer at all meets the socket's
+        timeout first, and is told apart)."""
+        return 2 * self.timeout_s + size / self.min_rate
 
     # -- requests with retries -----------------------------------------------------------
     def retrying(self, url: str, what: str, call: Any, abandoned: threading.Event | None = None) -> Any:
@@ -268,7 +304,7 @@ class RemoteAccess:
                     raise ShardError(
                         url,
                         None,
-                        f"{what} failed after {attempt + 1} attempt(s): {_describe(failure.error)}: "
+                        f"{what} failed after {counted(attempt + 1, 'attempt')}: {_describe(failure.error)}: "
                         f"{failure.advice(self)}; {option('skip_bad')} skips such shards (counted).",
                     ) from None
                 abandoned = abandoned or threading.Event()
@@ -311,9 +347,10 @@ class RemoteAccess:
         server is noted: :meth:`ranges`)."""
         fs, path = self.filesystem(url)
         get = _http_range if url.startswith(("http://", "https://")) else _store_range
+        deadline = self.deadline_s(end - start)
 
         def call() -> bytes:
-            data, ranged = get(fs, path, start, end)
+            data, ranged = get(fs, path, start, end, deadline)
             if len(data) != end - start:
                 raise _BodyError(f"short body: {len(data)} of {end - start} bytes")
             if ranged:
@@ -357,12 +394,20 @@ class RemoteAccess:
             )
 
     def read_text(self, url: str) -> str | None:
-        """A small text object (an index.json), or None when there is none."""
+        """A small text object (an index.json: at most INDEX_BYTES of UTF-8), or None when there
+        is none."""
         fs, path = self.filesystem(url)
+        deadline = self.deadline_s(INDEX_BYTES)
         try:
-            return self.retrying(url, "reading", lambda: fs.cat_file(path)).decode("utf-8")
+            data = self.retrying(url, "reading", lambda: _cat(fs, path, deadline, start=0, end=INDEX_BYTES + 1))
         except NotOnServer:
             return None
+        if len(data) > INDEX_BYTES:
+            raise ShardError(url, None, f"larger than the {INDEX_BYTES} bytes an index may hold: not an index.json")
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise ShardError(url, error.start, "not UTF-8 text: not an index.json written by seqshard") from None
 
     def glob(self, pattern: str) -> list[str]:
         """URLs matching a glob, where the store can list (not plain http)."""
@@ -413,15 +458,36 @@ def _host(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def _store_range(fs: Any, path: str, start: int, end: int) -> tuple[bytes, bool]:
-    return fs.cat_file(path, start=start, end=end), True
+def _store_range(fs: Any, path: str, start: int, end: int, deadline: float) -> tuple[bytes, bool]:
+    return _cat(fs, path, deadline, start=start, end=end), True
 
 
-def _http_range(fs: Any, url: str, start: int, end: int) -> tuple[bytes, bool]:
-    """Bytes ``[start, end)`` through fsspec's http session, and whether the answer was a range
-    (206); a whole object (200) raises RangesIgnored without its body being read, unless the
-    whole object was asked for."""
+def _cat(fs: Any, path: str, deadline: float, **where: int) -> bytes:
+    """An object's bytes (``start``/``end``: a range), within ``deadline`` seconds where its file
+    system is asynchronous (http, s3fs, gcsfs: the request is cancelled then), else as it answers."""
+    if getattr(fs, "async_impl", False):
+        return _within(fs.loop, lambda: fs._cat_file(path, **where), deadline)
+    return fs.cat_file(path, **where)
+
+
+def _within(loop: Any, make: Any, deadline: float) -> Any:
+    """The result of the coroutine ``make()`` run on fsspec's ``loop``, cancelled after
+    ``deadline`` seconds (_Stalled); a socket timeout before that stays a timeout."""
     from fsspec.asyn import sync
+
+    started = time.monotonic()
+    try:
+        return sync(loop, make, timeout=deadline)
+    except TimeoutError:
+        if time.monotonic() - started >= deadline:
+            raise _Stalled(deadline) from None
+        raise
+
+
+def _http_range(fs: Any, url: str, start: int, end: int, deadline: float) -> tuple[bytes, bool]:
+    """Bytes ``[start, end)`` through fsspec's http session within ``deadline`` seconds, and
+    whether the answer was a range (206); a whole object (200) raises RangesIgnored without its
+    body being read, unless the whole object was asked for."""
 
     async def get() -> tuple[bytes, bool]:
         session = await fs.set_session()
@@ -435,7 +501,14 @@ def _http_range(fs: Any, url: str, start: int, end: int) -> tuple[bytes, bool]:
                 raise RangesIgnored(url)
             return await response.read(), response.status == 206
 
-    return sync(fs.loop, get)
+    return _within(fs.loop, get, deadline)
+
+
+def _redirects(error: BaseException) -> str:
+    """The hops of a redirect loop, as the answers' Location headers name them."""
+    hops = [str(getattr(answer, "url", "?")) for answer in getattr(error, "history", ())]
+    shown = " -> ".join(redact(hop) for hop in hops[:4]) + (" -> ..." if len(hops) > 4 else "")
+    return f"{len(hops)} redirects: {shown}" if hops else "too many redirects"
 
 
 def _aiohttp_timeout(seconds: float) -> Any:
@@ -647,6 +720,7 @@ class RemoteStream:
         return self._access.retrying(self.path, what, lambda: self._read(start, want), self._closed)
 
     def _read(self, start: int, want: int) -> bytes:
+        deadline = time.monotonic() + self._access.deadline_s(want)
         with self._lock:
             if self._closed.is_set():
                 raise _Closed(self.path)
@@ -656,11 +730,12 @@ class RemoteStream:
                     if start and not self._failed:
                         self._access.note_restart(self.path, start)
                 while self._at < start:  # a skip forward, or the bytes before a (re)start
-                    skipped = len(_read_up_to(self._file, min(self._access.chunk_bytes, start - self._at)))
+                    step = min(self._access.chunk_bytes, start - self._at)
+                    skipped = len(_read_up_to(self._file, step, time.monotonic() + self._access.deadline_s(step)))
                     if not skipped:
                         break
                     self._at += skipped
-                data = _read_up_to(self._file, want) if self._at == start else b""
+                data = _read_up_to(self._file, want, deadline) if self._at == start else b""
                 self._at += len(data)
                 if len(data) != want:
                     raise _BodyError(f"short body: it ended at byte {self._at} of {self.size}")
@@ -692,10 +767,13 @@ class RemoteStream:
             self._drop()
 
 
-def _read_up_to(file: Any, size: int) -> bytes:
-    """``size`` bytes of a stream, fewer only at its end (a stream's read may return less)."""
-    parts, got = [], 0
+def _read_up_to(file: Any, size: int, deadline: float) -> bytes:
+    """``size`` bytes of a stream, fewer only at its end (a stream's read may return less);
+    _Stalled once ``deadline`` (a ``time.monotonic()``) has passed."""
+    parts, got, started = [], 0, time.monotonic()
     while got < size:
+        if time.monotonic() > deadline:
+            raise _Stalled(deadline - started)
         data = file.read(size - got)
         if not data:
             break

@@ -16,12 +16,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ConfigError, ShardError, option
+from ..errors import ConfigError, ShardError, counted, option
 from .index import ShardIndex
 from .lists import shard_list
+from .nemo_tarred import NEMO_FORMAT, nemo_index
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
-from .patterns import Alternative, Patterns, expand_pattern, named_like_sidecar, pattern_list
+from .patterns import (
+    Alternative,
+    Patterns,
+    expand_pattern,
+    in_fields_folder,
+    is_shard_name,
+    old_layout_sidecar,
+    pattern_list,
+)
 from .shar import shar_index
+from .streams import same_keys
 
 _LOG = logging.getLogger("seqshard")
 SHOWN = 5
@@ -67,7 +77,7 @@ def missing_error(missing: Sequence[MissingShard]) -> ShardError:
     return ShardError(
         missing[0].place[0] if len(folders) == 1 else "the selected shards",
         None,
-        f"{len(missing)} selected shard(s) are missing: {shown}{more}. Fix: restore them or finish the pack that "
+        f"{counted(len(missing), 'selected shard', 'is')} missing: {shown}{more}. Fix: restore them or finish the pack that "
         f"writes them; or pass {option('skip_bad')} to read the others (the missing ones are counted).",
     )
 
@@ -84,7 +94,13 @@ def select_shards(patterns: Patterns) -> ShardSelection:
             if alternative.kind == "list":
                 absent = _read_list(alternative)
             else:
-                alternative.files = [f for f in alternative.files if not _is_sidecar(f, selection)]
+                sidecars = [f for f in alternative.files if _is_sidecar(f, selection)]
+                if alternative.kind == "file" and sidecars:
+                    raise ConfigError(
+                        f"{alternative.text} is a field file of add-field, read with its shard beside it (or in the "
+                        "folder above fields/): select that shard, and the field with fields=[...]."
+                    )
+                alternative.files = [f for f in alternative.files if f not in sidecars]
                 absent = _absent(alternative, selection)
             if not alternative.files and not absent:
                 raise ConfigError(
@@ -108,16 +124,42 @@ def select_shards(patterns: Patterns) -> ShardSelection:
 
 def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
     """The folder's index.json, or the facts of a Lhotse Shar folder (its field files are
-    then sidecars, never shards)."""
+    then sidecars, never shards) or of a NeMo tarred set (from its manifest)."""
     if folder not in selection.indexes:
-        selection.indexes[folder] = shar_index(folder) or ShardIndex.load(folder)
+        selection.indexes[folder] = shar_index(folder) or ShardIndex.load(folder) or nemo_index(folder)
     return selection.indexes[folder]
 
 
 def _is_sidecar(path: Path, selection: ShardSelection) -> bool:
     """Whether ``path`` is a field file beside a shard (read with its shard, never alone)."""
-    index = _index_of(path.parent, selection)
-    return (index is not None and path.name in index.sidecar_names()) or named_like_sidecar(path)
+    return is_sidecar(path, _index_of(path.parent, selection))
+
+
+def is_sidecar(path: Path, index: ShardIndex | None) -> bool:
+    """Whether ``path`` is a field file of a shard beside it (read with that shard, never as a
+    shard), on evidence: its folder's ``index`` lists it as one (not as a shard), it lies in
+    add-field's ``fields/NAME/`` beside its shard, or it is named ``STEM.NAME.tar`` beside a
+    shard ``STEM.tar`` (add-field's old layout) and holds the same keys in the same order. A
+    dotted name alone is no evidence: WebDataset shards ``part.tar`` and ``part.1.tar`` are
+    two shards. One taken for a field file that no index lists is named in a warning."""
+    if index is not None and path.name in index.sidecar_names():
+        return True
+    if index is not None and index.entry(path.name) is not None:
+        return False
+    if in_fields_folder(path):
+        return True
+    old = old_layout_sidecar(path)
+    if old is None or not same_keys(path.parent / old[0], path):
+        return False
+    _LOG.warning(
+        "%s holds the keys of %s in the same order, as add-field's field files did (field set %r), and is read with "
+        "it, not as a shard; no index.json lists it (an add-field run that did not finish? run it again, or "
+        "`seqshard index --move-sidecars` on the folder)",
+        path,
+        old[0],
+        old[1],
+    )
+    return True
 
 
 def _read_list(alternative: Alternative) -> list[MissingShard]:
@@ -143,11 +185,18 @@ def _absent(alternative: Alternative, selection: ShardSelection) -> list[Missing
         if index is not None:
             expected = {entry.name: entry.num_utts for entry in index.shards}
             why = "listed in its folder's index.json, but the file is missing"
+            if index.source.get("format") == NEMO_FORMAT:
+                why = "its shard id has entries in the folder's NeMo manifest, but the tar is missing"
         else:
             planned = planned_in_folder(folder)
             if planned is None:
                 if _unfinished_without_record(folder):
                     absent.append(MissingShard(folder, "written by a pack that has not finished (no index.json)"))
+                absent.extend(
+                    MissingShard(link, f"a link to {os.readlink(link)}, which does not exist")
+                    for link in dangling_shard_links(folder)
+                    if alternative.covers(link)
+                )
                 continue
             expected = planned
             why = "planned by a pack that has not finished writing it (no index.json yet)"
@@ -159,6 +208,12 @@ def _absent(alternative: Alternative, selection: ShardSelection) -> list[Missing
     if alternative.kind == "file" and not alternative.files and not absent:
         absent.append(MissingShard(Path(alternative.text), "named in the pattern, but it does not exist"))
     return absent
+
+
+def dangling_shard_links(folder: Path) -> list[Path]:
+    """Links named like shards in ``folder`` whose target does not exist (a disk not mounted,
+    a copy removed): shards that should be there."""
+    return sorted(p for p in folder.iterdir() if is_shard_name(p.name) and p.is_symlink() and not p.exists())
 
 
 def _unfinished_without_record(folder: Path) -> bool:

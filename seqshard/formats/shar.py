@@ -20,7 +20,6 @@ resuming and counting treat its shards as seqshard's own.
 
 from __future__ import annotations
 
-import gzip
 import json
 import re
 import zlib
@@ -28,9 +27,11 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
+from ..checks import NumberError, read_number
 from ..errors import ConfigError, ShardError, redact
 from .fields import NODATA
 from .index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, length_bin
+from .inflation import BoundedLines, InflationError
 from .patterns import SHAR_CUTS
 from .remote import is_remote
 from .tar import TarRecord, TarStream
@@ -44,6 +45,7 @@ META = "_meta"  # NAME_meta: the manifest of field NAME
 JSONL_EXTENSIONS = (".jsonl.gz", ".jsonl")
 FIELD_FILE = re.compile(r"(?P<field>[^.]+)(?P<id>(?:\.[^.]+)*?)\.(?:tar|tar\.gz|jsonl|jsonl\.gz)")
 DEFAULT_SHIFT_MS = 10.0
+MAX_FRAMES = 2**31 - 1  # a cut's length in frames (as pack's lengths: int32)
 OUT_OF_STEP_FIX = "write the field again with lhotse's SharWriter, in the order of the cuts"
 
 
@@ -111,23 +113,19 @@ class _JsonLines:
         self.ordinal = ordinal
         self.ended_cleanly = False
         self._read_data = read_data
-        self._offset = start
         try:
-            self._stream = gzip.open(path, "rb") if self.path.endswith(".gz") else open(path, "rb")  # noqa: SIM115
-        except OSError as error:
+            self._lines = BoundedLines(path, start)
+        except (FileNotFoundError, PermissionError, IsADirectoryError) as error:
             raise ShardError(path, None, f"cannot open: {error.strerror or error}") from None
-        try:
-            self._stream.seek(start)
         except (OSError, EOFError, zlib.error) as error:
-            self._stream.close()
             raise ShardError(path, start, f"cannot be read up to here ({error}): a truncated or damaged file") from None
 
     @property
     def resume_offset(self) -> int:
-        return self._offset
+        return self._lines.position
 
     def close(self) -> None:
-        self._stream.close()
+        self._lines.close()
 
     def __enter__(self) -> _JsonLines:
         return self
@@ -138,9 +136,11 @@ class _JsonLines:
     def next_line(self) -> _Line | None:
         """The next line's object with its key, or None at the end; ShardError for a line that
         cannot be read or is not an object with a key (the file is damaged from there)."""
-        offset = self._offset
+        offset = self._lines.position
         try:
-            text = self._stream.readline()
+            text = self._lines.readline()
+        except InflationError as error:
+            raise ShardError(self.path, offset, f"line {self.ordinal + 1} is not read: {error}") from None
         except (OSError, EOFError, zlib.error) as error:
             raise ShardError(
                 self.path, offset, f"cannot be read from here ({error}): a truncated or damaged file"
@@ -148,7 +148,6 @@ class _JsonLines:
         if not text:
             self.ended_cleanly = True
             return None
-        self._offset += len(text)
         try:
             record = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError):
@@ -286,11 +285,20 @@ def shar_index(folder: Path) -> ShardIndex | None:
         return None
     files = _field_files(folder, names, cuts)
     facts = {shard: _cut_facts(folder / name) for shard, name in cuts.items()}
-    features = next((manifest for _, manifest in facts.values() if manifest is not None), None)
-    shift = float(features["frame_shift"]) * 1000 if features else DEFAULT_SHIFT_MS
+    features = next((manifest for _, _, manifest in facts.values() if manifest is not None), None)
+    shift = features[0] * 1000 if features else DEFAULT_SHIFT_MS
     entries = []
     for shard, name in cuts.items():
-        frames = [max(1, round(seconds * 1000 / shift)) for seconds in facts[shard][0]]
+        durations, offsets, _ = facts[shard]
+        frames = [max(1, round(seconds * 1000 / shift)) for seconds in durations]
+        longest = max(range(len(frames)), key=frames.__getitem__, default=None)
+        if longest is not None and frames[longest] > MAX_FRAMES:
+            raise ShardError(
+                folder / name,
+                offsets[longest],
+                f"cut {longest + 1} lasts {durations[longest]} s, {frames[longest]} frames of {shift} ms: beyond "
+                f"{MAX_FRAMES} frames (a damaged duration or frame_shift?). Fix: correct the cut, or leave it out.",
+            )
         entries.append(
             ShardEntry(
                 name,
@@ -311,7 +319,7 @@ def shar_index(folder: Path) -> ShardIndex | None:
         entries,
         feature={
             "field": FEATURES if FEATURES in files else None,
-            "dim": int(features["num_features"]) if features and FEATURES in files else None,
+            "dim": features[1] if features and FEATURES in files else None,
             "frame_shift_ms": shift,
         },
         created_by="lhotse SharWriter",
@@ -359,22 +367,37 @@ def _field_files(folder: Path, names: list[str], cuts: dict[str, str]) -> dict[s
     return files
 
 
-def _cut_facts(path: Path) -> tuple[list[float], dict | None]:
-    """The duration of every cut of a cuts file (seconds), and the first features manifest
-    (frame shift and dimension) of its cuts."""
-    durations, features = [], None
+def _cut_facts(path: Path) -> tuple[list[float], list[int], tuple[float, int] | None]:
+    """The duration of every cut of a cuts file (seconds) and the offset of its line, and the
+    frame shift (seconds) and dimension of the first features manifest of its cuts; ShardError
+    naming the cut and the field when one is not a number of its kind (a duration: finite and
+    >= 0; a frame shift: > 0; a dimension: a whole number >= 1)."""
+    durations, offsets, features = [], [], None
     with CutStream(path, read_data=False) as stream:
         while (line := stream.next_line()) is not None:
-            seconds = line.record.get("duration")
-            if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or not seconds >= 0:
-                raise ShardError(
-                    path, line.offset, f"cut {line.key!r} (line {line.ordinal + 1}) has no duration in seconds"
-                )
-            durations.append(float(seconds))
             manifest = line.record.get(FEATURES)
-            if features is None and isinstance(manifest, dict) and {"frame_shift", "num_features"} <= manifest.keys():
-                features = manifest
-    return durations, features
+            try:
+                durations.append(float(read_number("its duration (seconds)", line.record.get("duration"), at_least=0)))  # type: ignore[arg-type]
+                if (
+                    features is None
+                    and isinstance(manifest, dict)
+                    and {"frame_shift", "num_features"} <= manifest.keys()
+                ):
+                    shift = read_number(
+                        "its features' frame_shift (seconds)", manifest["frame_shift"], above=0, at_most=60
+                    )
+                    dim = read_number(
+                        "its features' num_features", manifest["num_features"], whole=True, at_least=1, at_most=1 << 20
+                    )
+                    features = (float(shift), int(dim))  # type: ignore[arg-type]
+            except NumberError as error:
+                raise ShardError(
+                    path,
+                    line.offset,
+                    f"cut {line.key!r} (line {line.ordinal + 1}): {error}. Fix: correct the cut, or leave it out.",
+                ) from None
+            offsets.append(line.offset)
+    return durations, offsets, features
 
 
 def _suffixes(folder: Path, field: str, names: list[str]) -> list[str]:

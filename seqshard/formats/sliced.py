@@ -1,24 +1,33 @@
 """Reading a tar shard by its member table (``members.py``): each sample's members are slices
 of the memory map, found without parsing a header.
 
-The stream checks the table against the file as it goes (its size at opening, each block's
-header bytes before the block's first sample, the end-of-archive block at the end). Where they
-disagree it goes on by parsing the headers from the sample it stands at, as a shard without a
+The stream checks the table against the file as it goes: its size at opening; before a
+block's first sample, the block's header bytes (the table's CRC-32 of them) and what they say
+(each member's name and size, one member after the other, read from the headers in numpy;
+headers this quick check does not read, such as pax or long names, by a walk over the block's
+headers); the end-of-archive block at the end. So a table whose keys or sizes were changed
+never serves one utterance's bytes under another key. Where table and file disagree the
+stream goes on by parsing the headers from the sample it stands at, as a shard without a
 table is read, so that damage is reported where and as the headers show it (a truncated
-member, a bad header checksum, another first key than the index records); a file whose headers
-read cleanly but differ from the table is reported when the stream ends (``mismatch``).
+member, a bad header checksum, another first key than the index records); a shard whose
+headers read cleanly is read whole, and its table counted as damaged (``mismatch``).
 """
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
+from ..errors import ShardError
 from . import tar
 from .members import CHECK_EVERY, REBUILD, MemberTable, table_path
 from .remote import RemoteAccess
 from .tar import BLOCK, MappedBytes, SampleStream, TarRecord
 
+_LOG = logging.getLogger("seqshard")
 _ZERO_BLOCK = bytes(BLOCK)
+_WARNED: set[str] = set()  # shards whose damaged table this process has warned about
 
 
 class SlicedSampleStream:
@@ -109,17 +118,50 @@ class SlicedSampleStream:
         return record
 
     def _check_block(self, block: int) -> bool:
-        """Whether block ``block``'s header bytes are those its table describes (else the
-        stream turns to its headers)."""
-        low, high = self._table.block_span(block)
-        found = self._table.block_crc(block, self._file.view(low, high), low)
-        if found != int(self._table.header_crcs[block]):
+        """Whether block ``block``'s header bytes are those its table describes and name and
+        size its members as the table does (else the stream turns to its headers)."""
+        table = self._table
+        low, high = table.block_span(block)
+        view = self._file.view(low, high)
+        if table.block_crc(block, view, low) != int(table.header_crcs[block]):
             self._disagree(
                 f"the headers of its samples from number {block * CHECK_EVERY + 1} differ from its member table"
             )
             return False
-        self._checked_until = min((block + 1) * CHECK_EVERY, self._table.num_samples)
+        if not table.headers_agree(block, view, low) and not self._walk_agrees(block):
+            self._disagree(
+                f"its member table names or sizes its samples from number {block * CHECK_EVERY + 1} otherwise than "
+                "their tar headers do"
+            )
+            return False
+        self._checked_until = min((block + 1) * CHECK_EVERY, table.num_samples)
         return True
+
+    def _walk_agrees(self, block: int) -> bool:
+        """Whether a walk over block ``block``'s headers finds the samples and members its table
+        lists (for headers the table's quick check does not read: pax, long names, ...)."""
+        low, high, _, _ = self._table.block_members(block)
+        headers = self._table.header_offsets
+        try:
+            start = (
+                self._offsets[low] if low else 0
+            )  # from the file's start: nothing before the first sample is skipped
+            with SampleStream(self.path, start, read_data=False, read_ahead=False, where=True) as walk:
+                for number in range(low, high):
+                    record = walk.next_sample()
+                    members = range(self._first[number], self._first[number + 1])
+                    expected = [
+                        (self._names[m], int(headers[m]), self._data[m], self._ends[m] - self._data[m]) for m in members
+                    ]
+                    if record is None or (record.key, record.offset, record.members) != (
+                        self._keys[number],
+                        self._offsets[number],
+                        expected,
+                    ):
+                        return False
+                return walk.resume_offset == self._offsets[high]
+        except ShardError:
+            return False
 
     def _end(self) -> None:
         end = self._table.end
@@ -130,12 +172,17 @@ class SlicedSampleStream:
         return self._next_by_headers()
 
     def _disagree(self, problem: str, start: int | None = None) -> None:
-        """Read on by parsing headers from ``start`` (the current sample's offset); the
-        disagreement is reported when the stream ends, unless the headers show damage first."""
+        """Read on by parsing headers from ``start`` (the current sample's offset): the table
+        is damaged (``mismatch`` says how; warned about once per table and process)."""
         self.mismatch = (
-            f"{problem} ({table_path(self.path)}): the shard was changed after its table was made. {REBUILD}"
+            f"{problem} ({table_path(self.path)}): the table is damaged, or the shard was changed after it was made; "
+            f"the shard is read by its tar headers instead. {REBUILD}"
         )
-        start = self._offsets[self._next] if start is None else start
+        if self.path not in _WARNED:
+            _WARNED.add(self.path)
+            _LOG.warning("%s: %s", self.path, self.mismatch)
+        if start is None:  # where the samples read so far end (verified), or the file's start
+            start = self._offsets[self._next] if self._next else 0
         self._headers = SampleStream(self.path, start, self.ordinal, self._read_data, *self._opening)
 
     def _next_by_headers(self) -> TarRecord | None:

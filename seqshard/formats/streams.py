@@ -1,5 +1,6 @@
-"""Sample streams over what the loader reads: tar shards, WeNet raw lists read as shards, and
-the files of Lhotse Shar folders (``formats/shar.py``).
+"""Sample streams over what the loader reads: tar shards, WeNet raw lists and NeMo manifests
+read as shards, the files of Lhotse Shar folders (``formats/shar.py``) and the tars of NeMo
+tarred sets (``formats/nemo_tarred.py``).
 
 All have the same interface (``next_sample()``, ``resume_offset``, ``ordinal``,
 ``ended_cleanly``), so planning, splitting, skipping and resuming treat them alike.
@@ -10,15 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ShardError
-from .lists import ListSampleStream
+from .lists import READ_ERROR_FIELD, ListSampleStream
 from .members import has_table_format, load_table
-from .patterns import is_list_name
-from .remote import RemoteAccess
+from .nemo import ManifestSampleStream
+from .nemo_tarred import NemoTarStream, nemo_shard_of
+from .patterns import is_list_name, is_manifest_name
+from .remote import RemoteAccess, is_remote
 from .shar import CutStream, FieldTarStream, JsonlFieldStream, open_shar, shar_field_of
 from .sliced import SlicedSampleStream
 from .tar import SampleStream
 
-AnyStream = SampleStream | SlicedSampleStream | ListSampleStream | CutStream | JsonlFieldStream | FieldTarStream
+AnyStream = (
+    SampleStream | SlicedSampleStream | ListSampleStream | CutStream | JsonlFieldStream | FieldTarStream | NemoTarStream
+)
 
 
 def open_samples(
@@ -29,14 +34,20 @@ def open_samples(
     read_ahead: bool = True,
     access: RemoteAccess | None = None,
     use_table: bool = True,
+    path_root: str | None = None,
 ) -> AnyStream:
     """A sample stream over a shard (or a raw list), from byte ``start`` (sample ``ordinal``);
     ``access`` reads remote shards (and reads local ones ahead). A local tar with a member
-    table is sliced by it (``formats/members.py``) unless ``use_table=False``."""
+    table is sliced by it (``formats/members.py``) unless ``use_table=False``. A list's
+    relative paths are taken from ``path_root`` when given."""
+    if is_manifest_name(str(path)):
+        return ManifestSampleStream(path, start, ordinal, read_data=read_data, path_root=path_root)
     if is_list_name(str(path)):
-        return ListSampleStream(path, start, ordinal, read_data=read_data)
+        return ListSampleStream(path, start, ordinal, read_data=read_data, path_root=path_root)
     if (shar_field := shar_field_of(str(path))) is not None:
         return open_shar(str(path), shar_field, start, ordinal, read_data, read_ahead)
+    if not is_remote(str(path)) and (nemo := nemo_shard_of(path)) is not None:
+        return NemoTarStream(path, *nemo, start, ordinal, read_data, read_ahead)
     table = load_table(path) if use_table and has_table_format(str(path)) else None
     if table is not None:
         return SlicedSampleStream(str(path), table, start, ordinal, read_data, read_ahead, access)
@@ -77,4 +88,23 @@ def first_sample_fields(path: str | Path, access: RemoteAccess | None = None) ->
         return []
     if sample is None:
         return []
-    return list(sample.fields) or ["wav", "txt"]  # a list's samples are only named when read
+    fields = [name for name in sample.fields if name != READ_ERROR_FIELD]  # a bad list line: told when read
+    return fields or ["wav", "txt"]  # a list's samples (audio and text) are only named when read
+
+
+def same_keys(path: str | Path, other: str | Path) -> bool:
+    """Whether two shards hold the same keys in the same order (read by their headers; False
+    when either cannot be read): what makes a file a field file of a shard."""
+    try:
+        with (
+            open_samples(path, read_data=False, read_ahead=False) as one,
+            open_samples(other, read_data=False, read_ahead=False) as two,
+        ):
+            while True:
+                first, second = one.next_sample(), two.next_sample()
+                if first is None or second is None:
+                    return first is None and second is None
+                if first.key != second.key:
+                    return False
+    except ShardError:
+        return False

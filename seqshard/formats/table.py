@@ -12,19 +12,21 @@ import logging
 import os
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, ShardError
+from ..errors import ConfigError, ShardError, counted
 from . import remote
 from .index import ShardIndex, merge_histograms
 from .lists import scan_list
-from .patterns import Patterns, is_list_name
+from .nemo import scan_manifest
+from .patterns import Patterns, is_list_name, is_manifest_name
 from .remote import RemoteAccess, is_pipe, is_remote
 from .remote_selection import RemoteSelection, split_patterns
 from .selection import MissingShard, ShardSelection, select_shards
 from .shar import is_shar_table
+from .shard_lengths import ShardLengths
 from .streams import first_sample_fields, open_samples
 
 _LOG = logging.getLogger("seqshard")
@@ -102,6 +104,7 @@ class _Gathered:
         self.shards: list[ShardInfo] = []
         self.dims: dict[int, str] = {}
         self.histograms: list[dict[int, int]] = []
+        self.lengths: list[tuple[dict[int, int], int | None, int | None] | None] = []  # each shard's, in order
         self.shift = 10.0
         self.field_sets: dict[str, dict[str, None]] = {}
         self.layouts: dict[str, tuple[str, tuple[int, ...]]] = {}  # an added array field's dtype and shape
@@ -122,16 +125,18 @@ class _Gathered:
         unindexed = [p for p in paths if not is_list_name(p) and (index is None or index.entry(_name(p)) is None)]
         if index is not None and unindexed:
             _LOG.warning(
-                "%s: %d selected shard(s) are not in its index.json and are read without its facts (a copy, or "
-                "added after the index? run `seqshard index` on the folder)",
+                "%s: %s not in its index.json, read without its facts (a copy, or added after the index? run "
+                "`seqshard index` on the folder)",
                 folder,
-                len(unindexed),
+                counted(len(unindexed), "selected shard", "is"),
             )
         access = self.access
         for path in paths:
             entry = index.entry(_name(path)) if index else None
+            self.lengths.append((entry.length_hist, entry.min_frames, entry.max_frames) if entry else None)
             if is_list_name(path):  # a raw list, read as a shard of its lines
-                self.shards.append(ShardInfo(path, Path(path).stat().st_size, scan_list(Path(path))))
+                scan = scan_manifest if is_manifest_name(path) else scan_list
+                self.shards.append(ShardInfo(path, Path(path).stat().st_size, scan(Path(path))))
             elif entry is None:
                 size = access.size(path) if remote.is_remote(path) else Path(path).stat().st_size
                 self.shards.append(ShardInfo(path, size, escaped_keys=escaped))
@@ -216,6 +221,7 @@ class ShardTable:
     field_sets: tuple[tuple[str, tuple[str, ...]], ...] = ()  # set -> member suffixes, from the indexes
     shar: bool = False  # the shards are Lhotse Shar folders' (read whole by default, as lhotse reads them)
     layouts: tuple[tuple[str, str, tuple[int, ...]], ...] = ()  # added array fields: (set, dtype, shape after T)
+    lengths: ShardLengths = field(default_factory=lambda: ShardLengths.of([]), compare=False)  # each shard's
 
     @classmethod
     def from_patterns(cls, patterns: Patterns, access: RemoteAccess | None = None) -> ShardTable:
@@ -242,6 +248,7 @@ class ShardTable:
             tuple((name, tuple(suffixes)) for name, suffixes in gathered.field_sets.items()),
             is_shar_table([shard.path for shard in gathered.shards]),
             tuple((name, dtype, shape) for name, (dtype, shape) in gathered.layouts.items()),
+            ShardLengths.of(gathered.lengths),
         )
 
     @classmethod
@@ -268,6 +275,7 @@ class ShardTable:
             tuple((name, tuple(suffixes)) for name, suffixes in field_sets.items()),
             all(t.shar for t in tables),
             tuple(dict((layout[0], layout) for t in tables for layout in t.layouts).values()),
+            ShardLengths.combine([t.lengths for t in tables]),
         )
 
     @property

@@ -20,15 +20,16 @@ import mmap
 import os
 import tarfile
 import zlib
+from array import array
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ShardError
-from .files import fsync_directory, writing
+from .files import fsync_directory, inside, open_output, writing
 from .keys import split_member_name
-from .members import MemberTable, TableBuilder, has_table_format
+from .members import MemberTable, TableBuilder, has_table_format, table_path
 from .prefetch import ReadAhead
 from .remote import RemoteAccess, is_remote
 
@@ -63,6 +64,17 @@ def _padding(size: int) -> bytes:
     return _ZERO_BLOCK[: -size % BLOCK]
 
 
+@dataclass(frozen=True)
+class WrittenPart:
+    """The first ``size`` bytes of a shard being written: ``samples`` whole samples, CRC-32
+    ``crc32``, and the samples' lengths for the member table (int64 bytes; empty: unknown)."""
+
+    size: int
+    crc32: int
+    samples: int
+    lengths: bytes = b""
+
+
 class ShardWriter:
     """Writes one shard under a temporary name; :meth:`commit` makes it visible.
 
@@ -73,33 +85,77 @@ class ShardWriter:
     ``.NAME.partial`` file behind.
     """
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, root: str | Path | None = None, resume: WrittenPart | None = None):
+        """Write ``path`` (and its member table), refusing a link that leads out of ``root``,
+        the folder being written (default: the shard's own). ``resume``: continue the partial
+        file a killed run left, after the part it had made durable (ShardError when the file
+        does not hold it)."""
         self.path = Path(path)
-        self.temp_path = temporary_path(self.path)
+        self.root = self.path.parent if root is None else Path(root)
+        self.temp_path = inside(self.root, temporary_path(self.path))
+        if has_table_format(str(self.path)):
+            inside(self.root, table_path(self.path))
         with writing(self.temp_path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._fd: int | None = os.open(self.temp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666)
         self.crc32 = 0
         self.size = 0
         self.num_samples = 0
         self._table = TableBuilder()
+        if resume is None:
+            self._fd: int | None = open_output(self.temp_path)
+        else:
+            self._fd = open_output(self.temp_path, append=True)
+            try:
+                self._continue(resume)
+            except BaseException:
+                self.abort()
+                raise
 
-    def add(self, key: str, fields: Sequence[tuple[str, Sequence[BytesLike]]]) -> None:
-        """Append one sample: ``fields`` is ``[(field_name, [buffer, ...]), ...]``."""
+    def _continue(self, part: WrittenPart) -> None:
+        """Cut the partial file back to ``part`` and take up its samples, sizes and CRC."""
+        assert self._fd is not None
+        if os.fstat(self._fd).st_size < part.size:
+            raise ShardError(self.temp_path, None, f"holds fewer than the {part.size} bytes recorded")
+        os.ftruncate(self._fd, part.size)
+        with (
+            SampleStream(self.temp_path, read_data=False, read_ahead=False, where=True) as stream,
+            open(self.temp_path, "rb", buffering=0) as reader,
+        ):
+            lengths = array("q", part.lengths)
+            while (sample := stream.next_sample()) is not None:
+                assert sample.members is not None
+                headers = [os.pread(reader.fileno(), data - at, at) for _, at, data, _ in sample.members]
+                length = lengths[self.num_samples] if self.num_samples < len(lengths) else None
+                self._table.add_sample(sample.key, sample.offset, sample.members, length, headers)
+                self.num_samples += 1
+            end = stream.resume_offset
+        if self.num_samples != part.samples or end != part.size:
+            raise ShardError(self.temp_path, end, f"holds {self.num_samples} samples, not the {part.samples} recorded")
+        self.size, self.crc32 = part.size, part.crc32
+
+    def written(self) -> WrittenPart:
+        """What is written so far (durable once the partial file is fsync'd)."""
+        return WrittenPart(self.size, self.crc32, self.num_samples, self._table.lengths_bytes())
+
+    def add(self, key: str, fields: Sequence[tuple[str, Sequence[BytesLike]]], length: int | None = None) -> None:
+        """Append one sample: ``fields`` is ``[(field_name, [buffer, ...]), ...]``; its
+        ``length`` (frames, or 10 ms of audio) goes into the member table when given."""
         buffers: list[BytesLike] = []
         members = []
+        headers = []
         start = at = self.size
         for name, parts in fields:
             size = sum(len(part) for part in parts)
             header = _member_header(f"{key}.{name}", size)
             members.append((name, at, at + len(header), size))
+            headers.append(header)
             buffers.append(header)
             buffers.extend(parts)
             buffers.append(_padding(size))
             at += len(header) + size + (-size % BLOCK)
         self._write(buffers)
         if members:
-            self._table.add_sample(key, start, members)
+            self._table.add_sample(key, start, members, length, headers)
         self.num_samples += 1
 
     def _write(self, buffers: list[BytesLike]) -> None:
@@ -135,7 +191,13 @@ class ShardWriter:
             self.abort()
             raise
         if has_table_format(str(self.path)):
-            self._table.finish(self.path, samples_end).save(self.path)
+            self._table.finish(self.path, samples_end).save(self.path, self.root)
+
+    def close(self) -> None:
+        """Stop writing, keeping the partial file (a rerun may continue it)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
     def abort(self) -> None:
         """Drop the partial file."""

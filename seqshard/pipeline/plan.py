@@ -1,6 +1,6 @@
 """Each epoch's plan: which reader reads which part of which shard.
 
-A reader is one (rank, DataLoader worker). Each epoch the shards are put in a seeded random
+A reader is one (rank, worker process). Each epoch the shards are put in a seeded random
 order and cut into equal-work pieces, first across ranks, then across each rank's workers.
 Work is frames when every shard's index gives them (bytes otherwise). A shard that straddles
 a cut is split at an utterance boundary (one reader takes utterances ``[0, k)``, the next

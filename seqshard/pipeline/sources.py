@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, ShardError
+from ..errors import ConfigError, ShardError, counted
 from ..formats.patterns import Patterns
 from ..formats.remote import RemoteAccess
 from ..formats.selection import missing_error
@@ -65,6 +65,13 @@ class MixSetup:
         return source, size
 
 
+def check_epoch_source(mix: MixSetup, spec: int | str | None) -> None:
+    """Refuse an ``epoch_source`` that cannot end an epoch of ``mix`` now (the loader, and
+    ``seqshard config`` before it), not after an endless epoch."""
+    if spec is not None:
+        mix.epoch_source(spec)
+
+
 def open_sources(
     patterns: Patterns | Mux, options: LoaderOptions, access: RemoteAccess
 ) -> tuple[ShardTable, MixSetup | None]:
@@ -72,8 +79,7 @@ def open_sources(
     applied; the mix's set-up when it is one."""
     if isinstance(patterns, Mux):
         table, mix = mixed_table(patterns, access)
-        if options.epochs.epoch_source is not None:
-            mix.epoch_source(options.epochs.epoch_source)  # refused now, not after an endless epoch
+        check_epoch_source(mix, options.epochs.epoch_source)
     else:
         table, mix = ShardTable.from_patterns(patterns, access), None
     check_missing(table, options.bad_data)
@@ -96,8 +102,8 @@ def check_missing(table: ShardTable, bad_data: BadData) -> None:
                 f"{bad_data.over_budget(0, len(table.missing), total)} Missing: {'; '.join(shown)}.",
             )
         _LOG.warning(
-            "%d selected shard(s) are missing and are not read (skip_bad): %s",
-            len(table.missing),
+            "%s missing and not read (skip_bad): %s",
+            counted(len(table.missing), "selected shard", "is"),
             "; ".join(f"{path} ({m.why})" for path, m in zip(shown, table.missing)),
         )
     if not table.shards:

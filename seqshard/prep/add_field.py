@@ -26,14 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, InputError, SeqshardError, SkipCounter, Where, option
-from ..formats.files import writing
-from ..formats.index import FieldSet, ShardIndex, SidecarEntry, check_inside, sidecar_name
+from ..formats.files import inside, remove_stale_temporaries, writing
+from ..formats.index import FieldSet, ShardIndex, SidecarEntry, sidecar_name
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import unescape_key
 from ..formats.keytable import KeyTable
+from ..formats.lock import FolderLocks
 from ..formats.npy import decode_npy, npy_parts
-from ..formats.pack_state import STATE_DIR
+from ..formats.pack_state import STATE_DIR, pack_root
 from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, old_layout_sidecar, shard_subfolders
+from ..formats.selection import is_sidecar
 from ..formats.tar import SampleStream, ShardWriter, temporary_path
 from ..progress import Progress
 from .journal import Journal, finished_shards
@@ -183,14 +185,20 @@ def add_field(
             allow_pipes=allow_pipes,
             path_map=tuple(path_map),
         )
-        indexes = {
-            folder: index
-            for folder in folders
-            if not _already_added(folder, index := ShardIndex.load(folder), name, overwrite, field_source.identity)  # type: ignore[arg-type]
-        }
-        if overwrite:
-            _remove_field(root, list(indexes), name)
-        report = _add(root, indexes, name, field_source, allow_missing, jobs, progress, files)
+        for folder in [*folders, root / STATE_DIR]:
+            inside(root, folder)  # nothing is written through a link out of the folder
+        with FolderLocks([root, *folders, *filter(None, [pack_root(root)])], f"seqshard add-field {name}"):
+            indexes = {
+                folder: index
+                for folder in folders
+                if not _already_added(folder, index := ShardIndex.load(folder), name, overwrite, field_source.identity)  # type: ignore[arg-type]
+            }
+            for folder in folders:  # what killed writers left (this one holds the folders alone)
+                remove_stale_temporaries(folder, older_than=0)
+                remove_stale_temporaries(inside(root, folder / FIELDS_DIR / name), older_than=0)
+            if overwrite:
+                _remove_field(root, indexes, name)
+            report = _add(root, indexes, name, field_source, allow_missing, jobs, progress, files)
     except InputError as error:
         error.skippable = False  # add-field stops at bad input: there is nothing to skip to
         raise
@@ -271,17 +279,18 @@ def _already_added(folder: Path, index: ShardIndex, name: str, overwrite: bool, 
     )
 
 
-def _remove_field(root: Path, folders: list[Path], name: str) -> None:
-    """Delete field set ``name``'s sidecars (both layouts) and journals."""
-    for folder in folders:
+def _remove_field(root: Path, indexes: dict[Path, ShardIndex], name: str) -> None:
+    """Delete field set ``name``'s sidecars (both layouts; the old one only on evidence, never a
+    shard named ``STEM.NAME.tar``) and journals."""
+    for folder, index in indexes.items():
         fields = folder / FIELDS_DIR / name
         if fields.is_dir():
-            for path in check_inside(folder, fields).glob("*.tar"):
+            for path in inside(folder, fields).glob("*.tar"):
                 path.unlink()
         for path in folder.glob(f"*.{name}.tar"):
-            if old_layout_sidecar(path) is not None:
+            if old_layout_sidecar(path) is not None and is_sidecar(path, index):
                 path.unlink()
-    for journal in (root / STATE_DIR).glob(f"field-{name}-*.jsonl"):
+    for journal in inside(root, root / STATE_DIR).glob(f"field-{name}-*.jsonl"):
         journal.unlink()
 
 
@@ -305,9 +314,9 @@ def _write_all(
 def _write_sidecar(root: Path, task: _Task, name: str, source: FieldSource, allow_missing: bool) -> dict[str, Any]:
     """Write the sidecar of one shard, journal it and return its record."""
     shard = task.folder / task.shard
-    target = check_inside(task.folder, task.folder / sidecar_name(task.shard, name))
+    target = inside(task.folder, task.folder / sidecar_name(task.shard, name))
     temporary_path(target).unlink(missing_ok=True)
-    writer = ShardWriter(target)
+    writer = ShardWriter(target, task.folder)
     missing = 0
     first_key = last_key = None  # as stored, what readers check the sidecar against
     layout: dict[str, Any] = {}  # of the first array written: batches of samples without one take it

@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, Where, option
+from ..errors import ConfigError, InputError, Where, counted, option
+from ..formats.files import inside, open_output
+from ..formats.lock import FolderLock
 from ..formats.mmidx import (
     TokenDataset,
     TokenDatasetWriter,
@@ -139,43 +141,46 @@ def binarize(
         _Range(str(text), start, end, str(bin_path.with_name(f".{bin_path.name}.range{n}")), encoder, eos, dtype.str)
         for n, (start, end) in enumerate(_line_ranges(text, jobs * RANGES_PER_JOB if jobs > 1 else 1))
     ]
-    writer = TokenDatasetWriter(out_prefix, dtype, layout)
-    unknown = empty = lines = 0
-    remove_parts(out_prefix)
-    meta_path_of(out_prefix).unlink(missing_ok=True)  # an old PREFIX.json never describes the new files
-    try:
-        with Progress(progress) as bars:
-            advance = bars.bar(f"binarize {text.name}", text.stat().st_size, unit="B")
-            for piece, part in zip(ranges, _encode_ranges(ranges, jobs)):
-                writer.add_bin(Path(piece.part), part.sizes)
-                Path(piece.part).unlink()
-                unknown += part.unknown
-                empty += part.empty
-                lines += len(part.sizes)
-                advance(piece.end - piece.start)
-        writer.finish()
-    except BaseException:
-        writer.abort()
+    with FolderLock(bin_path.parent, "seqshard binarize", name=f".{bin_path.stem}.lock"):  # one writer per prefix
         for piece in ranges:
-            Path(piece.part).unlink(missing_ok=True)
-        raise
-    written = TokenDataset(out_prefix)  # read back: the report counts what is on disk
-    meta = TokenMeta(
-        layout=layout,
-        dtype=str(dtype),
-        sequences=len(written),
-        tokens=written.num_tokens,
-        data=data_fingerprint(out_prefix),
-        vocab_size=encoder.vocab_size,
-        eos_id=eos_id if eos_id is not None else encoder.eos_id,
-        eos_appended=eos is not None,
-        pad_id=getattr(encoder, "pad_id", None),
-        bos_id=getattr(encoder, "bos_id", None),
-        unk_id=encoder.unk_id,
-        tokenizer=_identity(tokenizer, encoder if dictionary is None else getattr(encoder, "pieces", None)),
-        dictionary=_identity(dictionary, None),
-    )
-    meta.write(out_prefix)
+            inside(bin_path.parent, Path(piece.part))
+        writer = TokenDatasetWriter(out_prefix, dtype, layout)
+        unknown = empty = lines = 0
+        remove_parts(out_prefix)
+        meta_path_of(out_prefix).unlink(missing_ok=True)  # an old PREFIX.json never describes the new files
+        try:
+            with Progress(progress) as bars:
+                advance = bars.bar(f"binarize {text.name}", text.stat().st_size, unit="B")
+                for piece, part in zip(ranges, _encode_ranges(ranges, jobs)):
+                    writer.add_bin(Path(piece.part), part.sizes)
+                    Path(piece.part).unlink()
+                    unknown += part.unknown
+                    empty += part.empty
+                    lines += len(part.sizes)
+                    advance(piece.end - piece.start)
+            writer.finish()
+        except BaseException:
+            writer.abort()
+            for piece in ranges:
+                Path(piece.part).unlink(missing_ok=True)
+            raise
+        written = TokenDataset(out_prefix)  # read back: the report counts what is on disk
+        meta = TokenMeta(
+            layout=layout,
+            dtype=str(dtype),
+            sequences=len(written),
+            tokens=written.num_tokens,
+            data=data_fingerprint(out_prefix),
+            vocab_size=encoder.vocab_size,
+            eos_id=eos_id if eos_id is not None else encoder.eos_id,
+            eos_appended=eos is not None,
+            pad_id=padding_id(encoder, eos_id if eos_id is not None else encoder.eos_id),
+            bos_id=getattr(encoder, "bos_id", None),
+            unk_id=encoder.unk_id,
+            tokenizer=_identity(tokenizer, encoder if dictionary is None else getattr(encoder, "pieces", None)),
+            dictionary=_identity(dictionary, None),
+        )
+        meta.write(out_prefix)
     report = BinarizeReport(
         output=str(out_prefix),
         lines=lines,
@@ -199,8 +204,25 @@ def binarize(
     if warning:
         _LOG.warning("%s", warning)
     if empty:
-        _LOG.warning("%s: %d empty line(s), each stored as a sequence of its own (kept for alignment)", text, empty)
+        _LOG.warning(
+            "%s: %s, each stored as a sequence of its own (kept for alignment)", text, counted(empty, "empty line")
+        )
     return report
+
+
+def padding_id(encoder: Tokenizer, eos: int | None) -> int:
+    """The pad ``PREFIX.json`` records: the vocabulary's own; else an id that encoded text
+    never holds, so that a loader never mistakes a token for padding: a SentencePiece model's
+    ``<s>`` (a control symbol, which encoding never gives and binarize never appends), else
+    ``vocab_size`` (one past every id: an embedding looked up at padding needs one row more)."""
+    pad = getattr(encoder, "pad_id", None)
+    if pad is not None:
+        return int(pad)
+    if isinstance(encoder, SentencePieceTokenizer):
+        bos = encoder.bos_id
+        if bos is not None and bos != eos and encoder.is_control(bos):
+            return bos
+    return max(encoder.vocab_size, eos + 1 if eos is not None else 0)
 
 
 def _encoder(tokenizer: str | Path | Tokenizer | None, dictionary: str | Path | None, split: str | None) -> Tokenizer:
@@ -273,7 +295,7 @@ def _encode_range(piece: _Range) -> _Part:
     unk = piece.tokenizer.unk_id
     sizes: list[np.ndarray] = []
     unknown = empty = 0
-    with open(piece.text, "rb") as stream, open(piece.part, "wb") as part:
+    with open(piece.text, "rb") as stream, os.fdopen(open_output(Path(piece.part)), "wb") as part:
         for offset, lines in _blocks_of_lines(stream, piece):
             empty += sum(1 for line in lines if not line.strip())
             encoded = piece.tokenizer.encode_many(lines)

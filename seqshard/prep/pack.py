@@ -14,33 +14,37 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import re
-import shutil
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
 from ..errors import ConfigError, InputError, SeqshardError, Where, option
-from ..formats.files import remove_stale_temporaries, write_json_atomic, writing
-from ..formats.index import INDEX_NAME, ShardEntry, ShardIndex
+from ..formats.files import inside, remove_stale_temporaries, write_json_atomic, writing
+from ..formats.index import ShardEntry, ShardIndex
+from ..formats.lock import FolderLock
+from ..formats.nemo import manifest_files
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
 from ..progress import Progress
 from .journal import Journal, finished_shards, shard_written
-from .plan import UTTS_PER_FILE, PackOptions, PackPlan, ShardTask, build_plan, parse_groups
+from .nemo_source import ManifestSource
+from .owned import describe_foreign, foreign_entries, in_the_way, recorded, remove_previous_pack
+from .plan import UTTS_PER_FILE, PackOptions, PackPlan, PackSource, ShardTask, build_plan, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
 from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource
-from .write import DEFAULT_MAX_OPEN, remove_partials, write_shards
+from .speakers import Speakers
+from .write import DEFAULT_MAX_OPEN, Resume, write_shards
 
 _LOG = logging.getLogger("seqshard")
 RUN_FILE = "run.json"
+ADDED_OPTIONS = ("utt2spk", "cmvn_scp", "fields")  # left out of a run's record while unset
 
 
 def pack_data(
     f_scps: str | Path | Sequence[str | Path] | None,
-    f_labels: str | Path | Sequence[str | Path],
+    f_labels: str | Path | Sequence[str | Path] | None,
     d_out: str | Path,
     fmt: str = "data-%05d.tar",
     filter_group: Sequence[str] | str | None = None,
@@ -68,24 +72,50 @@ def pack_data(
     num_mel_bins: int = 80,
     resample_to: int | None = None,
     channel: int | None = None,
+    manifest: str | Path | Sequence[str | Path] | None = None,
+    hf: str | Path | None = None,
+    split: str | None = None,
+    audio_column: str | None = None,
+    text_column: str | None = None,
+    id_column: str | None = None,
+    fields: Sequence[str] | str | None = None,
+    utt2spk: str | Path | None = None,
+    cmvn_scp: str | Path | None = None,
 ) -> PackReport:
     """Pack ``feats.scp`` file(s), or audio named by ``wav_scp`` file(s) (cut by ``segments``),
-    with ``text`` file(s) into tar shards under ``d_out``.
+    with ``text`` file(s) into tar shards under ``d_out``; or the audio and texts of NeMo
+    manifest(s) (``manifest``), or of a Hugging Face dataset (``hf``: a ``save_to_disk``
+    folder, parquet or arrow files; ``split``, ``audio_column``, ``text_column``,
+    ``id_column``), with no text files. ``fields`` keeps a manifest's other keys (a dataset's
+    other columns) as fields ``NAME.json``.
 
     ``filter_group=["10:1000", "1000:2000"]`` writes utterances of ``[10, 1000)`` frames (for
     audio: seconds) to ``d_out/10_1000/`` and so on (others are dropped and counted); without it
     all go to ``d_out``. Audio is stored as FLAC when it is integer PCM and as its original bytes
     when FLAC cannot hold it exactly (MP3, Ogg, float; ``audio_format="keep"``: always the
     original bytes), or as fbank features computed now (``features="fbank"``, ``num_mel_bins``,
-    ``resample_to``).
+    ``resample_to``). ``utt2spk`` and ``cmvn_scp`` (Kaldi's) record each utterance's speaker
+    and its speaker's CMVN statistics, for the loader's ``cmvn="speaker"``.
     Each folder gets ``index.json``; ``d_out/pack_report.json`` says what happened. Bad input
     raises InputError naming file, line and key, unless ``skip_bad`` (then it is counted in the
     report). See README for every option.
     """
     started = time.perf_counter()
-    if (f_scps is None) == (wav_scp is None):
-        raise ConfigError(f"give either {option('f_scps', '...')} (features) or {option('wav_scp', '...')} (audio).")
-    text_files = _as_paths(f_labels, "f_labels")
+    inputs = {"f_scps": f_scps, "wav_scp": wav_scp, "manifest": manifest, "hf": hf}
+    if sum(value is not None for value in inputs.values()) != 1:
+        raise ConfigError(
+            f"give either {option('f_scps', '...')} (features), {option('wav_scp', '...')} (audio), "
+            f"{option('manifest', '...')} (NeMo manifests) or {option('hf', '...')} (a Hugging Face dataset): one input."
+        )
+    texts_inside = manifest is not None or hf is not None
+    if texts_inside and f_labels is not None:
+        raise ConfigError(
+            f"{option('f_labels', '...')}: the texts come from the {'manifest' if manifest is not None else 'dataset'}; "
+            "leave the text files out."
+        )
+    if not texts_inside and f_labels is None:
+        raise ConfigError(f"{option('f_labels', '...')}: give the text file(s) with the labels.")
+    text_files = [] if f_labels is None else _as_paths(f_labels, "f_labels")
     if num_frames_files:
         num_frames_files = _as_paths(num_frames_files, "num_frames_files")
     if overwrite and num_parts > 1:
@@ -100,7 +130,7 @@ def pack_data(
         )
     options = PackOptions(
         fmt=fmt,
-        groups=parse_groups(filter_group, seconds=wav_scp is not None),
+        groups=parse_groups(filter_group, seconds=f_scps is None),
         utts_per_file=utts_per_file,
         shuffle=shuffle,
         seed=seed,
@@ -116,37 +146,68 @@ def pack_data(
         num_mel_bins=num_mel_bins,
         resample_to=resample_to,
         channel=channel,
+        fields=tuple(fields.split(",") if isinstance(fields, str) else fields or ()),
+        utt2spk=str(utt2spk) if utt2spk else None,
+        cmvn_scp=str(cmvn_scp) if cmvn_scp else None,
     )
-    source = _source(f_scps, wav_scp, segments, options)
+    speakers = _speakers(options)
     d_out = Path(d_out)
+    source = _source(inputs, segments, options, (split, audio_column, text_column, id_column), d_out)
     if d_out.exists() and not d_out.is_dir():
         raise ConfigError(f"{option('d_out', d_out)}: {d_out} is a file, not a folder.")
     with writing(d_out):
         d_out.mkdir(parents=True, exist_ok=True)
-    if overwrite:
-        _clear_output(d_out, options.fmt)
-    for folder in [d_out, d_out / STATE_DIR, *(d_out / g.name for g in options.groups)]:
-        if folder.is_dir():
-            remove_stale_temporaries(folder)
-    run = _claim_output(d_out, options, _identity_inputs(source, text_files, options))
+    digest = getattr(source, "content_hash", content_hash)  # a dataset's files are too large to read twice
+    identity_files = [*_identity_inputs(source, text_files, options), *(speakers.files if speakers else [])]
+    described = _describe_run(options, identity_files, digest)
+    command = "seqshard pack" + (f" (part {part} of {num_parts})" if num_parts > 1 else "")
+    with FolderLock(d_out, command, shared=num_parts > 1) as lock:
+        folders = [d_out / STATE_DIR, *(d_out / g.name for g in options.groups)]
+        for folder in folders:
+            inside(d_out, folder)  # nothing is written (or removed) through a link out of the folder
+        if overwrite:
+            removed = remove_previous_pack(d_out)
+            _LOG.info("%s: removed %d files of the previous pack", d_out, removed)
+        for folder in [d_out, *folders]:
+            if folder.is_dir():
+                remove_stale_temporaries(folder)
+        _refuse_foreign_files(d_out, [d_out / g.name for g in options.groups] or [d_out], options.fmt)
+        run = _claim_output(d_out, described, alone=lock.alone)
+        lock.share()
 
-    with Progress(progress) as bars:
-        plan = build_plan(source, text_files, d_out, options, bars.bar)
-        _record_plan(d_out, run, plan)
-        try:
-            return _pack_planned(plan, options, d_out, text_files, jobs, num_parts, part, max_open, bars, started)
-        finally:
-            plan.scp.close()
-            plan.labels.close()
+        with Progress(progress) as bars:
+            plan = build_plan(source, text_files, d_out, options, bars.bar)
+            plan.speakers = speakers
+            _record_plan(d_out, run, plan)
+            try:
+                if speakers is not None and not skip_bad:  # before a shard is written
+                    speakers.check(plan, plan.source.dim(plan))
+                return _pack_planned(plan, options, d_out, text_files, jobs, num_parts, part, max_open, bars, started)
+            finally:
+                plan.scp.close()
+                plan.labels.close()
+                if speakers is not None:
+                    speakers.close()
 
 
 def _source(
-    f_scps: str | Path | Sequence[str | Path] | None,
-    wav_scp: str | Path | Sequence[str | Path] | None,
+    inputs: Mapping[str, Any],
     segments: str | Path | Sequence[str | Path] | None,
     options: PackOptions,
-) -> FeatureSource | AudioSource:
-    """What the pack reads: feature matrices, or audio (cut by segments)."""
+    columns: tuple[str | None, ...],
+    d_out: Path,
+) -> PackSource:
+    """What the pack reads: feature matrices, audio (cut by segments), NeMo manifests or a
+    Hugging Face dataset (``columns``: its split, audio, text and id columns)."""
+    f_scps, wav_scp = inputs["f_scps"], inputs["wav_scp"]
+    if options.fields and inputs["manifest"] is None and inputs["hf"] is None:
+        raise ConfigError(f"{option('fields', '...')}: for NeMo manifests and Hugging Face datasets.")
+    if segments is not None and f_scps is None and wav_scp is None:
+        raise ConfigError(f"{option('segments', '...')}: cuts the recordings of {option('wav_scp', '...')}.")
+    if inputs["hf"] is None and any(c is not None for c in columns):
+        raise ConfigError(
+            f"{option('split', '...')} and the column options: for a Hugging Face dataset ({option('hf', '...')})."
+        )
     if f_scps is not None:
         audio_only = [
             option(name, value)
@@ -165,9 +226,26 @@ def _source(
                 f"{option('audio_format', 'keep')} stores each file's original bytes, so it cannot apply "
                 f"{', '.join(changes)}: use {option('audio_format', 'flac')} (lossless), or leave them out."
             )
+    if inputs["manifest"] is not None:
+        return ManifestSource(manifest_files(inputs["manifest"]), options)
+    if inputs["hf"] is not None:
+        from .hf_source import DatasetSource
+
+        return DatasetSource(inputs["hf"], *columns, options, d_out)
     return AudioSource(
         _as_paths(wav_scp, "wav_scp"), _as_paths(segments, "segments") if segments is not None else [], options
     )
+
+
+def _speakers(options: PackOptions) -> Speakers | None:
+    """The speaker and CMVN members the pack adds, when asked for."""
+    if options.utt2spk is None and options.cmvn_scp is None:
+        return None
+    utt2spk, cmvn_scp = (
+        _as_paths(path, name)[0] if path else None
+        for path, name in ((options.utt2spk, "utt2spk"), (options.cmvn_scp, "cmvn_scp"))
+    )
+    return Speakers(utt2spk, cmvn_scp, options)
 
 
 def _pack_planned(
@@ -188,7 +266,7 @@ def _pack_planned(
     mine = [t for t in plan.tasks if t.ordinal % num_parts == part]
     done = finished_shards(d_out)
     todo = [t for t in mine if _relative(t) not in done]
-    remove_partials(todo)
+    resume = Resume(d_out, todo, {t.ordinal for t in mine if _relative(t) in done})
     if len(todo) < len(mine):
         _LOG.info(
             "%d of this part's %d shards are already finished; writing %d",
@@ -196,15 +274,21 @@ def _pack_planned(
             len(mine),
             len(todo),
         )
-    _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars)
+    if resume.states:
+        _LOG.info("continuing %d partial shards of a killed run from their last checkpoint", len(resume.states))
+    resumed = resume.utterances
+    _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars, resume)
 
     records = finished_shards(d_out)
     complete = _write_indexes(plan, records, options, dim, d_out, text_files)
     report = _report(plan, records, todo, d_out, complete, time.perf_counter() - started, dim, options)
+    report.resumed_utts = resumed
     if complete:
-        write_json_atomic(d_out / REPORT_NAME, report.to_json())
+        for state in (d_out / STATE_DIR).glob("partial-*.json"):  # a checkpoint that ended after its shard
+            state.unlink(missing_ok=True)
+        write_json_atomic(d_out / REPORT_NAME, report.to_json(), d_out)
     else:
-        write_json_atomic(d_out / STATE_DIR / f"report-part{part}.json", report.to_json())
+        write_json_atomic(d_out / STATE_DIR / f"report-part{part}.json", report.to_json(), d_out)
     if complete and report.packed == 0:
         reasons = ", ".join(f"{reason}={count}" for reason, count in report.dropped.items())
         raise SeqshardError(
@@ -253,9 +337,7 @@ def parse_path_map(path_map: Mapping[str, str] | Sequence[str] | None) -> tuple[
     return tuple(pairs)
 
 
-def _identity_inputs(
-    source: FeatureSource | AudioSource, text_files: Sequence[Path], options: PackOptions
-) -> list[Path]:
+def _identity_inputs(source: PackSource, text_files: Sequence[Path], options: PackOptions) -> list[Path]:
     """The files whose content decides what a pack writes (inputs, text, length files)."""
     lengths = [Path(f) for f in options.num_frames_files] or [
         Path(f).parent / name
@@ -266,7 +348,9 @@ def _identity_inputs(
     return [*source.files, *text_files, *dict.fromkeys(lengths)]
 
 
-def _describe_run(options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
+def _describe_run(
+    options: PackOptions, inputs: Sequence[Path], digest: Callable[[Path], str] | None = None
+) -> dict[str, Any]:
     """What a pack is made from: its options and its inputs' content (not their mtimes).
 
     ``skip_bad`` is left out: it does not change a shard that was written without a skip, and
@@ -274,7 +358,11 @@ def _describe_run(options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any
     """
     described_options = json.loads(json.dumps(asdict(options)))
     del described_options["skip_bad"]
-    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": content_hash(p)} for p in inputs]
+    digest = digest or content_hash
+    for name in ADDED_OPTIONS:  # unset, they change nothing: a pack begun before they existed resumes
+        if described_options[name] in (None, []):
+            del described_options[name]
+    files = [{"path": str(p.resolve()), "bytes": p.stat().st_size, "blake2b": digest(p)} for p in inputs]
     identity = hashlib.sha256(json.dumps([described_options, [f["blake2b"] for f in files]]).encode()).hexdigest()
     return {"options": described_options, "inputs": files, "fingerprint": identity}
 
@@ -288,38 +376,47 @@ def content_hash(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _clear_output(d_out: Path, fmt: str) -> None:
-    """Remove a previous pack from ``d_out``: its shards (any named like ``fmt``, in the
-    folder and its group sub-folders), their partial files, indexes, report and journal."""
-    shard_glob = re.sub(r"%[-+ 0#]*\d*d", "*", fmt)
-    for folder in [d_out, *(p for p in d_out.iterdir() if p.is_dir() and not p.name.startswith("."))]:
-        for path in [*folder.glob(shard_glob), *folder.glob(f".{shard_glob}.partial"), folder / INDEX_NAME]:
-            path.unlink(missing_ok=True)
-    (d_out / REPORT_NAME).unlink(missing_ok=True)
-    shutil.rmtree(d_out / STATE_DIR, ignore_errors=True)
+def _refuse_foreign_files(d_out: Path, folders: list[Path], fmt: str) -> None:
+    """Refuse to write where files that no pack here wrote would be written over, or mixed
+    with this pack's shards (another corpus copied into the folder)."""
+    blocking = in_the_way(recorded(d_out), [f for f in folders if f.is_dir()], fmt)
+    if blocking:
+        shown = ", ".join(map(str, blocking[:5])) + (f" and {len(blocking) - 5} more" if len(blocking) > 5 else "")
+        raise ConfigError(
+            f"{d_out} holds files that this pack would write over or mix its shards with, and that no pack here "
+            f"wrote: {shown}. Fix: move them elsewhere (another corpus copied here?), or pack into a new output "
+            f"folder; {option('overwrite')} removes only what an earlier pack in the folder wrote."
+        )
 
 
-def _claim_output(d_out: Path, options: PackOptions, inputs: Sequence[Path]) -> dict[str, Any]:
-    """Record what this folder is being packed from. A folder holding shards packed from other
-    inputs or options is refused; one where no shard file was written yet (a run that failed
-    before its first shard, or one that kept nothing) is taken over. Returns the run record."""
+def _claim_output(d_out: Path, described: dict[str, Any], alone: bool) -> dict[str, Any]:
+    """Record what this folder is being packed from (``described``). A folder holding shards
+    packed from other inputs or options is refused; one where no shard file was written yet (a
+    run that failed before its first shard, or one that kept nothing) is taken over, unless
+    other parts are packing into it (not ``alone``). Returns the run record."""
     run_file = d_out / STATE_DIR / RUN_FILE
-    described = _describe_run(options, inputs)
     if run_file.exists():
         previous = json.loads(run_file.read_text(encoding="utf-8"))
         if previous.get("fingerprint") == described["fingerprint"]:
             return previous
+        differences = "; ".join(_run_differences(previous, described))
         if _any_shard_written(d_out):
             raise ConfigError(
-                f"{d_out} holds shards packed from other inputs or options ({'; '.join(_run_differences(previous, described))}; "
-                f"see {run_file}). Use a new output folder, or pass {option('overwrite')} to replace them."
+                f"{d_out} holds shards packed from other inputs or options ({differences}; see {run_file}). Use a new "
+                f"output folder, or pass {option('overwrite')} to replace them (only what that pack wrote)."
+                + describe_foreign(foreign_entries(recorded(d_out)))
+            )
+        if not alone:
+            raise ConfigError(
+                f"{d_out} is being packed by other parts from other inputs or options ({differences}; see {run_file}): "
+                "run every part with the same inputs and options."
             )
         _LOG.info("%s: the earlier run packed no shard; starting afresh with these inputs and options", d_out)
         _forget_empty_shards(d_out)
-    described["created"] = _now()
+    described = {**described, "created": _now()}
     with writing(run_file.parent):
         run_file.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_file, described)
+    write_json_atomic(run_file, described, d_out)
     return described
 
 
@@ -342,7 +439,7 @@ def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
     """Check the plan against the one the finished shards were written from, then record it
     (``run.json``) and the shards it plans (``planned.json``, read by the loader and ``index``
     to name what an unfinished pack still lacks)."""
-    digest = hashlib.blake2b(plan.shard_of_row.tobytes(), digest_size=16)
+    digest = hashlib.blake2b(memoryview(plan.shard_of_row), digest_size=16)  # its bytes, not a copy
     for task in plan.tasks:
         digest.update(f"{task.group}/{task.path.name}:{task.num_planned}\n".encode())
     if run.get("plan") not in (None, digest.hexdigest()):
@@ -355,11 +452,11 @@ def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
         _forget_empty_shards(d_out)
     if run.get("plan") != digest.hexdigest():
         run["plan"] = digest.hexdigest()
-        write_json_atomic(d_out / STATE_DIR / RUN_FILE, run)
+        write_json_atomic(d_out / STATE_DIR / RUN_FILE, run, d_out)
     groups: dict[str, list[tuple[str, int]]] = {name: [] for name in plan.group_names}
     for task in plan.tasks:
         groups[task.group].append((task.path.name, task.num_planned))
-    write_json_atomic(d_out / STATE_DIR / PLANNED_NAME, planned_record(groups))
+    write_json_atomic(d_out / STATE_DIR / PLANNED_NAME, planned_record(groups), d_out)
 
 
 def _any_shard_written(d_out: Path) -> bool:
@@ -369,7 +466,7 @@ def _any_shard_written(d_out: Path) -> bool:
 def _forget_empty_shards(d_out: Path) -> None:
     """Drop the journals of an earlier run that wrote no shard file: the shards they record as
     empty (every utterance dropped) were planned from other inputs or another plan."""
-    for journal in (d_out / STATE_DIR).glob("journal-*.jsonl"):
+    for journal in [*(d_out / STATE_DIR).glob("journal-*.jsonl"), *(d_out / STATE_DIR).glob("partial-*.json")]:
         with writing(journal):
             journal.unlink()
 
@@ -392,6 +489,7 @@ def _write_all(
     jobs: int,
     max_open: int,
     bars: Progress,
+    resume: Resume,
 ) -> None:
     total = sum(t.num_planned for t in todo)
     if not todo:
@@ -399,7 +497,7 @@ def _write_all(
     jobs = min(jobs, len(todo))
     if jobs == 1:
         advance = bars.bar("pack", total, unit="utt")
-        write_shards(plan, todo, options, dim, Journal(d_out, f"{name}-{os.getpid()}"), advance, max_open)
+        write_shards(plan, todo, options, dim, Journal(d_out, f"{name}-{os.getpid()}"), advance, max_open, resume)
         return
     context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
     counters = context.Array("q", jobs, lock=False)
@@ -407,7 +505,19 @@ def _write_all(
     processes = [
         context.Process(
             target=_job_main,
-            args=(plan, todo[j::jobs], options, dim, d_out, f"{name}-{j}-{os.getpid()}", max_open, counters, j, errors),
+            args=(
+                plan,
+                todo[j::jobs],
+                options,
+                dim,
+                d_out,
+                f"{name}-{j}-{os.getpid()}",
+                max_open,
+                resume,
+                counters,
+                j,
+                errors,
+            ),
             name=f"seqshard-pack-{j}",
         )
         for j in range(jobs)
@@ -450,6 +560,7 @@ def _job_main(
     d_out: Path,
     name: str,
     max_open: int,
+    resume: Resume,
     counters: Any,
     slot: int,
     errors: Any,
@@ -462,7 +573,7 @@ def _job_main(
             raise SystemExit(1)
 
     try:
-        write_shards(plan, tasks, options, dim, Journal(d_out, name), advance, max_open)
+        write_shards(plan, tasks, options, dim, Journal(d_out, name), advance, max_open, resume)
     except BaseException as error:  # report any failure to the parent, then exit non-zero
         errors.put(error if isinstance(error, SeqshardError) else SeqshardError(f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None

@@ -16,21 +16,29 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, SkipCounter, Where, option
+from ..errors import ConfigError, InputError, SkipCounter, Where, counted, option
+from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.kaldi import ArkLocation, parse_location
 from ..formats.keys import escape_key
 from ..formats.keytable import KeyTable
+from ..formats.patterns import FIELD_SET_NAME
 from ..seeds import pack_order_rng
+
+if TYPE_CHECKING:
+    from .speakers import Speakers
 
 
 class PackSource(Protocol):
     """Where a pack's utterances come from (``sources.py``: feature matrices of a feats.scp, or
-    audio of a wav.scp): its table files, the scan of their lines, each row's length, the
-    feature dim, a reader of rows for writing, and the facts the index records."""
+    audio of a wav.scp; ``nemo_source.py``, ``hf_source.py``): its table files, the scan of
+    their lines, each row's length, the feature dim, a reader of rows for writing, and the
+    facts the index records. A source whose inputs hold the texts too (a NeMo manifest, a
+    Hugging Face dataset) also has ``scan_labels(issues, check) -> KeyTable``, read instead
+    of text files."""
 
     kind: str  # "features" or "audio", as the report names the inputs
     files: Sequence[Path]
@@ -51,6 +59,7 @@ class PackSource(Protocol):
 _LOG = logging.getLogger("seqshard")
 
 UTTS_PER_FILE = 2000
+RESERVED_FIELDS = ("txt", "feats", "audio", "sample_rate", *AUDIO_EXTENSIONS)  # names of what pack writes
 OUTSIDE_LOG_LIMIT = 20  # utterances outside every length group named at INFO level
 
 
@@ -128,6 +137,9 @@ class PackOptions:
     num_mel_bins: int = 80
     resample_to: int | None = None
     channel: int | None = None
+    fields: tuple[str, ...] = ()  # a manifest's or dataset's other keys kept as fields NAME.json
+    utt2spk: str | None = None  # each utterance's speaker, recorded (``speakers.py``)
+    cmvn_scp: str | None = None  # the speakers' Kaldi CMVN statistics, recorded
 
     def __post_init__(self) -> None:
         if self.audio_format not in ("flac", "keep"):
@@ -144,6 +156,12 @@ class PackOptions:
             raise ConfigError(
                 f"{option('num_mel_bins', self.num_mel_bins)}: fbank takes at least 3 mel bins (as Kaldi)."
             )
+        for name in self.fields:
+            if not FIELD_SET_NAME.fullmatch(name) or name in RESERVED_FIELDS:
+                raise ConfigError(
+                    f"{option('fields', name)}: a field name is letters, digits and '_', and not one of "
+                    f"{', '.join(RESERVED_FIELDS)} (names of the fields pack writes)."
+                )
         if self.dtype not in ("float32", "float16"):
             raise ConfigError(f"{option('dtype', self.dtype)}: the stored type is 'float32' or 'float16'.")
         try:
@@ -194,6 +212,7 @@ class PackPlan:
     label_issues: dict[str, int] = field(default_factory=dict)  # text-side problems by reason
     num_labels: int = 0
     frames_file_issues: dict[str, int] = field(default_factory=dict)  # length-file lines skipped, by reason
+    speakers: Speakers | None = None  # speaker and CMVN members of each utterance (pack --utt2spk/--cmvn-scp)
 
     @property
     def num_planned(self) -> int:
@@ -222,9 +241,15 @@ def build_plan(
         if not value:
             empty_labels.append(where)
 
-    labels = KeyTable.scan(text_files, label_issues, needs_value=False, check=note_empty, progress=scan_progress)
+    scan_labels = getattr(source, "scan_labels", None)
+    if scan_labels is not None:
+        labels = scan_labels(label_issues, note_empty)
+    else:
+        labels = KeyTable.scan(text_files, label_issues, needs_value=False, check=note_empty, progress=scan_progress)
     if empty_labels:  # kept (a silent recording may have none), but never unannounced
-        _LOG.warning("%d label(s) are empty, packed as empty texts (first: %s)", len(empty_labels), empty_labels[0])
+        _LOG.warning(
+            "%s empty, packed as empty texts (first: %s)", counted(len(empty_labels), "label", "is"), empty_labels[0]
+        )
         label_issues.counts["empty_label"] = len(empty_labels)
     if len(scp) + scp.bad_lines == 0:
         raise InputError(
@@ -249,7 +274,7 @@ def build_plan(
         "remove duplicate lines from the text files.",
     )
 
-    label_rows = labels.lookup(scp.hashes).astype(np.int32 if len(labels) < 2**31 else np.int64)
+    label_rows = labels.lookup(scp.hashes).astype(np.int32 if len(labels) < 2**31 else np.int64, copy=False)
     for row in np.flatnonzero(keep & (label_rows < 0)):
         key = scp.record(int(row))[0]
         drops(
@@ -314,20 +339,24 @@ def build_plan(
             group = options.groups[number] if options.groups else None
             bounds = (group.low, group.high) if group else ()
             positions = pack_order_rng(options.seed, *bounds).permutation(len(rows))
-        shard_in_group = positions // options.utts_per_file
+        positions //= options.utts_per_file  # in place: each row's shard in its group (memory, not time)
         num_shards = math.ceil(len(rows) / options.utts_per_file)
-        counts = np.bincount(shard_in_group, minlength=num_shards)
+        counts = np.bincount(positions, minlength=num_shards)
         folder = d_out / name if name else d_out
         first_ordinal = len(tasks)
         for index in range(num_shards):
             tasks.append(
                 ShardTask(first_ordinal + index, name, index, folder / (options.fmt % index), int(counts[index]))
             )
-        shard_of_row[rows] = first_ordinal + shard_in_group
+        positions += first_ordinal
+        shard_of_row[rows] = positions
+        del rows, positions
 
     dropped = dict(drops.counts)
     if outside:
         dropped["outside_groups"] = outside
+    scp.forget_lookups()  # writing re-reads rows by number only
+    labels.forget_lookups()
     return PackPlan(
         source,
         scp,

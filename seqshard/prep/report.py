@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ..errors import counted
 from ..formats.index import merge_histograms
 from .journal import shard_written
 
@@ -28,7 +29,8 @@ class PackReport:
     finished shards that lost every utterance while writing: they have no file and no index
     entry (``shards_done`` includes them). ``audio_stored`` counts packed utterances of audio by
     how their audio was stored: ``kept mp3`` (the original bytes), ``wav -> flac`` (decoded,
-    encoded), ...
+    encoded), ... ``resumed_utts`` counts the utterances of this run's shards that the partial
+    files of a killed run already held (continued from their last checkpoint, not read again).
     """
 
     output: str
@@ -51,6 +53,7 @@ class PackReport:
     audio_stored: dict[str, int] = field(default_factory=dict)
     length_hist: dict[int, int] = field(default_factory=dict)
     frames_file_issues: dict[str, int] = field(default_factory=dict)
+    resumed_utts: int = 0
 
     @property
     def mb_per_s(self) -> float:
@@ -76,11 +79,16 @@ class PackReport:
             lines.append(f"  frames file issue: {count:>8}  {reason} (lengths read from the matrix headers instead)")
         for name, group in self.groups.items():
             lines.append(
-                f"  group {name or '(all)':<11}: {group.utts} utts in {group.shards} shards, {group.frames} frames, {group.bytes / 1e6:.1f} MB"
+                f"  group {name or '(all)':<11}: {counted(group.utts, 'utt')} in {counted(group.shards, 'shard')}, "
+                f"{counted(group.frames, 'frame')}, {group.bytes / 1e6:.1f} MB"
             )
         lines.append(
             f"  shards           : {self.shards_done}/{self.shards_total} done, {self.shards_written_now} written by this run"
         )
+        if self.resumed_utts:
+            lines.append(
+                f"  continued        : {self.resumed_utts:>8}  utterances already in the partial shards of a killed run"
+            )
         if self.shards_empty:
             lines.append(
                 f"  empty shards     : {self.shards_empty:>8}  (every utterance dropped while writing: no file, not indexed)"

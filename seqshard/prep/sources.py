@@ -14,16 +14,18 @@ and bad-input rules.
 
 from __future__ import annotations
 
+import json
 import logging
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import InputError, SkipCounter, Where, option
+from ..checks import read_number, shown
+from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import (
     Audio,
     cut,
@@ -34,6 +36,7 @@ from ..formats.audio import (
     resample,
     store,
 )
+from ..formats.fields import NODATA
 from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import key_problem
 from ..formats.keytable import KeyTable
@@ -54,13 +57,17 @@ Progress = Callable[[str, int], Callable[[int], None]] | None
 
 
 def check_key(key: str, where: Where, options: PackOptions) -> None:
-    problem = key_problem(key)
-    if problem and not (options.escape_keys and key):
+    """InputError ``bad_key`` for a key no shard can hold as it is (or, with ``escape_keys``,
+    escaped): every route of keys into a pack (feats.scp, wav.scp, segments) comes here."""
+    problem = key_problem(key, escaped=options.escape_keys)
+    if problem:
+        escaping = not options.escape_keys and key_problem(key, escaped=True) is None
         raise InputError(
             where,
             "bad_key",
             f"{problem}.",
-            f"rename the utterance, or pass {option('escape_keys')} to store it percent-encoded.",
+            "rename the utterance"
+            + (f", or pass {option('escape_keys')} to store it percent-encoded." if escaping else "."),
         )
 
 
@@ -275,6 +282,7 @@ class AudioSource:
 
     kind = "audio"
     unit = "10 ms"
+    durations = "utt2dur", "regenerate utt2dur (or delete it to read durations from the audio)."  # name, fix
 
     def __init__(self, wav_scp: Sequence[Path], segments: Sequence[Path], options: PackOptions):
         self.wav_files = [Path(f) for f in wav_scp]
@@ -443,14 +451,21 @@ class _AudioReader:
         """The utterance's members, its length and how its audio was stored (``kept mp3``,
         ``wav -> flac``; None for fbank features)."""
         original, audio = self._utterance(key, value, where)
+        if not np.isfinite(audio.samples.sum(dtype=np.float64)):  # float WAV, decoded arrays: never stored
+            raise InputError(
+                where,
+                "non_finite",
+                f"the audio holds NaN or infinity (first at sample {int(np.flatnonzero(~np.isfinite(audio.samples))[0])}).",
+                "check how the audio was made.",
+            )
         planned = int(self.plan.frames[row]) if self.plan is not None else -1
         frames = round(audio.seconds * 100)
         if planned >= 0 and abs(planned - frames) > 1:
             raise InputError(
                 where,
                 "duration_mismatch",
-                f"utt2dur says {planned / 100:g} s but the audio lasts {audio.seconds:g} s.",
-                "regenerate utt2dur (or delete it to read durations from the audio).",
+                f"{self.source.durations[0]} says {planned / 100:g} s but the audio lasts {audio.seconds:g} s.",
+                self.source.durations[1],
             )
         options = self.options
         if options.features == "fbank":
@@ -483,6 +498,27 @@ class _AudioReader:
 # shared helpers
 
 
+def field_members(values: Mapping[str, Any], names: Sequence[str], where: Where) -> Members:
+    """Extra fields kept on request (``fields``): each of ``names`` as ``NAME.json``, or
+    ``NAME.nodata`` where ``values`` lacks it; InputError (``bad_field``) for a value JSON
+    cannot hold (bytes, NaN, infinity)."""
+    members: Members = []
+    for name in names:
+        if name not in values:
+            members.append((f"{name}.{NODATA}", [b""]))
+            continue
+        try:
+            members.append((f"{name}.json", [json.dumps(values[name], ensure_ascii=False, allow_nan=False).encode()]))
+        except (TypeError, ValueError):
+            raise InputError(
+                where,
+                "bad_field",
+                f"field {name!r} is {shown(values[name])}, which JSON cannot hold (bytes, NaN or infinity).",
+                f"leave {name} out of {option('fields', '...')}, or make its values numbers, strings or lists.",
+            ) from None
+    return members
+
+
 def _beside(files: Sequence[Path], name: str) -> list[Path]:
     """``name`` in the folders of ``files``, where it exists (Kaldi's data dir layout)."""
     return list(dict.fromkeys(Path(f).parent / name for f in files if (Path(f).parent / name).is_file()))
@@ -507,6 +543,13 @@ def _frame_shift_ms(files: Sequence[Path]) -> float:
     """Kaldi's ``frame_shift`` file (seconds) next to the first scp, else 10 ms."""
     candidate = Path(files[0]).parent / FRAME_SHIFT_FILE
     try:
-        return float(candidate.read_text().split()[0]) * 1000
-    except (OSError, ValueError, IndexError):
+        text = candidate.read_text(encoding="utf-8", errors="replace")
+    except OSError:
         return 10.0
+    try:
+        return float(read_number("its frame shift", float(text.split()[0]), above=0, at_most=60)) * 1000  # type: ignore[arg-type]
+    except (ValueError, IndexError):
+        raise ConfigError(
+            f"{candidate}: {text[:40]!r} is not a frame shift in seconds (a finite number > 0, such as 0.01): the "
+            "index records it and loaders count hours by it. Fix: correct the file, or remove it (10 ms is assumed)."
+        ) from None

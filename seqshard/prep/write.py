@@ -5,26 +5,41 @@ front to back), only the utterances planned for them, appending each to its shar
 forward-only; writes go to many files, each written sequentially. A shard is committed (fsync,
 renamed to its final name, journaled) as soon as its last planned utterance is handled; one
 whose utterances were all dropped while writing is journaled as empty and never gets a file.
+
+Every shard of a sweep receives utterances from the whole scp, so its shards finish together at
+its end. So that a killed run does not lose the sweep, its open shards are checkpointed every
+``CHECKPOINT_SHARE`` of it (at most every ``CHECKPOINT_SECONDS``): each partial file is
+fsync'd and its state recorded (``journal.save_partial``), and a rerun continues each from
+there (:class:`Resume`).
 """
 
 from __future__ import annotations
 
+import base64
+import logging
+import os
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Collection, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, SkipCounter
+from ..errors import InputError, ShardError, SkipCounter
 from ..formats.files import writing
 from ..formats.index import length_bin
-from ..formats.tar import ShardWriter, temporary_path
-from .journal import Journal
+from ..formats.tar import ShardWriter, WrittenPart, temporary_path
+from .journal import Journal, forget_partial, partial_states, save_partial
 from .plan import PackOptions, PackPlan, ShardTask
 from .sources import LABEL_MEMBER
 
+_LOG = logging.getLogger("seqshard")
 DEFAULT_MAX_OPEN = 256
+CHECKPOINT_SHARE = 0.02  # of a sweep's utterances handled between checkpoints of its open shards
+CHECKPOINT_SECONDS = 0.5  # and at least this long between them
 
 
 @dataclass
@@ -41,6 +56,8 @@ class _OpenShard:
     members: dict[str, None] = field(default_factory=dict)  # member suffixes written, in first-seen order
     first_key: str = ""  # as written (escaped), what readers check the file against
     last_key: str = ""
+    already: int = 0  # planned utterances still to pass over: the partial file holds them
+    recorded: bool = False  # a checkpoint of it is on disk: its partial file is kept for a rerun
 
     def count(self, key: str, frames: int) -> None:
         """Account for utterance ``key`` (as written) of ``frames`` frames just added to the shard."""
@@ -52,6 +69,52 @@ class _OpenShard:
         self.num_frames += frames
         bin_ = length_bin(frames)
         self.length_hist[bin_] = self.length_hist.get(bin_, 0) + 1
+
+    def state(self) -> dict[str, Any]:
+        """How far the shard got, for a rerun to continue it (:meth:`resume`)."""
+        written = self.writer.written()
+        return {
+            "group": self.task.group,
+            "name": self.task.path.name,
+            "handled": self.task.num_planned - self.remaining,
+            "bytes": written.size,
+            "crc32": written.crc32,
+            "samples": written.samples,
+            "lengths": base64.b64encode(written.lengths).decode("ascii"),  # int64 each, for the member table
+            "num_frames": self.num_frames,
+            "min_frames": self.min_frames,
+            "max_frames": self.max_frames,
+            "length_hist": {str(k): v for k, v in self.length_hist.items()},
+            "audio_stored": dict(self.audio_stored),
+            "skipped": dict(self.skipped),
+            "members": list(self.members),
+            "first_key": self.first_key,
+            "last_key": self.last_key,
+        }
+
+    @classmethod
+    def resume(cls, task: ShardTask, root: Path, state: dict[str, Any]) -> _OpenShard:
+        """The shard as a checkpoint left it (ShardError when its partial file disagrees)."""
+        lengths = base64.b64decode(state["lengths"], validate=True)
+        if len(lengths) != 8 * state["samples"]:
+            raise ValueError(f"{len(lengths) // 8} lengths for {state['samples']} samples")
+        writer = ShardWriter(task.path, root, WrittenPart(state["bytes"], state["crc32"], state["samples"], lengths))
+        return cls(
+            task,
+            writer,
+            task.num_planned - state["handled"],
+            state["num_frames"],
+            state["min_frames"],
+            state["max_frames"],
+            {int(k): v for k, v in state["length_hist"].items()},
+            dict(state["audio_stored"]),
+            dict(state["skipped"]),
+            dict.fromkeys(state["members"]),
+            state["first_key"],
+            state["last_key"],
+            already=state["handled"],
+            recorded=True,
+        )
 
     def record(self, dim: int, dtype: str) -> dict:
         return {
@@ -72,10 +135,53 @@ class _OpenShard:
         }
 
 
-def remove_partials(tasks: Sequence[ShardTask]) -> None:
-    """Delete what a killed run left of these shards (hidden ``.NAME.partial`` files)."""
-    for task in tasks:
-        temporary_path(task.path).unlink(missing_ok=True)
+class Resume:
+    """Where a rerun continues: the recorded states of the shards it writes (see
+    ``journal.partial_states``), each trusted only while its partial file holds what it
+    recorded; made in the parent before any job starts. Partial files without a usable state,
+    and states of shards finished since, are removed."""
+
+    def __init__(self, d_out: Path, tasks: Sequence[ShardTask], done: Collection[int]):
+        self.d_out = Path(d_out)
+        states = partial_states(d_out)
+        self.states: dict[int, dict[str, Any]] = {}
+        for task in tasks:
+            state = states.pop(task.ordinal, None)
+            partial = temporary_path(task.path)
+            if _matches(state, task) and partial.is_file() and partial.stat().st_size >= state["bytes"]:  # type: ignore[index]
+                self.states[task.ordinal] = state  # type: ignore[assignment]
+            else:
+                partial.unlink(missing_ok=True)
+                forget_partial(d_out, task.ordinal)
+        for ordinal in states:
+            if ordinal in done:
+                forget_partial(d_out, ordinal)
+
+    @property
+    def utterances(self) -> int:
+        """Utterances the recorded states hold (already handled)."""
+        return sum(state["handled"] for state in self.states.values())
+
+    def open(self, task: ShardTask) -> _OpenShard:
+        """The shard, continued from its state when it has one that its partial file holds."""
+        state = self.states.pop(task.ordinal, None)
+        if state is not None:
+            try:
+                return _OpenShard.resume(task, self.d_out, state)
+            except (ShardError, KeyError, TypeError, ValueError, AttributeError) as error:
+                _LOG.warning("%s: starting the shard over (its checkpoint does not fit: %s)", task.path, error)
+        forget_partial(self.d_out, task.ordinal)
+        return _OpenShard(task, ShardWriter(task.path, self.d_out), task.num_planned)
+
+
+def _matches(state: dict[str, Any] | None, task: ShardTask) -> bool:
+    return (
+        isinstance(state, dict)
+        and state.get("group") == task.group
+        and state.get("name") == task.path.name
+        and isinstance(state.get("bytes"), int)
+        and 0 <= state.get("handled", -1) <= task.num_planned
+    )
 
 
 def write_shards(
@@ -86,11 +192,14 @@ def write_shards(
     journal: Journal,
     advance: Callable[[int], None],
     max_open: int = DEFAULT_MAX_OPEN,
+    resume: Resume | None = None,
 ) -> None:
-    """Write ``tasks`` (shards of ``plan``), ``max_open`` at a time."""
+    """Write ``tasks`` (shards of ``plan``), ``max_open`` at a time, continuing those that
+    ``resume`` holds states of."""
     todo = sorted(tasks, key=lambda t: t.ordinal)
+    resume = resume or Resume(journal.root, todo, ())
     for start in range(0, len(todo), max_open):
-        _write_sweep(plan, todo[start : start + max_open], options, dim, journal, advance)
+        _write_sweep(plan, todo[start : start + max_open], options, dim, journal, advance, resume)
 
 
 class _Committer:
@@ -102,6 +211,12 @@ class _Committer:
         self._dim = dim
         self._dtype = dtype
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="seqshard-commit")
+        self._checkpoints = ThreadPoolExecutor(max_workers=1, thread_name_prefix="seqshard-checkpoint")
+        self._checkpoint: Future | None = None
+        self._latest: list[tuple[int, dict[str, Any], Path]] | None = None  # the snapshot still to record
+        self._draining = False
+        self._slot = threading.Lock()  # guards the two above
+        self.checkpointed: set[int] = set()  # ordinals of shards with a recorded state
         self._lock = threading.Lock()
         self._pending: list[Future] = []
 
@@ -124,11 +239,50 @@ class _Committer:
             record["audio_stored"] = dict(sorted(shard.audio_stored.items()))
         with self._lock:
             self._journal.append(record)
+        forget_partial(self._journal.root, shard.task.ordinal)
+
+    def checkpoint(self, shards: Sequence[_OpenShard]) -> None:
+        """Record how far ``shards`` got, on a thread of its own (the fsyncs wait for the
+        disk, the reading does not): their state now replaces any snapshot still waiting, and
+        the newest snapshot is always recorded."""
+        snapshot = [(shard.task.ordinal, shard.state(), shard.writer.temp_path) for shard in shards]
+        with self._slot:
+            self._latest = snapshot
+            if self._draining:
+                return
+            self._draining = True
+        if self._checkpoint is not None:
+            self._checkpoint.result()  # the previous drain ended: raise its failure, if any
+        self._checkpoint = self._checkpoints.submit(self._drain)
+
+    def _drain(self) -> None:
+        while True:
+            with self._slot:
+                snapshot, self._latest = self._latest, None
+                if snapshot is None:
+                    self._draining = False
+                    return
+            self._save_states(snapshot)
+
+    def _save_states(self, taken: list[tuple[int, dict[str, Any], Path]]) -> None:
+        for ordinal, state, partial in taken:
+            try:
+                descriptor = os.open(partial, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                continue  # finished (renamed) since: nothing to continue
+            try:
+                with writing(partial):
+                    os.fsync(descriptor)  # the bytes the state counts are on disk before the state is
+            finally:
+                os.close(descriptor)
+            save_partial(self._journal.root, ordinal, state)
+            self.checkpointed.add(ordinal)
 
     def finish(self) -> None:
-        """Wait for every commit; raise the first failure."""
+        """Wait for every commit and checkpoint; raise the first failure."""
+        self._checkpoints.shutdown(wait=True)
         self._pool.shutdown(wait=True)
-        for future in self._pending:
+        for future in [*self._pending, *filter(None, [self._checkpoint])]:
             future.result()
 
 
@@ -139,23 +293,34 @@ def _write_sweep(
     dim: int,
     journal: Journal,
     advance: Callable[[int], None],
+    resume: Resume,
 ) -> None:
     by_ordinal = {task.ordinal: task for task in sweep}
     rows = np.flatnonzero(np.isin(plan.shard_of_row, np.fromiter(by_ordinal, dtype=np.int64)))
     skip = SkipCounter(options.skip_bad)
     open_shards: dict[int, _OpenShard] = {}
     committer = _Committer(journal, dim, options.dtype)
+    every = max(1, int(len(rows) * CHECKPOINT_SHARE))
+    since, last = 0, time.monotonic()
     try:
         with plan.source.reader(plan, dim) as reader:
             for row in rows:
                 ordinal = int(plan.shard_of_row[row])
                 shard = open_shards.get(ordinal)
                 if shard is None:
-                    task = by_ordinal[ordinal]
-                    shard = open_shards[ordinal] = _OpenShard(task, ShardWriter(task.path), task.num_planned)
+                    shard = open_shards[ordinal] = resume.open(by_ordinal[ordinal])
+                if shard.already:  # held by the partial file a killed run left
+                    shard.already -= 1
+                    advance(1)
+                    if not shard.already and not shard.remaining:  # it was whole: killed before its commit
+                        committer.submit(open_shards.pop(ordinal))
+                    continue
                 key, value = plan.scp.record(int(row))
+                where = plan.scp.where(int(row), key)
                 try:
-                    members, length, stored = reader.read(int(row), key, value, plan.scp.where(int(row), key))
+                    members, length, stored = reader.read(int(row), key, value, where)
+                    if plan.speakers is not None:
+                        members += plan.speakers.members(key, where, dim)
                 except InputError as error:
                     skip(error)
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
@@ -164,17 +329,24 @@ def _write_sweep(
                         shard.audio_stored[stored] = shard.audio_stored.get(stored, 0) + 1
                     members.append((LABEL_MEMBER, [_label(plan, int(row), key).encode("utf-8")]))
                     shard_key = options.shard_key(key)
-                    shard.writer.add(shard_key, members)
+                    shard.writer.add(shard_key, members, length)
                     shard.members.update(dict.fromkeys(name for name, _ in members))
                     shard.count(shard_key, length)
                 shard.remaining -= 1
                 if shard.remaining == 0:
                     committer.submit(open_shards.pop(ordinal))
                 advance(1)
+                since += 1
+                if since >= every and time.monotonic() - last >= CHECKPOINT_SECONDS:
+                    committer.checkpoint([s for s in open_shards.values() if not s.already])
+                    since, last = 0, time.monotonic()
     finally:
-        for shard in open_shards.values():
-            shard.writer.abort()
-        committer.finish()
+        try:
+            committer.finish()
+        finally:
+            for shard in open_shards.values():  # a rerun continues a checkpointed partial file; the others go
+                keep = shard.recorded or shard.task.ordinal in committer.checkpointed
+                shard.writer.close() if keep else shard.writer.abort()
 
 
 def _label(plan: PackPlan, row: int, key: str) -> str:

@@ -163,8 +163,13 @@ def as_tensors(batch: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     out = {key: torch.from_numpy(value) if isinstance(value, np.ndarray) else value for key, value in batch.items()}
-    out["net_input"] = {key: out[key] for key in MODEL_INPUTS if key in out}
-    return out
+    return with_net_input(out)
+
+
+def with_net_input(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` with ``net_input``: its model inputs (fairseq's layout), the same tensors."""
+    batch["net_input"] = {key: batch[key] for key in MODEL_INPUTS if key in batch}
+    return batch
 
 
 def collate_pairs(

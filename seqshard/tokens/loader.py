@@ -13,6 +13,7 @@ lost and none repeated. The loader follows :class:`seqshard.protocol.Loader`.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,17 +21,21 @@ from typing import Any, Protocol
 import numpy as np
 
 from ..checks import MAX_WORKERS, check_flag, check_number
+from ..device import CudaCopier, check_device, is_cuda, one_ahead, require_device
 from ..dist import Collectives, DistContext, discover
 from ..errors import ConfigError, StateMismatchError
 from ..mix import Mux, flatten
 from ..protocol import PlannedBatches, length_of
 from ..seeds import Seed, stage_rng
+from ..text.fairseq_dict import FairseqDictionary
 from .blocks import BlockBatching, block_rules, separator_warning
-from .collate import CollateRules, as_tensors
-from .ids import special_ids
+from .collate import CollateRules, as_tensors, with_net_input
+from .databin import DataBin, Direction
+from .ids import SpecialIds, special_ids
 from .pairs import OpenPair, TokenPair, as_pair
 from .plan import BatchRules
 from .sentences import SentenceBatching
+from .sources import EpochSources
 
 _LOG = logging.getLogger("seqshard")
 STATE_VERSION = 1
@@ -39,10 +44,11 @@ GROUP_BATCHES = 16  # batches built together (one gather per source for all of t
 
 
 def make_token_loader(
-    src: str | Path | TokenPair | Mux,
+    src: str | Path | TokenPair | Mux | DataBin,
     tgt: str | Path | None = None,
     *,
     block_size: int | None = None,
+    block_style: str = "megatron",
     max_tokens: int = 4096,
     max_sentences: int | None = None,
     max_positions: int | None = None,
@@ -55,51 +61,64 @@ def make_token_loader(
     eos_id: int | None = None,
     left_pad_source: bool = True,
     num_workers: int = 0,
+    device: str | None = None,
     rank: int | None = None,
     world_size: int | None = None,
 ) -> TokenLoader:
     """A loader of fairseq-style batches from ``src`` (a ``.bin``/``.idx`` prefix) and
     ``tgt`` (a prefix, or None for one side), or from a :func:`seqshard.mux` of
     :class:`TokenPair`s (a virtual epoch of ``virtual_size`` sentences, shares by weights or
-    temperature, drawn anew each epoch).
+    temperature, drawn anew each epoch), or from a data_bin's directions
+    (:func:`seqshard.token_pairs`): each epoch reads what each direction's epoch reads (one
+    shard folder per epoch, as fairseq's multilingual task), every sentence once, or sampled by
+    ``seqshard.mux(data_bin, temperature=T)``; ``source`` in a batch is the direction's number.
 
     Batches never hold more than ``max_tokens`` padded tokens on either side (B x longest),
     nor more than ``max_sentences``; pairs longer than ``max_positions`` (default 1024) are
     dropped and counted. Language token ids (``src_lang_id``/``tgt_lang_id``, or per pair) are
     prepended. Every rank gets the same number of batches, drawn from every length range.
 
-    ``block_size=N`` (one dataset, language modelling) reads every token instead: the stream
-    cut into blocks of N + 1 tokens (``input``/``target`` shifted by one), ``max_tokens // N``
-    blocks a batch (see ``tokens/blocks.py``).
+    ``block_size=N`` (one dataset, language modelling) reads every token instead, ``max_tokens //
+    N`` blocks a batch (see ``tokens/blocks.py``): ``block_style="megatron"`` cuts the stream
+    into blocks of N + 1 tokens as Megatron's ``GPTDataset`` (``input``/``target`` shifted by
+    one, the last partial block dropped); ``"fairseq"`` as fairseq's ``TokenBlockDataset``
+    (``target`` the N tokens from k x N, ``input`` the same shifted right with eos at a
+    sequence's start, the last block kept and padded).
 
     ``pad_id``/``eos_id`` None: from the datasets' ``PREFIX.json``, else fairseq's 1 and 2, the
     pad only if it never occurs in the data (``tokens/ids.py``); batches carry ``src_mask`` /
     ``target_mask`` and lengths, so any pad id works.
+
+    ``device="cuda"``: batches come on the GPU, each copied on a side stream while the step
+    before it runs (``seqshard/device.py``).
     """
     check_number("pad_id", pad_id, whole=True, at_least=0, optional=True)
     check_number("eos_id", eos_id, whole=True, at_least=0, optional=True)
     check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+    device = check_device("device", device)
+    require_device(device)
     check_number("rank", rank, whole=True, at_least=0, optional=True)
     check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     context = discover(rank, world_size)
     if block_size is not None:
-        if isinstance(src, Mux) or tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
-            raise ConfigError("block_size reads one language-model dataset: no target, mux or language ids.")
+        if isinstance(src, (Mux, DataBin)) or tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
+            raise ConfigError("block_size reads one language-model dataset: no target, mux, data_bin or language ids.")
         pair = as_pair(src)
         if pair.tgt is not None:
             raise ConfigError(f"block_size reads one language-model dataset, not the pair {pair}.")
-        rules = block_rules(block_size, max_tokens, max_sentences, max_positions, shuffle, seed)
+        rules = block_rules(block_size, max_tokens, max_sentences, max_positions, shuffle, seed, block_style)
         dataset = OpenPair(pair).src
         warning = separator_warning(dataset)
         if warning and context.rank == 0:
             _LOG.warning("%s", warning)
-        return TokenLoader(BlockBatching(pair.src, dataset, rules), num_workers, context)
-    if isinstance(src, Mux):
+        ids = special_ids([dataset], pad_id, eos_id, pads=rules.style == "fairseq")  # Megatron's are never padded
+        return TokenLoader(BlockBatching(pair.src, dataset, rules, ids), num_workers, context, device)
+    if block_style != "megatron":
+        raise ConfigError(f"block_style={block_style!r} cuts language-model blocks: give block_size=N with it.")
+    if isinstance(src, (Mux, DataBin)):
         if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
-            raise ConfigError("with a mux, give targets and language ids in each TokenPair.")
-        leaves, shares = flatten(src, lambda pair: len(OpenPair(as_pair(pair))))
-        pairs: list[TokenPair] = [as_pair(leaf) for leaf in leaves]
-        mixed: np.ndarray | None = shares
+            raise ConfigError("with a mux or a data_bin, give targets and language ids in each TokenPair.")
+        leaves, mixed = _leaves(src)
     else:
         pair = as_pair(src)
         if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
@@ -109,21 +128,61 @@ def make_token_loader(
                 src_lang_id if src_lang_id is not None else pair.src_lang_id,
                 tgt_lang_id if tgt_lang_id is not None else pair.tgt_lang_id,
             )
-        pairs, mixed = [pair], None
-    for pair in pairs:
-        check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
-        check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
+        leaves, mixed = [pair], None
+    for leaf in leaves:
+        for pair in _pairs_of(leaf):
+            check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
+            check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
     check_flag("left_pad_source", left_pad_source)
     if max_positions is None:
         max_positions = DEFAULT_MAX_POSITIONS
     rules = BatchRules(max_tokens, max_sentences, max_positions, shuffle, seed, virtual_size)
-    opened = [OpenPair(p) for p in pairs]
-    if len({o.tgt is None for o in opened}) > 1:
+    fixed = {leaf: OpenPair(leaf) for leaf in leaves if isinstance(leaf, TokenPair)}
+    sources = EpochSources(leaves, mixed, fixed)
+    first = sources.open(sources.epoch(0).pairs)
+    if len({o.tgt is None for o in first}) > 1:
         raise ConfigError("mix pairs with targets or pairs without, not both.")
-    datasets = [d for o in opened for d in (o.src, o.tgt) if d is not None]
-    ids = special_ids(datasets, pad_id, eos_id)
+    if _of_data_bin(src):  # fairseq's dictionaries: <pad> 1, </s> 2
+        ids = SpecialIds(
+            FairseqDictionary.pad_id if pad_id is None else pad_id,
+            FairseqDictionary.eos_id if eos_id is None else eos_id,
+            "dictionary" if pad_id is None else "given",
+            "dictionary" if eos_id is None else "given",
+        )
+    else:
+        ids = special_ids([d for o in first for d in (o.src, o.tgt) if d is not None], pad_id, eos_id)
     collate = CollateRules(ids.pad_id, ids.eos_id, left_pad_source)
-    return TokenLoader(SentenceBatching(pairs, opened, mixed, rules, collate, ids), num_workers, context)
+    return TokenLoader(SentenceBatching(sources, rules, collate, ids), num_workers, context, device)
+
+
+def _leaves(src: Mux | DataBin) -> tuple[list[TokenPair | Direction], np.ndarray | None]:
+    """A mux's leaves (token pairs or data_bin directions) and their shares, or a data_bin's
+    directions read whole (no shares: fairseq's ``concat`` sampling)."""
+    if isinstance(src, DataBin):
+        return list(src.directions), None
+    if any(isinstance(source, DataBin) for source in src.sources):
+        raise ConfigError("mux(data_bin, ...) takes the data_bin alone (its directions are the sources).")
+    leaves, shares = flatten(src, _size)
+    return [leaf if isinstance(leaf, Direction) else as_pair(leaf) for leaf in leaves], shares
+
+
+def _size(leaf: TokenPair | Direction | str | Path | tuple) -> int:
+    """A mux leaf's size for temperature sampling: sentences of a pair, or of every shard a
+    direction is read from."""
+    return len(leaf) if isinstance(leaf, Direction) else len(OpenPair(as_pair(leaf)))
+
+
+def _pairs_of(leaf: TokenPair | Direction) -> list[TokenPair]:
+    if isinstance(leaf, TokenPair):
+        return [leaf]
+    return [part.pair for parts in leaf.shards for part in parts]
+
+
+def _of_data_bin(src: Any) -> bool:
+    """A data_bin, or a mux of its directions alone: ids from its fairseq dictionaries."""
+    if isinstance(src, DataBin):
+        return True
+    return isinstance(src, Mux) and all(isinstance(source, Direction) for source in src.sources)
 
 
 class Batching(Protocol):
@@ -153,7 +212,7 @@ def _as_built(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class TokenLoader:
     """Iterate it once per epoch; see :func:`make_token_loader` and :class:`seqshard.protocol.Loader`."""
 
-    def __init__(self, batching: Batching, num_workers: int, context: DistContext):
+    def __init__(self, batching: Batching, num_workers: int, context: DistContext, device: str | None = None):
         self.batching = batching
         self.rules = batching.rules
         self.num_workers = num_workers
@@ -165,8 +224,11 @@ class TokenLoader:
         self._start = 0  # where the next iteration starts in this rank's list (after a resume)
         self._history: list[dict[str, Any]] | None = None  # deals of this epoch before the current one
         self._finished = False  # the epoch's last batch was taken: the next iter() runs the next epoch
-        self._running: Iterator[dict[str, Any]] | None = None
+        self._running: weakref.ref | None = None  # the open iteration (weak: a dropped one stops its workers at once)
         self._counts = batching.new_counts()
+        self._skipped = 0  # batches of this epoch moved past unread (skip_batches), counted in _step
+        self.device = device
+        self._copier: CudaCopier | None = None
 
     # -- plans ---------------------------------------------------------------------------
     def plan(self, epoch: int | None = None, world_size: int | None = None) -> Any:
@@ -229,9 +291,9 @@ class TokenLoader:
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self.close()  # an iteration still open ends here (its workers stop)
-        if self._finished:  # without set_epoch, the next epoch (never the same order again by accident)
-            self._epoch += 1
-            self._finished = False
+        self._next_epoch_if_finished()
+        if self._start == 0:
+            self._skipped = 0
         if self.context.rank == 0 and self._start == 0 and self._history is None:
             warning = self.batching.warning(self.plan(), self._epoch, self.context.world_size)
             if warning:
@@ -239,8 +301,31 @@ class TokenLoader:
         numbers = self._lists()[self.context.rank][self._start :]
         self._step, self._start = self._start, 0
         self._counts = self.batching.new_counts()
-        self._running = self._batches([int(n) for n in numbers], self._step + len(numbers))
-        return self._running
+        running = self._batches([int(n) for n in numbers], self._step + len(numbers))
+        self._running = weakref.ref(running)
+        return running
+
+    def _next_epoch_if_finished(self) -> None:
+        if self._finished:  # without set_epoch, the next epoch (never the same order again by accident)
+            self._epoch += 1
+            self._finished = False
+
+    def skip_batches(self, n: int) -> int:
+        """Move the next iteration's start ``n`` batches on (fewer at the epoch's end) without
+        building them: call it on every rank with the same ``n``, after ``load_state_dict`` (or
+        before an epoch's first ``iter()``). They count as steps taken, and as ``skipped`` in
+        ``stats()`` and the state. Returns how many it skipped."""
+        check_number("n", n, whole=True, at_least=0)
+        self.close()
+        self._next_epoch_if_finished()
+        if self._start == 0:
+            self._skipped = 0
+        mine = len(self._lists()[self.context.rank])
+        taken = max(0, min(n, mine - self._start))
+        self._start += taken
+        self._skipped += taken
+        self._step = self._start
+        return taken
 
     def _batches(self, numbers: list[int], end: int) -> Iterator[dict[str, Any]]:
         """The batches ``numbers``, the last of them this rank's ``end``-th of the epoch."""
@@ -258,20 +343,44 @@ class TokenLoader:
                 collate_fn=_as_built,  # batches are built whole by the dataset
             )
             built = (batch for group in loader for batch in group)
+        delivered = self._delivered(built)
         try:
-            for arrays in built:
+            for arrays, batch in delivered:
                 self._step += 1
                 self.batching.count(self._counts, arrays)
                 self._finished = self._step == end  # a state saved now starts the next epoch
-                yield as_tensors(arrays)
+                yield batch
             self._history = None  # the epoch is done: the next starts from its plan
             self._finished = True
         finally:
-            del built  # a DataLoader iterator's workers stop when it goes
+            del built, delivered  # a DataLoader iterator's workers stop when it goes
+            if self._copier is not None:
+                self._copier.close()
+
+    def _delivered(self, built: Iterator[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+        """Each batch's arrays with the batch handed over: tensors over the arrays, or with
+        ``device="cuda"`` on the GPU, the next batch's copy started before one is handed over."""
+        if not is_cuda(self.device):
+            return ((arrays, as_tensors(arrays)) for arrays in built)
+        if self._copier is None:
+            self._copier = CudaCopier(self.device)  # type: ignore[arg-type]
+        copier = self._copier
+
+        def start(arrays: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+            host = as_tensors(arrays)
+            del host["net_input"]  # made again from the copied tensors
+            return arrays, copier.start(host)
+
+        def finish(started: tuple[dict[str, Any], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+            arrays, copy = started
+            return arrays, with_net_input(copier.finish(copy))
+
+        return one_ahead(built, start, finish)
 
     def close(self) -> None:
         """Stop the workers of an iteration still open (iterating again starts them anew)."""
-        running, self._running = self._running, None
+        running = self._running() if self._running is not None else None
+        self._running = None
         if running is not None:
             running.close()
 
@@ -281,6 +390,7 @@ class TokenLoader:
         return {
             "epoch": self._epoch,
             "steps": self._step,
+            "skipped": self._skipped,
             "steps_in_epoch": self.planned_batches().total,
             **self.batching.stats(self.plan(), self._counts),
         }
@@ -295,14 +405,15 @@ class TokenLoader:
         else:
             steps = [None] * self.context.world_size
             steps[self.context.rank] = self._step
-        epoch, history = self._epoch, self._history or []
+        epoch, history, skipped = self._epoch, self._history or [], self._skipped
         if self._finished:
-            epoch, history, steps = epoch + 1, [], [0 if s is not None else None for s in steps]
+            epoch, history, steps, skipped = epoch + 1, [], [0 if s is not None else None for s in steps], 0
         return {
             "seqshard_token_loader_state": STATE_VERSION,
             "identity": self.batching.identity(),
             "epoch": epoch,
             "deals": [*history, {"world_size": self.context.world_size, "steps": steps}],
+            "skipped": skipped,
         }
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> None:
@@ -337,3 +448,4 @@ class TokenLoader:
         self._epoch = int(state["epoch"])
         self._finished = False
         self._step = self._start
+        self._skipped = int(state.get("skipped", 0))

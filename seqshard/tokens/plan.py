@@ -3,7 +3,7 @@
 Everything is a pure function of (seed, epoch, world size), computed the same on every rank,
 so a rank's state is the number of batches it has taken.
 
-1. The epoch's sentences: every sentence of a single source; for a mix, a virtual epoch of
+1. The epoch's sentences: every sentence of each source, once (no shares); for a mix, a virtual epoch of
    ``virtual_size`` sentences, each source's count its share (largest remainder), its
    sentences drawn without repetition until the source is used up, then again (seed 05).
 2. Filter: a pair longer than ``max_positions`` on either side, or that cannot fit
@@ -20,6 +20,7 @@ so a rank's state is the number of batches it has taken.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -72,6 +73,7 @@ class EpochPlan:
     ranks: list[np.ndarray]
     dropped: dict[str, int] = field(default_factory=dict)
     left: int = 0
+    read: Any = None  # the pairs the epoch reads (``sources.EpochPairs``), set by the batching
 
     def batch(self, number: int) -> np.ndarray:
         """Positions (into ``source``/``index``) of batch ``number``."""
@@ -87,7 +89,7 @@ def plan_epoch(
 ) -> EpochPlan:
     """The plan of ``epoch`` for ``world_size`` ranks (see the module docstring)."""
     source, index, ranges = _sentences(pairs, shares, rules, epoch)
-    whole = shares is None
+    whole = shares is None and len(pairs) == 1
     src_len = _lengths([p.src_sizes for p in pairs], index, ranges, whole)
     tgt_len = _lengths([p.tgt_sizes for p in pairs], index, ranges, whole) if pairs[0].tgt_sizes is not None else None
     longest = src_len if tgt_len is None else np.maximum(src_len, tgt_len)
@@ -121,12 +123,11 @@ def _sentences(
     """Each sentence's source and index in it, and where each source's run of them starts
     (the sentences of source n are ``ranges[n]:ranges[n + 1]``)."""
     sizes = np.array([len(p) for p in pairs], dtype=np.int64)
-    if shares is None:  # one source, read whole
-        return (
-            np.zeros(sizes[0], dtype=np.int16),
-            np.arange(sizes[0], dtype=index_dtype(sizes[0])),
-            np.array([0, sizes[0]]),
-        )
+    if shares is None:  # every source read whole, in order
+        ranges = np.concatenate([[0], np.cumsum(sizes)])
+        dtype = index_dtype(int(sizes.max()))
+        index = np.concatenate([np.arange(size, dtype=dtype) for size in sizes])
+        return np.repeat(np.arange(len(pairs), dtype=np.int16), sizes), index, ranges
     total = rules.virtual_size or int(sizes.sum())
     counts = largest_remainder(shares, total)
     dtype = index_dtype(int(sizes.max()))

@@ -4,7 +4,6 @@ epoch leaves unread and why."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 from collections.abc import Sequence
 from dataclasses import asdict
@@ -14,18 +13,22 @@ import numpy as np
 
 from .collate import CollateRules, collate_group
 from .ids import SpecialIds
-from .pairs import OpenPair, TokenPair
+from .pairs import OpenPair
 from .plan import BatchRules, EpochPlan, plan_epoch
+from .sources import EpochSources
 
 UNREAD_WARN_SHARE = 0.01  # of an epoch's sentences dropped or left out before a warning
 
 
 class SentenceBatches:
     """Map-style dataset: batch number -> collated batch (runs in DataLoader workers);
-    ``__getitems__`` builds several batches with one gather per source for all of them."""
+    ``__getitems__`` builds several batches with one gather per source for all of them.
+    ``source`` in a batch numbers the loader's sources (a mux's leaves, a data_bin's
+    directions) when there are several."""
 
-    def __init__(self, pairs: Sequence[TokenPair], plan: EpochPlan, rules: CollateRules, mixed: bool):
-        self.pairs = list(pairs)
+    def __init__(self, plan: EpochPlan, rules: CollateRules, mixed: bool):
+        self.pairs = list(plan.read.pairs)
+        self.leaf_of = plan.read.leaf_of
         self.plan = plan
         self.rules = rules
         self.mixed = mixed
@@ -47,8 +50,10 @@ class SentenceBatches:
         counts = self.plan.bounds[chosen + 1] - starts
         total = int(counts.sum())
         positions = self.plan.order[np.repeat(starts - (np.cumsum(counts) - counts), counts) + np.arange(total)]
+        # rows longest source first, as fairseq's collater sorts them (pack_padded_sequence needs it)
+        positions = positions[np.lexsort((-self.plan.src_len[positions], np.repeat(np.arange(len(counts)), counts)))]
         indices = self.plan.index[positions]
-        sources = self.plan.source[positions] if self.mixed else None
+        sources = self.plan.source[positions] if len(self.pairs) > 1 else None
         if sources is None:
             groups = [(self._open[0], np.arange(total))]
         else:  # the rows of each source, found with one sort
@@ -59,7 +64,10 @@ class SentenceBatches:
         tgt = (
             [pair.rows("tgt", rows, indices[rows]) for pair, rows in groups] if self._open[0].tgt is not None else None
         )
-        return collate_group(counts, indices, src, tgt, self.rules, sources)
+        leaves = None
+        if self.mixed:
+            leaves = self.leaf_of[sources] if sources is not None else np.full(total, self.leaf_of[0])
+        return collate_group(counts, indices, src, tgt, self.rules, leaves)
 
     def __len__(self) -> int:
         return self.plan.num_batches
@@ -99,38 +107,29 @@ class SentenceBatching:
     """What the token loader asks of a way of batching: the plan of an epoch, the dataset of
     its batches, a warning about what it leaves unread, an identity for states, and counts."""
 
-    def __init__(
-        self,
-        pairs: list[TokenPair],
-        opened: list[OpenPair],
-        shares: np.ndarray | None,
-        rules: BatchRules,
-        collate: CollateRules,
-        ids: SpecialIds,
-    ):
-        self.pairs = pairs
-        self.opened = opened
-        self.shares = shares
+    def __init__(self, sources: EpochSources, rules: BatchRules, collate: CollateRules, ids: SpecialIds):
+        self.sources = sources
         self.rules = rules
         self.collate = collate
         self.ids = ids
 
     def plan(self, epoch: int, world_size: int) -> EpochPlan:
-        return plan_epoch(self.opened, self.shares, self.rules, epoch, world_size)
+        read = self.sources.epoch(epoch)
+        plan = plan_epoch(self.sources.open(read.pairs), read.shares, self.rules, epoch, world_size)
+        plan.read = read
+        return plan
 
     def batches(self, plan: EpochPlan) -> SentenceBatches:
-        return SentenceBatches(self.pairs, plan, self.collate, self.shares is not None)
+        return SentenceBatches(plan, self.collate, len(self.sources.leaves) > 1 or self.sources.shares is not None)
 
     def warning(self, plan: EpochPlan, epoch: int, world_size: int) -> str | None:
         return unread_warning(plan, self.rules, epoch, world_size)
 
     def identity(self) -> dict[str, Any]:
-        digest = hashlib.sha256()
-        for opened in self.opened:
-            digest.update(f"{opened.pair}\0{len(opened)}\0{opened.src.num_tokens}\n".encode())
+        shares = self.sources.shares
         return {
-            "pairs": digest.hexdigest()[:16],
-            "shares": None if self.shares is None else [round(float(s), 12) for s in self.shares],
+            "pairs": self.sources.identity(),
+            "shares": None if shares is None else [round(float(s), 12) for s in shares],
             "rules": {k: getattr(self.rules, k) for k in self.rules.__dataclass_fields__},
         }
 
@@ -155,7 +154,8 @@ class SentenceBatching:
             for side in ("src", "tgt")
             if counts.get(f"{side}_padded")
         }
-        per_source = {str(pair): int(np.count_nonzero(plan.source == n)) for n, pair in enumerate(self.pairs)}
+        per_leaf = np.bincount(plan.read.leaf_of[plan.source], minlength=len(self.sources.names))
+        per_source = {name: int(count) for name, count in zip(self.sources.names, per_leaf)}
         return {
             **{k: v for k, v in counts.items() if not k.endswith("_padded")},
             "padding_fraction": padding,

@@ -2,7 +2,8 @@
 
 For a folder written by ``seqshard pack`` (also one packed in parts on several machines) the
 pack journal already describes each finished shard; shards it does not describe, and shards
-made by other tools, are read in full.
+made by other tools, are read in full. A NeMo tarred set's index comes from its manifest
+(entries per tar, lengths from their durations: ``formats/nemo_tarred.py``).
 
 Sidecars of ``add-field`` in the old layout (``data-00042.NAME.tar`` beside the shard, which
 globs of the shards select) are moved to ``fields/NAME/data-00042.tar`` on request: each gets
@@ -20,18 +21,21 @@ import os
 from pathlib import Path
 
 from .. import __version__
-from ..errors import ConfigError, SeqshardError, ShardError
-from ..formats.files import writing
-from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, check_inside, sidecar_name
+from ..errors import ConfigError, SeqshardError, ShardError, counted
+from ..formats.files import inside, remove_stale_temporaries, writing
+from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, sidecar_name
+from ..formats.lock import FolderLocks
 from ..formats.members import load_table
-from ..formats.pack_state import STATE_DIR, planned_shards
+from ..formats.nemo_tarred import nemo_index
+from ..formats.pack_state import STATE_DIR, pack_root, planned_shards
 from ..formats.patterns import (
+    FIELDS_DIR,
     SHARD_SUFFIXES,
-    named_like_sidecar,
     old_layout_sidecar,
     shard_subfolders,
     shards_in_folder,
 )
+from ..formats.selection import dangling_shard_links, is_sidecar
 from ..formats.shar import is_shar_folder
 from ..formats.tar import member_table
 from ..prep.journal import finished_shards
@@ -65,9 +69,41 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
             f"{root} is a Lhotse Shar folder: seqshard reads what it holds from its cuts files and needs no "
             f"index.json (`seqshard inspect {root}` shows it)."
         )
+    nemo = nemo_index(root)
+    if nemo is not None:  # counts and lengths are the manifest's (its durations), as NeMo reads them
+        missing = [entry.name for entry in nemo.shards if not (root / entry.name).is_file()]
+        if missing:
+            raise ConfigError(
+                f"{root}: the NeMo manifest has entries of {counted(len(missing), 'tar')} the folder lacks "
+                f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): restore them, or remove their entries "
+                "from the manifest."
+            )
+        nemo.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        nemo.created_by = f"seqshard {__version__} index (a NeMo tarred set's manifest)"
+        with FolderLocks([root], "seqshard index"):
+            return [nemo.save(root)]
     folders = shard_folders(root)
     if not folders:
         raise ConfigError(f"{root} holds no shard files ({', '.join(SHARD_SUFFIXES)}), nor do its sub-folders.")
+    for folder in folders:
+        inside(root, folder)  # nothing is written through a link out of the folder
+        dangling = dangling_shard_links(folder)
+        if dangling:  # an index without them would hide those shards for good
+            raise ConfigError(
+                f"{folder}: {counted(len(dangling), 'link')} named like a shard point at nothing "
+                f"({', '.join(f'{p.name} -> {os.readlink(p)}' for p in dangling[:3])}"
+                f"{' ...' if len(dangling) > 3 else ''}): mount or restore what they point at, or remove the links, "
+                "then index again."
+            )
+    with FolderLocks([root, *folders, *filter(None, [pack_root(root)])], "seqshard index"):
+        return _rebuild(root, folders, jobs, progress, move_sidecars)
+
+
+def _rebuild(root: Path, folders: list[Path], jobs: int, progress: bool, move_sidecars: bool) -> list[Path]:
+    """:func:`rebuild_index` once its folders are locked."""
+    for folder in folders:  # what killed writers left (this one holds the folders alone)
+        for written in [folder, *(folder / FIELDS_DIR).glob("*")]:
+            remove_stale_temporaries(inside(root, written), older_than=0)
     journal = finished_shards(root) if (root / STATE_DIR).is_dir() else {}
     _refuse_unfinished_pack(root, journal)
     run = _pack_run(root)
@@ -75,20 +111,20 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
     for folder in folders:
         prefix = "" if folder == root else f"{folder.name}/"
         previous = _previous_index(folder)
-        old_sidecars = _old_layout_sidecars(folder)
+        old_sidecars = _old_layout_sidecars(folder, previous)
         if move_sidecars:
             _link_new_names(folder, old_sidecars, previous)
         elif old_sidecars:
             _LOG.warning(
-                "%s: %d sidecar(s) of add-field are in the old layout (e.g. %s), which globs of the shards such as "
+                "%s: %s in the old layout of add-field (e.g. %s), which globs of the shards such as "
                 "data-*.tar select (WebDataset readers take them for shards); `seqshard index --move-sidecars %s` "
                 "moves them to fields/NAME/",
                 folder,
-                len(old_sidecars),
+                counted(len(old_sidecars), "sidecar", "is"),
                 old_sidecars[0][0].name,
                 root,
             )
-        shards = [s for s in shards_in_folder(folder) if not _is_sidecar(s, previous)]
+        shards = [s for s in shards_in_folder(folder) if not is_sidecar(s, previous)]
         entries: dict[str, ShardEntry] = {}
         feature: dict = dict(previous.feature) if previous else {}
         fields: dict[str, None] = dict.fromkeys(previous.fields if previous else [])
@@ -163,16 +199,17 @@ def _ensure_table(shard: Path) -> None:
         table.save(shard)
 
 
-def _old_layout_sidecars(folder: Path) -> list[tuple[Path, str, str]]:
-    """``(file, shard name, field set)`` of each sidecar in the old layout in ``folder``."""
+def _old_layout_sidecars(folder: Path, previous: ShardIndex | None) -> list[tuple[Path, str, str]]:
+    """``(file, shard name, field set)`` of each sidecar in the old layout in ``folder`` (on
+    evidence: ``selection.is_sidecar``)."""
     found = ((path, old_layout_sidecar(path)) for path in sorted(folder.glob("*.tar")))
-    return [(path, *names) for path, names in found if names is not None]
+    return [(path, *names) for path, names in found if names is not None and is_sidecar(path, previous)]
 
 
 def _link_new_names(folder: Path, old: list[tuple[Path, str, str]], previous: ShardIndex | None) -> None:
     """Give each old-layout sidecar its new name too, and point ``previous``'s entries there."""
     for path, shard, field_set in old:
-        new = check_inside(folder, folder / sidecar_name(shard, field_set))
+        new = inside(folder, folder / sidecar_name(shard, field_set))
         with writing(new):
             new.parent.mkdir(parents=True, exist_ok=True)
             if new.exists():
@@ -192,11 +229,6 @@ def _link_new_names(folder: Path, old: list[tuple[Path, str, str]], previous: Sh
                 car.name = sidecar_name(entry.name, field_set)
 
 
-def _is_sidecar(path: Path, previous: ShardIndex | None) -> bool:
-    """A field file beside a shard: listed as one by the index being replaced, or named so."""
-    return (previous is not None and path.name in previous.sidecar_names()) or named_like_sidecar(path)
-
-
 def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[str, ShardEntry]) -> dict[str, FieldSet]:
     """The field sets of the index being replaced, with each sidecar measured again."""
     if previous is None:
@@ -214,7 +246,7 @@ def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[st
             if scan.problems:
                 raise ConfigError(f"{folder / car.name} is damaged, not indexing it: {'; '.join(scan.problems)}")
             if scan.table is not None:
-                scan.table.save(folder / car.name)
+                scan.table.save(folder / car.name, folder)
             measured = scan.entry
             entry.sidecars[name] = SidecarEntry(
                 car.name, measured.bytes, measured.checksum, measured.first_key, measured.last_key
@@ -257,7 +289,18 @@ def _previous_index(folder: Path) -> ShardIndex | None:
 
 
 def _pack_run(root: Path) -> dict | None:
+    """The options the pack in ``root`` recorded (whether it escaped keys, ...), or None when
+    none was recorded; ConfigError naming the file when it cannot be read."""
     run_file = root / STATE_DIR / "run.json"
     if not run_file.is_file():
         return None
-    return json.loads(run_file.read_text(encoding="utf-8")).get("options")
+    try:
+        options = json.loads(run_file.read_text(encoding="utf-8")).get("options")
+        if not isinstance(options, dict) or not isinstance(options.get("escape_keys", False), bool):
+            raise ValueError("its options are not the pack's")
+    except (OSError, ValueError, RecursionError, AttributeError) as error:
+        raise ConfigError(
+            f"{run_file}: unreadable ({str(error)[:200]}): it says how the pack stored keys, which the index must "
+            "record. Fix: restore it, or pack again into a new folder."
+        ) from None
+    return options

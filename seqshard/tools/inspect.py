@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import redact
+from ..errors import counted, redact
 from ..formats.fields import field_name
 from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
 from ..formats.selection import MissingShard
@@ -173,7 +173,8 @@ def to_json(summary: Summary) -> dict[str, Any]:
 def format_text(summary: dict[str, Any]) -> str:
     hours = "unknown hours (no feature field)" if summary["hours"] is None else f"{summary['hours']:.2f} hours"
     lines = [
-        f"{summary['num_shards']} shards, {summary['num_utts']} utterances, {summary['num_frames']} frames = "
+        f"{counted(summary['num_shards'], 'shard')}, {counted(summary['num_utts'], 'utterance')}, "
+        f"{counted(summary['num_frames'], 'frame')} = "
         f"{hours} at {summary['frame_shift_ms']:g} ms/frame, {summary['bytes'] / 1e9:.2f} GB",
         _lengths_line(summary),
         f"{'folder':<40} {'shards':>7} {'utts':>10} {'hours':>9} {'median':>7}  index",
@@ -188,7 +189,8 @@ def format_text(summary: dict[str, Any]) -> str:
         if group["format"] == "lhotse-shar":
             shown = ", ".join(name for name in group["fields"] if name != "shard")
             lines.append(
-                f"{group['folder']} is a Lhotse Shar folder: {group['num_utts']} cuts in {group['num_shards']} shard(s), "
+                f"{group['folder']} is a Lhotse Shar folder: {counted(group['num_utts'], 'cut')} in "
+                f"{counted(group['num_shards'], 'shard')}, "
                 f"read as one sample per cut (hours from the cut durations); field files: {shown or 'none'}"
             )
     for group in summary["groups"]:

@@ -14,6 +14,7 @@ from ..formats.files import crc32_of
 from ..formats.index import ShardEntry, length_bin
 from ..formats.lists import SEGMENT_FIELD
 from ..formats.members import MemberTable, TableBuilder, has_table_format
+from ..formats.nemo_tarred import nemo_shard_of
 from ..formats.npy import decode_npy
 from ..formats.shar import shar_field_of
 from ..formats.streams import open_samples
@@ -62,20 +63,21 @@ def scan_shard(
         return ShardScan(ShardEntry(name, 0, 0, 0, ""), feature_field, problems=[str(error)])
     scan = ShardScan(ShardEntry(name, 0, 0, size, f"crc32:{crc:08x}"), feature_field)
     keys_seen: set[str] = set()
-    table = TableBuilder() if has_table_format(str(path)) and shar_field_of(str(path)) is None else None
+    foreign = shar_field_of(str(path)) is not None or nemo_shard_of(path) is not None  # samples are not member runs
+    table = TableBuilder() if has_table_format(str(path)) and not foreign else None
     try:
         with SampleStream(path, where=True) if table is not None else open_samples(path, access=access) as stream:
             while (sample := stream.next_sample()) is not None:
+                length = _describe_sample(scan, sample.key, sample.fields)
                 if table is not None:
                     assert sample.members is not None
-                    table.add_sample(sample.key, sample.offset, sample.members)
+                    table.add_sample(sample.key, sample.offset, sample.members, length)
                 scan.entry.num_utts += 1
                 if sample.key in keys_seen:
                     scan.problems.append(f"key {sample.key!r} appears in two separate runs of members")
                 keys_seen.add(sample.key)
                 scan.keys.append(sample.key)
                 scan.fields.extend(suffix for suffix in sample.fields if suffix not in scan.fields)
-                _describe_sample(scan, sample.key, sample.fields)
             if not stream.ended_cleanly:
                 scan.problems.append("the tar end marker is missing (shard cut short?)")
             elif table is not None:
@@ -87,7 +89,8 @@ def scan_shard(
     return scan
 
 
-def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes | memoryview]) -> None:
+def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes | memoryview]) -> int | None:
+    """Count the sample into ``scan``; its length, when known."""
     if scan.feature_field is None:
         scan.feature_field = next((name for name in fields if name.endswith("npy")), None) or next(
             (name for name in fields if name in AUDIO_EXTENSIONS), None
@@ -98,12 +101,13 @@ def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes | memory
         data = fields.get(scan.feature_field) if scan.feature_field else None
     if data is None and scan.feature_field is not None:
         scan.problems.append(f"{key}: no {scan.feature_field} member, so its length is unknown")
+    frames = None
     if data is not None:
         try:
             frames = _frames(scan, data, fields.get(SEGMENT_FIELD))
         except ValueError as error:
             scan.problems.append(f"{key}.{scan.feature_field}: {error}")
-            return
+            return None
         if frames is not None:
             entry = scan.entry
             entry.min_frames = frames if entry.min_frames is None else min(entry.min_frames, frames)
@@ -116,6 +120,7 @@ def _describe_sample(scan: ShardScan, key: str, fields: dict[str, bytes | memory
             str(fields["txt"], "utf-8")
         except UnicodeDecodeError:
             scan.problems.append(f"{key}.txt: not valid UTF-8")
+    return frames
 
 
 def _frames(scan: ShardScan, data: bytes | memoryview, segment: bytes | memoryview | None) -> int | None:

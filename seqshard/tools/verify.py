@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import ShardError, redact
+from ..errors import ShardError, counted, redact
 from ..formats import remote
 from ..formats.index import SidecarEntry
 from ..formats.members import load_table, table_path
@@ -94,7 +94,9 @@ def _table_problems(path: str, scan: ShardScan) -> list[str]:
 
 def format_result(result: VerifyResult) -> str:
     """The report ``seqshard verify`` prints (URLs redacted)."""
-    lines = [f"checked {result.checked} shards: {len(result.damaged)} damaged, {len(result.missing)} missing"]
+    lines = [
+        f"checked {counted(result.checked, 'shard')}: {len(result.damaged)} damaged, {len(result.missing)} missing"
+    ]
     for shard, problems in result.damaged.items():
         lines.append(f"DAMAGED {shard}")
         lines.extend(f"    {problem}" for problem in problems)

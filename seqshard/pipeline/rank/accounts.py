@@ -6,7 +6,7 @@ Everything comes from the workers' counters in the rank's position and from the 
 summary is right after a resume too. What an epoch left unread is counted also for shards
 without an index (their samples are counted from their headers, once per loader).
 
-For every rank, and summed over ranks, ``utts + dropped + filtered + left = planned``, where
+For every rank, and summed over ranks, ``utts + skipped + dropped + filtered + left = planned``, where
 ``planned`` is what the epoch's plan gives the rank. The first rank (rank 0) also carries
 what no rank reads: the utterances of missing shards (``planned`` and ``dropped["missing"]``,
 where an index records them) and, after an elastic resume, what the saved readers had done
@@ -20,13 +20,13 @@ import logging
 from typing import Any
 
 from ...dist import Collectives
-from ...errors import ShardError, option, redact
+from ...errors import ShardError, counted, option, redact
 from ...formats.remote import RemoteAccess
 from ...formats.streams import count_samples
 from ...options import LoaderOptions
 from ...text.tokenizers import UNKNOWN_WARN_AFTER, unknown_tokens_warning
 from ..plan import Unit, planned_utts
-from ..stages.reader import DAMAGED
+from ..stages.reader import DAMAGED, DAMAGED_TABLE
 from ..workers.setup import WorkerSetup
 from .epochs import EpochEnd
 from .merge import RankPosition
@@ -67,8 +67,10 @@ class EpochAccounts:
             "tokens": counters.get("tokens", 0),
             "unknown_tokens": counters.get("unknown_tokens", 0),
             "damaged_shards": damaged_shards(counters),
+            "damaged_tables": len(shard_numbers(counters, DAMAGED_TABLE)),
             "duplicate_keys": counters.get("duplicate_keys", 0),
             "missing_shards": len(self.table.missing),
+            "skipped": {"batches": position.skipped_batches, "utts": position.skipped_utts},
         }
         if self.setup.mix is not None:
             found["sources"] = self.source_stats(position)
@@ -179,7 +181,7 @@ class EpochAccounts:
                 "seqshard epoch %d: %s%s",
                 position.epoch,
                 "; ".join(f"rank {r['rank']}: {describe(r)}" for r in ranks),
-                f"; {len(missing)} selected shard(s) missing, not read" if missing else "",
+                f"; {counted(len(missing), 'selected shard')} missing, not read" if missing else "",
             )
             warning = None if cut else unread_warning(position.epoch, ranks, self.setup.options)
             if warning:
@@ -192,6 +194,7 @@ class EpochAccounts:
             "rank": self.setup.rank,
             "steps": position.step,
             "utts": position.utts,
+            "skipped": position.skipped_utts,
             "dropped": stats["dropped"],
             "filtered": stats["filtered"],
         }
@@ -203,7 +206,13 @@ class EpochAccounts:
         if all(p is not None for p in planned):
             total = sum(planned) + position.before_planned + self._missing_utts()  # type: ignore[arg-type]
             summary["planned"] = total
-            summary["left"] = total - position.utts - sum(stats["dropped"].values()) - sum(stats["filtered"].values())
+            summary["left"] = (
+                total
+                - position.utts
+                - position.skipped_utts
+                - sum(stats["dropped"].values())
+                - sum(stats["filtered"].values())
+            )
         return summary
 
     def planned_utts(self, position: RankPosition) -> int | None:
@@ -224,7 +233,9 @@ class EpochAccounts:
         todo = {u.shard for worker in units for u in worker if self.table.shards[u.shard].num_utts is None}
         todo -= set(self._counted)
         if todo:
-            _LOG.info("counting the samples of %d unindexed shard(s); `seqshard index` records them", len(todo))
+            _LOG.info(
+                "counting the samples of %s; `seqshard index` records them", counted(len(todo), "unindexed shard")
+            )
         for shard in sorted(todo):
             try:
                 self._counted[shard] = count_samples(self.table.shards[shard].path, self.access)
@@ -233,7 +244,9 @@ class EpochAccounts:
 
 
 def describe(summary: dict[str, Any]) -> str:
-    text = f"{summary['steps']} steps, {summary['utts']} utts"
+    text = f"{counted(summary['steps'], 'step')}, {counted(summary['utts'], 'utt')}"
+    if summary.get("skipped"):
+        text += f" ({summary['skipped']} more skipped unread)"
     if "left" in summary:
         text += f" of {summary['planned']} planned, {summary['left']} left unread"
     for kind in ("dropped", "filtered"):
@@ -276,4 +289,9 @@ def damaged_shards(counters: dict[str, int]) -> int:
 
 def damaged_shard_numbers(counters: dict[str, int]) -> set[int]:
     """The table numbers of the shards the readers found damaged."""
-    return {int(name[len(DAMAGED) :]) for name, count in counters.items() if name.startswith(DAMAGED) and count}
+    return shard_numbers(counters, DAMAGED)
+
+
+def shard_numbers(counters: dict[str, int], prefix: str) -> set[int]:
+    """The table numbers of the shards counted under ``prefix`` (``damaged.``, ``damaged_table.``)."""
+    return {int(name[len(prefix) :]) for name, count in counters.items() if name.startswith(prefix) and count}

@@ -1,33 +1,58 @@
-"""How many batches an epoch holds on this rank: exact where the plan decides it, else an
-estimate from the shards' index (``loader.planned_batches()``, ``len(loader)``).
+"""How many batches an epoch holds on this rank (``loader.planned_batches()``, ``len(loader)``):
+exact where the plan decides it, else bounds that hold, else an estimate that says so.
 
-Exact: ``epoch_steps``; fixed ``batch_size`` over indexed shards without length filters,
-``skip_bad`` or copies of a mix (a sorted window of ``n`` samples gives ``ceil(n / batch_size)``
-batches, and the plan gives every reader's ``n``). Otherwise the batches of each reader are
-counted on lengths drawn from the index's histogram (8 bins per octave), once with every
-length at its bin's low end and once at its high end: the count lies between the two, and the
-estimate is their middle with half their spread as its error.
+- Exact: ``epoch_steps``; fixed ``batch_size`` over indexed shards without length filters,
+  ``skip_bad`` or copies of a mix (a sorted window of ``n`` samples gives ``ceil(n /
+  batch_size)`` batches, and the plan gives every reader's ``n``); and any epoch of at most
+  ``EXACT_UTTS`` samples whose batches are known before reading (member tables that keep
+  each sample's length, nothing the plan cannot see: ``batch_plan.py``), walked batch by batch.
+- Bounds: each reader's samples are known to its shards' index: how many, and their lengths
+  to a histogram bin (8 per octave) within the shard's exact shortest and longest. A reader
+  whose samples make one sort window (a small epoch) cuts them into greedy batches of its
+  sorted lengths, and greedy batches of sorted lengths are never fewer when a sample is added
+  or made longer: counted once on the samples certainly kept at their bins' low ends and once
+  on those possibly kept at the high ends (length filters, ``oversize="drop"``), the real count
+  lies between the two. A reader that reads part of a shard is given, for each bound, the
+  part's most favourable samples.
+- Estimate: a reader of several windows does not know which samples share a window (the
+  shuffle decides): its windows are counted on ``DRAWS`` random orders of the same lengths,
+  and the bounds are the extremes found, widened by their spread, said so in ``why``. A reader
+  of more samples than its share of ``SIMULATED_SAMPLES`` (at least two windows) has its count
+  scaled from that many.
+
+Samples that ``skip_bad`` or the label filters (``max_tokens``, frames per token) drop as they
+are read are not foreseen: the bounds count them (the real count can only be lower), and
+``why`` says so. Audio measured as it is read (fbank frames, speed perturbation) is allowed
+the difference from the index's 10 ms frames (``AUDIO_SLACK`` frames, the speed factors).
 """
 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from collections.abc import Sequence
 
 import numpy as np
 
+from ...errors import SeqshardError
 from ...formats.index import BINS_PER_OCTAVE, bin_bounds
-from ...formats.table import ShardTable
-from ...options import Batching, BudgetWindow
+from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
 from ..plan import Unit, plan_epoch, planned_utts
-from ..stages.batching import count_sorted_batches, whole_batches
+from ..stages.base import Growth
+from ..stages.batching import BatchCost, count_sorted_batches, window_limits
 from ..workers.recipe import SORT_GROWTH, batch_cost
 from ..workers.setup import WorkerSetup
+from .batch_plan import rest_of_epoch
 from .merge import RankPosition
 
-SIMULATED_SAMPLES = 40_000  # lengths drawn and cut into windows per loader (the rest is scaled from them)
+EXACT_UTTS = 20_000  # epochs up to this size are walked batch by batch when the plan knows them (exact)
+SIMULATED_SAMPLES = 40_000  # lengths drawn and cut into windows, shared by the readers (at least 2 windows each)
+DRAWS = 8  # random orders of a reader's lengths counted, for a reader of several windows
+LARGE_DRAWS, LARGE = 2, 200_000  # fewer of them for a table of more utterances (each order is long)
+AUDIO_SLACK = 3  # frames between an index's 10 ms frames of audio and the fbank frames the loader counts
+
+Lengths = tuple[np.ndarray, np.ndarray]  # a multiset of lengths: (values ascending, how many of each)
 
 
 def planned_batches(setup: WorkerSetup, epoch: int, start: RankPosition | None = None) -> PlannedBatches:
@@ -36,15 +61,18 @@ def planned_batches(setup: WorkerSetup, epoch: int, start: RankPosition | None =
     the epoch's beginning."""
     done_steps = start.step if start is not None else 0
     resumed = start.plan_units() if start is not None else None
-    grow = setup.options.batching.grow_windows and (start is None or start.windows_grow)
     options = setup.options
+    grow = _growth(setup, start)
     steps = options.epochs.epoch_steps
     if steps is not None:
         return PlannedBatches(steps, max(0, steps - done_steps))
     if options.epochs.continues_stream:
         return _stream_estimate(setup, done_steps)
     if resumed is not None:
-        return _elastic_rest(setup, resumed, done_steps)
+        return _elastic_rest(setup, resumed, done_steps, epoch, grow)
+    exact = _walked(setup, epoch, start)
+    if exact is not None:
+        return exact
     plan = plan_epoch(
         setup.table,
         epoch,
@@ -54,101 +82,234 @@ def planned_batches(setup: WorkerSetup, epoch: int, start: RankPosition | None =
         options.shuffling.shuffle,
         options.shuffling.split_shards,
     )
-    utts = [[planned_utts(setup.table, units) for units in rank] for rank in plan]
-    if any(n is None for rank in utts for n in rank):
-        return _unknown("some shards have no index.json (run `seqshard index` on their folders)")
-    why = _why_not_exact(setup)
-    per_rank = [[pair for n in rank for pair in _reader_batches(setup, int(n), grow)] for rank in utts]  # type: ignore[arg-type]
-    lows = [sum(low for low, _ in rank) for rank in per_rank]
-    highs = [sum(high for _, high in rank) for rank in per_rank]
+    found = [[_reader_batches(setup, units, (epoch, rank, reader), grow) for reader, units in enumerate(readers)]
+             for rank, readers in enumerate(plan)]  # fmt: skip
+    if any(pair is None for rank in found for pair in rank):
+        return _unknown(_unknown_why(setup))
+    lows = [sum(pair[0] for pair in rank) for rank in found]  # type: ignore[index]
+    highs = [sum(pair[1] for pair in rank) for rank in found]  # type: ignore[index]
     if options.epochs.uneven == "join":
         low, high = lows[setup.rank], highs[setup.rank]
     else:  # the ranks step together until the first runs out
         low, high = min(lows), min(highs)
-    return _planned(low, high, done_steps, why)
+    estimated = any(pair[2] for rank in found for pair in rank)  # type: ignore[index]
+    return _planned(low, high, done_steps, *_why_not_exact(setup, estimated))
 
 
-def _elastic_rest(setup: WorkerSetup, resumed: list[list[Unit]], done_steps: int) -> PlannedBatches:
+def _walked(setup: WorkerSetup, epoch: int, start: RankPosition | None) -> PlannedBatches | None:
+    """The exact count of a small epoch whose batches the plan knows (member tables with
+    lengths, nothing the plan cannot see: ``batch_plan.py``), by walking them; else None."""
+    if (setup.table.num_utts or math.inf) > EXACT_UTTS:
+        return None
+    position = start if start is not None else RankPosition.fresh(epoch, setup.readers_per_rank, 0)
+    try:
+        rest = len(rest_of_epoch(setup, position))
+    except SeqshardError:  # NotPlannable, or a table the plan cannot use: the bounds below
+        return None
+    return PlannedBatches(position.step + rest, rest)
+
+
+def _growth(setup: WorkerSetup, start: RankPosition | None) -> Growth | None:
+    """How the epoch's first sort windows grow (None: full from the start, as in an epoch
+    resumed from a state saved before windows grew)."""
+    grows = setup.options.batching.grow_windows and (start is None or start.windows_grow)
+    return SORT_GROWTH if grows else None
+
+
+def _elastic_rest(
+    setup: WorkerSetup, resumed: list[list[Unit]], done_steps: int, epoch: int, grow: Growth | None
+) -> PlannedBatches:
     """The rest of an epoch resumed elastically: the batches of this rank's new units (each
     rank knows only its own share, so the step where ranks that stop together end is an
     estimate, at most this rank's count)."""
-    utts = [planned_utts(setup.table, units) for units in resumed]
-    if any(n is None for n in utts):
-        return _unknown("some shards have no index.json (run `seqshard index` on their folders)")
-    grow = setup.options.batching.grow_windows
-    pairs = [pair for n in utts for pair in _reader_batches(setup, int(n), grow)]  # type: ignore[arg-type]
-    why = _why_not_exact(setup)
-    if not why and setup.options.epochs.uneven != "join" and setup.world_size > 1:
-        why = "after an elastic resume a rank knows only its own share of the epoch's rest"
-    low, high = (done_steps + sum(pair[end] for pair in pairs) for end in (0, 1))
-    return _planned(low, high, done_steps, why)
+    found = [
+        _reader_batches(setup, units, (epoch, setup.rank, reader, 1), grow) for reader, units in enumerate(resumed)
+    ]
+    if any(pair is None for pair in found):
+        return _unknown(_unknown_why(setup))
+    why, holds = _why_not_exact(setup, any(pair[2] for pair in found))  # type: ignore[index]
+    low, high = (done_steps + sum(pair[end] for pair in found) for end in (0, 1))  # type: ignore[index]
+    if setup.options.epochs.uneven != "join" and setup.world_size > 1:
+        why = (
+            why + "; " if why else ""
+        ) + "after an elastic resume a rank knows only its own share of the epoch's rest"
+        low, holds = done_steps, False  # the other ranks may run out first
+    return _planned(low, high, done_steps, why, holds)
 
 
-def _reader_batches(setup: WorkerSetup, count: int, grow: bool) -> list[tuple[int, int]]:
-    """(low, high) batches of a reader of ``count`` samples (one pair per window; a stream's
-    first windows grow, ``SORT_GROWTH``)."""
-    batching = setup.options.batching
-    full = _window_samples(setup)
+def _reader_batches(
+    setup: WorkerSetup, units: Sequence[Unit], position: tuple[int, ...], grow: Growth | None
+) -> tuple[int, int, bool] | None:
+    """``(low, high, estimated)`` batches of the reader of ``units`` (its first sort windows
+    growing with ``grow``); None when its shards' index does not say enough (their sizes, or
+    for budget batches their lengths)."""
+    count = planned_utts(setup.table, units)
+    if count is None:
+        return None
+    options = setup.options
+    if not _why_not_exact(setup, False)[0]:  # fixed batch_size, nothing filtered: ceil(n / size) a window
+        size = int(options.batching.batch_size)  # type: ignore[arg-type]
+        batches = sum(math.ceil(n / size) for n in _fixed_size_windows(setup, count, size, grow))
+        return batches, batches, False
+    bracket = _bracket(setup, units)
+    if bracket is None:
+        return None
+    low, high = bracket
+    cost = batch_cost(options.batching)
+    if _one_window(setup, high, cost, grow):
+        return _count(_expand(low), cost), _count(_expand(high), cost), False
+    return (*_drawn_counts(setup, low, high, cost, position, grow), True)
+
+
+def _fixed_size_windows(setup: WorkerSetup, count: int, size: int, grow: Growth | None) -> list[int]:
+    """The samples of each sort window of a reader of ``count`` samples in batches of ``size``
+    (a window closes at its most samples, or at its least once they fill its batches)."""
+    window, cost = _sort_window(setup), batch_cost(setup.options.batching)
     sizes: list[int] = []
     while count > 0:
-        growing = grow and SORT_GROWTH.scale(len(sizes)) < 1
-        sizes.append(min(count, _window_samples(setup, len(sizes)) if growing else full))
+        most, least, enough = window_limits(window, cost, grow, len(sizes))
+        sizes.append(min(count, most, max(least, math.ceil(enough * size))))
         count -= sizes[-1]
-    if batching.batch_size is not None:
-        return [(math.ceil(n / batching.batch_size),) * 2 for n in sizes]
-    low, high = _per_sample_batches(setup)
-    return [(round(n * low), round(n * high)) for n in sizes]
+    return sizes
 
 
-def _window_samples(setup: WorkerSetup, number: int | None = None) -> int:
-    """Samples of a full sort window, or of a stream's window ``number`` (``SORT_GROWTH``):
-    the option's number, or what the default budget window reads at the index's mean share of
-    a batch per sample (exact for ``batch_size``)."""
-    batching = setup.options.batching
-    cost = batch_cost(batching)
-    if batching.sort_window is not None:
-        full = batching.sort_window
-        return full if number is None else whole_batches(SORT_GROWTH.items(full, number), cost, full)
-    window = BudgetWindow() if number is None else BudgetWindow().scaled(SORT_GROWTH.scale(number))
-    histogram = dict(setup.table.length_hist)
-    if batching.batch_size is not None or not histogram:
-        samples = window.samples(cost.share(1))
-        return samples if number is None else whole_batches(samples, cost, BudgetWindow().samples(cost.share(1)))
-    shares = sum(
-        cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
-    )
-    return window.samples(shares / sum(histogram.values()))
+def _sort_window(setup: WorkerSetup) -> BudgetWindow | int:
+    return setup.options.batching.sort_window or BudgetWindow()
 
 
-def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
-    """Batches per sample of budget batches, on lengths drawn from the index's histogram at
-    their bins' low and high ends (the table's histogram, one draw per loader: drawn once and
-    kept, as an iteration asks for it at its start)."""
-    options = setup.options
-    return _drawn_batches_per_sample(setup.table, options.batching, options.shuffling.seed, _window_samples(setup))
+def _bracket(setup: WorkerSetup, units: Sequence[Unit]) -> tuple[Lengths, Lengths] | None:
+    """The reader's lengths for each bound: those certainly kept at their lowest, and those
+    possibly kept at their highest (see the module docstring)."""
+    table, options = setup.table, setup.options
+    shortest, longest = options.limits.min_frames or 1, options.limits.max_frames or math.inf
+    cost = batch_cost(options.batching)
+    if options.batching.oversize == "drop":  # kept only when it fits a batch alone
+        longest = min(longest, _longest_fitting(cost))
+    low_parts, high_parts = [], []
+    for unit in units:
+        shard = table.shards[unit.shard]
+        taken = unit.count(shard.num_utts)
+        if not taken:
+            continue
+        bins = table.lengths.bins(unit.shard)
+        if bins is None or shard.num_utts is None:
+            return None
+        low, high, counts = _measured(setup, *bins)
+        certain = (low >= shortest) & (high <= longest)
+        possible = (high >= shortest) & (low <= longest)
+        sure = max(0, taken - (int(shard.num_utts) - int(counts[certain].sum())))  # kept, whichever are read
+        low_parts.append(_smallest((low[certain], counts[certain]), sure))
+        capped = np.minimum(high[possible], longest) if math.isfinite(longest) else high[possible]
+        high_parts.append(_largest((capped.astype(np.int64), counts[possible]), taken))
+    return _merged(low_parts), _merged(high_parts)
 
 
-@lru_cache(maxsize=4)
-def _drawn_batches_per_sample(table: ShardTable, batching: Batching, seed: int, window: int) -> tuple[float, float]:
-    histogram = dict(table.length_hist)
-    if not histogram:
-        return math.nan, math.nan
-    windows = max(2, SIMULATED_SAMPLES // window)
-    bins = np.fromiter(histogram, dtype=np.int64)
-    mass = np.fromiter(histogram.values(), dtype=np.float64)
-    rng = stage_rng(seed, Seed.ESTIMATE)
-    drawn = rng.choice(bins, size=window * windows, p=mass / mass.sum())
-    cost = batch_cost(batching)
-    found = []
-    for end in (0, 1):
-        lengths = np.maximum(1, np.floor(2.0 ** ((drawn + end) / BINS_PER_OCTAVE))).astype(np.int64)  # bin_bounds
-        batches = 0
-        for part in np.split(lengths, windows):
-            batches += count_sorted_batches(
-                np.sort(part).tolist(), cost
-            )  # oversize ones alone (or dropped: an estimate)
-        found.append(batches / len(drawn))
-    return found[0], found[1]
+def _measured(setup: WorkerSetup, low: np.ndarray, high: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
+    """The index's length bounds in the batching measure: audio is measured as it is read
+    (fbank frames, speed perturbation), a few frames off the index's 10 ms frames."""
+    if setup.fields.audio is None or (setup.fields.features is not None and setup.audio.features != "fbank"):
+        return low, high, counts
+    factors = setup.audio.speed_perturb or (1.0,)
+    low = np.maximum(1, np.floor(low / max(factors)) - AUDIO_SLACK).astype(np.int64)  # faster: fewer frames
+    high = (np.ceil(high / min(factors)) + AUDIO_SLACK).astype(np.int64)
+    return low, high, counts
+
+
+def _longest_fitting(cost: BatchCost) -> int:
+    """The longest length that fits a batch alone."""
+    low, high = 0, 1
+    while cost.fits(1, high):
+        low, high = high, high * 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if cost.fits(1, middle) else (low, middle)
+    return low
+
+
+def _smallest(lengths: Lengths, count: int) -> Lengths:
+    """The ``count`` shortest of a multiset."""
+    values, counts = lengths
+    order = np.argsort(values, kind="stable")
+    values, counts = values[order], counts[order]
+    before = np.cumsum(counts) - counts
+    return values, np.clip(count - before, 0, counts)
+
+
+def _largest(lengths: Lengths, count: int) -> Lengths:
+    """The ``count`` longest of a multiset."""
+    values, counts = _smallest((-lengths[0], lengths[1]), count)
+    return -values, counts
+
+
+def _merged(parts: Sequence[Lengths]) -> Lengths:
+    if not parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    values = np.concatenate([p[0] for p in parts])
+    counts = np.concatenate([p[1] for p in parts])
+    unique, inverse = np.unique(values, return_inverse=True)
+    summed = np.bincount(inverse, weights=counts, minlength=len(unique)).astype(np.int64)
+    return unique[summed > 0], summed[summed > 0]
+
+
+def _expand(lengths: Lengths) -> np.ndarray:
+    return np.repeat(*lengths)
+
+
+def _count(sorted_lengths: np.ndarray, cost: BatchCost) -> int:
+    return count_sorted_batches(sorted_lengths.tolist(), cost)  # oversize ones alone (or dropped: not there)
+
+
+def _one_window(setup: WorkerSetup, lengths: Lengths, cost: BatchCost, grow: Growth | None) -> bool:
+    """Whether a reader whose samples are at most ``lengths`` reads them in one sort window
+    (its first: they never fill its batches before their end)."""
+    samples = int(lengths[1].sum())
+    most, least, enough = window_limits(_sort_window(setup), cost, grow, 0)
+    if samples <= least:
+        return True
+    shares = sum(cost.share(int(v)) * int(n) for v, n in zip(*lengths))
+    return samples <= most and shares < enough
+
+
+def _drawn_counts(
+    setup: WorkerSetup, low: Lengths, high: Lengths, cost: BatchCost, position: tuple[int, ...], grow: Growth | None
+) -> tuple[int, int]:
+    """Bounds for a reader of several windows, from ``DRAWS`` random orders of its lengths at
+    each end (``LARGE_DRAWS`` for a large table): the extremes found, widened by their spread
+    and one batch."""
+    found: list[list[float]] = [[], []]
+    draws = DRAWS if (setup.table.num_utts or 0) <= LARGE else LARGE_DRAWS
+    cap = max(2 * _window_samples(setup), SIMULATED_SAMPLES // (setup.world_size * setup.readers_per_rank))
+    for end, (values, counts) in enumerate((low, high)):
+        total = int(counts.sum())
+        shares = np.array([cost.share(int(v)) for v in values])
+        for draw in range(draws):
+            rng = stage_rng(setup.options.shuffling.seed, Seed.ESTIMATE, *position, end, draw)
+            if total <= cap:
+                drawn = rng.permutation(np.repeat(np.arange(len(values)), counts))
+            else:
+                drawn = rng.choice(len(values), size=cap, p=counts / total)
+            batches = _windows_batches(values[drawn], shares[drawn], setup, cost, grow)
+            found[end].append(batches * total / max(1, len(drawn)))
+    spread = [max(f) - min(f) for f in found]
+    return max(0, math.floor(min(found[0]) - spread[0]) - 1), math.ceil(max(found[1]) + spread[1]) + 1
+
+
+def _windows_batches(
+    stream: np.ndarray, shares: np.ndarray, setup: WorkerSetup, cost: BatchCost, grow: Growth | None
+) -> int:
+    """Batches of the lengths ``stream`` (each taking ``shares`` of a batch) cut into sort
+    windows as the batching stage cuts them (``window_limits``)."""
+    window = _sort_window(setup)
+    filled = np.cumsum(shares)
+    batches, at, number = 0, 0, 0
+    while at < len(stream):
+        most, least, enough = window_limits(window, cost, grow, number)
+        before = filled[at - 1] if at else 0.0
+        full = np.flatnonzero(filled[at + least - 1 :] - before >= enough)  # closed once its batches are filled
+        end = min(len(stream), at + most, at + least + (int(full[0]) if len(full) else len(stream)))
+        batches += _count(np.sort(stream[at:end]), cost)
+        at, number = end, number + 1
+    return batches
 
 
 def _stream_estimate(setup: WorkerSetup, done_steps: int) -> PlannedBatches:
@@ -174,23 +335,73 @@ def _stream_estimate(setup: WorkerSetup, done_steps: int) -> PlannedBatches:
     )
 
 
-def _why_not_exact(setup: WorkerSetup) -> str:
-    options = setup.options
+def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
+    """Batches per sample of budget batches, on lengths drawn from the index's histogram at
+    their bins' low and high ends (the table's histogram, one draw per loader)."""
+    histogram = dict(setup.table.length_hist)
+    if not histogram:
+        return math.nan, math.nan
+    cost = batch_cost(setup.options.batching)
+    window = _window_samples(setup)
+    windows = max(2, SIMULATED_SAMPLES // window)
+    bins = np.fromiter(histogram, dtype=np.int64)
+    mass = np.fromiter(histogram.values(), dtype=np.float64)
+    drawn = stage_rng(setup.options.shuffling.seed, Seed.ESTIMATE).choice(
+        bins, size=window * windows, p=mass / mass.sum()
+    )
+    found = []
+    for end in (0, 1):
+        lengths = np.maximum(1, np.floor(2.0 ** ((drawn + end) / BINS_PER_OCTAVE))).astype(np.int64)  # bin_bounds
+        found.append(sum(_count(np.sort(part), cost) for part in np.split(lengths, windows)) / len(drawn))
+    return found[0], found[1]
+
+
+def _window_samples(setup: WorkerSetup) -> int:
+    """Samples of a sort window: the option's number, or what the default budget window
+    reads at the index's mean share of a batch per sample."""
+    batching = setup.options.batching
+    if batching.sort_window is not None:
+        return batching.sort_window
+    histogram = dict(setup.table.length_hist)
+    cost = batch_cost(batching)
+    shares = sum(
+        cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
+    )
+    return BudgetWindow().samples(shares / sum(histogram.values()))
+
+
+def _why_not_exact(setup: WorkerSetup, estimated: bool) -> tuple[str, bool]:
+    """Why the count is not exact ("" when the plan decides it), and whether its bounds hold
+    whatever the reading finds (no estimate, nothing dropped that the index cannot foresee)."""
+    options, limits = setup.options, setup.options.limits
+    reasons = []
     if options.batching.batch_size is None:
-        return "batch_frames batches hold as many samples as their lengths allow"
-    if options.limits.active:
-        return "length filters drop samples the index cannot count"
-    if options.bad_data.skip_bad:
-        return "skip_bad drops bad samples only found while reading"
-    if options.batching.bucket_sync:
-        return "bucket_sync holds batches back to match the ranks' buckets"
-    return ""
+        reasons.append("batch_frames batches hold as many samples as their lengths allow")
+    if limits.min_frames is not None or limits.max_frames is not None:
+        reasons.append("length filters drop samples the index knows only to a histogram bin")
+    if estimated:
+        reasons.append(f"readers of several sort windows: bounds estimated over {DRAWS} random orders of their lengths")
+    unforeseen = [name for name, on in (("the label filters", limits.count_tokens), ("skip_bad", options.bad_data.skip_bad),
+                  ("bucket_sync", options.batching.bucket_sync)) if on]  # fmt: skip
+    if unforeseen:
+        reasons.append(f"what {' and '.join(unforeseen)} hold back as they read is not foreseen: fewer batches then")
+    return "; ".join(reasons), not estimated and not unforeseen
 
 
-def _planned(low: int, high: int, done_steps: int, why: str) -> PlannedBatches:
+def _unknown_why(setup: WorkerSetup) -> str:
+    if not setup.table.indexed:
+        return "some shards have no index.json (run `seqshard index` on their folders)"
+    return "the lengths of some samples are not recorded (lists and manifests, or an index.json without them)"
+
+
+def _planned(low: int, high: int, done_steps: int, why: str, holds: bool = False) -> PlannedBatches:
+    """An estimate between ``low`` and ``high``; exact when they meet and ``holds`` (the bounds
+    hold whatever the reading finds)."""
+    if low == high and (holds or not why):
+        return PlannedBatches(low, max(0, low - done_steps))
     total = round((low + high) / 2)
-    error = (high - low) / 2 / total if total else 0.0
-    return PlannedBatches(total, max(0, total - done_steps), exact=not why, error=error, why=why)
+    error = max(total - low, high - total) / total if total else 0.0
+    return PlannedBatches(total, max(0, total - done_steps), exact=False, error=error, why=why, low=low, high=high)
 
 
 def _unknown(why: str) -> PlannedBatches:

@@ -50,19 +50,25 @@ class EpochCursor:
 
     def start(self) -> RankPosition:
         """The position the next iteration starts from (it becomes :attr:`position`)."""
-        resumed, self.resume = self.resume, None
-        chosen, self._chosen = self._chosen, False
+        self.position, self.epoch = self._next()
+        self.resume, self._chosen = None, False
+        return self.position
+
+    def peek(self) -> RankPosition:
+        """The position the next iteration will start from, leaving the cursor as it is."""
+        return self._next()[0]
+
+    def _next(self) -> tuple[RankPosition, int]:
+        """The next iteration's position and epoch."""
+        resumed, epoch = self.resume, self.epoch
         last = resumed or self.position
-        if not chosen and last.completed and last.epoch == self.epoch:
-            self.epoch += 1  # iterating again after a finished epoch runs the next one
-        if resumed is not None and resumed.epoch == self.epoch:
-            position = resumed
-        elif self._continues:
-            position = last.continuing(self.epoch)
-        else:
-            position = self._fresh(self.epoch)
-        self.position = position
-        return position
+        if not self._chosen and last.completed and last.epoch == epoch:
+            epoch += 1  # iterating again after a finished epoch runs the next one
+        if resumed is not None and resumed.epoch == epoch:
+            return resumed, epoch
+        if self._continues:
+            return last.continuing(epoch), epoch
+        return self._fresh(epoch), epoch
 
     def resumed(self) -> RankPosition | None:
         """The loaded position the current epoch will start from, if any."""

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from ...checks import check_number
 from ...dist import Collectives, DistContext
+from ...errors import ConfigError
 from ...formats.remote import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
@@ -21,14 +23,23 @@ from ...text.tokenizers import Tokenizer
 from ..sources import MixSetup
 from ..workers.pool import WorkerPool
 from ..workers.setup import make_setup
-from . import checkpoint
+from . import batch_plan, checkpoint
 from .accounts import EpochAccounts
 from .auto import auto_workers
+from .batch_plan import PlannedBatch
 from .counts import planned_batches
 from .cursor import EpochCursor
+from .delivery import Delivery
 from .epochs import epoch_rules
 from .feed import WAIT_WARN_AFTER, FeedMeter
 from .merge import MergedStream, RankPosition
+
+_BATCH_MEASURES: dict[str, Callable[[PlannedBatch], float]] = {
+    "cost": lambda batch: batch.cost,
+    "padded": lambda batch: batch.padded,
+    "longest": lambda batch: batch.longest,
+    "size": lambda batch: batch.size,
+}
 
 
 class ShardLoader:
@@ -64,6 +75,7 @@ class ShardLoader:
         self.options = options
         self._setup = make_setup(table, options, context.rank, context.world_size, *self._made_from, mix, access)
         self._pool = WorkerPool(self._setup, access)
+        self._delivery = Delivery(options, self._setup.audio)
         buckets = len(self._setup.bucket_bounds) + 1 if options.batching.bucket_sync else 0
         source = (
             mix.epoch_source(options.epochs.epoch_source) if mix and options.epochs.epoch_source is not None else None
@@ -100,8 +112,9 @@ class ShardLoader:
 
     @property
     def dim(self) -> int | None:
-        """The feature dimension the index records (None for shards without features)."""
-        return self.table.dim
+        """Columns of the batches' ``feats``: the fbank's the loader computes (``features="fbank"``),
+        else what the shards' index records; None for batches without features."""
+        return self._setup.dim
 
     @property
     def tokenizer(self) -> Tokenizer | None:
@@ -128,12 +141,13 @@ class ShardLoader:
         accounts, rules, meter = self._accounts, self._rules, self._meter
         accounts.start_bad_shard_count(position)
         meter.begin()
-        planned = planned_batches(self._setup, self.epoch, position)
-        last = planned.total if planned.exact else None  # a consumer may stop after len() batches
         damaged = [0] * len(position.workers)  # damaged shards each reader reported
         clock, capped = time.perf_counter, rules.capped
         try:
-            stream = MergedStream(self._pool.start(position.epoch, position.worker_request()), position)
+            take = self._delivery.take(self._pool.start(position.epoch, position.worker_request()), len(position.workers))
+            planned = planned_batches(self._setup, self.epoch, position)  # while the workers read
+            last = planned.total if planned.exact else None  # a consumer may stop after len() batches
+            stream = MergedStream(take, position)
             while True:
                 asked = clock()
                 cut = capped and rules.over(stream.position)  # the epoch's length reached, not the data's end
@@ -159,6 +173,7 @@ class ShardLoader:
             if not position.completed:
                 self._finish(position, cut)
         finally:
+            self._delivery.finish()  # batches copied ahead are dropped (the position never counted them)
             self._pool.finish()  # stops workers that do not persist now, not at garbage collection
 
     def _finish(self, position: RankPosition, cut: bool) -> None:
@@ -185,6 +200,35 @@ class ShardLoader:
         previous = self._active() if self._active is not None else None
         if previous is not None:
             previous.close()
+
+    # -- the plan: batches known before reading ---------------------------------------------
+    def heaviest_batches(self, k: int = 1, by: str | Callable[[PlannedBatch], float] = "cost") -> list[PlannedBatch]:
+        """The ``k`` costliest batches the next iteration hands out on this rank (the epoch's, or
+        its rest after a resume), costliest first: each a batch the epoch will yield, found from
+        the shards' member tables without reading a sample. ``by``: ``"cost"`` (the loader's
+        batch cost), ``"padded"`` (size x longest), ``"longest"``, ``"size"``, or a function of a
+        :class:`~.batch_plan.PlannedBatch`. Raises NotPlannable (a ConfigError) naming what the
+        plan cannot see (README, Batches known before reading)."""
+        check_number("k", k, whole=True, at_least=1)
+        key = by if callable(by) else _BATCH_MEASURES.get(by)
+        if key is None:
+            raise ConfigError(f"by must be one of {', '.join(_BATCH_MEASURES)} or a function, got {by!r}.")
+        batches = batch_plan.rest_of_epoch(self._setup, self._cursor.peek())
+        return sorted(batches, key=lambda batch: (-key(batch), batch.step))[:k]
+
+    def skip_batches(self, n: int) -> int:
+        """Move the next iteration's start ``n`` batches on without reading them (fewer at
+        the epoch's end): call it on every rank with the same ``n``, after ``load_state_dict``
+        (or before an epoch's first ``iter()``). The batches are those an uninterrupted run
+        would have handed out next; they count as steps, and ``stats()["skipped"]`` counts them
+        and their utterances (kept in the state). Returns how many it skipped. Raises
+        NotPlannable as :meth:`heaviest_batches` does."""
+        check_number("n", n, whole=True, at_least=0)
+        self._close_active()
+        start = self._cursor.peek()
+        moved = batch_plan.skip(self._setup, start, n)
+        self._cursor.load(moved)
+        return moved.step - start.step
 
     # -- checkpointing ------------------------------------------------------------------------
     def _identity(self) -> dict[str, Any]:

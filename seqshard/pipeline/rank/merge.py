@@ -73,6 +73,8 @@ class RankPosition:
     before: dict[str, int] = field(default_factory=dict)
     before_planned: int = 0
     windows_grow: bool = True  # False in an epoch resumed from a state saved before windows grew (version 2)
+    skipped_batches: int = 0  # moved past without reading (loader.skip_batches), counted in ``step``
+    skipped_utts: int = 0
 
     @classmethod
     def fresh(
@@ -96,8 +98,12 @@ class RankPosition:
         return merge_counts(self.before, *(w.counts() for w in self.workers))
 
     def taken(self) -> int:
-        """Utterances taken from the epoch's plan so far: handed out, dropped or filtered."""
-        return self.utts + sum(v for k, v in self.counters().items() if k.startswith(("dropped.", "filtered.")))
+        """Utterances taken from the epoch's plan so far: handed out, skipped, dropped or filtered."""
+        return (
+            self.utts
+            + self.skipped_utts
+            + sum(v for k, v in self.counters().items() if k.startswith(("dropped.", "filtered.")))
+        )
 
     def units_of(self, worker: int) -> list[Unit] | None:
         """The units replacing ``worker``'s planned ones this epoch, if any."""
@@ -129,6 +135,7 @@ class RankPosition:
             0,
             False,
         )
+        moved.skipped_batches = moved.skipped_utts = 0
         moved.sources = [[0, 0] for _ in moved.sources]
         return moved
 

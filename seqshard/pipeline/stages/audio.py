@@ -18,8 +18,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ...errors import InputError, SkipCounter, option
-from ...features.audio import AudioOptions, audio_fbank, spec_augment
-from ...features.fbank import FbankOptions
+from ...features.audio import AudioOptions, audio_fbank, check_rate, draw_masks, spec_augment
+from ...features.fbank import FbankOptions, num_frames
+from ...features.on_device import MASKS, NOISE_SEED
+from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
 from ...formats.audio import cut, decode_audio, resample
 from ...formats.fields import AudioBytes, field_name
 from ...formats.lists import SEGMENT_FIELD
@@ -108,6 +110,20 @@ def to_fbank(sample: Sample, options: FbankOptions, rng: np.random.Generator | N
     return sample
 
 
+def for_batch_features(sample: Sample, options: AudioOptions, draw: SampleRng) -> Sample:
+    """What fbank made after the workers needs of a sample (``features/on_device.py``): its rate
+    checked as fbank checks it, the seed of its dither noise, and its SpecAugment masks, drawn
+    from the generators (and in the order) the stages below draw them from."""
+    check_rate(sample.fields[SAMPLE_RATE], options.fbank, sample.where())
+    if options.fbank.dither > 0:
+        sample.fields[NOISE_SEED] = int(draw(Seed.DITHER, sample).integers(1 << 62))
+    masks = options.spec_augment
+    if masks is not None:
+        frames = num_frames(len(sample.fields[AUDIO]), options.fbank)
+        sample.fields[MASKS] = draw_masks(frames, options.fbank.dim, masks, draw(Seed.SPEC_AUGMENT, sample))
+    return sample
+
+
 class AddNoise(Stage[Sample]):
     """Adds noise to each sample's audio with probability ``prob`` at an SNR drawn from
     ``snr`` (dB): the next sample of an endless stream over the noise shards (each pass in an
@@ -155,6 +171,29 @@ def mix(audio: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
     return (audio + scale * noise).astype(np.float32)
 
 
+class SpeakerNormalize:
+    """Kaldi's per-speaker CMVN of a sample's features by its ``cmvn`` field (its speaker's
+    statistics), which leaves the sample once applied."""
+
+    def __init__(self, cmvn: SpeakerCmvn):
+        self.cmvn = cmvn
+
+    def __call__(self, sample: Sample) -> Sample:
+        stats = sample.fields.pop(STATS_FIELD, None)
+        if stats is None:
+            raise InputError(
+                sample.where(),
+                "no_cmvn",
+                f"the sample has no speaker statistics (field {STATS_FIELD!r}).",
+                "pack with --utt2spk and --cmvn-scp (every utterance's speaker needs statistics).",
+            )
+        try:
+            sample.fields[FEATS] = self.cmvn.normalize(sample.fields[FEATS], stats)
+        except ValueError as error:
+            raise InputError(sample.where(), "bad_cmvn", f"{error}.") from None
+        return sample
+
+
 def signal_stages(
     source: Stage[Sample],
     options: AudioOptions,
@@ -162,11 +201,14 @@ def signal_stages(
     draw: SampleRng,
     noise: Stage[Sample] | None = None,
     skip: SkipCounter | None = None,
+    features_later: bool = False,
 ) -> Stage[Sample]:
     """The stages the options ask for, in order: with ``decode_audio`` (the shards hold audio)
     decode, resample, speed, ``noise`` (a stream of noise samples, when the options add noise)
     and fbank; then CMVN and SpecAugment of the features. ``draw(stage_id, sample)`` gives each
-    sample's generator for a stage; ``skip`` counts bad samples instead of raising."""
+    sample's generator for a stage; ``skip`` counts bad samples instead of raising.
+    ``features_later`` (``feature_device``): fbank, CMVN and SpecAugment are left to the
+    batch (:func:`for_batch_features` prepares each sample for them)."""
     stage = source
     if decode_audio:
         channel = options.channel
@@ -181,10 +223,14 @@ def signal_stages(
             stage = Map(stage, lambda s: speed(s, factors[int(draw(Seed.SPEED, s).integers(len(factors)))]))
         if noise is not None:
             stage = AddNoise(stage, noise, draw, options.noise_snr, options.noise_prob)
+        if options.features == "fbank" and features_later:
+            return Map(stage, lambda s: for_batch_features(s, options, draw), skip)
         if options.features == "fbank":
             fbank_options = options.fbank
             stage = Map(stage, lambda s: to_fbank(s, fbank_options, draw(Seed.DITHER, s)), skip)
-    if options.cmvn is not None:
+    if isinstance(options.cmvn, SpeakerCmvn):
+        stage = Map(stage, SpeakerNormalize(options.cmvn), skip)
+    elif options.cmvn is not None:
         cmvn = options.cmvn
 
         def normalize(sample: Sample) -> Sample:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ...checks import check_number
 from ...errors import ConfigError
+from ...formats.budgets import Budgets
 from ...options import BudgetWindow
 from ...seeds import Seed, stage_rng
 from .base import Growth, Stage, State, Window, WindowStage, merge_counts
@@ -87,6 +88,24 @@ class LengthBudget(BatchCost):
         return min(1.0, self.cost(1, length) / self.budget)  # an oversize sample goes alone (or is dropped)
 
 
+@dataclass(frozen=True)
+class BucketBudgets(BatchCost):
+    """A budget of padded length per length bucket (``seqshard calibrate``'s): a batch of
+    ``count`` samples whose longest falls in bucket ``b`` costs ``count x longest`` of bucket
+    ``b``'s budget."""
+
+    budgets: Budgets
+
+    def cost(self, count: int, longest: int) -> float:
+        return count * longest
+
+    def fits(self, count: int, longest: int) -> bool:
+        return count * longest <= self.budgets.budget_of(longest)
+
+    def share(self, length: int) -> float:
+        return min(1.0, length / self.budgets.budget_of(length))
+
+
 @dataclass
 class Batch:
     """Samples batched together, with their lengths by the batching measure."""
@@ -108,6 +127,26 @@ def whole_batches(count: int, cost: BatchCost, most: int) -> int:
     if not isinstance(cost, FixedSize):
         return count
     return min(most, -(-count // cost.size) * cost.size)
+
+
+def window_limits(
+    window: BudgetWindow | int, cost: BatchCost, grow: Growth | None, number: int
+) -> tuple[int, int, float]:
+    """Sort window ``number``'s most samples, and the samples and batches (unpadded shares,
+    summed) that close it before that (see :class:`BudgetWindow`; a fixed window is full at its
+    size). With ``grow`` (a stream's first windows), a growing window is that share of a full
+    one and holds whole batches of a fixed size."""
+    share = 1.0 if grow is None else grow.scale(number)
+    if not isinstance(window, BudgetWindow):
+        if share >= 1:
+            return window, window, 0.0
+        most = whole_batches(grow.items(window, number), cost, window)  # type: ignore[union-attr]
+        return most, most, 0.0
+    scaled = window.scaled(share)
+    most, least = scaled.max_samples, scaled.min_samples
+    if share < 1:
+        most, least = whole_batches(most, cost, window.max_samples), whole_batches(least, cost, window.min_samples)
+    return most, least, scaled.batches * (1 - 1e-9)  # shares summed in floating point
 
 
 def bucket_of(batch: Batch, bounds: Sequence[int]) -> int:
@@ -314,22 +353,9 @@ class SortBatch(WindowStage[Batch]):
         super().reset(state)
 
     def limits(self, number: int) -> tuple[int, int, float]:
-        """Window ``number``'s most samples, and the samples and batches (unpadded shares,
-        summed) that close it before that (see :class:`BudgetWindow`)."""
-        growing = self.scale(number) < 1  # a growing window holds whole batches of a fixed size
-        if self.budget is None:  # a fixed window is full at its size
-            if not growing or self.grow is None:
-                return self.window, self.window, 0.0
-            most = whole_batches(self.grow.items(self.window, number), self.cost, self.window)
-            return most, most, 0.0
-        full, window = self.budget, self.budget.scaled(self.scale(number))
-        most, least = window.max_samples, window.min_samples
-        if growing:
-            most, least = (
-                whole_batches(most, self.cost, full.max_samples),
-                whole_batches(least, self.cost, full.min_samples),
-            )
-        return most, least, window.batches * (1 - 1e-9)  # shares summed in floating point
+        """Window ``number``'s limits (:func:`window_limits`)."""
+        grow = self.grow if self.scale(number) < 1 else None
+        return window_limits(self.window if self.budget is None else self.budget, self.cost, grow, number)
 
     def capacity(self, number: int) -> int:
         return self.limits(number)[0]

@@ -1,4 +1,4 @@
-"""Collating a batch field by field, in the DataLoader worker, as numpy arrays.
+"""Collating a batch field by field, in the worker process, as numpy arrays.
 
 Arrays are padded on their first axis into ``NAME`` (B x T x ...) plus ``NAME_lens``; numbers
 are stacked into ``NAME`` (B); texts, bytes and other values are kept as lists. Rules rename

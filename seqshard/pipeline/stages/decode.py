@@ -64,7 +64,7 @@ class Decoder:
                     self._where(sample), self._reason(name, suffix), f"member .{suffix} cannot be read: {error}."
                 ) from None
             if value is not ABSENT:
-                fields[name] = value.strip() if name == LABEL_FIELD and isinstance(value, str) else value
+                fields[name] = value  # text as stored (the label stage strips what it tokenizes)
         if self.features is not None:
             self._check_features(sample, fields)
         if self.table.shards[sample.shard].escaped_keys:

@@ -15,9 +15,10 @@ from .sample import Sample
 
 
 class Labeler:
-    """Sample -> Sample with its label (field ``txt``) from the override file (if any) and its
-    tokens (field ``tokens``, an int64 array; if a tokenizer); a key missing from the override
-    raises InputError (reason ``no_label``)."""
+    """Sample -> Sample with its label (field ``txt``, as stored, or from the override file if
+    any) and its tokens (field ``tokens``, an int64 array; if a tokenizer) of the label with
+    the whitespace around it stripped (with ``strip_spaces``, every space); a key missing from
+    the override raises InputError (reason ``no_label``)."""
 
     def __init__(self, tokenizer: Tokenizer | None, override: LabelOverride | None = None, strip_spaces: bool = False):
         self.tokenizer = tokenizer
@@ -36,11 +37,10 @@ class Labeler:
                     "add it.",
                 )
             text = label
-        if self.strip_spaces:
-            text = "".join(text.split())
         sample.fields[LABEL_FIELD] = text
         if self.tokenizer is not None:
-            sample.fields[TOKENS_FIELD] = np.asarray(self.tokenizer.encode(text), dtype=np.int64)
+            spoken = "".join(text.split()) if self.strip_spaces else text.strip()
+            sample.fields[TOKENS_FIELD] = np.asarray(self.tokenizer.encode(spoken), dtype=np.int64)
         return sample
 
 

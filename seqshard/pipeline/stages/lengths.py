@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import InputError
+from ...features.fbank import FbankOptions, num_frames
 from .sample import Sample
 
 
@@ -71,4 +72,21 @@ class Duration:
         return f"{self.shift_ms:g} ms frames of {self.field!r}"
 
 
-Measure = Length | TotalLength | Duration
+@dataclass(frozen=True)
+class FbankFrames:
+    """Length of an audio field in the frames fbank with ``options`` makes of it: the length
+    of the features when they are made after the workers (``feature_device``), so that the
+    batches are those of fbank in the workers."""
+
+    options: FbankOptions
+    field: str = "audio"
+    unit: str = "frames"
+
+    def __call__(self, sample: Sample) -> int:
+        return num_frames(Length(self.field, "samples")(sample), self.options)
+
+    def describe(self) -> str:
+        return f"fbank frames of {self.field!r}"
+
+
+Measure = Length | TotalLength | Duration | FbankFrames

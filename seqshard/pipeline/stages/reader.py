@@ -37,6 +37,7 @@ from .sample import Sample
 
 _LOG = logging.getLogger("seqshard")
 DAMAGED = "damaged."  # counter prefix: one counter per damaged shard, by its number in the table
+DAMAGED_TABLE = "damaged_table."  # and per shard whose member table disagreed with it (read by its headers)
 DUPLICATE_KEYS = "duplicate_keys"
 ADD_FIELD_AGAIN = "add the field again with `seqshard add-field`"  # a stream's out_of_step_fix may say otherwise
 REPLACED = (
@@ -109,6 +110,7 @@ class _OpenUnit:
         read_ahead: bool,
         key_ranges: Sequence[tuple[str, str] | None],
         access: RemoteAccess | None,
+        path_root: str | None = None,
     ):
         self.index = index
         self.unit = unit
@@ -119,7 +121,9 @@ class _OpenUnit:
         self.streams: list[AnyStream] = []
         try:
             for (_, path), offset in zip(files, offsets):
-                self.streams.append(open_samples(path, offset, ordinal, read_ahead=read_ahead, access=access))
+                self.streams.append(
+                    open_samples(path, offset, ordinal, read_ahead=read_ahead, access=access, path_root=path_root)
+                )
         except BaseException:
             self.close()
             raise
@@ -184,8 +188,14 @@ class _OpenUnit:
 
     def _check_key(self, number: int, part: TarRecord) -> None:
         """Remember the key read from file ``number``; the first sample of a file must have
-        the first key its index records."""
+        the first key its index records, and no sample may lie beyond its count."""
         self.last_keys[number] = part.key
+        if self.expected is not None and part.ordinal >= self.expected:
+            raise ShardError(
+                self.streams[number].path,
+                part.offset,
+                f"it holds more samples than the {self.expected} its index.json says: {REPLACED}",
+            )
         expected = self.key_ranges[number]
         if part.ordinal == 0 and expected is not None and part.key != expected[0]:
             raise ShardError(
@@ -218,9 +228,11 @@ class _OpenUnit:
                     None,
                     f"its last sample is {last!r} where its index.json says {expected[1]!r}: {REPLACED}",
                 )
-            mismatch = getattr(stream, "mismatch", None)  # a shard that differs from its member table
-            if mismatch is not None:
-                raise ShardError(stream.path, None, mismatch)
+
+    def damaged_table(self) -> bool:
+        """Whether a member table of this unit's files disagreed with its file (that file is
+        read by its headers from there on)."""
+        return any(getattr(stream, "mismatch", None) is not None for stream in self.streams)
 
     def position(self) -> list:
         return [self.index, [stream.resume_offset for stream in self.streams], self.ordinal]
@@ -238,8 +250,11 @@ class ShardReader(Stage[Sample]):
     A damaged shard (unreadable, truncated, shorter than its index says, other first or last
     key than its index records) raises ShardError naming it, or with ``skip`` is left at the
     damage: counted by shard (``damaged.<shard>``), its planned samples not read under
-    ``dropped.damaged``. Keys read twice are counted (see the module docstring).
-    ``read_ahead=False`` reads only what is asked for.
+    ``dropped.damaged``. A shard whose member table disagrees with it is read by its headers
+    and counted by shard (``damaged_table.<shard>``). Keys read twice are counted (see the
+    module docstring).
+    ``read_ahead=False`` reads only what is asked for; ``path_root``: the folder relative paths
+    of lists read directly are taken from.
     """
 
     def __init__(
@@ -251,6 +266,7 @@ class ShardReader(Stage[Sample]):
         read_ahead: bool = True,
         field_sets: Sequence[str] = (MAIN,),
         access: RemoteAccess | None = None,
+        path_root: str | None = None,
     ):
         super().__init__(None)
         if interleave < 1:
@@ -263,6 +279,7 @@ class ShardReader(Stage[Sample]):
         self.read_ahead = read_ahead
         self.field_sets = tuple(field_sets)
         self.access = access
+        self.path_root = path_root
         self._units = units
         self._next_unit = 0
         self._slots: list[_OpenUnit] = []
@@ -291,7 +308,16 @@ class ShardReader(Stage[Sample]):
             _check_local_size(shard)
         ranges = [shard.key_range(name) for name in self.field_sets]
         return _OpenUnit(
-            index, unit, self._files(unit), offsets, ordinal, shard.num_utts, self.read_ahead, ranges, self.access
+            index,
+            unit,
+            self._files(unit),
+            offsets,
+            ordinal,
+            shard.num_utts,
+            self.read_ahead,
+            ranges,
+            self.access,
+            self.path_root,
         )
 
     def _close_all(self) -> None:
@@ -313,11 +339,16 @@ class ShardReader(Stage[Sample]):
         if all(name in known for name in self.field_sets):
             offsets, ordinal = [known[name] for name in self.field_sets], unit.at
         elif unit.first() and unit.step == 1:
-            found = [skip_samples(path, unit.first(), self.access) for _, path in self._files(unit)]
-            offsets, ordinal = [offset for offset, _ in found], found[0][1]
+            offsets, ordinal = self._skip_to(unit)
         else:
             offsets, ordinal = [0] * len(self.field_sets), 0
         return self._open(index, unit, offsets, ordinal)
+
+    def _skip_to(self, unit: Unit) -> tuple[list[int], int]:
+        """Where ``unit``'s first sample starts in each field file, and its ordinal (smaller
+        when the shard holds fewer samples)."""
+        found = [skip_samples(path, unit.first(), self.access) for _, path in self._files(unit)]
+        return [offset for offset, _ in found], found[0][1]
 
     def _damaged(self, error: ShardError, unit: Unit, at: int) -> None:
         """Raise, or (skipping) count the damaged shard and its planned samples from ``at`` on
@@ -356,6 +387,7 @@ class ShardReader(Stage[Sample]):
                 self._damaged(error, slot.unit, at)
                 sample = None
             if sample is None:
+                self._count_table(slot)
                 slot.close()
                 del self._slots[self._turn]
                 self._counts["units_done"] += 1
@@ -379,7 +411,13 @@ class ShardReader(Stage[Sample]):
             )
         self._counts[DUPLICATE_KEYS] += len(repeats)
 
+    def _count_table(self, slot: _OpenUnit) -> None:
+        if slot.damaged_table():
+            self._counts[f"{DAMAGED_TABLE}{slot.unit.shard}"] = 1  # by shard, as damaged shards are
+
     def get_state(self) -> State:
+        for slot in self._slots:
+            self._count_table(slot)
         return {
             "next": self._next_unit,
             "turn": self._turn,
@@ -388,6 +426,8 @@ class ShardReader(Stage[Sample]):
         }
 
     def stats(self) -> dict[str, int]:
+        for slot in self._slots:
+            self._count_table(slot)
         return dict(self._counts)
 
     def remaining_units(self) -> list[Unit]:

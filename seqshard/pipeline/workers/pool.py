@@ -15,13 +15,14 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from ...device import is_cuda
 from ...formats.remote import RemoteAccess
 from ..stages.collate import to_tensors
 from .process import WorkerLink
 from .protocol import BatchItem, ErrorItem, Item
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
-from .transfer import BatchSlots
+from .transfer import BatchSlots, current_stream_event
 from .worker import iterate_worker
 
 MAX_SLOT_BYTES = 64 << 20
@@ -89,14 +90,16 @@ class WorkerPool:
                 del error
         if not isinstance(item, BatchItem):
             return item
-        pin = self.options.pin_memory and _cuda_available()
+        on_device = is_cuda(self.options.device)  # copied on by seqshard/device.py, which waits for its copies
+        pin = (self.options.pin_memory or on_device) and _cuda_available()
         batch = item.batch
         if item.slot is not None:
             places = {name: batch[name] for name in item.places}
-            batch.update(self.runtime.slots.receive(item.slot, places, pin))  # type: ignore[union-attr]
+            fence = None if on_device else current_stream_event
+            batch.update(self.runtime.slots.receive(item.slot, places, pin, fence))  # type: ignore[union-attr]
         else:
             batch = to_tensors(batch)
-            if pin:
+            if pin and not on_device:
                 batch = {k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in batch.items()}
         item.batch = batch
         return item
@@ -126,18 +129,20 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
         frames = 0
     elif batching.batch_frames is not None:
         frames = batching.batch_frames
+    elif batching.budgets is not None:
+        frames = max(batching.budgets.budgets)
     else:
         longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=2000)
         frames = int(batching.batch_size * longest) + 1  # type: ignore[operator]
-    feature_bytes = frames * (table.dim or 80) * itemsize
+    feature_bytes = frames * (setup.dim or 80) * itemsize
+    if setup.decodes_audio and (setup.audio.features is None or options.audio.feature_device is not None):
+        feature_bytes = frames * int(setup.audio.fbank.sample_rate) // 100 * 4  # float32 samples, 10 ms a frame
     slot_bytes = min(MAX_SLOT_BYTES, int(feature_bytes * 1.25) + (1 << 20))
     if workers.num_workers == 0:  # batches made in this process: a ring for what training still holds
         return BatchSlots(1, 4, slot_bytes, context)
-    return BatchSlots(workers.num_workers, workers.prefetch_factor + 3, slot_bytes, context)
-
-
-def _unchanged(item: Any) -> Any:
-    return item
+    # beyond the batches prefetched: those training holds, and pinned ones still being copied
+    spare = 5 if workers.pin_memory or is_cuda(workers.device) else 3
+    return BatchSlots(workers.num_workers, workers.prefetch_factor + spare, slot_bytes, context)
 
 
 def _cuda_available() -> bool:

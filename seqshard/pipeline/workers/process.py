@@ -33,6 +33,7 @@ import os
 import pickle
 import random
 import select
+import signal
 import traceback
 from collections import deque
 from typing import Any
@@ -153,8 +154,14 @@ def serve(loop: WorkerLoop) -> None:
 
 def _settle(setup: WorkerSetup, worker: int) -> None:
     """One math thread per worker (as torch's DataLoader workers), and Python's and torch's
-    global generators seeded per worker (for transforms that use them)."""
+    global generators seeded per worker (for transforms that use them). A worker ignores the
+    signals a scheduler sends a whole job before it stops it (SIGTERM, SIGUSR1; torchrun and
+    Slurm signal every process): its rank decides when to stop (a trainer finishes its step and
+    saves a checkpoint first), and a worker leaves when its rank does."""
     import torch
+
+    for number in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(number, signal.SIG_IGN)
 
     torch.set_num_threads(1)
     seed = (setup.options.shuffling.seed * 1_000_003 + setup.rank * 1_009 + worker) % 2**63

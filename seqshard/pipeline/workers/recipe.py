@@ -3,7 +3,8 @@
 A recipe is a function ``recipe(reader) -> Stage`` of batches. :func:`default_recipe` is what
 ``make_loader``'s options describe::
 
-    read (the source: decoded samples) -> labels -> audio -> transforms -> length filter -> shuffle -> batch
+    read (the source: decoded samples) -> labels -> audio -> finite check -> transforms -> length filter
+      -> shuffle -> batch
 
 The source a recipe starts from is one stage whatever the loader reads: this reader's units of
 the epoch (or of one pass, with ``uneven="repeat"``), or a mix of endless streams of passes
@@ -44,9 +45,9 @@ from ...seeds import Seed, stage_rng
 from ..plan import Unit
 from ..stages.audio import decode, signal_stages
 from ..stages.base import Filter, Growth, Map, Stage
-from ..stages.batching import BatchCost, FixedSize, LengthBudget, SortBatch
+from ..stages.batching import BatchCost, BucketBudgets, FixedSize, LengthBudget, SortBatch
 from ..stages.decode import Decoder
-from ..stages.filters import length_filter
+from ..stages.filters import finite_filter, length_filter
 from ..stages.labels import Labeler, Labels
 from ..stages.mixing import Mix
 from ..stages.passes import Passes
@@ -79,7 +80,7 @@ def keep_if(predicate: Callable[[Sample], bool], name: str = "custom") -> KeepIf
 
 
 class Reader:
-    """One reader (rank x DataLoader worker) building its pipeline for one epoch.
+    """One reader (rank x worker process) building its pipeline for one epoch.
 
     Its built-in stages are configured from the loader's options; :meth:`rng` gives the seeds a
     stage of the user's must use. ``units`` replace the reader's planned units of the epoch, and
@@ -152,6 +153,7 @@ class Reader:
             self.read_ahead,
             fields.sets,
             self.access,
+            self.options.reading.path_root,
         )
         return Map(reader, Decoder(self.table, fields.wanted, fields.features), self.skip)
 
@@ -179,7 +181,8 @@ class Reader:
         normalisation and masking (CMVN, SpecAugment), as the loader's options ask."""
         setup = self.setup
         noise = self._noise() if setup.noise_table is not None and setup.decodes_audio else None
-        return signal_stages(source, setup.audio, setup.decodes_audio, self.sample_rng, noise, self.skip)
+        later = self.options.audio.feature_device is not None  # fbank made from the batch (features/on_device.py)
+        return signal_stages(source, setup.audio, setup.decodes_audio, self.sample_rng, noise, self.skip, later)
 
     def _noise(self) -> Stage[Sample]:
         """Every noise shard, pass after pass, each pass in an order of this reader's own; bad
@@ -195,6 +198,12 @@ class Reader:
             return Map(Map(reader, Decoder(table), self.skip), decode, self.skip)
 
         return Passes(one_pass)
+
+    def finite(self, source: Stage[Sample]) -> Stage[Sample]:
+        """With ``check_finite``, samples whose features (or waveforms) hold NaN or infinity
+        are dropped and counted (``dropped.non_finite``)."""
+        field = self.setup.checked_field
+        return finite_filter(source, field) if self.options.bad_data.check_finite and field else source
 
     def transforms(self, source: Stage[Sample]) -> Stage[Sample]:
         """The loader's ``transforms``, in order."""
@@ -229,27 +238,55 @@ class Reader:
 
 
 def batch_cost(batching: Batching) -> BatchCost:
-    """What a batch may hold: a fixed count, or a budget of padded length."""
+    """What a batch may hold: a fixed count, or a budget of padded length (one per length
+    bucket with ``budgets``)."""
     if batching.batch_size is not None:
         return FixedSize(batching.batch_size)
+    if batching.budgets is not None:
+        return BucketBudgets(batching.budgets)  # type: ignore[arg-type]
     return LengthBudget(int(batching.batch_frames), batching.quadratic_frames)  # type: ignore[arg-type]
 
 
+SAMPLE_HINT = (
+    "a transforms= function (and a keep_if predicate) gets a seqshard Sample, not a dict: read a field as "
+    "sample['feats'] or sample.fields['feats'], set one with sample.fields['feats'] = value, and return the sample"
+)
+
+
+def _explained(function: Callable[[Sample], Any], returns_sample: bool) -> Callable[[Sample], Any]:
+    """``function`` whose dict-style use of a sample (``sample['x'] = v``, ``sample.get``, a
+    dict returned) fails with what a Sample offers, not a bare TypeError or AttributeError."""
+    name = getattr(function, "__qualname__", repr(function))
+
+    def call(sample: Sample) -> Any:
+        try:
+            result = function(sample)
+        except (TypeError, AttributeError) as error:
+            if "'Sample' object" not in str(error):
+                raise
+            raise type(error)(f"{error} (in {name}): {SAMPLE_HINT}.") from error
+        if returns_sample and not isinstance(result, Sample):
+            raise TypeError(f"{name} returned {type(result).__name__}, not the sample: {SAMPLE_HINT}.")
+        return result
+
+    return call
+
+
 def default_recipe(reader: Reader) -> Stage:
-    """read -> labels -> audio -> transforms -> length filter -> shuffle -> batch."""
-    samples = reader.transforms(reader.audio(reader.labels(reader.read())))
+    """read -> labels -> audio -> finite check -> transforms -> length filter -> shuffle -> batch."""
+    samples = reader.transforms(reader.finite(reader.audio(reader.labels(reader.read()))))
     return reader.batch(reader.shuffle(reader.filter_lengths(samples)))
 
 
 def apply_transform(transform: Any, source: Stage[Sample], reader: Reader) -> Stage[Sample]:
     """One entry of ``transforms`` as a stage over ``source``."""
     if isinstance(transform, KeepIf):
-        predicate, name = transform.predicate, transform.name
+        predicate, name = _explained(transform.predicate, returns_sample=False), transform.name
         return Filter(source, lambda sample: None if predicate(sample) else name)
     if isinstance(transform, type) and issubclass(transform, Stage):
         return transform(source, reader)
     if callable(transform):
-        return Map(source, transform, reader.skip)
+        return Map(source, _explained(transform, returns_sample=True), reader.skip)
     raise ConfigError(
         f"transforms takes functions (sample -> sample), keep_if(...) and Stage subclasses, not {transform!r}."
     )

@@ -2,18 +2,20 @@
 
 A frozen :class:`WorkerSetup` holds the shard table, the options, this rank's place, the
 tokenizer and label override, the field plan, the length measure and the bucket bounds; it is
-pickled to spawned DataLoader workers and handed to recipes (``recipe.Reader``).
+pickled to spawned worker processes and handed to recipes (``recipe.Reader``).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
-from ...errors import ConfigError, SeqshardError
+from ...errors import ConfigError, SeqshardError, counted
 from ...features.audio import AudioOptions
+from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
+from ...formats.fields import field_name
 from ...formats.index import bin_bounds, histogram_percentile
 from ...formats.remote import RemoteAccess
 from ...formats.streams import open_samples
@@ -25,7 +27,7 @@ from ..plan import Unit, plan_epoch, source_plan
 from ..sources import MixSetup
 from ..stages.collate import Collator, speech_rules
 from ..stages.fieldplan import FieldPlan, plan_fields
-from ..stages.lengths import Duration, Length, Measure
+from ..stages.lengths import Duration, FbankFrames, Length, Measure
 
 _LOG = logging.getLogger("seqshard")
 
@@ -75,9 +77,26 @@ class WorkerSetup:
         return plan[self.rank][worker]
 
     @property
+    def dim(self) -> int | None:
+        """Columns of the feature vectors in batches: those of the fbank the loader computes
+        from audio (``features="fbank"``), else of the shards' features as the index records
+        them; None for batches without features (waveforms, labels only)."""
+        if self.audio.features == "fbank":
+            return self.audio.fbank.dim
+        return self.table.dim
+
+    @property
     def decodes_audio(self) -> bool:
         """Whether readers decode the shards' audio (to process it, or to batch waveforms)."""
         return self.fields.audio is not None and self.fields.features is None
+
+    @property
+    def checked_field(self) -> str | None:
+        """The array ``check_finite`` checks once audio is processed: the features (stored,
+        or fbank's), else the decoded waveforms; None when samples hold neither."""
+        if self.audio.features == "fbank":
+            return "feats"
+        return self.fields.features or ("audio" if self.decodes_audio else None)
 
     def collator(self) -> Collator:
         rules = speech_rules(
@@ -104,6 +123,26 @@ def bucket_bounds(table: ShardTable, count: int) -> tuple[int, ...]:
     return tuple(b for b in bounds if b > bin_bounds(min(histogram))[0])
 
 
+def _speaker_fields(table: ShardTable, options: LoaderOptions, audio: AudioOptions, needs_text: bool) -> FieldPlan:
+    """The field plan; with ``cmvn="speaker"`` it reads each sample's speaker statistics too
+    (shards without them are refused here, not sample by sample), which the CMVN stage
+    consumes, so that no batch carries them."""
+    wanted = options.reading.fields
+    if not isinstance(audio.cmvn, SpeakerCmvn):
+        return plan_fields(table, wanted, options.reading.feature_field, needs_text)
+    names = {field_name(suffix) for _, suffixes in table.field_sets for suffix in suffixes}
+    if STATS_FIELD not in names:
+        raise ConfigError(
+            f"cmvn='speaker' normalizes by each utterance's speaker statistics, which these shards do not hold (field "
+            f"{STATS_FIELD!r}; they have: {', '.join(sorted(names)) or 'unknown'}): pack them with --utt2spk utt2spk "
+            "--cmvn-scp cmvn.scp."
+        )
+    if wanted is not None and STATS_FIELD not in wanted:
+        wanted = (*wanted, STATS_FIELD)
+    fields = plan_fields(table, wanted, options.reading.feature_field, needs_text)
+    return replace(fields, batched=tuple(entry for entry in fields.batched if entry[0] != STATS_FIELD))
+
+
 def make_setup(
     table: ShardTable,
     options: LoaderOptions,
@@ -116,10 +155,8 @@ def make_setup(
 ) -> WorkerSetup:
     """What every reader of a loader with these options needs; the checks that involve the data
     (its fields, a tokenizer, the noise set) run here, once."""
-    fields = plan_fields(
-        table, options.reading.fields, options.reading.feature_field, tokenizer is not None and override is None
-    )
     audio = options.audio.parsed()
+    fields = _speaker_fields(table, options, audio, tokenizer is not None and override is None)
     if tokenizer is None and options.limits.count_tokens:
         raise ConfigError(
             "max_tokens, min_frames_per_token and max_frames_per_token count label tokens: give a tokenizer."
@@ -137,13 +174,16 @@ def make_setup(
         )
     features = "feats" if audio.features == "fbank" else fields.features
     length = _measure(features, fields.audio, tokenizer is not None)
+    if options.audio.feature_device is not None:
+        length = FbankFrames(audio.fbank)  # the frames of fbank in the workers: the same batches
+        _check_batch_features(fields, audio)
     if not any(suffixes for _, suffixes in table.field_sets):
         raise ConfigError(
             f"no sample could be read from the first shard of each folder ({_first_problem(table.shards[0].path, access)}): "
             "not tar shards, or damaged? `seqshard verify PATTERN` names what is wrong with each."
         )
     batching = options.batching
-    if batching.batch_frames is not None and length.unit != "frames":
+    if (batching.batch_frames is not None or batching.budgets is not None) and length.unit != "frames":
         raise ConfigError(
             "batch_frames counts frames of the feature field (or 10 ms of audio), which these shards or fields= "
             "do not include; batch by batch_size."
@@ -157,6 +197,8 @@ def make_setup(
             "epoch_hours counts hours of the feature field's frames (or of audio), which these shards or fields= "
             "do not include: give epoch_steps."
         )
+    if options.bad_data.check_finite and features is None and not (fields.audio and fields.features is None):
+        raise ConfigError("check_finite checks features or audio, which these shards or fields= do not include.")
     bounds = bucket_bounds(table, batching.num_buckets) if batching.bucket_sync else ()
     noise = _noise_table(audio.noise, access) if audio.noise is not None else None
     setup = WorkerSetup(
@@ -164,6 +206,15 @@ def make_setup(
     )
     if mix is not None and rank == 0:
         _warn_of_windows_over_a_pass(setup, mix)
+    unlabelled = [shard.path for shard in table.shards if shard.path.endswith(".scp")]
+    if unlabelled and override is None and rank == 0:
+        _LOG.warning(
+            "%s %s KEY PATH lines (a wav.scp) and no labels: batches hold no texts%s; pass labels= the Kaldi text "
+            "file of the same keys (labels='data/train/text').",
+            unlabelled[0] if len(unlabelled) == 1 else f"{unlabelled[0]} and {counted(len(unlabelled) - 1, 'other')}",
+            "holds" if len(unlabelled) == 1 else "hold",
+            f", and empty labels from the {tokenizer.describe()}" if tokenizer is not None else "",
+        )
     return setup
 
 
@@ -196,12 +247,26 @@ def _warn_of_windows_over_a_pass(setup: WorkerSetup, mix: MixSetup) -> None:
             )
 
 
+def _check_batch_features(fields: FieldPlan, audio: AudioOptions) -> None:
+    """What fbank made from the batch (``feature_device``) needs of the shards and options."""
+    if fields.audio is None or fields.features is not None:
+        raise ConfigError(
+            "feature_device makes fbank from the waveforms of a batch: it needs shards that hold audio (wav, flac, "
+            "...) and no feature field read with it."
+        )
+    if audio.cmvn is not None and len(audio.cmvn.mean) != audio.fbank.dim:
+        raise ConfigError(
+            f"cmvn has statistics of {len(audio.cmvn.mean)} dimensions and fbank makes {audio.fbank.dim}: give "
+            "statistics of these features (`seqshard cmvn`), or num_mel_bins to match them."
+        )
+
+
 def _noise_table(patterns: Any, access: RemoteAccess | None) -> ShardTable:
     """The noise set's shards; all of them must be there (a noise set is not skipped in part)."""
     table = ShardTable.from_patterns(patterns, access)
     if table.missing:
         shown = "; ".join(f"{m.path} ({m.why})" for m in table.missing[:5])
-        raise ConfigError(f"noise: {len(table.missing)} file(s) of the noise set are missing: {shown}.")
+        raise ConfigError(f"noise: {counted(len(table.missing), 'file')} of the noise set missing: {shown}.")
     return table
 
 

@@ -1,15 +1,20 @@
-"""Moving collated batches from DataLoader workers to the training process without a copy.
+"""Moving collated batches from worker processes to the training process without a copy.
 
-By default a DataLoader worker returns each tensor in a new shared-memory segment: allocating
-it and faulting in its pages costs more than building the batch (measured here: 300 batches
+A tensor sent the way torch's DataLoader workers send it lies in a new shared-memory segment:
+allocating it and faulting in its pages costs more than building the batch (measured here: 300 batches
 of 40 x 500 x 80 floats took 0.22 s to build and 1.15 s when each went into a new shared
 segment). So each worker gets a ring of shared slots, allocated once, and collates a batch's
 arrays straight into a free slot. The training process receives tensors that *are* that
 shared memory (no copy) and the slot is given back when the last of those tensors, or any
 view of them, is gone: the tensors hold a reference to a lease object whose finalizer frees
-the slot. With ``pin_memory`` the arrays are copied once, into pinned memory, and the slot is
-freed at once. A batch too large for a slot, or one that finds no free slot (the training
-process holds them all), travels the default way.
+the slot. With ``pin_memory`` (or ``device="cuda"``) on a CUDA machine the whole ring is
+registered once as pinned host memory (``cudaHostRegister``), so batches are pinned where the
+workers wrote them, without a copy; a copy to the GPU with ``non_blocking=True`` may then still
+be reading a slot after the training loop let go of its tensors, so such a slot is freed only
+once an event recorded on the current CUDA stream at that moment has completed (its
+``fence``; ``seqshard/device.py`` instead holds a batch until its own copy has completed). A
+batch too large for a slot, or one that finds no free slot (the training process holds them
+all), travels the default way.
 
 A slot's mark says who has it: 0 free, -1 leased to the training process, or the number of
 the iteration whose worker filled it. A slot filled in an abandoned iteration and never
@@ -18,13 +23,17 @@ received is free again in the next one.
 
 from __future__ import annotations
 
+import logging
 import math
 import weakref
+from collections import deque
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from ..stages.collate import aligned
+
+_LOG = logging.getLogger("seqshard")
 
 ALIGN = 64
 FREE, LEASED = 0, -1
@@ -75,9 +84,13 @@ class BatchSlots:
         self._buffer = torch.empty(workers * per_worker * self.slot_bytes, dtype=torch.uint8).share_memory_()
         self._marks = context.Array("i", workers * per_worker, lock=False)
         self._memory: np.ndarray | None = None
+        self.registrations = 0  # times the ring was registered as pinned memory (once at most)
+        self._pinned: bool | None = None  # None: not tried yet
+        # (slot, event): slots training let go, freed once the event has completed
+        self._fenced: deque[tuple[int, Any]] = deque()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_memory": None}
+        return {**self.__dict__, "_memory": None, "_pinned": None, "_fenced": deque(), "registrations": 0}
 
     def _slot_memory(self, slot: int) -> np.ndarray:
         if self._memory is None:
@@ -107,22 +120,79 @@ class BatchSlots:
         self._marks[slot] = iteration
 
     # -- training-process side --------------------------------------------------------------
-    def receive(self, slot: int, arrays: dict[str, SlotArray | tuple], pin: bool) -> dict[str, Any]:
+    def receive(
+        self, slot: int, arrays: dict[str, SlotArray | tuple], pin: bool, fence: Any = None
+    ) -> dict[str, Any]:
         """Tensors over the batch's arrays in ``slot`` (places as :class:`SlotArray` or plain
         ``(offset, shape, dtype)`` tuples): the shared memory itself, freed with the last tensor
-        (or view) that uses it; with ``pin``, copies in pinned memory."""
+        (or view) that uses it. With ``pin`` that memory is pinned (the ring registered once;
+        where that fails, copies in pinned memory). ``fence()``, when given, makes the event a
+        freed slot waits for (see the module's text)."""
         import torch
 
+        self.reclaim()
+        pinned = pin and self.pin()
         self._marks[slot] = LEASED
         lease = self._slot_memory(slot).view(_Lease)
-        weakref.finalize(lease, self._free, slot)
+        weakref.finalize(lease, self._let_go, slot, fence if pinned else None)
         tensors = {}
         for name, (offset, shape, kind) in arrays.items():
             dtype = np.dtype(kind)
             view = lease[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
             tensor = torch.from_numpy(view)
-            tensors[name] = tensor.pin_memory() if pin else tensor
+            tensors[name] = tensor.pin_memory() if pin and not pinned else tensor
         return tensors
 
-    def _free(self, slot: int) -> None:
-        self._marks[slot] = FREE
+    def pin(self) -> bool:
+        """Register the whole ring as pinned host memory, once; whether it is pinned."""
+        if self._pinned is None:
+            self._pinned = _register(self._buffer)
+            if self._pinned:
+                self.registrations += 1
+                weakref.finalize(self, _unregister, self._buffer)
+        return self._pinned
+
+    def reclaim(self) -> None:
+        """Free the slots whose fence has completed (a slot let go meanwhile waits its turn)."""
+        for _ in range(len(self._fenced)):
+            slot, event = self._fenced.popleft()
+            if event.query():
+                self._marks[slot] = FREE
+            else:
+                self._fenced.append((slot, event))
+
+    def _let_go(self, slot: int, fence: Any) -> None:
+        if fence is None:
+            self._marks[slot] = FREE
+        else:
+            self._fenced.append((slot, fence()))
+
+
+def current_stream_event() -> Any:
+    """An event recorded now on the current CUDA stream (a slot's fence)."""
+    import torch
+
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+def _register(buffer: Any) -> bool:
+    """Whether ``buffer`` (a CPU tensor) could be registered as pinned host memory."""
+    import torch
+
+    code = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0)
+    if int(code) != 0:
+        _LOG.warning(
+            "the shared batch slots could not be registered as pinned memory (CUDA error %s): batches are copied "
+            "into pinned memory one by one instead",
+            int(code),
+        )
+        return False
+    return True
+
+
+def _unregister(buffer: Any) -> None:
+    import torch
+
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())

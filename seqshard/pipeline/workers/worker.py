@@ -45,25 +45,27 @@ def build_pipeline(
     units: list[Unit] | None = None,
     carry: Carry | None = None,
     read_ahead: bool = True,
+    reader: type[Reader] = Reader,
 ) -> Stage:
     """The pipeline of one reader for ``epoch``: the loader's recipe over its source (its units
     of the epoch, or a mix; see ``recipe.Reader.read``). With ``uneven="repeat"`` and one source,
     an endless stream of passes of the whole recipe instead, pass ``p`` over plan ``p``: no
     window, hence no batch, spans two passes (a reader holding less than a window still never
     batches an utterance twice). ``units`` and ``carry`` replace what the reader reads (an
-    elastic resume); ``read_ahead=False`` reads only what the stages ask for."""
+    elastic resume); ``read_ahead=False`` reads only what the stages ask for; ``reader`` is the
+    :class:`Reader` class the recipe gets (``planned.PlannedReader`` plans without reading)."""
     recipe = setup.options.pipeline.recipe or default_recipe
     if setup.options.epochs.continues_stream:  # endless streams: seeds come from passes, not epoch labels
         if setup.mix is not None:
-            return recipe(Reader(setup, worker, 0, access, None, carry, read_ahead))
+            return recipe(reader(setup, worker, 0, access, None, carry, read_ahead))
         first, carried = (carry or {}).get(0, (0, None))
 
         def one_pass(number: int) -> Stage:
             planned = carried if carried is not None and number == first else None
-            return recipe(Reader(setup, worker, number, access, planned, None, read_ahead))
+            return recipe(reader(setup, worker, number, access, planned, None, read_ahead))
 
         return Passes(one_pass, first)
-    return recipe(Reader(setup, worker, epoch, access, units, None, read_ahead))
+    return recipe(reader(setup, worker, epoch, access, units, None, read_ahead))
 
 
 @dataclass

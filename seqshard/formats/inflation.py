@@ -1,0 +1,75 @@
+"""How far compressed data may inflate: one rule for gzip'd shard members, member tables
+(``.npz``) and compressed line files (Lhotse Shar's ``cuts.*.jsonl.gz``).
+
+Compressed data of ``n`` bytes may inflate to :data:`MAX_INFLATION` times ``n`` (text and JSON
+inflate 3-20x, arrays less), always to :data:`MIN_INFLATION_LIMIT`, never beyond
+:data:`MAX_INFLATED_BYTES`; a line of a compressed line file is at most :data:`MAX_LINE_BYTES`
+long. What would go beyond is refused before it is held, so a small hostile file cannot fill
+memory: a size declared by a header is checked before anything is allocated for it, and
+inflating stops at the limit.
+"""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import BinaryIO
+
+MAX_INFLATION = 200  # a compressed item may inflate to this many times its size
+MAX_INFLATED_BYTES = 1 << 30  # and never beyond this (an hour of 80-dim float32 features is 115 MB)
+MIN_INFLATION_LIMIT = 1 << 20  # small items may always inflate this far (short repetitive text or JSON)
+MAX_LINE_BYTES = 64 << 20  # a line of a compressed line file (a Shar cut is a few kB)
+
+
+class InflationError(ValueError):
+    """Compressed data that would inflate beyond the limits."""
+
+
+def inflation_limit(compressed: int) -> int:
+    """How many bytes ``compressed`` bytes may inflate to (see the module docstring)."""
+    return min(MAX_INFLATED_BYTES, max(MIN_INFLATION_LIMIT, MAX_INFLATION * compressed))
+
+
+def limits_text() -> str:
+    """The limits, as messages name them."""
+    return (
+        f"{MAX_INFLATION}x the compressed size, always {MIN_INFLATION_LIMIT} bytes, at most {MAX_INFLATED_BYTES} bytes"
+    )
+
+
+class BoundedLines:
+    """The lines of a file, gzip'd (``.gz``) or not, from decompressed byte ``start``: each at
+    most :data:`MAX_LINE_BYTES`, and a gzip'd file's together at most :data:`MAX_INFLATION`
+    times its size (at least :data:`MIN_INFLATION_LIMIT`). :meth:`readline` raises
+    InflationError before it holds more."""
+
+    def __init__(self, path: str | Path, start: int = 0):
+        self.path = str(path)
+        compressed = self.path.endswith(".gz")
+        self._stream: BinaryIO = gzip.open(path, "rb") if compressed else open(path, "rb")  # type: ignore[assignment]  # noqa: SIM115
+        self._allowed: int | None = None
+        self.position = start  # decompressed bytes before the next line
+        try:
+            if compressed:
+                self._allowed = max(MIN_INFLATION_LIMIT, MAX_INFLATION * Path(path).stat().st_size)
+            self._stream.seek(start)
+        except BaseException:
+            self._stream.close()
+            raise
+
+    def readline(self) -> bytes:
+        """The next line with its newline (the last may have none); ``b""`` at the end."""
+        room = MAX_LINE_BYTES if self._allowed is None else min(MAX_LINE_BYTES, self._allowed - self.position)
+        line = self._stream.readline(max(room, 0) + 1)
+        if len(line) > room:
+            if room < MAX_LINE_BYTES:
+                raise InflationError(
+                    f"it inflates beyond {self._allowed} bytes ({MAX_INFLATION}x its size, at least "
+                    f"{MIN_INFLATION_LIMIT} bytes): a damaged or hostile file"
+                )
+            raise InflationError(f"a line is longer than {MAX_LINE_BYTES} bytes: a damaged or hostile file")
+        self.position += len(line)
+        return line
+
+    def close(self) -> None:
+        self._stream.close()

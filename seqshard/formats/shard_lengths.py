@@ -1,0 +1,95 @@
+"""Each shard's utterance lengths as its index records them (a histogram of 8 bins per octave
+and the exact shortest and longest), kept as arrays for the whole table: what bounds on an
+epoch's batch count need (``pipeline/rank/counts.py``), at a few bytes a bin, so that a table
+of many shards stays cheap to hand to every worker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from .index import length_bin
+
+
+@lru_cache(maxsize=1024)
+def bin_range(index: int) -> tuple[int, int]:
+    """The whole lengths (frames >= 1) that fall in histogram bin ``index``: ``(low, high)``,
+    with ``low > high`` for a bin that holds none."""
+    low = max(1, int(2 ** (index / 8)))
+    while length_bin(low) < index:
+        low += 1
+    while low > 1 and length_bin(low - 1) >= index:
+        low -= 1
+    high = max(low, int(2 ** ((index + 1) / 8)) + 1)
+    while length_bin(high) > index:
+        high -= 1
+    return low, high
+
+
+@dataclass(frozen=True, eq=False)
+class ShardLengths:
+    """``counts[s, b]``: utterances of shard ``s`` in bin ``first + b``; ``shortest``/``longest``:
+    its exact extremes (0 when not recorded); ``known[s]``: whether its index recorded them."""
+
+    first: int
+    counts: np.ndarray
+    shortest: np.ndarray
+    longest: np.ndarray
+    known: np.ndarray
+
+    @classmethod
+    def of(cls, shards: Sequence[tuple[dict[int, int], int | None, int | None] | None]) -> ShardLengths:
+        """From each shard's ``(histogram, shortest, longest)``, or None when it has no index entry."""
+        bins = [b for shard in shards if shard for b in shard[0]]
+        first, last = (min(bins), max(bins)) if bins else (0, -1)
+        counts = np.zeros((len(shards), last - first + 1), dtype=np.int32)
+        shortest = np.zeros(len(shards), dtype=np.int32)
+        longest = np.zeros(len(shards), dtype=np.int32)
+        known = np.zeros(len(shards), dtype=bool)
+        for row, shard in enumerate(shards):
+            if shard is None or not shard[0]:
+                continue
+            histogram, low, high = shard
+            for index, count in histogram.items():
+                counts[row, index - first] = count
+            shortest[row], longest[row] = low or 0, high or 0
+            known[row] = True
+        return cls(first, counts, shortest, longest, known)
+
+    @classmethod
+    def combine(cls, parts: Sequence[ShardLengths]) -> ShardLengths:
+        """The lengths of several tables' shards, in order (the sources of a mix)."""
+        firsts = [p.first for p in parts if p.counts.shape[1]]
+        first = min(firsts, default=0)
+        last = max((p.first + p.counts.shape[1] - 1 for p in parts if p.counts.shape[1]), default=-1)
+        counts = np.zeros((sum(len(p.known) for p in parts), last - first + 1), dtype=np.int32)
+        row = 0
+        for part in parts:
+            at = part.first - first
+            counts[row : row + len(part.known), at : at + part.counts.shape[1]] = part.counts
+            row += len(part.known)
+        return cls(
+            first,
+            counts,
+            np.concatenate([p.shortest for p in parts]),
+            np.concatenate([p.longest for p in parts]),
+            np.concatenate([p.known for p in parts]),
+        )
+
+    def bins(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``(low, high, count)`` of each non-empty bin of ``shard``: its utterances' possible
+        lengths, within the recorded shortest and longest; None when not recorded."""
+        if shard >= len(self.known) or not self.known[shard]:
+            return None
+        row = self.counts[shard]
+        present = np.flatnonzero(row)
+        ranges = np.array([bin_range(self.first + int(b)) for b in present], dtype=np.int64).reshape(-1, 2)
+        low, high = ranges[:, 0], ranges[:, 1]
+        if self.shortest[shard]:
+            low = np.maximum(low, self.shortest[shard])
+        if self.longest[shard]:
+            high = np.minimum(high, self.longest[shard])
+        return low, np.maximum(high, low), row[present]

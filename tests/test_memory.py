@@ -1,0 +1,184 @@
+"""Memory: calibrated budgets per length bucket stay under what a step can take, a batch split
+into parts keeps its samples and its gradients, and a step that runs out of memory runs in
+parts (its bucket's limit lowered) instead of losing its batch."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import pack_small
+from seqshard import build_loaders, make_loader, split_batch
+from seqshard.cli import main
+from seqshard.errors import ConfigError
+from seqshard.trainer import MemoryGuard, SmallCTC, StepRunner, accumulate_gradients
+
+LIMIT = 40_000  # B x T^2 a step takes before it runs out of memory
+CALLS: list[tuple[int, int]] = []
+
+
+def step_under_limit(batch):
+    """A training step whose memory grows with B x T^2 (attention), out of memory above LIMIT."""
+    size, longest, _ = batch["feats"].shape
+    CALLS.append((size, longest))
+    if size * longest * longest > LIMIT:
+        raise torch.OutOfMemoryError(f"{size} x {longest}^2 is over {LIMIT}")
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """200 utterances of 5-79 frames."""
+    return pack_small(tmp_path_factory.mktemp("memory"), utts_per_file=25, speakers=10, per_speaker=20, frames=(5, 80))
+
+
+def test_calibrated_budgets_never_exceed_the_limit_and_use_most_of_it(shards, tmp_path, capsys):
+    out = tmp_path / "budgets.json"
+    code = main(["calibrate", shards.pattern, "--step", "test_memory:step_under_limit", "--out", str(out)]
+                + ["--device", "cpu", "--buckets", "6"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    table = capsys.readouterr().out.splitlines()
+    written = json.loads(out.read_text())
+    assert table[0].split() == ["bucket", "longest", "batch", "size", "budget", "peak"] and len(table) == 1 + 6 + 1
+    assert written["device"] == "cpu" and written["step"] == "test_memory:step_under_limit" and written["date"]
+    for bucket in written["buckets"]:  # the largest batch at the bucket's longest length, to within 1/64
+        largest = LIMIT // bucket["longest"] ** 2
+        assert largest * 63 / 64 <= bucket["batch_size"] <= largest
+        assert bucket["budget"] == bucket["batch_size"] * bucket["longest"]
+    loader = make_loader(shards.pattern, budgets=str(out), num_workers=0, seed=1)
+    used = []
+    for epoch in (0, 1):
+        loader.set_epoch(epoch)
+        used += [len(batch["keys"]) * int(batch["feat_lens"].max()) ** 2 / LIMIT for batch in loader]
+    assert max(used) <= 1 and sum(used) / len(used) >= 0.5, (max(used), sum(used) / len(used))
+
+
+def test_budgets_are_checked_where_they_are_given(shards, tmp_path):
+    with pytest.raises(ConfigError, match=r"does not exist.*seqshard calibrate"):
+        make_loader(shards.pattern, budgets=str(tmp_path / "none.json"))
+    (tmp_path / "other.json").write_text('{"format": "other"}')
+    with pytest.raises(ConfigError, match=r"other\.json is not a seqshard budgets file"):
+        make_loader(shards.pattern, budgets=str(tmp_path / "other.json"))
+    budgets = {"format": "seqshard-budgets", "version": 1, "bounds": [30], "buckets": [{"longest": 29, "budget": 600}]}
+    with pytest.raises(ConfigError, match="1 bounds need 2 buckets"):
+        make_loader(shards.pattern, budgets=budgets)
+    budgets["buckets"].append({"longest": 79, "budget": 400})
+    with pytest.raises(ConfigError, match="without batch_size, batch_frames"):
+        make_loader(shards.pattern, budgets=budgets, batch_frames=1000)
+    loader, _ = build_loaders(
+        {"train": {"option": {"large_dataset": True, "trset": shards.pattern, "budgets": budgets}}}
+    )
+    assert loader.options.batching.budgets.budgets == (600, 400)  # hyper-p.json takes them too
+    for batch in make_loader(shards.pattern, budgets=budgets, num_workers=0):
+        longest = int(batch["feat_lens"].max())
+        assert len(batch["keys"]) * longest <= (600 if longest < 30 else 400)
+
+
+@pytest.fixture(scope="module")
+def batch(shards):
+    """A batch of 9 utterances, with labels (the loader's texts split into characters)."""
+    units = shards.out.parent / "units.txt"
+    letters = sorted({c for text in shards.data.labels.values() for c in text if c != " "})
+    units.write_text("".join(f"{c} {n + 1}\n" for n, c in enumerate(letters)) + f"<unk> {len(letters) + 1}\n")
+    return next(iter(make_loader(shards.pattern, tokenizer=units, split="char", batch_size=9, num_workers=0)))
+
+
+def test_split_batch_keeps_keys_and_frames_exactly(batch):
+    for parts in (1, 2, 4, 9, 20):
+        pieces = split_batch(batch, parts)
+        assert len(pieces) == min(parts, 9)
+        assert [key for piece in pieces for key in piece["keys"]] == batch["keys"]
+        assert [text for piece in pieces for text in piece["texts"]] == batch["texts"]
+        row = 0
+        for piece in pieces:
+            for name, lengths in (("feats", "feat_lens"), ("labels", "label_lens")):
+                assert piece[name].shape[1] == int(piece[lengths].max())  # padded to its own longest
+            for feats, count, labels, tokens in zip(
+                piece["feats"], piece["feat_lens"], piece["labels"], piece["label_lens"]
+            ):
+                assert torch.equal(feats[:count], batch["feats"][row, :count])
+                assert torch.equal(labels[:tokens], batch["labels"][row, :tokens])
+                row += 1
+        assert row == 9
+
+
+@pytest.fixture
+def trainable(batch):
+    """The batch with labels short enough for CTC to align them to the model's 4x fewer frames."""
+    label_lens = torch.minimum(batch["label_lens"], (batch["feat_lens"] + 3) // 4 // 2)
+    return {**batch, "label_lens": label_lens, "labels": batch["labels"][:, : int(label_lens.max())]}
+
+
+def _ctc_loss(model):
+    ctc = nn.CTCLoss(zero_infinity=True)
+
+    def loss_of(batch):
+        log_probs, lengths = model(batch["feats"], batch["feat_lens"])
+        return ctc(log_probs.transpose(0, 1), batch["labels"], lengths, batch["label_lens"])
+
+    return loss_of
+
+
+def _gradients(model):
+    found = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    model.zero_grad(set_to_none=True)
+    return found
+
+
+def test_gradients_of_a_batch_in_parts_equal_the_whole(trainable):
+    torch.manual_seed(0)
+    model = SmallCTC(trainable["feats"].shape[2], int(trainable["labels"].max()) + 1, hidden=32, layers=1)
+    with torch.no_grad():
+        model.normalise.bias.fill_(0.5)  # padding frames normalise to this: the model must mask them
+    loss_of = _ctc_loss(model)
+    whole_loss = accumulate_gradients(model, loss_of, trainable, 1)
+    whole = _gradients(model)
+    assert 0 < whole_loss < float("inf") and whole.count_nonzero() > len(whole) // 2
+    for parts in (2, 3, 9):
+        loss = accumulate_gradients(model, loss_of, trainable, parts)
+        assert loss == pytest.approx(whole_loss, rel=1e-6)
+        assert (_gradients(model) - whole).abs().max() <= 1e-5
+
+
+def test_a_step_that_runs_out_of_memory_runs_in_parts_and_lowers_its_buckets_limit(trainable):
+    batch = trainable
+    torch.manual_seed(0)
+    model = SmallCTC(batch["feats"].shape[2], int(batch["labels"].max()) + 1, hidden=32, layers=1)
+    loss_of = _ctc_loss(model)
+    limit = batch["feats"].shape[0] * batch["feats"].shape[1] // 3  # padded frames
+
+    def limited(part):
+        if part["feats"].shape[0] * part["feats"].shape[1] > limit:
+            raise torch.OutOfMemoryError("over the limit")
+        return loss_of(part)
+
+    accumulate_gradients(model, loss_of, batch, 1)
+    whole = _gradients(model)
+    guard, said = MemoryGuard((20, 60)), []
+    runner = StepRunner(model, limited, guard, said.append)
+    runner.backward(batch)
+    assert (_gradients(model) - whole).abs().max() <= 1e-5  # nothing lost: the whole batch's update
+    assert guard.out_of_memory == 2 and said[-1].endswith("running it in 4 parts")
+    bucket = guard.bucket_of(int(batch["feat_lens"].max()))
+    assert 0 < guard.limits[bucket] <= limit
+    runner.backward(batch)  # the bucket's lowered limit splits it before it runs out
+    assert guard.out_of_memory == 2 and guard.largest[bucket] == (9, int(batch["feat_lens"].max()))
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("buckets", 0, "buckets must be >= 1"),
+        ("dim", 0, "dim must be >= 1"),  # synthetic batches of 0 columns: budgets of nothing
+        ("vocab_size", 1, "vocab_size must be a whole number >= 2"),  # label ids from 1 would be out of range
+        ("max_memory", -5, "max_memory must be >= 1"),
+        ("memory_fraction", 2.0, "memory_fraction must be > 0 and <= 1"),  # on CPU it went unread
+    ],
+)
+def test_calibrate_refuses_settings_that_would_calibrate_nothing(shards, option, value, message):
+    from seqshard.tools.calibrate import calibrate
+
+    with pytest.raises(ConfigError, match=message):
+        calibrate(shards.pattern, step_under_limit, device="cpu", **{option: value})

@@ -1,0 +1,255 @@
+"""NeMo manifests and tarred sets: read directly by the loader, packed by `pack --manifest`,
+checked on tests/realdata/nemo (a manifest over the real recordings of tests/realdata/audio,
+and a tarred set that NeMo's own convert_to_tarred_audio_dataset.py wrote from them)."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from conftest import read_audio_shards
+from seqshard import make_loader
+from seqshard.errors import ConfigError, InputError, ShardError
+from seqshard.formats.nemo_tarred import NemoTarStream, nemo_shard_of
+from seqshard.formats.streams import open_samples
+from seqshard.prep.pack import pack_data
+from seqshard.tools.index import rebuild_index
+
+REALDATA = Path(__file__).parent / "realdata"
+MANIFEST = REALDATA / "nemo" / "train_manifest.json"
+TARRED = REALDATA / "nemo" / "tarred"
+AMI = REALDATA / "audio" / "ami" / "ES2011a.Headset-0-40s-46s.wav"
+MANIFEST_KEYS = [
+    "3_jackson_1",
+    "7_jackson_1",
+    "ES2011a.Headset-0-40s-46s-000146-000136",  # a cut: STEM-OFFSET-DURATION in 1/100 s, as NeMo's Lhotse adapter
+    "ES2011a.Headset-0-40s-46s-000336-000100",
+    "2412-153948-0000",
+]
+
+
+def entries(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_all(pattern, **options) -> dict[str, dict]:
+    loader = make_loader(pattern, batch_size=1, num_workers=0, shuffle=False, **options)
+    found = {}
+    for batch in loader:
+        key = batch["keys"][0]
+        assert key not in found
+        found[key] = {
+            "text": batch["texts"][0],
+            "audio": batch["audio"][0, : batch["audio_lens"][0]].numpy(),
+            "rate": int(batch["sample_rate"][0]),
+            "speaker": batch.get("speaker", [None])[0],
+        }
+    return found
+
+
+def ami_cut(start: float, end: float) -> np.ndarray:
+    samples, rate = soundfile.read(AMI, dtype="float32")
+    return samples[round(start * rate) : round(end * rate)]
+
+
+def test_loader_reads_a_manifest_as_nemo_does():
+    read = read_all(str(MANIFEST))
+    assert sorted(read) == sorted(MANIFEST_KEYS)
+    for entry, key in zip(entries(MANIFEST), MANIFEST_KEYS):
+        assert read[key]["text"] == entry["text"] and read[key]["speaker"] == entry["speaker"]
+        if "offset" in entry:  # NeMo reads `duration` seconds from `offset`
+            expected = ami_cut(entry["offset"], entry["offset"] + entry["duration"])
+            np.testing.assert_array_equal(read[key]["audio"], expected)
+        else:
+            assert len(read[key]["audio"]) == round(entry["duration"] * read[key]["rate"])
+
+
+def test_pack_manifest_keeps_texts_cuts_and_asked_fields(tmp_path):
+    report = pack_data(
+        None, None, tmp_path / "out", manifest=MANIFEST, escape_keys=True, fields="speaker", progress=False
+    )
+    assert (report.input_utts, report.packed, report.dropped) == (5, 5, {})
+    found = read_audio_shards(sorted((tmp_path / "out").glob("*.tar")))
+    assert sorted(found) == sorted(k.replace(".", "%2E") for k in MANIFEST_KEYS)
+    cut = found["ES2011a%2EHeadset-0-40s-46s-000336-000100"]
+    np.testing.assert_array_equal(cut[0], np.round(ami_cut(3.36, 4.36) * 32768).astype(np.int16))
+    assert cut[3] == "YOU CAN CALL ME ABBIE"
+    with tarfile.open(next((tmp_path / "out").glob("*.tar"))) as tar:
+        speakers = {m.name: tar.extractfile(m).read() for m in tar if m.name.endswith(".speaker.json")}
+    assert speakers["7_jackson_1.speaker.json"] == b'"jackson"' and len(speakers) == 5
+
+
+def test_pack_manifest_lengths_come_from_durations(tmp_path):
+    """Length groups are planned from the manifest's durations, without reading audio: a
+    duration that disagrees with the whole file is caught when the audio is read."""
+    lines = entries(MANIFEST)[:2]
+    lines[1]["duration"] = 9.0  # 7_jackson_1 lasts 0.47 s
+    manifest = tmp_path / "m.json"
+    manifest.write_text(
+        "".join(json.dumps({**e, "audio_filepath": str(MANIFEST.parent / e["audio_filepath"])}) + "\n" for e in lines)
+    )
+    report = pack_data(
+        None, None, tmp_path / "out", manifest=manifest, filter_group=["0:1", "1:20"], skip_bad=True, progress=False
+    )
+    assert report.input_utts == report.packed + sum(report.dropped.values())
+    assert report.groups["0_1"].utts == 1 and report.dropped == {"duration_mismatch": 1}
+
+
+def test_several_manifests_and_nemo_braces(tmp_path):
+    for number, entry in enumerate(entries(MANIFEST)[:2]):
+        entry["audio_filepath"] = str(MANIFEST.parent / entry["audio_filepath"])
+        (tmp_path / f"manifest_{number}.json").write_text(json.dumps(entry) + "\n")
+    pattern = str(tmp_path / "manifest__OP_0..1_CL_.json")
+    report = pack_data(None, None, tmp_path / "out", manifest=pattern, progress=False)
+    assert report.packed == 2
+    assert sorted(read_all(pattern)) == ["3_jackson_1", "7_jackson_1"]
+    with pytest.raises(ConfigError, match=r"manifest_2\.json does not exist"):
+        pack_data(None, None, tmp_path / "o2", manifest=str(tmp_path / "manifest__OP_0..2_CL_.json"), progress=False)
+
+
+def test_manifest_errors_name_the_line(tmp_path):
+    manifest = tmp_path / "bad.json"
+    manifest.write_text('{"audio_filepath": "a.wav", "text": "x"}\n')
+    with pytest.raises(InputError, match=r"bad.json:1.*\"duration\" must be a positive number"):
+        pack_data(None, None, tmp_path / "out", manifest=manifest, progress=False)
+    with pytest.raises(ConfigError, match="texts come from the manifest"):
+        pack_data(None, MANIFEST, tmp_path / "out", manifest=MANIFEST, progress=False)
+    with pytest.raises(ConfigError, match="manifest of a NeMo tarred set"):
+        make_loader(str(TARRED / "tarred_audio_manifest.json"), batch_size=1, num_workers=0)
+
+
+def test_tarred_set_joins_transcripts_by_shard_id():
+    """Each tar's samples get their entry's text, cut and fields; the second cut of the AMI
+    recording is its `-sub1` entry, stored once in the tar (NeMo's rule)."""
+    read = read_all(str(TARRED))
+    tarred = entries(TARRED / "tarred_audio_manifest.json")
+    assert sorted(read) == sorted(e["audio_filepath"].rsplit(".", 1)[0] for e in tarred)
+    assert read["ami_ES2011a_Headset-0-40s-46s-sub1"]["text"] == "YOU CAN CALL ME ABBIE"
+    for key, (start, end) in {
+        "ami_ES2011a_Headset-0-40s-46s": (1.46, 2.82),
+        "ami_ES2011a_Headset-0-40s-46s-sub1": (3.36, 4.36),
+    }.items():
+        np.testing.assert_array_equal(read[key]["audio"], ami_cut(start, end))  # the tar holds it as FLAC
+    assert {read[k]["speaker"] for k in read} == {"jackson", "H01", "H02"}
+
+
+def test_tarred_set_without_sharded_manifests_and_by_pattern(tmp_path):
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    shutil.rmtree(copy / "sharded_manifests")
+    assert nemo_shard_of(copy / "audio_1.tar") == (1, copy / "tarred_audio_manifest.json")
+    assert sorted(read_all(str(copy / "audio__OP_0..1_CL_.tar"))) == sorted(read_all(str(TARRED)))
+
+
+def test_tarred_stream_resumes_at_every_sample():
+    """A sample's offset is its member's header plus its place among the member's cuts."""
+    shard, manifest = nemo_shard_of(TARRED / "audio_1.tar")
+    with NemoTarStream(TARRED / "audio_1.tar", shard, manifest) as stream:
+        positions, keys = [], []
+        while True:
+            positions.append((stream.resume_offset, stream.ordinal))
+            sample = stream.next_sample()
+            if sample is None:
+                break
+            keys.append(sample.key)
+    assert len(keys) == 3 and len({p for p, _ in positions}) == 4
+    for number, (offset, ordinal) in enumerate(positions):
+        with open_samples(str(TARRED / "audio_1.tar"), offset, ordinal) as stream:
+            rest = [s.key for s in iter(stream.next_sample, None)]
+        assert rest == keys[number:] and stream.ordinal == 3
+
+
+def test_index_records_manifest_durations(tmp_path):
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    rebuild_index(copy, progress=False)
+    index = json.loads((copy / "index.json").read_text())
+    tarred = entries(TARRED / "tarred_audio_manifest.json")
+    for shard in index["shards"]:
+        mine = [e for e in tarred if f"audio_{e['shard_id']}.tar" == shard["name"]]
+        assert shard["num_utts"] == len(mine)
+        assert shard["num_frames"] == sum(round(e["duration"] * 100) for e in mine)
+    assert sorted(read_all(str(copy))) == sorted(read_all(str(TARRED)))
+
+
+def test_tarred_set_refuses_a_member_named_twice(tmp_path):
+    data = io.BytesIO()
+    soundfile.write(data, np.zeros(800, np.int16), 8000, format="WAV")
+    with tarfile.open(tmp_path / "audio_0.tar", "w") as tar:
+        for _ in range(2):
+            info = tarfile.TarInfo("a.wav")
+            info.size = len(data.getvalue())
+            tar.addfile(info, io.BytesIO(data.getvalue()))
+    entry = {"audio_filepath": "a.wav", "duration": 0.1, "text": "x", "shard_id": 0}
+    (tmp_path / "tarred_audio_manifest.json").write_text(json.dumps(entry) + "\n")
+    with open_samples(str(tmp_path / "audio_0.tar")) as stream:
+        assert stream.next_sample().key == "a"
+        with pytest.raises(ShardError, match=r"'a\.wav' is in the tar twice"):
+            stream.next_sample()
+
+
+def write_tarred(folder: Path, members: list[str], manifest: list[str]) -> None:
+    """A one-tar NeMo set: ``members`` (0.1 s WAVs) in audio_0.tar, entries naming ``manifest``."""
+    data = io.BytesIO()
+    soundfile.write(data, np.zeros(800, np.int16), 8000, format="WAV")
+    with tarfile.open(folder / "audio_0.tar", "w") as tar:
+        for name in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data.getvalue())
+            tar.addfile(info, io.BytesIO(data.getvalue()))
+    lines = [json.dumps({"audio_filepath": n, "duration": 0.1, "text": n, "shard_id": 0}) for n in manifest]
+    (folder / "tarred_audio_manifest.json").write_text("\n".join(lines) + "\n")
+
+
+def test_tarred_member_without_entry_is_passed_over_and_said(tmp_path, caplog):
+    write_tarred(tmp_path, ["a.wav", "b.wav"], ["b.wav"])
+    assert list(read_all(str(tmp_path))) == ["b"]
+    assert "1 member without an entry" in caplog.text
+
+
+def test_tarred_entry_without_member_is_a_damaged_shard(tmp_path):
+    write_tarred(tmp_path, ["a.wav"], ["a.wav", "gone.wav"])
+    with pytest.raises(ShardError, match=r"holds 1 samples where its index\.json says 2"):
+        read_all(str(tmp_path))
+    loader = make_loader(str(tmp_path), batch_size=1, num_workers=0, skip_bad=True, max_bad_shards=1.0)
+    assert sum(len(b["keys"]) for b in loader) + loader.stats()["dropped"]["damaged"] == 2
+
+
+@pytest.mark.parametrize("field", ["duration", "offset"])
+def test_a_duration_beyond_int32_frames_is_a_malformed_line_not_an_overflow(tmp_path, field):
+    """Lengths are int32 counts of 10 ms frames: 1e15 s in a tarred set's manifest ended in an
+    OverflowError when the loader planned it."""
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    for manifest in [copy / "tarred_audio_manifest.json", *(copy / "sharded_manifests").glob("*.json")]:
+        lines = entries(manifest)
+        lines[0][field] = 1e15
+        manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(
+        ShardError, match=rf'"{field}" must be a .*number of seconds .* 21474836 \(found 1000000000000000'
+    ):
+        make_loader(str(copy), batch_size=2, num_workers=0)
+
+
+@pytest.mark.parametrize("sharded", [True, False])
+def test_a_tar_the_manifest_names_but_the_folder_lacks_is_a_missing_shard_not_fewer_samples(tmp_path, sharded):
+    """audio_1.tar removed: 3 of 6 entries were served with nothing said (missing_shards 0)."""
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    (copy / "audio_1.tar").unlink()
+    if not sharded:
+        shutil.rmtree(copy / "sharded_manifests")
+    with pytest.raises(ShardError, match=r"audio_1\.tar \(its shard id has entries in the folder's NeMo manifest"):
+        make_loader(str(copy), batch_size=2, num_workers=0)
+    loader = make_loader(str(copy), batch_size=2, num_workers=0, skip_bad=True, max_bad_shards=0.5)
+    assert sum(len(batch["keys"]) for batch in loader) == 3
+    assert loader.stats()["missing_shards"] == 1
+    with pytest.raises(ConfigError, match=r"entries of 1 tar the folder lacks \(audio_1\.tar\)"):
+        rebuild_index(copy, progress=False)
