@@ -240,6 +240,55 @@ def test_the_next_copy_starts_before_a_batch_is_handed_over_and_the_first_at_onc
     ]  # fmt: skip
 
 
+class _RecordingCopier:
+    """A CudaCopier's start and finish, recorded (a batch's name stands for its tensors)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def start(self, batch):
+        self.log.append(f"start {batch['name']}")
+        return batch
+
+    def finish(self, started):
+        self.log.append(f"hand {started['name']}")
+        return started
+
+
+def test_the_rank_copies_the_next_turns_batch_before_handing_one_over_and_keeps_ends_and_errors_for_their_turn():
+    from seqshard.pipeline.rank.delivery import CopiesAhead
+    from seqshard.pipeline.workers.protocol import BatchItem, EndItem
+
+    log = []
+    sent = {0: ["a0", "a1", "end"], 1: ["b0", "end"], 2: ["c0", "c1", "error"]}
+
+    def take(worker):
+        name = sent[worker].pop(0)
+        log.append(f"take {name}")
+        if name == "error":
+            raise ValueError(f"worker {worker} failed")
+        if name == "end":
+            return EndItem(worker, 0, {})
+        return BatchItem(worker, 0, {"name": name}, {}, {}, 1, 1, 1)
+
+    ahead = CopiesAhead(take, _RecordingCopier(log), workers=3)
+    handed = [ahead.take(worker) for worker in (0, 1, 2, 0, 1, 2, 0)]  # the merged stream's turns
+    assert [item.batch["name"] if isinstance(item, BatchItem) else "end" for item in handed] == [
+        "a0", "b0", "c0", "a1", "end", "c1", "end"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="worker 2 failed"):  # taken ahead, raised at its own turn
+        ahead.take(2)
+    assert log == [
+        "take a0", "start a0", "hand a0",  # the first batch at once
+        "take b0", "start b0", "hand b0", "take c0", "start c0",  # c0 copies while b0's step runs
+        "hand c0", "take a1", "start a1",
+        "hand a1", "take end",  # worker 1's end, kept for its turn
+        "take c1", "start c1",
+        "hand c1", "take end",
+        "take error",  # worker 1 has ended: the next turn is worker 2's
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize("later", [None, "cpu"])
 def test_a_batch_of_waveforms_as_large_as_the_budget_fits_its_slot(audio_shards, later):
     features = dict(features="fbank", feature_device=later) if later else {}

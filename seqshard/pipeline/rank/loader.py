@@ -144,7 +144,9 @@ class ShardLoader:
         damaged = [0] * len(position.workers)  # damaged shards each reader reported
         clock, capped = time.perf_counter, rules.capped
         try:
-            take = self._delivery.take(self._pool.start(position.epoch, position.worker_request()), len(position.workers))
+            take = self._delivery.take(
+                self._pool.start(position.epoch, position.worker_request()), len(position.workers)
+            )
             planned = planned_batches(self._setup, self.epoch, position)  # while the workers read
             last = planned.total if planned.exact else None  # a consumer may stop after len() batches
             stream = MergedStream(take, position)

@@ -120,9 +120,7 @@ class BatchSlots:
         self._marks[slot] = iteration
 
     # -- training-process side --------------------------------------------------------------
-    def receive(
-        self, slot: int, arrays: dict[str, SlotArray | tuple], pin: bool, fence: Any = None
-    ) -> dict[str, Any]:
+    def receive(self, slot: int, arrays: dict[str, SlotArray | tuple], pin: bool, fence: Any = None) -> dict[str, Any]:
         """Tensors over the batch's arrays in ``slot`` (places as :class:`SlotArray` or plain
         ``(offset, shape, dtype)`` tuples): the shared memory itself, freed with the last tensor
         (or view) that uses it. With ``pin`` that memory is pinned (the ring registered once;
