@@ -219,7 +219,7 @@ def fbank_checks(out: Path, minutes: float, device: torch.device) -> None:
 
 
 def token_checks(out: Path, device: torch.device) -> None:
-    from seqshard.formats.mmidx import TokenDatasetWriter
+    from seqshard.formats.peers.mmidx import TokenDatasetWriter
 
     writer = TokenDatasetWriter(out / "lm", np.uint16)
     rng = np.random.default_rng(0)

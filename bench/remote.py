@@ -58,7 +58,7 @@ def fetch_seconds(base_url: str, shards: list[Path]) -> float:
     from collections import deque
     from concurrent.futures import ThreadPoolExecutor
 
-    from seqshard.formats.remote import FETCH_THREADS, RemoteAccess
+    from seqshard.formats.remote.access import FETCH_THREADS, RemoteAccess
 
     access = RemoteAccess()
     started = time.perf_counter()

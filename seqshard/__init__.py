@@ -17,7 +17,7 @@ _EXPORTS = {
     "make_loader": "seqshard.loader",
     "mux": "seqshard.mix",
     "Mux": "seqshard.mix",
-    "TokenDataset": "seqshard.formats.mmidx",
+    "TokenDataset": "seqshard.formats.peers.mmidx",
     "TokenPair": "seqshard.tokens.pairs",
     "token_pairs": "seqshard.tokens.databin",
     "UnitsTokenizer": "seqshard.text.tokenizers",

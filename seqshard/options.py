@@ -27,8 +27,8 @@ from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .features.speaker_cmvn import SpeakerCmvn
 from .formats.budgets import budgets_from
-from .formats.cache import parse_bytes
-from .formats.remote import RemoteAccess
+from .formats.remote.access import RemoteAccess
+from .formats.remote.cache import parse_bytes
 
 UNEVEN_MODES = ("stop", "repeat", "join")
 START_METHODS = tuple(multiprocessing.get_all_start_methods())
@@ -495,7 +495,7 @@ class Remote(OptionGroup):
 
     def access(self) -> RemoteAccess:
         """How a loader with these options reads remote shards (made in each process that reads)."""
-        from .formats.cache import ShardCache
+        from .formats.remote.cache import ShardCache
 
         cache = ShardCache(self.cache_dir, self.cache_limit) if self.cache_dir is not None else None
         return RemoteAccess(

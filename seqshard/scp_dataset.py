@@ -15,8 +15,8 @@ from typing import Any
 from .checks import MAX_WORKERS, check_flag, check_number
 from .dist import discover
 from .errors import InputError, SeqshardError, SkipCounter, StateMismatchError
-from .formats.kaldi import MatrixReader, parse_location
-from .formats.keytable import KeyTable
+from .formats.peers.kaldi import MatrixReader, parse_location
+from .formats.peers.keytable import KeyTable
 from .pipeline.stages.batching import Batch
 from .pipeline.stages.collate import Collator, speech_rules, to_tensors
 from .pipeline.stages.labels import Labeler

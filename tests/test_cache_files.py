@@ -12,7 +12,7 @@ from http_server import ShardServer
 from conftest import write_kaldi_dir
 from seqshard import make_loader, pack_data
 from seqshard.errors import ConfigError
-from seqshard.formats.cache import FOLDER, TAG, ShardCache
+from seqshard.formats.remote.cache import FOLDER, TAG, ShardCache
 
 OPTIONS = dict(batch_size=4, shuffle_window=16, sort_window=8, seed=1, num_workers=0)
 

@@ -13,7 +13,7 @@ import soundfile
 from seqshard import pack_data
 from seqshard.errors import InputError, Where
 from seqshard.formats.audio import decode_audio, parse_wav_location, read_location
-from seqshard.formats.kaldi import MatrixReader, parse_location
+from seqshard.formats.peers.kaldi import MatrixReader, parse_location
 
 MB = 1 << 20
 

@@ -18,8 +18,8 @@ from seqshard.device import InFlight, one_ahead
 from seqshard.errors import ConfigError
 from seqshard.features.fbank import FbankOptions, fbank, num_frames
 from seqshard.features.torch_fbank import fbank_batch
-from seqshard.formats.mmidx import TokenDatasetWriter
-from seqshard.formats.remote import RemoteAccess
+from seqshard.formats.peers.mmidx import TokenDatasetWriter
+from seqshard.formats.remote.access import RemoteAccess
 from seqshard.formats.table import ShardTable
 from seqshard.options import LoaderOptions
 from seqshard.pipeline.workers.pool import WorkerPool

@@ -14,7 +14,7 @@ import soundfile
 
 from conftest import read_audio_shards
 from seqshard.errors import ConfigError, InputError
-from seqshard.formats.hf import Batches, dataset_files
+from seqshard.formats.peers.hf import Batches, dataset_files
 from seqshard.prep.pack import pack_data
 
 datasets = pytest.importorskip("datasets")

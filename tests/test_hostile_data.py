@@ -15,9 +15,9 @@ import pytest
 
 from seqshard.errors import ShardError
 from seqshard.formats.fields import decode_field
-from seqshard.formats.lists import READ_ERROR_FIELD, ListSampleStream, scan_list
-from seqshard.formats.mmidx import check_sequences
 from seqshard.formats.npy import decode_npy
+from seqshard.formats.peers.lists import READ_ERROR_FIELD, ListSampleStream, scan_list
+from seqshard.formats.peers.mmidx import check_sequences
 from seqshard.formats.tar import SampleStream
 
 MB = 1 << 20

@@ -15,8 +15,8 @@ from conftest import pack_small
 from seqshard import make_loader
 from seqshard.errors import SeqshardError, ShardError
 from seqshard.formats.index import ShardIndex
-from seqshard.formats.mmidx import TokenDataset, TokenDatasetWriter, TokenMeta, data_fingerprint
-from seqshard.formats.shar import shar_index
+from seqshard.formats.peers.mmidx import TokenDataset, TokenDatasetWriter, TokenMeta, data_fingerprint
+from seqshard.formats.peers.shar import shar_index
 
 TEN = 10  # utterances in the shard of the index tests
 
@@ -232,7 +232,7 @@ def test_a_hostile_plan_of_an_unfinished_pack_is_named(one_shard, tmp_path, cont
 
 def test_a_hostile_index_list_units_or_run_file_is_named(one_shard, tmp_path):
     from seqshard.errors import ConfigError
-    from seqshard.formats.lists import shard_list
+    from seqshard.formats.peers.lists import shard_list
     from seqshard.text.tokenizers import UnitsTokenizer
     from seqshard.tools.index import rebuild_index
 

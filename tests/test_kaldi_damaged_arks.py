@@ -13,7 +13,7 @@ from kaldiio.matio import read_kaldi, write_array
 from conftest import REALDATA, read_shards
 from seqshard import pack_data
 from seqshard.errors import InputError, Where
-from seqshard.formats.kaldi import MatrixReader, parse_location
+from seqshard.formats.peers.kaldi import MatrixReader, parse_location
 from seqshard.scp_dataset import ScpDataset
 
 DIM = 3

@@ -12,8 +12,8 @@ import pytest
 from conftest import REALDATA, read_shards
 from seqshard import pack_data
 from seqshard.errors import InputError, Where, command_line_flags
-from seqshard.formats.kaldi import MatrixReader, iter_lines, parse_line, parse_location
 from seqshard.formats.keys import key_problem
+from seqshard.formats.peers.kaldi import MatrixReader, iter_lines, parse_line, parse_location
 
 GENERATED = REALDATA / "kaldi" / "generated_kaldi"
 EXPECTED = json.loads((REALDATA / "kaldi" / "EXPECTED.json").read_text())

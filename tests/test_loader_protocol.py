@@ -13,7 +13,7 @@ import pytest
 
 from conftest import pack_small, write_kaldi_dir
 from seqshard import make_loader, make_token_loader
-from seqshard.formats.mmidx import TokenDatasetWriter
+from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.protocol import Loader
 from seqshard.scp_dataset import MapStyleLoader, ScpDataset
 

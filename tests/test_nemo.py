@@ -17,7 +17,7 @@ import soundfile
 from conftest import read_audio_shards
 from seqshard import make_loader
 from seqshard.errors import ConfigError, InputError, ShardError
-from seqshard.formats.nemo_tarred import NemoTarStream, nemo_shard_of
+from seqshard.formats.peers.nemo_tarred import NemoTarStream, nemo_shard_of
 from seqshard.formats.streams import open_samples
 from seqshard.prep.pack import pack_data
 from seqshard.tools.index import rebuild_index

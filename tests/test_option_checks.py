@@ -14,7 +14,7 @@ from seqshard import make_loader, make_scp_loader, make_token_loader, mux
 from seqshard.checks import check_number
 from seqshard.errors import ConfigError
 from seqshard.features.fbank import FbankOptions
-from seqshard.formats.mmidx import TokenDatasetWriter
+from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.formats.tar import ShardWriter
 from seqshard.options import NUMBERS, LoaderOptions
 from seqshard.tools.index import rebuild_index

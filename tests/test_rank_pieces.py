@@ -15,7 +15,7 @@ import pytest
 from conftest import pack_small
 from seqshard.dist import Collectives, DistContext
 from seqshard.errors import ConfigError, SeqshardError, StateMismatchError
-from seqshard.formats.remote import RemoteAccess
+from seqshard.formats.remote.access import RemoteAccess
 from seqshard.formats.table import ShardTable
 from seqshard.options import Epochs, LoaderOptions
 from seqshard.pipeline.plan import planned_utts

@@ -12,7 +12,7 @@ from http_server import ShardServer
 from conftest import write_kaldi_dir
 from seqshard import make_loader, pack_data
 from seqshard.errors import ConfigError, ShardError
-from seqshard.formats.cache import TAG
+from seqshard.formats.remote.cache import TAG
 
 OPTIONS = dict(batch_size=4, shuffle_window=16, sort_window=8, seed=1)
 
@@ -150,8 +150,8 @@ def test_the_cache_keeps_to_its_limit(packed, tmp_path):
 
 
 def _read_through_cache(url, cache, barrier):
-    from seqshard.formats.cache import ShardCache
-    from seqshard.formats.remote import RemoteAccess
+    from seqshard.formats.remote.access import RemoteAccess
+    from seqshard.formats.remote.cache import ShardCache
 
     access = RemoteAccess(cache=ShardCache(cache))
     barrier.wait()

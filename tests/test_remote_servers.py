@@ -19,7 +19,7 @@ from http_server import ShardServer
 from conftest import write_kaldi_dir
 from seqshard import make_loader, pack_data
 from seqshard.errors import ShardError
-from seqshard.formats import remote
+from seqshard.formats.remote import access as remote
 from seqshard.tools.verify import verify
 
 OPTIONS = dict(batch_size=4, shuffle_window=16, sort_window=8, seed=1)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from seqshard import TokenPair, make_token_loader, mux
-from seqshard.formats.mmidx import TokenDataset, TokenDatasetWriter
+from seqshard.formats.peers.mmidx import TokenDataset, TokenDatasetWriter
 
 PAD, EOS = 1, 2
 

@@ -15,7 +15,7 @@ import distributed
 from conftest import REALDATA
 from seqshard import TokenDataset, make_token_loader
 from seqshard.errors import ConfigError
-from seqshard.formats.mmidx import TokenDatasetWriter
+from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.tokens.blocks import BlockRules, plan_blocks
 
 OPENWEBTEXT = REALDATA / "megatron/meg-gpt2-openwebtext_text_document"

@@ -244,7 +244,7 @@ def test_a_state_of_another_data_bin_is_refused(data_bin, tmp_path):
 def test_ids_past_the_dictionary_are_refused_not_taken_for_language_tokens(tmp_path, largest):
     """A .bin made with a larger dictionary: id 7 was served as the language token that
     augment_dictionary numbers 7 here, id 30 as a word no embedding has."""
-    from seqshard.formats.mmidx import TokenDatasetWriter
+    from seqshard.formats.peers.mmidx import TokenDatasetWriter
 
     folder = tmp_path / "data_bin" / "shard000"
     folder.mkdir(parents=True)

@@ -7,7 +7,7 @@ import pytest
 from conftest import REALDATA
 from seqshard import TokenDataset, binarize, make_token_loader
 from seqshard.errors import ConfigError
-from seqshard.formats.mmidx import TokenDatasetWriter
+from seqshard.formats.peers.mmidx import TokenDatasetWriter
 
 BPE = REALDATA / "tokenizers/librispeech.train_960_unigram5000.bpemodel"
 OPENWEBTEXT = REALDATA / "megatron/meg-gpt2-openwebtext_text_document"

@@ -9,7 +9,7 @@ import pytest
 
 from seqshard import TokenDataset
 from seqshard.errors import ShardError
-from seqshard.formats.mmidx import HEADER, TokenDatasetWriter
+from seqshard.formats.peers.mmidx import HEADER, TokenDatasetWriter
 
 
 @pytest.fixture

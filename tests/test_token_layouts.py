@@ -14,7 +14,7 @@ from conftest import REALDATA
 from seqshard import TokenDataset
 from seqshard.cli import main
 from seqshard.errors import ConfigError, ShardError
-from seqshard.formats.mmidx import TokenDatasetWriter
+from seqshard.formats.peers.mmidx import TokenDatasetWriter
 
 BPE = REALDATA / "tokenizers/librispeech.train_960_unigram5000.bpemodel"
 MEGATRON = REALDATA / "megatron"

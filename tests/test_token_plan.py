@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from seqshard import TokenPair, make_token_loader, mux
-from seqshard.formats.mmidx import TokenDataset, TokenDatasetWriter
+from seqshard.formats.peers.mmidx import TokenDataset, TokenDatasetWriter
 from seqshard.seeds import Seed, stage_rng
 from seqshard.tokens.plan import cut_batches, lexsorted
 

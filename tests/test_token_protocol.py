@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from seqshard import make_token_loader
-from seqshard.formats.mmidx import TokenDatasetWriter
+from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.protocol import Loader
 
 MODES = {"sentences": dict(max_tokens=60), "blocks": dict(block_size=8, max_tokens=24)}

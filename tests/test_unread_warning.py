@@ -10,8 +10,8 @@ import pytest
 
 from distributed import kill, start_ranks
 from seqshard import make_loader, make_token_loader
-from seqshard.formats.mmidx import TokenDatasetWriter
 from seqshard.formats.npy import npy_parts
+from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.formats.tar import ShardWriter
 from seqshard.options import LoaderOptions
 from seqshard.pipeline.rank.accounts import unread_warning

@@ -18,8 +18,6 @@ from pathlib import Path
 
 from ..errors import ConfigError, ShardError, counted, option
 from .index import ShardIndex
-from .lists import shard_list
-from .nemo_tarred import NEMO_FORMAT, nemo_index
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
 from .patterns import (
     Alternative,
@@ -30,7 +28,9 @@ from .patterns import (
     old_layout_sidecar,
     pattern_list,
 )
-from .shar import shar_index
+from .peers.lists import shard_list
+from .peers.nemo_tarred import NEMO_FORMAT, nemo_index
+from .peers.shar import shar_index
 from .streams import same_keys
 
 _LOG = logging.getLogger("seqshard")

@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import ShardError
 from . import tar
 from .members import CHECK_EVERY, REBUILD, MemberTable, table_path
-from .remote import RemoteAccess
+from .remote.access import RemoteAccess
 from .tar import BLOCK, MappedBytes, SampleStream, TarRecord
 
 _LOG = logging.getLogger("seqshard")

@@ -1,6 +1,6 @@
 """Sample streams over what the loader reads: tar shards, WeNet raw lists and NeMo manifests
-read as shards, the files of Lhotse Shar folders (``formats/shar.py``) and the tars of NeMo
-tarred sets (``formats/nemo_tarred.py``).
+read as shards, the files of Lhotse Shar folders (``formats/peers/shar.py``) and the tars of NeMo
+tarred sets (``formats/peers/nemo_tarred.py``).
 
 All have the same interface (``next_sample()``, ``resume_offset``, ``ordinal``,
 ``ended_cleanly``), so planning, splitting, skipping and resuming treat them alike.
@@ -11,13 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ShardError
-from .lists import READ_ERROR_FIELD, ListSampleStream
 from .members import has_table_format, load_table
-from .nemo import ManifestSampleStream
-from .nemo_tarred import NemoTarStream, nemo_shard_of
 from .patterns import is_list_name, is_manifest_name
-from .remote import RemoteAccess, is_remote
-from .shar import CutStream, FieldTarStream, JsonlFieldStream, open_shar, shar_field_of
+from .peers.lists import READ_ERROR_FIELD, ListSampleStream
+from .peers.nemo import ManifestSampleStream
+from .peers.nemo_tarred import NemoTarStream, nemo_shard_of
+from .peers.shar import CutStream, FieldTarStream, JsonlFieldStream, open_shar, shar_field_of
+from .remote.access import RemoteAccess, is_remote
 from .sliced import SlicedSampleStream
 from .tar import SampleStream
 

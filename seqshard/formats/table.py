@@ -17,15 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, ShardError, counted
-from . import remote
 from .index import ShardIndex, merge_histograms
-from .lists import scan_list
-from .nemo import scan_manifest
 from .patterns import Patterns, is_list_name, is_manifest_name
-from .remote import RemoteAccess, is_pipe, is_remote
-from .remote_selection import RemoteSelection, split_patterns
+from .peers.lists import scan_list
+from .peers.nemo import scan_manifest
+from .peers.shar import is_shar_table
+from .remote import access as remote
+from .remote.access import RemoteAccess, is_pipe, is_remote
+from .remote.selection import RemoteSelection, split_patterns
 from .selection import MissingShard, ShardSelection, select_shards
-from .shar import is_shar_table
 from .shard_lengths import ShardLengths
 from .streams import first_sample_fields, open_samples
 

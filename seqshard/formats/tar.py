@@ -31,7 +31,7 @@ from .files import fsync_directory, inside, open_output, writing
 from .keys import split_member_name
 from .members import MemberTable, TableBuilder, has_table_format, table_path
 from .prefetch import ReadAhead
-from .remote import RemoteAccess, is_remote
+from .remote.access import RemoteAccess, is_remote
 
 BLOCK = 512
 RECORD = 20 * BLOCK

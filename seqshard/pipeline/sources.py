@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import ConfigError, ShardError, counted
 from ..formats.patterns import Patterns
-from ..formats.remote import RemoteAccess
+from ..formats.remote.access import RemoteAccess
 from ..formats.selection import missing_error
 from ..formats.table import ShardTable
 from ..mix import Mux, flatten

@@ -28,13 +28,13 @@ from typing import Any
 from ..errors import ConfigError, InputError, SeqshardError, SkipCounter, Where, option
 from ..formats.files import inside, remove_stale_temporaries, writing
 from ..formats.index import FieldSet, ShardIndex, SidecarEntry, sidecar_name
-from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import unescape_key
-from ..formats.keytable import KeyTable
 from ..formats.lock import FolderLocks
 from ..formats.npy import decode_npy, npy_parts
 from ..formats.pack_state import STATE_DIR, pack_root
 from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, old_layout_sidecar, shard_subfolders
+from ..formats.peers.kaldi import MatrixReader, parse_location
+from ..formats.peers.keytable import KeyTable
 from ..formats.selection import is_sidecar
 from ..formats.tar import SampleStream, ShardWriter, temporary_path
 from ..progress import Progress

@@ -30,7 +30,7 @@ import numpy as np
 from ..errors import ConfigError, InputError, Where, counted, option
 from ..formats.files import inside, open_output
 from ..formats.lock import FolderLock
-from ..formats.mmidx import (
+from ..formats.peers.mmidx import (
     TokenDataset,
     TokenDatasetWriter,
     TokenMeta,

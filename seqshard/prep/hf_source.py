@@ -1,4 +1,4 @@
-"""``pack --hf``: the rows of a Hugging Face dataset (``formats/hf.py``) as utterances.
+"""``pack --hf``: the rows of a Hugging Face dataset (``formats/peers/hf.py``) as utterances.
 
 The scan reads only the key and text columns, a batch at a time, and writes them with each
 row's place (file, batch, row) to ``rows.jsonl`` in the pack's state folder: the source's
@@ -26,9 +26,9 @@ from ..checks import shown
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import Audio
 from ..formats.files import open_output
-from ..formats.hf import Batches, audio_column, cell_audio, dataset_files, id_column, text_column
-from ..formats.keytable import KeyTable
 from ..formats.pack_state import STATE_DIR
+from ..formats.peers.hf import Batches, audio_column, cell_audio, dataset_files, id_column, text_column
+from ..formats.peers.keytable import KeyTable
 from .plan import PackOptions, PackPlan
 from .sources import AudioSource, Members, Progress, _AudioReader, check_key, field_members
 

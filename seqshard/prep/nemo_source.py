@@ -1,4 +1,4 @@
-"""``pack --manifest``: the utterances of NeMo manifests (``formats/nemo.py``).
+"""``pack --manifest``: the utterances of NeMo manifests (``formats/peers/nemo.py``).
 
 A manifest line is an utterance: its key (the entry's ``id``, else from its file's name and
 offset), its audio (a whole file, or ``duration`` seconds from ``offset``: the rules of a
@@ -17,8 +17,8 @@ import numpy as np
 
 from ..errors import SkipCounter, Where
 from ..formats.audio import Audio, WavLocation, cut, decode_audio, read_location
-from ..formats.keytable import KeyTable
-from ..formats.nemo import audio_path, parse_entry, parse_keyed, parse_text
+from ..formats.peers.keytable import KeyTable
+from ..formats.peers.nemo import audio_path, parse_entry, parse_keyed, parse_text
 from .plan import PackOptions, PackPlan
 from .sources import AudioSource, Members, Progress, _AudioReader, check_key, field_members
 

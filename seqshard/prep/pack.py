@@ -25,8 +25,8 @@ from ..errors import ConfigError, InputError, SeqshardError, Where, option
 from ..formats.files import inside, remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import ShardEntry, ShardIndex
 from ..formats.lock import FolderLock
-from ..formats.nemo import manifest_files
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
+from ..formats.peers.nemo import manifest_files
 from ..progress import Progress
 from .journal import Journal, finished_shards, shard_written
 from .nemo_source import ManifestSource

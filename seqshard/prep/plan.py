@@ -22,10 +22,10 @@ import numpy as np
 
 from ..errors import ConfigError, InputError, SkipCounter, Where, counted, option
 from ..formats.fields import AUDIO_EXTENSIONS
-from ..formats.kaldi import ArkLocation, parse_location
 from ..formats.keys import escape_key
-from ..formats.keytable import KeyTable
 from ..formats.patterns import FIELD_SET_NAME
+from ..formats.peers.kaldi import ArkLocation, parse_location
+from ..formats.peers.keytable import KeyTable
 from ..seeds import pack_order_rng
 
 if TYPE_CHECKING:

@@ -37,10 +37,10 @@ from ..formats.audio import (
     store,
 )
 from ..formats.fields import NODATA
-from ..formats.kaldi import MatrixReader, parse_location
 from ..formats.keys import key_problem
-from ..formats.keytable import KeyTable
 from ..formats.npy import npy_parts
+from ..formats.peers.kaldi import MatrixReader, parse_location
+from ..formats.peers.keytable import KeyTable
 
 if TYPE_CHECKING:
     from .plan import PackOptions, PackPlan

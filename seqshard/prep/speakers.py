@@ -17,9 +17,9 @@ import numpy as np
 
 from ..errors import InputError, SkipCounter, Where
 from ..features.speaker_cmvn import SPEAKER_FIELD, STATS_FIELD, stats_problem
-from ..formats.kaldi import MatrixReader
-from ..formats.keytable import KeyTable
 from ..formats.npy import npy_parts
+from ..formats.peers.kaldi import MatrixReader
+from ..formats.peers.keytable import KeyTable
 
 if TYPE_CHECKING:
     from .plan import PackOptions, PackPlan

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ConfigError, InputError, SkipCounter
-from ..formats.keytable import KeyTable
+from ..formats.peers.keytable import KeyTable
 
 
 class LabelOverride:

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..checks import check_flag, check_number
 from ..errors import ConfigError
-from ..formats.mmidx import TokenDataset
+from ..formats.peers.mmidx import TokenDataset
 from ..seeds import Seed, stage_rng
 from .ids import SpecialIds
 

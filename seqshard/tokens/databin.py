@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ..formats.mmidx import dtype_of, paths_of, read_layout
+from ..formats.peers.mmidx import dtype_of, paths_of, read_layout
 from ..text.fairseq_dict import FairseqDictionary
 from .pairs import TokenPair
 

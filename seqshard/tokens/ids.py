@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import ConfigError
-from ..formats.mmidx import TokenDataset
+from ..formats.peers.mmidx import TokenDataset
 
 FAIRSEQ_PAD, FAIRSEQ_EOS = 1, 2
 SCAN_TOKENS = 1 << 26  # tokens compared at once when checking that the pad never occurs

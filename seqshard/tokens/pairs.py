@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError
-from ..formats.mmidx import TokenDataset
+from ..formats.peers.mmidx import TokenDataset
 from .collate import Rows
 
 

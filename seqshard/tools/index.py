@@ -3,7 +3,7 @@
 For a folder written by ``seqshard pack`` (also one packed in parts on several machines) the
 pack journal already describes each finished shard; shards it does not describe, and shards
 made by other tools, are read in full. A NeMo tarred set's index comes from its manifest
-(entries per tar, lengths from their durations: ``formats/nemo_tarred.py``).
+(entries per tar, lengths from their durations: ``formats/peers/nemo_tarred.py``).
 
 Sidecars of ``add-field`` in the old layout (``data-00042.NAME.tar`` beside the shard, which
 globs of the shards select) are moved to ``fields/NAME/data-00042.tar`` on request: each gets
@@ -26,7 +26,6 @@ from ..formats.files import inside, remove_stale_temporaries, writing
 from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, sidecar_name
 from ..formats.lock import FolderLocks
 from ..formats.members import load_table
-from ..formats.nemo_tarred import nemo_index
 from ..formats.pack_state import STATE_DIR, pack_root, planned_shards
 from ..formats.patterns import (
     FIELDS_DIR,
@@ -35,8 +34,9 @@ from ..formats.patterns import (
     shard_subfolders,
     shards_in_folder,
 )
+from ..formats.peers.nemo_tarred import nemo_index
+from ..formats.peers.shar import is_shar_folder
 from ..formats.selection import dangling_shard_links, is_sidecar
-from ..formats.shar import is_shar_folder
 from ..formats.tar import member_table
 from ..prep.journal import finished_shards
 from ..prep.sources import FEATURE_MEMBER, LABEL_MEMBER

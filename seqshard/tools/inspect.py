@@ -10,8 +10,8 @@ from typing import Any
 from ..errors import counted, redact
 from ..formats.fields import field_name
 from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
+from ..formats.peers.shar import is_shar_index
 from ..formats.selection import MissingShard
-from ..formats.shar import is_shar_index
 from ..formats.table import select_folders, size_problem
 from .parallel import map_shards
 from .scan import scan_shard

@@ -7,16 +7,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ShardError
-from ..formats import remote
 from ..formats.audio import audio_seconds
 from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.files import crc32_of
 from ..formats.index import ShardEntry, length_bin
-from ..formats.lists import SEGMENT_FIELD
 from ..formats.members import MemberTable, TableBuilder, has_table_format
-from ..formats.nemo_tarred import nemo_shard_of
 from ..formats.npy import decode_npy
-from ..formats.shar import shar_field_of
+from ..formats.peers.lists import SEGMENT_FIELD
+from ..formats.peers.nemo_tarred import nemo_shard_of
+from ..formats.peers.shar import shar_field_of
+from ..formats.remote import access as remote
 from ..formats.streams import open_samples
 from ..formats.tar import SampleStream
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ShardError, counted, redact
-from ..formats import remote
 from ..formats.index import SidecarEntry
 from ..formats.members import load_table, table_path
+from ..formats.remote import access as remote
 from ..formats.table import select_folders
 from .parallel import map_shards
 from .scan import ShardScan, scan_shard

@@ -21,7 +21,7 @@ from typing import Any
 
 from ...dist import Collectives
 from ...errors import ShardError, counted, option, redact
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ...formats.streams import count_samples
 from ...options import LoaderOptions
 from ...text.tokenizers import UNKNOWN_WARN_AFTER, unknown_tokens_warning

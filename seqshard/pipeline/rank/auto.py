@@ -19,7 +19,7 @@ import statistics
 import time
 
 from ...dist import Collectives, cores_per_rank
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
 from ...text.labels import LabelOverride

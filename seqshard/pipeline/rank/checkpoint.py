@@ -13,7 +13,7 @@ from typing import Any
 
 from ...dist import Collectives
 from ...errors import ConfigError, StateMismatchError
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
 from ..workers.setup import WorkerSetup

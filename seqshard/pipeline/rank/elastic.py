@@ -22,7 +22,7 @@ from typing import Any
 
 from ...dist import Collectives
 from ...errors import StateMismatchError
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
 from ..plan import Plan, Unit, spread_units

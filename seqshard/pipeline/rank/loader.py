@@ -14,7 +14,7 @@ from typing import Any
 from ...checks import check_number
 from ...dist import Collectives, DistContext
 from ...errors import ConfigError
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
 from ...protocol import PlannedBatches, length_of

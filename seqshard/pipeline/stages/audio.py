@@ -24,7 +24,7 @@ from ...features.on_device import MASKS, NOISE_SEED
 from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
 from ...formats.audio import cut, decode_audio, resample
 from ...formats.fields import AudioBytes, field_name
-from ...formats.lists import SEGMENT_FIELD
+from ...formats.peers.lists import SEGMENT_FIELD
 from ...seeds import Seed
 from .base import Map, Stage, State
 from .sample import Sample

@@ -11,7 +11,7 @@ from collections.abc import Collection
 from ...errors import InputError, Where
 from ...formats.fields import ABSENT, InflationError, decode_field, field_name, split_suffix
 from ...formats.keys import unescape_key
-from ...formats.lists import READ_ERROR_FIELD
+from ...formats.peers.lists import READ_ERROR_FIELD
 from ...formats.table import ShardTable
 from .sample import Sample
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ...errors import ConfigError
 from ...formats.fields import AUDIO_EXTENSIONS, field_name, split_suffix
-from ...formats.shar import FEATURES
+from ...formats.peers.shar import FEATURES
 from ...formats.table import MAIN, ShardTable
 from .decode import LABEL_FIELD, LEGACY_FEATURE_FIELDS
 

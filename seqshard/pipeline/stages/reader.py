@@ -27,7 +27,7 @@ from dataclasses import replace
 import numpy as np
 
 from ...errors import ShardError, SkipCounter
-from ...formats.remote import RemoteAccess, is_remote
+from ...formats.remote.access import RemoteAccess, is_remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
 from ...formats.table import MAIN, ShardInfo, ShardTable, size_problem
 from ...formats.tar import TarRecord

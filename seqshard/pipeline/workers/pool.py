@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ...device import is_cuda
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ..stages.collate import to_tensors
 from .process import WorkerLink
 from .protocol import BatchItem, ErrorItem, Item

@@ -39,7 +39,7 @@ import numpy as np
 
 from ...errors import ConfigError, SkipCounter
 from ...formats.keys import key_hash
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ...options import Batching
 from ...seeds import Seed, stage_rng
 from ..plan import Unit

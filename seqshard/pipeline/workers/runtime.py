@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ..stages.base import Stage, State
 from .transfer import BatchSlots
 

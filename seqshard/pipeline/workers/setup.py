@@ -17,7 +17,7 @@ from ...features.audio import AudioOptions
 from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
 from ...formats.fields import field_name
 from ...formats.index import bin_bounds, histogram_percentile
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ...formats.streams import open_samples
 from ...formats.table import ShardTable
 from ...options import BudgetWindow, LoaderOptions

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import SeqshardError
-from ...formats.remote import RemoteAccess
+from ...formats.remote.access import RemoteAccess
 from ..plan import Unit
 from ..stages.base import Stage, State
 from ..stages.batching import Batch, bucket_of

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import read_number, shown
-from ..errors import ConfigError, ShardError
-from .files import fsync_directory, inside, open_output, write_json_atomic, writing
+from ...checks import read_number, shown
+from ...errors import ConfigError, ShardError
+from ..files import fsync_directory, inside, open_output, write_json_atomic, writing
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

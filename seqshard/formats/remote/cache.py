@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, ShardError
-from .files import crc32_of, inside, open_output
+from ...errors import ConfigError, ShardError
+from ..files import crc32_of, inside, open_output
 
 _LOG = logging.getLogger("seqshard")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, InputError, Where
-from .audio import WavLocation, parse_wav_location, read_location
+from ...errors import ConfigError, InputError, Where
+from ..audio import WavLocation, parse_wav_location, read_location
+from ..keys import key_hash
+from ..patterns import SHARD_SUFFIXES, is_shard_name
+from ..remote.access import has_query, is_remote, url_name
+from ..tar import TarRecord
 from .kaldi import BOM, parse_line
-from .keys import key_hash
-from .patterns import SHARD_SUFFIXES, is_shard_name
-from .remote import has_query, is_remote, url_name
-from .tar import TarRecord
 
 _LOG = logging.getLogger("seqshard")
 SEGMENT_FIELD = "segment.json"  # start and end of a sample cut from its audio file

@@ -15,7 +15,7 @@
 
 A manifest given to the loader is read like a WeNet raw list (:class:`ManifestSampleStream`);
 ``seqshard pack --manifest`` packs one (``prep/nemo_source.py``). The tarred sets NeMo makes
-from manifests are read by ``formats/nemo_tarred.py``.
+from manifests are read by ``formats/peers/nemo_tarred.py``.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, InputError, Where, option
-from .index import MAX_LENGTH
+from ...errors import ConfigError, InputError, Where, option
+from ..index import MAX_LENGTH
+from ..patterns import FIELD_SET_NAME, nemo_braces
 from .lists import ListSampleStream, scan_list
-from .patterns import FIELD_SET_NAME, nemo_braces
 
 AUDIO_KEYS = ("audio_filepath", "audio_filename")
 TEXT_KEYS = ("text", "normalized_text")
@@ -146,7 +146,7 @@ def audio_path(audio: str, manifest: str | Path) -> str:
 
 
 def parse_keyed(line: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
-    """``(key, the line)`` of a manifest line: a key table's parser (``formats/keytable.py``)."""
+    """``(key, the line)`` of a manifest line: a key table's parser (``formats/peers/keytable.py``)."""
     entry = parse_entry(line, where)
     return entry.stable_key(), line.decode("utf-8")
 

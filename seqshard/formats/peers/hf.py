@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checks import shown
-from ..errors import ConfigError, InputError, Where, option
-from .audio import Audio, decode_audio
+from ...checks import shown
+from ...errors import ConfigError, InputError, Where, option
+from ..audio import Audio, decode_audio
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -23,7 +23,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ..errors import InputError, Where, option
+from ...errors import InputError, Where, option
 
 _LOG = logging.getLogger("seqshard")
 _MATRIX_TOKENS = {b"FM": 4, b"DM": 8, b"CM": 1, b"CM2": 2, b"CM3": 1}

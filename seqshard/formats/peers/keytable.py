@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import InputError, SkipCounter, Where
+from ...errors import InputError, SkipCounter, Where
+from ..keys import key_hash
 from .kaldi import ASCII_WHITESPACE, iter_lines, parse_line
-from .keys import key_hash
 
 Parser = Callable[[bytes, Where, bool], tuple[str, str]]
 

@@ -33,12 +33,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError, ShardError, Where, counted
-from .index import ShardEntry, ShardIndex, length_bin
+from ...errors import InputError, ShardError, Where, counted
+from ..index import ShardEntry, ShardIndex, length_bin
+from ..patterns import shards_in_folder
+from ..tar import BLOCK, TarRecord, TarStream
 from .lists import SEGMENT_FIELD
 from .nemo import SHARD_KEY, Entry, parse_entry
-from .patterns import shards_in_folder
-from .tar import BLOCK, TarRecord, TarStream
 
 _LOG = logging.getLogger("seqshard")
 TAR_NAME = re.compile(r"audio[^/]*_(\d+)[^/]*\.tar")  # NeMo's rule for a tar's shard id

@@ -27,14 +27,14 @@ from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
 
-from ..checks import NumberError, read_number
-from ..errors import ConfigError, ShardError, redact
-from .fields import NODATA
-from .index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, length_bin
-from .inflation import BoundedLines, InflationError
-from .patterns import SHAR_CUTS
-from .remote import is_remote
-from .tar import TarRecord, TarStream
+from ...checks import NumberError, read_number
+from ...errors import ConfigError, ShardError, redact
+from ..fields import NODATA
+from ..index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, length_bin
+from ..inflation import BoundedLines, InflationError
+from ..patterns import SHAR_CUTS
+from ..remote.access import is_remote
+from ..tar import TarRecord, TarStream
 
 CUTS = "cuts"  # what lhotse calls the cuts "field"; their files name the shards
 FEATURES = "features"  # the field lhotse keeps features in: a Shar folder's feature field

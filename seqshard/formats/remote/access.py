@@ -47,12 +47,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
-from ..errors import ConfigError, ShardError, counted, option, redact, redact_libraries
-from .prefetch import ReadAhead
+from ...errors import ConfigError, ShardError, counted, option, redact, redact_libraries
+from ..prefetch import ReadAhead
 
 if TYPE_CHECKING:
+    from ..index import ShardIndex
     from .cache import ShardCache
-    from .index import ShardIndex
 
 _LOG = logging.getLogger("seqshard")
 
@@ -840,7 +840,7 @@ class PipeBytes:
 
 def load_remote_index(folder_url: str, access: RemoteAccess) -> ShardIndex | None:
     """The ``index.json`` of a remote folder, or None when it has none."""
-    from .index import INDEX_NAME, ShardIndex
+    from ..index import INDEX_NAME, ShardIndex
 
     url = folder_url.rstrip("/") + "/" + INDEX_NAME
     text = access.read_text(url)

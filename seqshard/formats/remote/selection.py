@@ -18,11 +18,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import ConfigError
-from .index import ShardEntry, ShardIndex
-from .lists import shard_list
-from .patterns import is_list_name, is_shard_name, pattern_list
-from .remote import (
+from ...errors import ConfigError
+from ..index import ShardEntry, ShardIndex
+from ..patterns import is_list_name, is_shard_name, pattern_list
+from ..peers.lists import shard_list
+from ..selection import MissingShard
+from .access import (
     NotOnServer,
     RemoteAccess,
     check_pipes_allowed,
@@ -32,7 +33,6 @@ from .remote import (
     load_remote_index,
     url_name,
 )
-from .selection import MissingShard
 
 
 @dataclass(frozen=True)
