@@ -324,3 +324,17 @@ def test_a_batch_crosses_the_pipe_as_it_was(values):
     )
     again = BatchItem.from_wire(pickle.loads(pack(item.wire())))
     assert again.batch == item.batch and again.slot == 0 and again.places == ("feats",)
+
+
+def test_an_epochs_start_does_not_walk_the_plan_and_len_still_counts_exactly(five_hundred, monkeypatch):
+    """Walking a small epoch's planned batches costs ~40 us an utterance in the training process:
+    asked for by len(), never before each epoch's first batch."""
+    from seqshard.pipeline.rank import counts
+
+    walks = []
+    walked = counts._walked
+    monkeypatch.setattr(counts, "_walked", lambda *args: walks.append(args) or walked(*args))
+    loader = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, **WINDOWS)
+    batches = sum(1 for _ in loader)
+    assert not walks
+    assert len(loader) == batches and len(walks) == 1
