@@ -36,9 +36,8 @@ from ..checks import number_problem, read_number, shown
 from ..errors import SeqshardError
 from .files import write_json_atomic
 from .inflation import MAX_INFLATION, MIN_INFLATION_LIMIT
-from .patterns import FIELD_SET_NAME, FIELDS_DIR, shard_stem
+from .patterns import FIELD_SET_NAME, FIELDS_DIR, INDEX_NAME, shard_stem
 
-INDEX_NAME = "index.json"
 FORMAT = "seqshard-index"
 VERSION = 2  # written only when the folder has field sets; version 1 otherwise
 BINS_PER_OCTAVE = 8

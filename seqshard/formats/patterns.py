@@ -23,6 +23,7 @@ SHARD_SUFFIXES = (".tar", ".tar.gz", ".tgz")
 MANIFEST_SUFFIXES = (".json", ".jsonl")  # NeMo manifests, read directly (see formats/peers/nemo.py)
 LIST_SUFFIXES = (".list", ".scp", *MANIFEST_SUFFIXES)  # and WeNet lists and Kaldi wav.scp (formats/peers/lists.py)
 FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
+INDEX_NAME = "index.json"  # a folder's index (formats/index.py)
 FIELDS_DIR = "fields"  # FOLDER/fields/NAME/data-00042.tar: field set NAME of FOLDER/data-00042.tar
 SHAR_CUTS = re.compile(r"cuts(?P<id>(?:\.[^.]+)*?)\.jsonl(?:\.gz)?")  # a Lhotse Shar shard (formats/peers/shar.py)
 
@@ -38,8 +39,6 @@ def is_manifest_name(name: str) -> bool:
 
 
 def _is_index(name: str) -> bool:
-    from .index import INDEX_NAME  # index.py imports this module
-
     return name.rsplit("/", 1)[-1] == INDEX_NAME
 
 

@@ -181,7 +181,7 @@ def pack_data(
             _record_plan(d_out, run, plan)
             try:
                 if speakers is not None and not skip_bad:  # before a shard is written
-                    speakers.check(plan, plan.source.dim(plan))
+                    speakers.check(plan.planned_utterances(), plan.source.dim(plan))
                 return _pack_planned(plan, options, d_out, text_files, jobs, num_parts, part, max_open, bars, started)
             finally:
                 plan.scp.close()
@@ -245,7 +245,7 @@ def _speakers(options: PackOptions) -> Speakers | None:
         _as_paths(path, name)[0] if path else None
         for path, name in ((options.utt2spk, "utt2spk"), (options.cmvn_scp, "cmvn_scp"))
     )
-    return Speakers(utt2spk, cmvn_scp, options)
+    return Speakers(utt2spk, cmvn_scp, options.location, options.allow_pipes)
 
 
 def _pack_planned(

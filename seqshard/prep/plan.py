@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -217,6 +217,12 @@ class PackPlan:
     @property
     def num_planned(self) -> int:
         return int((self.shard_of_row >= 0).sum())
+
+    def planned_utterances(self) -> Iterator[tuple[str, Where]]:
+        """Each planned utterance's key and where its scp line is, in scp order."""
+        for row in np.flatnonzero(self.shard_of_row >= 0):
+            key = self.scp.record(int(row))[0]
+            yield key, self.scp.where(int(row), key)
 
 
 def build_plan(

@@ -10,30 +10,31 @@ of tens of kilobytes), so any selection of shards, local or remote, normalizes a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from ..errors import InputError, SkipCounter, Where
 from ..features.speaker_cmvn import SPEAKER_FIELD, STATS_FIELD, stats_problem
 from ..formats.npy import npy_parts
-from ..formats.peers.kaldi import MatrixReader
+from ..formats.peers.kaldi import ArkLocation, MatrixReader
 from ..formats.peers.keytable import KeyTable
 
-if TYPE_CHECKING:
-    from .plan import PackOptions, PackPlan
+Locate = Callable[[str, Where], ArkLocation]  # a cmvn.scp value -> where its matrix is (PackOptions.location)
 
 SPEAKER_MEMBER, STATS_MEMBER = f"{SPEAKER_FIELD}.txt", f"{STATS_FIELD}.npy"
 CACHED_SPEAKERS = 4096  # statistics kept encoded per writer, the most recent speakers'
 
 
 class Speakers:
-    """``utt2spk`` and/or ``cmvn.scp`` of a pack (either may be None, not both)."""
+    """``utt2spk`` and/or ``cmvn.scp`` of a pack (either may be None, not both); ``locate``
+    and ``allow_pipes`` read the statistics as the pack's options say."""
 
-    def __init__(self, utt2spk: Path | None, cmvn_scp: Path | None, options: PackOptions):
+    def __init__(self, utt2spk: Path | None, cmvn_scp: Path | None, locate: Locate, allow_pipes: bool):
         refuse = SkipCounter(False)  # a malformed or repeated line stops the pack: ids would be guessed
-        self.options = options
+        self.locate, self.allow_pipes = locate, allow_pipes
         self.utt2spk = KeyTable.scan([utt2spk], refuse, check=_one_word) if utt2spk else None
         self.stats = KeyTable.scan([cmvn_scp], refuse) if cmvn_scp else None
         for table, name in ((self.utt2spk, "utterance"), (self.stats, "speaker")):
@@ -102,8 +103,8 @@ class Speakers:
         row, value = found
         at = self.stats.where(row, speaker)
         if self._reader is None:
-            self._reader = MatrixReader(allow_pipes=self.options.allow_pipes)
-        stats = self._reader.read(self.options.location(value, at), at)
+            self._reader = MatrixReader(allow_pipes=self.allow_pipes)
+        stats = self._reader.read(self.locate(value, at), at)
         problem = stats_problem(np.asarray(stats), dim or None)
         if problem is not None:
             raise InputError(at, "bad_cmvn", f"{problem}.", "compute the statistics again with compute-cmvn-stats.")
@@ -112,13 +113,12 @@ class Speakers:
         encoded = self._encoded[speaker] = list(npy_parts(np.ascontiguousarray(stats, dtype=np.float64)))
         return encoded
 
-    def check(self, plan: PackPlan, dim: int) -> None:
-        """Every planned utterance's speaker and statistics, before a shard is written (the
-        first problem raises; the writers count them when skipping)."""
+    def check(self, utterances: Iterable[tuple[str, Where]], dim: int) -> None:
+        """Every planned utterance's speaker and statistics (its key, and where its line is),
+        before a shard is written (the first problem raises; the writers count them when skipping)."""
         try:
-            for row in np.flatnonzero(plan.shard_of_row >= 0):
-                key = plan.scp.record(int(row))[0]
-                self.members(key, plan.scp.where(int(row), key), dim)
+            for key, where in utterances:
+                self.members(key, where, dim)
         finally:
             if self._reader is not None:  # writer processes open their own (an open file's offset is shared)
                 self._reader.close()
