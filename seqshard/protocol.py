@@ -24,8 +24,9 @@ from typing import Any, Protocol, runtime_checkable
 
 @dataclass(frozen=True)
 class PlannedBatches:
-    """How many batches an epoch holds on this rank: ``total`` in the whole epoch and
-    ``remaining`` after what a loaded state had already handed out. ``exact`` when the count is
+    """How many batches the epoch the next iteration runs holds on this rank (after a state
+    saved at an epoch's end: the next epoch): ``total`` in the whole epoch and ``remaining``
+    after what a loaded state had already handed out. ``exact`` when the count is
     known; otherwise an estimate from the shards' index, the real count between ``low`` and
     ``high`` (``error``: the larger distance from ``total`` to either, as a fraction of
     ``total``), with ``why`` it is not exact and what the bounds rest on."""

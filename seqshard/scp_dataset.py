@@ -148,7 +148,8 @@ class MapStyleLoader:
 
     def planned_batches(self) -> PlannedBatches:
         total = math.ceil(len(self.sampler) / self.batch_size)
-        return PlannedBatches(total, 0 if self._completed else total - self._step)
+        fresh = self._completed or self._chosen  # the next iteration starts an epoch
+        return PlannedBatches(total, total if fresh else total - self._step)
 
     def __len__(self) -> int:
         return self.planned_batches().total

@@ -13,6 +13,8 @@ import multiprocessing
 import os
 import pickle
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -264,18 +266,43 @@ def test_auto_workers_are_chosen_once_and_a_state_keeps_its_own(packed, monkeypa
         make_loader(packed.pattern, num_workers="many", **options)
 
 
-def kill_myself(sample):
-    if sample.key.endswith("utt003"):
-        os.kill(os.getpid(), signal.SIGKILL)
-    return sample
+class KillOnce:
+    """A transform whose worker kills itself at utt003, the first time only (a marker file)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __call__(self, sample):
+        if sample.key.endswith("utt003") and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return sample
 
 
-def test_a_worker_killed_is_reported_not_waited_for(packed):
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent"])
+def test_a_worker_killed_is_reported_not_waited_for_and_the_next_epoch_starts_anew(packed, tmp_path, persistent):
     loader = make_loader(
-        packed.pattern, batch_size=2, num_workers=1, transforms=[kill_myself], shuffle_window=12, sort_window=8
-    )
+        packed.pattern, batch_size=2, num_workers=1, persistent_workers=persistent,
+        transforms=[KillOnce(tmp_path / "killed")], shuffle_window=12, sort_window=8,
+    )  # fmt: skip
     with pytest.raises(RuntimeError, match=r"stopped unexpectedly \(killed by signal 9\)"):
         list(loader)
+    loader.set_epoch(1)  # a persistent worker that died is replaced (it was a BrokenPipeError)
+    assert sorted(key for batch in loader for key in batch["keys"]) == sorted(packed.data.arrays)
+
+
+def test_a_script_that_never_closes_its_persistent_workers_exits(packed):
+    """Workers ignore SIGTERM (a scheduler's signal is their rank's to handle), which
+    multiprocessing's exit sends before waiting for them without a limit: they are stopped first."""
+    script = (
+        "import sys, seqshard\n"
+        "loader = seqshard.make_loader(sys.argv[1], batch_size=2, num_workers=2, persistent_workers=True)\n"
+        "for batch in loader:\n    pass\n"
+        "for batch in loader:\n    break\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, packed.pattern], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "Exception ignored" not in done.stderr
 
 
 BUILT = multiprocessing.Value("q", 0)  # pipelines built in worker processes

@@ -6,6 +6,7 @@ len() where the plan decides it, stats() and close()."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -107,6 +108,7 @@ def test_a_state_saved_after_the_last_batch_resumes_into_the_next_epoch(made, ki
     state = json.loads(json.dumps(loader.state_dict()))
     resumed = loader_of(kind, made)
     resumed.load_state_dict(state)
+    assert resumed.planned_batches().remaining == len(following)  # the next epoch's, not the saved one's rest
     assert epoch_of(resumed) == following and resumed.epoch == 1
 
 
@@ -177,3 +179,16 @@ def test_budget_batches_have_an_estimate_and_len_says_why_it_is_not_exact(made):
         len(loader)
     steps = make_loader(made["shards"], batch_frames=200, num_workers=0, uneven="repeat", epoch_steps=7)
     assert len(steps) == 7 and len(epoch_of(steps)) == 7
+
+
+def test_a_second_iteration_begun_while_one_is_read_ends_the_first_and_says_so(made, caplog):
+    loader = loader_of("shards", made)
+    first = iter(loader)
+    next(first)
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        second = epoch_of(loader)
+        assert list(first) == []  # ended: its loop stops as if the epoch were over
+        epoch_of(loader)  # the last iteration was read to its end: nothing to say
+    assert second == epoch_of(loader_of("shards", made))  # the same epoch, from its start
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "began while an earlier one was still being read" in caplog.records[0].message

@@ -69,7 +69,3 @@ class EpochCursor:
         if self._continues:
             return last.continuing(epoch), epoch
         return self._fresh(epoch), epoch
-
-    def resumed(self) -> RankPosition | None:
-        """The loaded position the current epoch will start from, if any."""
-        return self.resume if self.resume is not None and self.resume.epoch == self.epoch else None

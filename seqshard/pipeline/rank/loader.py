@@ -6,6 +6,8 @@ small position saved and restored exactly (``checkpoint.py``, ``elastic.py``). I
 
 from __future__ import annotations
 
+import inspect
+import logging
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -33,6 +35,8 @@ from .delivery import Delivery
 from .epochs import epoch_rules
 from .feed import WAIT_WARN_AFTER, FeedMeter
 from .merge import MergedStream, RankPosition
+
+_LOG = logging.getLogger("seqshard")
 
 _BATCH_MEASURES: dict[str, Callable[[PlannedBatch], float]] = {
     "cost": lambda batch: batch.cost,
@@ -65,6 +69,7 @@ class ShardLoader:
                 num_workers=auto_workers(table, options, self.collectives, tokenizer, override, mix, access)
             )
         self._active: weakref.ref | None = None
+        self._warned_overlap = False
         self._ranks_agree = False
         self.last_summary: dict[str, Any] | None = None
         self._build(options)
@@ -96,19 +101,22 @@ class ShardLoader:
         self._cursor.set_epoch(epoch)
 
     def planned_batches(self) -> PlannedBatches:
-        """The batches of the current epoch on this rank, exact or estimated (``protocol.py``)."""
-        return planned_batches(self._setup, self.epoch, self._cursor.resumed())
+        """The batches of the epoch the next iteration runs on this rank, from where it starts
+        (a loaded state's position; the next epoch after a state saved at an epoch's end), exact
+        or estimated (``protocol.py``)."""
+        start = self._cursor.peek()
+        return planned_batches(self._setup, start.epoch, start)
 
     def __len__(self) -> int:
         return length_of(self.planned_batches(), "shard loader")
 
     def planned_utts(self) -> int | None:
-        """Utterances this rank's plan holds for the rest of the current epoch, for progress
-        bars; None when unknown (shards without an index, streams that go on across epochs)."""
+        """Utterances this rank's plan holds for the rest of the epoch the next iteration runs,
+        for progress bars; None when unknown (shards without an index, streams that go on
+        across epochs)."""
         if self._rules.end.continues_stream:
             return None
-        position = self._cursor.resumed() or RankPosition.fresh(self.epoch, self._setup.readers_per_rank, 0)
-        return self._accounts.planned_utts(position)
+        return self._accounts.planned_utts(self._cursor.peek())
 
     @property
     def dim(self) -> int | None:
@@ -128,7 +136,7 @@ class ShardLoader:
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self._close_active()  # an abandoned iteration: stop its workers before slots are reused
+        self._close_active(warn=True)  # an abandoned iteration: stop its workers before slots are reused
         iteration = self._iterate(self._cursor.start())
         self._active = weakref.ref(iteration)
         return iteration
@@ -202,10 +210,20 @@ class ShardLoader:
         self._close_active()
         self._pool.close()
 
-    def _close_active(self) -> None:
+    def _close_active(self, warn: bool = False) -> None:
+        """End the iteration still running, if any (``warn``: say so when its loop was still
+        reading, once per loader: its loop stops as if the epoch were over)."""
         previous = self._active() if self._active is not None else None
-        if previous is not None:
-            previous.close()
+        if previous is None:
+            return
+        if warn and not self._warned_overlap and inspect.getgeneratorstate(previous) == inspect.GEN_SUSPENDED:
+            self._warned_overlap = True
+            _LOG.warning(
+                "a new iteration of this loader began while an earlier one was still being read: the earlier "
+                "one ends here, its loop stops as if the epoch were over. A loader reads one iteration at a "
+                "time: finish or drop the first loop, or make a second loader to read both at once."
+            )
+        previous.close()
 
     # -- the plan: batches known before reading ---------------------------------------------
     def heaviest_batches(self, k: int = 1, by: str | Callable[[PlannedBatch], float] = "cost") -> list[PlannedBatch]:

@@ -10,8 +10,6 @@ the training process between takes.
 from __future__ import annotations
 
 import multiprocessing
-import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -40,7 +38,6 @@ class WorkerPool:
         self._setup = setup
         self._iteration = 0
         self._links: list[WorkerLink] = []
-        self._owner = os.getpid()
 
     def start(self, epoch: int, requests: list[dict[str, Any]]) -> Take:
         """Start an iteration (``requests``: where each reader starts); returns the function
@@ -50,6 +47,8 @@ class WorkerPool:
         if self.options.num_workers == 0:
             items = iterate_worker(self._setup, self.runtime, 0, epoch, iteration, requests[0])
             return lambda worker: self.receive(next(items))
+        if self._links and not all(link.alive for link in self._links):  # a persistent worker died (its
+            self.close()  # error was raised in the iteration it broke): the next one starts afresh
         if not self._links:
             ahead = self.options.prefetch_factor
             self._links = [
@@ -105,10 +104,9 @@ class WorkerPool:
         return item
 
     def close(self) -> None:
-        """Stop the worker processes (the next iteration starts them anew)."""
+        """Stop the worker processes (the next iteration starts them anew; a copy of the pool
+        in a forked process stops none: ``WorkerLink.stop``)."""
         links, self._links = self._links, []
-        if os.getpid() != self._owner or sys.is_finalizing():  # a copy in a forked process; or at exit, when
-            return  # daemon workers are stopped anyway
         for link in links:
             link.stop()
 

@@ -22,11 +22,15 @@ from its start, dropped otherwise (``set_epoch`` chose another, a state was load
 batches are those the request would give: the next epoch's pipeline is a function of its
 seed alone.
 
-A worker exits when its parent is gone (checked every ``WATCH_S`` while it waits).
+A worker exits when its parent is gone (checked every ``WATCH_S`` while it waits), and is
+stopped when its parent exits: workers ignore SIGTERM (``_settle``), which multiprocessing's own
+exit sends its daemon children before it waits for them without a limit, so the workers still
+running at exit are stopped first (``_stop_at_exit``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import multiprocessing.connection
 import os
@@ -35,6 +39,7 @@ import random
 import select
 import signal
 import traceback
+import weakref
 from collections import deque
 from typing import Any
 
@@ -47,6 +52,7 @@ from .worker import Made, ReaderRun
 WATCH_S = 5.0  # how often a waiting worker checks that its parent is alive
 AHEAD_OF_EPOCH = 16  # batches of the next epoch a persistent worker makes before it is asked
 FRESH = {"state": None, "seq": 0, "units": None, "carry": None}  # an epoch from its beginning
+_LIVE: weakref.WeakSet[WorkerLink] = weakref.WeakSet()  # links not stopped yet (of this process or a parent)
 
 
 class WorkerLink:
@@ -56,6 +62,8 @@ class WorkerLink:
         self, context: Any, setup: WorkerSetup, runtime: WorkerRuntime, worker: int, ahead: int, persistent: bool
     ):
         self.worker = worker
+        self._owner = os.getpid()
+        self._stopped = False
         commands, self._commands = context.Pipe(duplex=False)
         credits, self._credits = context.Pipe(duplex=False)
         self._items, items = context.Pipe(duplex=False)
@@ -67,6 +75,7 @@ class WorkerLink:
         self._credit_fd = self._credits.fileno()
         os.set_blocking(self._credit_fd, False)
         self._read = _Messages(self._items.fileno())
+        _LIVE.add(self)
 
     def run(self, iteration: int, epoch: int, spec: dict[str, Any]) -> None:
         """Start an iteration (the worker abandons one it is running)."""
@@ -93,15 +102,24 @@ class WorkerLink:
         except BlockingIOError:  # the pipe is full of credits the worker has not needed yet
             pass
 
+    @property
+    def alive(self) -> bool:
+        return not self._stopped and self.process.is_alive()
+
     def stop(self, timeout: float = 5.0) -> None:
-        """Ask the worker to exit and wait for it (stopped by force after ``timeout`` seconds)."""
+        """Ask the worker to exit and wait for it (killed after ``timeout`` seconds: it ignores
+        SIGTERM). Once; only in the process that started it."""
+        if self._stopped or os.getpid() != self._owner:
+            return
+        self._stopped = True
+        _LIVE.discard(self)
         with contextlib.suppress(OSError):
             self._commands.send(("stop",))
         for end in (self._commands, self._credits, self._items):
             end.close()
         self.process.join(timeout)
         if self.process.is_alive():
-            self.process.terminate()
+            self.process.kill()
             self.process.join(timeout)
 
     def _gone(self) -> str:
@@ -139,6 +157,12 @@ class _Messages:
         message = buffer[4:end]
         del buffer[:end]
         return message
+
+
+@atexit.register  # after multiprocessing's own exit function was registered: runs before it
+def _stop_at_exit() -> None:
+    for link in list(_LIVE):
+        link.stop(timeout=2.0)
 
 
 def serve(loop: WorkerLoop) -> None:
