@@ -176,9 +176,12 @@ def _run_pipe(location: WavLocation, where: Where, allow_pipes: bool) -> bytes:
     # a shell, as Kaldi runs its pipes: the user allowed commands from this data
     result = subprocess.run(location.path, shell=True, capture_output=True, check=False)
     if result.returncode != 0:
-        message = result.stderr.decode("utf-8", "replace").strip()[-300:]
+        message = result.stderr.decode("utf-8", "replace").strip()[-300:].rstrip(".")
         raise InputError(
-            where, "unreadable_audio", f"the command {location.path!r} failed ({result.returncode}): {message}"
+            where,
+            "unreadable_audio",
+            f"the command {location.path!r} failed (exit code {result.returncode}): {message}.",
+            "run the command in a shell to see why (a program missing from PATH, such as flac or sox, exits 127).",
         )
     return result.stdout
 
