@@ -182,7 +182,7 @@ def where_next(out: Path, pattern: str, plot: Path | None, train_epochs: int) ->
         f"  {out}/shards          the shards, index.json and pack_report.json per length group",
     ]
     if plot:
-        lines.append(f"  {plot}       utterance lengths")
+        lines.append(f"  {out}/{plot.name:16s}utterance lengths")
     if train_epochs > 0:
         lines.append(f"  {out}/dev             the dev set (a Kaldi data dir)")
         lines.append(f"  {out}/hyper-p.json    the training config;  {out}/train: checkpoint (ckpt.pt)")
