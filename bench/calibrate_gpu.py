@@ -159,8 +159,10 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16384)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
-    args = with_quick(parser, utts=300, max_batch_size=32, out=ROOT / "bench" / "out" / "quick")
+    args = with_quick(parser, utts=100, buckets=2, max_batch_size=32, out=ROOT / "bench" / "out" / "quick")
     device = torch.device(args.device)
+    if device.type == "cpu":  # torch's 2 threads on 2 shared cores ran steps 2-10x slower, by the others' load
+        torch.set_num_threads(1)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     began = time.perf_counter()
     shards = make_corpus(args.out / "calibrate_gpu", args.utts)

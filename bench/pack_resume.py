@@ -1,6 +1,6 @@
 """How much of a pack a rerun redoes after a kill late in the run.
 
-    python bench/pack_resume.py [--gb 2.2] [--at 0.9] [--rounds 3] [--work bench/out] [--quick]
+    python bench/pack_resume.py [--gb 2.2] [--at 0.9] [--rounds 3] [--work bench/out] [--corpus corpus] [--quick]
 
 On the corpus of ``common.make_corpus`` (one sweep: every shard open until the end), each round
 times an uninterrupted ``seqshard pack`` (1 job), then runs the same command again into a fresh
@@ -61,8 +61,12 @@ def main() -> None:
     parser.add_argument("--at", type=float, default=0.9, help="share of the uninterrupted time at which to kill")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--work", type=Path, default=HERE / "out")
-    args = with_quick(parser, gb=0.05, rounds=1, work=HERE / "out" / "quick")
-    corpus = make_corpus(args.work / "corpus", int(args.gb * 1e9))
+    parser.add_argument("--corpus", default="corpus", help="its folder under WORK (pack.py's corpus by default)")
+    # --quick: 0.5 GB, not the 0.05 GB corpus the other quick runs share (in its own folder): a
+    # smaller pack writes its shards in less than CHECKPOINT_SECONDS, so the kill comes before
+    # any checkpoint and the rerun only repeats the pack
+    args = with_quick(parser, gb=0.5, rounds=1, corpus="corpus-0.5gb", work=HERE / "out" / "quick")
+    corpus = make_corpus(args.work / args.corpus, int(args.gb * 1e9))
     out = args.work / "resume-out"
     full, rerun, continued = [], [], []
     for _ in range(args.rounds):
@@ -96,6 +100,13 @@ def main() -> None:
         f"{corpus.num_utts} utterances: uninterrupted {results['uninterrupted_s']:.1f} s; killed at {args.at:.0%}, the "
         f"rerun took {results['rerun_s']:.1f} s = {results['ratio']:.2f} of it (continued {continued} utterances)"
     )
+    if 0 in continued:
+        from seqshard.prep.write import CHECKPOINT_SECONDS
+
+        print(
+            f"no checkpoint before the kill in {continued.count(0)} of {len(continued)} rounds (checkpoints come at "
+            f"most every {CHECKPOINT_SECONDS} s): those reruns packed everything again; use a larger --gb"
+        )
     (args.work / "pack_resume.json").write_text(json.dumps(results, indent=1))
 
 
