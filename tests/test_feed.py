@@ -353,15 +353,26 @@ def test_a_batch_crosses_the_pipe_as_it_was(values):
     assert again.batch == item.batch and again.slot == 0 and again.places == ("feats",)
 
 
-def test_an_epochs_start_does_not_walk_the_plan_and_len_still_counts_exactly(five_hundred, monkeypatch):
-    """Walking a small epoch's planned batches costs ~40 us an utterance in the training process:
-    asked for by len(), never before each epoch's first batch."""
+def test_an_epochs_start_neither_walks_the_plan_nor_draws_orders_and_len_still_counts(five_hundred, monkeypatch):
+    """Walking a small epoch's planned batches (~40 us an utterance) and drawing orders of its
+    lengths for an estimate (tens of ms) are for len() and planned_batches(), never before each
+    epoch's first batch in the training process."""
     from seqshard.pipeline.rank import counts
 
-    walks = []
-    walked = counts._walked
-    monkeypatch.setattr(counts, "_walked", lambda *args: walks.append(args) or walked(*args))
+    calls = []
+
+    def counted(name):
+        function = getattr(counts, name)
+        return lambda *args: calls.append(name) or function(*args)
+
+    for name in ("_walked", "_drawn_counts"):
+        monkeypatch.setattr(counts, name, counted(name))
     loader = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, **WINDOWS)
     batches = sum(1 for _ in loader)
-    assert not walks
-    assert len(loader) == batches and len(walks) == 1
+    assert not calls
+    assert len(loader) == batches and calls == ["_walked"]
+    large = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, sort_window=64, shuffle_window=64)
+    monkeypatch.setattr(counts, "EXACT_UTTS", 100)  # too many to walk: bounds drawn over orders of lengths
+    sum(1 for _ in large)
+    assert calls == ["_walked"]
+    assert not large.planned_batches().exact and "_drawn_counts" in calls[1:]

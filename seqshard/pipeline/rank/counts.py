@@ -56,13 +56,13 @@ Lengths = tuple[np.ndarray, np.ndarray]  # a multiset of lengths: (values ascend
 
 
 def planned_batches(
-    setup: WorkerSetup, epoch: int, start: RankPosition | None = None, walk: bool = True
+    setup: WorkerSetup, epoch: int, start: RankPosition | None = None, estimate: bool = True
 ) -> PlannedBatches:
     """The batches of ``epoch`` on this rank, from ``start`` (a loaded position: its steps
     already taken, and after an elastic resume the units it gave this rank's readers) or from
-    the epoch's beginning. ``walk=False`` leaves out the count found by walking a small epoch's
-    batches (its cost grows with the epoch: about 40 us an utterance here), for a caller at
-    every epoch's start."""
+    the epoch's beginning. ``estimate=False``: only a count known without walking a small
+    epoch's batches (about 40 us an utterance here) or drawing orders of its lengths (tens of
+    ms), else unknown: for a caller at every epoch's start."""
     done_steps = start.step if start is not None else 0
     resumed = start.plan_units() if start is not None else None
     options = setup.options
@@ -71,10 +71,10 @@ def planned_batches(
     if steps is not None:
         return PlannedBatches(steps, max(0, steps - done_steps))
     if options.epochs.continues_stream:
-        return _stream_estimate(setup, done_steps)
+        return _stream_estimate(setup, done_steps) if estimate else _unknown("not estimated")
     if resumed is not None:
-        return _elastic_rest(setup, resumed, done_steps, epoch, grow)
-    exact = _walked(setup, epoch, start) if walk else None
+        return _elastic_rest(setup, resumed, done_steps, epoch, grow, estimate)
+    exact = _walked(setup, epoch, start) if estimate else None
     if exact is not None:
         return exact
     plan = plan_epoch(
@@ -86,7 +86,7 @@ def planned_batches(
         options.shuffling.shuffle,
         options.shuffling.split_shards,
     )
-    found = [[_reader_batches(setup, units, (epoch, rank, reader), grow) for reader, units in enumerate(readers)]
+    found = [[_reader_batches(setup, units, (epoch, rank, reader), grow, estimate) for reader, units in enumerate(readers)]
              for rank, readers in enumerate(plan)]  # fmt: skip
     if any(pair is None for rank in found for pair in rank):
         return _unknown(_unknown_why(setup))
@@ -121,13 +121,19 @@ def _growth(setup: WorkerSetup, start: RankPosition | None) -> Growth | None:
 
 
 def _elastic_rest(
-    setup: WorkerSetup, resumed: list[list[Unit]], done_steps: int, epoch: int, grow: Growth | None
+    setup: WorkerSetup,
+    resumed: list[list[Unit]],
+    done_steps: int,
+    epoch: int,
+    grow: Growth | None,
+    estimate: bool,
 ) -> PlannedBatches:
     """The rest of an epoch resumed elastically: the batches of this rank's new units (each
     rank knows only its own share, so the step where ranks that stop together end is an
     estimate, at most this rank's count)."""
     found = [
-        _reader_batches(setup, units, (epoch, setup.rank, reader, 1), grow) for reader, units in enumerate(resumed)
+        _reader_batches(setup, units, (epoch, setup.rank, reader, 1), grow, estimate)
+        for reader, units in enumerate(resumed)
     ]
     if any(pair is None for pair in found):
         return _unknown(_unknown_why(setup))
@@ -142,11 +148,11 @@ def _elastic_rest(
 
 
 def _reader_batches(
-    setup: WorkerSetup, units: Sequence[Unit], position: tuple[int, ...], grow: Growth | None
+    setup: WorkerSetup, units: Sequence[Unit], position: tuple[int, ...], grow: Growth | None, estimate: bool
 ) -> tuple[int, int, bool] | None:
     """``(low, high, estimated)`` batches of the reader of ``units`` (its first sort windows
     growing with ``grow``); None when its shards' index does not say enough (their sizes, or
-    for budget batches their lengths)."""
+    for budget batches their lengths), or when only an estimate would (``estimate=False``)."""
     count = planned_utts(setup.table, units)
     if count is None:
         return None
@@ -162,6 +168,8 @@ def _reader_batches(
     cost = batch_cost(options.batching)
     if _one_window(setup, high, cost, grow):
         return _count(_expand(low), cost), _count(_expand(high), cost), False
+    if not estimate:
+        return None
     return (*_drawn_counts(setup, low, high, cost, position, grow), True)
 
 
