@@ -30,30 +30,44 @@ def start_ranks(world_size: int, config: dict, out: Path) -> list[RankProcess]:
     config = {**config, "out": str(out)}
     config_file = out / "config.json"
     config_file.write_text(json.dumps(config))
+    return start_script(HARNESS, [str(config_file)], out, world_size)
+
+
+def start_script(
+    script: Path, args: list[str], out: Path, world_size: int | None = None, cwd: Path | None = None, stderr_apart=False
+) -> list[RankProcess]:
+    """``script`` run as ``python script *args`` would, in ``cwd``: as ``world_size`` gloo ranks
+    with the environment torchrun gives them (RANK, WORLD_SIZE, LOCAL_*, MASTER_*), or as one process
+    with none of it (``world_size`` None, like a run without a launcher). Rank r's output goes to
+    OUT/rank<r>.log, its stderr to OUT/rank<r>.err when ``stderr_apart``."""
+    out.mkdir(parents=True, exist_ok=True)
     port = free_port()
     processes = []
-    for rank in range(world_size):
-        env = {
-            "RANK": str(rank),
-            "WORLD_SIZE": str(world_size),
-            "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "PYTHONPATH": str(Path(__file__).parent.parent),
-        }
-        processes.append(RankProcess(str(HARNESS), str(config_file), env, out / f"rank{rank}.log"))
+    for rank in range(world_size or 1):
+        env = {"PYTHONPATH": str(Path(__file__).parent.parent)}
+        if world_size is not None:
+            env.update(
+                RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)
+            )
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        errors = out / f"rank{rank}.err" if stderr_apart else None
+        processes.append(RankProcess(str(script), args, env, out / f"rank{rank}.log", cwd, errors))
     return processes
 
 
 class RankProcess:
-    """One rank, forked from a server process that has imported torch and seqshard once
+    """One rank (or one process without a launcher), forked from a server process that has imported torch and seqshard once
     (multiprocessing's forkserver), instead of a new interpreter importing them again (about
     3 s of CPU a rank on the test machines). Like ``subprocess.Popen``: ``pid`` (the leader of
     a session of its own), ``poll()``, ``wait()``, ``returncode``, ``stdout`` (its output)."""
 
-    def __init__(self, harness: str, config_file: str, env: dict, log: Path):
+    def __init__(
+        self, script: str, args: list[str], env: dict, log: Path, cwd: Path | None = None, errors: Path | None = None
+    ):
         self._log = log
-        self._process = _forkserver().Process(target=_run_harness, args=(harness, config_file, env, str(log)))
+        log.touch()  # readable at once, before the process has started
+        run = (script, args, env, str(log), cwd and str(cwd), errors and str(errors))
+        self._process = _forkserver().Process(target=_run_script, args=run)
         self._process.start()
         self.pid = self._process.pid
         self._stdout = None
@@ -82,7 +96,17 @@ class RankProcess:
         return self._stdout
 
 
-_PRELOAD = ["torch", "torch.distributed", "seqshard", "seqshard.loader", "seqshard.pipeline.rank.loader"]
+# torch._dynamo: what DistributedDataParallel imports when a model is wrapped (1.5-2.5 s of CPU
+# a rank); seqshard.trainer: what examples/train_ddp.py runs.
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "seqshard",
+    "seqshard.loader",
+    "seqshard.pipeline.rank.loader",
+    "seqshard.trainer",
+]
 
 
 def _forkserver():
@@ -91,19 +115,24 @@ def _forkserver():
     return context
 
 
-def _run_harness(harness: str, config_file: str, env: dict, log: str) -> None:
-    """A rank's process: a session of its own (killed as a group), the rank's environment, its
-    output to ``log``, then the harness as a script."""
+def _run_script(script: str, args: list[str], env: dict, log: str, cwd: str | None, errors: str | None) -> None:
+    """A rank's process: a session of its own (killed as a group), the rank's environment and
+    working folder, its output to ``log`` (stderr to ``errors`` when given), then the script
+    as ``python script *args`` runs it."""
     os.setsid()
     multiprocessing.set_start_method("fork", force=True)  # its DataLoader workers as a torchrun rank's: forked
     os.environ.update(env)
-    output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    if cwd is not None:
+        os.chdir(cwd)
     sys.stdout.flush()
     sys.stderr.flush()
+    output = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(output, 1)
-    os.dup2(output, 2)
-    sys.argv = [harness, config_file]
-    runpy.run_path(harness, run_name="__main__")
+    os.dup2(output if errors is None else os.open(errors, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), 2)
+    sys.stdout.reconfigure(line_buffering=True)  # lines reach the log as printed, as with PYTHONUNBUFFERED
+    sys.stderr.reconfigure(line_buffering=True)
+    sys.argv = [script, *args]
+    runpy.run_path(script, run_name="__main__")
 
 
 def kill(processes: list[RankProcess]) -> None:
@@ -117,7 +146,13 @@ def kill(processes: list[RankProcess]) -> None:
 
 def run_ranks(world_size: int, config: dict, out: Path, timeout: float = 120) -> list[dict]:
     """Run a job to the end; a job still running after ``timeout`` seconds fails the test."""
-    processes = start_ranks(world_size, config, out)
+    wait_for(start_ranks(world_size, config, out), timeout)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]
+
+
+def wait_for(processes: list[RankProcess], timeout: float = 120) -> None:
+    """Wait for every process to end with 0; one failing, or still running after ``timeout``
+    seconds, fails the test (with the end of the output)."""
     deadline = time.monotonic() + timeout
     while any(p.poll() is None for p in processes) and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -130,4 +165,3 @@ def run_ranks(world_size: int, config: dict, out: Path, timeout: float = 120) ->
             pytest.fail(
                 f"rank {rank} failed with {process.returncode}:\n{process.stdout.read().decode(errors='replace')[-4000:]}"
             )
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world_size)]

@@ -1,7 +1,11 @@
 """The example trainer (examples/train_ddp.py -> seqshard.trainer) run for real: it learns,
 it is killed with SIGKILL and resumed with the batches and losses of the uninterrupted run,
-it is preempted (SIGTERM) and resumes under torchrun with 2 ranks, and says when a run is
-finished."""
+2 ranks under torchrun are preempted (SIGTERM) and resume, and it says when a run is finished.
+
+The first run of each test is what a user runs (``python examples/train_ddp.py``, torchrun);
+the others run the same script in processes forked from tests/distributed.py's server, which
+has imported torch once (a fresh interpreter, and torchrun's own, cost 2-4 s of CPU each).
+"""
 
 from __future__ import annotations
 
@@ -11,10 +15,14 @@ import re
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+
+from distributed import RankProcess, kill, start_script, wait_for
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -53,6 +61,43 @@ def run(*args: str, cwd: Path, ranks: int = 1) -> list[str]:
     output = done.stdout.decode(errors="replace")
     assert done.returncode == 0, output[-4000:]
     return output.splitlines()
+
+
+def forked(*args: str, cwd: Path, logs: Path, ranks: int | None = None) -> list[RankProcess]:
+    """The example started as ``run`` starts it (``ranks``: as that many torchrun ranks), forked
+    from the preloaded server; its rank 0's output in LOGS/rank0.log."""
+    return start_script(SCRIPT, [*OPTIONS, *args], logs, world_size=ranks, cwd=cwd)
+
+
+def run_forked(*args: str, cwd: Path, logs: Path, ranks: int | None = None) -> list[str]:
+    """What ``run`` does, in forked processes: rank 0's output lines once every rank ended with 0."""
+    processes = forked(*args, cwd=cwd, logs=logs, ranks=ranks)
+    wait_for(processes, timeout=150)
+    return processes[0].stdout.read().decode(errors="replace").splitlines()
+
+
+def follow(process: RankProcess, stop: Callable[[str], bool], timeout: float = 150) -> list[str]:
+    """The process's output lines as they come, up to the first for which ``stop`` is true (all
+    of them, when the process ends before)."""
+    lines: list[str] = []
+    pending = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ended = process.poll() is not None
+        *complete, pending = (pending + process.stdout.read()).split(b"\n")
+        for raw in complete:
+            lines.append(raw.decode(errors="replace"))
+            if stop(lines[-1]):
+                return lines
+        if ended:
+            return lines + ([pending.decode(errors="replace")] if pending else [])
+        time.sleep(0.02)
+    kill([process])
+    pytest.fail(f"no line it waited for within {timeout} s:\n" + "\n".join(lines[-40:]))
+
+
+def saved_at_least(step: int) -> Callable[[str], bool]:
+    return lambda line: bool((m := SAVED.match(line)) and int(m[2]) >= step)
 
 
 def records(path: Path) -> dict[int, dict]:
@@ -107,29 +152,22 @@ def test_learns_is_killed_resumes_exactly_and_says_when_finished(tmp_path: Path)
 
     # the same run killed with SIGKILL after its second checkpoint
     out = ["--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "run.jsonl")]
-    process = subprocess.Popen(
-        command(*out), cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    killed: list[str] = []
-    assert process.stdout is not None
-    for raw in process.stdout:
-        killed.append(raw.decode(errors="replace").rstrip("\n"))
-        if (m := SAVED.match(killed[-1])) and int(m[2]) >= 10:
-            os.killpg(process.pid, signal.SIGKILL)
-            break
+    [process] = forked(*out, cwd=tmp_path, logs=tmp_path / "killed")
+    killed = follow(process, saved_at_least(10))
+    kill([process])
     killed += process.stdout.read().decode(errors="replace").splitlines()
-    assert process.wait() == -signal.SIGKILL, killed
+    assert process.returncode == -signal.SIGKILL, killed
     assert not any(FINISHED.match(line) for line in killed), killed
 
     # the resume goes on with the batches (and losses) of the uninterrupted run
-    lines = run(*out, cwd=tmp_path)
+    lines = run_forked(*out, cwd=tmp_path, logs=tmp_path / "resumed")
     _, step = resumed_at(lines)
     assert step >= 10, lines
     assert_same_steps(records(tmp_path / "run.jsonl"), expected)
     assert FINISHED.match(lines[-1]) and int(FINISHED.match(lines[-1])[1]) == total, lines
 
     # run again once finished: it says so and exits 0
-    again = run(*out, cwd=tmp_path)
+    again = run_forked(*out, cwd=tmp_path, logs=tmp_path / "again")
     assert any("is the checkpoint of a finished run: all 2 epochs done" in line for line in again), again
     assert not any(RESUMED.match(line) or SAVED.match(line) for line in again), again
 
@@ -144,7 +182,8 @@ def resumed_at(lines: list[str]) -> tuple[int, int]:
 @pytest.mark.distributed
 @pytest.mark.timeout(400)
 def test_two_ranks_are_preempted_and_resume_exactly(tmp_path: Path):
-    reference = run("--out", str(tmp_path / "ref"), "--steps-file", str(tmp_path / "ref.jsonl"), cwd=tmp_path, ranks=2)
+    ref = ["--out", str(tmp_path / "ref"), "--steps-file", str(tmp_path / "ref.jsonl")]
+    reference = run_forked(*ref, cwd=tmp_path, logs=tmp_path / "ref-logs", ranks=2)
     assert FINISHED.match(reference[-1]), reference
     out = ["--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "run.jsonl")]
 
@@ -156,7 +195,7 @@ def test_two_ranks_are_preempted_and_resume_exactly(tmp_path: Path):
     lines = []
     for raw in process.stdout:
         lines.append(raw.decode(errors="replace").rstrip("\n"))
-        if (m := SAVED.match(lines[-1])) and int(m[2]) >= 5:
+        if saved_at_least(5)(lines[-1]):
             process.send_signal(signal.SIGTERM)
             break
     lines += process.stdout.read().decode(errors="replace").splitlines()
@@ -168,7 +207,7 @@ def test_two_ranks_are_preempted_and_resume_exactly(tmp_path: Path):
     assert not any("Unable to shutdown process" in line or "seqshard/trainer.py" in line for line in lines), lines
 
     # running again goes on with the batches and losses of the uninterrupted run
-    lines = run(*out, cwd=tmp_path, ranks=2)
+    lines = run_forked(*out, cwd=tmp_path, logs=tmp_path / "resumed", ranks=2)
     assert resumed_at(lines)[1] == stopped[0], lines
     assert FINISHED.match(lines[-1]), lines
     assert_same_steps(records(tmp_path / "run.jsonl"), records(tmp_path / "ref.jsonl"))  # rank 0's batches and losses

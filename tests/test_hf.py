@@ -17,15 +17,22 @@ from seqshard.errors import ConfigError, InputError
 from seqshard.formats.peers.hf import Batches, dataset_files
 from seqshard.prep.pack import pack_data
 
-datasets = pytest.importorskip("datasets")
-
 HF = Path(__file__).parent / "realdata" / "hf"
+
+
+@pytest.fixture(scope="module")
+def datasets():
+    """The reference reader, imported by the test process that runs a test needing it (it
+    takes a second or two, which every test process would spend on collecting this file)."""
+    return pytest.importorskip("datasets")
 
 
 def reference(dataset) -> dict[str, tuple[np.ndarray, str]]:
     """id -> (int16 samples, text) as `datasets` holds them (decoded with soundfile: decoding
     in `datasets` itself needs torchcodec)."""
-    rows = dataset.cast_column("audio", datasets.Audio(decode=False))
+    from datasets import Audio
+
+    rows = dataset.cast_column("audio", Audio(decode=False))
     return {
         row["id"]: (soundfile.read(io.BytesIO(row["audio"]["bytes"]), dtype="int16")[0], row["sentence"])
         for row in rows
@@ -53,7 +60,7 @@ def assert_same(found, expected):
         ("hub/data/test-*.parquet", None),
     ],
 )
-def test_pack_matches_datasets(tmp_path, source, split):
+def test_pack_matches_datasets(datasets, tmp_path, source, split):
     """A save_to_disk folder (the split asked for, else train), one of its arrow files and
     the Hub's parquet layout (a folder, a glob) give the rows `datasets` reads."""
     report = pack_data(None, None, tmp_path / "out", hf=str(HF / source), split=split, progress=False)
@@ -66,7 +73,7 @@ def test_pack_matches_datasets(tmp_path, source, split):
     assert_same(packed(tmp_path / "out"), expected)
 
 
-def test_decoded_arrays_are_stored_losslessly_as_flac(tmp_path):
+def test_decoded_arrays_are_stored_losslessly_as_flac(datasets, tmp_path):
     pack_data(None, None, tmp_path / "out", hf=str(HF / "decoded.parquet"), progress=False)
     row = datasets.Dataset.from_parquet(str(HF / "decoded.parquet"))[0]
     found = read_audio_shards(sorted((tmp_path / "out").glob("*.tar")))
@@ -82,7 +89,7 @@ def test_fields_keep_other_columns(tmp_path):
     assert speakers == {f"{n}_jackson_1.speaker.json": b'"jackson"' for n in (5, 6, 7)}
 
 
-def test_row_groups_are_read_one_at_a_time(tmp_path):
+def test_row_groups_are_read_one_at_a_time(datasets, tmp_path):
     """Memory follows one row group: a parquet file of one-row groups packs the same rows."""
     import pyarrow.parquet as pq
 

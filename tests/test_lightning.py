@@ -11,12 +11,14 @@ import pytest
 
 from conftest import pack_small
 
-pytest.importorskip("lightning")
 sys.path.insert(0, str(Path(__file__).parent.parent / "examples"))
-import lightning_module as example
 
 
 def fit(pattern: str, folder: Path, max_steps: int, every: int | None = None, ckpt: str | None = None):
+    # imported here, by the test process that runs the test: Lightning takes seconds to import,
+    # which every test process would spend on collecting this file
+    import lightning_module as example
+
     data = example.ShardDataModule(pattern, batch_size=4, num_workers=0, sort_window=8, shuffle_window=8)
     data.setup("fit")
     model = example.FrameAverage(data.train.loader.dim)
@@ -26,6 +28,7 @@ def fit(pattern: str, folder: Path, max_steps: int, every: int | None = None, ck
 
 @pytest.mark.slow
 def test_lightning_trains_epochs_and_resumes_from_its_checkpoint_at_the_next_batch(tmp_path):
+    pytest.importorskip("lightning")
     packed = pack_small(tmp_path / "p", utts_per_file=10, speakers=6, per_speaker=8)  # 48 utterances: 12 batches
     full, data = fit(packed.pattern, tmp_path / "full", 30)
     assert len(data.train) == 12

@@ -73,29 +73,29 @@ def _shares(keys):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_realised_mixture_matches_the_weights(sources, num_workers):
     mixed = mux([mux([sources["a"], sources["b"]], weights=[1, 1]), sources["c"]], weights=[0.8, 0.2])
-    loader = make_loader(mixed, batch_size=8, epoch_steps=1250, num_workers=num_workers, **SMALL)
+    loader = make_loader(mixed, batch_size=8, epoch_steps=500, num_workers=num_workers, **SMALL)
     batches = [batch["keys"] for batch in loader]
     keys = [k for batch in batches for k in batch]
     # a window can hold copies of a source's utterance (a pass ends inside it): copies go to
     # different batches, so a few batches are short
-    assert 9000 <= len(keys) <= 10000 and all(len(set(b)) == len(b) for b in batches)
+    assert 3600 <= len(keys) <= 4000 and all(len(set(b)) == len(b) for b in batches)
     shares = _shares(keys)
     for name, target in (("a", 0.4), ("b", 0.4), ("c", 0.2)):
         assert abs(shares[name] - target) <= 0.01, shares
     stats = loader.stats()["sources"]
     assert sum(s["utts"] for s in stats.values()) == len(keys)
     assert stats[sources["c"]]["passes"] == pytest.approx(stats[sources["c"]]["utts_total"] / 15)
-    assert stats[sources["c"]]["passes"] > 100  # the small source went round many times
+    assert stats[sources["c"]]["passes"] > 50  # the small source went round many times
     assert all(s["hours"] > 0 for s in stats.values())
 
 
 def test_mixture_across_two_ranks(sources, tmp_path):
     pattern = {"mux": [sources["a"], sources["b"], sources["c"]], "weights": [0.5, 0.3, 0.2]}
-    options = dict(batch_size=8, epoch_steps=625, num_workers=2, **SMALL)
+    options = dict(batch_size=8, epoch_steps=250, num_workers=2, **SMALL)
     ranks = run_ranks(2, {"pattern": pattern, "options": options, "epochs": [0]}, tmp_path / "run")
     batches = [step["keys"] for rank in ranks for step in rank["epochs"][0]["steps"]]
     keys = [k for batch in batches for k in batch]
-    assert 9000 <= len(keys) <= 10000 and all(len(set(b)) == len(b) for b in batches)
+    assert 3600 <= len(keys) <= 4000 and all(len(set(b)) == len(b) for b in batches)
     shares = _shares(keys)
     for name, target in (("a", 0.5), ("b", 0.3), ("c", 0.2)):
         assert abs(shares[name] - target) <= 0.01, shares

@@ -5,13 +5,12 @@ tokenizer (one of the same size with other ids too) with an error instead of tor
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from distributed import kill, start_script
 from seqshard.errors import ConfigError
 from seqshard.trainer import changes_since, lr_schedule
 
@@ -19,12 +18,20 @@ ROOT = Path(__file__).parent.parent
 SETTINGS = {"batch_frames": 3000, "epochs": 1, "save_every": 50, "log_every": 50, "hidden": 32, "layers": 1,
             "lr": 0.004, "warmup_steps": 4, "num_workers": 0}  # fmt: skip
 OPTIONS = ["--demo-utts", "60"] + [f"--set={k}={json.dumps(v)}" for k, v in SETTINGS.items()]
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
 
 
 def trainer(folder: Path, *args: str | Path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "seqshard.trainer", *OPTIONS, "--out", str(folder / "run"), *map(str, args)]
-    return subprocess.run(command, cwd=folder, env=ENV, capture_output=True, text=True, timeout=150)
+    """One run of the example trainer (examples/train_ddp.py, which runs seqshard.trainer's main)
+    without a launcher, in a process forked from tests/distributed.py's server that has imported
+    torch (a fresh interpreter costs 2-4 s of CPU)."""
+    logs = folder / f"logs{len(list(folder.glob('logs*')))}"
+    command = [*OPTIONS, "--out", str(folder / "run"), *map(str, args)]
+    processes = start_script(ROOT / "examples" / "train_ddp.py", command, logs, cwd=folder, stderr_apart=True)
+    if processes[0].wait(150) is None:
+        kill(processes)
+        pytest.fail(f"the trainer still ran after 150 s: {(logs / 'rank0.log').read_text()[-3000:]}")
+    output, errors = (logs / "rank0.log").read_text(), (logs / "rank0.err").read_text()
+    return subprocess.CompletedProcess(command, processes[0].returncode, output, errors)
 
 
 def same_size_other_ids(units: Path, out: Path) -> Path:
