@@ -41,7 +41,7 @@ from ...seeds import Seed, stage_rng
 from ..plan import Unit, plan_epoch, planned_utts
 from ..stages.base import Growth
 from ..stages.batching import BatchCost, count_sorted_batches, window_limits
-from ..workers.recipe import SORT_GROWTH, batch_cost
+from ..workers.recipe import batch_cost, sort_growth
 from ..workers.setup import WorkerSetup
 from .batch_plan import rest_of_epoch
 from .merge import RankPosition
@@ -116,8 +116,7 @@ def _walked(setup: WorkerSetup, epoch: int, start: RankPosition | None) -> Plann
 def _growth(setup: WorkerSetup, start: RankPosition | None) -> Growth | None:
     """How the epoch's first sort windows grow (None: full from the start, as in an epoch
     resumed from a state saved before windows grew)."""
-    grows = setup.options.batching.grow_windows and (start is None or start.windows_grow)
-    return SORT_GROWTH if grows else None
+    return sort_growth(setup.options.batching) if start is None or start.windows_grow else None
 
 
 def _elastic_rest(

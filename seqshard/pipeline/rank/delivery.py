@@ -10,16 +10,13 @@ makes it again.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from ...device import CudaCopier, is_cuda, require_device
 from ...features.audio import AudioOptions
 from ...features.on_device import BatchFeatures
 from ...options import LoaderOptions
-from ..workers.protocol import BatchItem, EndItem, Item
-
-Take = Callable[[int], Item]  # take(worker): that worker's next item, received
+from ..workers.protocol import BatchItem, EndItem, Item, Take
 
 
 class Delivery:

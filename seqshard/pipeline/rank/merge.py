@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ...errors import SeqshardError
 from ..plan import Unit
 from ..stages.base import merge_counts
-from ..workers.protocol import BatchItem, EndItem, Item, unpack
+from ..workers.protocol import BatchItem, EndItem, Take, unpack
 
 
 @dataclass
@@ -155,7 +154,7 @@ class MergedStream:
     """Takes workers' items in turn (``take(worker)``: that worker's next item) and keeps
     ``position`` up to date."""
 
-    def __init__(self, take: Callable[[int], Item], position: RankPosition):
+    def __init__(self, take: Take, position: RankPosition):
         self._take = take
         self.position = position
         self._reservoir: list[deque[BatchItem]] = [deque() for _ in position.queues]

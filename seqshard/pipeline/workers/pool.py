@@ -10,21 +10,19 @@ the training process between takes.
 from __future__ import annotations
 
 import multiprocessing
-from collections.abc import Callable
 from typing import Any
 
 from ...device import is_cuda
 from ...formats.remote.access import RemoteAccess
 from ..stages.collate import to_tensors
 from .process import WorkerLink
-from .protocol import BatchItem, ErrorItem, Item
+from .protocol import BatchItem, ErrorItem, Item, Take
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import BatchSlots, current_stream_event
 from .worker import iterate_worker
 
 MAX_SLOT_BYTES = 64 << 20
-Take = Callable[[int], Item]  # take(worker): that worker's next item, received
 
 
 class WorkerPool:

@@ -15,6 +15,7 @@ batch.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,3 +125,4 @@ class ErrorItem:
 
 
 Item = BatchItem | EndItem | ErrorItem
+Take = Callable[[int], Item]  # take(worker): that worker's next item, received

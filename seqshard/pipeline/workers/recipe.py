@@ -233,8 +233,13 @@ class Reader:
             length=self.setup.length,
             shuffle=self.options.shuffling.shuffle,
             oversize=batching.oversize,
-            grow=SORT_GROWTH if batching.grow_windows else None,
+            grow=sort_growth(batching),
         )
+
+
+def sort_growth(batching: Batching) -> Growth | None:
+    """How a stream's first sort windows grow (None: full from the start)."""
+    return SORT_GROWTH if batching.grow_windows else None
 
 
 def batch_cost(batching: Batching) -> BatchCost:
