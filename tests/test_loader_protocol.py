@@ -192,3 +192,12 @@ def test_a_second_iteration_begun_while_one_is_read_ends_the_first_and_says_so(m
     assert second == epoch_of(loader_of("shards", made))  # the same epoch, from its start
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "began while an earlier one was still being read" in caplog.records[0].message
+
+
+def test_fixed_size_batches_that_drop_oversize_are_counted_not_searched_forever(sixty):
+    """Every length fits a fixed-size batch alone: the count's search for the longest length
+    that fits (oversize="drop") has no end to find (it looped at each epoch's start)."""
+    loader = make_loader(sixty["bare"], batch_size=4, oversize="drop", skip_bad=True, num_workers=0)
+    planned = loader.planned_batches()
+    batches = len(epoch_of(loader))
+    assert planned.low <= batches <= planned.high and batches == 15

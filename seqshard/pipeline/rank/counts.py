@@ -34,7 +34,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...errors import SeqshardError
-from ...formats.index import BINS_PER_OCTAVE, bin_bounds
+from ...formats.index import BINS_PER_OCTAVE, MAX_LENGTH, bin_bounds
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
@@ -226,10 +226,12 @@ def _measured(setup: WorkerSetup, low: np.ndarray, high: np.ndarray, counts: np.
     return low, high, counts
 
 
-def _longest_fitting(cost: BatchCost) -> int:
-    """The longest length that fits a batch alone."""
+def _longest_fitting(cost: BatchCost) -> float:
+    """The longest length that fits a batch alone (infinite for a fixed batch size)."""
     low, high = 0, 1
     while cost.fits(1, high):
+        if high > MAX_LENGTH:  # any length an index can record fits
+            return math.inf
         low, high = high, high * 2
     while high - low > 1:
         middle = (low + high) // 2
