@@ -359,13 +359,15 @@ class MemoryGuard:
 
 
 def length_buckets(loader: Any) -> tuple[int, ...]:
-    """The bounds of the loader's length buckets: its budgets', else 8 of equal mass from the
-    shards' length histogram, else one bucket."""
+    """The bounds of the loader's length buckets: its budgets', else ``num_buckets`` of equal
+    mass from the shards' length histogram, else one bucket."""
     options, table = getattr(loader, "options", None), getattr(loader, "table", None)
-    if options is not None and options.batching.budgets is not None:
+    if options is None:  # a map-style or token loader: one bucket
+        return ()
+    if options.batching.budgets is not None:
         return options.batching.budgets.bounds
     if table is not None and table.length_hist:
-        return bucket_bounds(table, 8)
+        return bucket_bounds(table, options.batching.num_buckets)
     return ()
 
 
@@ -450,10 +452,12 @@ class Preemption:
 
     def agreed(self, device: torch.device) -> str | None:
         """The signal's name when any rank received one (on every rank: a collective)."""
-        flag = torch.tensor([self.received], dtype=torch.int64, device=device)
-        if dist.get_world_size() > 1:
+        received = self.received
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            flag = torch.tensor([received], dtype=torch.int64, device=device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return signal.Signals(int(flag.item())).name if int(flag.item()) else None
+            received = int(flag.item())
+        return signal.Signals(received).name if received else None
 
 
 def step_range(text: str) -> tuple[int, int]:

@@ -195,9 +195,9 @@ def fairseq_blocks(
     total = dataset.num_tokens
     places = blocks[:, None] * size + np.arange(size)
     real = places < total
-    tokens = dataset.tokens
-    targets = np.where(real, tokens[np.minimum(places, total - 1)], pad_id).astype(np.int64)
-    inputs = np.where(real, tokens[np.clip(places - 1, 0, total - 1)], pad_id).astype(np.int64)
+    window = dataset.tokens[np.clip(places[:, :1] - 1 + np.arange(size + 1), 0, total - 1)]  # one gather: the
+    targets = np.where(real, window[:, 1:], pad_id).astype(np.int64)  # inputs are the targets shifted right
+    inputs = np.where(real, window[:, :-1], pad_id).astype(np.int64)
     starts = dataset.starts  # ascending: where each sequence starts in the stream
     first = places[:, 0]
     at = np.minimum(np.searchsorted(starts, first), len(starts) - 1)

@@ -349,6 +349,7 @@ class _LangTokens:
         self._loaded: dict[str, dict[str, int]] = {}  # content digest -> token ids after augmenting
         self._sizes: dict[str, int] = {}  # content digest -> the dictionary's ids
         self._size_of: dict[Path, int] = {}
+        self._digest_of: dict[Path, str] = {}  # each file read and hashed once
         self.found: dict[str, int] = {}
 
     def id(self, dictionary_lang: str, lang: str) -> int:
@@ -365,12 +366,14 @@ class _LangTokens:
 
     def _augmented(self, dictionary_lang: str) -> dict[str, int]:
         path = self.dictionaries[dictionary_lang]
+        if path in self._digest_of:
+            return self._loaded[self._digest_of[path]]
         if not path.is_file():
             raise ConfigError(
                 f"{path} does not exist: fairseq's multilingual task reads dict.{{lang}}.txt for every language "
                 "from the first shard folder (copy the dictionary there under that name)."
             )
-        digest = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+        digest = self._digest_of[path] = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
         if digest not in self._loaded:
             dictionary = FairseqDictionary(path)
             tokens = {}

@@ -22,12 +22,13 @@ import importlib
 import math
 import resource
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..checks import check_number
+from ..device import is_cuda
 from ..errors import ConfigError
 from ..formats.budgets import Budgets, save_budgets
 from ..formats.index import bin_bounds
@@ -89,7 +90,7 @@ def reset_peak(device: Any) -> None:
     """Start measuring the peak memory of ``device`` afresh (CUDA only)."""
     import torch
 
-    if _is_cuda(device):
+    if is_cuda(str(device)):
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
 
@@ -98,15 +99,11 @@ def peak_memory(device: Any) -> int:
     """Bytes: CUDA's peak allocation since :func:`reset_peak`, else the process's peak RSS."""
     import torch
 
-    if _is_cuda(device):
+    if is_cuda(str(device)):
         torch.cuda.synchronize(device)
         return int(torch.cuda.max_memory_allocated(device))
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(rss if sys.platform == "darwin" else rss * 1024)  # kilobytes on Linux
-
-
-def _is_cuda(device: Any) -> bool:
-    return str(device).startswith("cuda")
 
 
 def synthetic_batch(
@@ -235,7 +232,7 @@ def _memory_limit(device: str, fraction: float | None, max_memory: int | None) -
     """Bytes a step may peak at on ``device`` (None on CPU: only out-of-memory errors count)."""
     import torch
 
-    if not _is_cuda(device):
+    if not is_cuda(str(device)):
         return None
     if max_memory is not None:
         return int(max_memory)
@@ -247,7 +244,7 @@ def _memory_limit(device: str, fraction: float | None, max_memory: int | None) -
 def _device_name(device: str) -> str:
     import torch
 
-    if _is_cuda(device):
+    if is_cuda(str(device)):
         return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
     return device
 
@@ -287,8 +284,3 @@ def _largest_batch(
         else:
             high = size
     return low, peaks[low]
-
-
-def print_table(buckets: Sequence[Bucket]) -> str:
-    """The calibration as a table (the command's output)."""
-    return "\n".join([HEADER, *(describe_bucket(n, b) for n, b in enumerate(buckets))])
