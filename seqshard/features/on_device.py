@@ -42,7 +42,7 @@ class BatchFeatures:
 
         fbank, cmvn, augment = self.options.fbank, self.options.cmvn, self.options.spec_augment
         sample_counts = host["audio_lens"].numpy()
-        longest = max((num_frames(int(n), fbank) for n in sample_counts), default=0)
+        longest = num_frames(int(sample_counts.max()), fbank) if len(sample_counts) else 0  # frames grow with samples
         seeds = host[NOISE_SEED].tolist() if fbank.dither > 0 else None
         audio = batch["audio"]
         feats, frames = fbank_batch(audio * KALDI_SCALE, batch["audio_lens"], longest, fbank, seeds)

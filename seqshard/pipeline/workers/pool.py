@@ -36,6 +36,8 @@ class WorkerPool:
         self._setup = setup
         self._iteration = 0
         self._links: list[WorkerLink] = []
+        self._on_device = is_cuda(options.device)  # copied on by seqshard/device.py, which waits for its copies
+        self._pin: bool | None = None  # decided at the first batch (CUDA is asked for once workers exist)
 
     def start(self, epoch: int, requests: list[dict[str, Any]]) -> Take:
         """Start an iteration (``requests``: where each reader starts); returns the function
@@ -87,8 +89,10 @@ class WorkerPool:
                 del error
         if not isinstance(item, BatchItem):
             return item
-        on_device = is_cuda(self.options.device)  # copied on by seqshard/device.py, which waits for its copies
-        pin = (self.options.pin_memory or on_device) and _cuda_available()
+        on_device = self._on_device
+        if self._pin is None:
+            self._pin = (self.options.pin_memory or on_device) and _cuda_available()
+        pin = self._pin
         batch = item.batch
         if item.slot is not None:
             places = {name: batch[name] for name in item.places}

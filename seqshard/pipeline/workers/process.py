@@ -240,7 +240,9 @@ class WorkerLoop:
         self._next: _NextEpoch | None = None
         self._epoch = -1  # the epoch of the last request
         self._iteration = 0  # the iteration of the last request
-        # the last batches sent: (seq, packed state, what was sent, slot)
+        # the last batches sent: (seq, packed state, what was sent, slot), kept only where they
+        # may be sent again (``_sent_again``: a stream that goes on across epochs, batches in slots)
+        self._resends = setup.options.epochs.continues_stream and runtime.slots is not None
         self._sent: deque[tuple[int, bytes, tuple, int | None]] = deque(
             maxlen=runtime.slots.per_worker if runtime.slots else 1
         )
@@ -347,7 +349,7 @@ class WorkerLoop:
     # -- pipes -------------------------------------------------------------------------------
     def _send(self, iteration: int, item: Item) -> None:
         message = (iteration, item.wire() if isinstance(item, BatchItem) else item)
-        if isinstance(item, BatchItem) and isinstance(item.state, bytes):
+        if self._resends and isinstance(item, BatchItem) and isinstance(item.state, bytes):
             self._sent.append((item.seq, item.state, message[1], item.slot))
         try:
             data = pack(message) if not _holds_tensors(item) else _forking_dumps(message)
