@@ -124,7 +124,12 @@ def _rebuild(root: Path, folders: list[Path], jobs: int, progress: bool, move_si
                 old_sidecars[0][0].name,
                 root,
             )
-        shards = [s for s in shards_in_folder(folder) if not is_sidecar(s, previous)]
+        found_old = {path.name for path, _, _ in old_sidecars}  # judged once (on their keys) just above
+        shards = [
+            s
+            for s in shards_in_folder(folder)
+            if s.name not in found_old and (old_layout_sidecar(s) is not None or not is_sidecar(s, previous))
+        ]
         entries: dict[str, ShardEntry] = {}
         feature: dict = dict(previous.feature) if previous else {}
         fields: dict[str, None] = dict.fromkeys(previous.fields if previous else [])
