@@ -26,9 +26,10 @@ def key_problem(key: str, escaped: bool = False) -> str | None:
     other non-ASCII character."""
     if not key:
         return "the key is empty"
-    stored = len((escape_key(key) if escaped else key).encode("utf-8", "surrogateescape"))
-    if stored > MAX_KEY_BYTES:
-        return f"the key is {stored} bytes long{' escaped' if escaped else ''}, beyond the {MAX_KEY_BYTES} a shard key may have"
+    if (12 if escaped else 4) * len(key) > MAX_KEY_BYTES:  # a character takes at most 4 bytes, 12 escaped
+        stored = len((escape_key(key) if escaped else key).encode("utf-8", "surrogateescape"))
+        if stored > MAX_KEY_BYTES:
+            return f"the key is {stored} bytes long{' escaped' if escaped else ''}, beyond the {MAX_KEY_BYTES} a shard key may have"
     if escaped:
         return None
     if not _ASCII_WHITESPACE.isdisjoint(key):

@@ -451,11 +451,12 @@ class _AudioReader:
         """The utterance's members, its length and how its audio was stored (``kept mp3``,
         ``wav -> flac``; None for fbank features)."""
         original, audio = self._utterance(key, value, where)
-        if not np.isfinite(audio.samples.sum(dtype=np.float64)):  # float WAV, decoded arrays: never stored
+        samples = audio.samples  # float WAV, decoded arrays may hold NaN (integer PCM cannot): never stored
+        if samples.dtype.kind == "f" and not np.isfinite(samples.sum(dtype=np.float64)):
             raise InputError(
                 where,
                 "non_finite",
-                f"the audio holds NaN or infinity (first at sample {int(np.flatnonzero(~np.isfinite(audio.samples))[0])}).",
+                f"the audio holds NaN or infinity (first at sample {int(np.flatnonzero(~np.isfinite(samples))[0])}).",
                 "check how the audio was made.",
             )
         planned = int(self.plan.frames[row]) if self.plan is not None else -1

@@ -236,8 +236,8 @@ def _memory_limit(device: str, fraction: float | None, max_memory: int | None) -
         return None
     if max_memory is not None:
         return int(max_memory)
-    if fraction is None or not 0 < fraction <= 1:
-        raise ConfigError(f"memory_fraction must be in (0, 1], got {fraction!r}.")
+    if fraction is None:  # its range was checked with the other arguments
+        raise ConfigError("on a GPU, give memory_fraction (0, 1] or max_memory.")
     return int(torch.cuda.get_device_properties(torch.device(device)).total_memory * fraction)
 
 
