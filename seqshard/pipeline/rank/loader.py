@@ -7,6 +7,7 @@ small position saved and restored exactly (``checkpoint.py``, ``elastic.py``). I
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import time
 import weakref
@@ -78,6 +79,7 @@ class ShardLoader:
         """The loader's parts for ``options`` (again when a loaded state chose the workers)."""
         table, context, mix, access = self.table, self.context, self.mix, self._access
         self.options = options
+        self._planned: tuple[str, PlannedBatches] | None = None  # the last count and the start it is of
         self._setup = make_setup(table, options, context.rank, context.world_size, *self._made_from, mix, access)
         self._pool = WorkerPool(self._setup, access)
         self._delivery = Delivery(options, self._setup.audio)
@@ -105,7 +107,10 @@ class ShardLoader:
         (a loaded state's position; the next epoch after a state saved at an epoch's end), exact
         or estimated (``protocol.py``)."""
         start = self._cursor.peek()
-        return planned_batches(self._setup, start.epoch, start)
+        key = json.dumps(start.to_json(), sort_keys=True)  # asked again for the same start: the same count
+        if self._planned is None or self._planned[0] != key:
+            self._planned = key, planned_batches(self._setup, start.epoch, start)
+        return self._planned[1]
 
     def __len__(self) -> int:
         return length_of(self.planned_batches(), "shard loader")
