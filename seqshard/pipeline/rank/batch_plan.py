@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..stages.batching import bucket_of
 from ..workers.planned import NotPlannable, planned_pipeline, planned_setup
 from ..workers.protocol import BatchItem, EndItem, Item
 from ..workers.recipe import batch_cost
@@ -30,7 +29,7 @@ from .merge import MergedStream, RankPosition
 class PlannedBatch:
     """A batch the loader will hand out: its ``step`` in the epoch (1 for the first),
     ``size`` (samples), ``longest`` length (its padded length), ``frames`` (its lengths summed),
-    length ``bucket`` (of the loader's ``budgets``, else of ``bucket_sync``: 0 without) and
+    length ``bucket`` (of the loader's ``budgets``; 0 without) and
     ``cost`` (the loader's batch cost: padded length, or the quadratic cost with
     ``quadratic_frames``)."""
 
@@ -75,8 +74,7 @@ class PlannedStream(MergedStream):
             len(batch),
             sum(batch.lengths),
             batch.longest * len(batch),
-            bucket_of(batch, self._setup.bucket_bounds),
-        )
+        )  # bucket 0: a plan is refused with bucket_sync (planned.py), budgets' buckets are found in _walk
 
 
 def _refuse_elastic(position: RankPosition) -> None:
@@ -99,7 +97,7 @@ def _walk(setup: WorkerSetup, start: RankPosition, limit: int | None, cost: Call
             break
         stream.emit(item)
         longest = item.padded // item.size
-        bucket = budgets.bucket_of(longest) if budgets is not None else item.bucket
+        bucket = budgets.bucket_of(longest) if budgets is not None else 0
         found.append(PlannedBatch(position.step, item.size, longest, item.length, bucket, cost(item.size, longest)))
     return found, position
 
