@@ -47,6 +47,7 @@ class EpochAccounts:
         self._counted: dict[int, int] = {}  # samples counted in unindexed shards
         self._tokens_judged = setup.tokenizer is None
         self._bad_before: set[int] = set()  # damaged shards a stream had counted when this epoch began
+        self._mine: set[int] | None = None  # this rank's damaged shards at the last count
         self._ranks_in_step = False  # the ranks take every step together and can add their bad shards up
         self._summed = self._distinct = 0  # damaged shards summed over ranks, and how many distinct
 
@@ -108,6 +109,7 @@ class EpochAccounts:
         can add theirs up at every step (not with ``uneven="join"``: its ranks do not talk)."""
         continuing = self.end.continues_stream
         self._bad_before = damaged_shard_numbers(position.counters()) if continuing else set()
+        self._mine = None  # this rank's damaged shards at the last count
         context = self.collectives.context
         self._ranks_in_step = context.distributed and self.end.gathers_summary and self.collectives.ready()
         self._summed = self._distinct = 0
@@ -119,15 +121,19 @@ class EpochAccounts:
         meets a newly damaged shard (and at the first step and the end)."""
         return self.setup.options.bad_data.skip_bad and self._ranks_in_step
 
-    def check_bad_shards(self, position: RankPosition) -> None:
+    def check_bad_shards(self, position: RankPosition, recount: bool = True) -> None:
         """Stop the run when more shards were bad this epoch (damaged on any rank, or missing)
         than ``max_bad_shards`` allows of all the selected shards, whatever the world size.
         Ranks that take every step together add theirs up at each step (one all-reduce; every
-        rank stops at the same step); with ``uneven="join"`` each rank judges its own alone."""
+        rank stops at the same step); with ``uneven="join"`` each rank judges its own alone.
+        ``recount=False``: this rank's damaged shards are those of the last count (no reader
+        met a new one since: its counters are not read again)."""
         bad_data = self.setup.options.bad_data
         if not bad_data.skip_bad:
             return
-        mine = damaged_shard_numbers(position.counters()) - self._bad_before
+        if recount or self._mine is None:
+            self._mine = damaged_shard_numbers(position.counters()) - self._bad_before
+        mine = self._mine
         missing = len(self.table.missing)
         shards = len(self.table.shards) + missing
         budget = bad_data.shard_budget(shards)

@@ -182,9 +182,10 @@ class ShardLoader:
                 elif meter.steps % WAIT_WARN_AFTER == 0:
                     meter.judge()
                     accounts.judge_unknown_tokens(position)
-                if item.damaged != damaged[item.worker] or meter.steps == 1 or accounts.checks_every_step:
-                    damaged[item.worker] = item.damaged  # the budget changes only with a newly damaged shard
-                    accounts.check_bad_shards(position)
+                met = item.damaged != damaged[item.worker] or meter.steps == 1  # a newly damaged shard
+                if met or accounts.checks_every_step:
+                    damaged[item.worker] = item.damaged
+                    accounts.check_bad_shards(position, recount=met)
                 if position.step == last:
                     self._finish(position, rules.over(stream.position))
                 yield item.batch
