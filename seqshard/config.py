@@ -254,9 +254,9 @@ def build_loaders(
 def map_style_workers(num_workers: int | str) -> int:
     """``num_workers`` for a map-style loader, which measures nothing: ``"auto"`` is the cores
     this rank may use, one left for training."""
-    from .dist import cores_per_rank
+    from .dist import spare_cores
 
-    return max(1, cores_per_rank() - 1) if num_workers == "auto" else int(num_workers)
+    return spare_cores() if num_workers == "auto" else int(num_workers)
 
 
 def check_data(source: str | Path | dict[str, Any]) -> TrainConfig:

@@ -49,6 +49,12 @@ def cores_per_rank() -> int:
     return max(1, cores // local)
 
 
+def spare_cores() -> int:
+    """The cores this rank may use less one for the training process, at least 1: the most
+    worker processes worth starting."""
+    return max(1, cores_per_rank() - 1)
+
+
 def discover(rank: int | None = None, world_size: int | None = None) -> DistContext:
     """Rank and world size: explicit arguments win, then torch.distributed, then torchrun's
     environment, then a single process."""

@@ -18,13 +18,13 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import InputError, SkipCounter, Where
+from ..index import MAX_LENGTH  # utterance lengths are held as int32 (frames, or 10 ms of audio)
 from ..keys import key_hash
 from .kaldi import ASCII_WHITESPACE, iter_lines, parse_line
 
 Parser = Callable[[bytes, Where, bool], tuple[str, str]]
 
 _COUNT = re.compile(r"[+-]?[0-9]+")
-MAX_LENGTH = 2**31 - 1  # utterance lengths are held as int32 (frames, or 10 ms of audio)
 
 
 class KeyTable:

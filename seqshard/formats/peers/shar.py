@@ -30,7 +30,7 @@ from typing import NamedTuple
 from ...checks import NumberError, read_number
 from ...errors import ConfigError, ShardError, redact
 from ..fields import NODATA
-from ..index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, length_bin
+from ..index import MAX_LENGTH, FieldSet, ShardEntry, ShardIndex, SidecarEntry, length_bin
 from ..inflation import BoundedLines, InflationError
 from ..patterns import SHAR_CUTS
 from ..remote.access import is_remote
@@ -45,7 +45,6 @@ META = "_meta"  # NAME_meta: the manifest of field NAME
 JSONL_EXTENSIONS = (".jsonl.gz", ".jsonl")
 FIELD_FILE = re.compile(r"(?P<field>[^.]+)(?P<id>(?:\.[^.]+)*?)\.(?:tar|tar\.gz|jsonl|jsonl\.gz)")
 DEFAULT_SHIFT_MS = 10.0
-MAX_FRAMES = 2**31 - 1  # a cut's length in frames (as pack's lengths: int32)
 OUT_OF_STEP_FIX = "write the field again with lhotse's SharWriter, in the order of the cuts"
 
 
@@ -292,12 +291,12 @@ def shar_index(folder: Path) -> ShardIndex | None:
         durations, offsets, _ = facts[shard]
         frames = [max(1, round(seconds * 1000 / shift)) for seconds in durations]
         longest = max(range(len(frames)), key=frames.__getitem__, default=None)
-        if longest is not None and frames[longest] > MAX_FRAMES:
+        if longest is not None and frames[longest] > MAX_LENGTH:
             raise ShardError(
                 folder / name,
                 offsets[longest],
                 f"cut {longest + 1} lasts {durations[longest]} s, {frames[longest]} frames of {shift} ms: beyond "
-                f"{MAX_FRAMES} frames (a damaged duration or frame_shift?). Fix: correct the cut, or leave it out.",
+                f"{MAX_LENGTH} frames (a damaged duration or frame_shift?). Fix: correct the cut, or leave it out.",
             )
         entries.append(
             ShardEntry(

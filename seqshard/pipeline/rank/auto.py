@@ -1,6 +1,6 @@
 """``num_workers="auto"``: as many worker processes as make a batch every ``AUTO_STEP_S``
 (the step of a small model on a fast GPU) with room to spare, within the cores this rank may
-use (``dist.cores_per_rank``: its CPU affinity shared by the ranks of its node), one left for
+use (``dist.spare_cores``: its CPU affinity shared by the ranks of its node), one left for
 the training process.
 
 A reader's time per batch is measured when the loader is made: reader 0 of a one-reader
@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 
-from ...dist import Collectives, cores_per_rank
+from ...dist import Collectives, spare_cores
 from ...formats.remote.access import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
@@ -45,7 +45,7 @@ def auto_workers(
 ) -> int:
     """The number of worker processes ``num_workers="auto"`` stands for (see the module docstring)."""
     context = collectives.context
-    spare = max(1, cores_per_rank() - 1)
+    spare = spare_cores()
     seconds = None
     if not context.distributed or collectives.ready():
         setup = make_setup(

@@ -86,16 +86,14 @@ def planned_batches(
         options.shuffling.shuffle,
         options.shuffling.split_shards,
     )
-    found = [[_reader_batches(setup, units, (epoch, rank, reader), grow, estimate) for reader, units in enumerate(readers)]
-             for rank, readers in enumerate(plan)]  # fmt: skip
+    # with "join" each rank goes to its own end; else the ranks step together until the first runs out
+    ranks = [setup.rank] if options.epochs.uneven == "join" else range(len(plan))
+    found = [[_reader_batches(setup, units, (epoch, rank, reader), grow, estimate)
+              for reader, units in enumerate(plan[rank])] for rank in ranks]  # fmt: skip
     if any(pair is None for rank in found for pair in rank):
         return _unknown(_unknown_why(setup))
-    lows = [sum(pair[0] for pair in rank) for rank in found]  # type: ignore[index]
-    highs = [sum(pair[1] for pair in rank) for rank in found]  # type: ignore[index]
-    if options.epochs.uneven == "join":
-        low, high = lows[setup.rank], highs[setup.rank]
-    else:  # the ranks step together until the first runs out
-        low, high = min(lows), min(highs)
+    low = min(sum(pair[0] for pair in rank) for rank in found)  # type: ignore[index]
+    high = min(sum(pair[1] for pair in rank) for rank in found)  # type: ignore[index]
     estimated = any(pair[2] for rank in found for pair in rank)  # type: ignore[index]
     return _planned(low, high, done_steps, *_why_not_exact(setup, estimated))
 
