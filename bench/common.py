@@ -270,6 +270,25 @@ def with_quick(parser: argparse.ArgumentParser, **quick) -> argparse.Namespace:
     return parser.parse_args()
 
 
+def demo_corpus(folder: Path, utts: int, utts_per_file: int = 200) -> tuple[Path, Path]:
+    """``seqshard.demo``'s made-up corpus of ``utts`` utterances (80-dim features drawn from the
+    labels) packed into FOLDER/shards, made again when its size differs; returns (the shards'
+    folder, the units file)."""
+    import shutil
+
+    from seqshard import pack_data
+    from seqshard.demo import make_corpus
+    from seqshard.formats.index import ShardIndex
+
+    shards, kaldi = folder / "shards", folder / "kaldi"
+    if not (shards / "index.json").exists() or ShardIndex.load(shards).num_utts != utts:
+        shutil.rmtree(kaldi, ignore_errors=True)
+        shutil.rmtree(shards, ignore_errors=True)
+        make_corpus(kaldi, utts)
+        pack_data(kaldi / "feats.scp", kaldi / "text", shards, utts_per_file=utts_per_file, progress=False)
+    return shards, kaldi / "units.txt"
+
+
 def packed_corpus(work: Path, gb: float, name: str = "loader-shards", utts_per_file: int = 2000) -> tuple[Corpus, Path]:
     """The corpus of ``gb`` GB packed with 2 jobs under WORK/NAME (made once, and made again
     when the corpus or the shard size differs from the pack there; WORK/NAME.json says which)."""

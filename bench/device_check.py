@@ -33,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
-from common import speech_corpus
+from common import demo_corpus, speech_corpus
 
 from seqshard import make_loader, make_token_loader, pack_data
 from seqshard.pipeline.workers.transfer import LEASED
@@ -234,7 +234,6 @@ def token_checks(out: Path, device: torch.device) -> None:
 
 
 def main() -> None:
-    from seqshard.demo import make_corpus
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--utts", type=int, default=1600)
@@ -250,10 +249,7 @@ def main() -> None:
     info("device", f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}")
     began = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    shards = args.out / "feature-shards"
-    if not (shards / "index.json").exists():
-        make_corpus(args.out / "kaldi", args.utts)
-        pack_data(args.out / "kaldi/feats.scp", args.out / "kaldi/text", shards, utts_per_file=200, progress=False)
+    shards, _ = demo_corpus(args.out / "features", args.utts)  # made again when --utts differs
     weight = torch.randn(4096, 4096, device=device) / 64
     for name, run in (
         ("features", lambda: feature_checks(shards, device, weight)),

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # not the checkout: a measure imports the seqshard on PYTHONPATH
-from common import with_quick
+from common import demo_corpus, speech_corpus, with_quick
 
 ROOT = Path(__file__).parent.parent
 BATCH_FRAMES = 20_000
@@ -170,29 +170,19 @@ def bare(step: float, steps: int) -> float:
 
 def feature_corpus(out: Path, utts: int) -> tuple[str, str]:
     """The packed made-up corpus (made once per size): (pattern, units file)."""
-    from seqshard import pack_data
-    from seqshard.demo import make_corpus
-
-    data = out / f"feed-{utts}"
-    shards = data / "shards"
-    if not (shards / "index.json").exists():
-        shutil.rmtree(data, ignore_errors=True)
-        make_corpus(data / "kaldi", utts)
-        pack_data(data / "kaldi/feats.scp", data / "kaldi/text", shards, utts_per_file=500, progress=False)
-    return f"{shards}/data-*.tar", str(data / "kaldi/units.txt")
+    shards, units = demo_corpus(out / f"feed-{utts}", utts, utts_per_file=500)
+    return f"{shards}/data-*.tar", str(units)
 
 
 def audio_corpus(out: Path, minutes: float) -> str:
     """bench/audio.py's corpus packed as FLAC (made once per size): the pattern."""
-    from audio import make_corpus
-
     from seqshard import pack_data
 
     data = out / f"feed-audio-{minutes:g}min"
     shards = data / "shards"
     if not (shards / "index.json").exists():
         shutil.rmtree(data, ignore_errors=True)
-        wav_scp, text, _ = make_corpus(data / "corpus", minutes)
+        wav_scp, text, _ = speech_corpus(data / "corpus", minutes)
         pack_data(None, text, shards, wav_scp=wav_scp, audio_format="flac", utts_per_file=50, progress=False)
     return f"{shards}/data-*.tar"
 

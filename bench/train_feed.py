@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -45,7 +44,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
-from common import speech_corpus, with_quick
+from common import demo_corpus, speech_corpus, with_quick
 
 ROOT = Path(__file__).parent.parent
 
@@ -100,9 +99,7 @@ def speech_shards(out: Path, minutes: float) -> tuple[Path, Path]:
 
 
 def main() -> None:
-    from seqshard import make_loader, pack_data
-    from seqshard.demo import make_corpus
-    from seqshard.formats.index import ShardIndex
+    from seqshard import make_loader
     from seqshard.trainer import SmallCTC
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,13 +123,7 @@ def main() -> None:
         shards, units = speech_shards(data, args.minutes)
         rows = {"memory": dict(features="fbank", num_workers=args.workers), **fbank_rows(args.workers, args.device)}
     else:
-        shards = data / "shards"
-        if not (shards / "index.json").exists() or ShardIndex.load(shards).num_utts != args.utts:
-            shutil.rmtree(data / "kaldi", ignore_errors=True)
-            shutil.rmtree(shards, ignore_errors=True)
-            make_corpus(data / "kaldi", args.utts)
-            pack_data(data / "kaldi/feats.scp", data / "kaldi/text", shards, utts_per_file=200, progress=False)
-        units = data / "kaldi/units.txt"
+        shards, units = demo_corpus(data, args.utts)
         shards = f"{shards}/data-*.tar"
         rows = {
             "memory": dict(num_workers=0),
