@@ -154,27 +154,18 @@ class CudaCopier:
         return event
 
 
-def one_ahead(
-    items: Iterator[Item],
-    start: Callable[[Item], Any],
-    finish: Callable[[Any], Item],
-    passes: Callable[[Item], bool] = lambda item: False,
-) -> Iterator[Item]:
+def one_ahead(items: Iterator[Item], start: Callable[[Item], Any], finish: Callable[[Any], Item]) -> Iterator[Item]:
     """``items`` through ``start`` (launch a copy) and ``finish`` (hand it over), the copy of
     the next item started before an item is handed over; the first item of all is handed over
-    at once (its copy alone: the first batch waits for nothing more). An item for which
-    ``passes`` holds (an end marker) is handed on as it is, after the items before it."""
-    started: deque[Any] = deque()
-    first = True
-    for item in items:
-        if passes(item):
-            while started:
-                yield finish(started.popleft())
-            yield item
+    at once (its copy alone: the first batch waits for nothing more)."""
+    pending: list[Any] = []  # the copy started and not handed over (one at most)
+    for number, item in enumerate(items):
+        started = start(item)
+        if number == 0:
+            yield finish(started)
             continue
-        started.append(start(item))
-        if first or len(started) > 1:
-            first = False
-            yield finish(started.popleft())
-    while started:
-        yield finish(started.popleft())
+        if pending:
+            yield finish(pending.pop())
+        pending.append(started)
+    if pending:
+        yield finish(pending.pop())

@@ -117,8 +117,6 @@ class DataBin:
     directions: tuple[Direction, ...]
     dictionaries: dict[str, str]
     lang_tokens: dict[str, int]  # "__eng_Latn__" -> its id (in the first dictionary asked for it)
-    pad_id: int = FairseqDictionary.pad_id
-    eos_id: int = FairseqDictionary.eos_id
 
     def __iter__(self) -> Iterator[Direction]:
         return iter(self.directions)
