@@ -41,7 +41,7 @@ def test_overwrite_removes_only_the_previous_pack(tmp_path, packed):
         pack_data(second.scp, second.text, out, utts_per_file=10, progress=False)
     message = str(refused.value)
     assert "also holds what no pack here wrote" in message
-    assert f"{out / 'librispeech'}/ (5 shard file(s), index.json)" in message
+    assert f"{out / 'librispeech'}/ (5 shard files, index.json)" in message
     assert f"{out / 'linked'} -> {tmp_path / 'elsewhere'}" in message and f"{out / 'notes.txt'}" in message
 
     report = pack_data(second.scp, second.text, out, utts_per_file=10, overwrite=True, progress=False)

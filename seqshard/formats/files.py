@@ -48,13 +48,19 @@ def writing(path: str | Path) -> Iterator[None]:
         raise OutputError.from_os_error(error.filename or path, error) from None
 
 
+def leads_out(folder: str | Path, path: str | Path) -> bool:
+    """Whether ``path``, with every symbolic link resolved, lies outside ``folder``."""
+    root, real = os.path.realpath(folder), os.path.realpath(path)
+    return real != root and os.path.commonpath([real, root]) != root
+
+
 def inside(folder: str | Path, path: str | Path) -> Path:
     """``path`` when, with every symbolic link resolved, it lies in ``folder`` (checked before
     anything is written or removed there); else OutputError naming the link that leads out and
     the fix. ``folder`` itself may be a link: where it points is the user's choice."""
-    root, real = os.path.realpath(folder), os.path.realpath(path)
-    if real == root or os.path.commonpath([real, root]) == root:
+    if not leads_out(folder, path):
         return Path(path)
+    real = os.path.realpath(path)
     link = _first_link(Path(folder), Path(path))
     if link is None:
         raise OutputError(path, f"lies outside {folder}: refusing to write there.", "name a file inside the folder.")

@@ -21,8 +21,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import SeqshardError
-from ..formats.files import TEMPORARY_SUFFIX
+from ..errors import SeqshardError, counted
+from ..formats.files import TEMPORARY_SUFFIX, leads_out
 from ..formats.index import INDEX_NAME, ShardIndex, check_name, old_sidecar_name
 from ..formats.lock import LOCK_NAME
 from ..formats.members import TABLE_DIR, table_path
@@ -176,16 +176,15 @@ def _describe_folder(folder: Path) -> str:
     except OSError:
         return "unreadable"
     shards = sum(is_shard_name(n) for n in names)
-    parts = [f"{shards} shard file(s)"] if shards else []
+    parts = [counted(shards, "shard file")] if shards else []
     if INDEX_NAME in names:
         parts.append(INDEX_NAME)
-    return ", ".join(parts) or f"{len(names)} file(s)"
+    return ", ".join(parts) or counted(len(names), "file")
 
 
 def _leads_elsewhere(root: Path, path: Path) -> bool:
     """Whether a symbolic link on the way from ``root`` to ``path`` leads out of ``root``."""
-    real, top = os.path.realpath(path), os.path.realpath(root)
-    return path.is_symlink() or os.path.commonpath([real, top]) != top
+    return path.is_symlink() or leads_out(root, path)
 
 
 def _unlink(path: Path) -> int:
