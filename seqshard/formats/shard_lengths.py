@@ -11,19 +11,20 @@ from functools import lru_cache
 
 import numpy as np
 
-from .index import length_bin
+from .index import bin_bounds, length_bin
 
 
 @lru_cache(maxsize=1024)
 def bin_range(index: int) -> tuple[int, int]:
     """The whole lengths (frames >= 1) that fall in histogram bin ``index``: ``(low, high)``,
     with ``low > high`` for a bin that holds none."""
-    low = max(1, int(2 ** (index / 8)))
+    start, end = bin_bounds(index)
+    low = max(1, int(start))
     while length_bin(low) < index:
         low += 1
     while low > 1 and length_bin(low - 1) >= index:
         low -= 1
-    high = max(low, int(2 ** ((index + 1) / 8)) + 1)
+    high = max(low, int(end) + 1)
     while length_bin(high) > index:
         high -= 1
     return low, high
