@@ -35,7 +35,7 @@ import numpy as np
 from ..checks import number_problem, read_number, shown
 from ..errors import SeqshardError
 from .files import write_json_atomic
-from .inflation import MAX_INFLATION, MIN_INFLATION_LIMIT
+from .inflation import inflation_limit
 from .patterns import FIELD_SET_NAME, FIELDS_DIR, INDEX_NAME, shard_stem
 
 FORMAT = "seqshard-index"
@@ -255,7 +255,7 @@ def max_samples(name: str, size: int) -> int:
     """The most samples a shard file ``name`` of ``size`` bytes can hold: each has a 512-byte
     tar header (a gzip'd shard inflates within the rule of ``inflation.py``)."""
     if name.endswith((".gz", ".tgz")):
-        size = max(MIN_INFLATION_LIMIT, MAX_INFLATION * size)
+        size = inflation_limit(size, capped=False)
     return size // 512
 
 

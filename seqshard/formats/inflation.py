@@ -25,9 +25,11 @@ class InflationError(ValueError):
     """Compressed data that would inflate beyond the limits."""
 
 
-def inflation_limit(compressed: int) -> int:
-    """How many bytes ``compressed`` bytes may inflate to (see the module docstring)."""
-    return min(MAX_INFLATED_BYTES, max(MIN_INFLATION_LIMIT, MAX_INFLATION * compressed))
+def inflation_limit(compressed: int, capped: bool = True) -> int:
+    """How many bytes ``compressed`` bytes may inflate to (see the module docstring);
+    ``capped=False`` for a whole file read item by item (each item is capped on its own)."""
+    limit = max(MIN_INFLATION_LIMIT, MAX_INFLATION * compressed)
+    return min(MAX_INFLATED_BYTES, limit) if capped else limit
 
 
 def limits_text() -> str:
@@ -51,7 +53,7 @@ class BoundedLines:
         self.position = start  # decompressed bytes before the next line
         try:
             if compressed:
-                self._allowed = max(MIN_INFLATION_LIMIT, MAX_INFLATION * Path(path).stat().st_size)
+                self._allowed = inflation_limit(Path(path).stat().st_size, capped=False)
             self._stream.seek(start)
         except BaseException:
             self._stream.close()
