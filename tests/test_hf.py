@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import re
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -170,7 +173,7 @@ def test_a_hostile_cell_is_a_counted_skip_never_garbage_or_a_traceback(tmp_path,
 
 def test_ids_texts_and_fields_that_are_lists_or_bytes_are_refused_not_their_str():
     from seqshard.errors import Where
-    from seqshard.prep.hf_source import _parse_row, _parse_text, _row
+    from seqshard.prep.hf_source import _check_row, _parse_row, _parse_text, _row
     from seqshard.prep.sources import field_members
 
     def line(key, text):
@@ -182,7 +185,7 @@ def test_ids_texts_and_fields_that_are_lists_or_bytes_are_refused_not_their_str(
         with pytest.raises(
             InputError, match=r"x\.parquet, batch 0, row 3: its id \(column id\) is .*, not a string"
         ) as error:
-            _parse_row(line(bad, "t"), where, True)
+            _check_row(_parse_row(line(bad, "t"), where, True)[1], where)
         assert error.value.reason == "bad_key"
     with pytest.raises(InputError, match=r"its text \(column text\) is \['x', 'y'\], not a string") as error:
         _parse_text(line("a", ["x", "y"]), where, False)
@@ -216,3 +219,129 @@ def test_a_hostile_save_to_disk_folder_is_named_not_a_traceback(tmp_path, edit, 
     target.write_bytes(content) if isinstance(content, bytes) else target.write_text(content)
     with pytest.raises(ConfigError, match=message):
         pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "saved"), split="train", progress=False)
+
+
+def _seqshard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The command line in a process of its own: a crash (SIGSEGV, abort) or a hang fails the
+    test, never pytest."""
+    return subprocess.run(
+        [sys.executable, "-m", "seqshard", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def _audio_table(ids, texts=None):
+    pa = pytest.importorskip("pyarrow")
+    texts = texts if texts is not None else ["x"] * len(ids)
+    audio = [{"bytes": _wav(1600 + 160 * i), "path": f"{key}.wav"} for i, key in enumerate(ids)]
+    return pa.table({"id": ids, "audio": audio, "text": pa.array(texts, pa.string())})
+
+
+def _arrow_with_lying_offsets(path: Path, offsets, kind: str) -> None:
+    """An Arrow file (``file``: IPC file; ``stream``: as datasets writes) of two batches whose
+    first batch's audio bytes have ``offsets`` (a function of the true ones) instead."""
+    pa = pytest.importorskip("pyarrow")
+    first, second = _audio_table(["a", "b"]), _audio_table(["c"])
+    with pa.OSFile(str(path), "wb") as sink:
+        writer = pa.ipc.new_file(sink, first.schema) if kind == "file" else pa.ipc.new_stream(sink, first.schema)
+        with writer:
+            writer.write_table(first)
+            writer.write_table(second)
+    data = bytearray(path.read_bytes())
+    sizes = [len(cell["bytes"]) for cell in first.column("audio").to_pylist()]
+    true = np.array([0, sizes[0], sizes[0] + sizes[1]], np.int32).tobytes()
+    at = data.index(true)
+    data[at : at + len(true)] = np.array(offsets(sizes), np.int64).astype(np.int32).tobytes()
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("kind", ["file", "stream"])
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        lambda s: [0, s[0], s[0] + s[1] + (1 << 30)],  # 1 GB past the buffer: SIGSEGV before
+        lambda s: [0, -5, s[0] + s[1]],  # negative: std::length_error, an abort
+        lambda s: [0, s[0] + s[1], s[0]],  # decreasing: an abort
+        lambda s: [0, s[0], s[0] + s[1] + 200],  # 200 bytes past: packed 200 stray bytes, exit 0
+    ],
+    ids=["1GB-past", "negative", "decreasing", "200-past"],
+)
+def test_arrow_offsets_that_lie_are_a_named_error_or_a_counted_skip(tmp_path, kind, offsets):
+    path = tmp_path / "data.arrow"
+    _arrow_with_lying_offsets(path, offsets, kind)
+    refused = _seqshard("pack", "--hf", str(path), "--out", str(tmp_path / "a"), "--quiet")
+    assert refused.returncode > 0, refused.stderr[-2000:]
+    assert re.search(
+        r"data\.arrow, batch 0, row 0 \(key 'a'\): column 'audio' does not hold what it declares", refused.stderr
+    )
+    assert "Fix: download or save the file again" in refused.stderr and "Traceback" not in refused.stderr
+    skipped = _seqshard("pack", "--hf", str(path), "--out", str(tmp_path / "b"), "--quiet", "--skip-bad", "--json")
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    report = json.loads(skipped.stdout)
+    assert (report["packed"], report["dropped"]) == (1, {"damaged_batch": 2})
+    assert list(packed(tmp_path / "b")) == ["c"]
+
+
+def test_text_that_is_not_utf8_is_named_by_file_batch_row_and_column(tmp_path):
+    """Before: a raw UnicodeDecodeError (Arrow), or the bytes packed as they were (parquet)."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    texts = pa.array([b"fine", b"caf\xe9", b"ok"], pa.binary()).view(pa.string())  # latin-1, not UTF-8
+    table = _audio_table(["a", "b", "c"]).set_column(2, "text", texts)
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    pq.write_table(table, tmp_path / "t.parquet")
+    for name, place in (("t.arrow", "batch 0"), ("t.parquet", "row group 0")):
+        with pytest.raises(InputError, match=rf"{name}, {place}: column 'text', row 1: its text is not UTF-8") as error:
+            pack_data(None, None, tmp_path / f"{name}-out", hf=str(tmp_path / name), progress=False)
+        assert error.value.reason == "damaged_batch" and "write the text as UTF-8" in str(error.value)
+    pq.write_table(pa.concat_tables([table, _audio_table(["d"])]), tmp_path / "two.parquet", row_group_size=3)
+    report = pack_data(None, None, tmp_path / "skip", hf=str(tmp_path / "two.parquet"), skip_bad=True, progress=False)
+    assert report.dropped == {"damaged_batch": 1} and report.packed == 1  # the first row group, counted once
+    assert report.label_issues == {} and list(packed(tmp_path / "skip")) == ["d"]
+
+
+def test_a_parquet_value_whose_length_lies_is_a_counted_skip(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = _audio_table(["a", "b"], ["hello", "world"])
+    pq.write_table(table.slice(0, 1), tmp_path / "train-0.parquet", compression="none", use_dictionary=False)
+    data = bytearray((tmp_path / "train-0.parquet").read_bytes())
+    at = data.index(b"\x05\x00\x00\x00hello")  # the PLAIN length of the text value
+    data[at : at + 4] = (0x7FFFFF00).to_bytes(4, "little")
+    (tmp_path / "train-0.parquet").write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"train-0\.parquet, row group 0: it cannot be read \(.*BYTE_ARRAY"):
+        pack_data(None, None, tmp_path / "a", hf=str(tmp_path / "train-0.parquet"), progress=False)
+    pq.write_table(table.slice(1), tmp_path / "train-1.parquet")
+    report = pack_data(None, None, tmp_path / "b", hf=str(tmp_path / "*.parquet"), skip_bad=True, progress=False)
+    assert (report.input_utts, report.packed, report.dropped) == (2, 1, {"damaged_batch": 1})
+
+
+def test_a_recursive_glob_does_not_follow_a_link_loop(tmp_path):
+    """Before: glob.glob followed d/up -> .. (twice over) without end, its memory growing."""
+    import shutil
+
+    data = tmp_path / "ds" / "data"
+    data.mkdir(parents=True)
+    shutil.copy(HF / "hub/data/train-00000-of-00001.parquet", data / "train-00000-of-00001.parquet")
+    for name in ("up", "again"):
+        (data / name).symlink_to("..")
+    done = _seqshard(
+        "pack", "--hf", f"{tmp_path}/ds/**/*.parquet", "--out", str(tmp_path / "out"), "--json", timeout=60
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["packed"] == 3  # the file once
+
+
+def test_keys_without_an_id_column_are_row_numbers_whichever_way_the_split_is_chosen(tmp_path):
+    """One rule (README, guide, code): row-000000042, counted across the split's files; it was
+    SPLIT-... when the split was chosen and row-... when not, for the same rows."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    for number, ids in enumerate((["a", "b"], ["c"])):
+        (tmp_path / "hub" / "data").mkdir(parents=True, exist_ok=True)
+        pq.write_table(
+            _audio_table(ids).drop_columns(["id"]), tmp_path / f"hub/data/train-0000{number}-of-00002.parquet"
+        )
+    pq.write_table(_audio_table(["d"]).drop_columns(["id"]), tmp_path / "hub/data/test-00000-of-00001.parquet")
+    expected = ["row-000000000", "row-000000001", "row-000000002"]
+    for name, split in (("folder", "train"), ("glob", None)):
+        source = tmp_path / "hub" if split else tmp_path / "hub/data/train-*.parquet"
+        pack_data(None, None, tmp_path / name, hf=str(source), split=split, progress=False)
+        assert sorted(packed(tmp_path / name)) == expected

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,7 @@ import numpy as np
 from ...checks import shown
 from ...errors import ConfigError, InputError, Where, option
 from ..audio import Audio, decode_audio
+from ..inflation import inflation_limit, limits_text
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -42,6 +44,10 @@ ID_COLUMN = "id"
 ENCODED_CELL, DECODED_CELL = {"bytes", "path"}, {"array", "sampling_rate"}
 MAX_SAMPLE_RATE = 655350  # FLAC's highest rate (libsndfile's); no recording is sampled faster
 FILE_KINDS = {"parquet": "a parquet", "arrow": "an Arrow"}
+SUFFIXES = (".parquet", ".arrow")
+REFETCH = "download or save the file again."
+ARROW_MAGIC, ARROW_FILE_START = b"ARROW1", 8  # an Arrow IPC file: magic, padding, then its stream
+MAX_FILES = 100_000  # the files of one --hf (the Hub's largest datasets have a few thousand)
 SPLIT_NAME = re.compile(r"(?P<split>[A-Za-z0-9_.]+?)(?:[-_.].*)?")  # a split's files: SPLIT-00000-of-00004.parquet
 
 
@@ -76,12 +82,11 @@ def dataset_files(path: str | Path, split: str | None = None) -> DatasetFiles:
     if (root / "state.json").is_file():
         return DatasetFiles(_saved_split(root), "arrow", split)
     if glob.has_magic(text):
-        found = [Path(p) for p in sorted(glob.glob(text, recursive=True)) if Path(p).is_file()]
+        files = sorted(_expand(text), key=str)
     elif root.is_dir():
-        found = sorted(p for p in root.rglob("*") if p.suffix in (".parquet", ".arrow") and p.is_file())
+        files = sorted(_expand(str(root / "**" / "*")))
     else:
-        found = [root] if root.is_file() else []
-    files = [p for p in found if p.suffix in (".parquet", ".arrow")]
+        files = [root] if root.is_file() and root.suffix in SUFFIXES else []
     if not files:
         raise ConfigError(
             f"{option('hf', text)}: no parquet or arrow file there. Fix: give a save_to_disk folder, a parquet or "
@@ -97,6 +102,25 @@ def dataset_files(path: str | Path, split: str | None = None) -> DatasetFiles:
         files = by_split[chosen]
         split = chosen
     return DatasetFiles(tuple(files), files[0].suffix[1:], split)
+
+
+def _expand(pattern: str) -> list[Path]:
+    """The parquet and arrow files a glob names, unsorted: ``**`` is folders at any depth but
+    never a symbolic link to a folder (``glob.glob`` follows those, so a link to a folder above
+    never ends); ConfigError past :data:`MAX_FILES`."""
+    parts = Path(pattern).parts
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    base = Path(*parts[:fixed]) if fixed else Path()
+    files = []
+    for path in base.glob(str(Path(*parts[fixed:]))):
+        if path.suffix in SUFFIXES and path.is_file():
+            files.append(path)
+            if len(files) > MAX_FILES:
+                raise ConfigError(
+                    f"{option('hf', pattern)}: names more than {MAX_FILES} parquet or arrow files. Fix: give the "
+                    "folder or the files of one split."
+                )
+    return files
 
 
 def _choose(splits: Sequence[str], split: str | None, root: Path) -> str:
@@ -148,13 +172,26 @@ def _split_of(file: Path, root: Path | None) -> str:
     return match["split"] if match else file.stem
 
 
+@dataclass(frozen=True)
+class Damaged:
+    """A batch that failed its checks: why, and how many rows it declares."""
+
+    error: InputError
+    rows: int
+
+
 class Batches:
     """The record batches of a dataset's files, read one at a time (a batch is a parquet row
-    group or an Arrow record batch); ``columns`` limits what is read from parquet."""
+    group or an Arrow record batch), each checked before a value of it is read: a parquet row
+    group's declared inflation (:func:`inflation_limit`, from the file's metadata, before it is
+    decompressed) and every batch's offsets and UTF-8 (pyarrow's full validation: offsets that
+    lie would read past the buffer, crash or serve stray bytes). A batch that fails is an
+    InputError (``damaged_batch``, ``decompression_limit``) naming the file, batch and column;
+    a file pyarrow cannot read at all is a ConfigError."""
 
     def __init__(self, dataset: DatasetFiles):
         self.dataset = dataset
-        self._open: tuple[int, Any] | None = None  # (file number, its reader)
+        self._open: tuple[int, Any] | None = None  # (file number, its ParquetFile)
         self._stream: tuple[int, int, Iterator[Any]] | None = None  # an Arrow stream being read: (file, next batch, it)
 
     def schema(self) -> pa.Schema:
@@ -163,72 +200,151 @@ class Batches:
         with self._reading(first):
             if self.dataset.kind == "parquet":
                 return pa.parquet.read_schema(first)
-            return self._arrow(first).schema
+            return _arrow_stream(first).schema
 
-    def _reading(self, path: Path) -> contextlib.AbstractContextManager[None]:
-        """Turns pyarrow's errors about ``path`` into a ConfigError naming it."""
-        return _reading(path, self.dataset.kind)
+    def _reading(self, path: Path, number: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """Turns pyarrow's errors about ``path`` (batch ``number``) into a ConfigError naming it."""
+        return _reading(path, self.dataset.kind, number)
 
-    def _arrow(self, path: Path) -> Any:
-        pa = pyarrow()
-        source = pa.memory_map(str(path))
+    def _parquet(self, file: int) -> Any:
+        if self._open is None or self._open[0] != file:
+            with self._reading(self.dataset.files[file]):
+                self._open = file, pyarrow().parquet.ParquetFile(self.dataset.files[file])
+        return self._open[1]
+
+    def _row_group(self, file: int, number: int, columns: Sequence[str]) -> Any:
+        pa, parquet = pyarrow(), self._parquet(file)
+        where = place(self.dataset.files[file], "parquet", number)
+        _check_inflation(parquet.metadata.row_group(number), where)
         try:
-            return pa.ipc.open_stream(source)
-        except pa.ArrowInvalid:
-            return pa.ipc.open_file(source)
+            table = parquet.read_row_group(number, columns=list(columns))
+        except (pa.ArrowException, OSError) as error:
+            raise InputError(
+                Where(where), "damaged_batch", f"it cannot be read ({str(error)[:200]}): a damaged file.", REFETCH
+            ) from None
+        return _checked(table, where)
 
-    def _arrow_batches(self, path: Path) -> Iterator[Any]:
-        reader = self._arrow(path)
-        if hasattr(reader, "num_record_batches"):  # an Arrow IPC file
-            return (reader.get_batch(i) for i in range(reader.num_record_batches))
-        return iter(reader)
-
-    def _batches_of(self, path: Path, columns: Sequence[str]) -> Iterator[Any]:
+    def _batches(self, file: int, columns: Sequence[str]) -> Iterator[Any]:
+        """File ``file``'s batches in order, each a checked batch or the InputError it is."""
+        path = self.dataset.files[file]
         if self.dataset.kind == "parquet":
-            file = pyarrow().parquet.ParquetFile(path)
-            return (file.read_row_group(group, columns=list(columns)) for group in range(file.num_row_groups))
-        return (batch.select(list(columns)) for batch in self._arrow_batches(path))
+            for number in range(self._parquet(file).num_row_groups):
+                try:
+                    yield self._row_group(file, number, columns)
+                except InputError as error:
+                    yield Damaged(error, self._parquet(file).metadata.row_group(number).num_rows)
+            return
+        with self._reading(path):
+            batches = iter(_arrow_stream(path))
+        for number in itertools.count():
+            with self._reading(path, number):
+                batch = next(batches, None)
+            if batch is None:
+                return
+            try:
+                yield _checked(batch.select(list(columns)), place(path, "arrow", number))
+            except InputError as error:
+                yield Damaged(error, batch.num_rows)
 
     def all(self, columns: Sequence[str]) -> Iterator[tuple[int, int, Any]]:
-        """``(file number, batch number, batch)`` of every batch, in order."""
-        for number, path in enumerate(self.dataset.files):
-            with self._reading(path):
-                batches = enumerate(self._batches_of(path, columns))
-            while True:
-                with self._reading(path):
-                    found = next(batches, None)
-                if found is None:
-                    break
-                yield number, *found
+        """``(file number, batch number, batch)`` of every batch, in order; a batch that fails
+        its checks comes as :class:`Damaged`."""
+        for file in range(len(self.dataset.files)):
+            for number, batch in enumerate(self._batches(file, columns)):
+                yield file, number, batch
 
     def batch(self, file: int, number: int, columns: Sequence[str]) -> Any:
-        """Batch ``number`` of file ``file`` (read forward: batches asked for in order are read once)."""
+        """Batch ``number`` of file ``file`` (read forward: batches asked for in order are read
+        once); InputError when it fails its checks."""
         path = self.dataset.files[file]
-        with self._reading(path):
-            if self.dataset.kind == "parquet":
-                if self._open is None or self._open[0] != file:
-                    self._open = file, pyarrow().parquet.ParquetFile(path)
-                return self._open[1].read_row_group(number, columns=list(columns))
-            if self._stream is None or self._stream[0] != file or self._stream[1] > number:
-                self._stream = file, 0, self._arrow_batches(path)
-            file_, at, batches = self._stream
-            for batch in batches:
-                self._stream = file_, at + 1, batches
-                if at == number:
-                    return batch.select(list(columns))
-                at += 1
+        if self.dataset.kind == "parquet":
+            if not 0 <= number < self._parquet(file).num_row_groups:
+                raise InputError(
+                    Where(path), "unreadable_audio", f"the file has no row group {number} (changed since the scan?)."
+                )
+            return self._row_group(file, number, columns)
+        if self._stream is None or self._stream[0] != file or self._stream[1] > number:
+            self._stream = file, 0, self._batches(file, columns)
+        file_, at, batches = self._stream
+        for batch in batches:
+            self._stream = file_, at + 1, batches
+            if at == number:
+                if isinstance(batch, Damaged):
+                    raise batch.error
+                return batch
+            at += 1
         raise InputError(Where(path), "unreadable_audio", f"the file has no batch {number} (changed since the scan?).")
 
 
+def place(path: Path, kind: str, batch: int, row: int | None = None) -> str:
+    """Where a batch (a row) is, as messages say it: ``FILE, row group 3, row 7``."""
+    text = f"{path}, {'row group' if kind == 'parquet' else 'batch'} {batch}"
+    return text if row is None else f"{text}, row {row}"
+
+
+def _arrow_stream(path: Path) -> Any:
+    """An Arrow file's record batch stream, memory-mapped: an Arrow IPC file is read as the
+    stream it holds after its magic, never through its footer's offsets."""
+    pa = pyarrow()
+    source = pa.memory_map(str(path))
+    source.seek(ARROW_FILE_START if source.read(len(ARROW_MAGIC)) == ARROW_MAGIC else 0)
+    return pa.ipc.open_stream(source)
+
+
+def _checked(batch: Any, where: str) -> Any:
+    """``batch``, once every column's offsets, lengths and UTF-8 hold (pyarrow's full
+    validation); InputError ``damaged_batch`` naming the column (and row) otherwise."""
+    pa = pyarrow()
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            column.validate(full=True)
+        except pa.ArrowException as error:
+            said = str(error)
+            utf8 = re.search(r"Invalid UTF8 sequence at string index (\d+)", said)
+            if utf8 and (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+                raise InputError(
+                    Where(where),
+                    "damaged_batch",
+                    f"column {name!r}, row {utf8[1]}: its text is not UTF-8.",
+                    "write the text as UTF-8 (or leave the column out).",
+                ) from None
+            raise InputError(
+                Where(where),
+                "damaged_batch",
+                f"column {name!r} does not hold what it declares ({said[:200]}): a damaged or hostile file (its "
+                "offsets or lengths point outside its data, or its text is not UTF-8).",
+                REFETCH,
+            ) from None
+    return batch
+
+
+def _check_inflation(row_group: Any, where: str) -> None:
+    """InputError ``decompression_limit`` when the row group's column chunks declare more
+    bytes decompressed than :func:`inflation_limit` allows their compressed bytes (checked
+    before anything is decompressed: a parquet bomb, a few kB holding a GB)."""
+    chunks = [row_group.column(i) for i in range(row_group.num_columns)]
+    compressed = sum(max(0, chunk.total_compressed_size) for chunk in chunks)
+    inflated = sum(max(0, chunk.total_uncompressed_size) for chunk in chunks)
+    if inflated > inflation_limit(compressed, capped=False):
+        raise InputError(
+            Where(where),
+            "decompression_limit",
+            f"its columns declare {inflated} bytes decompressed from {compressed}, beyond the limit "
+            f"({limits_text()} for a row group read whole): a damaged or hostile file.",
+            "if the file is real, write it again with smaller row groups (datasets writes 100 rows of audio a group).",
+        )
+
+
 @contextlib.contextmanager
-def _reading(path: Path, kind: str) -> Iterator[None]:
+def _reading(path: Path, kind: str, number: int | None = None) -> Iterator[None]:
     pa = pyarrow()
     try:
         yield
     except (pa.ArrowException, OSError, KeyError) as error:
         said = str(error)[:200] or type(error).__name__
+        at = str(path) if number is None else place(path, kind, number)
         raise ConfigError(
-            f"{path} cannot be read as {kind} ({said}): damaged, cut short, or not {FILE_KINDS[kind]} file with the "
+            f"{at} cannot be read as {kind} ({said}): damaged, cut short, or not {FILE_KINDS[kind]} file with the "
             "dataset's columns. Fix: download or save it again."
         ) from None
 
