@@ -345,3 +345,42 @@ def test_keys_without_an_id_column_are_row_numbers_whichever_way_the_split_is_ch
         source = tmp_path / "hub" if split else tmp_path / "hub/data/train-*.parquet"
         pack_data(None, None, tmp_path / name, hf=str(source), split=split, progress=False)
         assert sorted(packed(tmp_path / name)) == expected
+
+
+BOMB = """
+import json, resource, sys
+import pyarrow, soundfile, seqshard.prep.pack
+from seqshard.prep.pack import pack_data
+
+def peak():
+    return max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)) * 1024
+
+before = peak()
+report = pack_data(None, None, sys.argv[2], hf=sys.argv[1], skip_bad=True, progress=False)
+print(json.dumps({"grew": peak() - before, "packed": report.packed, "dropped": report.dropped}))
+"""
+
+
+def test_a_parquet_bomb_is_refused_before_it_is_decompressed(tmp_path):
+    """A few kB of zstd holding a 128 MiB cell (the issue's: 40,953 bytes holding 1 GiB took
+    pack to 5.3 GB before the row was dropped): refused from the row group's metadata, in a
+    process whose memory grows by far less than the cell."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    bomb = pa.table({"id": ["a"], "audio": [{"bytes": bytes(128 << 20), "path": "a.wav"}], "text": ["x"]})
+    pq.write_table(bomb, tmp_path / "train-0.parquet", compression="zstd")
+    del bomb
+    pq.write_table(_audio_table(["b"]), tmp_path / "train-1.parquet", compression="zstd")
+    assert (tmp_path / "train-0.parquet").stat().st_size < 64 << 10
+    with pytest.raises(InputError, match=r"train-0\.parquet, row group 0.*declare \d+ bytes decompressed from \d+"):
+        pack_data(None, None, tmp_path / "a", hf=str(tmp_path / "train-0.parquet"), progress=False)
+    done = subprocess.run(
+        [sys.executable, "-c", BOMB, str(tmp_path / "*.parquet"), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert (found["packed"], found["dropped"]) == (1, {"decompression_limit": 1})
+    assert found["grew"] < 48 << 20, found
