@@ -384,3 +384,13 @@ def test_a_parquet_bomb_is_refused_before_it_is_decompressed(tmp_path):
     found = json.loads(done.stdout.splitlines()[-1])
     assert (found["packed"], found["dropped"]) == (1, {"decompression_limit": 1})
     assert found["grew"] < 48 << 20, found
+
+
+def test_a_text_only_dataset_is_sent_to_binarize(tmp_path):
+    """Before: "Fix: name it with --audio-column", which a dataset without audio cannot follow."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    pq.write_table(pa.table({"id": ["a"], "text": ["hello"]}), tmp_path / "train.parquet")
+    with pytest.raises(
+        ConfigError, match=r"no audio column \(its columns: id, text\).* packs speech.*seqshard binarize --in FILE"
+    ):
+        pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "train.parquet"), progress=False)

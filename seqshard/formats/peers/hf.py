@@ -376,7 +376,10 @@ def audio_column(schema: pa.Schema, given: str | None) -> str:
                 found = field.name
     if found is None:
         raise ConfigError(
-            f"the dataset has no audio column (its columns: {', '.join(names)}). Fix: name it with "
+            f"the dataset has no audio column (its columns: {', '.join(names)}): {option('hf', '...')} packs speech, "
+            'a column of Audio cells ({"bytes", "path"} or {"array", "sampling_rate"}). Fix: for text alone, write '
+            "its text column to a file, one sentence a line, and tokenize it with `seqshard binarize --in FILE --out "
+            "PREFIX --tokenizer MODEL` (read by make_token_loader); if a column does hold audio, name it with "
             f"{option('audio_column', 'NAME')}."
         )
     return found
