@@ -394,3 +394,71 @@ def test_a_text_only_dataset_is_sent_to_binarize(tmp_path):
         ConfigError, match=r"no audio column \(its columns: id, text\).* packs speech.*seqshard binarize --in FILE"
     ):
         pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "train.parquet"), progress=False)
+
+
+def _decoded_by_datasets(dataset) -> dict[str, np.ndarray]:
+    """id -> samples as `datasets` decodes the column: live where torchcodec (its decoder) is
+    installed, else as datasets 5.2.0 with torchcodec 0.13 (FFmpeg 5.1) decoded these rows,
+    recorded in realdata/hf/train-16k.npz (int16 of the float samples)."""
+    try:
+        import torchcodec  # noqa: F401
+    except ImportError:
+        with np.load(HF / "train-16k.npz") as recorded:
+            return {key: recorded[key] / 32768 for key in recorded.files}
+    return {row["id"]: row["audio"].get_all_samples().data.numpy()[0] for row in dataset}
+
+
+@pytest.mark.parametrize("layout", ["save_to_disk", "parquet"])
+def test_a_declared_sampling_rate_is_honoured_as_datasets_decodes_it(datasets, tmp_path, layout):
+    """8 kHz files in a column cast to Audio(sampling_rate=16000): `datasets` decodes them at
+    16 kHz, and so does the loader now (before: 8 kHz, without a word). Tolerance: soxr (pack's
+    resampler) and FFmpeg's (torchcodec's) differ by their filters near the band edge, -40 dB
+    here (RMS of the difference 1.2 % of the signal's, at most 0.006 of full scale): asserted
+    below 3 % and 0.015; a resampler that is not applied, or a wrong rate, is off by ~100 %."""
+    from seqshard import make_loader
+
+    cast = datasets.load_from_disk(str(HF / "saved"))["train"].cast_column("audio", datasets.Audio(sampling_rate=16000))
+    source = tmp_path / ("saved" if layout == "save_to_disk" else "train.parquet")
+    cast.save_to_disk(str(source)) if layout == "save_to_disk" else cast.to_parquet(str(source))
+    written = (
+        datasets.load_from_disk(str(source)) if layout == "save_to_disk" else datasets.Dataset.from_parquet(str(source))
+    )
+    assert written.features["audio"].sampling_rate == 16000  # what datasets reads back from the files
+    pack_data(None, None, tmp_path / "out", hf=str(source), progress=False)
+    expected = _decoded_by_datasets(cast)
+    loader = make_loader(str(tmp_path / "out"), batch_size=1, num_workers=0, seed=0)
+    found = {}
+    for batch in loader:
+        assert int(batch["sample_rate"][0]) == 16000
+        found[batch["keys"][0]] = batch["audio"][0, : int(batch["audio_lens"][0])].numpy()
+    assert sorted(found) == sorted(expected)
+    for key, samples in expected.items():
+        assert len(found[key]) == len(samples)
+        difference = found[key] - samples
+        assert np.sqrt(np.mean(difference**2)) < 0.03 * np.sqrt(np.mean(samples**2)), key
+        assert np.abs(difference).max() < 0.015, key
+    with pytest.raises(
+        InputError,
+        match=r"at 8000 Hz, but column 'audio' is Audio\(sampling_rate=16000\).*Fix: pack with audio_format='flac'",
+    ) as error:
+        pack_data(None, None, tmp_path / "keep", hf=str(source), audio_format="keep", progress=False)
+    assert error.value.reason == "sample_rate_mismatch"
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        (b'{"info": ' + b"[" * 100_000, r"huggingface schema metadata \(the dataset's features\) is not JSON"),
+        (b"not json", r"is not JSON"),
+        (b'{"info": {"features": {"audio": {"_type": "Audio", "sampling_rate": 1e400}}}}', r"sampling_rate is inf"),
+        (b'{"info": {"features": {"audio": {"_type": "Audio", "sampling_rate": -8000}}}}', r"sampling_rate is -8000"),
+    ],
+)
+def test_schema_metadata_that_is_not_json_or_not_a_rate_is_named(tmp_path, metadata, message):
+    """Before: a RecursionError for metadata nested 100,000 deep; metadata that is not JSON was
+    ignored (it now says the column's declared rate)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = _audio_table(["a"])
+    pq.write_table(table.replace_schema_metadata({"huggingface": metadata}), tmp_path / "train.parquet")
+    with pytest.raises(ConfigError, match=rf"train\.parquet: .*{message}.*Fix: write the file again"):
+        pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "train.parquet"), progress=False)

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -27,10 +29,22 @@ from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import Audio
 from ..formats.files import open_output
 from ..formats.pack_state import STATE_DIR
-from ..formats.peers.hf import Batches, Damaged, audio_column, cell_audio, dataset_files, id_column, text_column
+from ..formats.peers.hf import (
+    Batches,
+    Damaged,
+    audio_column,
+    cell_audio,
+    dataset_features,
+    dataset_files,
+    declared_rate,
+    id_column,
+    text_column,
+)
 from ..formats.peers.keytable import KeyTable
 from .plan import PackOptions, PackPlan
 from .sources import AudioSource, Members, Progress, _AudioReader, check_key, field_members
+
+_LOG = logging.getLogger("seqshard")
 
 ROWS_FILE = "rows.jsonl"
 SAMPLED_BYTES = 1 << 20  # the head and tail hashed for a file's identity
@@ -96,10 +110,15 @@ class DatasetSource(AudioSource):
         d_out: Path,
     ):
         self.dataset = dataset_files(path, split)
-        super().__init__(list(self.dataset.files), [], options)
         schema = Batches(self.dataset).schema()
         names = list(schema.names)
-        self.audio_column = audio_column(schema, audio)
+        features = dataset_features(schema, self.dataset.files[0])
+        self.audio_column = audio_column(schema, features, audio)
+        self.declared_rate = declared_rate(features, self.audio_column, self.dataset.files[0])
+        if self.declared_rate and options.resample_to is None and (options.audio_format != "keep" or options.features):
+            _LOG.info("column %s is Audio(sampling_rate=%d): resampled to it", self.audio_column, self.declared_rate)
+            options = replace(options, resample_to=self.declared_rate)  # as datasets decodes it
+        super().__init__(list(self.dataset.files), [], options)
         self.text_column = text_column(names, text)
         self.id_column = id_column(names, key)
         missing = [name for name in options.fields if name not in names]
@@ -195,7 +214,18 @@ class _DatasetReader(_AudioReader):
 
     def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, Audio]:
         cells, folder = self._cell(value, where)
-        return cell_audio(cells[self.source.audio_column], where, folder, self.options.channel)
+        original, audio = cell_audio(cells[self.source.audio_column], where, folder, self.options.channel)
+        rate = self.source.declared_rate
+        if rate and audio.sample_rate != rate and self.options.resample_to is None:  # --audio-format keep
+            raise InputError(
+                where,
+                "sample_rate_mismatch",
+                f"the audio is at {audio.sample_rate} Hz, but column {self.source.audio_column!r} is "
+                f"Audio(sampling_rate={rate}): datasets decodes it at {rate} Hz, and {option('audio_format', 'keep')} "
+                "stores the file as it is.",
+                f"pack with {option('audio_format', 'flac')}, which resamples it to {rate} Hz.",
+            )
+        return original, audio
 
     def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int, str | None]:
         members, frames, how = super().read(row, key, value, where)

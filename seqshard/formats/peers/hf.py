@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...checks import shown
+from ...checks import NumberError, read_number, shown
 from ...errors import ConfigError, InputError, Where, option
 from ..audio import Audio, decode_audio
 from ..inflation import inflation_limit, limits_text
@@ -349,26 +349,50 @@ def _reading(path: Path, kind: str, number: int | None = None) -> Iterator[None]
         ) from None
 
 
-def _feature_types(schema: pa.Schema) -> dict[str, str]:
-    """Column -> its ``datasets`` feature type (``Audio``, ``Value``, ...), from the schema's
-    ``huggingface`` metadata (empty when there is none)."""
+def dataset_features(schema: pa.Schema, path: Path) -> dict[str, dict]:
+    """Column -> its ``datasets`` feature (``{"_type": "Audio", "sampling_rate": 16000}``),
+    from the schema's ``huggingface`` metadata (empty when there is none); ConfigError naming
+    ``path`` when that metadata is not JSON (or nested too deep to read)."""
     metadata = (schema.metadata or {}).get(b"huggingface")
-    try:
-        features = json.loads(metadata)["info"]["features"] if metadata else {}
-    except (ValueError, KeyError, TypeError):
+    if not metadata:
         return {}
-    return {name: str(f.get("_type", "")) for name, f in features.items() if isinstance(f, dict)}
+    try:
+        document = json.loads(metadata)
+    except (ValueError, RecursionError) as error:
+        raise ConfigError(
+            f"{path}: its huggingface schema metadata (the dataset's features) is not JSON ({str(error)[:100]}). "
+            "Fix: write the file again with datasets."
+        ) from None
+    info = document.get("info") if isinstance(document, dict) else None
+    features = info.get("features") if isinstance(info, dict) else None
+    return {name: f for name, f in features.items() if isinstance(f, dict)} if isinstance(features, dict) else {}
 
 
-def audio_column(schema: pa.Schema, given: str | None) -> str:
+def declared_rate(features: dict[str, dict], column: str, path: Path) -> int | None:
+    """The sampling rate ``column``'s ``Audio`` feature declares (``datasets`` decodes the
+    column at it), None when it declares none; ConfigError naming ``path`` for one that is not
+    a rate."""
+    feature = features.get(column, {})
+    if feature.get("_type") != "Audio" or feature.get("sampling_rate") is None:
+        return None
+    try:
+        rate = read_number("its sampling_rate", feature["sampling_rate"], whole=True, above=0, at_most=MAX_SAMPLE_RATE)
+    except NumberError as error:
+        raise ConfigError(
+            f"{path}: the huggingface schema metadata of column {column!r}: {error}. Fix: write the file again "
+            "with datasets."
+        ) from None
+    return int(rate)  # type: ignore[arg-type]
+
+
+def audio_column(schema: pa.Schema, features: dict[str, dict], given: str | None) -> str:
     """The audio column: ``given``, else the first ``Audio`` feature, else the first column
     of ``{"bytes", "path"}`` or ``{"array", "sampling_rate"}`` cells."""
     pa = pyarrow()
     names = list(schema.names)
     if given is not None:
         return _given(given, names, "audio_column")
-    types = _feature_types(schema)
-    found = next((n for n in names if types.get(n) == "Audio"), None)
+    found = next((n for n in names if features.get(n, {}).get("_type") == "Audio"), None)
     for field in schema:
         if found is None and pa.types.is_struct(field.type):
             children = {field.type.field(i).name for i in range(field.type.num_fields)}
