@@ -462,3 +462,23 @@ def test_schema_metadata_that_is_not_json_or_not_a_rate_is_named(tmp_path, metad
     pq.write_table(table.replace_schema_metadata({"huggingface": metadata}), tmp_path / "train.parquet")
     with pytest.raises(ConfigError, match=rf"train\.parquet: .*{message}.*Fix: write the file again"):
         pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "train.parquet"), progress=False)
+
+
+def test_an_arrow_bomb_is_refused_from_its_message_header_before_it_is_decompressed(tmp_path):
+    """An Arrow stream written with IPC compression (zstd) whose first batch holds a 64 MiB cell
+    in 3 kB: refused from the sizes its header declares, never read; pyarrow cannot read a
+    stream past a batch, so the batch after it is counted too (before: both decompressed)."""
+    pa = pytest.importorskip("pyarrow")
+    bomb = pa.table({"id": ["a"], "audio": [{"bytes": bytes(64 << 20), "path": "a.wav"}], "text": ["x"]})
+    good = _audio_table(["b"]).cast(bomb.schema)
+    options = pa.ipc.IpcWriteOptions(compression="zstd")
+    sink = pa.OSFile(str(tmp_path / "data.arrow"), "wb")
+    with sink, pa.ipc.new_stream(sink, bomb.schema, options=options) as writer:
+        for table in (good, bomb, _audio_table(["c"]).cast(bomb.schema)):
+            writer.write_table(table)
+    del bomb
+    assert (tmp_path / "data.arrow").stat().st_size < 64 << 10
+    with pytest.raises(InputError, match=r"data\.arrow, batch 1: its buffers declare \d+ bytes decompressed from \d+"):
+        pack_data(None, None, tmp_path / "a", hf=str(tmp_path / "data.arrow"), progress=False)
+    report = pack_data(None, None, tmp_path / "b", hf=str(tmp_path / "data.arrow"), skip_bad=True, progress=False)
+    assert (report.input_utts, report.packed, report.dropped) == (3, 1, {"decompression_limit": 2})

@@ -35,6 +35,7 @@ from ...checks import NumberError, read_number, shown
 from ...errors import ConfigError, InputError, Where, option
 from ..audio import Audio, decode_audio
 from ..inflation import inflation_limit, limits_text
+from .arrow_ipc import DamagedMessage, batch_sizes
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -182,9 +183,9 @@ class Damaged:
 
 class Batches:
     """The record batches of a dataset's files, read one at a time (a batch is a parquet row
-    group or an Arrow record batch), each checked before a value of it is read: a parquet row
-    group's declared inflation (:func:`inflation_limit`, from the file's metadata, before it is
-    decompressed) and every batch's offsets and UTF-8 (pyarrow's full validation: offsets that
+    group or an Arrow record batch), each checked before a value of it is read: the inflation a
+    parquet row group's metadata or an Arrow batch's message header declares
+    (:func:`inflation_limit`, before it is decompressed) and every batch's offsets and UTF-8 (pyarrow's full validation: offsets that
     lie would read past the buffer, crash or serve stray bytes). A batch that fails is an
     InputError (``damaged_batch``, ``decompression_limit``) naming the file, batch and column;
     a file pyarrow cannot read at all is a ConfigError."""
@@ -200,7 +201,7 @@ class Batches:
         with self._reading(first):
             if self.dataset.kind == "parquet":
                 return pa.parquet.read_schema(first)
-            return _arrow_stream(first).schema
+            return pa.ipc.open_stream(_arrow_source(first)).schema
 
     def _reading(self, path: Path, number: int | None = None) -> contextlib.AbstractContextManager[None]:
         """Turns pyarrow's errors about ``path`` (batch ``number``) into a ConfigError naming it."""
@@ -225,24 +226,47 @@ class Batches:
         return _checked(table, where)
 
     def _batches(self, file: int, columns: Sequence[str]) -> Iterator[Any]:
-        """File ``file``'s batches in order, each a checked batch or the InputError it is."""
-        path = self.dataset.files[file]
-        if self.dataset.kind == "parquet":
-            for number in range(self._parquet(file).num_row_groups):
-                try:
-                    yield self._row_group(file, number, columns)
-                except InputError as error:
-                    yield Damaged(error, self._parquet(file).metadata.row_group(number).num_rows)
+        """File ``file``'s batches in order, each a checked batch or :class:`Damaged`."""
+        if self.dataset.kind == "arrow":
+            yield from self._arrow_batches(self.dataset.files[file], columns)
             return
+        for number in range(self._parquet(file).num_row_groups):
+            try:
+                yield self._row_group(file, number, columns)
+            except InputError as error:
+                yield Damaged(error, self._parquet(file).metadata.row_group(number).num_rows)
+
+    def _arrow_batches(self, path: Path, columns: Sequence[str]) -> Iterator[Any]:
+        """An Arrow file's batches, each declared size checked (its message header, read first)
+        before pyarrow reads and decompresses it; a stream is not read past a batch refused."""
         with self._reading(path):
-            batches = iter(_arrow_stream(path))
+            batches = iter(pyarrow().ipc.open_stream(_arrow_source(path)))
+            sizes = batch_sizes(pyarrow().ipc.MessageReader.open_stream(_arrow_source(path)))
+        refused: InputError | None = None
         for number in itertools.count():
+            where = Where(place(path, "arrow", number))
+            with self._reading(path, number):
+                size = next(sizes, None)
+            if size is None:
+                return
+            if refused is None and size.inflated > inflation_limit(size.body, capped=False):
+                refused = InputError(
+                    where,
+                    "decompression_limit",
+                    f"its buffers declare {size.inflated} bytes decompressed from {size.body}, beyond the limit "
+                    f"({limits_text()}): a damaged or hostile file.",
+                    "if the file is real, write it again without IPC compression (datasets writes none).",
+                )
+            if refused is not None:
+                problem = refused.problem if refused.where == where else f"it follows {refused.where}, not read."
+                yield Damaged(InputError(where, refused.reason, problem, refused.fix), size.rows)
+                continue
             with self._reading(path, number):
                 batch = next(batches, None)
             if batch is None:
                 return
             try:
-                yield _checked(batch.select(list(columns)), place(path, "arrow", number))
+                yield _checked(batch.select(list(columns)), where.path)
             except InputError as error:
                 yield Damaged(error, batch.num_rows)
 
@@ -282,13 +306,12 @@ def place(path: Path, kind: str, batch: int, row: int | None = None) -> str:
     return text if row is None else f"{text}, row {row}"
 
 
-def _arrow_stream(path: Path) -> Any:
-    """An Arrow file's record batch stream, memory-mapped: an Arrow IPC file is read as the
-    stream it holds after its magic, never through its footer's offsets."""
-    pa = pyarrow()
-    source = pa.memory_map(str(path))
+def _arrow_source(path: Path) -> Any:
+    """An Arrow file memory-mapped, at the start of its stream: an Arrow IPC file is read as
+    the stream it holds after its magic, never through its footer's offsets."""
+    source = pyarrow().memory_map(str(path))
     source.seek(ARROW_FILE_START if source.read(len(ARROW_MAGIC)) == ARROW_MAGIC else 0)
-    return pa.ipc.open_stream(source)
+    return source
 
 
 def _checked(batch: Any, where: str) -> Any:
@@ -340,7 +363,7 @@ def _reading(path: Path, kind: str, number: int | None = None) -> Iterator[None]
     pa = pyarrow()
     try:
         yield
-    except (pa.ArrowException, OSError, KeyError) as error:
+    except (pa.ArrowException, OSError, KeyError, DamagedMessage) as error:
         said = str(error)[:200] or type(error).__name__
         at = str(path) if number is None else place(path, kind, number)
         raise ConfigError(
