@@ -146,13 +146,16 @@ def _wav(samples: int) -> bytes:
             {"array": [0.1], "sampling_rate": 8000},
             "unreadable_audio",
         ),
+        ("audio", {"bytes": None, "path": "a" * 5000}, {"bytes": _wav(1600), "path": "b"}, "missing_audio"),
+        ("audio", {"bytes": None, "path": "a\0.wav"}, {"bytes": _wav(1600), "path": "b"}, "missing_audio"),
         ("id", None, "b", "bad_key"),
         ("score", float("nan"), 1.0, "bad_field"),
     ],
 )
 def test_a_hostile_cell_is_a_counted_skip_never_garbage_or_a_traceback(tmp_path, column, bad, good, reason):
     """Row 0 holds the hostile cell, row 1 a good one: a named, counted skip of row 0 (before:
-    tracebacks from bytes() of a string, float() of 'x' and libsndfile's int of the rate; NaN
+    tracebacks from bytes() of a string, float() of 'x', libsndfile's int of the rate and a
+    path too long or holding NUL; NaN
     audio, the key 'None' and NaN in a .json field packed as they were)."""
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     rows = [{"id": "a", "audio": {"bytes": _wav(1600), "path": "a.wav"}, "text": "ok", "score": 1.0} for _ in "ab"]

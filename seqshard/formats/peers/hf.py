@@ -469,15 +469,16 @@ def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tu
         data = bytes(cell["bytes"])
         return data, decode_audio(data, where, channel)
     if isinstance(cell, dict) and isinstance(cell.get("path"), str) and "array" not in cell:
-        path = Path(cell["path"])
-        path = path if path.is_absolute() or path.is_file() else folder / path
-        try:
+        try:  # a path too long or holding NUL is an OSError or ValueError of its own
+            path = Path(cell["path"])
+            path = path if path.is_absolute() or path.is_file() else folder / path
             data = path.read_bytes()
-        except OSError as error:
+        except (OSError, ValueError) as error:
+            said = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
             raise InputError(
                 where,
                 "missing_audio",
-                f"the audio cell holds no bytes, and its path {cell['path']!r} cannot be read ({error.strerror}).",
+                f"the audio cell holds no bytes, and its path {shown(cell['path'])} cannot be read ({said}).",
                 "save the dataset with its audio embedded (datasets embeds it in save_to_disk and push_to_hub).",
             ) from None
         return data, decode_audio(data, where, channel)
