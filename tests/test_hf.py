@@ -485,3 +485,49 @@ def test_an_arrow_bomb_is_refused_from_its_message_header_before_it_is_decompres
         pack_data(None, None, tmp_path / "a", hf=str(tmp_path / "data.arrow"), progress=False)
     report = pack_data(None, None, tmp_path / "b", hf=str(tmp_path / "data.arrow"), skip_bad=True, progress=False)
     assert (report.input_utts, report.packed, report.dropped) == (3, 1, {"decompression_limit": 2})
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_a_dictionary_bomb_is_refused_before_it_is_expanded(tmp_path, kind):
+    """One 1 MiB value and 300 indices to it (a parquet file of 1 MiB whose audio column
+    expands to 300 MiB once read: its metadata declares 1 MiB, so only the expansion tells;
+    an Arrow stream whose text column does the same): refused from the dictionary's lengths,
+    in a process whose memory grows by far less (before: 300 MiB and more)."""
+    import os
+
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = 300
+    value = os.urandom(1 << 20)
+    repeated = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array([value], pa.binary()))
+    ids = [f"k{i}" for i in range(rows)]
+    if kind == "parquet":
+        audio = pa.StructArray.from_arrays([repeated.cast(pa.binary()), pa.array(["a.wav"] * rows)], ["bytes", "path"])
+        table = pa.table({"id": ids, "audio": audio, "text": ["x"] * rows})
+        pq.write_table(table, tmp_path / "train-0.parquet", store_schema=False)  # no Arrow schema: read as binary
+        pq.write_table(_audio_table(["b"]), tmp_path / "train-1.parquet")
+        expected = (1, {"decompression_limit": rows})  # the scan lists them, each row's audio is refused
+    else:
+        texts = pa.DictionaryArray.from_arrays(pa.array([0] * rows, pa.int32()), pa.array([value.hex()[: 1 << 20]]))
+        audio = [{"bytes": _wav(16), "path": "a.wav"}] * rows
+        table = pa.table({"id": ids, "audio": audio, "text": texts})
+        with pa.OSFile(str(tmp_path / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+            writer.write_table(table)
+            writer.write_table(_audio_table(["b"]).cast(table.schema))
+        expected = (1, {"decompression_limit": 1})  # its ids and texts cannot be listed: the batch, once
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BOMB,
+            str(tmp_path / ("*.parquet" if kind == "parquet" else "data.arrow")),
+            str(tmp_path / "b"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.splitlines()[-1])
+    assert (found["packed"], found["dropped"]) == expected
+    assert found["grew"] < 100 << 20, found

@@ -196,21 +196,36 @@ class Batches:
         self._stream: tuple[int, int, Iterator[Any]] | None = None  # an Arrow stream being read: (file, next batch, it)
 
     def schema(self) -> pa.Schema:
+        """The first file's schema, every field name (nested ones too) read as UTF-8 here."""
         pa = pyarrow()
         first = self.dataset.files[0]
         with self._reading(first):
             if self.dataset.kind == "parquet":
-                return pa.parquet.read_schema(first)
-            return pa.ipc.open_stream(_arrow_source(first)).schema
+                schema = pa.parquet.read_schema(first)
+            else:
+                schema = pa.ipc.open_stream(_arrow_source(first)).schema
+            fields = list(schema)
+            while fields:  # every name read now: one that is not UTF-8 raises here, not where it is used
+                field = fields.pop()
+                field.name.encode()
+                fields += [field.type.field(i) for i in range(field.type.num_fields)]
+            return schema
 
     def _reading(self, path: Path, number: int | None = None) -> contextlib.AbstractContextManager[None]:
         """Turns pyarrow's errors about ``path`` (batch ``number``) into a ConfigError naming it."""
         return _reading(path, self.dataset.kind, number)
 
     def _parquet(self, file: int) -> Any:
+        """File ``file`` open, its text and binary columns read as dictionaries where they are
+        dictionary-encoded (so that a value repeated by a million indices is held once, and
+        what it expands to is checked before it is: :func:`_check_expansion`)."""
         if self._open is None or self._open[0] != file:
-            with self._reading(self.dataset.files[file]):
-                self._open = file, pyarrow().parquet.ParquetFile(self.dataset.files[file])
+            pq, path = pyarrow().parquet, self.dataset.files[file]
+            with self._reading(path):
+                metadata = pq.read_metadata(path)
+                columns = [metadata.schema.column(i) for i in range(metadata.num_columns)]
+                binary = [column.path for column in columns if column.physical_type == "BYTE_ARRAY"]
+                self._open = file, pq.ParquetFile(path, metadata=metadata, read_dictionary=binary)
         return self._open[1]
 
     def _row_group(self, file: int, number: int, columns: Sequence[str]) -> Any:
@@ -219,11 +234,13 @@ class Batches:
         _check_inflation(parquet.metadata.row_group(number), where)
         try:
             table = parquet.read_row_group(number, columns=list(columns))
-        except (pa.ArrowException, OSError) as error:
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as error:
             raise InputError(
                 Where(where), "damaged_batch", f"it cannot be read ({str(error)[:200]}): a damaged file.", REFETCH
             ) from None
-        return _checked(table, where)
+        chunks = parquet.metadata.row_group(number)
+        compressed = sum(max(0, chunks.column(i).total_compressed_size) for i in range(chunks.num_columns))
+        return _check_expansion(_checked(table, where), compressed, where)
 
     def _batches(self, file: int, columns: Sequence[str]) -> Iterator[Any]:
         """File ``file``'s batches in order, each a checked batch or :class:`Damaged`."""
@@ -266,7 +283,7 @@ class Batches:
             if batch is None:
                 return
             try:
-                yield _checked(batch.select(list(columns)), where.path)
+                yield _check_expansion(_checked(batch.select(list(columns)), str(where)), size.body, str(where))
             except InputError as error:
                 yield Damaged(error, batch.num_rows)
 
@@ -324,11 +341,12 @@ def _checked(batch: Any, where: str) -> Any:
         except pa.ArrowException as error:
             said = str(error)
             utf8 = re.search(r"Invalid UTF8 sequence at string index (\d+)", said)
-            if utf8 and (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+            row = _text_row(column, int(utf8[1])) if utf8 else None
+            if row is not None:
                 raise InputError(
                     Where(where),
                     "damaged_batch",
-                    f"column {name!r}, row {utf8[1]}: its text is not UTF-8.",
+                    f"column {name!r}, row {row}: its text is not UTF-8.",
                     "write the text as UTF-8 (or leave the column out).",
                 ) from None
             raise InputError(
@@ -339,6 +357,58 @@ def _checked(batch: Any, where: str) -> Any:
                 REFETCH,
             ) from None
     return batch
+
+
+def _text_row(column: Any, index: int) -> int | None:
+    """The row of a text column (plain or dictionary-encoded: ``index`` is then its
+    dictionary's) whose text is entry ``index``; None for another kind of column."""
+    pa = pyarrow()
+    import pyarrow.compute as pc
+
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    kind = chunks[0].type if len(chunks) == 1 else None
+    if kind is not None and pa.types.is_dictionary(kind) and pa.types.is_string(kind.value_type):
+        row = pc.index(chunks[0].indices, index).as_py()
+        return row if row >= 0 else None
+    return index if kind is not None and (pa.types.is_string(kind) or pa.types.is_large_string(kind)) else None
+
+
+def _check_expansion(batch: Any, compressed: int, where: str) -> Any:
+    """``batch``, unless its dictionary-encoded values expand (each index a copy of its value)
+    beyond :func:`inflation_limit` of the ``compressed`` bytes it was read from: InputError
+    ``decompression_limit`` (a bomb of one large value and a million indices)."""
+    expanded = sum(_expanded(column) for column in batch.columns)
+    if expanded > inflation_limit(compressed, capped=False):
+        raise InputError(
+            Where(where),
+            "decompression_limit",
+            f"its dictionary-encoded values expand to {expanded} bytes from {compressed}, beyond the limit "
+            f"({limits_text()}): a damaged or hostile file.",
+            "if the file is real, write it again without dictionary encoding of large values.",
+        )
+    return batch
+
+
+def _expanded(array: Any) -> int:
+    """The bytes ``array``'s dictionary-encoded values (nested ones too) take once expanded."""
+    pa = pyarrow()
+    import pyarrow.compute as pc
+
+    total = 0
+    for chunk in array.chunks if isinstance(array, pa.ChunkedArray) else [array]:
+        kind = chunk.type
+        if pa.types.is_dictionary(kind):
+            values = chunk.dictionary
+            if pa.types.is_binary(values.type) or pa.types.is_string(values.type):
+                sizes = pc.binary_length(values)
+            else:
+                sizes = pa.array([values.nbytes // max(1, len(values))] * len(values), pa.int64())
+            total += int(pc.sum(pc.take(sizes.cast(pa.int64()), chunk.indices)).as_py() or 0)
+        elif pa.types.is_struct(kind):
+            total += sum(_expanded(chunk.field(i)) for i in range(kind.num_fields))
+        elif pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+            total += _expanded(chunk.flatten())
+    return total
 
 
 def _check_inflation(row_group: Any, where: str) -> None:
@@ -363,7 +433,7 @@ def _reading(path: Path, kind: str, number: int | None = None) -> Iterator[None]
     pa = pyarrow()
     try:
         yield
-    except (pa.ArrowException, OSError, KeyError, DamagedMessage) as error:
+    except (pa.ArrowException, OSError, KeyError, UnicodeDecodeError, DamagedMessage) as error:
         said = str(error)[:200] or type(error).__name__
         at = str(path) if number is None else place(path, kind, number)
         raise ConfigError(
