@@ -531,3 +531,15 @@ def test_a_dictionary_bomb_is_refused_before_it_is_expanded(tmp_path, kind):
     found = json.loads(done.stdout.splitlines()[-1])
     assert (found["packed"], found["dropped"]) == expected
     assert found["grew"] < 100 << 20, found
+
+
+def test_a_column_name_that_is_not_utf8_is_named(tmp_path):
+    """Before: a raw UnicodeDecodeError from pyarrow's schema.names (found by fuzzing)."""
+    pa = pytest.importorskip("pyarrow")
+    table = _audio_table(["a"])
+    with pa.OSFile(str(tmp_path / "data.arrow"), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    data = (tmp_path / "data.arrow").read_bytes()
+    (tmp_path / "data.arrow").write_bytes(data.replace(b"text", b"\xffext", 1))
+    with pytest.raises(ConfigError, match=r"data\.arrow cannot be read as arrow \('utf-8' codec can't decode"):
+        pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "data.arrow"), progress=False)
