@@ -183,12 +183,13 @@ class Damaged:
 
 class Batches:
     """The record batches of a dataset's files, read one at a time (a batch is a parquet row
-    group or an Arrow record batch), each checked before a value of it is read: the inflation a
-    parquet row group's metadata or an Arrow batch's message header declares
-    (:func:`inflation_limit`, before it is decompressed) and every batch's offsets and UTF-8 (pyarrow's full validation: offsets that
-    lie would read past the buffer, crash or serve stray bytes). A batch that fails is an
-    InputError (``damaged_batch``, ``decompression_limit``) naming the file, batch and column;
-    a file pyarrow cannot read at all is a ConfigError."""
+    group or an Arrow record batch), each checked before a value of it is read: the inflation
+    a parquet row group's metadata or an Arrow batch's message header declares, before it is
+    decompressed, and what its dictionaries expand to (:func:`inflation_limit`); every batch's
+    offsets and UTF-8 (pyarrow's full validation: offsets that lie would read past the buffer,
+    crash or serve stray bytes). A batch that fails is an InputError (``damaged_batch``,
+    ``decompression_limit``) naming the file, batch and column; a file pyarrow cannot read at
+    all is a ConfigError."""
 
     def __init__(self, dataset: DatasetFiles):
         self.dataset = dataset
@@ -231,15 +232,13 @@ class Batches:
     def _row_group(self, file: int, number: int, columns: Sequence[str]) -> Any:
         pa, parquet = pyarrow(), self._parquet(file)
         where = place(self.dataset.files[file], "parquet", number)
-        _check_inflation(parquet.metadata.row_group(number), where)
+        compressed = _check_inflation(parquet.metadata.row_group(number), where)
         try:
             table = parquet.read_row_group(number, columns=list(columns))
         except (pa.ArrowException, OSError, UnicodeDecodeError) as error:
             raise InputError(
                 Where(where), "damaged_batch", f"it cannot be read ({str(error)[:200]}): a damaged file.", REFETCH
             ) from None
-        chunks = parquet.metadata.row_group(number)
-        compressed = sum(max(0, chunks.column(i).total_compressed_size) for i in range(chunks.num_columns))
         return _check_expansion(_checked(table, where), compressed, where)
 
     def _batches(self, file: int, columns: Sequence[str]) -> Iterator[Any]:
@@ -317,10 +316,9 @@ class Batches:
         raise InputError(Where(path), "unreadable_audio", f"the file has no batch {number} (changed since the scan?).")
 
 
-def place(path: Path, kind: str, batch: int, row: int | None = None) -> str:
-    """Where a batch (a row) is, as messages say it: ``FILE, row group 3, row 7``."""
-    text = f"{path}, {'row group' if kind == 'parquet' else 'batch'} {batch}"
-    return text if row is None else f"{text}, row {row}"
+def place(path: Path, kind: str, batch: int) -> str:
+    """Where a batch is, as messages say it: ``FILE, row group 3`` or ``FILE, batch 3``."""
+    return f"{path}, {'row group' if kind == 'parquet' else 'batch'} {batch}"
 
 
 def _arrow_source(path: Path) -> Any:
@@ -384,7 +382,7 @@ def _check_expansion(batch: Any, compressed: int, where: str) -> Any:
             "decompression_limit",
             f"its dictionary-encoded values expand to {expanded} bytes from {compressed}, beyond the limit "
             f"({limits_text()}): a damaged or hostile file.",
-            "if the file is real, write it again without dictionary encoding of large values.",
+            "if the file is real, write it again without dictionary encoding (write_table(..., use_dictionary=False)).",
         )
     return batch
 
@@ -411,9 +409,9 @@ def _expanded(array: Any) -> int:
     return total
 
 
-def _check_inflation(row_group: Any, where: str) -> None:
-    """InputError ``decompression_limit`` when the row group's column chunks declare more
-    bytes decompressed than :func:`inflation_limit` allows their compressed bytes (checked
+def _check_inflation(row_group: Any, where: str) -> int:
+    """The row group's compressed bytes; InputError ``decompression_limit`` when its column
+    chunks declare more bytes decompressed than :func:`inflation_limit` allows them (checked
     before anything is decompressed: a parquet bomb, a few kB holding a GB)."""
     chunks = [row_group.column(i) for i in range(row_group.num_columns)]
     compressed = sum(max(0, chunk.total_compressed_size) for chunk in chunks)
@@ -424,8 +422,9 @@ def _check_inflation(row_group: Any, where: str) -> None:
             "decompression_limit",
             f"its columns declare {inflated} bytes decompressed from {compressed}, beyond the limit "
             f"({limits_text()} for a row group read whole): a damaged or hostile file.",
-            "if the file is real, write it again with smaller row groups (datasets writes 100 rows of audio a group).",
+            "if the file is real, write it again uncompressed (pyarrow's write_table(..., compression='none')).",
         )
+    return compressed
 
 
 @contextlib.contextmanager
