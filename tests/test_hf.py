@@ -333,6 +333,16 @@ def test_a_recursive_glob_does_not_follow_a_link_loop(tmp_path):
     assert json.loads(done.stdout)["packed"] == 3  # the file once
 
 
+def test_a_pattern_naming_too_many_files_is_refused_by_name(tmp_path, monkeypatch):
+    from seqshard.formats.peers import hf
+
+    for name in ("train-0.parquet", "train-1.parquet"):
+        (tmp_path / name).write_bytes(b"PAR1")
+    monkeypatch.setattr(hf, "MAX_FILES", 1)
+    with pytest.raises(ConfigError, match=r"names more than 1 parquet or arrow files"):
+        dataset_files(tmp_path / "*.parquet")
+
+
 def test_keys_without_an_id_column_are_row_numbers_whichever_way_the_split_is_chosen(tmp_path):
     """One rule (README, guide, code): row-000000042, counted across the split's files; it was
     SPLIT-... when the split was chosen and row-... when not, for the same rows."""
