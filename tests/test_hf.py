@@ -384,7 +384,10 @@ def test_a_parquet_bomb_is_refused_before_it_is_decompressed(tmp_path):
     del bomb
     pq.write_table(_audio_table(["b"]), tmp_path / "train-1.parquet", compression="zstd")
     assert (tmp_path / "train-0.parquet").stat().st_size < 64 << 10
-    with pytest.raises(InputError, match=r"train-0\.parquet, row group 0.*declare \d+ bytes decompressed from \d+"):
+    with pytest.raises(
+        InputError,
+        match=r"train-0\.parquet, row group 0: it declares \d+ bytes once read, from \d+: beyond the \d+ allowed",
+    ):
         pack_data(None, None, tmp_path / "a", hf=str(tmp_path / "train-0.parquet"), progress=False)
     done = subprocess.run(
         [sys.executable, "-c", BOMB, str(tmp_path / "*.parquet"), str(tmp_path / "b")],
@@ -491,7 +494,9 @@ def test_an_arrow_bomb_is_refused_from_its_message_header_before_it_is_decompres
             writer.write_table(table)
     del bomb
     assert (tmp_path / "data.arrow").stat().st_size < 64 << 10
-    with pytest.raises(InputError, match=r"data\.arrow, batch 1: its buffers declare \d+ bytes decompressed from \d+"):
+    with pytest.raises(
+        InputError, match=r"data\.arrow, batch 1: its buffers declare \d+ bytes once read, from \d+: beyond"
+    ):
         pack_data(None, None, tmp_path / "a", hf=str(tmp_path / "data.arrow"), progress=False)
     report = pack_data(None, None, tmp_path / "b", hf=str(tmp_path / "data.arrow"), skip_bad=True, progress=False)
     assert (report.input_utts, report.packed, report.dropped) == (3, 1, {"decompression_limit": 2})
@@ -553,3 +558,23 @@ def test_a_column_name_that_is_not_utf8_is_named(tmp_path):
     (tmp_path / "data.arrow").write_bytes(data.replace(b"text", b"\xffext", 1))
     with pytest.raises(ConfigError, match=r"data\.arrow cannot be read as arrow \('utf-8' codec can't decode"):
         pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "data.arrow"), progress=False)
+
+
+def test_column_metadata_that_aborts_pyarrow_is_never_read(tmp_path):
+    """A parquet footer whose `path` column says BOOLEAN while its chunks keep byte-array size
+    statistics: pyarrow aborts the process (std::terminate) when that chunk's metadata is
+    read (found by fuzzing, once the inflation check read it); its row group is a named,
+    counted skip."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(_audio_table(["a"]), tmp_path / "train-0.parquet")
+    pq.write_table(_audio_table(["b"]), tmp_path / "train-1.parquet")
+    data = (tmp_path / "train-0.parquet").read_bytes()
+    element = bytes.fromhex("150c2502") + b"\x18\x04path"  # type BYTE_ARRAY, optional, name "path"
+    assert data.count(element) == 1
+    (tmp_path / "train-0.parquet").write_bytes(data.replace(element, bytes.fromhex("15002502") + b"\x18\x04path"))
+    done = _seqshard(
+        "pack", "--hf", str(tmp_path / "*.parquet"), "--out", str(tmp_path / "out"), "--skip-bad", "--json"
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert (report["packed"], report["dropped"]) == (1, {"damaged_batch": 1})

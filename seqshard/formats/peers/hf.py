@@ -34,7 +34,7 @@ import numpy as np
 from ...checks import NumberError, read_number, shown
 from ...errors import ConfigError, InputError, Where, option
 from ..audio import Audio, decode_audio
-from ..inflation import inflation_limit, limits_text
+from ..inflation import MAX_INFLATION, MIN_INFLATION_LIMIT, inflation_limit
 from .arrow_ipc import DamagedMessage, batch_sizes
 
 if TYPE_CHECKING:
@@ -232,7 +232,8 @@ class Batches:
     def _row_group(self, file: int, number: int, columns: Sequence[str]) -> Any:
         pa, parquet = pyarrow(), self._parquet(file)
         where = place(self.dataset.files[file], "parquet", number)
-        compressed = _check_inflation(parquet.metadata.row_group(number), where)
+        compressed = self.dataset.files[file].stat().st_size  # its row groups' own are not read: _check_inflation
+        _check_inflation(parquet.metadata.row_group(number), compressed, where)
         try:
             table = parquet.read_row_group(number, columns=list(columns))
         except (pa.ArrowException, OSError, UnicodeDecodeError) as error:
@@ -265,13 +266,9 @@ class Batches:
                 size = next(sizes, None)
             if size is None:
                 return
-            if refused is None and size.inflated > inflation_limit(size.body, capped=False):
-                refused = InputError(
-                    where,
-                    "decompression_limit",
-                    f"its buffers declare {size.inflated} bytes decompressed from {size.body}, beyond the limit "
-                    f"({limits_text()}): a damaged or hostile file.",
-                    "if the file is real, write it again without IPC compression (datasets writes none).",
+            if refused is None:
+                refused = _inflation_error(
+                    size.inflated, size.body, "its buffers declare", where, "write it again without IPC compression"
                 )
             if refused is not None:
                 problem = refused.problem if refused.where == where else f"it follows {refused.where}, not read."
@@ -376,14 +373,10 @@ def _check_expansion(batch: Any, compressed: int, where: str) -> Any:
     beyond :func:`inflation_limit` of the ``compressed`` bytes it was read from: InputError
     ``decompression_limit`` (a bomb of one large value and a million indices)."""
     expanded = sum(_expanded(column) for column in batch.columns)
-    if expanded > inflation_limit(compressed, capped=False):
-        raise InputError(
-            Where(where),
-            "decompression_limit",
-            f"its dictionary-encoded values expand to {expanded} bytes from {compressed}, beyond the limit "
-            f"({limits_text()}): a damaged or hostile file.",
-            "if the file is real, write it again without dictionary encoding (write_table(..., use_dictionary=False)).",
-        )
+    fix = "write it again without dictionary encoding (pyarrow's write_table(..., use_dictionary=False))"
+    error = _inflation_error(expanded, compressed, "its dictionary-encoded values expand to", Where(where), fix)
+    if error is not None:
+        raise error
     return batch
 
 
@@ -409,22 +402,31 @@ def _expanded(array: Any) -> int:
     return total
 
 
-def _check_inflation(row_group: Any, where: str) -> int:
-    """The row group's compressed bytes; InputError ``decompression_limit`` when its column
-    chunks declare more bytes decompressed than :func:`inflation_limit` allows them (checked
-    before anything is decompressed: a parquet bomb, a few kB holding a GB)."""
-    chunks = [row_group.column(i) for i in range(row_group.num_columns)]
-    compressed = sum(max(0, chunk.total_compressed_size) for chunk in chunks)
-    inflated = sum(max(0, chunk.total_uncompressed_size) for chunk in chunks)
-    if inflated > inflation_limit(compressed, capped=False):
-        raise InputError(
-            Where(where),
-            "decompression_limit",
-            f"its columns declare {inflated} bytes decompressed from {compressed}, beyond the limit "
-            f"({limits_text()} for a row group read whole): a damaged or hostile file.",
-            "if the file is real, write it again uncompressed (pyarrow's write_table(..., compression='none')).",
-        )
-    return compressed
+def _check_inflation(row_group: Any, compressed: int, where: str) -> None:
+    """InputError ``decompression_limit`` when the row group declares more bytes decompressed
+    than :func:`inflation_limit` allows the ``compressed`` bytes of its file (checked before
+    anything is decompressed: a parquet bomb, a few kB holding a GB). The row group's own
+    total is read, never its column chunks' metadata: pyarrow aborts the process on a chunk
+    whose statistics do not fit its column's type."""
+    fix = "write it again uncompressed (pyarrow's write_table(..., compression='none'))"
+    error = _inflation_error(max(0, row_group.total_byte_size), compressed, "it declares", Where(where), fix)
+    if error is not None:
+        raise error
+
+
+def _inflation_error(inflated: int, compressed: int, what: str, where: Where, fix: str) -> InputError | None:
+    """InputError ``decompression_limit`` when ``inflated`` bytes from ``compressed`` break the
+    rule for compressed data (:func:`inflation_limit`, uncapped: a batch of many cells)."""
+    limit = inflation_limit(compressed, capped=False)
+    if inflated <= limit:
+        return None
+    return InputError(
+        where,
+        "decompression_limit",
+        f"{what} {inflated} bytes once read, from {compressed}: beyond the {limit} allowed ({MAX_INFLATION} times as "
+        f"many, at least {MIN_INFLATION_LIMIT}): a damaged or hostile file.",
+        f"if the file is real, {fix}.",
+    )
 
 
 @contextlib.contextmanager
