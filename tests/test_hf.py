@@ -204,6 +204,10 @@ def test_ids_texts_and_fields_that_are_lists_or_bytes_are_refused_not_their_str(
     ("edit", "message"),
     [
         (("dataset_dict.json", "{x"), r"dataset_dict\.json cannot be read as JSON"),
+        (
+            ("train/state.json", '{"_data_files": ' + "[" * 100_000),
+            r"state\.json cannot be read as JSON \(maximum recursion",
+        ),
         (("dataset_dict.json", '{"splits": "train"}'), r"dataset_dict\.json has no list 'splits' \(found 'train'\)"),
         (("dataset_dict.json", '{"splits": ["../../etc"]}'), r"splits names '\.\./\.\./etc', not a file or folder"),
         (("train/state.json", '{"_data_files": 5}'), r"state\.json has no list '_data_files'"),

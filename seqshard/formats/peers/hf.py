@@ -151,7 +151,7 @@ def _names(path: Path, field: str, name_of: Callable[[Any], Any]) -> list[str]:
     fix = "Fix: save the dataset again with datasets' save_to_disk."
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
         raise ConfigError(f"{path} cannot be read as JSON ({str(error)[:200]}). {fix}") from None
     items = document.get(field) if isinstance(document, dict) else None
     if not isinstance(items, list) or not items:
