@@ -323,7 +323,7 @@ def calibrate(
         if report is not None:
             report(describe_bucket(number, found[-1]))
         guess = size
-    budgets = Budgets(bounds, tuple(b.budget for b in found), tuple(b.longest for b in found), _device_name(device))
+    budgets = Budgets(bounds, tuple(b.budget for b in found), tuple(b.longest for b in found), device_name(device))
     if out is not None:
         about = {
             "device": budgets.device,
@@ -421,7 +421,8 @@ def _memory_limit(device: str, fraction: float | None, max_memory: int | None) -
     return int(torch.cuda.get_device_properties(torch.device(device)).total_memory * share)
 
 
-def _device_name(device: str) -> str:
+def device_name(device: str) -> str:
+    """``cpu``, or ``cuda:N (the GPU's name)``: what budgets record they were found on."""
     import torch
 
     if is_cuda(str(device)):
