@@ -203,6 +203,8 @@ def test_a_step_that_runs_out_of_memory_runs_in_parts_and_lowers_its_buckets_lim
         ("vocab_size", 10**30, "vocab_size must be a whole number >= 2 and <= 2147483647"),
         ("time_limit", 0, "time_limit must be > 0"),
         ("max_step_seconds", float("nan"), "max_step_seconds must be a finite number"),
+        ("out", "/", "out='/' is a folder"),  # found before calibrating, not when writing
+        ("out", "no/such/folder/b.json", "is in no folder that exists"),
     ],
 )
 @pytest.mark.timeout(60)

@@ -300,6 +300,7 @@ def calibrate(
     bucket); past ``time_limit`` seconds calibration stops with ConfigError. ``report`` gets a
     line per bucket."""
     _check_arguments(locals())
+    _check_out(out)
     device = _device(device)
     limit = _memory_limit(device, memory_fraction, max_memory)
     table = ShardTable.from_patterns(shards)
@@ -316,9 +317,9 @@ def calibrate(
         try:
             size, peak, bound = trials.largest(length, guess)
         except _OutOfTime:
-            raise ConfigError(_out_of_time(number, len(longest), time_limit)) from None
+            raise ConfigError(_out_of_time(number, len(longest), time_limit, trials)) from None
         if size == 0:
-            raise ConfigError(_not_even_one(length, number, bounds, bound, seconds))
+            raise ConfigError(_not_even_one(length, number, bounds, bound, trials, time_limit))
         found.append(Bucket(length, size, size * length, peak, bound))
         if report is not None:
             report(describe_bucket(number, found[-1]))
@@ -372,13 +373,14 @@ def _device(device: str | None) -> str:
     return device or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _not_even_one(length: int, number: int, bounds: tuple[int, ...], bound: str, seconds: float) -> str:
+def _not_even_one(length: int, number: int, bounds: tuple[int, ...], bound: str, trials: Trials, limit: float) -> str:
     cut = bounds[number - 1] if number else length
     if bound == "time":
         return (
             f"calibrate: a step on one utterance of {length} frames (bucket {number}) takes more than "
-            f"{seconds:.3g} s: allow more ({option('max_step_seconds', seconds)} or a longer time_limit), or train "
-            f"without the longest utterances (max_frames={cut})."
+            f"{option('max_step_seconds', trials.seconds)} (by default {option('time_limit', limit)} over "
+            f"{TRIALS_PER_BUCKET} steps a bucket): allow more, or train without the longest utterances "
+            f"(max_frames={cut})."
         )
     return (
         f"calibrate: one utterance of {length} frames does not fit (bucket {number}): train without the longest "
@@ -386,12 +388,19 @@ def _not_even_one(length: int, number: int, bounds: tuple[int, ...], bound: str,
     )
 
 
-def _out_of_time(number: int, total: int, limit: float) -> str:
+def _out_of_time(number: int, total: int, limit: float, trials: Trials) -> str:
     return (
         f"calibrate: {option('time_limit', limit)} ran out at bucket {number} of {total} (the buckets before it are "
-        f"done): calibrate fewer buckets, smaller batches ({option('max_batch_size', 1024)}) or shorter steps "
-        "(max_step_seconds), or allow more time."
+        f"done): allow more time, calibrate fewer buckets, or cap the batches (now {option('max_batch_size', trials.most)}) "
+        f"or a step's time (now {option('max_step_seconds', trials.seconds)})."
     )
+
+
+def _check_out(out: str | Path | None) -> None:
+    """ConfigError, before calibrating, when the budgets file cannot be written where asked."""
+    if out is not None and (Path(out).is_dir() or not Path(out).parent.is_dir()):
+        problem = "is a folder" if Path(out).is_dir() else "is in no folder that exists"
+        raise ConfigError(f"calibrate: {option('out', out)} {problem}: give the budgets file's path in a folder.")
 
 
 def describe_bucket(number: int, bucket: Bucket) -> str:
