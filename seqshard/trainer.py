@@ -295,9 +295,6 @@ def changes_since(path: Path, saved: dict[str, Any] | None, current: dict[str, d
     return f"settings changed since the checkpoint, applied from the next step: {'; '.join(applied)}"
 
 
-CHECKPOINT_KEYS = ("model", "optimizer", "loader", "epoch", "step")
-
-
 def check_outputs(args: argparse.Namespace, rank: int) -> Any:
     """``--stop-after-steps`` and ``--out`` checked; ``--steps-file`` opened on rank 0 to append
     a line a step (None elsewhere, or without one). ConfigError naming what is wrong."""
@@ -320,6 +317,9 @@ def said(error: BaseException) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()][:2]
     text = " ".join(lines).split(". ")[0] if lines else type(error).__name__
     return text if len(text) <= 200 else text[:197] + "..."
+
+
+CHECKPOINT_KEYS = ("model", "optimizer", "loader", "epoch", "step")
 
 
 def read_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:

@@ -12,9 +12,9 @@ fraction of the memory still available, or a number of bytes). The batches are m
 device (the step's copy to it is then none). The largest batch that fits, found by doubling
 then bisecting from the previous bucket's, gives the bucket's budget of padded frames (batch
 size x longest length); ``make_loader(..., budgets=FILE)`` cuts each bucket's batches under its
-own. The whole calibration ends within ``time_limit`` seconds. The same helpers (a synthetic
-batch, what counts as out of memory, the peak) serve the example trainer's preflight and its
-out-of-memory splits.
+own. No step starts after ``time_limit`` seconds (the calibration stops there with an error).
+The same helpers (a synthetic batch, what counts as out of memory, the peak) serve the example
+trainer's preflight and its out-of-memory splits.
 """
 
 from __future__ import annotations
