@@ -30,7 +30,7 @@ from typing import Any
 from ...errors import ConfigError, InputError, Where, option
 from ..index import MAX_LENGTH
 from ..patterns import FIELD_SET_NAME, nemo_braces
-from .lists import ListSampleStream, scan_list
+from .lists import ListSampleStream, first_line, scan_list
 
 AUDIO_KEYS = ("audio_filepath", "audio_filename")
 TEXT_KEYS = ("text", "normalized_text")
@@ -168,10 +168,8 @@ def _manifest_key(line: bytes) -> str:
 def scan_manifest(path: Path) -> int:
     """How many entries a manifest given to the loader holds (ConfigError for repeated keys,
     an empty file, a file that is not a NeMo manifest, or the manifest of a tarred set)."""
-    with open(path, "rb") as stream:
-        first = next((line for line in stream if line.strip()), b"")
     try:
-        entry = parse_entry(first, Where(path, 1))
+        entry = parse_entry(first_line(path) or b"", Where(path, 1))
     except InputError as error:
         raise ConfigError(f"{path} is not a NeMo manifest: {error.problem} Fix: {MANIFEST_FIX}") from None
     if SHARD_KEY in entry.record:
