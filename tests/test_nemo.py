@@ -375,3 +375,37 @@ def test_a_tarred_manifest_line_beyond_the_line_bound_names_the_line(tmp_path, m
     manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
     with pytest.raises(ShardError, match=r"tarred_audio_manifest\.json: line 2: a line is longer than 4096 bytes"):
         make_loader(str(tmp_path), batch_size=1, num_workers=0, skip_bad=True)
+
+
+NEMO_PATTERNS = {  # a manifest path as NeMo's expand_sharded_filepaths expands it
+    "m_{0..1}.json": ["m_0.json", "m_1.json"],
+    "m__OP_0..1_CL_.json": ["m_0.json", "m_1.json"],
+    "m_(0..1).json": ["m_0.json", "m_1.json"],
+    "m_[0..1].json": ["m_0.json", "m_1.json"],
+    "m_<0..1>.json": ["m_0.json", "m_1.json"],
+    "m_(0,1).json": ["m_0.json", "m_1.json"],
+    "m_[0,1]_<a,b>.json": ["m_0_a.json", "m_0_b.json", "m_1_a.json", "m_1_b.json"],
+    "m_{00..01}.json": ["m_00.json", "m_01.json"],
+    "m_(0..1]_x.json": ["m_0_x.json", "m_1_x.json"],
+    "m__OP_a,b_CL__(1..2).json": ["m_a_1.json", "m_a_2.json", "m_b_1.json", "m_b_2.json"],
+    "m_0.json": ["m_0.json"],
+    "m\\_(0,1).json": ["m\\_0.json", "m\\_1.json"],  # no escapes: a backslash is part of the name
+}
+
+
+def test_manifest_paths_expand_as_nemo_expands_them(tmp_path, monkeypatch):
+    """NeMo reads (…), […] and <…> as braces too, and expands without escapes: 4 of these 12
+    agreed before (the others named files that do not exist)."""
+    from seqshard.formats.peers.nemo import manifest_files
+
+    monkeypatch.chdir(tmp_path)
+    audio = str(MANIFEST.parent / entries(MANIFEST)[0]["audio_filepath"])
+    for name in {name for names in NEMO_PATTERNS.values() for name in names}:
+        Path(name).write_text(json.dumps({"audio_filepath": audio, "duration": 0.4695, "text": name, "id": name}))
+    for pattern, names in NEMO_PATTERNS.items():
+        assert manifest_files(pattern) == [Path(name) for name in names], pattern
+    assert pack_data(None, None, "out", manifest="m_(0..1]_x.json", progress=False).packed == 2
+    with pytest.raises(ConfigError, match=r"manifest='m_\*\.json': m_\*\.json does not exist.*wildcards are not"):
+        manifest_files("m_*.json")
+    with pytest.raises(ConfigError, match=r"manifest=.*expands to 100,000,000 alternatives, more than the"):
+        manifest_files("manifest__OP_0..99999999_CL_.json")
