@@ -322,6 +322,28 @@ def test_a_shard_id_that_is_not_a_tar_number_names_the_line(tmp_path, shard_id):
         make_loader(str(tmp_path), batch_size=1, num_workers=0)
 
 
+def test_keys_made_from_file_names_are_escaped_without_being_asked(tmp_path):
+    """ES2011a.Headset-0.wav failed to pack without --escape-keys, though the key is the file's
+    stem, which seqshard made: such keys are stored percent-encoded (the index says so), and
+    the loader shows the keys it shows when it reads the manifest itself."""
+    shutil.copy(AMI, tmp_path / "ES2011a.Headset-0.wav")
+    lines = [
+        {"audio_filepath": "ES2011a.Headset-0.wav", "offset": 1.46, "duration": 1.36, "text": "one"},
+        {"audio_filepath": "ES2011a.Headset-0.wav", "duration": 6.0, "text": "all"},
+        {"audio_filepath": "ES2011a.Headset-0.wav", "duration": 6.0, "text": "by id", "id": "a.b/c"},
+    ]
+    manifest = tmp_path / "m.json"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = pack_data(None, None, tmp_path / "out", manifest=str(manifest), progress=False)
+    assert (report.packed, report.dropped) == (3, {})
+    assert json.loads((tmp_path / "out" / "index.json").read_text())["keys"] == {"escaped": True}
+    stored = read_audio_shards(sorted((tmp_path / "out").glob("*.tar")))
+    assert sorted(stored) == ["ES2011a%2EHeadset-0", "ES2011a%2EHeadset-0-000146-000136", "a%2Eb%2Fc"]
+    direct, packed = read_all(str(manifest)), read_all(str(tmp_path / "out"))
+    assert sorted(direct) == sorted(packed) == ["ES2011a.Headset-0", "ES2011a.Headset-0-000146-000136", "a.b/c"]
+    assert {k: v["text"] for k, v in direct.items()} == {k: v["text"] for k, v in packed.items()}
+
+
 def long_line_manifest(path: Path, long_line: bytes | None = None) -> Path:
     """A manifest of three whole-file entries whose second line is ``long_line`` (a line of
     70 MB, most of it a hole in a sparse file, when None)."""
