@@ -2,6 +2,7 @@
 verify and index alike)."""
 
 import json
+import shutil
 import time
 
 import pytest
@@ -231,3 +232,9 @@ def test_nemo_bracket_braces_in_a_shard_pattern_are_refused_by_name(grouped, pat
     with pytest.raises(ConfigError, match=r"holds NeMo's spelling of braces.*Fix: write braces"):
         make_loader(f"{out}/5_40/{pattern}", batch_size=4)
     assert len(select_shards(f"{out}/5_40/data-0000[0-2].tar").paths) == 3  # a wildcard [...] is one still
+
+
+def test_a_name_holding_brackets_is_a_name_where_it_exists(grouped, tmp_path):
+    _, out = grouped
+    shutil.copytree(out / "5_40", tmp_path / "run(1,2)")
+    assert len(select_shards(f"{tmp_path}/run(1,2)/data-*.tar").paths) == 3

@@ -12,8 +12,8 @@ Braces are expanded as bash and ``braceexpand`` expand them, one alternative at 
 counting them: a pattern of more than :data:`MAX_ALTERNATIVES` is refused by name before any is
 made, and names of files in one folder are looked up with one listing of it when they are
 many. NeMo's ``_OP_``/``_CL_`` are braces; NeMo's other spellings (``(…)``, ``[…]``, ``<…>``,
-see :func:`nemo_braces`) are refused by name where NeMo would expand them (``[…]`` is a
-wildcard here).
+see :func:`nemo_braces`) are refused by name where NeMo would expand them and seqshard's
+reading names nothing, or a ``[…]`` (a wildcard here) holds ``..`` or ``,``.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ _INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")  # bash's (and 
 _CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase
 _ESCAPED = re.compile(r"\\(.)")
+_NEMO_RANGE_IN_BRACKETS = re.compile(r"\[[^\]]*(?:,|\.\.)[^\]]*\]")  # [0..9], [a,b]: NeMo's braces, not a wildcard
 
 
 def is_list_name(name: str) -> bool:
@@ -107,15 +108,14 @@ def expand_pattern(pattern: str) -> list[Alternative]:
     with the shard files it names; files named one after another in one folder are one
     ``"file"`` alternative."""
     text = pattern.replace("_OP_", "{").replace("_CL_", "}")
-    texts = expand_braces(text)
-    _refuse_nemo_brackets(pattern, text)
     alternatives: list[Alternative] = []
-    for magic, run in itertools.groupby(texts, glob.has_magic):
+    for magic, run in itertools.groupby(expand_braces(text), glob.has_magic):
         if magic:
             alternatives.extend(_alternative(alternative) for alternative in run)
             continue
         for folder, in_folder in itertools.groupby(run, os.path.dirname):
             alternatives.extend(_named_in(folder, [os.path.basename(t) for t in in_folder]))
+    _refuse_nemo_brackets(pattern, text, alternatives)
     return alternatives
 
 
@@ -196,9 +196,11 @@ def nemo_braces(pattern: str) -> str:
     return pattern
 
 
-def _refuse_nemo_brackets(pattern: str, text: str) -> None:
-    """ConfigError for a pattern that NeMo would expand into more alternatives than seqshard:
-    one with NeMo's ``(…)``, ``[…]`` or ``<…>`` braces."""
+def _refuse_nemo_brackets(pattern: str, text: str, alternatives: list[Alternative]) -> None:
+    """ConfigError for a pattern that NeMo would expand into more alternatives than seqshard
+    (NeMo's ``(…)``, ``[…]`` or ``<…>`` braces), when its ``[…]`` hold ``..`` or ``,`` (a
+    wildcard would pick some of NeMo's files) or its ``alternatives`` name nothing that
+    exists (a name may hold brackets)."""
     if not any(bracket in pattern for bracket in "([<"):
         return
     nemo = nemo_braces(pattern)
@@ -206,7 +208,8 @@ def _refuse_nemo_brackets(pattern: str, text: str) -> None:
         more = _count(_parse(nemo, escape=False)) > _count(_parse(text, escape=True))
     except (_Unbalanced, RecursionError):  # not NeMo's braces either
         return
-    if more:
+    named = any(a.files or a.kind in ("folder", "list") for a in alternatives)
+    if more and (_NEMO_RANGE_IN_BRACKETS.search(pattern) or not named):
         raise ConfigError(
             f"the pattern {pattern!r} holds NeMo's spelling of braces: NeMo reads (…), […] and <…> as {{…}} "
             f"({nemo!r}), seqshard reads […] as a wildcard and (…) and <…> as part of a name. Fix: write braces "
