@@ -431,3 +431,18 @@ def test_manifest_paths_expand_as_nemo_expands_them(tmp_path, monkeypatch):
         manifest_files("m_*.json")
     with pytest.raises(ConfigError, match=r"manifest=.*expands to 100,000,000 alternatives, more than the"):
         manifest_files("manifest__OP_0..99999999_CL_.json")
+
+
+def test_add_field_refuses_a_tarred_set_whose_fields_are_its_manifests_keys(tmp_path):
+    """add-field read a tarred set's tars as plain tars: one sample per member (a file cut by
+    -sub1 entries is one), keyed up to the first '.', so its sidecars matched no sample."""
+    from seqshard.prep.add_field import add_field
+
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    rebuild_index(copy, progress=False)
+    source = tmp_path / "spk.txt"
+    source.write_text("".join(f"{key} x\n" for key in read_all(str(copy))))
+    with pytest.raises(ConfigError, match=r"set is a NeMo tarred set: .*add the field to the entries of its manifests"):
+        add_field(copy, "spk", source, progress=False)
+    assert not (copy / "fields").exists()
