@@ -201,7 +201,9 @@ def test_a_pattern_of_millions_of_alternatives_is_refused_at_once(tmp_path, patt
 
 def test_unbalanced_braces_and_a_missing_folder_are_named(tmp_path):
     with pytest.raises(ConfigError, match=r"the pattern '.*data-\{0\.\.3\.tar' has unbalanced braces"):
-        make_loader(f"{tmp_path}/data-{{0..3.tar", batch_size=4)
+        make_loader(f"{tmp_path}/data-{{0..3.tar", batch_size=4)  # an UnbalancedBracesError
+    with pytest.raises(ConfigError, match="has a range with an end too long to be a number"):
+        make_loader(f"{tmp_path}/data-{{0..{'9' * 5000}}}.tar", batch_size=4)  # a ValueError
     with pytest.raises(ShardError, match=r"1 selected shard is missing: data-0\.tar \(named in the pattern"):
         make_loader(f"{tmp_path}/gone/data-0.tar", batch_size=4)  # a FileNotFoundError
 

@@ -41,7 +41,7 @@ SHAR_CUTS = re.compile(r"cuts(?P<id>(?:\.[^.]+)*?)\.jsonl(?:\.gz)?")  # a Lhotse
 
 Patterns = str | Path | Sequence[str | Path]
 MAX_ALTERNATIVES = 2_000_000  # brace alternatives of one pattern (corpora of 5e5 shards are named by one)
-LISTED = 16  # more names than this in one folder: the folder is listed once, not each name looked up
+LISTED = 256  # more names than this in one folder: the folder is listed once, not each name looked up
 NEMO_BRACES = (("(", "[", "<", "_OP_"), (")", "]", ">", "_CL_"))  # NeMo's spellings of { and }
 _INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")  # bash's (and braceexpand's) ranges
 _CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
@@ -172,6 +172,8 @@ def expand_braces(pattern: str, escape: bool = True) -> Iterator[str]:
         raise ConfigError(f"the pattern {pattern[:200]!r} has unbalanced braces: close each {{ with }}.") from None
     except RecursionError:
         raise ConfigError(f"the pattern {pattern[:200]!r} nests braces too deeply.") from None
+    except ValueError:  # a range's end of thousands of digits
+        raise ConfigError(f"the pattern {pattern[:200]!r} has a range with an end too long to be a number.") from None
     count = _count(parts)
     if count > MAX_ALTERNATIVES:
         many = f"{count:,}" if count < 10**15 else "more than 10^15"
@@ -206,7 +208,7 @@ def _refuse_nemo_brackets(pattern: str, text: str, alternatives: list[Alternativ
     nemo = nemo_braces(pattern)
     try:
         more = _count(_parse(nemo, escape=False)) > _count(_parse(text, escape=True))
-    except (_Unbalanced, RecursionError):  # not NeMo's braces either
+    except (ValueError, RecursionError):  # not NeMo's braces either (_Unbalanced is a ValueError)
         return
     named = any(a.files or a.kind in ("folder", "list") for a in alternatives)
     if more and (_NEMO_RANGE_IN_BRACKETS.search(pattern) or not named):
