@@ -24,6 +24,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ...errors import InputError, Where, option
+from ..inflation import LineTooLong, numbered_lines
 
 _LOG = logging.getLogger("seqshard")
 _MATRIX_TOKENS = {b"FM": 4, b"DM": 8, b"CM": 1, b"CM2": 2, b"CM3": 1}
@@ -53,17 +54,18 @@ _GIT_HINT = (
 BOM = b"\xef\xbb\xbf"
 
 
-def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
-    """``(line_number, byte_offset, raw_line)`` for each line of a file (1-based lines)."""
-    offset = 0
-    with open(path, "rb") as stream:
-        for number, raw in enumerate(stream, start=1):
-            if number == 1 and raw.startswith(BOM):
-                _LOG.warning(
-                    "%s starts with a UTF-8 byte order mark (an editor's); it is not part of the first key", path
-                )
-            yield number, offset, raw
-            offset += len(raw)
+def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes | LineTooLong]]:
+    """``(line_number, byte_offset, raw_line)`` for each line of a file (1-based lines); a line
+    beyond the line bound comes as its LineTooLong (``inflation.numbered_lines``)."""
+    for number, offset, raw in numbered_lines(path):
+        if number == 1 and isinstance(raw, bytes) and raw.startswith(BOM):
+            _LOG.warning("%s starts with a UTF-8 byte order mark (an editor's); it is not part of the first key", path)
+        yield number, offset, raw
+
+
+def long_line(where: Where, error: LineTooLong) -> InputError:
+    """The InputError (``malformed_line``) of a line beyond the line bound."""
+    return InputError(where, "malformed_line", f"{error}.", "remove the line, or split it (one entry a line).")
 
 
 def parse_line(raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]:

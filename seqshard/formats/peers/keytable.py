@@ -20,7 +20,7 @@ import numpy as np
 from ...errors import InputError, SkipCounter, Where
 from ..index import MAX_LENGTH  # utterance lengths are held as int32 (frames, or 10 ms of audio)
 from ..keys import key_hash
-from .kaldi import ASCII_WHITESPACE, iter_lines, parse_line
+from .kaldi import ASCII_WHITESPACE, iter_lines, long_line, parse_line
 
 Parser = Callable[[bytes, Where, bool], tuple[str, str]]
 
@@ -85,11 +85,13 @@ class KeyTable:
         bad_keys: list[int] = []
         for file_id, path in enumerate(files):
             for line_no, offset, raw in iter_lines(Path(path)):
-                if progress is not None:
+                if progress is not None and isinstance(raw, bytes):
                     progress(len(raw))
                 where = Where(path, line_no)
                 key = None
                 try:
+                    if not isinstance(raw, bytes):
+                        raise long_line(where, raw)
                     key, value = parse(raw, where, needs_value)
                     where = Where(path, line_no, key)
                     count = (_parse_milliseconds if seconds else _parse_count)(value, where) if number else 0
