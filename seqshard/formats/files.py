@@ -1,7 +1,9 @@
 """Writing output files safely: complete or absent under their final name, with the mode the
 user's umask gives, errors that name the file (disk full, read-only, no permission), and only
 inside the folder being written: :func:`inside` refuses a path that a symbolic link leads out
-of it, and files are opened without following a link at their own name (:func:`open_output`).
+of it, and files are opened without following a link at their own name and only when they are
+regular files with no other name (:func:`open_own`): nothing is written into a user's file that
+a hard link brought into the folder.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import contextlib
 import errno
 import json
 import os
+import stat
 import tempfile
 import time
 import zlib
@@ -88,17 +91,65 @@ def _first_link(folder: Path, path: Path) -> Path | None:
 
 
 def open_output(path: Path, append: bool = False) -> int:
-    """A descriptor of ``path`` opened for writing (created, emptied unless ``append``), never
-    through a symbolic link at ``path`` itself (OutputError naming it)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    """A descriptor of ``path`` opened for writing (created, emptied unless ``append``): see
+    :func:`open_own`."""
+    return open_own(path, os.O_WRONLY | (os.O_APPEND if append else os.O_TRUNC))
+
+
+def open_own(path: Path, flags: int) -> int:
+    """``path`` opened with ``flags`` (and created when absent) as a file seqshard may write in
+    place: a regular file with no other name. Never through a symbolic link at ``path`` itself;
+    a hard link to another file, a FIFO or a device there is refused (OutputError naming it)
+    before a byte is written or cut (``O_TRUNC`` is applied after the check; the open does not
+    wait for a FIFO's reader)."""
+    opened = (flags & ~os.O_TRUNC) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        return os.open(path, flags, 0o666)
+        descriptor = os.open(path, opened, 0o666)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise OutputError(
                 path, f"is a symbolic link (to {os.readlink(path)}): refusing to write through it.", "remove the link."
             ) from None
+        if error.errno == errno.ENXIO:  # a FIFO that no one reads, opened for writing only
+            raise _not_own(path, "a FIFO (named pipe)") from None
         raise OutputError.from_os_error(path, error) from None
+    try:
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode):
+            raise _not_own(path, file_kind(found.st_mode))
+        if found.st_nlink > 1:
+            raise _not_own(path, f"a file with {found.st_nlink} names (hard links)")
+        os.set_blocking(descriptor, True)
+        if flags & os.O_TRUNC:
+            os.ftruncate(descriptor, 0)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _not_own(path: Path, what: str) -> OutputError:
+    return OutputError(
+        path,
+        f"is {what}: seqshard writes only regular files of its own here (writing would change what the other names, "
+        "or the device or pipe, lead to).",
+        "remove it (its other names keep their content); seqshard then makes a file of its own.",
+    )
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, as messages name it."""
+    for test, kind in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
 
 
 def write_json_atomic(path: Path, data: Any, root: str | Path | None = None, sync: bool = True) -> None:
