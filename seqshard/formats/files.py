@@ -3,7 +3,9 @@ user's umask gives, errors that name the file (disk full, read-only, no permissi
 inside the folder being written: :func:`inside` refuses a path that a symbolic link leads out
 of it, and files are opened without following a link at their own name and only when they are
 regular files with no other name (:func:`open_own`): nothing is written into a user's file that
-a hard link brought into the folder.
+a hard link brought into the folder. Inputs read by path are opened by :func:`open_input`:
+regular files only (a FIFO where pipes are allowed), checked on the opened descriptor, so that
+a device such as ``/dev/zero`` or a FIFO never fills memory or hangs a reader.
 """
 
 from __future__ import annotations
@@ -150,6 +152,46 @@ def file_kind(mode: int) -> str:
         if test(mode):
             return kind
     return "not a regular file"
+
+
+class NotAFileError(OSError):
+    """An input that is not a regular file: a device (``/dev/zero``), a FIFO where none is
+    allowed, a folder, a socket; or a file beyond what may be read whole. An OSError, so that
+    every reader reports it as a file it cannot open (``strerror`` says what it is)."""
+
+
+def open_input(path: str | Path, pipes: bool = False) -> int:
+    """A descriptor of the input ``path``, opened for reading when it is a regular file, or with
+    ``pipes`` (``allow_pipes``) a FIFO, opened again to wait for its writer as Kaldi does.
+    What it is, is checked on the opened descriptor before a byte is read; the first open does
+    not wait for a FIFO's writer. Anything else is :class:`NotAFileError`."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        mode = os.fstat(descriptor).st_mode
+        if stat.S_ISFIFO(mode) and pipes:
+            waiting = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # waits for the writer
+            os.close(descriptor)
+            descriptor = waiting
+            mode = os.fstat(descriptor).st_mode
+        if not (stat.S_ISREG(mode) or (pipes and stat.S_ISFIFO(mode))):
+            raise NotAFileError(errno.EINVAL, f"it is {file_kind(mode)}, not a regular file", str(path))
+        os.set_blocking(descriptor, True)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def read_input(path: str | Path, limit: int, pipes: bool = False, what: str = "a file") -> bytes:
+    """The whole of the input ``path`` (:func:`open_input`), at most ``limit`` bytes: a larger
+    file (its size checked before it is read) or FIFO is :class:`NotAFileError`."""
+    with os.fdopen(open_input(path, pipes), "rb") as stream:
+        found = os.fstat(stream.fileno())
+        piped = stat.S_ISFIFO(found.st_mode)
+        data = stream.read(limit + 1) if piped else b"" if found.st_size > limit else stream.read(found.st_size)
+    if len(data) > limit or found.st_size > limit:
+        raise NotAFileError(errno.EFBIG, f"it holds more than the {limit} bytes seqshard reads as {what}", str(path))
+    return data
 
 
 def write_json_atomic(path: Path, data: Any, root: str | Path | None = None, sync: bool = True) -> None:

@@ -32,7 +32,7 @@ import numpy as np
 
 from ...checks import shown
 from ...errors import ConfigError, InputError, Where, option
-from ..audio import Audio, decode_audio
+from ..audio import Audio, decode_audio, read_audio_file
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -306,7 +306,7 @@ def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tu
         path = Path(cell["path"])
         path = path if path.is_absolute() or path.is_file() else folder / path
         try:
-            data = path.read_bytes()
+            data = read_audio_file(path)  # a regular file of bounded size, not a device or a FIFO
         except OSError as error:
             raise InputError(
                 where,

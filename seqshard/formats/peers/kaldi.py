@@ -24,6 +24,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ...errors import InputError, Where, option
+from ..files import NotAFileError, open_input
 
 _LOG = logging.getLogger("seqshard")
 _MATRIX_TOKENS = {b"FM": 4, b"DM": 8, b"CM": 1, b"CM2": 2, b"CM3": 1}
@@ -56,7 +57,7 @@ BOM = b"\xef\xbb\xbf"
 def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes]]:
     """``(line_number, byte_offset, raw_line)`` for each line of a file (1-based lines)."""
     offset = 0
-    with open(path, "rb") as stream:
+    with os.fdopen(open_input(path), "rb") as stream:
         for number, raw in enumerate(stream, start=1):
             if number == 1 and raw.startswith(BOM):
                 _LOG.warning(
@@ -248,7 +249,14 @@ class MatrixReader:
         stream = self._files.pop(path, None)
         if stream is None:
             try:
-                stream = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 (kept open in the cache)
+                stream = os.fdopen(open_input(path), "rb", buffering=1 << 20)  # kept open in the cache
+            except NotAFileError as error:
+                raise InputError(
+                    where,
+                    "not_a_file",
+                    f"cannot read ark {path!r}: {error.strerror}.",
+                    "name the ark file itself (an ark is read at offsets: write a pipe's output to a file first).",
+                ) from None
             except OSError as error:
                 raise InputError(
                     where,

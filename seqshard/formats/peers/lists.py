@@ -16,13 +16,16 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
 from ...errors import ConfigError, InputError, Where
 from ..audio import WavLocation, parse_wav_location, read_location
+from ..files import NotAFileError, open_input
 from ..keys import key_hash
 from ..patterns import SHARD_SUFFIXES, is_shard_name
 from ..remote.access import has_query, is_remote, url_name
@@ -53,7 +56,7 @@ def shard_list(path: Path) -> list[str] | None:
     The one reader of shard lists, for local and remote selections alike."""
     if path.name.endswith(".scp"):
         return None
-    with open(path, "rb") as stream:
+    with open_list(path) as stream:
         first = next((line for line in stream if line.strip()), None)
         if first is None or first.lstrip().startswith(b"{"):
             return None  # a raw list (an empty one is reported as such)
@@ -71,6 +74,15 @@ def shard_list(path: Path) -> list[str] | None:
     return [line if is_remote(line) else str(resolve(line, path)) for _, line in lines]
 
 
+def open_list(path: str | Path) -> BinaryIO:
+    """A list (or manifest) opened for reading: a regular file (ConfigError for a FIFO, a
+    device or a folder: it is read more than once, and a device never ends)."""
+    try:
+        return os.fdopen(open_input(path), "rb")
+    except NotAFileError as error:
+        raise ConfigError(f"{path}: {error.strerror}: a list is read more than once; write it to a file.") from None
+
+
 def _problem(error: InputError) -> bytes:
     """An error carried as a field to the stage that reports it per sample."""
     return "\t".join((error.reason, error.problem, error.fix or "")).encode()
@@ -83,7 +95,7 @@ def scan_list(path: Path, key_of: Callable[[bytes], str] | None = None) -> int:
     reported when the loader reaches them."""
     key_of = key_of or _key_of
     keys = []
-    with open(path, "rb") as stream:
+    with open_list(path) as stream:
         for line in stream:
             if line.strip():
                 keys.append(key_hash(key_of(line)))
@@ -130,7 +142,7 @@ class ListSampleStream:
     ):
         self.path = str(path)
         self.path_root = path_root
-        self._stream = open(path, "rb")  # noqa: SIM115 (closed by close())
+        self._stream = open_list(path)  # closed by close()
         self._stream.seek(start)
         self._read_data = read_data
         self._offset = start
