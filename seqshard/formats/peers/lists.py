@@ -83,8 +83,9 @@ def open_list(path: str | Path) -> BinaryIO:
         raise ConfigError(f"{path}: {error.strerror}: a list is read more than once; write it to a file.") from None
 
 
-def _problem(error: InputError) -> bytes:
-    """An error carried as a field to the stage that reports it per sample."""
+def carried_problem(error: InputError) -> bytes:
+    """An error carried as a field (:data:`READ_ERROR_FIELD`) to the stage that reports it per
+    sample (counted under ``skip_bad``)."""
     return "\t".join((error.reason, error.problem, error.fix or "")).encode()
 
 
@@ -183,7 +184,7 @@ class ListSampleStream:
             record = self._parse(line, where)
         except InputError as error:  # one bad line is one bad sample, not the end of the list
             record = {"key": f"line-{self.ordinal + 1}"}
-            fields[READ_ERROR_FIELD] = _problem(error)
+            fields[READ_ERROR_FIELD] = carried_problem(error)
         else:
             if self._read_data:
                 fields.update(self._audio(record))
@@ -220,7 +221,7 @@ class ListSampleStream:
             if error.reason == "missing_audio":
                 fix = f"check the path (relative paths are taken from path_root={self.path_root!s})."
                 error = InputError(error.where, error.reason, error.problem, fix if self.path_root else RELATIVE_PATHS)
-            return {READ_ERROR_FIELD: _problem(error)}
+            return {READ_ERROR_FIELD: carried_problem(error)}
 
     def _parse(self, line: bytes, where: Where) -> dict:
         """A line as a record with ``key``, ``wav`` and optional ``txt``, ``start``, ``end``
