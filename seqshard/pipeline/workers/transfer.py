@@ -60,7 +60,7 @@ def shm_problem(what: str, error: BaseException | str) -> str:
         room = "no /dev/shm"
     return (
         f"{what} could not be allocated in shared memory ({room}): {error}. Fix: fewer num_workers or a smaller "
-        "prefetch_factor (each worker holds prefetch_factor + 3 batches there), smaller batches (batch_frames, "
+        "prefetch_factor (each worker holds prefetch_factor + 3 batches there, + 5 pinned), smaller batches (batch_frames, "
         "batch_size or budgets), or a larger /dev/shm (a container's --shm-size, e.g. `docker run --shm-size=16g`; "
         "in Kubernetes an emptyDir of medium Memory mounted at /dev/shm)."
     )
