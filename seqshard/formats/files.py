@@ -120,7 +120,11 @@ def open_own(path: Path, flags: int) -> int:
         if not stat.S_ISREG(found.st_mode):
             raise _not_own(path, file_kind(found.st_mode))
         if found.st_nlink > 1:
-            raise _not_own(path, f"a file with {found.st_nlink} names (hard links)")
+            raise _not_own(
+                path,
+                f"a file with {found.st_nlink} names (hard links)",
+                "writing it would change that file under its other names too",
+            )
         os.set_blocking(descriptor, True)
         if flags & os.O_TRUNC:
             os.ftruncate(descriptor, 0)
@@ -130,12 +134,11 @@ def open_own(path: Path, flags: int) -> int:
     return descriptor
 
 
-def _not_own(path: Path, what: str) -> OutputError:
+def _not_own(path: Path, what: str, why: str = "it is not a file to write") -> OutputError:
     return OutputError(
         path,
-        f"is {what}: seqshard writes only regular files of its own here (writing would change what the other names, "
-        "or the device or pipe, lead to).",
-        "remove it (its other names keep their content); seqshard then makes a file of its own.",
+        f"is {what}: seqshard writes only regular files of its own here ({why}).",
+        "remove it (a hard link's other names keep their content); seqshard then makes a file of its own.",
     )
 
 
