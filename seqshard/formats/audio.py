@@ -24,7 +24,7 @@ import numpy as np
 
 from ..errors import InputError, Where, counted, option
 from .fields import AUDIO_EXTENSIONS
-from .files import NotAFileError, open_input, read_input
+from .files import NotAFileError, open_input, read_bounded, read_input
 
 if TYPE_CHECKING:
     from soundfile import SoundFile
@@ -202,7 +202,7 @@ def _run_pipe(location: WavLocation, where: Where, allow_pipes: bool) -> bytes:
         subprocess.Popen(location.path, shell=True, stdout=subprocess.PIPE, stderr=errors) as process,
     ):
         assert process.stdout is not None
-        data = process.stdout.read(MAX_AUDIO_FILE_BYTES + 1)
+        data = read_bounded(process.stdout, MAX_AUDIO_FILE_BYTES)
         if len(data) > MAX_AUDIO_FILE_BYTES:
             process.kill()
             raise not_audio(

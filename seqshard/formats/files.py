@@ -21,7 +21,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..errors import OutputError
 
@@ -191,10 +191,20 @@ def read_input(path: str | Path, limit: int, pipes: bool = False, what: str = "a
     with os.fdopen(open_input(path, pipes), "rb") as stream:
         found = os.fstat(stream.fileno())
         piped = stat.S_ISFIFO(found.st_mode)
-        data = stream.read(limit + 1) if piped else b"" if found.st_size > limit else stream.read(found.st_size)
+        data = read_bounded(stream, limit) if piped else b"" if found.st_size > limit else stream.read(found.st_size)
     if len(data) > limit or found.st_size > limit:
         raise NotAFileError(errno.EFBIG, f"it holds more than the {limit} bytes seqshard reads as {what}", str(path))
     return data
+
+
+def read_bounded(stream: BinaryIO, limit: int) -> bytes:
+    """What ``stream`` (a pipe) gives until its end, or its first ``limit + 1`` bytes: read a
+    MiB at a time (``read(limit + 1)`` would allocate all of it at once)."""
+    chunks, size = [], 0
+    while size <= limit and (chunk := stream.read(min(1 << 20, limit + 1 - size))):
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def write_json_atomic(path: Path, data: Any, root: str | Path | None = None, sync: bool = True) -> None:
