@@ -14,6 +14,7 @@ import contextlib
 import errno
 import json
 import os
+import select
 import stat
 import tempfile
 import time
@@ -165,24 +166,31 @@ class NotAFileError(OSError):
 
 def open_input(path: str | Path, pipes: bool = False) -> int:
     """A descriptor of the input ``path``, opened for reading when it is a regular file, or with
-    ``pipes`` (``allow_pipes``) a FIFO, opened again to wait for its writer as Kaldi does.
-    What it is, is checked on the opened descriptor before a byte is read; the first open does
-    not wait for a FIFO's writer. Anything else is :class:`NotAFileError`."""
+    ``pipes`` (``allow_pipes``) a FIFO, once its writer has come (as Kaldi waits for it).
+    Anything else is :class:`NotAFileError`, found before it is opened (opening a FIFO lets its
+    writer in, opening a device may act) and again on the opened descriptor, before a byte is
+    read; the open itself never waits."""
+    _input_kind(os.stat(path).st_mode, path, pipes)
     descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
     try:
-        mode = os.fstat(descriptor).st_mode
-        if stat.S_ISFIFO(mode) and pipes:
-            waiting = os.open(path, os.O_RDONLY | os.O_CLOEXEC)  # waits for the writer
-            os.close(descriptor)
-            descriptor = waiting
-            mode = os.fstat(descriptor).st_mode
-        if not (stat.S_ISREG(mode) or (pipes and stat.S_ISFIFO(mode))):
-            raise NotAFileError(errno.EINVAL, f"it is {file_kind(mode)}, not a regular file", str(path))
+        if _input_kind(os.fstat(descriptor).st_mode, path, pipes) == "fifo":
+            waiting = select.poll()  # data, or an end, once a writer came (none is said before)
+            waiting.register(descriptor, select.POLLIN)
+            waiting.poll()
         os.set_blocking(descriptor, True)
     except BaseException:
         os.close(descriptor)
         raise
     return descriptor
+
+
+def _input_kind(mode: int, path: str | Path, pipes: bool) -> str:
+    """``file`` or (with ``pipes``) ``fifo``; else NotAFileError saying what ``path`` is."""
+    if stat.S_ISREG(mode):
+        return "file"
+    if pipes and stat.S_ISFIFO(mode):
+        return "fifo"
+    raise NotAFileError(errno.EINVAL, f"it is {file_kind(mode)}, not a regular file", str(path))
 
 
 def read_input(path: str | Path, limit: int, pipes: bool = False, what: str = "a file") -> bytes:
