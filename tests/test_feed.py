@@ -344,12 +344,12 @@ def test_a_stream_cut_into_epochs_goes_on_without_reading_its_windows_again(pack
 def test_a_batch_crosses_the_pipe_as_it_was(values):
     """Texts travel joined into one string (one to unpickle, not one per sample); anything a
     join would change (a NUL of their own, bytes, None) travels as it is."""
-    from seqshard.pipeline.workers.protocol import BatchItem, pack
+    from seqshard.pipeline.workers.protocol import BatchItem, from_wire, pack
 
     item = BatchItem(
         0, 1, {"texts": values, "feats": (64, (2, 3), "<f4")}, b"", b"", 2, 4, 6, slot=0, places=("feats",)
     )
-    again = BatchItem.from_wire(pickle.loads(pack(item.wire())))
+    again = from_wire(*pickle.loads(pack(item.wire())))
     assert again.batch == item.batch and again.slot == 0 and again.places == ("feats",)
 
 
@@ -376,3 +376,42 @@ def test_an_epochs_start_neither_walks_the_plan_nor_draws_orders_and_len_still_c
     sum(1 for _ in large)
     assert calls == ["_walked"]
     assert not large.planned_batches().exact and "_drawn_counts" in calls[1:]
+
+
+def test_a_batch_from_a_worker_costs_the_training_process_a_few_calls(five_hundred):
+    """Taking a worker's batch is one read of its pipe, one unpickling, one credit written back
+    and two calls per array of the slot (a numpy array over the slot's lease, its tensor), with
+    the merged stream's and the epoch's bookkeeping: a few Python calls, not a chain of takes
+    (issue 32, item 4: 55-58 calls a batch before, the loop's own included)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    for workers in (1, 2):
+        loader = make_loader(five_hundred.pattern, batch_size=4, num_workers=workers, **WINDOWS)
+        batches = iter(loader)
+        for _ in range(20):
+            next(batches)
+        calls = 0
+        sys.setprofile(count)
+        for _ in range(60):
+            next(batches)
+        sys.setprofile(None)
+        loader.close()
+        assert calls / 60 <= 32, (workers, calls / 60)
+
+
+def slower(sample):
+    time.sleep(0.05)
+    return sample
+
+
+def test_a_worker_that_sends_nothing_for_the_timeout_is_named(packed):
+    loader = make_loader(
+        packed.pattern, batch_size=2, num_workers=1, timeout=0.2, transforms=[slower], shuffle_window=12, sort_window=8
+    )
+    with pytest.raises(RuntimeError, match=r"worker 0 sent no batch for 0.2 s \(the loader's timeout option\)"):
+        next(iter(loader))
+    loader.close()

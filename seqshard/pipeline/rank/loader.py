@@ -167,27 +167,28 @@ class ShardLoader:
             planned = planned_batches(self._setup, self.epoch, position, estimate=False)
             last = planned.total if planned.exact else None
             stream = MergedStream(take, position)
+            next_item, emit, every_step = rules.next_item, stream.emit, accounts.checks_every_step
             while True:
                 asked = clock()
-                cut = capped and rules.over(stream.position)  # the epoch's length reached, not the data's end
-                item = None if cut else rules.next_item(stream)
+                cut = capped and rules.over(position)  # the epoch's length reached, not the data's end
+                item = None if cut else next_item(stream)
                 if item is None:
                     break
-                stream.emit(item)
+                emit(item)
                 meter.waited += clock() - asked
                 meter.busy += item.busy
-                meter.steps += 1
-                if meter.steps == 1:
+                steps = meter.steps = meter.steps + 1
+                if steps == 1:
                     meter.first = meter.waited
-                elif meter.steps % WAIT_WARN_AFTER == 0:
+                elif steps % WAIT_WARN_AFTER == 0:
                     meter.judge()
                     accounts.judge_unknown_tokens(position)
-                met = item.damaged != damaged[item.worker] or meter.steps == 1  # a newly damaged shard
-                if met or accounts.checks_every_step:
+                met = item.damaged != damaged[item.worker] or steps == 1  # a newly damaged shard
+                if met or every_step:
                     damaged[item.worker] = item.damaged
                     accounts.check_bad_shards(position, recount=met)
                 if position.step == last:
-                    self._finish(position, rules.over(stream.position))
+                    self._finish(position, rules.over(position))
                 yield item.batch
             del stream
             if not position.completed:

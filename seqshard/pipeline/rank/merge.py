@@ -160,6 +160,7 @@ class MergedStream:
         self._reservoir: list[deque[BatchItem]] = [deque() for _ in position.queues]
         self._states_above: dict[tuple[int, int], dict[str, Any]] = {}  # emitted beyond low
         self._done = sum(w.done for w in position.workers)  # workers that sent their end
+        self._count = len(position.workers)
         self._replay()
 
     def _replay(self) -> None:
@@ -186,26 +187,27 @@ class MergedStream:
 
     @property
     def exhausted(self) -> bool:
-        return self._done == len(self.position.workers)
+        return self._done == self._count
 
     def pull(self) -> BatchItem | None:
         """The next batch in turn, or None when every worker is finished."""
-        workers = self.position.workers
-        while not self.exhausted:
-            turn = self.position.turn % len(workers)
-            self.position.turn = turn + 1
+        position = self.position
+        workers, count = position.workers, self._count
+        while self._done < count:
+            turn = position.turn % count
+            position.turn = turn + 1
             spot = workers[turn]
             if spot.done:
                 continue
             item = self._take(turn)
             spot.stats = item.stats  # type: ignore[union-attr]
-            if isinstance(item, EndItem):
+            if type(item) is not BatchItem:
+                assert isinstance(item, EndItem)
                 spot.done = True
                 self._done += 1
                 if spot.low == spot.pulled:
                     spot.state = item.state
                 continue
-            assert isinstance(item, BatchItem)
             spot.pulled = item.seq
             return item
         return None
@@ -214,30 +216,39 @@ class MergedStream:
     def emit(self, item: BatchItem) -> None:
         """Record that ``item`` was handed to training."""
         worker, seq = item.worker, item.seq
-        spot = self.position.workers[worker]
+        position = self.position
+        spot = position.workers[worker]
         if seq == spot.low + 1:
             spot.low, spot.state = seq, item.state
-            while spot.low + 1 in spot.emitted_above:  # batches handed out earlier, out of order
-                spot.low += 1
-                spot.emitted_above.remove(spot.low)
-                spot.state = self._states_above.pop((worker, spot.low))
+            if spot.emitted_above:
+                self._catch_up(worker, spot)
         else:
             spot.emitted_above.append(seq)
             self._states_above[(worker, seq)] = item.state
-        self.position.step += 1
-        self.position.utts += item.size
-        self.position.frames += item.length
-        self.position.padded_frames += item.padded
+        position.step += 1
+        position.utts += item.size
+        position.frames += item.length
+        position.padded_frames += item.padded
         if item.by_source is not None:
-            position = self.position
-            if not position.sources:
-                position.sources = [[0, 0] for _ in item.by_source]
-                position.sources_all = position.sources_all or [[0, 0] for _ in item.by_source]
-            for counts, total, (utts, length) in zip(position.sources, position.sources_all, item.by_source):
-                counts[0] += utts
-                counts[1] += length
-                total[0] += utts
-                total[1] += length
+            self._count_sources(item.by_source)
+
+    def _catch_up(self, worker: int, spot: WorkerPosition) -> None:
+        """Move ``low`` over the batches handed out earlier, out of order (bucket sync)."""
+        while spot.low + 1 in spot.emitted_above:
+            spot.low += 1
+            spot.emitted_above.remove(spot.low)
+            spot.state = self._states_above.pop((worker, spot.low))
+
+    def _count_sources(self, by_source: list[list[int]]) -> None:
+        position = self.position
+        if not position.sources:
+            position.sources = [[0, 0] for _ in by_source]
+            position.sources_all = position.sources_all or [[0, 0] for _ in by_source]
+        for counts, total, (utts, length) in zip(position.sources, position.sources_all, by_source):
+            counts[0] += utts
+            counts[1] += length
+            total[0] += utts
+            total[1] += length
 
     # -- the reservoir (bucket sync) -----------------------------------------------------------
     def reservoir_counts(self) -> list[int]:

@@ -14,10 +14,11 @@ batch.
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 State = dict[str, Any]
 
@@ -33,12 +34,12 @@ def unpack(value: Any) -> Any:
     return pickle.loads(value) if isinstance(value, bytes) else value
 
 
-@dataclass
-class BatchItem:
+class BatchItem(NamedTuple):
     """One collated batch. Arrays in ``batch`` are numpy arrays, torch tensors, or (when
     ``slot`` is set) :class:`~.transfer.SlotArray` places in that shared slot, under the names
     ``places`` lists. ``state`` and ``stats`` are dicts, or their :func:`pack`ed bytes from a
-    worker process."""
+    worker process. A tuple: the training process makes one from what the pipe brings without
+    a call of Python's (:meth:`wire`); the ``batch`` dict is changed in place."""
 
     worker: int
     seq: int
@@ -55,41 +56,29 @@ class BatchItem:
     busy: float = 0.0  # seconds the reader spent making the batch
     damaged: int = 0  # damaged shards the reader has met (its counters say which)
 
-    def wire(self) -> tuple:
-        """The fields as a tuple, cheaper to unpickle than the object (:meth:`from_wire` makes
-        the item again), then the names of the lists of texts (keys, labels) sent as one text
-        joined with NUL (one string to unpickle, not one per sample); slot places as plain tuples."""
+    def wire(self) -> tuple[tuple, tuple[str, ...]]:
+        """What crosses the pipe: the fields as a plain tuple (:func:`from_wire` makes
+        the item again), and the names of the lists of texts
+        (keys, labels) sent as one text joined with NUL (one string to unpickle, not one per
+        sample); slot places as plain tuples."""
         batch, joined = {}, []
         for name, value in self.batch.items():
             batch[name] = _wired(value)
             if type(batch[name]) is str:
                 joined.append(name)
-        return (
-            self.worker,
-            self.seq,
-            batch,
-            self.state,
-            self.stats,
-            self.size,
-            self.length,
-            self.padded,
-            self.bucket,
-            self.slot,
-            self.places,
-            self.by_source,
-            self.busy,
-            self.damaged,
-            tuple(joined),
-        )
+        return (*self[:2], batch, *self[3:]), tuple(joined)
 
-    @classmethod
-    def from_wire(cls, wire: tuple) -> BatchItem:
-        *fields, joined = wire
-        item = cls(*fields)
-        batch = item.batch
-        for name in joined:
-            batch[name] = batch[name].split("\0")
-        return item
+
+def from_wire(fields: tuple, joined: tuple[str, ...]) -> BatchItem:
+    """The item :meth:`BatchItem.wire` sent (made in C from its fields; its joined texts split)."""
+    item = _new_item(fields)
+    batch = item.batch
+    for name in joined:
+        batch[name] = batch[name].split("\0")
+    return item
+
+
+_new_item = functools.partial(tuple.__new__, BatchItem)
 
 
 def _wired(value: Any) -> Any:
