@@ -154,7 +154,7 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
         feature_bytes = frames * int(setup.audio.fbank.sample_rate) // 100 * 4  # float32 samples, 10 ms a frame
     slot_bytes = min(MAX_SLOT_BYTES, int(feature_bytes * 1.25) + (1 << 20))
     if workers.num_workers == 0:  # batches made in this process: a ring for what training still holds
-        return BatchSlots(1, 4, slot_bytes, context)
+        return BatchSlots(1, 4, slot_bytes, context, shared=False)
     # beyond the batches prefetched: those training holds, and pinned ones still being copied
     spare = 5 if workers.pin_memory or is_cuda(workers.device) else 3
     return BatchSlots(workers.num_workers, workers.prefetch_factor + spare, slot_bytes, context)
