@@ -28,7 +28,7 @@ from seqshard.dist import cores_per_rank
 from seqshard.options import Workers
 from seqshard.pipeline.rank.auto import choose_workers
 from seqshard.pipeline.rank.feed import FeedMeter
-from seqshard.pipeline.stages.base import Stage
+from seqshard.pipeline.stages.base import REPLAY_BATCH, Stage
 from seqshard.pipeline.stages.batching import LengthBudget, SortBatch
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.pipeline.stages.shuffle import WindowShuffle
@@ -415,3 +415,33 @@ def test_a_worker_that_sends_nothing_for_the_timeout_is_named(packed):
     with pytest.raises(RuntimeError, match=r"worker 0 sent no batch for 0.2 s \(the loader's timeout option\)"):
         next(iter(loader))
     loader.close()
+
+
+@pytest.mark.parametrize("stage", [False, True], ids=["function", "stage"])
+def test_a_resume_reads_only_the_samples_of_the_batches_it_hands_out(five_hundred, stage):
+    """Issue 32, item 5: a restore read the windows in flight again from their start (a shuffle
+    and a sort window of 320 here) before its first batch. Now each window's state holds its
+    outputs by their samples' origins and the source's state where it ended: the restored
+    windows read again only the samples of the batches they hand out, as they hand them out (at
+    least REPLAY_BATCH samples at once), and the batches, their counters and the state after each are those of the uninterrupted
+    run. Under a Stage of the user's (which may keep state) the windows are read again."""
+    options = dict(batch_size=4, num_workers=0, seed=3, **WINDOWS)
+    transforms = [CountBuilds] if stage else [Counted()]
+    full = make_loader(five_hundred.pattern, transforms=transforms, **options)
+    keys = [b["keys"] for b in full]
+    for k in (1, 40, 79, 80, 81, 97, len(keys) - 1):
+        loader = make_loader(five_hundred.pattern, transforms=transforms, **options)
+        batches = iter(loader)
+        for _ in range(k):
+            next(batches)
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        counter = Counted()
+        again = make_loader(five_hundred.pattern, transforms=[CountBuilds] if stage else [counter], **options)
+        again.load_state_dict(state)
+        rest = iter(again)
+        first = next(rest)["keys"]
+        if not stage:  # the first batch's samples (and its next ones', a few at once), not its windows'
+            assert len(first) <= counter.seen <= REPLAY_BATCH, (k, counter.seen)
+        assert [first, *(b["keys"] for b in rest)] == keys[k:], k
+        assert again.stats()["utts"] == full.stats()["utts"] and again.stats()["steps"] == len(keys)

@@ -25,6 +25,7 @@ from ...text.labels import LabelOverride
 from ...text.tokenizers import Tokenizer
 from ..sources import MixSetup
 from ..workers.pool import WorkerPool
+from ..workers.protocol import Take
 from ..workers.setup import make_setup
 from . import batch_plan, checkpoint
 from .accounts import EpochAccounts
@@ -92,6 +93,7 @@ class ShardLoader:
         self._cursor = EpochCursor(lambda e: RankPosition.fresh(e, readers, buckets), self._rules.end.continues_stream)
         self._accounts = EpochAccounts(self._setup, self._rules.end, self.collectives, access)
         self._meter = FeedMeter(options.workers, context.rank)
+        self._primed: tuple[RankPosition, Take] | None = None  # workers started on a loaded position
 
     # -- epochs and their size -----------------------------------------------------------
     @property
@@ -157,8 +159,10 @@ class ShardLoader:
         damaged = [0] * len(position.workers)  # damaged shards each reader reported
         clock, capped = time.perf_counter, rules.capped
         try:
+            primed, self._primed = self._primed, None
+            started = primed[1] if primed is not None and primed[0] is position else None
             take = self._delivery.take(
-                self._pool.start(position.epoch, position.worker_request()), len(position.workers)
+                started or self._pool.start(position.epoch, position.worker_request()), len(position.workers)
             )
             # A consumer may stop after len() batches: the epoch's summary is then made at the
             # last one, where every rank knows it without walking the plan or drawing orders of
@@ -215,6 +219,7 @@ class ShardLoader:
     def close(self) -> None:
         """Stop worker processes (an iteration after this starts them again)."""
         self._close_active()
+        self._primed = None
         self._pool.close()
 
     def _close_active(self, warn: bool = False) -> None:
@@ -293,3 +298,13 @@ class ShardLoader:
         self._cursor.load(
             checkpoint.restore(state, self._identity(), self._setup, self._access, self.collectives, strict)
         )
+        self._start_early()
+
+    def _start_early(self) -> None:
+        """With workers, start them on the loaded position now: they restore it while the caller
+        goes on (loading a model, ...), and the next iteration takes their batches if it starts
+        there (else it sends them where it starts instead)."""
+        self._primed = None
+        if self.options.workers.num_workers:
+            position = self._cursor.peek()
+            self._primed = position, self._pool.start(position.epoch, position.worker_request())

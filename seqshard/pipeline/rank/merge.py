@@ -26,7 +26,8 @@ from ..workers.protocol import BatchItem, EndItem, Take, unpack
 @dataclass
 class WorkerPosition:
     """One reader's place in the stream; its state and counters may be the bytes a worker
-    process sent (read when asked for, not at every batch)."""
+    process sent (read when asked for, not at every batch; a state in a batch's slot keeps
+    that slot until it is read or replaced)."""
 
     state: dict[str, Any] | bytes | None = None
     low: int = 0
@@ -37,14 +38,12 @@ class WorkerPosition:
 
     def saved_state(self) -> dict[str, Any] | None:
         """The reader's state after its last batch handed out (with every earlier one)."""
-        if isinstance(self.state, bytes):
-            self.state = unpack(self.state)
+        self.state = unpack(self.state)  # bytes, or a view of them in the batch's slot, read once
         return self.state  # type: ignore[return-value]
 
     def counts(self) -> dict[str, int]:
         """The reader's counters."""
-        if isinstance(self.stats, bytes):
-            self.stats = unpack(self.stats)
+        self.stats = unpack(self.stats)
         return self.stats
 
 

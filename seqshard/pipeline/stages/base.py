@@ -16,12 +16,14 @@ seed gives the same items on any machine and a restored stage needs no RNG state
 
 from __future__ import annotations
 
+import copy
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ...errors import ConfigError, InputError, SkipCounter
+from .held import Held, Origin, without_held
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -62,7 +64,8 @@ class Stage(Generic[T]):
         return self.next()
 
     def state_dict(self) -> State:
-        return self.get_state()
+        """The state, JSON-safe (a window's record as its text: ``held.py``)."""
+        return copy.deepcopy(self.get_state())
 
     def load_state_dict(self, state: State) -> None:
         self.reset(state)
@@ -191,6 +194,10 @@ class Growth:
         return min(full, max(self.floor, math.ceil(full * share)))
 
 
+_UNREAD = object()  # an output of a window restored from its record, not read again yet
+REPLAY_BATCH = 64  # items read again at once, at least one output's
+
+
 class Window:
     """A window being read: its number, the source's state where it began, its items (as
     :meth:`WindowStage.add` stores them) and what a subclass sums while it reads."""
@@ -230,7 +237,15 @@ class WindowStage(Stage[U]):
     many of its outputs were emitted (and whether its windows grow); a restore re-reads that
     one window (what was in flight) and skips the emitted outputs. A state saved without the
     growth flag (before windows grew) goes on with full windows.
+
+    Restoring without reading again (``held.py``): when ``replay`` is set (a function that
+    reads samples again from their origins, made by the reader that built the pipeline), the
+    state also holds the window's outputs as the origins of their samples (``held``) and the
+    source's state where the window ended (``end``); a restore then reads only the samples of
+    each output it hands out, as it hands it out, and the source goes on from ``end``.
     """
+
+    replay: Callable[[list[Origin]], list[Any]] | None = None
 
     def __init__(self, source: Stage, window: int, what: str, grow: Growth | None = None):
         super().__init__(source)
@@ -248,6 +263,8 @@ class WindowStage(Stage[U]):
         self._prepared = 0  # outputs of the current window whose share of the next one was read
         self._primed = False  # prepare() was called since the stream started or was restored
         self._source_stats: dict[str, int] | None = None  # the source's counters where the current window ended
+        self._held: Held | None = None  # the current window's outputs by origin (with replay)
+        self._window_end: State | None = None  # and the source's state where it ended
 
     # -- what a subclass defines ----------------------------------------------------------
     def arrange(self, items: list[Any], number: int, fresh: bool) -> list[U]:
@@ -279,6 +296,14 @@ class WindowStage(Stage[U]):
         """The source item of an item as :meth:`add` stored it (for :meth:`pending`)."""
         return item
 
+    def numbers(self, output: U) -> Sequence[int] | None:
+        """Numbers of an output's items its record keeps (a sort window's lengths), or None."""
+        return None
+
+    def rebuild(self, items: list[Any], numbers: list[int] | None) -> U:
+        """The output that held ``items`` (read again from their origins) and their ``numbers``."""
+        return items[0]
+
     # -- provided ---------------------------------------------------------------------------
     def scale(self, number: int) -> float:
         """The share of a full window that window ``number`` holds (1 unless windows grow)."""
@@ -289,11 +314,43 @@ class WindowStage(Stage[U]):
         self._outputs, self._emitted, self._count = [], 0, 0
         self._window_number, self._window_start = -1, None
         self._ahead, self._prepared, self._primed, self._source_stats = None, 0, False, None
+        self._held = self._window_end = None
         self._growing = self.grow is not None and (state is None or bool(state.get("grow", False)))
+        if state is not None and "held" in state and self.replay is not None:
+            self._restore_held(state)
+            return
         self.source.reset(None if state is None else state.get("source"))
         if state is not None and state.get("window", -1) >= 0:
             self._arrange(self._read(Window(int(state["window"]), self.source.get_state())), fresh=False)
             self._emitted = self._prepared = int(state["emitted"])
+
+    def _restore_held(self, state: State) -> None:
+        """Restore the window from its record: the source where the window ended, the outputs
+        not handed out read again as they are handed out (:meth:`_unread`)."""
+        held = self._held = Held.of(state["held"])
+        self.source.reset(state["end"])
+        self._window_end, self._window_start = state["end"], state["source"]
+        self._window_number, self._count = int(state["window"]), held.items
+        self._emitted = self._prepared = int(state["emitted"])
+        self._outputs = [None] * self._emitted + [_UNREAD] * (len(held) - self._emitted)
+        self._source_stats = self.source.stats()
+        if held.ended:  # nothing follows
+            self._ahead = Window(self._window_number + 1, self._window_end)
+            self._ahead.ended = True
+
+    def _unread(self, index: int) -> None:
+        """Read again the outputs not handed out from ``index`` on (a batch of items at a time)."""
+        held, outputs, replay = self._held, self._outputs, self.replay
+        assert held is not None and replay is not None
+        stop, origins = index, []
+        while stop < len(outputs) and outputs[stop] is _UNREAD and (stop == index or len(origins) < REPLAY_BATCH):
+            origins.extend(held.origins(stop))
+            stop += 1
+        items = replay(origins)
+        for number in range(index, stop):
+            count = held.counts[number]
+            numbers = held.extra_of(number) if held.extra is not None else None
+            outputs[number], items = self.rebuild(items[:count], numbers), items[count:]
 
     def _read(self, window: Window, until: int | None = None) -> Window:
         """Read items into ``window`` until it closes (or holds ``until`` items)."""
@@ -318,6 +375,10 @@ class WindowStage(Stage[U]):
         self._count = len(window.items)
         self._outputs = list(self.arrange(window.items, window.number, fresh))
         self._emitted = self._prepared = 0
+        if self.replay is not None:
+            self._window_start = without_held(window.start)
+            self._window_end = self.source.get_state()
+            self._held = Held.describe(self._outputs, self.held, self.numbers, window.ended)
         if window.ended:  # nothing follows: an empty window ends the stream
             self._ahead = Window(window.number + 1, self.source.get_state())
             self._ahead.ended = True
@@ -330,6 +391,9 @@ class WindowStage(Stage[U]):
             if not self._outputs:
                 raise StopIteration
         output = self._outputs[self._emitted]
+        if output is _UNREAD:
+            self._unread(self._emitted)
+            output = self._outputs[self._emitted]
         self._outputs[self._emitted] = None  # the consumer holds it now
         self._emitted += 1
         return output  # type: ignore[return-value]
@@ -371,6 +435,10 @@ class WindowStage(Stage[U]):
         return min(capacity, math.ceil(self._count * ratio * 1.05) + 1)
 
     def pending(self) -> list[Any]:
+        unread = next((i for i in range(self._emitted, len(self._outputs)) if self._outputs[i] is _UNREAD), None)
+        if unread is not None:
+            self._unread(unread)
+            return self.pending()
         waiting = [item for output in self._outputs[self._emitted :] for item in self.held(output)]  # type: ignore[arg-type]
         ahead = [self.unwrap(item) for item in self._ahead.items] if self._ahead is not None else []
         return waiting + ahead + self.source.pending()
@@ -380,4 +448,6 @@ class WindowStage(Stage[U]):
         state = {"source": start, "window": self._window_number, "emitted": self._emitted}
         if self._growing:
             state["grow"] = True
+        if self._held is not None:
+            state["end"], state["held"] = self._window_end, self._held
         return state

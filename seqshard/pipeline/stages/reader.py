@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -30,9 +31,10 @@ from ...errors import ShardError, SkipCounter
 from ...formats.remote.access import RemoteAccess, is_remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
 from ...formats.table import MAIN, ShardInfo, ShardTable, size_problem
-from ...formats.tar import TarRecord
+from ...formats.tar import SampleStream, TarRecord
 from ..plan import Unit
 from .base import Stage, State
+from .held import Origin
 from .sample import Sample
 
 _LOG = logging.getLogger("seqshard")
@@ -286,6 +288,7 @@ class ShardReader(Stage[Sample]):
         self._turn = 0
         self._counts = {"utts_read": 0, "units_done": 0, "dropped.damaged": 0, DUPLICATE_KEYS: 0}
         self._keys_read = KeyRepeats()
+        self._restored: list = []  # positions of the units open in the state restored, until they are opened
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
@@ -295,7 +298,11 @@ class ShardReader(Stage[Sample]):
         self._next_unit = int(state.get("next", 0))
         self._turn = int(state.get("turn", 0))
         self._counts = {**{k: 0 for k in self._counts}, **state.get("counts", {})}
-        for index, offsets, ordinal in state.get("open", []):
+        self._restored = list(state.get("open", []))  # opened at the first read: a restore may read nothing here
+
+    def _open_restored(self) -> None:
+        restored, self._restored = self._restored, []
+        for index, offsets, ordinal in restored:
             self._slots.append(self._open(index, self._units[index], offsets, ordinal))
 
     def _files(self, unit: Unit) -> list[tuple[str, str]]:
@@ -361,6 +368,8 @@ class ShardReader(Stage[Sample]):
         self._counts["dropped.damaged"] += lost or 0
 
     def _fill_slots(self) -> None:
+        if self._restored:
+            self._open_restored()
         while len(self._slots) < self.interleave:
             try:
                 slot = self._open_next()
@@ -421,7 +430,7 @@ class ShardReader(Stage[Sample]):
         return {
             "next": self._next_unit,
             "turn": self._turn,
-            "open": [slot.position() for slot in self._slots],
+            "open": [slot.position() for slot in self._slots] or list(self._restored),
             "counts": dict(self._counts),
         }
 
@@ -430,6 +439,91 @@ class ShardReader(Stage[Sample]):
             self._count_table(slot)
         return dict(self._counts)
 
+    def fetcher(self) -> SampleFetcher:
+        """A stage that reads this reader's samples again one by one, from their origins."""
+        return SampleFetcher(self.table, self.field_sets, self.access, self.path_root)
+
     def remaining_units(self) -> list[Unit]:
         """Everything this reader has not yet read, as units."""
+        self._open_restored()
         return [slot.rest() for slot in self._slots] + self._units[self._next_unit :]
+
+
+class SampleFetcher(Stage[Sample]):
+    """Samples read again one by one at their origins (``held.Origin``), in the order they are
+    queued (:meth:`queue`): the source of a window's replay (``workers/replay.py``). Each field
+    file is read by its tar headers from the origin's byte offset, as a shard without a member
+    table is read (a few files kept open: the samples of a window come from a few shards)."""
+
+    KEEP_OPEN = 16
+
+    def __init__(
+        self,
+        table: ShardTable,
+        field_sets: Sequence[str],
+        access: RemoteAccess | None = None,
+        path_root: str | None = None,
+    ):
+        super().__init__(None)
+        self.table, self.field_sets, self.access, self.path_root = table, tuple(field_sets), access, path_root
+        self._queue: deque[Origin] = deque()
+        self._streams: dict[str, AnyStream] = {}  # oldest first
+        self._checked: set[int] = set()  # shards whose size was checked against their index
+
+    def queue(self, origins: Sequence[Origin]) -> None:
+        self._queue.extend(origins)
+
+    def reset(self, state: State | None = None) -> None:
+        super().reset(state)
+        self._queue.clear()
+
+    def next(self) -> Sample:
+        if not self._queue:
+            raise StopIteration
+        origin = self._queue.popleft()
+        shard = self.table.shards[origin.shard]
+        if origin.shard not in self._checked and MAIN in self.field_sets:
+            _check_local_size(shard)
+            self._checked.add(origin.shard)
+        fields: dict = {}
+        first = None
+        for name, offset in origin.offsets:
+            path = shard.file_of(name)
+            record = self._read(path, offset, origin.ordinal)
+            if record is None or (first is not None and record.key != first.key):
+                found = "nothing" if record is None else repr(record.key)
+                raise ShardError(
+                    path,
+                    offset,
+                    f"no sample {first.key if first else ''!r} here, {found} (changed since the state was saved?)",
+                )
+            first = first or record
+            fields.update(record.fields)
+        assert first is not None
+        return Sample(
+            first.key, fields, origin.shard, origin.ordinal, origin.offsets, shard.file_of(origin.offsets[0][0])
+        )
+
+    def _read(self, path: str, offset: int, ordinal: int) -> TarRecord | None:
+        """The sample at ``offset`` of ``path`` (a stream kept open when it can go there)."""
+        stream = self._streams.pop(path, None)
+        if stream is not None and stream.resume_offset != offset:
+            if isinstance(stream, SampleStream):
+                stream.seek(offset, ordinal)
+            else:  # lists, manifests, Shar and NeMo streams: opened again at the offset
+                stream.close()
+                stream = None
+        if stream is None:
+            stream = open_samples(
+                path, offset, ordinal, read_ahead=False, access=self.access, use_table=False, path_root=self.path_root
+            )
+        self._streams[path] = stream
+        if len(self._streams) > self.KEEP_OPEN:
+            oldest = next(iter(self._streams))
+            self._streams.pop(oldest).close()
+        return stream.next_sample()
+
+    def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+        self._streams = {}

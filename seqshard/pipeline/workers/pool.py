@@ -16,7 +16,7 @@ from ...device import is_cuda
 from ...formats.remote.access import RemoteAccess
 from ..stages.collate import to_tensors
 from .process import WorkerLink
-from .protocol import BatchItem, ErrorItem, Item, Take, from_wire
+from .protocol import BATCH, PLACES, SLOT, STATE, BatchItem, ErrorItem, Item, Take, from_wire
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import BatchSlots, current_stream_event
@@ -76,12 +76,13 @@ class WorkerPool:
             fields, joined = links[worker].take(iteration, timeout)
             if joined is None:  # not a batch
                 return other(fields)
-            item = from_wire(fields, joined)
-            if item.slot is not None:
-                slots.receive(item.slot, item.batch, pin, fence, item.places)  # type: ignore[union-attr]
-            else:
+            slot = fields[SLOT]
+            if slot is None:
+                item = from_wire(fields, joined)
                 self._tensors(item.batch, pin)
-            return item
+                return item
+            state = slots.receive(slot, fields[BATCH], pin, fence, fields[PLACES], fields[STATE])  # type: ignore[union-attr]
+            return from_wire((*fields[:STATE], state, *fields[STATE + 1 :]), joined)
 
         return take
 
@@ -101,12 +102,12 @@ class WorkerPool:
         if not isinstance(item, BatchItem):
             return item
         pin = self._pins()
-        if item.slot is not None:
-            fence = None if self._on_device else current_stream_event
-            self.runtime.slots.receive(item.slot, item.batch, pin, fence, item.places)  # type: ignore[union-attr]
-        else:
+        if item.slot is None:
             self._tensors(item.batch, pin)
-        return item
+            return item
+        fence = None if self._on_device else current_stream_event
+        state = self.runtime.slots.receive(item.slot, item.batch, pin, fence, item.places, item.state)  # type: ignore[union-attr]
+        return item if state is item.state else item._replace(state=state)
 
     def _pins(self) -> bool:
         """Whether batches are handed over in pinned memory (decided at the first batch: CUDA

@@ -290,7 +290,7 @@ class WorkerLoop:
             if not isinstance(made, Made):
                 self._send(iteration, made)
                 return self._idle(run)
-            self._send(iteration, run.item(made, iteration))
+            self._send(iteration, run.item(made, iteration), made.state)
             if not early:
                 run.prepare()
             command = self._wait_for_credit(run)
@@ -356,10 +356,11 @@ class WorkerLoop:
         self._next.step()
 
     # -- pipes -------------------------------------------------------------------------------
-    def _send(self, iteration: int, item: Item) -> None:
+    def _send(self, iteration: int, item: Item, state: Any = None) -> None:
+        """Send ``item`` (``state``: a batch's packed state, which may travel in its slot)."""
         message = (iteration, *item.wire()) if isinstance(item, BatchItem) else (iteration, item, None)
-        if self._resends and isinstance(item, BatchItem) and isinstance(item.state, bytes):
-            self._sent.append((item.seq, item.state, message[1:], item.slot))
+        if self._resends and isinstance(item, BatchItem) and isinstance(state, bytes):
+            self._sent.append((item.seq, state, message[1:], item.slot))
         try:
             data = pack(message) if not _holds_tensors(item) else _forking_dumps(message)
         except Exception as error:  # an item that does not pickle (an exotic error)

@@ -29,9 +29,9 @@ def pack(value: Any) -> bytes:
 
 
 def unpack(value: Any) -> Any:
-    """A state or counters as sent: bytes from a worker process are unpickled, the rest is
-    returned as it is (made in this process)."""
-    return pickle.loads(value) if isinstance(value, bytes) else value
+    """A state or counters as sent: bytes from a worker process (or a view of them in a batch's
+    slot) are unpickled, the rest is returned as it is (made in this process)."""
+    return value if value is None or isinstance(value, dict) else pickle.loads(value)
 
 
 class BatchItem(NamedTuple):
@@ -79,6 +79,7 @@ def from_wire(fields: tuple, joined: tuple[str, ...]) -> BatchItem:
 
 
 _new_item = functools.partial(tuple.__new__, BatchItem)
+BATCH, STATE, SLOT, PLACES = (BatchItem._fields.index(name) for name in ("batch", "state", "slot", "places"))
 
 
 def _wired(value: Any) -> Any:

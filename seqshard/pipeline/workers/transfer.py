@@ -90,6 +90,12 @@ class SlotArena:
             raise MemoryError("batch larger than its slot")  # callers size the batch first
         return self._memory[start : start + size].view(dtype).reshape(shape)
 
+    def put(self, data: bytes) -> tuple[int, int]:
+        """Copy ``data`` here; its place (offset, length)."""
+        array = self.allocate((len(data),), np.dtype(np.uint8))
+        array[:] = np.frombuffer(data, dtype=np.uint8)
+        return self.describe(array).offset, len(data)
+
     def describe(self, array: np.ndarray) -> SlotArray:
         """The place of an array allocated here."""
         offset = array.__array_interface__["data"][0] - self._memory.__array_interface__["data"][0]
@@ -159,14 +165,22 @@ class BatchSlots:
 
     # -- training-process side --------------------------------------------------------------
     def receive(
-        self, slot: int, arrays: dict[str, Any], pin: bool, fence: Any = None, names: Sequence[str] | None = None
-    ) -> dict[str, Any]:
+        self,
+        slot: int,
+        arrays: dict[str, Any],
+        pin: bool,
+        fence: Any = None,
+        names: Sequence[str] | None = None,
+        packed: Any = None,
+    ) -> Any:
         """Replace the places in ``arrays`` (all its values, or those ``names`` lists: each a
         :class:`SlotArray` or a plain ``(offset, shape, dtype)`` tuple) by tensors over
-        ``slot``: the shared memory itself, freed with the last tensor (or view) that uses it;
-        returns ``arrays``. With ``pin`` that memory is pinned (the ring registered once; where
-        that fails, copies in pinned memory). ``fence()``, when given, makes the event a freed
-        slot waits for (see the module's text)."""
+        ``slot``: the shared memory itself, freed with the last tensor (or view) that uses it.
+        Returns ``packed`` (a state as sent), as the bytes it names there (a numpy array over
+        the slot, which it keeps, like a tensor) when it is a place ``(offset, length)``. With
+        ``pin`` that memory is pinned (the ring registered once; where that fails, copies in
+        pinned memory). ``fence()``, when given, makes the event a freed slot waits for (see
+        the module's text)."""
         if self._fenced:
             self.reclaim()
         pinned = pin and self.pin()
@@ -180,7 +194,10 @@ class BatchSlots:
             offset, shape, kind = arrays[name]
             tensor = self._from_numpy(np.ndarray(shape, kind, lease, offset))
             arrays[name] = tensor.pin_memory() if pin and not pinned else tensor
-        return arrays
+        if type(packed) is tuple:
+            offset, length = packed
+            return np.ndarray((length,), np.uint8, lease, offset)
+        return packed
 
     def _ring(self) -> np.ndarray:
         if self._memory is None:
