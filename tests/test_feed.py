@@ -445,3 +445,26 @@ def test_a_resume_reads_only_the_samples_of_the_batches_it_hands_out(five_hundre
             assert len(first) <= counter.seen <= REPLAY_BATCH, (k, counter.seen)
         assert [first, *(b["keys"] for b in rest)] == keys[k:], k
         assert again.stats()["utts"] == full.stats()["utts"] and again.stats()["steps"] == len(keys)
+
+
+def test_workers_start_restoring_at_load_state_dict_and_another_start_is_still_honoured(five_hundred):
+    """The workers of a loaded position start, and restore it, while the caller goes on (a
+    model loaded); an iteration that starts elsewhere (set_epoch) sends them there instead."""
+    options = dict(batch_size=4, num_workers=2, seed=3, **WINDOWS)
+    loader = make_loader(five_hundred.pattern, **options)
+    batches = iter(loader)
+    for _ in range(30):
+        next(batches)
+    state = json.loads(json.dumps(loader.state_dict()))
+    rest = [b["keys"] for b in batches]
+    loader.close()
+    before = len(multiprocessing.active_children())
+    again = make_loader(five_hundred.pattern, **options)
+    again.load_state_dict(state)
+    assert len(multiprocessing.active_children()) == before + 2  # started before any iteration
+    assert [b["keys"] for b in again] == rest
+    elsewhere = make_loader(five_hundred.pattern, **options)
+    elsewhere.load_state_dict(state)
+    assert epoch_keys(elsewhere, 4) == epoch_keys(make_loader(five_hundred.pattern, **options), 4)
+    for made in (again, elsewhere):
+        made.close()

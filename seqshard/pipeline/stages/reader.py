@@ -491,11 +491,9 @@ class SampleFetcher(Stage[Sample]):
             path = shard.file_of(name)
             record = self._read(path, offset, origin.ordinal)
             if record is None or (first is not None and record.key != first.key):
-                found = "nothing" if record is None else repr(record.key)
+                found = "the end of the shard" if record is None else f"{record.key!r}"
                 raise ShardError(
-                    path,
-                    offset,
-                    f"no sample {first.key if first else ''!r} here, {found} (changed since the state was saved?)",
+                    path, offset, f"sample {origin.ordinal + 1} was read here before, now {found} (changed since?)"
                 )
             first = first or record
             fields.update(record.fields)
