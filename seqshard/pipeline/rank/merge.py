@@ -174,7 +174,7 @@ class MergedStream:
                         f"worker {worker} did not regenerate batch {seq} on resume (got {item.seq}); the shards changed since the state was saved?"
                     )
                 if seq in emitted:
-                    self._states_above[(worker, seq)] = item.state
+                    self._states_above[(worker, seq)] = _detached(item.state)
                 else:
                     stash[(worker, seq)] = item
         for bucket, entries in enumerate(self.position.queues):
@@ -223,7 +223,7 @@ class MergedStream:
                 self._catch_up(worker, spot)
         else:
             spot.emitted_above.append(seq)
-            self._states_above[(worker, seq)] = item.state
+            self._states_above[(worker, seq)] = _detached(item.state)
         position.step += 1
         position.utts += item.size
         position.frames += item.length
@@ -266,3 +266,9 @@ class MergedStream:
         item = self._reservoir[bucket].popleft()
         self.position.queues[bucket].pop(0)
         return item
+
+
+def _detached(state: Any) -> Any:
+    """A state kept until ``low`` reaches its batch: as bytes, not a view that keeps the batch's
+    slot (``transfer.py``) while batches are handed out ahead of it (bucket sync)."""
+    return state if state is None or isinstance(state, (dict, bytes)) else bytes(state)
