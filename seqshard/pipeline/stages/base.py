@@ -296,9 +296,10 @@ class WindowStage(Stage[U]):
         """The source item of an item as :meth:`add` stored it (for :meth:`pending`)."""
         return item
 
-    def numbers(self, output: U) -> Sequence[int] | None:
-        """Numbers of an output's items its record keeps (a sort window's lengths), or None."""
-        return None
+    def numbers(self, output: U) -> Sequence[int]:
+        """Numbers of an output's items its record keeps (a sort window's lengths); a stage
+        that keeps none does not define it."""
+        raise NotImplementedError
 
     def rebuild(self, items: list[Any], numbers: list[int] | None) -> U:
         """The output that held ``items`` (read again from their origins) and their ``numbers``."""
@@ -378,7 +379,9 @@ class WindowStage(Stage[U]):
         if self.replay is not None:
             self._window_start = without_held(window.start)
             self._window_end = self.source.get_state()
-            self._held = Held.describe(self._outputs, self.held, self.numbers, window.ended)
+            items_of = self.held if type(self).held is not WindowStage.held else None  # None: an output is an item
+            numbers_of = self.numbers if type(self).numbers is not WindowStage.numbers else None
+            self._held = Held.describe(self._outputs, items_of, numbers_of, window.ended)
         if window.ended:  # nothing follows: an empty window ends the stream
             self._ahead = Window(window.number + 1, self.source.get_state())
             self._ahead.ended = True

@@ -72,21 +72,20 @@ class Held:
     def describe(
         cls,
         outputs: Sequence[Any],
-        items_of: Callable[[Any], list[Any]],
-        numbers_of: Callable[[Any], Sequence[int] | None],
+        items_of: Callable[[Any], list[Any]] | None,
+        numbers_of: Callable[[Any], Sequence[int]] | None,
         ended: bool,
     ) -> Held | None:
-        """The record of ``outputs`` (their source items by ``items_of``, those items' numbers
-        by ``numbers_of``: None for none), or None where the items are not samples read from
-        shards. Made for every window, so kept to one pass over the items: the items of one
-        window stage come from one reader, and read the same field sets (``replay.attach``
-        gives no window over a mix of sources a replay)."""
-        held = [items_of(output) for output in outputs]
-        samples = [item for items in held for item in items]
+        """The record of ``outputs`` (their source items by ``items_of``, None: each output is
+        one; those items' numbers by ``numbers_of``, None: none), or None where the items are
+        not samples read from shards. Made for every window, so kept to one pass over the
+        items: the items of one window stage come from one reader, and read the same field
+        sets (``replay.attach`` gives no window over a mix of sources a replay)."""
+        held = [[output] for output in outputs] if items_of is None else [items_of(output) for output in outputs]
+        samples = list(outputs) if items_of is None else [item for items in held for item in items]
         if samples and (type(samples[0]) is not Sample or not samples[0].offsets or samples[0].shard < 0):
             return None
-        numbers = [numbers_of(output) for output in outputs]
-        extra = None if None in numbers else [n for each in numbers for n in each]  # type: ignore[union-attr]
+        extra = None if numbers_of is None else [n for output in outputs for n in numbers_of(output)]
         try:
             places = [(s.shard, s.ordinal, s.offsets) for s in samples]
         except AttributeError:  # not a sample

@@ -19,6 +19,7 @@ with those read after it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from array import array
 from collections import deque
@@ -129,6 +130,8 @@ class _OpenUnit:
         except BaseException:
             self.close()
             raise
+        if len(self.streams) == 1:  # the common case: one call a sample, not two
+            self.next_sample = functools.partial(self._next_of_one, unit, self.streams[0])  # type: ignore[method-assign]
 
     def close(self) -> None:
         for stream in self.streams:
@@ -182,7 +185,9 @@ class _OpenUnit:
             if part is None:
                 self._check_end([None])
                 return None
-            self._check_key(0, part)
+            self.last_keys[0] = part.key
+            if part.ordinal == 0 or (self.expected is not None and part.ordinal >= self.expected):
+                self._check_key(0, part)
             if part.ordinal >= unit.start and (part.ordinal - unit.start) % unit.step == 0:
                 return Sample(
                     part.key, part.fields, unit.shard, part.ordinal, ((self.sets[0], part.offset),), stream.path
@@ -289,6 +294,7 @@ class ShardReader(Stage[Sample]):
         self._counts = {"utts_read": 0, "units_done": 0, "dropped.damaged": 0, DUPLICATE_KEYS: 0}
         self._keys_read = KeyRepeats()
         self._restored: list = []  # positions of the units open in the state restored, until they are opened
+        self._filled = False  # as many units open as may be (until one ends)
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
@@ -299,6 +305,7 @@ class ShardReader(Stage[Sample]):
         self._turn = int(state.get("turn", 0))
         self._counts = {**{k: 0 for k in self._counts}, **state.get("counts", {})}
         self._restored = list(state.get("open", []))  # opened at the first read: a restore may read nothing here
+        self._filled = False
 
     def _open_restored(self) -> None:
         restored, self._restored = self._restored, []
@@ -368,6 +375,7 @@ class ShardReader(Stage[Sample]):
         self._counts["dropped.damaged"] += lost or 0
 
     def _fill_slots(self) -> None:
+        """Open units until ``interleave`` are open or none is left."""
         if self._restored:
             self._open_restored()
         while len(self._slots) < self.interleave:
@@ -378,12 +386,14 @@ class ShardReader(Stage[Sample]):
                 self._damaged(error, unit, unit.first())
                 continue
             if slot is None:
-                return
+                break
             self._slots.append(slot)
+        self._filled = True  # until a unit ends (or a reset)
 
     def next(self) -> Sample:
         while True:
-            self._fill_slots()
+            if not self._filled:
+                self._fill_slots()
             if not self._slots:
                 self._count_repeats(self._keys_read.merge())
                 raise StopIteration
@@ -400,10 +410,13 @@ class ShardReader(Stage[Sample]):
                 slot.close()
                 del self._slots[self._turn]
                 self._counts["units_done"] += 1
+                self._filled = False
                 continue
             self._turn += 1
             self._counts["utts_read"] += 1
-            self._count_repeats(self._keys_read.add(sample.key, sample.file))
+            repeats = self._keys_read.add(sample.key, sample.file)
+            if repeats:
+                self._count_repeats(repeats)
             return sample
 
     def _count_repeats(self, repeats: list[tuple[str, str]]) -> None:
