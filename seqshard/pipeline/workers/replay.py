@@ -9,7 +9,8 @@ a sample whenever it is read). A :class:`Replay` is a second copy of those stage
 built again) over a :class:`~..stages.reader.SampleFetcher` instead of the shard reader: it makes
 a sample again from its origin, as it was made when first read. Its stages count apart from the
 pipeline's (the samples were counted when first read). A window over anything else (a Stage of
-the user's, noise mixed in, a mix of sources) is restored by reading it again, as before.
+the user's, noise mixed in, a mix of sources), and a window stage of the user's (its outputs may
+not be made again from the record alone: ``WINDOWS``), is restored by reading it again, as before.
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from typing import Any
 
 from ...errors import SeqshardError
 from ..stages.base import Filter, Map, Stage, WindowStage
+from ..stages.batching import SortBatch
 from ..stages.held import Origin
 from ..stages.labels import Labels
 from ..stages.sample import Sample
+from ..stages.shuffle import WindowShuffle
 
 REPLAYABLE = (Map, Filter, Labels)  # exactly these classes: a subclass of the user's may keep state
+WINDOWS = (WindowShuffle, SortBatch)  # windows whose outputs their record makes again (a subclass may not)
 
 
 def attach(pipeline: Stage, rebuild: Callable[[], Stage]) -> None:
@@ -32,7 +36,7 @@ def attach(pipeline: Stage, rebuild: Callable[[], Stage]) -> None:
     (``rebuild()``: the same pipeline built again, reading nothing)."""
     chain = stages_of(pipeline)
     for depth, stage in enumerate(chain):
-        if isinstance(stage, WindowStage) and _replayable(chain[depth + 1 :]):
+        if type(stage) in WINDOWS and _replayable(chain[depth + 1 :]):
             stage.replay = Replay(rebuild, depth)
 
 
@@ -49,10 +53,10 @@ def _replayable(below: list[Stage]) -> bool:
     """Whether the items of the stages ``below`` a window (down to the source) can be made
     again one by one: a source that can read them again (``fetcher()``: a shard reader's
     :class:`~..stages.reader.SampleFetcher`), and between it and the window only stages of
-    ``REPLAYABLE`` (and windows, which hand their items on as they are)."""
+    ``REPLAYABLE`` (and shuffle windows, which hand their items on as they are)."""
     if not below or getattr(below[-1], "fetcher", None) is None:
         return False
-    return all(isinstance(stage, WindowStage) or type(stage) in REPLAYABLE for stage in below[:-1])
+    return all(type(stage) in REPLAYABLE or type(stage) is WindowShuffle for stage in below[:-1])
 
 
 class Replay:
