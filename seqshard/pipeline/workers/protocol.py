@@ -9,7 +9,9 @@ training process raises the error itself (with its type).
 From a worker process, states and counters travel as pickled bytes (:func:`pack`) and stay so
 in the training process until something reads them (:func:`unpack`): a state is read when a
 position is saved or an iteration starts, counters when stats are asked for, not at every
-batch.
+batch. A state holds what its windows hold (tens of kB: ``stages/held.py``), so a batch's state
+travels in the batch's shared slot, as its place there, and the training process keeps a view of
+those bytes, not a copy (``transfer.py``); the pipe carries a few hundred bytes a batch.
 """
 
 from __future__ import annotations

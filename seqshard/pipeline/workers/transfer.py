@@ -7,8 +7,10 @@ segment). So each worker gets a ring of shared slots, allocated once, and collat
 arrays straight into a free slot. The training process receives tensors that *are* that
 shared memory (no copy) and the slot is given back when the last of those tensors, or any
 view of them, is gone: the tensors hold a reference to a lease object whose finalizer frees
-the slot. With ``pin_memory`` (or ``device="cuda"``) on a CUDA machine the whole ring is
-registered once as pinned host memory (``cudaHostRegister``), so batches are pinned where the
+the slot (a ctypes array over the slot, one per batch; the arrays are numpy arrays over it under
+each tensor). The batch's pipeline state travels in its slot too, kept there as a view until
+the training process reads or replaces it. With ``pin_memory`` (or ``device="cuda"``) on a
+CUDA machine the whole ring is registered once as pinned host memory (``cudaHostRegister``), so batches are pinned where the
 workers wrote them, without a copy; a copy to the GPU with ``non_blocking=True`` may then still
 be reading a slot after the training loop let go of its tensors, so such a slot is freed only
 once an event recorded on the current CUDA stream at that moment has completed (its
