@@ -31,13 +31,16 @@ REPLAYABLE = (Map, Filter, Labels)  # exactly these classes: a subclass of the u
 WINDOWS = (WindowShuffle, SortBatch)  # windows whose outputs their record makes again (a subclass may not)
 
 
-def attach(pipeline: Stage, rebuild: Callable[[], Stage]) -> None:
+def attach(pipeline: Stage, rebuild: Callable[[], Stage]) -> int:
     """Give the window stages of ``pipeline`` whose items can be made again a :class:`Replay`
-    (``rebuild()``: the same pipeline built again, reading nothing)."""
+    (``rebuild()``: the same pipeline built again, reading nothing); how many were given one."""
     chain = stages_of(pipeline)
+    given = 0
     for depth, stage in enumerate(chain):
         if type(stage) in WINDOWS and _replayable(chain[depth + 1 :]):
             stage.replay = Replay(rebuild, depth)
+            given += 1
+    return given
 
 
 def stages_of(stage: Stage | None) -> list[Stage]:
