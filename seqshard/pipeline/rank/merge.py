@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ...errors import SeqshardError
 from ..plan import Unit
 from ..stages.base import merge_counts
+from ..stages.held import trimmed
 from ..workers.protocol import BatchItem, EndItem, Take, unpack
 
 
@@ -111,10 +112,14 @@ class RankPosition:
         """The units replacing every worker's planned ones this epoch (elastic resume), if any."""
         return None if self.plan is None else [[Unit.from_json(u) for u in units] for units in self.plan]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, trim: bool = True) -> dict[str, Any]:
+        """JSON-safe; ``trim``: each window's record without what it handed out (a saved state)."""
         for worker in self.workers:
             worker.saved_state(), worker.counts()
-        return copy.deepcopy(asdict(self))
+        if not trim:
+            return copy.deepcopy(asdict(self))
+        workers = [replace(worker, state=trimmed(worker.state)) for worker in self.workers]
+        return copy.deepcopy(asdict(replace(self, workers=workers)))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankPosition:
@@ -124,7 +129,7 @@ class RankPosition:
 
     def continuing(self, epoch: int) -> RankPosition:
         """This position relabelled as the start of ``epoch`` (repeat mode: streams go on)."""
-        moved = RankPosition.from_json(self.to_json())
+        moved = RankPosition.from_json(self.to_json(trim=False))  # its readers may go on as they stand
         moved.epoch, moved.step, moved.utts, moved.frames, moved.padded_frames, moved.completed = (
             epoch,
             0,

@@ -331,9 +331,9 @@ class WindowStage(Stage[U]):
         held = self._held = Held.of(state["held"])
         self.source.reset(state["end"])
         self._window_end, self._window_start = state["end"], state["source"]
-        self._window_number, self._count = int(state["window"]), held.items
+        self._window_number, self._count = int(state["window"]), held.total
         self._emitted = self._prepared = int(state["emitted"])
-        self._outputs = [None] * self._emitted + [_UNREAD] * (len(held) - self._emitted)
+        self._outputs = [None] * self._emitted + [_UNREAD] * (held.outputs - self._emitted)
         self._source_stats = self.source.stats()
         if held.ended:  # nothing follows
             self._ahead = Window(self._window_number + 1, self._window_end)
@@ -349,7 +349,7 @@ class WindowStage(Stage[U]):
             stop += 1
         items = replay(origins)
         for number in range(index, stop):
-            count = held.counts[number]
+            count = held.count_of(number)
             numbers = held.extra_of(number) if held.extra is not None else None
             outputs[number], items = self.rebuild(items[:count], numbers), items[count:]
 

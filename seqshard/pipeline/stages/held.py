@@ -40,9 +40,11 @@ class Origin(NamedTuple):
 
 
 class Held:
-    """The outputs of one arranged window: ``counts[i]`` source items in output ``i``, the
-    origins of all of them in output order, and per item an optional number (``extra``: a
-    sort window's lengths). ``ended``: the source ended in this window."""
+    """The outputs of one arranged window from output ``first`` on (those before it were handed
+    out when the record was saved): ``counts[i]`` source items in output ``first + i``, the
+    origins of all of them in output order, and per item an optional number (``extra``: a sort
+    window's lengths). ``total``: the items of the whole window; ``ended``: the source ended in
+    this window."""
 
     def __init__(
         self,
@@ -53,20 +55,45 @@ class Held:
         offsets: Sequence[Sequence[int]],
         extra: Sequence[int] | None,
         ended: bool,
+        first: int = 0,
+        total: int | None = None,
     ):
         self.counts = list(counts)
         self.shards, self.ordinals, self.sets, self.offsets = shards, ordinals, sets, offsets
         self.extra = extra
         self.ended = ended
+        self.first = first
         self.starts = np.concatenate([[0], np.cumsum(self.counts, dtype=np.int64)]).tolist()
+        self.total = self.starts[-1] if total is None else total
         self._text: str | None = None
 
     @property
     def items(self) -> int:
+        """The items this record holds (of its outputs from ``first`` on)."""
         return self.starts[-1]
 
-    def __len__(self) -> int:
-        return len(self.counts)
+    @property
+    def outputs(self) -> int:
+        """The window's outputs, those before ``first`` included."""
+        return self.first + len(self.counts)
+
+    def trimmed(self, emitted: int) -> Held:
+        """The record without the outputs before ``emitted`` (handed out: never read again)."""
+        drop = emitted - self.first
+        if drop <= 0:
+            return self
+        low = self.starts[min(drop, len(self.counts))]
+        return Held(
+            self.counts[drop:],
+            self.shards[low:],
+            self.ordinals[low:],
+            self.sets,
+            self.offsets[low:],
+            None if self.extra is None else self.extra[low:],
+            self.ended,
+            self.first + min(drop, len(self.counts)),
+            self.total,
+        )
 
     @classmethod
     def describe(
@@ -95,11 +122,15 @@ class Held:
         return cls([len(items) for items in held], shards, ordinals, sets, offsets, extra, ended)
 
     def origins(self, output: int) -> list[Origin]:
-        """The origins of output ``output``'s items."""
+        """The origins of output ``output``'s items (counted from the window's first output)."""
+        output -= self.first
         return [
             Origin(int(self.shards[i]), int(self.ordinals[i]), self._places(i))
             for i in range(self.starts[output], self.starts[output + 1])
         ]
+
+    def count_of(self, output: int) -> int:
+        return self.counts[output - self.first]
 
     def _places(self, item: int) -> tuple[tuple[str, int], ...]:
         """Item ``item``'s (field set, offset) pairs (as a sample holds them, or decoded)."""
@@ -110,30 +141,40 @@ class Held:
 
     def extra_of(self, output: int) -> list[int]:
         assert self.extra is not None
+        output -= self.first
         return [int(x) for x in self.extra[self.starts[output] : self.starts[output + 1]]]
 
     # -- as text -------------------------------------------------------------------------------
     def encode(self) -> str:
-        """The record as compact text (made once)."""
+        """The record as compact text (made once): the origins sorted by shard and position (their
+        differences are small), with the order that gives them back in output order."""
         if self._text is None:
             offsets = self.offsets
-            if offsets and isinstance(offsets[0], tuple):  # as the samples held them: (field set, offset) pairs
-                offsets = (
-                    [pairs[0][1] for pairs in offsets]
-                    if len(self.sets) == 1
-                    else [[offset for _, offset in pairs] for pairs in offsets]
-                )
+            if len(offsets) and isinstance(offsets[0], tuple):  # as the samples held them: (field set, offset) pairs
+                offsets = [[offset for _, offset in pairs] for pairs in offsets]
+            shards, ordinals = np.asarray(self.shards, dtype=np.int64), np.asarray(self.ordinals, dtype=np.int64)
+            order = np.lexsort((ordinals, shards))
+            places = np.empty(len(order), dtype=np.int64)
+            places[order] = np.arange(len(order))  # each item's place among the sorted ones
             columns = [
                 np.asarray(self.counts, dtype=np.int64),
-                np.asarray(self.shards, dtype=np.int64),
-                np.asarray(self.ordinals, dtype=np.int64),
-                np.asarray(offsets, dtype=np.int64).reshape(-1),
+                shards[order],
+                ordinals[order],
+                np.asarray(offsets, dtype=np.int64).reshape(len(order), len(self.sets))[order].reshape(-1),
                 np.asarray(self.extra if self.extra is not None else [], dtype=np.int64),
             ]
-            head = {"v": ENCODING, "sets": list(self.sets), "ended": self.ended, "extra": self.extra is not None}
-            body = b"".join(np.diff(c, prepend=0).astype("<i8").tobytes() for c in columns)  # deltas pack well
-            sizes = [len(c) for c in columns]
-            self._text = json.dumps({**head, "sizes": sizes}) + "\n" + base64.b64encode(zlib.compress(body, 1)).decode()
+            body = b"".join(np.diff(c, prepend=0).astype("<i8").tobytes() for c in columns)  # differences pack well
+            body += places.astype("<u2" if len(places) <= 1 << 16 else "<u4").tobytes()
+            head = {
+                "v": ENCODING,
+                "sets": list(self.sets),
+                "ended": self.ended,
+                "extra": self.extra is not None,
+                "first": self.first,
+                "total": self.total,
+                "sizes": [len(c) for c in columns],
+            }
+            self._text = json.dumps(head) + "\n" + base64.b64encode(zlib.compress(body, 6)).decode()
         return self._text
 
     @classmethod
@@ -144,18 +185,29 @@ class Held:
             head = json.loads(head_text)
             if head["v"] != ENCODING:
                 raise ValueError(f"encoding {head['v']}")
-            data = np.frombuffer(zlib.decompress(base64.b64decode(body)), dtype="<i8")
+            data = zlib.decompress(base64.b64decode(body))
+            sizes = [int(size) for size in head["sizes"]]
+            numbers = np.frombuffer(data, dtype="<i8", count=sum(sizes))
             columns, at = [], 0
-            for size in head["sizes"]:
-                columns.append(np.cumsum(data[at : at + size]))
+            for size in sizes:
+                columns.append(np.cumsum(numbers[at : at + size]))
                 at += size
-            if at != len(data):
-                raise ValueError("sizes do not add up")
             counts, shards, ordinals, flat, extra = columns
+            places = np.frombuffer(data, dtype="<u2" if len(shards) <= 1 << 16 else "<u4", offset=8 * at)
+            if len(places) != len(shards) or (len(places) and places.max() >= len(shards)):
+                raise ValueError("its order does not fit its origins")
             sets = tuple(head["sets"])
-            offsets = flat.reshape(len(shards), len(sets)) if sets else np.zeros((len(shards), 0), dtype=np.int64)
+            offsets = flat.reshape(len(shards), len(sets))[places] if sets else np.zeros((len(shards), 0), np.int64)
             held = cls(
-                counts.tolist(), shards, ordinals, sets, offsets, extra if head["extra"] else None, bool(head["ended"])
+                counts.tolist(),
+                shards[places],
+                ordinals[places],
+                sets,
+                offsets,
+                extra if head["extra"] else None,
+                bool(head["ended"]),
+                int(head["first"]),
+                int(head["total"]),
             )
             if held.items != len(shards) or (held.extra is not None and len(held.extra) != len(shards)):
                 raise ValueError("counts and origins disagree")
@@ -181,6 +233,19 @@ class Held:
         return NotImplemented
 
     __hash__ = None  # type: ignore[assignment]
+
+
+def trimmed(state: Any) -> Any:
+    """``state`` with each window's record without the outputs it had handed out (they are never
+    read again), at any depth: what a saved state keeps (``RankPosition.to_json``)."""
+    if isinstance(state, list):
+        return [trimmed(item) for item in state]
+    if not isinstance(state, dict):
+        return state
+    found = {key: trimmed(value) for key, value in state.items()}
+    if "held" in found and "emitted" in found:
+        found["held"] = Held.of(found["held"]).trimmed(int(found["emitted"]))
+    return found
 
 
 def without_held(state: Any) -> Any:
