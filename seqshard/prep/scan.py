@@ -74,34 +74,27 @@ class _Rows:
     """Scan rows gathered in compact arrays (no Python object per line)."""
 
     def __init__(self) -> None:
-        self.columns = {name: array(code) for name, code in (("hash", "Q"), ("line", "Q"), ("offset", "q"))}
-        self.values, self.lengths, self.flags = array("q"), array("i"), array("B")
+        self.hashes, self.lines, self.offsets, self.values = array("Q"), array("Q"), array("q"), array("q")
 
-    def add(self, key: str, line: int, offset: int, value: int = -1, length: int = -1, flags: int = 0) -> None:
-        self.columns["hash"].append(key_hash(key))
-        self.columns["line"].append(line)
-        self.columns["offset"].append(offset)
+    def add(self, key: str, line: int, offset: int, value: int = -1) -> None:
+        self.hashes.append(key_hash(key))
+        self.lines.append(line)
+        self.offsets.append(offset)
         self.values.append(value)
-        self.lengths.append(length)
-        self.flags.append(flags)
 
-    def add_bad(self, hashes: list[int]) -> None:
-        """Rows of dropped lines whose key was read: their labels are not reported unused."""
-        for hash_ in hashes:
-            self.columns["hash"].append(hash_)
-            self.columns["line"].append(0)
-            self.columns["offset"].append(-1)
-            self.values.append(-1)
-            self.lengths.append(-1)
-            self.flags.append(BAD)
-
-    def finish(self, chunk: int) -> np.ndarray:
-        rows = np.zeros(len(self.flags), dtype=SCAN_ROW)
-        for name, column in self.columns.items():
-            rows[name] = np.frombuffer(column, dtype=rows.dtype[name]) if len(column) else 0
+    def finish(self, chunk: int, bad_hashes: list[int] = ()) -> np.ndarray:  # type: ignore[assignment]
+        """The rows; ``bad_hashes``: rows of dropped lines whose key was read (``BAD``), so that
+        their labels are not reported unused."""
+        rows = np.zeros(len(self.hashes) + len(bad_hashes), dtype=SCAN_ROW)
+        good = len(self.hashes)
+        for name, column in (("hash", self.hashes), ("line", self.lines), ("offset", self.offsets)):
+            rows[name][:good] = np.frombuffer(column, dtype=rows.dtype[name]) if good else 0
+        rows["value"][:good] = np.frombuffer(self.values, dtype=np.int64) if good else 0
+        rows["hash"][good:] = np.array(bad_hashes, dtype=np.uint64)
+        rows["offset"][good:] = rows["value"][good:] = -1
+        rows["flags"][good:] = BAD
+        rows["length"] = -1
         rows["chunk"] = chunk
-        for name, column in (("value", self.values), ("length", self.lengths), ("flags", self.flags)):
-            rows[name] = np.frombuffer(column, dtype=rows.dtype[name]) if len(column) else 0
         return rows
 
 
@@ -153,39 +146,38 @@ class _Scanner:
         and the length when the plan needs it and no length file may give it."""
         source, drops = self.job.source, self.counters["dropped"]
         rows, bad_keys, positions = _Rows(), [], ArkPositions()
-        kept: list[tuple[str, str, int, int]] = []
+        measured: list[tuple[str, str, int]] = []  # lines whose length the scan reads
 
         def check(key: str, value: str, where: Where) -> None:
             positions.add(source.check(key, value, where))  # the last check: a row follows each call
 
-        for key, value, line, offset in self._lines(
-            self._counting(drops), source.parse, True, check, bad_keys=bad_keys
-        ):
+        lines = self._lines(self._counting(drops), source.parse, True, check, bad_keys=bad_keys)
+        for key, value, line, offset in lines:
             self.lines += 1
-            kept.append((key, value, line, offset))
-        successors = positions.next_rows(len(kept))
-        lengths = self._measure(kept, drops, bad_keys)
-        for number, (key, _, line, offset) in enumerate(kept):
-            if lengths[number] == -2:
-                continue  # its length could not be read: dropped, counted as a bad key
-            following = int(successors[number])
-            rows.add(key, line, offset, kept[following][3] if following >= 0 else -1, int(lengths[number]))
-        rows.add_bad(bad_keys)
-        return rows.finish(self.chunk.number)
+            rows.add(key, line, offset)
+            if self.job.lengths_at_scan:
+                measured.append((key, value, line))
+        found = rows.finish(self.chunk.number, bad_keys)
+        good = found[: len(rows.hashes)]  # a view: the bad rows follow
+        following = positions.next_rows(len(good))
+        good["value"][following >= 0] = good["offset"][following[following >= 0]]
+        if measured:
+            good["length"] = self._measure(measured, drops)
+            unreadable = good["length"] == -2  # dropped and counted; a bad row (its label is not unused)
+            good["flags"][unreadable] = BAD
+            good["length"][unreadable] = -1
+        return found
 
-    def _measure(self, kept: list[tuple[str, str, int, int]], drops: SkipCounter, bad_keys: list[int]) -> np.ndarray:
-        """Lengths of the kept lines (-1: not read here; -2: unreadable, dropped)."""
-        lengths = np.full(len(kept), -1, dtype=np.int64)
-        if not self.job.lengths_at_scan:
-            return lengths
+    def _measure(self, lines: list[tuple[str, str, int]], drops: SkipCounter) -> np.ndarray:
+        """Lengths of ``lines`` (-2: unreadable, dropped)."""
+        lengths = np.full(len(lines), -1, dtype=np.int64)
         source = self.job.source
         with source.measurer() as measurer:
-            for number, (key, value, line, _) in enumerate(kept):
+            for number, (key, value, line) in enumerate(lines):
                 try:
                     lengths[number] = source.length(measurer, key, value, Where(self.path, line, key))
                 except InputError as error:
                     drops(error)
-                    bad_keys.append(key_hash(key))
                     lengths[number] = -2
         return lengths
 
