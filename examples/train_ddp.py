@@ -12,7 +12,10 @@ loss goes down). A config is a CAT-style hyper-p.json whose train.option holds t
 shows them. `--set KEY=JSON` overrides one.
 
 Kill it at any point and run the same command again: it continues from the last checkpoint
-with exactly the next batch, and the epoch and step counters where they were. Run again after
+with exactly the next batch, and the epoch and step counters where they were. To stop it with
+a checkpoint, send SIGTERM (or SIGUSR1) to the ranks, not to torchrun (which exits 1 after a
+signal, whatever its ranks did): `pkill -TERM -P TORCHRUN_PID`; every rank saves at one step
+and exits 0, and so does torchrun. The README's Slurm script does this for a job. Run again after
 the last epoch, it says the run is finished. Run again with other settings and it names each
 change: a new learning rate or warm-up applies from the next step, another model shape
 (hidden, layers) or tokenizer is refused (the checkpoint's weights cannot take it).

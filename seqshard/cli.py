@@ -191,11 +191,14 @@ def _calibrate(args: argparse.Namespace) -> int:
         args.step,
         out=args.out,
         device=args.device,
-        memory_fraction=0.9 if args.memory_fraction is None else args.memory_fraction,
+        memory_fraction=args.memory_fraction,
         max_memory=args.max_memory,
         buckets=args.buckets,
         dim=args.dim,
         vocab_size=args.vocab_size,
+        max_batch_size=args.max_batch_size,
+        max_step_seconds=args.max_step_seconds,
+        time_limit=args.time_limit,
         report=lambda line: print(line, flush=True),
     )
     print(f"wrote {args.out}: make_loader(..., budgets={args.out!r}) cuts each bucket's batches under its budget")
@@ -490,18 +493,36 @@ def _calibrate_command(commands: Any) -> None:
     )
     calibrate.add_argument("patterns", nargs="+", help="shard patterns or folders (their index.json gives lengths)")
     calibrate.add_argument(
-        "--step", required=True, help="MODULE:FUNCTION, a training step (forward and backward) on a batch dict"
+        "--step",
+        required=True,
+        help="MODULE:FUNCTION or FILE.py:FUNCTION, a training step (forward and backward) on a batch dict",
     )
     calibrate.add_argument("-o", "--out", required=True, help="the budgets file to write (JSON)")
     calibrate.add_argument("--device", help="cuda, cuda:N or cpu (default: cuda when there is one)")
     calibrate.add_argument(
-        "--memory-fraction", type=float, help="of the GPU's memory a step may peak at (default: 0.9)"
+        "--memory-fraction",
+        type=float,
+        help="a step may peak at this fraction of the GPU's memory (default: 0.9), or on CPU of the memory "
+        "available when calibrate starts (default: 0.5)",
     )
-    calibrate.add_argument("--max-memory", type=int, help="bytes a step may peak at on the GPU")
+    calibrate.add_argument(
+        "--max-memory", type=int, help="bytes a step may peak at (GPU: allocated; CPU: the process's resident memory)"
+    )
     calibrate.add_argument("--buckets", type=int, default=8, help="length buckets (default: %(default)s)")
     calibrate.add_argument("--dim", type=int, help="feature dimension (default: the index's)")
     calibrate.add_argument(
         "--vocab-size", type=int, default=2, help="label ids of the synthetic batches are below it (default: 2)"
+    )
+    calibrate.add_argument(
+        "--max-batch-size", type=int, help="samples a batch may hold (default and most: the largest sort window's)"
+    )
+    calibrate.add_argument(
+        "--max-step-seconds",
+        type=float,
+        help="a batch whose step takes longer does not fit (default: --time-limit over 16 steps a bucket)",
+    )
+    calibrate.add_argument(
+        "--time-limit", type=float, default=600.0, help="seconds the whole calibration may take (default: %(default)s)"
     )
     calibrate.set_defaults(run=_calibrate)
 

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol, TypeVar
 
-from .errors import ConfigError
+from .errors import ConfigError, option
 
 DEVICES = "None, 'cpu', 'cuda' or 'cuda:N'"
 Item = TypeVar("Item")
@@ -46,7 +46,7 @@ def require_device(device: str | None) -> None:
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if index >= found:
         raise ConfigError(
-            f"device={device!r}, and torch finds {found} CUDA device(s) here (torch {torch.__version__}): run on "
+            f"{option('device', device)}, and torch finds {found} CUDA device(s) here (torch {torch.__version__}): run on "
             "a GPU machine with a CUDA build of torch, or leave device unset (batches in host memory)."
         )
 

@@ -26,7 +26,7 @@ from .errors import ConfigError, counted, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .features.speaker_cmvn import SpeakerCmvn
-from .formats.budgets import budgets_from
+from .formats.budgets import MAX_BUCKETS, budgets_from
 from .formats.remote.access import RemoteAccess
 from .formats.remote.cache import parse_bytes
 
@@ -69,7 +69,7 @@ NUMBERS: dict[str, dict[str, Any]] = {
     "timeout": dict(at_least=0, what="a number of seconds >= 0 (0: no limit)"),
     "epoch_steps": dict(whole=True, at_least=1),
     "epoch_hours": dict(above=0),
-    "num_buckets": dict(whole=True, at_least=1),
+    "num_buckets": dict(whole=True, at_least=1, at_most=MAX_BUCKETS),
 }
 
 

@@ -26,6 +26,8 @@ import hashlib
 import json
 import math
 import os
+import pickle
+import re
 import signal
 import sys
 import time
@@ -38,13 +40,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .checks import NumberError, check_number, read_number
 from .config import apply_overrides, build_loaders, load_config, read_json
-from .errors import ConfigError, SeqshardError, counted
+from .errors import ConfigError, SeqshardError, StateMismatchError, counted
 from .pipeline.stages.split import split_batch
 from .pipeline.workers.setup import bucket_bounds
 from .progress import Progress
 from .text.tokenizers import Tokenizer, UnitsTokenizer, make_tokenizer
-from .tools.calibrate import free_memory, peak_memory, reset_peak, synthetic_batch, within_memory
+from .tools.calibrate import device_name, free_memory, peak_memory, reset_peak, synthetic_batch, within_memory
 
 #: sections of a checkpoint's recorded settings whose change a resume refuses (the saved weights
 #: cannot take it); changes of the others (schedule, run) are applied with a note
@@ -145,8 +148,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--skip-steps",
         type=step_range,
+        action="append",
+        default=[],
         metavar="A-B",
-        help="skip the batches of steps A to B (counted from 1) without reading them: a loss spike's",
+        help="skip the batches of steps A to B (counted from 1, within one epoch) without reading them: a loss "
+        "spike's; give it again for more ranges",
     )
     parser.add_argument(
         "--device",
@@ -194,9 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --device cuda, and torch finds no CUDA device here", file=sys.stderr)
         return 1
     torch.set_flush_denormal(True)  # on CPU, denormal values in a training LSTM slowed steps 5x
+    preemption = Preemption()  # before the rendezvous, which may take long, and before any worker process starts
     init_distributed(cuda)
     try:
-        code = train(args, cuda)
+        code = train(args, cuda, preemption)
         dist.barrier()  # every rank is past its last collective
     except SeqshardError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -288,6 +295,83 @@ def changes_since(path: Path, saved: dict[str, Any] | None, current: dict[str, d
     return f"settings changed since the checkpoint, applied from the next step: {'; '.join(applied)}"
 
 
+def check_outputs(args: argparse.Namespace, rank: int) -> Any:
+    """``--stop-after-steps`` and ``--out`` checked; ``--steps-file`` opened on rank 0 to append
+    a line a step (None elsewhere, or without one). ConfigError naming what is wrong."""
+    check_number("--stop-after-steps", args.stop_after_steps, whole=True, at_least=1, optional=True)
+    if args.out.exists() and not args.out.is_dir():
+        raise ConfigError(f"--out {args.out} is a file: give a folder for the checkpoint (and the made-up corpus).")
+    if args.steps_file is None or rank != 0:
+        return None
+    try:
+        return args.steps_file.open("a", buffering=1)
+    except OSError as error:
+        raise ConfigError(
+            f"--steps-file {args.steps_file} cannot be written ({error.strerror}): give a file."
+        ) from None
+
+
+def said(error: BaseException) -> str:
+    """What ``error`` says, short: its first two lines to the end of their first sentence, 200
+    characters at most."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()][:2]
+    text = " ".join(lines).split(". ")[0] if lines else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+CHECKPOINT_KEYS = ("model", "optimizer", "loader", "epoch", "step")
+
+
+def read_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
+    """The trainer's checkpoint at ``path``, tensors and plain values only (no code in it
+    runs); ConfigError naming it and the fix when it is cut short, another program's, or its
+    counters are not counts."""
+    fix = f"move it away (mv {path} {path}.bad) to train afresh from step 0, or give another --out"
+    if not path.is_file():
+        raise ConfigError(f"{path} is not a regular file, so no checkpoint: {fix}.")
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError:  # torch's weights-only reader refuses what is not a tensor or a plain value
+        raise ConfigError(
+            f"{path} holds other objects than tensors and plain values, not this trainer's: {fix}."
+        ) from None
+    except Exception as error:  # a cut zip (RuntimeError), an empty file (EOFError), ...
+        raise ConfigError(f"{path} cannot be read as a checkpoint ({said(error)}; cut short?): {fix}.") from None
+    missing = [key for key in CHECKPOINT_KEYS if not isinstance(checkpoint, dict) or key not in checkpoint]
+    if missing:
+        raise ConfigError(f"{path} is not a checkpoint of this trainer (it holds no {', '.join(missing)}): {fix}.")
+    try:
+        for key in ("epoch", "step"):
+            read_number(key, checkpoint[key], whole=True, at_least=0, at_most=2**62)
+    except NumberError as error:
+        raise ConfigError(f"{path}: its {error}: {fix}.") from None
+    if not isinstance(checkpoint["loader"], dict):
+        raise ConfigError(f"{path}: its loader state is a {type(checkpoint['loader']).__name__}, not a dict: {fix}.")
+    return checkpoint
+
+
+def restore(path: Path, checkpoint: dict[str, Any], model: nn.Module, optimizer: Any, loader: Any) -> None:
+    """The checkpoint's weights, optimizer state and, when it was saved inside the epoch it
+    runs next, the loader's position; ConfigError when they do not fit this run (a checkpoint
+    of an older trainer records no settings to compare)."""
+    try:
+        model.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(
+            f"{path} holds a model or optimizer state this run's model cannot take ({said(error)}): set the model "
+            "settings (hidden, layers, the tokenizer) back as they were, or give another --out to train afresh."
+        ) from None
+    if checkpoint["loader"].get("epoch") == checkpoint["epoch"]:  # saved inside this epoch: go on at the next batch
+        try:
+            loader.load_state_dict(checkpoint["loader"])  # every rank's position
+        except StateMismatchError as error:
+            raise ConfigError(
+                f"{path}: {error} (the example trainer: set the loader's settings back as they were, or give another "
+                "--out to train afresh)"
+            ) from None
+
+
 def lr_schedule(step: int, warmup: int) -> float:
     """Linear warm-up, then inverse square root decay (a multiplier of the peak rate)."""
     step = max(step, 1)
@@ -353,9 +437,12 @@ class MemoryGuard:
         self.limits = {b: int(v) for b, v in enumerate(limits.tolist()) if v != unset}
         return {"bounds": list(self.bounds), "limits": {str(b): v for b, v in self.limits.items()}}
 
-    def load(self, state: dict[str, Any] | None) -> None:
-        if state is not None and state.get("bounds") == list(self.bounds):
-            self.limits = {int(b): int(v) for b, v in state["limits"].items()}
+    def load(self, state: Any) -> None:
+        """The limits of a checkpoint (none kept where its buckets are not these: they are
+        learnt again at the first out-of-memory step)."""
+        limits = state.get("limits") if isinstance(state, dict) and state.get("bounds") == list(self.bounds) else None
+        if isinstance(limits, dict) and all(str(b).isdigit() and isinstance(v, int) for b, v in limits.items()):
+            self.limits = {int(b): int(v) for b, v in limits.items()}
 
 
 def length_buckets(loader: Any) -> tuple[int, ...]:
@@ -369,6 +456,22 @@ def length_buckets(loader: Any) -> tuple[int, ...]:
     if table is not None and table.length_hist:
         return bucket_bounds(table, options.batching.num_buckets)
     return ()
+
+
+def budgets_elsewhere(loader: Any, device: torch.device) -> str | None:
+    """A line when the loader's budgets (``seqshard calibrate``) were found on another device
+    than ``device`` (another kind, or another GPU model): its batches may not fit there."""
+    batching = getattr(getattr(loader, "options", None), "batching", None)
+    budgets = getattr(batching, "budgets", None)
+    if budgets is None or budgets.device is None:
+        return None
+    here = device_name(str(device))
+    if re.sub(r"^cuda:\d+", "cuda", budgets.device) == re.sub(r"^cuda:\d+", "cuda", here):
+        return None
+    return (
+        f"note: the budgets were calibrated on {budgets.device} and this run trains on {here}: batches may not fit "
+        f"(or leave memory unused); calibrate again here (`seqshard calibrate ... --device {device.type}`)"
+    )
 
 
 def accumulate_gradients(model: nn.Module, loss_of: Any, batch: dict[str, Any], parts: int) -> float:
@@ -472,6 +575,70 @@ def step_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+class SkipRanges:
+    """``--skip-steps``: ranges of steps (counted from 1, both ends included) whose batches
+    the loader skips unread (``skip_batches``), counted as steps (the learning rate follows);
+    ranges that overlap or touch are joined. A range skips within one epoch: one that goes
+    past its epoch's end is refused before anything of that epoch is skipped or trained."""
+
+    def __init__(self, ranges: Sequence[tuple[int, int]], loader: Any, say: Any) -> None:
+        self.ranges: list[tuple[int, int]] = []
+        for low, high in sorted(ranges):
+            if self.ranges and low <= self.ranges[-1][1] + 1:
+                before, after = self.ranges.pop()
+                low, high = before, max(after, high)
+            self.ranges.append((low, high))
+        self.loader, self.say = loader, say
+        if self.ranges and not hasattr(loader, "skip_batches"):
+            raise ConfigError("--skip-steps needs a loader that can skip batches unread (a shard loader).")
+
+    def at(self, step: int) -> tuple[int, int] | None:
+        """The range that holds ``step``, or None."""
+        return next((r for r in self.ranges if r[0] <= step <= r[1]), None)
+
+    def note_done(self, step: int) -> None:
+        """Say which ranges a resumed run has already passed (``step`` steps done)."""
+        for low, high in self.ranges:
+            if high <= step:
+                self.say(f"--skip-steps {low}-{high}: those steps are done (resumed after step {step}), none to skip")
+
+    def check_epoch(self, step: int, epoch: int, epochs: int, device: torch.device) -> None:
+        """ConfigError when a range goes past the end of the epoch the loader runs next (from
+        after ``step``): the same on every rank (a collective; the epoch's end is the first
+        rank's)."""
+        if not any(high > step for _, high in self.ranges):
+            return
+        self.loader.skip_batches(0)  # NotPlannable (a ConfigError saying why) before any step of this epoch
+        last = torch.tensor([step + self.loader.planned_batches().remaining], dtype=torch.int64, device=device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(last, op=dist.ReduceOp.MIN)
+        end = int(last.item())
+        for low, high in self.ranges:
+            first = max(low, step + 1)
+            if first <= end < high:
+                if epoch + 1 >= epochs:
+                    why, fix = "the run's last epoch: the range covers the rest of the run", f"give {first}-{end}"
+                else:
+                    why = "a range skips batches of one epoch"
+                    fix = f"give {first}-{end}, and the next epoch's steps (from {end + 1}) in another --skip-steps"
+                raise ConfigError(
+                    f"--skip-steps {low}-{high} goes past the end of epoch {epoch}, at step {end} ({why}): {fix}."
+                )
+
+    def skip(self, step: int) -> int:
+        """Skip the batches of the range that holds step ``step + 1`` (none: nothing); the
+        steps done after it."""
+        found = self.at(step + 1)
+        if found is None:
+            return step
+        skipped = self.loader.skip_batches(found[1] - step)
+        if skipped:
+            self.say(
+                f"skipped steps {step + 1}-{step + skipped} (--skip-steps): {counted(skipped, 'step')}, batches not read"
+            )
+        return step + skipped
+
+
 def preflight(loader: Any, runner: StepRunner, dim: int, vocab_size: int, device: torch.device, say: Any) -> None:
     """One step (forward and backward, no update) on a synthetic batch of the shape of the
     epoch's heaviest batch by padded frames and of its longest, so that a batch that does not
@@ -495,7 +662,7 @@ def preflight(loader: Any, runner: StepRunner, dim: int, vocab_size: int, device
     say(f"preflight: the epoch's heaviest batches ({shown} frames) {verdict}")
 
 
-def train(args: argparse.Namespace, cuda: bool) -> int:
+def train(args: argparse.Namespace, cuda: bool, preemption: Preemption) -> int:
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -505,14 +672,17 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
         if rank == 0:
             print(message, flush=True)
 
+    steps_file = check_outputs(args, rank)
     checkpoint_path = args.out / "ckpt.pt"
-    preemption = Preemption()  # before any worker process starts
     config, name = load_settings(args, rank)
     option = config["train"]["option"]
     if cuda and option.get("large_dataset"):  # shards: batches handed over on this GPU (unless the config says)
         option.setdefault("device", str(device))
     loader, dev = build_loaders(config, name=name)
     guard = MemoryGuard(length_buckets(loader))
+    elsewhere = budgets_elsewhere(loader, device)
+    if elsewhere is not None:
+        say(elsewhere)
     loaded = load_config(config, name=name)
     settings = loaded.trainer
     if loaded.data["tokenizer"] is None:
@@ -522,7 +692,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     recorded = run_settings(settings, dim, tokenizer)
     checkpoint, epoch, step, changes = None, 0, 0, None  # epoch: the one to run next; step: optimizer steps done
     if checkpoint_path.exists():
-        checkpoint = torch.load(checkpoint_path, map_location=device, weights_only=False)
+        checkpoint = read_checkpoint(checkpoint_path, device)
         epoch, step = checkpoint["epoch"], checkpoint["step"]
         if epoch >= settings["epochs"]:
             say(
@@ -541,18 +711,10 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=settings["lr"])
     if checkpoint is not None:
-        model.module.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-    for group in optimizer.param_groups:  # the schedule is a function of the step: the settings' rate applies
-        group["initial_lr"] = settings["lr"]
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_schedule(s, settings["warmup_steps"]), last_epoch=step - 1
-    )
+        restore(checkpoint_path, checkpoint, model.module, optimizer, loader)
     ctc = nn.CTCLoss(zero_infinity=True)
 
     if checkpoint is not None:
-        if checkpoint["loader"]["epoch"] == epoch:  # saved inside this epoch: go on at the next batch
-            loader.load_state_dict(checkpoint["loader"])  # every rank's position
         say(f"resumed from {checkpoint_path}: epoch {epoch}, after step {step}")
         if changes is not None:
             say(changes)
@@ -581,19 +743,20 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
             torch.save(state, temporary)
             temporary.replace(checkpoint_path)
 
-    steps_file = args.steps_file.open("a", buffering=1) if args.steps_file is not None and rank == 0 else None
     meter = FeedMeter()
     runner = StepRunner(model, loss_of, guard, lambda line: print(f"rank {rank} step {step + 1}: {line}", flush=True))
     if checkpoint is not None:
         guard.load(checkpoint.get("memory"))
     if args.preflight:
         preflight(loader, runner, loader.dim, tokenizer.vocab_size, device, say)
+    skips = SkipRanges(args.skip_steps, loader, say)
+    skips.note_done(step)
     steps_this_run = 0
     while epoch < settings["epochs"]:
         loader.set_epoch(epoch)
         while True:  # an iteration of the epoch; again after a range of steps is skipped
-            if args.skip_steps is not None and args.skip_steps[0] <= step + 1 <= args.skip_steps[1]:
-                step = skip_steps(loader, step, args.skip_steps[1], scheduler, say)
+            skips.check_epoch(step, epoch, settings["epochs"], device)
+            step = skips.skip(step)
             planned = loader.planned_batches()
             skipping = False
             with Progress(rank == 0 and planned.total > 0, interval=30) as bars:
@@ -604,9 +767,10 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
                     optimizer.zero_grad()
                     value = runner.backward(batch)
                     average_gradients(model)
-                    rate = optimizer.param_groups[0]["lr"]
+                    rate = settings["lr"] * lr_schedule(step, settings["warmup_steps"])  # a function of the step
+                    for group in optimizer.param_groups:
+                        group["lr"] = rate
                     optimizer.step()
-                    scheduler.step()
                     step += 1
                     steps_this_run += 1
                     meter.add(
@@ -632,7 +796,7 @@ def train(args: argparse.Namespace, cuda: bool) -> int:
                             f"stopped after {counted(steps_this_run, 'step')} of this run (--stop-after-steps); run again to go on"
                         )
                         return 0
-                    if args.skip_steps is not None and step + 1 == args.skip_steps[0]:
+                    if skips.at(step + 1) is not None:
                         skipping = True  # the loader moves on from its state after this step
                         break
             if not skipping:
@@ -657,19 +821,6 @@ def memory_line(guard: MemoryGuard, device: torch.device) -> str:
     reset_peak(device)
     line = f"peak-mem {peak / 2**20:.0f} MiB largest {guard.describe_largest() or '-'}"
     return line + (f" out-of-memory {guard.out_of_memory}" if guard.out_of_memory else "")
-
-
-def skip_steps(loader: Any, step: int, last: int, scheduler: Any, say: Any) -> int:
-    """Skip the loader's batches up to step ``last`` (without reading them; as far as the
-    epoch goes) and count them as steps (the learning rate follows); the step reached."""
-    if not hasattr(loader, "skip_batches"):
-        raise ConfigError("--skip-steps needs a loader that can skip batches unread (a shard loader).")
-    skipped = loader.skip_batches(last - step)
-    for _ in range(skipped):
-        scheduler.step()
-    if skipped:
-        say(f"skipped steps {step + 1}-{step + skipped} (--skip-steps): {skipped} batches, not read")
-    return step + skipped
 
 
 def evaluate(model: nn.Module, dev: Any, loss_of: Any, epoch: int, device: torch.device) -> float:

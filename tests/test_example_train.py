@@ -1,6 +1,8 @@
 """The example trainer (examples/train_ddp.py -> seqshard.trainer) run for real: it learns,
 it is killed with SIGKILL and resumed with the batches and losses of the uninterrupted run,
-2 ranks under torchrun are preempted (SIGTERM) and resume, and it says when a run is finished.
+2 ranks under torchrun, launched by the README's Slurm script as written, are preempted (USR1
+to the script, SIGTERM to every process of the job), the script ends with status 0 and requeues,
+and the job resumes; it says when a run is finished.
 
 The first run of each test is what a user runs (``python examples/train_ddp.py``, torchrun);
 the others run the same script in processes forked from tests/gloo_ranks.py's server, which
@@ -9,9 +11,11 @@ has imported torch once (a fresh interpreter, and torchrun's own, cost 2-4 s of 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -178,36 +182,96 @@ def resumed_at(lines: list[str]) -> tuple[int, int]:
     return int(found[0][1]), int(found[0][2])
 
 
-@pytest.mark.slow
-@pytest.mark.distributed
-@pytest.mark.timeout(400)
-def test_two_ranks_are_preempted_and_resume_exactly(tmp_path: Path):
-    ref = ["--out", str(tmp_path / "ref"), "--steps-file", str(tmp_path / "ref.jsonl")]
-    reference = run_forked(*ref, cwd=tmp_path, logs=tmp_path / "ref-logs", ranks=2)
-    assert FINISHED.match(reference[-1]), reference
-    out = ["--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "run.jsonl")]
+FENCE = re.compile(r"^```bash\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+LAUNCH = ("--nproc_per_node 8 ", "examples/train_ddp.py --config hyper-p.json --out exp/ctc")
 
-    # preempted: SIGTERM to torchrun (which passes it to the ranks) after a checkpoint
+
+def slurm_script(folder: Path, *args: str) -> Path:
+    """The README's Slurm script as written, with 2 ranks training the example's made-up corpus
+    (``args``) instead of 8 a config, and a ``scontrol`` that records its arguments."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    [script] = [block for block in FENCE.findall(readme) if "#SBATCH" in block]
+    assert all(part in script for part in LAUNCH), script
+    command = " ".join(shlex.quote(str(a)) for a in [SCRIPT, *OPTIONS, *args])
+    path = folder / "job.sh"
+    path.write_text(script.replace(LAUNCH[0], "--nproc_per_node 2 ").replace(LAUNCH[1], command))
+    (folder / "bin").mkdir(exist_ok=True)
+    (folder / "bin" / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {shlex.quote(str(folder / "scontrol.log"))}\n')
+    (folder / "bin" / "scontrol").chmod(0o755)
+    return path
+
+
+def job(script: Path, stop: Callable[[str], bool], signal_job: Callable[[int], None]) -> tuple[int, list[str]]:
+    """Run ``script`` as Slurm runs a batch job; once a line satisfies ``stop``, ``signal_job``
+    (the script's pid); its exit status and output lines."""
+    env = {**ENV, "PATH": f"{script.parent / 'bin'}:{TORCHRUN.parent}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
     process = subprocess.Popen(
-        command(*out, ranks=2), cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
+        ["bash", str(script)], cwd=script.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
     assert process.stdout is not None
     lines = []
     for raw in process.stdout:
         lines.append(raw.decode(errors="replace").rstrip("\n"))
-        if saved_at_least(5)(lines[-1]):
-            process.send_signal(signal.SIGTERM)
+        if stop(lines[-1]):
+            signal_job(process.pid)
             break
     lines += process.stdout.read().decode(errors="replace").splitlines()
-    process.wait(timeout=60)
+    return process.wait(timeout=90), lines
+
+
+def every_process_of(pid: int) -> list[int]:
+    """``pid`` and its descendants (a preempted Slurm job's processes are all signalled)."""
+    table = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True, check=True).stdout
+    children: dict[int, list[int]] = {}
+    for child, parent in (map(int, line.split()) for line in table.splitlines()):
+        children.setdefault(parent, []).append(child)
+    found = [pid]
+    for process in found:
+        found += children.get(process, [])
+    return found
+
+
+def preempted(lines: list[str], out: Path) -> int:
+    """The step at which both ranks stopped, with a checkpoint of it and no traceback."""
     stopped = {int(m[1]): int(m[2]) for m in map(PREEMPTED.match, lines) if m}
     assert sorted(stopped) == [0, 1] and len(set(stopped.values())) == 1, lines  # both ranks, at one step
-    checkpoint = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)
-    assert checkpoint["step"] == stopped[0] and not FINISHED.match(lines[-1])
-    assert not any("Unable to shutdown process" in line or "seqshard/trainer.py" in line for line in lines), lines
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == stopped[0] and not FINISHED.match(lines[-1])
+    assert not any(text in line for line in lines for text in ("Traceback", "SignalException", "Unable to shut")), lines
+    return stopped[0]
 
-    # running again goes on with the batches and losses of the uninterrupted run
-    lines = run_forked(*out, cwd=tmp_path, logs=tmp_path / "resumed", ranks=2)
-    assert resumed_at(lines)[1] == stopped[0], lines
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_the_readme_slurm_script_is_preempted_ends_with_0_requeues_and_resumes_exactly(tmp_path: Path):
+    ref = ["--out", str(tmp_path / "ref"), "--steps-file", str(tmp_path / "ref.jsonl")]
+    reference = run_forked(*ref, cwd=tmp_path, logs=tmp_path / "ref-logs", ranks=2)
+    assert FINISHED.match(reference[-1]), reference
+    out = tmp_path / "run"
+    script = slurm_script(tmp_path, "--out", out, "--steps-file", tmp_path / "run.jsonl")
+    requeued = tmp_path / "scontrol.log"
+
+    # USR1 to the batch script before the time limit (--signal=B:USR1), after a checkpoint
+    code, lines = job(script, saved_at_least(5), lambda pid: os.kill(pid, signal.SIGUSR1))
+    assert code == 0, lines
+    first = preempted(lines, out)
+    assert requeued.read_text() == "requeue 7\n"
+
+    # the requeued job resumes; preempted by another job: SIGTERM to every process of the job
+    def preempt(pid: int) -> None:
+        for process in every_process_of(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process, signal.SIGTERM)
+
+    code, lines = job(script, saved_at_least(first + 5), preempt)
+    assert code == 0, lines
+    assert resumed_at(lines)[1] == first and preempted(lines, out) > first
+    assert requeued.read_text() == "requeue 7\n" * 2
+
+    # running on to the end (forked ranks: 2 torchrun launches fewer) gives the batches and losses of the uninterrupted run
+    lines = run_forked(
+        "--out", str(out), "--steps-file", str(tmp_path / "run.jsonl"), cwd=tmp_path, logs=tmp_path / "end", ranks=2
+    )
     assert FINISHED.match(lines[-1]), lines
     assert_same_steps(records(tmp_path / "run.jsonl"), records(tmp_path / "ref.jsonl"))  # rank 0's batches and losses

@@ -5,6 +5,7 @@ parts (its bucket's limit lowered) instead of losing its batch."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -28,6 +29,24 @@ def step_under_limit(batch):
         raise torch.OutOfMemoryError(f"{size} x {longest}^2 is over {LIMIT}")
 
 
+FRAME_BYTES = 16 << 10  # host memory a step takes per padded frame
+FRAME_SECONDS = 1e-5  # and time
+
+
+def step_on_cpu(batch):
+    """A CPU step that really takes FRAME_BYTES of memory and FRAME_SECONDS per padded frame (the
+    machine's own out-of-memory stood for by a MemoryError past 256 MiB)."""
+    frames = batch["feats"].shape[0] * batch["feats"].shape[1]
+    if frames * FRAME_BYTES > 256 << 20:
+        raise MemoryError
+    torch.ones(frames * FRAME_BYTES, dtype=torch.uint8)  # written: resident
+    time.sleep(frames * FRAME_SECONDS)
+
+
+def slow_step(batch):
+    time.sleep(0.3)
+
+
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
     """200 utterances of 5-79 frames."""
@@ -41,7 +60,11 @@ def test_calibrated_budgets_never_exceed_the_limit_and_use_most_of_it(shards, tm
     assert code == 0, capsys.readouterr().err
     table = capsys.readouterr().out.splitlines()
     written = json.loads(out.read_text())
-    assert table[0].split() == ["bucket", "longest", "batch", "size", "budget", "peak"] and len(table) == 1 + 6 + 1
+    assert (
+        table[0].split() == ["bucket", "longest", "batch", "size", "budget", "peak", "bound"]
+        and len(table) == 1 + 6 + 1
+    )
+    assert all(line.split()[-1] == "memory" for line in table[1:-1]), table
     assert written["device"] == "cpu" and written["step"] == "test_memory:step_under_limit" and written["date"]
     for bucket in written["buckets"]:  # the largest batch at the bucket's longest length, to within 1/64
         largest = LIMIT // bucket["longest"] ** 2
@@ -175,10 +198,121 @@ def test_a_step_that_runs_out_of_memory_runs_in_parts_and_lowers_its_buckets_lim
         ("vocab_size", 1, "vocab_size must be a whole number >= 2"),  # label ids from 1 would be out of range
         ("max_memory", -5, "max_memory must be >= 1"),
         ("memory_fraction", 2.0, "memory_fraction must be > 0 and <= 1"),  # on CPU it went unread
+        ("buckets", 10**9, "buckets must be >= 1 and <= 1024"),  # cutting 10**9 bounds took hours
+        ("max_batch_size", 10**6, "max_batch_size must be >= 1 and <= 16384"),
+        ("vocab_size", 10**30, "vocab_size must be a whole number >= 2 and <= 2147483647"),
+        ("time_limit", 0, "time_limit must be > 0"),
+        ("max_step_seconds", float("nan"), "max_step_seconds must be a finite number"),
+        ("out", "/", "out='/' is a folder"),  # found before calibrating, not when writing
+        ("out", "no/such/folder/b.json", "is in no folder that exists"),
     ],
 )
+@pytest.mark.timeout(60)
 def test_calibrate_refuses_settings_that_would_calibrate_nothing(shards, option, value, message):
     from seqshard.tools.calibrate import calibrate
 
     with pytest.raises(ConfigError, match=message):
         calibrate(shards.pattern, step_under_limit, device="cpu", **{option: value})
+
+
+def resident_bytes() -> int:
+    """This process's resident memory, what it had freed given back first (as calibrate does)."""
+    from seqshard.tools.calibrate import trim_heap
+
+    trim_heap()
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+@pytest.mark.timeout(60)
+def test_a_cpu_calibration_keeps_under_its_memory_cap_and_step_time_and_ends_in_time(shards, tmp_path, capsys):
+    cap = 48 << 20  # bytes above what the process holds now
+    out = tmp_path / "budgets.json"
+    started = time.monotonic()
+    args = ["calibrate", shards.pattern, "--step", "test_memory:step_on_cpu", "--out", str(out), "--device", "cpu"]
+    code = main([*args, "--buckets", "3", "--max-memory", str(resident_bytes() + cap), "--time-limit", "30"])
+    assert code == 0, capsys.readouterr().err
+    assert time.monotonic() - started < 30
+    written = json.loads(out.read_text())
+    assert written["buckets"] and all(b["bound"] == "memory" for b in written["buckets"]), written
+    for bucket in written["buckets"]:  # under the cap (2 MiB: what the process holds may shrink), and most of it
+        assert cap / 3 <= bucket["budget"] * FRAME_BYTES <= cap + (2 << 20), bucket
+        assert bucket["peak_bytes"] <= written["memory_limit"]
+
+    # a step's time bounds it too: a step of more than 0.02 s does not fit
+    code = main([*args, "--buckets", "2", "--max-step-seconds", "0.02", "--max-batch-size", "2000"])
+    assert code == 0, capsys.readouterr().err
+    written = json.loads(out.read_text())
+    assert all(b["bound"] == "time" and b["budget"] * FRAME_SECONDS <= 0.02 for b in written["buckets"]), written
+    assert written["step_seconds"] == 0.02
+
+
+@pytest.mark.timeout(60)
+def test_a_calibration_ends_at_its_time_limit(shards, tmp_path, capsys):
+    started = time.monotonic()
+    code = main(["calibrate", shards.pattern, "--step", "test_memory:slow_step", "--out", str(tmp_path / "b.json")]
+                + ["--device", "cpu", "--time-limit", "1", "--max-step-seconds", "10"])  # fmt: skip
+    assert time.monotonic() - started < 10
+    error = capsys.readouterr().err
+    assert code == 1 and "--time-limit 1.0 ran out at bucket 0 of 8" in error, error
+    assert not (tmp_path / "b.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is there")
+def test_calibrate_on_a_device_torch_does_not_have_is_refused(shards, tmp_path, capsys):
+    args = ["calibrate", shards.pattern, "--step", "test_memory:step_under_limit", "--out", str(tmp_path / "b.json")]
+    assert main([*args, "--device", "cuda"]) == 1
+    assert "--device cuda, and torch finds 0 CUDA device(s) here" in capsys.readouterr().err
+    assert main([*args, "--device", "tpu"]) == 1
+    assert "device must be None, 'cpu', 'cuda' or 'cuda:N', got 'tpu'" in capsys.readouterr().err
+
+
+def test_the_step_is_a_module_or_a_file_of_its_own(shards, tmp_path, capsys, monkeypatch):
+    folder = tmp_path / "my steps"
+    folder.mkdir()
+    (folder / "helper.py").write_text("LIMIT = 20_000\n")
+    (folder / "step.py").write_text(
+        "import torch\nfrom helper import LIMIT\n\n"
+        "def train_step(batch):\n"
+        "    if batch['feats'].shape[0] * batch['feats'].shape[1] > LIMIT:\n"
+        "        raise torch.OutOfMemoryError('over')\n"
+    )
+    (folder / "broken.py").write_text("def train_step(batch:\n")
+    (tmp_path / "dir.py").mkdir()
+    monkeypatch.chdir(tmp_path)
+    args = ["calibrate", shards.pattern, "--out", str(tmp_path / "b.json"), "--device", "cpu", "--buckets", "2"]
+    assert main([*args, "--step", "my steps/step.py:train_step"]) == 0, capsys.readouterr().err
+    written = json.loads((tmp_path / "b.json").read_text())
+    assert written["step"] == "my steps/step.py:train_step"
+    assert all(b["budget"] <= 20_000 for b in written["buckets"]), written
+    forms = "give MODULE:FUNCTION (a module imported from the working folder or the path, e.g. mymodel:train_step) or "
+    for step, message in [
+        ("../../evil:x", "--step ../../evil:x: '../../evil' is neither a module's name nor a .py file: " + forms),
+        ("my steps/missing.py:train_step", "my steps/missing.py does not exist: " + forms),
+        ("dir.py:train_step", "dir.py is not a regular file: " + forms),
+        ("my steps/step.py:other", "my steps/step.py has no function 'other'"),
+        ("my steps/broken.py:train_step", "my steps/broken.py cannot be imported ("),
+        ("my steps/step.py", "--step my steps/step.py: " + forms),
+        ("no_such_module:step", "cannot import no_such_module (No module named 'no_such_module')"),
+    ]:
+        assert main([*args, "--step", step]) == 1, step
+        error = capsys.readouterr().err
+        assert message in error and "Traceback" not in error, error
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("big.json", "1" + "0" * 400, r"buckets\[1\]\.budget is 1000.*, not >= 1 and <= 9007199254740992"),
+        ("inf.json", "1e400", r"buckets\[1\]\.budget is inf, not a whole number"),
+        ("digits.json", "1" * 5000, "cannot be read as JSON"),
+        ("deep.json", "[" * 100_000 + "]" * 100_000, "nests lists or objects deeper than any budgets file"),
+    ],
+)
+def test_a_budgets_file_that_is_no_budgets_file_is_named(shards, tmp_path, name, text, message):
+    budgets = {"format": "seqshard-budgets", "version": 1, "bounds": [30], "buckets": [{"longest": 29, "budget": 600}]}
+    budgets["buckets"].append({"longest": 79, "budget": "BUDGET"})
+    path = tmp_path / name
+    path.write_text(json.dumps(budgets).replace('"BUDGET"', text))
+    with pytest.raises(ConfigError, match=rf"{name}.*{message}.*seqshard calibrate"):
+        make_loader(shards.pattern, budgets=str(path), num_workers=0)

@@ -54,7 +54,7 @@ OUT_OF_RANGE = {
     "timeout": [-1],
     "epoch_steps": [0, 2.5],
     "epoch_hours": [0, -1],
-    "num_buckets": [0],
+    "num_buckets": [0, 10**9],  # bucket_bounds cut 10**9 bounds, one at a time
 }
 NEEDS = {"quadratic_frames": dict(batch_frames=1000), "batch_frames": {}, "batch_size": {}}
 

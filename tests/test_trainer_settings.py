@@ -1,18 +1,24 @@
 """The example trainer's checkpoint records the run's settings: a resume names each change,
 applies a new learning rate or schedule from the next step, and refuses another model shape or
-tokenizer (one of the same size with other ids too) with an error instead of torch's traceback."""
+tokenizer (one of the same size with other ids too) with an error instead of torch's traceback;
+a checkpoint it cannot read is named, never run; ``--skip-steps`` ranges add up and stay within
+an epoch."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 from gloo_ranks import kill, start_script
 from seqshard.errors import ConfigError
-from seqshard.trainer import changes_since, lr_schedule
+from seqshard.formats.budgets import Budgets
+from seqshard.trainer import budgets_elsewhere, changes_since, lr_schedule, read_checkpoint
 
 ROOT = Path(__file__).parent.parent
 SETTINGS = {"batch_frames": 3000, "epochs": 1, "save_every": 50, "log_every": 50, "hidden": 32, "layers": 1,
@@ -79,3 +85,73 @@ def test_changes_named_and_refused_by_section(tmp_path):
     with pytest.raises(ConfigError, match="another model shape or tokenizer: tokenizer ids a -> b"):
         changes_since(tmp_path, saved, {**same, "tokenizer": {"tokenizer ids": "b"}})
     assert "records no settings (saved by an older trainer)" in changes_since(tmp_path, None, same)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_skipped_ranges_add_up_stay_in_their_epoch_and_a_cut_checkpoint_is_named(tmp_path):
+    refused = trainer(tmp_path, "--skip-steps", "1-100000")  # the run has 1 epoch of 9 steps
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "error: --skip-steps 1-100000 goes past the end of epoch 0, at step 9 (the run's last epoch: the " in (
+        refused.stderr
+    )
+    assert "finished" not in refused.stdout and not (tmp_path / "run" / "ckpt.pt").exists()
+
+    steps = tmp_path / "steps.jsonl"
+    done = trainer(tmp_path, "--skip-steps=2-3", "--skip-steps=3-4", "--skip-steps=6", "--steps-file", steps)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "skipped steps 2-4 (--skip-steps): 3 steps, batches not read" in done.stdout.splitlines()
+    assert "skipped steps 6-6 (--skip-steps): 1 step, batches not read" in done.stdout.splitlines()
+    assert "lr_scheduler.step()" not in done.stderr  # no warning of torch's: the rate is set from the step
+    rates = {r["step"]: r["lr"] for r in map(json.loads, steps.read_text().splitlines())}
+    assert sorted(rates) == [1, 5, 7, 8, 9]
+    assert rates == pytest.approx({step: 0.004 * lr_schedule(step - 1, 4) for step in rates})
+
+    checkpoint = tmp_path / "run" / "ckpt.pt"
+    checkpoint.write_bytes(checkpoint.read_bytes()[:3000])  # a copy cut short
+    cut = trainer(tmp_path)
+    assert cut.returncode == 1 and "Traceback" not in cut.stderr, cut.stderr
+    assert f"error: {checkpoint} cannot be read as a checkpoint (PytorchStreamReader failed reading zip archive" in (
+        cut.stderr
+    )
+    assert f"move it away (mv {checkpoint} {checkpoint}.bad) to train afresh from step 0" in cut.stderr
+
+
+class Code:
+    def __reduce__(self):
+        return (os.system, ("touch ran",))
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", r"cannot be read as a checkpoint \(EOFError; cut short\?\)"),
+        (Code(), "holds other objects than tensors and plain values"),
+        ({"model": {}}, "is not a checkpoint of this trainer .it holds no optimizer, loader, epoch, step."),
+        ({"model": {}, "optimizer": {}, "loader": {}, "epoch": 0, "step": -3}, "its step is -3, not >= 0"),
+        ({"model": {}, "optimizer": {}, "loader": [], "epoch": 0, "step": 3}, "its loader state is a list"),
+    ],
+)
+def test_a_checkpoint_that_is_not_the_trainers_is_named_and_never_run(tmp_path, monkeypatch, content, message):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "ckpt.pt"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        torch.save(content, path)
+    with pytest.raises(ConfigError, match=rf"{path} {message}|{path}: {message}"):
+        read_checkpoint(path, torch.device("cpu"))
+    assert not (tmp_path / "ran").exists()
+
+
+def test_budgets_found_on_another_device_are_named():
+    def loader(device):
+        budgets = Budgets((30,), (600, 400), (29, 79), device)
+        return SimpleNamespace(options=SimpleNamespace(batching=SimpleNamespace(budgets=budgets)))
+
+    cpu = torch.device("cpu")
+    assert budgets_elsewhere(loader("cpu"), cpu) is None and budgets_elsewhere(loader(None), cpu) is None
+    note = budgets_elsewhere(loader("cuda:0 (NVIDIA H100 80GB HBM3)"), cpu)
+    assert note.startswith(
+        "note: the budgets were calibrated on cuda:0 (NVIDIA H100 80GB HBM3) and this run trains on cpu"
+    )

@@ -19,15 +19,19 @@ import bisect
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checks import read_number
 from ..errors import ConfigError
 from .files import write_json_atomic
+from .index import MAX_COUNT, MAX_LENGTH
 
 FORMAT = "seqshard-budgets"
 VERSION = 1
+MAX_BUCKETS = 1024  # length buckets (of calibrate, of bucket_sync): more is a mistake, and each costs a search
+MAX_FILE_BYTES = 1 << 20  # a budgets file of MAX_BUCKETS buckets takes under 200 kB
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,7 @@ class Budgets:
     bounds: tuple[int, ...]
     budgets: tuple[int, ...]
     longest: tuple[int, ...]
+    device: str | None = field(default=None, compare=False)  # what they were calibrated on, as the file says
 
     def __post_init__(self) -> None:
         if len(self.budgets) != len(self.bounds) + 1 or len(self.longest) != len(self.budgets):
@@ -72,15 +77,7 @@ def budgets_from(value: Any) -> Budgets:
     where = "budgets"
     if isinstance(value, (str, os.PathLike)):
         where = str(value)
-        try:
-            value = json.loads(Path(value).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError(
-                f"budgets: {where} does not exist (`seqshard calibrate SHARDS --step MODULE:FUNCTION --out {where}` "
-                "writes it)."
-            ) from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ConfigError(f"budgets: {where} cannot be read as JSON ({error}).") from None
+        value = _read_file(Path(value))
     if not isinstance(value, dict):
         raise ConfigError(f"budgets must be a budgets file's path or its content (a dict), got {value!r}.")
     if value.get("format") != FORMAT or value.get("version") != VERSION:
@@ -89,12 +86,44 @@ def budgets_from(value: Any) -> Budgets:
             f"{value.get('version')!r}): make it with `seqshard calibrate`."
         )
     try:
-        buckets = value["buckets"]
+        bounds, buckets = value["bounds"], value["buckets"]
+        if not isinstance(bounds, list) or not isinstance(buckets, list) or len(buckets) > MAX_BUCKETS:
+            raise ValueError(f"bounds and buckets must be lists, of at most {MAX_BUCKETS} buckets")
         return Budgets(
-            tuple(value["bounds"]), tuple(b["budget"] for b in buckets), tuple(b["longest"] for b in buckets)
+            tuple(_number(f"bounds[{n}]", b, MAX_LENGTH) for n, b in enumerate(bounds)),
+            tuple(_number(f"buckets[{n}].budget", b["budget"], MAX_COUNT) for n, b in enumerate(buckets)),
+            tuple(_number(f"buckets[{n}].longest", b["longest"], MAX_LENGTH) for n, b in enumerate(buckets)),
+            value["device"][:200] if isinstance(value.get("device"), str) else None,
         )
-    except (KeyError, TypeError, ValueError) as error:
-        raise ConfigError(f"{where}: its bounds and buckets are not a budgets file's ({error}).") from None
+    except (KeyError, TypeError, ValueError) as error:  # NumberError is a ValueError
+        raise ConfigError(
+            f"{where}: its bounds and buckets are not a budgets file's ({error}): make it again with `seqshard "
+            "calibrate`."
+        ) from None
+
+
+def _number(field: str, value: Any, at_most: int) -> int:
+    return int(read_number(field, value, whole=True, at_least=1, at_most=at_most))  # type: ignore[arg-type]
+
+
+def _read_file(path: Path) -> Any:
+    """A budgets file's JSON: ConfigError naming it when it is missing, not a regular file,
+    larger than any budgets file, or not JSON (nested too deeply included)."""
+    try:
+        if not path.is_file():  # a folder, a device or a pipe is no budgets file (a pipe would block)
+            problem = "does not exist" if not path.exists() else "is not a regular file"
+        elif path.stat().st_size > MAX_FILE_BYTES:
+            problem = f"holds {path.stat().st_size:,} bytes, more than any budgets file ({MAX_FILE_BYTES:,})"
+        else:
+            return json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        problem = "nests lists or objects deeper than any budgets file"
+    except (OSError, ValueError) as error:  # not UTF-8, not JSON, a number of more digits than Python reads
+        problem = f"cannot be read as JSON ({str(error)[:200]})"
+    raise ConfigError(
+        f"budgets: {path} {problem}: give a budgets file (`seqshard calibrate SHARDS --step MODULE:FUNCTION --out "
+        f"{path}` writes one)."
+    )
 
 
 def save_budgets(path: str | Path, budgets: Budgets, rows: list[dict[str, Any]], about: dict[str, Any]) -> Path:

@@ -8,15 +8,17 @@ Audio is stored by the rules of a ``wav.scp``: cells of encoded bytes are decode
 (integer PCM as FLAC, lossy audio as its original bytes; all as they are with
 ``audio_format="keep"``), decoded cells (``{"array", "sampling_rate"}``) are encoded as FLAC
 when their samples are 16- or 24-bit PCM values (audio decoded from such files), else as
-float WAV, so that nothing is lost. Keys come from the id column, else ``SPLIT-000000042``
-(``row-...`` without a split) by row number.
+float WAV, so that nothing is lost. Keys come from the id column, else ``row-000000042`` by
+row number (from 0, across the split's files).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from ..checks import shown
@@ -24,23 +26,53 @@ from ..errors import ConfigError, InputError, Where, option
 from ..formats.audio import Audio
 from ..formats.files import open_output
 from ..formats.pack_state import STATE_DIR
-from ..formats.peers.hf import Batches, audio_column, cell_audio, dataset_files, id_column, text_column
+from ..formats.peers.hf import (
+    Batches,
+    Damaged,
+    audio_column,
+    cell_audio,
+    dataset_features,
+    dataset_files,
+    declared_rate,
+    id_column,
+    text_column,
+)
 from .plan import PackOptions
 from .sources import AudioSource, Members, Utterance, _AudioReader, check_key, field_members
+
+_LOG = logging.getLogger("seqshard")
 
 ROWS_FILE = "rows.jsonl"
 SAMPLED_BYTES = 1 << 20  # the head and tail hashed for a file's identity
 
 
+def row_key(number: int) -> str:
+    """The key of row ``number`` (from 0, across the split's files) without an id column:
+    always valid, the same whichever way the split was chosen."""
+    return f"row-{number:09d}"
+
+
 def _parse_row(line: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
-    row = json.loads(line)
+    return json.loads(line)["key"], line.decode("utf-8")
+
+
+def _check_row(value: str, where: Where) -> None:
+    """InputError for a row that cannot be packed: a batch that failed its checks (one line,
+    counted once), an id that is not one. Raised by the scan's check, so the table knows the
+    key and does not count the row's label again as a label without audio."""
+    if '"damaged": ' not in value and '"bad_key": ' not in value:  # nearly every row: no second parse
+        return
+    row = json.loads(value)
+    if "damaged" in row:
+        raise InputError(Where(row["damaged"]["at"]), *row["damaged"]["why"])
     if "bad_key" in row:
         raise InputError(where, "bad_key", f"{row['bad_key']}.", "give ids as strings or whole numbers (--id-column).")
-    return row["key"], line.decode("utf-8")
 
 
 def _parse_text(line: bytes, where: Where, needs_value: bool) -> tuple[str, str]:
     row = json.loads(line)
+    if "damaged" in row:  # counted by the scan of rows
+        return row["key"], "-"
     if "bad_text" in row:
         raise InputError(where, "bad_label", f"{row['bad_text']}.", "choose a column of strings with --text-column.")
     return row["key"], row["text"]
@@ -78,10 +110,15 @@ class DatasetSource(AudioSource):
         d_out: Path,
     ):
         self.dataset = dataset_files(path, split)
-        super().__init__(list(self.dataset.files), [], options)
         schema = Batches(self.dataset).schema()
         names = list(schema.names)
-        self.audio_column = audio_column(schema, audio)
+        features = dataset_features(schema, self.dataset.files[0])
+        self.audio_column = audio_column(schema, features, audio)
+        self.declared_rate = declared_rate(features, self.audio_column, self.dataset.files[0])
+        if self.declared_rate and options.resample_to is None and (options.audio_format != "keep" or options.features):
+            _LOG.info("column %s is Audio(sampling_rate=%d): resampled to it", self.audio_column, self.declared_rate)
+            options = replace(options, resample_to=self.declared_rate)  # as datasets decodes it
+        super().__init__(list(self.dataset.files), [], options)
         self.text_column = text_column(names, text)
         self.id_column = id_column(names, key)
         missing = [name for name in options.fields if name not in names]
@@ -110,14 +147,20 @@ class DatasetSource(AudioSource):
         line as a text file is)."""
         columns = [c for c in (self.id_column, self.text_column) if c is not None]
         temporary = self.rows_file.with_name(f".{ROWS_FILE}.{os.getpid()}")
-        prefix = self.dataset.split or "row"
         number = 0
         with os.fdopen(open_output(temporary), "w", encoding="utf-8") as rows:
             for file, batch_number, batch in Batches(self.dataset).all(columns):
+                if isinstance(batch, Damaged):  # one line, counted once: its rows cannot be listed
+                    error = batch.error
+                    why = [error.reason, f"{error.problem} Its {batch.rows} rows are not read.", error.fix]
+                    damaged = {"at": str(error.where), "why": why}
+                    rows.write(json.dumps({"key": f"#damaged {error.where}", "damaged": damaged}) + "\n")
+                    number += max(0, batch.rows)
+                    continue
                 texts = batch.column(self.text_column).to_pylist()
                 keys = batch.column(self.id_column).to_pylist() if self.id_column else None
                 for row, text in enumerate(texts):
-                    key = keys[row] if keys is not None else f"{prefix}-{number:09d}"
+                    key = keys[row] if keys is not None else row_key(number)
                     at = [file, batch_number, row]
                     columns = (self.id_column, self.text_column)
                     rows.write(json.dumps(_row(key, text, columns, at, self.dataset.files[file])) + "\n")
@@ -125,6 +168,7 @@ class DatasetSource(AudioSource):
         os.replace(temporary, self.rows_file)
 
     def check(self, key: str, value: str, where: Where) -> None:
+        _check_row(value, where)
         check_key(key, where, self.options)
 
     def length_files(self) -> tuple[list[Path], bool]:
@@ -152,20 +196,38 @@ class _DatasetReader(_AudioReader):
         self.columns = [source.audio_column, *(f for f in self.options.fields if f != source.audio_column)]
         self._batch: tuple[tuple[int, int], object] | None = None
 
-    def _cell(self, value: str) -> tuple[dict, Path]:
+    def _cell(self, value: str, where: Where) -> tuple[dict, Path]:
         """The row's cells (the audio column's and the asked fields') and its file's folder."""
         file, batch, row = json.loads(value)["at"]
         if self._batch is None or self._batch[0] != (file, batch):
-            self._batch = (file, batch), self.batches.batch(file, batch, self.columns)
+            try:
+                self._batch = (file, batch), self.batches.batch(file, batch, self.columns)
+            except InputError as error:  # each of its rows is counted, the batch read once
+                self._batch = (file, batch), error
         table = self._batch[1]
+        if isinstance(table, InputError):
+            raise InputError(Where(f"{table.where}, row {row}", key=where.key), table.reason, table.problem, table.fix)
         return {name: table.column(name)[row].as_py() for name in self.columns}, self.source.dataset.files[file].parent
 
     def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, Audio]:
-        cells, folder = self._cell(value)
-        return cell_audio(cells[self.source.audio_column], where, folder, self.options.channel)
+        cells, folder = self._cell(value, where)
+        original, audio = cell_audio(cells[self.source.audio_column], where, folder, self.options.channel)
+        rate = self.source.declared_rate
+        if rate and audio.sample_rate != rate and self.options.resample_to is None:  # --audio-format keep
+            raise InputError(
+                where,
+                "sample_rate_mismatch",
+                f"the audio is at {audio.sample_rate} Hz, but column {self.source.audio_column!r} is "
+                f"Audio(sampling_rate={rate}): datasets decodes it at {rate} Hz, and {option('audio_format', 'keep')} "
+                "stores the file as it is.",
+                f"pack with {option('audio_format', 'flac')}, which resamples it to {rate} Hz.",
+            )
+        return original, audio
 
     def read(self, utterance: Utterance) -> tuple[Members, int, str | None]:
         members, frames, how = super().read(utterance)
         if self.options.fields:
-            members += field_members(self._cell(utterance.value)[0], self.options.fields, utterance.where)
+            members += field_members(
+                self._cell(utterance.value, utterance.where)[0], self.options.fields, utterance.where
+            )
         return members, frames, how

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import itertools
 import json
 import re
 from collections.abc import Callable, Iterator, Sequence
@@ -30,9 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ...checks import shown
+from ...checks import NumberError, read_number, shown
 from ...errors import ConfigError, InputError, Where, option
 from ..audio import Audio, decode_audio
+from ..inflation import MAX_INFLATION, MIN_INFLATION_LIMIT, inflation_limit
+from .arrow_ipc import DamagedMessage, batch_sizes
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -42,6 +45,10 @@ ID_COLUMN = "id"
 ENCODED_CELL, DECODED_CELL = {"bytes", "path"}, {"array", "sampling_rate"}
 MAX_SAMPLE_RATE = 655350  # FLAC's highest rate (libsndfile's); no recording is sampled faster
 FILE_KINDS = {"parquet": "a parquet", "arrow": "an Arrow"}
+SUFFIXES = (".parquet", ".arrow")
+REFETCH = "download or save the file again."
+ARROW_MAGIC, ARROW_FILE_START = b"ARROW1", 8  # an Arrow IPC file: magic, padding, then its stream
+MAX_FILES = 100_000  # the files of one --hf (the Hub's largest datasets have a few thousand)
 SPLIT_NAME = re.compile(r"(?P<split>[A-Za-z0-9_.]+?)(?:[-_.].*)?")  # a split's files: SPLIT-00000-of-00004.parquet
 
 
@@ -76,12 +83,11 @@ def dataset_files(path: str | Path, split: str | None = None) -> DatasetFiles:
     if (root / "state.json").is_file():
         return DatasetFiles(_saved_split(root), "arrow", split)
     if glob.has_magic(text):
-        found = [Path(p) for p in sorted(glob.glob(text, recursive=True)) if Path(p).is_file()]
+        files = sorted(_expand(text), key=str)
     elif root.is_dir():
-        found = sorted(p for p in root.rglob("*") if p.suffix in (".parquet", ".arrow") and p.is_file())
+        files = sorted(_expand(str(root / "**" / "*")))
     else:
-        found = [root] if root.is_file() else []
-    files = [p for p in found if p.suffix in (".parquet", ".arrow")]
+        files = [root] if root.is_file() and root.suffix in SUFFIXES else []
     if not files:
         raise ConfigError(
             f"{option('hf', text)}: no parquet or arrow file there. Fix: give a save_to_disk folder, a parquet or "
@@ -97,6 +103,25 @@ def dataset_files(path: str | Path, split: str | None = None) -> DatasetFiles:
         files = by_split[chosen]
         split = chosen
     return DatasetFiles(tuple(files), files[0].suffix[1:], split)
+
+
+def _expand(pattern: str) -> list[Path]:
+    """The parquet and arrow files a glob names, unsorted: ``**`` is folders at any depth but
+    never a symbolic link to a folder (``glob.glob`` follows those, so a link to a folder above
+    never ends); ConfigError past :data:`MAX_FILES`."""
+    parts = Path(pattern).parts
+    fixed = next(i for i, part in enumerate(parts) if glob.has_magic(part))
+    base = Path(*parts[:fixed]) if fixed else Path()
+    files = []
+    for path in base.glob(str(Path(*parts[fixed:]))):
+        if path.suffix in SUFFIXES and path.is_file():
+            files.append(path)
+            if len(files) > MAX_FILES:
+                raise ConfigError(
+                    f"{option('hf', pattern)}: names more than {MAX_FILES} parquet or arrow files. Fix: give the "
+                    "folder or the files of one split."
+                )
+    return files
 
 
 def _choose(splits: Sequence[str], split: str | None, root: Path) -> str:
@@ -126,7 +151,7 @@ def _names(path: Path, field: str, name_of: Callable[[Any], Any]) -> list[str]:
     fix = "Fix: save the dataset again with datasets' save_to_disk."
     try:
         document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as error:
+    except (OSError, ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
         raise ConfigError(f"{path} cannot be read as JSON ({str(error)[:200]}). {fix}") from None
     items = document.get(field) if isinstance(document, dict) else None
     if not isinstance(items, list) or not items:
@@ -148,111 +173,320 @@ def _split_of(file: Path, root: Path | None) -> str:
     return match["split"] if match else file.stem
 
 
+@dataclass(frozen=True)
+class Damaged:
+    """A batch that failed its checks: why, and how many rows it declares."""
+
+    error: InputError
+    rows: int
+
+
 class Batches:
     """The record batches of a dataset's files, read one at a time (a batch is a parquet row
-    group or an Arrow record batch); ``columns`` limits what is read from parquet."""
+    group or an Arrow record batch), each checked before a value of it is read: the inflation
+    a parquet row group's metadata or an Arrow batch's message header declares, before it is
+    decompressed, and what its dictionaries expand to (:func:`inflation_limit`); every batch's
+    offsets and UTF-8 (pyarrow's full validation: offsets that lie would read past the buffer,
+    crash or serve stray bytes). A batch that fails is an InputError (``damaged_batch``,
+    ``decompression_limit``) naming the file, batch and column; a file pyarrow cannot read at
+    all is a ConfigError."""
 
     def __init__(self, dataset: DatasetFiles):
         self.dataset = dataset
-        self._open: tuple[int, Any] | None = None  # (file number, its reader)
+        self._open: tuple[int, Any] | None = None  # (file number, its ParquetFile)
         self._stream: tuple[int, int, Iterator[Any]] | None = None  # an Arrow stream being read: (file, next batch, it)
 
     def schema(self) -> pa.Schema:
+        """The first file's schema, every field name (nested ones too) read as UTF-8 here."""
         pa = pyarrow()
         first = self.dataset.files[0]
         with self._reading(first):
             if self.dataset.kind == "parquet":
-                return pa.parquet.read_schema(first)
-            return self._arrow(first).schema
+                schema = pa.parquet.read_schema(first)
+            else:
+                schema = pa.ipc.open_stream(_arrow_source(first)).schema
+            fields = list(schema)
+            while fields:  # every name read now: one that is not UTF-8 raises here, not where it is used
+                field = fields.pop()
+                field.name.encode()
+                fields += [field.type.field(i) for i in range(field.type.num_fields)]
+            return schema
 
-    def _reading(self, path: Path) -> contextlib.AbstractContextManager[None]:
-        """Turns pyarrow's errors about ``path`` into a ConfigError naming it."""
-        return _reading(path, self.dataset.kind)
+    def _reading(self, path: Path, number: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """Turns pyarrow's errors about ``path`` (batch ``number``) into a ConfigError naming it."""
+        return _reading(path, self.dataset.kind, number)
 
-    def _arrow(self, path: Path) -> Any:
-        pa = pyarrow()
-        source = pa.memory_map(str(path))
+    def _parquet(self, file: int) -> Any:
+        """File ``file`` open, its text and binary columns read as dictionaries where they are
+        dictionary-encoded (so that a value repeated by a million indices is held once, and
+        what it expands to is checked before it is: :func:`_check_expansion`)."""
+        if self._open is None or self._open[0] != file:
+            pq, path = pyarrow().parquet, self.dataset.files[file]
+            with self._reading(path):
+                metadata = pq.read_metadata(path)
+                columns = [metadata.schema.column(i) for i in range(metadata.num_columns)]
+                binary = [column.path for column in columns if column.physical_type == "BYTE_ARRAY"]
+                self._open = file, pq.ParquetFile(path, metadata=metadata, read_dictionary=binary)
+        return self._open[1]
+
+    def _row_group(self, file: int, number: int, columns: Sequence[str]) -> Any:
+        pa, parquet = pyarrow(), self._parquet(file)
+        where = place(self.dataset.files[file], "parquet", number)
+        compressed = self.dataset.files[file].stat().st_size  # its row groups' own are not read: _check_inflation
+        _check_inflation(parquet.metadata.row_group(number), compressed, where)
         try:
-            return pa.ipc.open_stream(source)
-        except pa.ArrowInvalid:
-            return pa.ipc.open_file(source)
+            table = parquet.read_row_group(number, columns=list(columns))
+        except (pa.ArrowException, OSError, UnicodeDecodeError) as error:
+            raise InputError(
+                Where(where), "damaged_batch", f"it cannot be read ({str(error)[:200]}): a damaged file.", REFETCH
+            ) from None
+        return _check_expansion(_checked(table, where), compressed, where)
 
-    def _arrow_batches(self, path: Path) -> Iterator[Any]:
-        reader = self._arrow(path)
-        if hasattr(reader, "num_record_batches"):  # an Arrow IPC file
-            return (reader.get_batch(i) for i in range(reader.num_record_batches))
-        return iter(reader)
+    def _batches(self, file: int, columns: Sequence[str]) -> Iterator[Any]:
+        """File ``file``'s batches in order, each a checked batch or :class:`Damaged`."""
+        if self.dataset.kind == "arrow":
+            yield from self._arrow_batches(self.dataset.files[file], columns)
+            return
+        for number in range(self._parquet(file).num_row_groups):
+            try:
+                yield self._row_group(file, number, columns)
+            except InputError as error:
+                yield Damaged(error, self._parquet(file).metadata.row_group(number).num_rows)
 
-    def _batches_of(self, path: Path, columns: Sequence[str]) -> Iterator[Any]:
-        if self.dataset.kind == "parquet":
-            file = pyarrow().parquet.ParquetFile(path)
-            return (file.read_row_group(group, columns=list(columns)) for group in range(file.num_row_groups))
-        return (batch.select(list(columns)) for batch in self._arrow_batches(path))
+    def _arrow_batches(self, path: Path, columns: Sequence[str]) -> Iterator[Any]:
+        """An Arrow file's batches, each declared size checked (its message header, read first)
+        before pyarrow reads and decompresses it; a stream is not read past a batch refused."""
+        with self._reading(path):
+            batches = iter(pyarrow().ipc.open_stream(_arrow_source(path)))
+            sizes = batch_sizes(pyarrow().ipc.MessageReader.open_stream(_arrow_source(path)))
+        refused: InputError | None = None
+        for number in itertools.count():
+            where = Where(place(path, "arrow", number))
+            with self._reading(path, number):
+                size = next(sizes, None)
+            if size is None:
+                return
+            if refused is None:
+                refused = _inflation_error(
+                    size.inflated, size.body, "its buffers declare", where, "write it again without IPC compression"
+                )
+            if refused is not None:
+                problem = refused.problem if refused.where == where else f"it follows {refused.where}, not read."
+                yield Damaged(InputError(where, refused.reason, problem, refused.fix), size.rows)
+                continue
+            with self._reading(path, number):
+                batch = next(batches, None)
+            if batch is None:
+                return
+            try:
+                yield _check_expansion(_checked(batch.select(list(columns)), str(where)), size.body, str(where))
+            except InputError as error:
+                yield Damaged(error, batch.num_rows)
 
     def all(self, columns: Sequence[str]) -> Iterator[tuple[int, int, Any]]:
-        """``(file number, batch number, batch)`` of every batch, in order."""
-        for number, path in enumerate(self.dataset.files):
-            with self._reading(path):
-                batches = enumerate(self._batches_of(path, columns))
-            while True:
-                with self._reading(path):
-                    found = next(batches, None)
-                if found is None:
-                    break
-                yield number, *found
+        """``(file number, batch number, batch)`` of every batch, in order; a batch that fails
+        its checks comes as :class:`Damaged`."""
+        for file in range(len(self.dataset.files)):
+            for number, batch in enumerate(self._batches(file, columns)):
+                yield file, number, batch
 
     def batch(self, file: int, number: int, columns: Sequence[str]) -> Any:
-        """Batch ``number`` of file ``file`` (read forward: batches asked for in order are read once)."""
+        """Batch ``number`` of file ``file`` (read forward: batches asked for in order are read
+        once); InputError when it fails its checks."""
         path = self.dataset.files[file]
-        with self._reading(path):
-            if self.dataset.kind == "parquet":
-                if self._open is None or self._open[0] != file:
-                    self._open = file, pyarrow().parquet.ParquetFile(path)
-                return self._open[1].read_row_group(number, columns=list(columns))
-            if self._stream is None or self._stream[0] != file or self._stream[1] > number:
-                self._stream = file, 0, self._arrow_batches(path)
-            file_, at, batches = self._stream
-            for batch in batches:
-                self._stream = file_, at + 1, batches
-                if at == number:
-                    return batch.select(list(columns))
-                at += 1
+        if self.dataset.kind == "parquet":
+            if not 0 <= number < self._parquet(file).num_row_groups:
+                raise InputError(
+                    Where(path), "unreadable_audio", f"the file has no row group {number} (changed since the scan?)."
+                )
+            return self._row_group(file, number, columns)
+        if self._stream is None or self._stream[0] != file or self._stream[1] > number:
+            self._stream = file, 0, self._batches(file, columns)
+        file_, at, batches = self._stream
+        for batch in batches:
+            self._stream = file_, at + 1, batches
+            if at == number:
+                if isinstance(batch, Damaged):
+                    raise batch.error
+                return batch
+            at += 1
         raise InputError(Where(path), "unreadable_audio", f"the file has no batch {number} (changed since the scan?).")
 
 
+def place(path: Path, kind: str, batch: int) -> str:
+    """Where a batch is, as messages say it: ``FILE, row group 3`` or ``FILE, batch 3``."""
+    return f"{path}, {'row group' if kind == 'parquet' else 'batch'} {batch}"
+
+
+def _arrow_source(path: Path) -> Any:
+    """An Arrow file memory-mapped, at the start of its stream: an Arrow IPC file is read as
+    the stream it holds after its magic, never through its footer's offsets."""
+    source = pyarrow().memory_map(str(path))
+    source.seek(ARROW_FILE_START if source.read(len(ARROW_MAGIC)) == ARROW_MAGIC else 0)
+    return source
+
+
+def _checked(batch: Any, where: str) -> Any:
+    """``batch``, once every column's offsets, lengths and UTF-8 hold (pyarrow's full
+    validation); InputError ``damaged_batch`` naming the column (and row) otherwise."""
+    pa = pyarrow()
+    for name, column in zip(batch.schema.names, batch.columns):
+        try:
+            column.validate(full=True)
+        except pa.ArrowException as error:
+            said = str(error)
+            utf8 = re.search(r"Invalid UTF8 sequence at string index (\d+)", said)
+            row = _text_row(column, int(utf8[1])) if utf8 else None
+            if row is not None:
+                raise InputError(
+                    Where(where),
+                    "damaged_batch",
+                    f"column {name!r}, row {row}: its text is not UTF-8.",
+                    "write the text as UTF-8 (or leave the column out).",
+                ) from None
+            raise InputError(
+                Where(where),
+                "damaged_batch",
+                f"column {name!r} does not hold what it declares ({said[:200]}): a damaged or hostile file (its "
+                "offsets or lengths point outside its data, or its text is not UTF-8).",
+                REFETCH,
+            ) from None
+    return batch
+
+
+def _text_row(column: Any, index: int) -> int | None:
+    """The row of a text column (plain or dictionary-encoded: ``index`` is then its
+    dictionary's) whose text is entry ``index``; None for another kind of column."""
+    pa = pyarrow()
+    import pyarrow.compute as pc
+
+    chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
+    kind = chunks[0].type if len(chunks) == 1 else None
+    if kind is not None and pa.types.is_dictionary(kind) and pa.types.is_string(kind.value_type):
+        row = pc.index(chunks[0].indices, index).as_py()
+        return row if row >= 0 else None
+    return index if kind is not None and (pa.types.is_string(kind) or pa.types.is_large_string(kind)) else None
+
+
+def _check_expansion(batch: Any, compressed: int, where: str) -> Any:
+    """``batch``, unless its dictionary-encoded values expand (each index a copy of its value)
+    beyond :func:`inflation_limit` of the ``compressed`` bytes it was read from: InputError
+    ``decompression_limit`` (a bomb of one large value and a million indices)."""
+    expanded = sum(_expanded(column) for column in batch.columns)
+    fix = "write it again without dictionary encoding (pyarrow's write_table(..., use_dictionary=False))"
+    error = _inflation_error(expanded, compressed, "its dictionary-encoded values expand to", Where(where), fix)
+    if error is not None:
+        raise error
+    return batch
+
+
+def _expanded(array: Any) -> int:
+    """The bytes ``array``'s dictionary-encoded values (nested ones too) take once expanded."""
+    pa = pyarrow()
+    import pyarrow.compute as pc
+
+    total = 0
+    for chunk in array.chunks if isinstance(array, pa.ChunkedArray) else [array]:
+        kind = chunk.type
+        if pa.types.is_dictionary(kind):
+            values = chunk.dictionary
+            if pa.types.is_binary(values.type) or pa.types.is_string(values.type):
+                sizes = pc.binary_length(values)
+            else:
+                sizes = pa.array([values.nbytes // max(1, len(values))] * len(values), pa.int64())
+            total += int(pc.sum(pc.take(sizes.cast(pa.int64()), chunk.indices)).as_py() or 0)
+        elif pa.types.is_struct(kind):
+            total += sum(_expanded(chunk.field(i)) for i in range(kind.num_fields))
+        elif pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+            total += _expanded(chunk.flatten())
+    return total
+
+
+def _check_inflation(row_group: Any, compressed: int, where: str) -> None:
+    """InputError ``decompression_limit`` when the row group declares more bytes decompressed
+    than :func:`inflation_limit` allows the ``compressed`` bytes of its file (checked before
+    anything is decompressed: a parquet bomb, a few kB holding a GB). The row group's own
+    total is read, never its column chunks' metadata: pyarrow aborts the process on a chunk
+    whose statistics do not fit its column's type."""
+    fix = "write it again uncompressed (pyarrow's write_table(..., compression='none'))"
+    error = _inflation_error(max(0, row_group.total_byte_size), compressed, "it declares", Where(where), fix)
+    if error is not None:
+        raise error
+
+
+def _inflation_error(inflated: int, compressed: int, what: str, where: Where, fix: str) -> InputError | None:
+    """InputError ``decompression_limit`` when ``inflated`` bytes from ``compressed`` break the
+    rule for compressed data (:func:`inflation_limit`, uncapped: a batch of many cells)."""
+    limit = inflation_limit(compressed, capped=False)
+    if inflated <= limit:
+        return None
+    return InputError(
+        where,
+        "decompression_limit",
+        f"{what} {inflated} bytes once read, from {compressed}: beyond the {limit} allowed ({MAX_INFLATION} times as "
+        f"many, at least {MIN_INFLATION_LIMIT}): a damaged or hostile file.",
+        f"if the file is real, {fix}.",
+    )
+
+
 @contextlib.contextmanager
-def _reading(path: Path, kind: str) -> Iterator[None]:
+def _reading(path: Path, kind: str, number: int | None = None) -> Iterator[None]:
     pa = pyarrow()
     try:
         yield
-    except (pa.ArrowException, OSError, KeyError) as error:
+    except (pa.ArrowException, OSError, KeyError, UnicodeDecodeError, DamagedMessage) as error:
         said = str(error)[:200] or type(error).__name__
+        at = str(path) if number is None else place(path, kind, number)
         raise ConfigError(
-            f"{path} cannot be read as {kind} ({said}): damaged, cut short, or not {FILE_KINDS[kind]} file with the "
+            f"{at} cannot be read as {kind} ({said}): damaged, cut short, or not {FILE_KINDS[kind]} file with the "
             "dataset's columns. Fix: download or save it again."
         ) from None
 
 
-def _feature_types(schema: pa.Schema) -> dict[str, str]:
-    """Column -> its ``datasets`` feature type (``Audio``, ``Value``, ...), from the schema's
-    ``huggingface`` metadata (empty when there is none)."""
+def dataset_features(schema: pa.Schema, path: Path) -> dict[str, dict]:
+    """Column -> its ``datasets`` feature (``{"_type": "Audio", "sampling_rate": 16000}``),
+    from the schema's ``huggingface`` metadata (empty when there is none); ConfigError naming
+    ``path`` when that metadata is not JSON (or nested too deep to read)."""
     metadata = (schema.metadata or {}).get(b"huggingface")
-    try:
-        features = json.loads(metadata)["info"]["features"] if metadata else {}
-    except (ValueError, KeyError, TypeError):
+    if not metadata:
         return {}
-    return {name: str(f.get("_type", "")) for name, f in features.items() if isinstance(f, dict)}
+    try:
+        document = json.loads(metadata)
+    except (ValueError, RecursionError) as error:
+        raise ConfigError(
+            f"{path}: its huggingface schema metadata (the dataset's features) is not JSON ({str(error)[:100]}). "
+            "Fix: write the file again with datasets."
+        ) from None
+    info = document.get("info") if isinstance(document, dict) else None
+    features = info.get("features") if isinstance(info, dict) else None
+    return {name: f for name, f in features.items() if isinstance(f, dict)} if isinstance(features, dict) else {}
 
 
-def audio_column(schema: pa.Schema, given: str | None) -> str:
+def declared_rate(features: dict[str, dict], column: str, path: Path) -> int | None:
+    """The sampling rate ``column``'s ``Audio`` feature declares (``datasets`` decodes the
+    column at it), None when it declares none; ConfigError naming ``path`` for one that is not
+    a rate."""
+    feature = features.get(column, {})
+    if feature.get("_type") != "Audio" or feature.get("sampling_rate") is None:
+        return None
+    try:
+        rate = read_number("its sampling_rate", feature["sampling_rate"], whole=True, above=0, at_most=MAX_SAMPLE_RATE)
+    except NumberError as error:
+        raise ConfigError(
+            f"{path}: the huggingface schema metadata of column {column!r}: {error}. Fix: write the file again "
+            "with datasets."
+        ) from None
+    return int(rate)  # type: ignore[arg-type]
+
+
+def audio_column(schema: pa.Schema, features: dict[str, dict], given: str | None) -> str:
     """The audio column: ``given``, else the first ``Audio`` feature, else the first column
     of ``{"bytes", "path"}`` or ``{"array", "sampling_rate"}`` cells."""
     pa = pyarrow()
     names = list(schema.names)
     if given is not None:
         return _given(given, names, "audio_column")
-    types = _feature_types(schema)
-    found = next((n for n in names if types.get(n) == "Audio"), None)
+    found = next((n for n in names if features.get(n, {}).get("_type") == "Audio"), None)
     for field in schema:
         if found is None and pa.types.is_struct(field.type):
             children = {field.type.field(i).name for i in range(field.type.num_fields)}
@@ -260,7 +494,10 @@ def audio_column(schema: pa.Schema, given: str | None) -> str:
                 found = field.name
     if found is None:
         raise ConfigError(
-            f"the dataset has no audio column (its columns: {', '.join(names)}). Fix: name it with "
+            f"the dataset has no audio column (its columns: {', '.join(names)}): {option('hf', '...')} packs speech, "
+            'a column of Audio cells ({"bytes", "path"} or {"array", "sampling_rate"}). Fix: for text alone, write '
+            "its text column to a file, one sentence a line, and tokenize it with `seqshard binarize --in FILE --out "
+            "PREFIX --tokenizer MODEL` (read by make_token_loader); if a column does hold audio, name it with "
             f"{option('audio_column', 'NAME')}."
         )
     return found
@@ -303,15 +540,16 @@ def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tu
         data = bytes(cell["bytes"])
         return data, decode_audio(data, where, channel)
     if isinstance(cell, dict) and isinstance(cell.get("path"), str) and "array" not in cell:
-        path = Path(cell["path"])
-        path = path if path.is_absolute() or path.is_file() else folder / path
-        try:
+        try:  # a path too long or holding NUL is an OSError or ValueError of its own
+            path = Path(cell["path"])
+            path = path if path.is_absolute() or path.is_file() else folder / path
             data = path.read_bytes()
-        except OSError as error:
+        except (OSError, ValueError) as error:
+            said = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
             raise InputError(
                 where,
                 "missing_audio",
-                f"the audio cell holds no bytes, and its path {cell['path']!r} cannot be read ({error.strerror}).",
+                f"the audio cell holds no bytes, and its path {shown(cell['path'])} cannot be read ({said}).",
                 "save the dataset with its audio embedded (datasets embeds it in save_to_disk and push_to_hub).",
             ) from None
         return data, decode_audio(data, where, channel)
