@@ -253,3 +253,196 @@ def test_a_tar_the_manifest_names_but_the_folder_lacks_is_a_missing_shard_not_fe
     assert loader.stats()["missing_shards"] == 1
     with pytest.raises(ConfigError, match=r"entries of 1 tar the folder lacks \(audio_1\.tar\)"):
         rebuild_index(copy, progress=False)
+
+
+@pytest.mark.parametrize("skip_bad", [False, True])
+def test_a_tarred_entry_listed_twice_is_refused_naming_the_manifest_and_its_lines(tmp_path, skip_bad):
+    """An entry listed twice was read twice each epoch (3 samples, 2 distinct), with and
+    without skip_bad, and `seqshard index` took it. NeMo makes a sample of every entry naming
+    a member, so it would read it twice: seqshard refuses, as it refuses a list's repeated keys."""
+    write_tarred(tmp_path, ["a.wav", "b.wav"], ["a.wav", "b.wav", "a.wav"])
+    repeated = r"tarred_audio_manifest\.json: lines 1 and 3 are both sample 'a' of shard 0 \('a\.wav'\).*remove the"
+    with pytest.raises(ShardError, match=repeated):
+        make_loader(str(tmp_path), batch_size=1, num_workers=0, skip_bad=skip_bad, max_bad_shards=1.0)
+    with pytest.raises(ShardError, match=repeated):
+        rebuild_index(tmp_path, progress=False)
+    assert not (tmp_path / "index.json").exists()
+
+
+def test_two_members_with_one_file_id_are_refused(tmp_path):
+    """a.wav and a.flac are both NeMo's file id 'a': two samples of one key."""
+    write_tarred(tmp_path, ["a.wav", "a.flac"], ["a.wav", "a.flac"])
+    with pytest.raises(ShardError, match=r"lines 1 and 2 are both sample 'a' of shard 0 \('a\.flac'\)"):
+        make_loader(str(tmp_path), batch_size=1, num_workers=0)
+
+
+@pytest.mark.parametrize("copied", [True, False])
+def test_a_sharded_manifest_holding_another_shards_entries_names_the_manifest(tmp_path, copied):
+    """manifest_0.json holding shard 1's entries blamed the audio options ("these hold:
+    unknown"); one stray entry of shard 1 in it was silently left out."""
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    sharded = copy / "sharded_manifests"
+    if copied:
+        shutil.copy(sharded / "manifest_1.json", sharded / "manifest_0.json")
+    else:
+        with open(sharded / "manifest_0.json", "a") as manifest:
+            manifest.write((sharded / "manifest_1.json").read_text().splitlines()[0] + "\n")
+    line = 1 if copied else 4
+    with pytest.raises(
+        ShardError,
+        match=rf"manifest_0\.json: line {line} is an entry of shard 1 \('fsdd_3_jackson_1\.wav'\), but this sharded "
+        r"manifest is the one of shard 0.*Fix: write it again",
+    ):
+        make_loader(str(copy), batch_size=2, num_workers=0, resample_to=16000, skip_bad=True)
+    with pytest.raises(ShardError, match="is an entry of shard 1"):
+        rebuild_index(copy, progress=False)
+
+
+def test_two_tars_of_one_shard_id_are_refused(tmp_path):
+    """audio_1.tar and audio_01.tar are both shard 1 by NeMo's rule: each entry of shard 1
+    was read from both."""
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    shutil.copy(copy / "audio_1.tar", copy / "audio_01.tar")
+    with pytest.raises(ShardError, match=r"audio_01\.tar and audio_1\.tar are both the tar of shard 1"):
+        make_loader(str(copy), batch_size=2, num_workers=0, skip_bad=True)
+    with pytest.raises(ShardError, match="both the tar of shard 1"):
+        rebuild_index(copy, progress=False)
+
+
+@pytest.mark.parametrize("shard_id", [-1, True, "0", 0.5])
+def test_a_shard_id_that_is_not_a_tar_number_names_the_line(tmp_path, shard_id):
+    write_tarred(tmp_path, ["a.wav", "b.wav"], ["a.wav", "b.wav"])
+    manifest = tmp_path / "tarred_audio_manifest.json"
+    lines = entries(manifest)
+    lines[1]["shard_id"] = shard_id
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ShardError, match=r'tarred_audio_manifest\.json: line 2: the line has no "shard_id" number'):
+        make_loader(str(tmp_path), batch_size=1, num_workers=0)
+
+
+def test_keys_made_from_file_names_are_escaped_without_being_asked(tmp_path):
+    """ES2011a.Headset-0.wav failed to pack without --escape-keys, though the key is the file's
+    stem, which seqshard made: such keys are stored percent-encoded (the index says so), and
+    the loader shows the keys it shows when it reads the manifest itself."""
+    shutil.copy(AMI, tmp_path / "ES2011a.Headset-0.wav")
+    lines = [
+        {"audio_filepath": "ES2011a.Headset-0.wav", "offset": 1.46, "duration": 1.36, "text": "one"},
+        {"audio_filepath": "ES2011a.Headset-0.wav", "duration": 6.0, "text": "all"},
+        {"audio_filepath": "ES2011a.Headset-0.wav", "duration": 6.0, "text": "by id", "id": "a.b/c"},
+    ]
+    manifest = tmp_path / "m.json"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    report = pack_data(None, None, tmp_path / "out", manifest=str(manifest), progress=False)
+    assert (report.packed, report.dropped) == (3, {})
+    assert json.loads((tmp_path / "out" / "index.json").read_text())["keys"] == {"escaped": True}
+    stored = read_audio_shards(sorted((tmp_path / "out").glob("*.tar")))
+    assert sorted(stored) == ["ES2011a%2EHeadset-0", "ES2011a%2EHeadset-0-000146-000136", "a%2Eb%2Fc"]
+    direct, packed = read_all(str(manifest)), read_all(str(tmp_path / "out"))
+    assert sorted(direct) == sorted(packed) == ["ES2011a.Headset-0", "ES2011a.Headset-0-000146-000136", "a.b/c"]
+    assert {k: v["text"] for k, v in direct.items()} == {k: v["text"] for k, v in packed.items()}
+
+
+def long_line_manifest(path: Path, long_line: bytes | None = None) -> Path:
+    """A manifest of three whole-file entries whose second line is ``long_line`` (a line of
+    70 MB, most of it a hole in a sparse file, when None)."""
+    good = [{**e, "audio_filepath": str(MANIFEST.parent / e["audio_filepath"])} for e in entries(MANIFEST)[:2]]
+    with open(path, "wb") as manifest:
+        manifest.write(json.dumps(good[0]).encode() + b"\n")
+        if long_line is None:
+            manifest.write(b'{"text": "')
+            manifest.seek(70 << 20, io.SEEK_CUR)
+            manifest.write(b'"}\n')
+        else:
+            manifest.write(long_line + b"\n")
+        manifest.write(json.dumps(good[1]).encode() + b"\n")
+    return path
+
+
+def test_a_manifest_line_beyond_the_line_bound_is_a_malformed_line_in_pack(tmp_path):
+    """A 1.6 GB manifest line was a bare MemoryError in pack: it is a malformed line (named,
+    or counted with skip_bad), passed over without being held (here 70 MB against 64 MiB)."""
+    manifest = long_line_manifest(tmp_path / "m.json")
+    with pytest.raises(InputError, match=r"m\.json:2.*a line is longer than 67108864 bytes"):
+        pack_data(None, None, tmp_path / "out", manifest=str(manifest), progress=False)
+    report = pack_data(None, None, tmp_path / "skip", manifest=str(manifest), skip_bad=True, progress=False)
+    assert (report.input_utts, report.packed, report.dropped) == (3, 2, {"malformed_line": 1})
+
+
+def test_a_manifest_line_beyond_the_line_bound_is_a_bad_sample_in_the_loader(tmp_path, monkeypatch):
+    from seqshard.formats import inflation
+
+    monkeypatch.setattr(inflation, "MAX_LINE_BYTES", 4096)
+    manifest = long_line_manifest(tmp_path / "m.json", b'{"text": "' + b"x" * 100_000 + b'"}')
+    with pytest.raises(InputError, match=r"m\.json sample 2.*a line is longer than 4096 bytes"):
+        read_all(str(manifest))
+    loader = make_loader(str(manifest), batch_size=1, num_workers=0, shuffle=False, skip_bad=True)
+    assert [k for batch in loader for k in batch["keys"]] == ["3_jackson_1", "7_jackson_1"]
+    assert loader.stats()["dropped"] == {"malformed_line": 1}
+    first = tmp_path / "first.json"
+    first.write_bytes(b'{"text": "' + b"x" * 100_000 + b'"}\n')
+    with pytest.raises(ConfigError, match=r"first\.json line 1: a line is longer than 4096 bytes"):
+        make_loader(str(first), batch_size=1, num_workers=0)
+
+
+def test_a_tarred_manifest_line_beyond_the_line_bound_names_the_line(tmp_path, monkeypatch):
+    from seqshard.formats import inflation
+
+    monkeypatch.setattr(inflation, "MAX_LINE_BYTES", 4096)
+    write_tarred(tmp_path, ["a.wav", "b.wav"], ["a.wav", "b.wav"])
+    manifest = tmp_path / "tarred_audio_manifest.json"
+    lines = entries(manifest)
+    lines[1]["text"] = "x" * 100_000
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(ShardError, match=r"tarred_audio_manifest\.json: line 2: a line is longer than 4096 bytes"):
+        make_loader(str(tmp_path), batch_size=1, num_workers=0, skip_bad=True)
+
+
+NEMO_PATTERNS = {  # a manifest path as NeMo's expand_sharded_filepaths expands it
+    "m_{0..1}.json": ["m_0.json", "m_1.json"],
+    "m__OP_0..1_CL_.json": ["m_0.json", "m_1.json"],
+    "m_(0..1).json": ["m_0.json", "m_1.json"],
+    "m_[0..1].json": ["m_0.json", "m_1.json"],
+    "m_<0..1>.json": ["m_0.json", "m_1.json"],
+    "m_(0,1).json": ["m_0.json", "m_1.json"],
+    "m_[0,1]_<a,b>.json": ["m_0_a.json", "m_0_b.json", "m_1_a.json", "m_1_b.json"],
+    "m_{00..01}.json": ["m_00.json", "m_01.json"],
+    "m_(0..1]_x.json": ["m_0_x.json", "m_1_x.json"],
+    "m__OP_a,b_CL__(1..2).json": ["m_a_1.json", "m_a_2.json", "m_b_1.json", "m_b_2.json"],
+    "m_0.json": ["m_0.json"],
+    "m\\_(0,1).json": ["m\\_0.json", "m\\_1.json"],  # no escapes: a backslash is part of the name
+}
+
+
+def test_manifest_paths_expand_as_nemo_expands_them(tmp_path, monkeypatch):
+    """NeMo reads (…), […] and <…> as braces too, and expands without escapes: 4 of these 12
+    agreed before (the others named files that do not exist)."""
+    from seqshard.formats.peers.nemo import manifest_files
+
+    monkeypatch.chdir(tmp_path)
+    audio = str(MANIFEST.parent / entries(MANIFEST)[0]["audio_filepath"])
+    for name in {name for names in NEMO_PATTERNS.values() for name in names}:
+        Path(name).write_text(json.dumps({"audio_filepath": audio, "duration": 0.4695, "text": name, "id": name}))
+    for pattern, names in NEMO_PATTERNS.items():
+        assert manifest_files(pattern) == [Path(name) for name in names], pattern
+    assert pack_data(None, None, "out", manifest="m_(0..1]_x.json", progress=False).packed == 2
+    with pytest.raises(ConfigError, match=r"manifest='m_\*\.json': m_\*\.json does not exist.*wildcards are not"):
+        manifest_files("m_*.json")
+    with pytest.raises(ConfigError, match=r"manifest=.*expands to 100,000,000 alternatives, more than the"):
+        manifest_files("manifest__OP_0..99999999_CL_.json")
+
+
+def test_add_field_refuses_a_tarred_set_whose_fields_are_its_manifests_keys(tmp_path):
+    """add-field read a tarred set's tars as plain tars: one sample per member (a file cut by
+    -sub1 entries is one), keyed up to the first '.', so its sidecars matched no sample."""
+    from seqshard.prep.add_field import add_field
+
+    copy = tmp_path / "set"
+    shutil.copytree(TARRED, copy)
+    rebuild_index(copy, progress=False)
+    source = tmp_path / "spk.txt"
+    source.write_text("".join(f"{key} x\n" for key in read_all(str(copy))))
+    with pytest.raises(ConfigError, match=r"set is a NeMo tarred set: .*add the field to the entries of its manifests"):
+        add_field(copy, "spk", source, progress=False)
+    assert not (copy / "fields").exists()

@@ -281,3 +281,19 @@ def test_a_key_too_long_for_a_tar_header_is_a_bad_key_even_escaped():
     assert key_problem("a" * MAX_KEY_BYTES) is None
     assert "beyond the 65536" in key_problem("é" * MAX_KEY_BYTES)
     assert "bytes long escaped" in key_problem("." * (MAX_KEY_BYTES // 2), escaped=True)
+
+
+@pytest.mark.parametrize("table", ["scp", "text"])
+def test_a_line_beyond_the_line_bound_is_a_malformed_line(tmp_path, kaldi_dir, monkeypatch, table):
+    """Kaldi tables are read by the bounded line reader of NeMo manifests and Shar files: a
+    line of hundreds of MB was held whole (a MemoryError at 1.6 GB)."""
+    from seqshard.formats import inflation
+
+    monkeypatch.setattr(inflation, "MAX_LINE_BYTES", 4096)
+    edit_line(getattr(kaldi_dir, table), 2, "utt " + "x" * 100_000)
+    error, report = pack_both_ways(kaldi_dir, tmp_path)
+    assert f"{table}:2" in str(error) and "a line is longer than 4096 bytes" in str(error)
+    if table == "scp":
+        assert report.dropped == {"malformed_line": 1}
+    else:  # the text line is a label issue; its utterance has no label
+        assert (report.label_issues, report.dropped) == ({"malformed_line": 1}, {"no_label": 1})

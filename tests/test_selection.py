@@ -2,6 +2,8 @@
 verify and index alike)."""
 
 import json
+import shutil
+import time
 
 import pytest
 
@@ -139,3 +141,103 @@ def test_index_refuses_a_folder_with_a_dangling_link_named_like_a_shard(tmp_path
     with pytest.raises(ConfigError, match=r"part-1.tar -> .*unmounted/part-1.tar\): mount or restore"):
         rebuild_index(folder, progress=False)
     assert not (folder / "index.json").exists()
+
+
+BRACES = [
+    "a",
+    "{a,b}",
+    "x{1..3}y",
+    "{01..10}",
+    "{4..1}",
+    "{2..-1}",
+    "{-05..05..5}",
+    "{a..g..2}",
+    "{Z..c}",
+    "{a..A}",
+    "python{2.{5..7},3.{2,3}}",
+    "index.html{,.backup}",
+    r"{1\{2,3}",
+    r"\{1,2}",
+    r"b.{,b\\}\\",
+    r"1{.\\}.",
+    "a}b{c",
+    "}{",
+    "{}",
+    "{a{1,2}}",
+    "{,,}",
+    "{1..10..3}{a,b}",
+    "{1..3..0}",
+    "{{a,b},{c,d}}/{0..2}.tar",
+]
+
+
+@pytest.mark.parametrize("escape", [True, False])
+def test_braces_expand_as_braceexpand_expands_them(escape):
+    """seqshard expands braces itself (lazily, after counting them), by braceexpand's rules."""
+    from braceexpand import UnbalancedBracesError, braceexpand
+
+    from seqshard.formats.patterns import expand_braces
+
+    for pattern in BRACES:
+        try:
+            expected = list(braceexpand(pattern, escape=escape))
+        except UnbalancedBracesError:
+            with pytest.raises(ConfigError, match="has unbalanced braces"):
+                expand_braces(pattern, escape=escape)
+            continue
+        assert list(expand_braces(pattern, escape=escape)) == expected, pattern
+
+
+@pytest.mark.parametrize(
+    "pattern", ["m_{0..9999999}.json", "manifest__OP_0..99999999_CL_.json", "s{0..9999}/d{0..9999}.tar"]
+)
+def test_a_pattern_of_millions_of_alternatives_is_refused_at_once(tmp_path, pattern):
+    """m_{0..9999999}.json kept the loader busy for minutes (each alternative made and looked
+    up); 10^8 of them ended in a MemoryError."""
+    started = time.perf_counter()
+    with pytest.raises(ConfigError, match=r"expands to 10(0?),000,000 alternatives, more than the 2,000,000"):
+        make_loader(str(tmp_path / pattern), batch_size=4)
+    assert time.perf_counter() - started < 5
+
+
+def test_unbalanced_braces_and_a_missing_folder_are_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"the pattern '.*data-\{0\.\.3\.tar' has unbalanced braces"):
+        make_loader(f"{tmp_path}/data-{{0..3.tar", batch_size=4)  # an UnbalancedBracesError
+    with pytest.raises(ConfigError, match="has a range with an end too long to be a number"):
+        make_loader(f"{tmp_path}/data-{{0..{'9' * 5000}}}.tar", batch_size=4)  # a ValueError
+    with pytest.raises(ShardError, match=r"1 selected shard is missing: data-0\.tar \(named in the pattern"):
+        make_loader(f"{tmp_path}/gone/data-0.tar", batch_size=4)  # a FileNotFoundError
+
+
+def test_many_names_in_one_folder_are_looked_up_with_one_listing(tmp_path, monkeypatch):
+    """Users name 5*10^5 shards by one brace pattern: their folder is listed once, not each
+    name stat'ed (over a network file system, a round trip each)."""
+    import pathlib
+
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for number in range(0, 3000, 2):
+        (folder / f"part-{number:05d}.tar").write_bytes(b"")
+    stat, calls = pathlib.Path.stat, []
+    monkeypatch.setattr(pathlib.Path, "stat", lambda self, **kw: calls.append(self) or stat(self, **kw))
+    selection = select_shards(f"{folder}/part-{{00000..02999}}.tar")
+    assert [p.name for p in selection.paths] == [f"part-{n:05d}.tar" for n in range(0, 3000, 2)]
+    assert [m.path.name for m in selection.missing] == [f"part-{n:05d}.tar" for n in range(1, 3000, 2)]
+    assert {m.why for m in selection.missing} == {"named in the pattern, but it does not exist"}
+    assert len(calls) < 50
+
+
+@pytest.mark.parametrize("pattern", ["data-(0..4).tar", "data-[0..4].tar", "data-<0,1>.tar", "(a,b)/data-0.tar"])
+def test_nemo_bracket_braces_in_a_shard_pattern_are_refused_by_name(grouped, pattern):
+    """NeMo reads (…), […] and <…> as braces; seqshard's patterns do not ([…] is a wildcard):
+    such a pattern selected nothing, or other files, with no word of NeMo's reading."""
+    _, out = grouped
+    with pytest.raises(ConfigError, match=r"holds NeMo's spelling of braces.*Fix: write braces"):
+        make_loader(f"{out}/5_40/{pattern}", batch_size=4)
+    assert len(select_shards(f"{out}/5_40/data-0000[0-2].tar").paths) == 3  # a wildcard [...] is one still
+
+
+def test_a_name_holding_brackets_is_a_name_where_it_exists(grouped, tmp_path):
+    _, out = grouped
+    shutil.copytree(out / "5_40", tmp_path / "run(1,2)")
+    assert len(select_shards(f"{tmp_path}/run(1,2)/data-*.tar").paths) == 3

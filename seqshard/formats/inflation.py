@@ -1,28 +1,36 @@
 """How far compressed data may inflate: one rule for gzip'd shard members, member tables
-(``.npz``) and compressed line files (Lhotse Shar's ``cuts.*.jsonl.gz``).
+(``.npz``) and compressed line files (Lhotse Shar's ``cuts.*.jsonl.gz``); and how long a line
+of any line file may be (those too, Kaldi tables, WeNet lists, NeMo manifests).
 
 Compressed data of ``n`` bytes may inflate to :data:`MAX_INFLATION` times ``n`` (text and JSON
 inflate 3-20x, arrays less), always to :data:`MIN_INFLATION_LIMIT`, never beyond
 :data:`MAX_INFLATED_BYTES`; a line of a compressed line file is at most :data:`MAX_LINE_BYTES`
-long. What would go beyond is refused before it is held, so a small hostile file cannot fill
-memory: a size declared by a header is checked before anything is allocated for it, and
-inflating stops at the limit.
+long, as is a line of a plain one. What would go beyond is refused before it is held, so a
+small hostile file cannot fill memory: a size declared by a header is checked before anything
+is allocated for it, and inflating stops at the limit.
 """
 
 from __future__ import annotations
 
 import gzip
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 MAX_INFLATION = 200  # a compressed item may inflate to this many times its size
 MAX_INFLATED_BYTES = 1 << 30  # and never beyond this (an hour of 80-dim float32 features is 115 MB)
 MIN_INFLATION_LIMIT = 1 << 20  # small items may always inflate this far (short repetitive text or JSON)
-MAX_LINE_BYTES = 64 << 20  # a line of a compressed line file (a Shar cut is a few kB)
+MAX_LINE_BYTES = 64 << 20  # a line of a line file (a Shar cut, a manifest entry: a few kB)
+_PASS = 1 << 20  # a line beyond MAX_LINE_BYTES is passed over this many bytes at a time
 
 
 class InflationError(ValueError):
     """Compressed data that would inflate beyond the limits."""
+
+
+class LineTooLong(InflationError):
+    """A line beyond :data:`MAX_LINE_BYTES`, passed over without being held: the next line
+    can still be read (a caller may count this one as a bad line and go on)."""
 
 
 def inflation_limit(compressed: int, capped: bool = True) -> int:
@@ -40,14 +48,14 @@ def limits_text() -> str:
 
 
 class BoundedLines:
-    """The lines of a file, gzip'd (``.gz``) or not, from decompressed byte ``start``: each at
-    most :data:`MAX_LINE_BYTES`, and a gzip'd file's together at most :data:`MAX_INFLATION`
-    times its size (at least :data:`MIN_INFLATION_LIMIT`). :meth:`readline` raises
-    InflationError before it holds more."""
+    """The lines of a file, gzip'd or not (``compressed``; by default: named ``.gz``), from
+    decompressed byte ``start``: each at most :data:`MAX_LINE_BYTES`, and a gzip'd file's
+    together at most :data:`MAX_INFLATION` times its size (at least
+    :data:`MIN_INFLATION_LIMIT`). :meth:`readline` raises InflationError before it holds more."""
 
-    def __init__(self, path: str | Path, start: int = 0):
+    def __init__(self, path: str | Path, start: int = 0, compressed: bool | None = None):
         self.path = str(path)
-        compressed = self.path.endswith(".gz")
+        compressed = self.path.endswith(".gz") if compressed is None else compressed
         self._stream: BinaryIO = gzip.open(path, "rb") if compressed else open(path, "rb")  # type: ignore[assignment]  # noqa: SIM115
         self._allowed: int | None = None
         self.position = start  # decompressed bytes before the next line
@@ -60,18 +68,51 @@ class BoundedLines:
             raise
 
     def readline(self) -> bytes:
-        """The next line with its newline (the last may have none); ``b""`` at the end."""
+        """The next line with its newline (the last may have none); ``b""`` at the end.
+        LineTooLong for a line beyond :data:`MAX_LINE_BYTES`, once it is passed over."""
         room = MAX_LINE_BYTES if self._allowed is None else min(MAX_LINE_BYTES, self._allowed - self.position)
         line = self._stream.readline(max(room, 0) + 1)
         if len(line) > room:
             if room < MAX_LINE_BYTES:
-                raise InflationError(
-                    f"it inflates beyond {self._allowed} bytes ({MAX_INFLATION}x its size, at least "
-                    f"{MIN_INFLATION_LIMIT} bytes): a damaged or hostile file"
-                )
-            raise InflationError(f"a line is longer than {MAX_LINE_BYTES} bytes: a damaged or hostile file")
+                self._inflated_too_far()
+            self.position += len(line)
+            while not line.endswith(b"\n") and (line := self._stream.readline(_PASS)):
+                self.position += len(line)
+                if self._allowed is not None and self.position > self._allowed:
+                    self._inflated_too_far()
+            raise LineTooLong(f"a line is longer than {MAX_LINE_BYTES} bytes: a damaged or hostile file")
         self.position += len(line)
         return line
 
+    def _inflated_too_far(self) -> None:
+        raise InflationError(
+            f"it inflates beyond {self._allowed} bytes ({MAX_INFLATION}x its size, at least "
+            f"{MIN_INFLATION_LIMIT} bytes): a damaged or hostile file"
+        )
+
     def close(self) -> None:
         self._stream.close()
+
+
+def numbered_lines(
+    path: str | Path, start: int = 0, end: int | None = None, first_line: int = 1
+) -> Iterator[tuple[int, int, bytes | LineTooLong]]:
+    """``(line number, byte offset, line)`` for each line of a plain file (or of its lines
+    starting in bytes ``[start, end)``, the first numbered ``first_line``), read by
+    :class:`BoundedLines`: a line beyond :data:`MAX_LINE_BYTES` comes as its LineTooLong
+    (passed over, never held), so that the caller can name or count it and go on."""
+    lines = BoundedLines(path, start, compressed=False)
+    try:
+        number = first_line - 1
+        while end is None or lines.position < end:
+            number, offset = number + 1, lines.position
+            try:
+                line = lines.readline()
+            except LineTooLong as error:
+                yield number, offset, error
+                continue
+            if not line:
+                return
+            yield number, offset, line
+    finally:
+        lines.close()

@@ -7,13 +7,25 @@ folder's ``fields/`` sub-folder is not one of its sub-folders of shards: it hold
 field files of ``add-field`` (``fields/NAME/data-00042.tar``), read with their shards only.
 This module only looks at the file system; :mod:`seqshard.formats.selection` checks the
 result against the folders' indexes and refuses an alternative that selects nothing.
+
+Braces are expanded as bash and ``braceexpand`` expand them, one alternative at a time, after
+counting them: a pattern of more than :data:`MAX_ALTERNATIVES` is refused by name before any is
+made, and names of files in one folder are looked up with one listing of it when they are
+many. NeMo's ``_OP_``/``_CL_`` are braces; NeMo's other spellings (``(…)``, ``[…]``, ``<…>``,
+see :func:`nemo_braces`) are refused by name where NeMo would expand them and seqshard's
+reading names nothing, or a ``[…]`` (a wildcard here) holds ``..`` or ``,``.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
+import itertools
+import math
+import os
 import re
-from collections.abc import Sequence
+import string
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +40,14 @@ FIELDS_DIR = "fields"  # FOLDER/fields/NAME/data-00042.tar: field set NAME of FO
 SHAR_CUTS = re.compile(r"cuts(?P<id>(?:\.[^.]+)*?)\.jsonl(?:\.gz)?")  # a Lhotse Shar shard (formats/peers/shar.py)
 
 Patterns = str | Path | Sequence[str | Path]
+MAX_ALTERNATIVES = 2_000_000  # brace alternatives of one pattern (corpora of 5e5 shards are named by one)
+LISTED = 256  # more names than this in one folder: the folder is listed once, not each name looked up
+NEMO_BRACES = (("(", "[", "<", "_OP_"), (")", "]", ">", "_CL_"))  # NeMo's spellings of { and }
+_INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")  # bash's (and braceexpand's) ranges
+_CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
+_LETTERS = string.ascii_uppercase + string.ascii_lowercase
+_ESCAPED = re.compile(r"\\(.)")
+_NEMO_RANGE_IN_BRACKETS = re.compile(r"\[[^\]]*(?:,|\.\.)[^\]]*\]")  # [0..9], [a,b]: NeMo's braces, not a wildcard
 
 
 def is_list_name(name: str) -> bool:
@@ -55,20 +75,23 @@ class Alternative:
     ``kind`` is ``"folder"``, ``"glob"``, ``"file"`` or ``"list"`` (a WeNet list file, which
     :mod:`~.selection` reads). ``files`` are the shard files found (a
     glob's other matches, such as ``index.json``, are not shards); ``folders`` are the folders
-    it covers, whose indexes may list shards that should be there.
+    it covers, whose indexes may list shards that should be there. A ``"file"`` alternative
+    stands for the files ``names`` of its one folder (alternatives named one after another),
+    whether they exist or not.
     """
 
     text: str
     kind: str
     files: list[Path] = field(default_factory=list)
     folders: list[Path] = field(default_factory=list)
+    names: dict[str, None] = field(default_factory=dict)  # in order
 
     def covers(self, path: Path) -> bool:
         """Whether a shard at ``path`` would be named by this alternative if it existed."""
         if self.kind == "folder":
             return path.parent in self.folders
         if self.kind == "file":
-            return path == Path(self.text)
+            return path.parent in self.folders and path.name in self.names
         return path.parent in self.folders and Path(path).match(Path(self.text).name)
 
 
@@ -82,16 +105,218 @@ def pattern_list(patterns: Patterns) -> list[str]:
 
 def expand_pattern(pattern: str) -> list[Alternative]:
     """Every brace alternative of ``pattern`` (NeMo's ``_OP_``/``_CL_`` are braces too), each
-    with the shard files it names."""
-    from braceexpand import braceexpand
+    with the shard files it names; files named one after another in one folder are one
+    ``"file"`` alternative."""
+    text = pattern.replace("_OP_", "{").replace("_CL_", "}")
+    alternatives: list[Alternative] = []
+    for magic, run in itertools.groupby(expand_braces(text), glob.has_magic):
+        if magic:
+            alternatives.extend(_alternative(alternative) for alternative in run)
+            continue
+        for folder, in_folder in itertools.groupby(run, os.path.dirname):
+            alternatives.extend(_named_in(folder, [os.path.basename(t) for t in in_folder]))
+    _refuse_nemo_brackets(pattern, text, alternatives)
+    return alternatives
 
-    return [_alternative(text) for text in dict.fromkeys(braceexpand(nemo_braces(pattern)))]
+
+def _named_in(folder: str, names: list[str]) -> Iterator[Alternative]:
+    """The alternatives of paths without wildcards in one folder: each folder and list its
+    own, shard files and names of nothing together (in order)."""
+    base = Path(folder or ".")
+    files: list[Path] = []
+    named: dict[str, None] = {}
+    for name, kind in zip(names, kinds_in_folder(base, names)):
+        text = os.path.join(folder, name)
+        if kind == "folder" or (kind == "file" and is_list_name(name)):
+            if named:
+                yield Alternative(os.path.join(folder, next(iter(named))), "file", files, [base], named)
+                files, named = [], {}
+            yield _alternative(text)
+        elif kind == "file" and not is_shard_name(name):
+            raise ConfigError(
+                f"{text} is not a shard (shards end in {', '.join(SHARD_SUFFIXES)}; lists of shards or samples in .list)."
+            )
+        elif name not in named:
+            named[name] = None
+            files += [Path(text)] if kind == "file" else []
+    if named:
+        yield Alternative(os.path.join(folder, next(iter(named))), "file", files, [base], named)
+
+
+def kinds_in_folder(folder: Path, names: Sequence[str]) -> list[str | None]:
+    """For each of ``names`` in ``folder``: ``"folder"``, ``"file"`` or None (nothing, or
+    neither), links followed; more than :data:`LISTED` names are answered by one listing."""
+    if len(names) > LISTED:
+        try:
+            with os.scandir(folder) as entries:
+                wanted = set(names)
+                found = {e.name: _kind(e) for e in entries if e.name in wanted}
+            return [found.get(name) if name not in ("", ".", "..") else _kind(folder / name) for name in names]
+        except OSError:  # not a folder, or not listable: each name is looked up
+            pass
+    return [_kind(folder / name) for name in names]
+
+
+def _kind(path: os.DirEntry | Path) -> str | None:
+    return "folder" if path.is_dir() else "file" if path.is_file() else None
+
+
+def expand_braces(pattern: str, escape: bool = True) -> Iterator[str]:
+    """The brace alternatives of ``pattern`` as bash (and ``braceexpand``) makes them: ranges
+    ``{1..10}``, ``{01..10}``, ``{a..e..2}``, lists ``{a,b}``, nested; with ``escape``, ``\\{``
+    is a brace itself. Made one at a time, after counting them: ConfigError for unbalanced
+    braces or more than :data:`MAX_ALTERNATIVES`, before any is made."""
+    try:
+        parts = _parse(pattern, escape)
+    except _Unbalanced:
+        raise ConfigError(f"the pattern {pattern[:200]!r} has unbalanced braces: close each {{ with }}.") from None
+    except RecursionError:
+        raise ConfigError(f"the pattern {pattern[:200]!r} nests braces too deeply.") from None
+    except ValueError:  # a range's end of thousands of digits
+        raise ConfigError(f"the pattern {pattern[:200]!r} has a range with an end too long to be a number.") from None
+    count = _count(parts)
+    if count > MAX_ALTERNATIVES:
+        many = f"{count:,}" if count < 10**15 else "more than 10^15"
+        raise ConfigError(
+            f"the pattern {pattern[:200]!r} expands to {many} alternatives, more than the {MAX_ALTERNATIVES:,} seqshard "
+            "expands. Fix: name the folder that holds the files (all its shards are read), a wildcard "
+            "(data-*.tar), or a list file of them."
+        )
+    if not (escape and "\\" in pattern):
+        return _strings(parts)
+    unescape = functools.partial(_ESCAPED.sub, r"\1")
+    return map(unescape, _strings(parts, 0, unescape))
 
 
 def nemo_braces(pattern: str) -> str:
-    """``pattern`` with NeMo's brace tags ``_OP_`` and ``_CL_`` (its sharded manifests and tars:
-    ``audio__OP_0..127_CL_.tar``) as ``{`` and ``}``."""
-    return pattern.replace("_OP_", "{").replace("_CL_", "}")
+    """``pattern`` as NeMo's ``expand_sharded_filepaths`` reads it before expanding its braces
+    (with ``escape=False``): ``(``, ``[``, ``<`` and ``_OP_`` are ``{``; ``)``, ``]``, ``>``
+    and ``_CL_`` are ``}`` (``audio__OP_0..127_CL_.tar``, ``manifest_(0..127).json``)."""
+    for brace, spellings in zip("{}", NEMO_BRACES):
+        for spelling in spellings:
+            pattern = pattern.replace(spelling, brace)
+    return pattern
+
+
+def _refuse_nemo_brackets(pattern: str, text: str, alternatives: list[Alternative]) -> None:
+    """ConfigError for a pattern that NeMo would expand into more alternatives than seqshard
+    (NeMo's ``(…)``, ``[…]`` or ``<…>`` braces), when its ``[…]`` hold ``..`` or ``,`` (a
+    wildcard would pick some of NeMo's files) or its ``alternatives`` name nothing that
+    exists (a name may hold brackets)."""
+    if not any(bracket in pattern for bracket in "([<"):
+        return
+    nemo = nemo_braces(pattern)
+    try:
+        more = _count(_parse(nemo, escape=False)) > _count(_parse(text, escape=True))
+    except (ValueError, RecursionError):  # not NeMo's braces either (_Unbalanced is a ValueError)
+        return
+    named = any(a.files or a.kind in ("folder", "list") for a in alternatives)
+    if more and (_NEMO_RANGE_IN_BRACKETS.search(pattern) or not named):
+        raise ConfigError(
+            f"the pattern {pattern!r} holds NeMo's spelling of braces: NeMo reads (…), […] and <…> as {{…}} "
+            f"({nemo!r}), seqshard reads […] as a wildcard and (…) and <…> as part of a name. Fix: write braces "
+            f"({nemo!r}; _OP_ and _CL_ are braces too)."
+        )
+
+
+class _Unbalanced(ValueError):
+    """Braces that do not close."""
+
+
+class _Choice(list):
+    """A brace list: its alternatives, each a parsed pattern (a list of parts)."""
+
+
+class _IntRange:
+    """A range ``{first..last..step}`` as braceexpand makes it (zero-padded when an end is)."""
+
+    def __init__(self, first: str, last: str, step: str | None):
+        padded = any(n.startswith(("0", "-0")) for n in (first, last) if n not in ("0", "-0"))
+        self.format = f"%0{max(len(first), len(last)) if padded else 0}d"
+        by = (int(step) or 1) if step else 1
+        start, end = int(first), int(last)
+        self.numbers = range(start, end + 1, by) if start < end else range(start, end - 1, -by)
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def __iter__(self) -> Iterator[str]:
+        return map(self.format.__mod__, self.numbers)
+
+
+def _parse(pattern: str, escape: bool) -> list:
+    """``pattern`` as parts whose values are concatenated: a list of literal text, a range
+    (``_IntRange``, or a string of letters) or a :class:`_Choice` (braceexpand's grammar)."""
+    parts: list = []
+    start = depth = position = 0
+    while position < len(pattern):
+        if escape and pattern[position] == "\\":
+            position += 2
+            continue
+        if pattern[position] == "{":
+            if depth == 0 and position > start:
+                parts.append([pattern[start:position]])
+                start = position
+            depth += 1
+        elif pattern[position] == "}":
+            depth -= 1
+            if depth == 0:
+                inner = pattern[start + 1 : position]
+                expression = _expression(inner, escape)
+                parts += [["{"], _Choice([_parse(inner, escape)]), ["}"]] if expression is None else [expression]
+                start = position + 1
+        position += 1
+    if depth != 0:
+        raise _Unbalanced(pattern)
+    if start < position:
+        parts.append([pattern[start:]])
+    return parts
+
+
+def _expression(text: str, escape: bool) -> _IntRange | str | _Choice | None:
+    """What ``{text}`` stands for: a range, a list, or None (the braces are text)."""
+    if match := _INT_RANGE.match(text):
+        return _IntRange(*match.groups())
+    if match := _CHAR_RANGE.match(text):
+        first, last = _LETTERS.index(match[1]), _LETTERS.index(match[2])
+        by = (int(match[3]) or 1) if match[3] else 1
+        return _LETTERS[first : last + 1 : by] if first < last else _LETTERS[first : (last or -len(_LETTERS)) - 1 : -by]
+    items, start, depth, position = [], 0, 0, 0
+    while position < len(text):
+        char = text[position]
+        if escape and char == "\\":
+            position += 2
+            continue
+        depth += (char == "{") - (char == "}")
+        if char == "," and depth == 0:
+            items.append(_parse(text[start:position], escape))
+            start = position + 1
+        position += 1
+    if depth != 0 or not items:
+        return None
+    return _Choice([*items, _parse(text[start:], escape)])
+
+
+def _count(parts: list) -> int:
+    return math.prod(sum(map(_count, part)) if isinstance(part, _Choice) else len(part) for part in parts)
+
+
+def _strings(parts: list, at: int = 0, unescape: Callable[[str], str] | None = None) -> Iterator[str]:
+    """The alternatives of ``parts[at:]``, in bash's order; ``unescape`` is applied to each
+    value of a brace list, as braceexpand does (at each level it is nested in)."""
+    if at == len(parts):
+        yield ""
+        return
+    values: Iterable[str] = parts[at]
+    if isinstance(values, _Choice):
+        values = itertools.chain.from_iterable(_strings(choice, 0, unescape) for choice in values)
+        values = values if unescape is None else map(unescape, values)
+    if _count(parts[at + 1 :]) == 1:  # the rest is one text: no generator for each value
+        rest = next(_strings(parts, at + 1, unescape))
+        yield from (value + rest for value in values)
+        return
+    for value in values:
+        yield from (value + rest for rest in _strings(parts, at + 1, unescape))
 
 
 def _alternative(text: str) -> Alternative:

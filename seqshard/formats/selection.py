@@ -97,7 +97,7 @@ def select_shards(patterns: Patterns) -> ShardSelection:
                 sidecars = [f for f in alternative.files if _is_sidecar(f, selection)]
                 if alternative.kind == "file" and sidecars:
                     raise ConfigError(
-                        f"{alternative.text} is a field file of add-field, read with its shard beside it (or in the "
+                        f"{sidecars[0]} is a field file of add-field, read with its shard beside it (or in the "
                         "folder above fields/): select that shard, and the field with fields=[...]."
                     )
                 alternative.files = [f for f in alternative.files if f not in sidecars]
@@ -205,15 +205,24 @@ def _absent(alternative: Alternative, selection: ShardSelection) -> list[Missing
             for name, count in expected.items()
             if alternative.covers(folder / name) and not (folder / name).is_file()
         )
-    if alternative.kind == "file" and not alternative.files and not absent:
-        absent.append(MissingShard(Path(alternative.text), "named in the pattern, but it does not exist"))
+    if alternative.kind == "file":
+        found = {path.name for path in alternative.files} | {m.path.name for m in absent if isinstance(m.path, Path)}
+        absent.extend(
+            MissingShard(alternative.folders[0] / name, "named in the pattern, but it does not exist")
+            for name in alternative.names
+            if name not in found
+        )
     return absent
 
 
 def dangling_shard_links(folder: Path) -> list[Path]:
     """Links named like shards in ``folder`` whose target does not exist (a disk not mounted,
     a copy removed): shards that should be there."""
-    return sorted(p for p in folder.iterdir() if is_shard_name(p.name) and p.is_symlink() and not p.exists())
+    if not folder.is_dir():
+        return []
+    with os.scandir(folder) as entries:  # whether each is a link comes with the listing
+        links = [Path(entry.path) for entry in entries if is_shard_name(entry.name) and entry.is_symlink()]
+    return sorted(link for link in links if not link.exists())
 
 
 def _unfinished_without_record(folder: Path) -> bool:

@@ -35,6 +35,7 @@ from ..formats.pack_state import STATE_DIR, pack_root
 from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, old_layout_sidecar, shard_subfolders
 from ..formats.peers.kaldi import MatrixReader, parse_location
 from ..formats.peers.keytable import KeyTable
+from ..formats.peers.nemo_tarred import is_nemo_folder
 from ..formats.selection import is_sidecar
 from ..formats.tar import SampleStream, ShardWriter, temporary_path
 from ..progress import Progress
@@ -257,6 +258,13 @@ def _indexed_folders(root: Path) -> list[Path]:
     if not folders:
         raise ConfigError(
             f"{root} and its sub-folders have no index.json: add-field needs the shards' index (run `seqshard index {root}`)."
+        )
+    tarred = next((folder for folder in folders if is_nemo_folder(folder)), None)
+    if tarred is not None:  # its samples are manifest entries, not the tar's members
+        raise ConfigError(
+            f"{tarred} is a NeMo tarred set: its samples are its manifest's entries, and an entry's other keys are "
+            "its fields (NAME.json). Fix: add the field to the entries of its manifests (tarred_audio_manifest.json, "
+            "sharded_manifests/), then run `seqshard index` on it again."
         )
     return folders
 

@@ -151,7 +151,7 @@ def pack_data(
         seed=seed,
         dtype=dtype,
         skip_bad=skip_bad,
-        escape_keys=escape_keys,
+        escape_keys=escape_keys or manifest is not None,  # a manifest's keys are its file names, made by seqshard
         allow_pipes=allow_pipes,
         path_map=parse_path_map(path_map),
         path_root=str(path_root) if path_root else None,

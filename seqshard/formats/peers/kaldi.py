@@ -24,7 +24,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ...errors import InputError, Where, option
-from ..inflation import MAX_LINE_BYTES
+from ..inflation import LineTooLong, numbered_lines
 
 _LOG = logging.getLogger("seqshard")
 _MATRIX_TOKENS = {b"FM": 4, b"DM": 8, b"CM": 1, b"CM2": 2, b"CM3": 1}
@@ -56,41 +56,19 @@ BOM = b"\xef\xbb\xbf"
 
 def iter_lines(
     path: Path, start: int = 0, end: int | None = None, first_line: int = 1
-) -> Iterator[tuple[int, int, bytes | None]]:
+) -> Iterator[tuple[int, int, bytes | LineTooLong]]:
     """``(line_number, byte_offset, raw_line)`` for each line of a file (1-based lines), or of
     the lines starting in bytes ``[start, end)`` (``first_line``: the number of the line at
-    ``start``). A line longer than ``MAX_LINE_BYTES`` comes as ``None`` (see
-    :func:`line_too_long`): nothing longer is held."""
-    offset, number = start, first_line
-    with open(path, "rb") as stream:
-        stream.seek(start)
-        while end is None or offset < end:
-            raw: bytes | None = stream.readline(MAX_LINE_BYTES + 1)
-            if not raw:
-                return
-            length = len(raw)
-            if length > MAX_LINE_BYTES:
-                while not raw.endswith(b"\n") and raw:  # step over the rest of the line
-                    raw = stream.readline(MAX_LINE_BYTES)
-                    length += len(raw)
-                raw = None
-            elif number == 1 and raw.startswith(BOM):
-                _LOG.warning(
-                    "%s starts with a UTF-8 byte order mark (an editor's); it is not part of the first key", path
-                )
-            yield number, offset, raw
-            offset += length
-            number += 1
+    ``start``); a line beyond the line bound comes as its LineTooLong (``inflation.numbered_lines``)."""
+    for number, offset, raw in numbered_lines(path, start, end, first_line):
+        if number == 1 and isinstance(raw, bytes) and raw.startswith(BOM):
+            _LOG.warning("%s starts with a UTF-8 byte order mark (an editor's); it is not part of the first key", path)
+        yield number, offset, raw
 
 
-def line_too_long(where: Where) -> InputError:
-    """The error of a line :func:`iter_lines` did not hold."""
-    return InputError(
-        where,
-        "line_too_long",
-        f"the line is longer than {MAX_LINE_BYTES} bytes: a damaged file, or not a table of lines.",
-        "check that the file is a text table (one entry per line).",
-    )
+def long_line(where: Where, error: LineTooLong) -> InputError:
+    """The InputError (``malformed_line``) of a line beyond the line bound."""
+    return InputError(where, "malformed_line", f"{error}.", "remove the line, or split it (one entry a line).")
 
 
 def parse_line(raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]:

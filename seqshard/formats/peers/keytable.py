@@ -20,7 +20,7 @@ import numpy as np
 from ...errors import InputError, SkipCounter, Where
 from ..index import MAX_LENGTH  # utterance lengths are held as int32 (frames, or 10 ms of audio)
 from ..keys import key_hash
-from .kaldi import ASCII_WHITESPACE, iter_lines, line_too_long, parse_line
+from .kaldi import ASCII_WHITESPACE, iter_lines, long_line, parse_line
 
 Parser = Callable[[bytes, Where, bool], tuple[str, str]]
 
@@ -195,13 +195,13 @@ def table_lines(
     value, where)`` may raise InputError. A bad line goes to ``bad`` (which raises or counts
     it), the hash of its key, when one was read, to ``bad_keys``."""
     for line_no, offset, raw in iter_lines(path, start, end, first_line):
-        if progress is not None:
-            progress(len(raw) if raw is not None else 0)
+        if progress is not None and isinstance(raw, bytes):
+            progress(len(raw))
         where = Where(path, line_no)
         key = None
         try:
-            if raw is None:
-                raise line_too_long(where)
+            if not isinstance(raw, bytes):
+                raise long_line(where, raw)
             key, value = parse(raw, where, needs_value)
             if check is not None:
                 check(key, value, Where(path, line_no, key))

@@ -23,11 +23,12 @@ import numpy as np
 
 from ...errors import ConfigError, InputError, Where
 from ..audio import WavLocation, parse_wav_location, read_location
+from ..inflation import BoundedLines, LineTooLong, numbered_lines
 from ..keys import key_hash
 from ..patterns import SHARD_SUFFIXES, is_shard_name
 from ..remote.access import has_query, is_remote, url_name
 from ..tar import TarRecord
-from .kaldi import BOM, parse_line
+from .kaldi import BOM, long_line, parse_line
 
 _LOG = logging.getLogger("seqshard")
 SEGMENT_FIELD = "segment.json"  # start and end of a sample cut from its audio file
@@ -53,13 +54,16 @@ def shard_list(path: Path) -> list[str] | None:
     The one reader of shard lists, for local and remote selections alike."""
     if path.name.endswith(".scp"):
         return None
-    with open(path, "rb") as stream:
-        first = next((line for line in stream if line.strip()), None)
-        if first is None or first.lstrip().startswith(b"{"):
-            return None  # a raw list (an empty one is reported as such)
-        stream.seek(0)
+    first = first_line(path)
+    if first is None or first.lstrip().startswith(b"{"):
+        return None  # a raw list (an empty one is reported as such)
+    lines = []
+    for number, _, raw in numbered_lines(path):
+        if not isinstance(raw, bytes):
+            raise ConfigError(f"{path} line {number}: {raw}; a list names one shard a line.")
         try:
-            lines = [(number, line.decode("utf-8").strip()) for number, line in enumerate(stream, 1) if line.strip()]
+            if raw.strip():
+                lines.append((number, raw.decode("utf-8").strip()))
         except UnicodeDecodeError as error:
             raise ConfigError(f"{path}: not UTF-8 text ({error.reason}): not a list of shards or samples.") from None
     for number, line in lines:
@@ -83,10 +87,11 @@ def scan_list(path: Path, key_of: Callable[[bytes], str] | None = None) -> int:
     reported when the loader reaches them."""
     key_of = key_of or _key_of
     keys = []
-    with open(path, "rb") as stream:
-        for line in stream:
-            if line.strip():
-                keys.append(key_hash(key_of(line)))
+    for number, _, line in numbered_lines(path):
+        if not isinstance(line, bytes):
+            keys.append(key_hash(f"{line} (line {number})"))  # read as a bad sample, told then
+        elif line.strip():
+            keys.append(key_hash(key_of(line)))
     if not keys:
         raise ConfigError(f"{path} holds no samples (an empty list).")
     hashes = np.asarray(keys, dtype=np.uint64)
@@ -99,6 +104,17 @@ def scan_list(path: Path, key_of: Callable[[bytes], str] | None = None) -> int:
             "(remove the repeats)."
         )
     return len(keys)
+
+
+def first_line(path: Path) -> bytes | None:
+    """The first line of a file that is not blank (None when there is none); ConfigError
+    when it is beyond the line bound (``inflation.MAX_LINE_BYTES``)."""
+    for number, _, line in numbered_lines(path):
+        if not isinstance(line, bytes):
+            raise ConfigError(f"{path} line {number}: {line}. Fix: remove the line, or split it (one entry a line).")
+        if line.strip():
+            return line
+    return None
 
 
 def _key_of(line: bytes) -> str:
@@ -130,19 +146,17 @@ class ListSampleStream:
     ):
         self.path = str(path)
         self.path_root = path_root
-        self._stream = open(path, "rb")  # noqa: SIM115 (closed by close())
-        self._stream.seek(start)
+        self._lines = BoundedLines(path, start, compressed=False)
         self._read_data = read_data
-        self._offset = start
         self.ordinal = ordinal
         self.ended_cleanly = False
 
     @property
     def resume_offset(self) -> int:
-        return self._offset
+        return self._lines.position
 
     def close(self) -> None:
-        self._stream.close()
+        self._lines.close()
 
     def __enter__(self) -> ListSampleStream:
         return self
@@ -152,12 +166,16 @@ class ListSampleStream:
 
     def next_sample(self) -> TarRecord | None:
         while True:
-            offset = self._offset
-            line = self._stream.readline()
+            offset = self._lines.position
+            line: bytes | LineTooLong
+            try:
+                line = self._lines.readline()
+            except LineTooLong as error:
+                line = error  # a bad sample, reported as such
+                break
             if not line:
                 self.ended_cleanly = True
                 return None
-            self._offset += len(line)
             if offset == 0 and line.startswith(BOM):
                 _LOG.warning(
                     "%s starts with a UTF-8 byte order mark (an editor's); it is not part of the first key", self.path
@@ -168,6 +186,8 @@ class ListSampleStream:
         where = Where(self.path, self.ordinal + 1, None)
         fields: dict[str, bytes | memoryview] = {}
         try:
+            if not isinstance(line, bytes):
+                raise long_line(where, line)
             record = self._parse(line, where)
         except InputError as error:  # one bad line is one bad sample, not the end of the list
             record = {"key": f"line-{self.ordinal + 1}"}

@@ -10,8 +10,10 @@
   ``STEM-OFFSET-DURATION`` in hundredths of a second, six digits each (the cut ids NeMo's
   Lhotse adapter gives: ``ES2011a-000146-000136``).
 - Other keys (``speaker``, ``lang``, ...) are the entry's extra fields.
-- Sharded manifests: NeMo writes braces as ``_OP_`` and ``_CL_`` (``manifest__OP_0..127_CL_.json``);
-  :func:`nemo_braces` turns them back into braces before the usual expansion.
+- Sharded manifests: NeMo writes braces as ``_OP_`` and ``_CL_`` (``manifest__OP_0..127_CL_.json``),
+  and its ``expand_sharded_filepaths`` reads ``(…)``, ``[…]`` and ``<…>`` as braces too:
+  :func:`manifest_files` expands the manifests of ``pack --manifest`` by that rule
+  (:func:`~..patterns.nemo_braces`).
 
 A manifest given to the loader is read like a WeNet raw list (:class:`ManifestSampleStream`);
 ``seqshard pack --manifest`` packs one (``prep/nemo_source.py``). The tarred sets NeMo makes
@@ -20,8 +22,10 @@ from manifests are read by ``formats/peers/nemo_tarred.py``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,8 +33,8 @@ from typing import Any
 
 from ...errors import ConfigError, InputError, Where, option
 from ..index import MAX_LENGTH
-from ..patterns import FIELD_SET_NAME, nemo_braces
-from .lists import ListSampleStream, scan_list
+from ..patterns import FIELD_SET_NAME, expand_braces, kinds_in_folder, nemo_braces
+from .lists import ListSampleStream, first_line, scan_list
 
 AUDIO_KEYS = ("audio_filepath", "audio_filename")
 TEXT_KEYS = ("text", "normalized_text")
@@ -42,23 +46,29 @@ MANIFEST_FIX = 'each line is a JSON object with "audio_filepath" and "duration" 
 
 
 def manifest_files(patterns: str | Path | Sequence[str | Path], name: str = "manifest") -> list[Path]:
-    """The manifest files ``patterns`` name (braces, NeMo's ``_OP_``/``_CL_`` too), each once,
-    in order; ConfigError for a pattern that names no file."""
-    from braceexpand import braceexpand
-
+    """The manifest files ``patterns`` name, expanded as NeMo expands a manifest path
+    (:func:`~..patterns.nemo_braces`: ``{…}``, ``_OP_…_CL_``, ``(…)``, ``[…]``, ``<…>``), each
+    once, in order; ConfigError for a pattern that names no file or too many."""
     items = [patterns] if isinstance(patterns, (str, Path)) else list(patterns)
     if not items:
         raise ConfigError(f"{option(name, '...')}: give at least one manifest.")
     files: dict[Path, None] = {}
     for item in items:
-        for text in braceexpand(nemo_braces(str(item))):
-            path = Path(text)
-            if not path.is_file():
-                raise ConfigError(
-                    f"{option(name, item)}: {path} {'is a folder' if path.is_dir() else 'does not exist'}; "
-                    "give NeMo manifest files (braces and NeMo's _OP_/_CL_ expand to several)."
-                )
-            files[path] = None
+        try:
+            texts = expand_braces(nemo_braces(str(item)), escape=False)
+        except ConfigError as error:
+            raise ConfigError(f"{option(name, item)}: {error}") from None
+        for folder, in_folder in itertools.groupby(texts, os.path.dirname):
+            names = [os.path.basename(text) for text in in_folder]
+            for file, kind in zip(names, kinds_in_folder(Path(folder or "."), names)):
+                path = Path(folder, file)
+                if kind != "file":
+                    raise ConfigError(
+                        f"{option(name, item)}: {path} {'is a folder' if kind else 'does not exist'}; give NeMo "
+                        "manifest files (braces, NeMo's _OP_…_CL_, (…), […] and <…> expand to several; wildcards "
+                        "are not expanded, as in NeMo)."
+                    )
+                files[path] = None
     return list(files)
 
 
@@ -168,10 +178,8 @@ def _manifest_key(line: bytes) -> str:
 def scan_manifest(path: Path) -> int:
     """How many entries a manifest given to the loader holds (ConfigError for repeated keys,
     an empty file, a file that is not a NeMo manifest, or the manifest of a tarred set)."""
-    with open(path, "rb") as stream:
-        first = next((line for line in stream if line.strip()), b"")
     try:
-        entry = parse_entry(first, Where(path, 1))
+        entry = parse_entry(first_line(path) or b"", Where(path, 1))
     except InputError as error:
         raise ConfigError(f"{path} is not a NeMo manifest: {error.problem} Fix: {MANIFEST_FIX}") from None
     if SHARD_KEY in entry.record:

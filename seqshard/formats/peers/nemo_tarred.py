@@ -14,6 +14,12 @@ rules of NeMo's own reader (``LazyNeMoTarredIterator``) are followed:
 - A member named twice in one tar would be read twice: the shard is refused.
 - A member no entry names is passed over (a manifest filtered after tarring), said once.
 
+Where NeMo would read a sample twice or from the wrong place, seqshard refuses, naming the
+manifest's lines (a ShardError, with or without ``skip_bad``, as a list's repeated keys are):
+an entry listed twice in a shard (NeMo makes a sample of every entry naming a member, so it
+reads that one twice an epoch), two entries with one file id (``a.wav`` and ``a.flac``), an
+entry of another shard in a sharded manifest, and two tars with one shard id in a folder.
+
 A sample is an entry: key = its file name without extension (NeMo's ``file_id``: ``a``,
 ``a-sub1``), its member's bytes under the member's extension, ``txt``, ``segment.json`` for
 an entry with ``offset``, and its other keys as ``NAME.json``. Planning, splitting, resuming
@@ -35,6 +41,7 @@ from typing import Any
 
 from ...errors import InputError, ShardError, Where, counted
 from ..index import ShardEntry, ShardIndex, length_bin
+from ..inflation import MAX_LINE_BYTES, numbered_lines
 from ..patterns import shards_in_folder
 from ..tar import BLOCK, TarRecord, TarStream
 from .lists import SEGMENT_FIELD
@@ -102,46 +109,110 @@ class _Manifests:
         self._scanned: tuple[tuple[Path, int, int], dict[int, array]] | None = None
 
     def entries(self, manifest: Path, shard: int) -> list[Entry]:
-        """The entries of ``shard`` in ``manifest``; ShardError for a bad line."""
-        stat = manifest.stat()
-        key = (manifest, stat.st_mtime_ns, stat.st_size)
-        if self._scanned is None or self._scanned[0] != key:
-            self._scanned = key, self._scan(manifest)
+        """The entries of ``shard`` in ``manifest``; ShardError for a bad line, an entry of
+        another shard in a sharded manifest, or two entries that are one sample."""
+        offsets = self._offsets(manifest)
+        _refuse_other_shards(manifest, offsets)
         entries = []
         with open(manifest, "rb") as stream:
-            for offset in self._scanned[1].get(shard, ()):
+            for offset in offsets.get(shard, ()):
                 stream.seek(offset)
-                entries.append(_entry(stream.readline(), manifest, offset)[0])
+                entries.append(_entry(stream.readline(MAX_LINE_BYTES + 1), manifest, offset)[0])
+        _refuse_repeats(manifest, shard, offsets.get(shard, ()), entries)
         return entries
 
     def shard_ids(self, manifest: Path) -> list[int]:
         """The shard ids ``manifest``'s entries name."""
-        self.entries(manifest, -1)
-        assert self._scanned is not None
-        return list(self._scanned[1])
+        return list(self._offsets(manifest))
+
+    def _offsets(self, manifest: Path) -> dict[int, array]:
+        stat = manifest.stat()
+        key = (manifest, stat.st_mtime_ns, stat.st_size)
+        if self._scanned is None or self._scanned[0] != key:
+            self._scanned = key, self._scan(manifest)
+        return self._scanned[1]
 
     @staticmethod
     def _scan(manifest: Path) -> dict[int, array]:
         offsets: dict[int, array] = {}
-        offset = 0
-        with open(manifest, "rb") as stream:
-            for line in stream:
-                if line.strip():
-                    offsets.setdefault(_entry(line, manifest, offset)[1], array("q")).append(offset)
-                offset += len(line)
+        for number, offset, line in numbered_lines(manifest):
+            if not isinstance(line, bytes):
+                raise ShardError(manifest, None, f"line {number}: {line}")
+            if line.strip():
+                offsets.setdefault(_entry(line, manifest, offset, number)[1], array("q")).append(offset)
         return offsets
 
 
-def _entry(line: bytes, manifest: Path, offset: int) -> tuple[Entry, int]:
-    """A tarred set's manifest line and its shard id; ShardError when it is not one."""
+def _entry(line: bytes, manifest: Path, offset: int, number: int | None = None) -> tuple[Entry, int]:
+    """A tarred set's manifest line (line ``number``, at byte ``offset``) and its shard id;
+    ShardError when it is not one."""
+    place = f"line {number}: " if number else ""
     try:
         entry = parse_entry(line, Where(manifest))
     except InputError as error:
-        raise ShardError(manifest, offset, error.problem) from None
+        raise ShardError(manifest, None if number else offset, place + error.problem) from None
     shard = entry.record.get(SHARD_KEY)
-    if not isinstance(shard, int) or isinstance(shard, bool):
-        raise ShardError(manifest, offset, 'the line has no "shard_id" number: not the manifest of a NeMo tarred set')
+    if not isinstance(shard, int) or isinstance(shard, bool) or shard < 0:
+        raise ShardError(
+            manifest,
+            None if number else offset,
+            f'{place}the line has no "shard_id" number (0, 1, ...): not the manifest of a NeMo tarred set',
+        )
     return entry, shard
+
+
+def _line_number(manifest: Path, offset: int) -> int:
+    """The number of the line that starts at byte ``offset`` (for messages)."""
+    newlines = 0
+    with open(manifest, "rb") as stream:
+        while offset > 0 and (chunk := stream.read(min(offset, 1 << 20))):
+            newlines += chunk.count(b"\n")
+            offset -= len(chunk)
+    return newlines + 1
+
+
+def _refuse_other_shards(manifest: Path, offsets: dict[int, array]) -> None:
+    """A sharded manifest (``sharded_manifests/manifest_N.json``) holds the entries of shard
+    N only: ShardError naming the first entry of another shard."""
+    sharded = SHARDED_ID.fullmatch(manifest.name) if manifest.parent.name == "sharded_manifests" else None
+    others = [ids for ids in offsets if sharded is not None and ids != int(sharded[1])]
+    if not others:
+        return
+    offset = min(offsets[ids][0] for ids in others)
+    entry, other = _entry(_line_at(manifest, offset), manifest, offset)
+    raise ShardError(
+        manifest,
+        None,
+        f"line {_line_number(manifest, offset)} is an entry of shard {other} ({entry.audio!r}), but this sharded "
+        f"manifest is the one of shard {sharded[1]}, whose tar's members it names. Fix: write it again with only the "
+        f'entries of "shard_id": {sharded[1]} (they are in {TARRED_MANIFEST}), or remove the folder '
+        f"sharded_manifests to read {TARRED_MANIFEST}",
+    )
+
+
+def _refuse_repeats(manifest: Path, shard: int, offsets: array | tuple, entries: list[Entry]) -> None:
+    """ShardError naming two entries of ``shard`` that are one sample (the same file id: the
+    same ``audio_filepath``, listed twice). NeMo's readers make a sample of every entry that
+    names a member (its ``-subK`` cuts are the entries after the first), so NeMo would read
+    such an entry twice each epoch; seqshard reads each sample once, and refuses."""
+    first: dict[str, int] = {}
+    for offset, entry in zip(offsets, entries):
+        earlier = first.setdefault(entry_key(entry), offset)
+        if earlier != offset:
+            raise ShardError(
+                manifest,
+                None,
+                f"lines {_line_number(manifest, earlier)} and {_line_number(manifest, offset)} are both sample "
+                f"{entry_key(entry)!r} of shard {shard} ({entry.audio!r}): an entry listed twice would be read twice "
+                "(NeMo makes a sample of each entry). Fix: remove the repeated entry (several cuts of one file are "
+                "named NAME-sub1, NAME-sub2, ... after the first, as NeMo's tarring script names them)",
+            )
+
+
+def _line_at(manifest: Path, offset: int) -> bytes:
+    with open(manifest, "rb") as stream:
+        stream.seek(offset)
+        return stream.readline(MAX_LINE_BYTES + 1)
 
 
 MANIFESTS = _Manifests()
@@ -263,7 +334,16 @@ def nemo_index(folder: Path) -> ShardIndex | None:
     are), so that the tar is a missing shard, never silently fewer samples."""
     if not folder.is_dir() or not is_nemo_folder(folder):
         return None
-    tars = {found[0]: (path, found[1]) for path in shards_in_folder(folder) if (found := nemo_shard_of(path))}
+    tars: dict[int, tuple[Path, Path]] = {}
+    for path in shards_in_folder(folder):
+        found = nemo_shard_of(path)
+        if found is not None and (other := tars.setdefault(found[0], (path, found[1]))[0]) != path:
+            raise ShardError(
+                folder,
+                None,
+                f"{other.name} and {path.name} are both the tar of shard {found[0]} (NeMo's rule: the number in "
+                "the name), so the entries of that shard would be read from each. Fix: remove or rename one",
+            )
     if not tars:
         return None
     some_tar = next(iter(tars.values()))[0]
