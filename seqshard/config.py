@@ -283,11 +283,11 @@ def check_shards(config: TrainConfig, key: str) -> None:
     local, _ = split_patterns(_leaf_patterns(config.data[key]))
     if not local:
         return
+    skipped = bool(key == "trset" and config.loader.get("skip_bad"))
     try:
-        missing = select_shards(local).missing
+        missing = select_shards(local, skipped).missing
     except ConfigError as error:
         raise ConfigError(f"{config.source}: train.option.{key}: {error}") from None
-    skipped = key == "trset" and config.loader.get("skip_bad")
     if missing and not skipped:
         fix = "restore them" + (" or set train.option.skip_bad to train on the others" if key == "trset" else "")
         raise ConfigError(
@@ -300,7 +300,7 @@ def check_shards(config: TrainConfig, key: str) -> None:
         from .pipeline.sources import check_epoch_source, mixed_table
 
         try:  # the loader's own check, on the same tables
-            _, mix = mixed_table(_patterns(config.source, config.data[key]), RemoteAccess())
+            _, mix = mixed_table(_patterns(config.source, config.data[key]), RemoteAccess(), skipped)
             check_epoch_source(mix, spec)
         except ConfigError as error:
             raise ConfigError(f"{config.source}: train.option: {error}") from None

@@ -3,17 +3,24 @@ of one field, memory a stream allocates for the size it is asked for, Python's o
 (4300-digit integers, recursion) and the temporary arrays of a token index check. Each is a
 named error or bounded work, never a traceback, a MemoryError or minutes per sample."""
 
+import contextlib
 import gzip
 import json
+import os
+import re
 import tarfile
+import threading
 import time
 import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
-from seqshard.errors import ShardError
+from conftest import write_audio_dir, write_kaldi_dir
+from seqshard.errors import InputError, ShardError
 from seqshard.formats.fields import decode_field
 from seqshard.formats.npy import decode_npy
 from seqshard.formats.peers.lists import READ_ERROR_FIELD, ListSampleStream, scan_list
@@ -130,3 +137,134 @@ def test_a_token_index_is_checked_in_bounded_memory():
     finally:
         tracemalloc.stop()
     assert peak < 48 * MB  # a block at a time: whole, 24 bytes a sequence (24 GB for a billion)
+
+
+@contextlib.contextmanager
+def never_waiting(fifo: Path):
+    """Whatever opens ``fifo`` to read it gets an end of file at once (its write end is opened
+    and closed whenever a reader has it open), so that code that would wait on it ends."""
+    stop = threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # fails while no one reads it
+            except OSError:
+                time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def _audio_inputs(root: Path, bad: str) -> dict[str, Callable[[bool], Any]]:
+    """Each route that reads audio by path, over one good file and ``bad``; called with
+    skip_bad, each returns the counts of what it dropped."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from seqshard import make_loader, pack_data
+
+    good = write_audio_dir(root / "audio", utts=1)
+    wav = good.root / "utt000.wav"
+    (root / "wav.scp").write_text(f"a {wav}\nb {bad}\n")
+    (root / "text").write_text("a x\nb y\n")
+    (root / "m.json").write_text(
+        "".join(json.dumps({"audio_filepath": p, "duration": 0.3, "text": "x"}) + "\n" for p in (str(wav), bad))
+    )
+    (root / "s.list").write_text(
+        "".join(json.dumps({"key": k, "wav": p, "txt": "x"}) + "\n" for k, p in (("a", str(wav)), ("b", bad)))
+    )
+    audio = [{"bytes": None, "path": str(wav)}, {"bytes": None, "path": bad}]
+    pq.write_table(pa.table({"id": ["a", "b"], "audio": audio, "text": ["x", "y"]}), root / "x.parquet")
+
+    def pack(**source):
+        return lambda skip: (
+            pack_data(
+                None, None, root / f"out-{len(list(root.iterdir()))}", skip_bad=skip, progress=False, **source
+            ).dropped
+        )
+
+    def load(skip):
+        loader = make_loader(root / "s.list", batch_size=2, num_workers=0, skip_bad=skip)
+        assert sum(len(batch["keys"]) for batch in loader) == 1
+        return loader.last_summary["ranks"][0]["dropped"]
+
+    return {
+        "pack wav.scp": lambda skip: pack_data(None, root / "text", root / f"out-w{skip}", wav_scp=root / "wav.scp", skip_bad=skip, progress=False).dropped,
+        "pack a NeMo manifest": pack(manifest=root / "m.json"),
+        "pack a Hugging Face cell's path": pack(hf=str(root / "x.parquet")),
+        "load a list": load,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "route", ["pack wav.scp", "pack a NeMo manifest", "pack a Hugging Face cell's path", "load a list"]
+)
+@pytest.mark.parametrize("bad", ["/dev/zero", "fifo"])
+def test_a_device_or_a_fifo_as_audio_is_refused_by_name_or_counted_never_read(tmp_path, route, bad):
+    """/dev/zero was a bare MemoryError, even with skip_bad; a FIFO hung until killed."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    read = _audio_inputs(tmp_path, str(fifo) if bad == "fifo" else bad)[route]
+    what = "a FIFO \\(named pipe\\)" if bad == "fifo" else "a character device"
+    with never_waiting(fifo):
+        with pytest.raises(InputError, match=rf"cannot be read( as audio: | \()it is {what}, not a regular file"):
+            read(False)
+        assert read(True) in ({"not_a_file": 1}, {"missing_audio": 1})
+
+
+def test_a_fifo_is_read_as_audio_with_allow_pipes_and_a_commands_output_is_bounded(tmp_path, monkeypatch):
+    from seqshard import pack_data
+    from seqshard.formats import audio
+
+    good = write_audio_dir(tmp_path / "audio", utts=1)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "wav.scp").write_text(f"a {fifo}\n")
+    (tmp_path / "text").write_text("a x\n")
+
+    def feed():
+        with open(fifo, "wb") as stream:  # waits for the pack to open it
+            stream.write((good.root / "utt000.wav").read_bytes())
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    report = pack_data(
+        None, tmp_path / "text", tmp_path / "out", wav_scp=tmp_path / "wav.scp", allow_pipes=True, progress=False
+    )
+    feeder.join(timeout=60)
+    assert report.packed == 1
+
+    monkeypatch.setattr(audio, "MAX_AUDIO_FILE_BYTES", 1 << 20)
+    (tmp_path / "wav.scp").write_text("a cat /dev/zero |\n")
+    with pytest.raises(InputError, match=r"'cat /dev/zero' cannot be read as audio: its output is over 1048576 bytes"):
+        pack_data(
+            None, tmp_path / "text", tmp_path / "out2", wav_scp=tmp_path / "wav.scp", allow_pipes=True, progress=False
+        )
+
+
+@pytest.mark.parametrize("bad", ["/dev/zero", "fifo"])
+def test_a_device_or_a_fifo_as_an_ark_or_a_frame_shift_is_refused_never_read(tmp_path, bad):
+    from seqshard import ConfigError, pack_data
+
+    data = write_kaldi_dir(tmp_path / "k", speakers=1, per_speaker=2, arks=1)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    target = str(fifo) if bad == "fifo" else bad
+    lines = data.scp.read_text().splitlines()
+    key, value = lines[0].split()
+    lines[0] = f"{key} {target}:{value.rsplit(':', 1)[1]}"
+    (tmp_path / "feats.scp").write_text("\n".join(lines) + "\n")
+    with never_waiting(fifo):
+        with pytest.raises(InputError, match=rf"cannot read ark '{re.escape(target)}': it is a"):
+            pack_data(tmp_path / "feats.scp", data.text, tmp_path / "o1", progress=False)
+        report = pack_data(tmp_path / "feats.scp", data.text, tmp_path / "o2", skip_bad=True, progress=False)
+        assert report.dropped == {"not_a_file": 1} and report.packed == 1
+        (data.root / "frame_shift").symlink_to(target)
+        with pytest.raises(ConfigError, match=r"frame_shift: it is a .*Fix: make it a file holding the frame shift"):
+            pack_data(data.scp, data.text, tmp_path / "o3", progress=False)

@@ -153,7 +153,11 @@ FEATURES = {"type": "array", "frame_shift": 0.01, "num_features": 80}
         ({"duration": float("nan")}, r"its duration \(seconds\) is nan, not a finite number"),
         ({"duration": -1}, r"its duration \(seconds\) is -1, not >= 0"),
         ({"duration": "x"}, r"its duration \(seconds\) is 'x', not a number"),
-        ({"duration": 1e12}, r"lasts 1000000000000.0 s, 100000000000000 frames of 10.0 ms: beyond 2147483647 frames"),
+        ({"duration": 1e12}, r"its duration \(seconds\) is 1000000000000.0, not >= 0 and <= 21474836.47"),
+        (
+            {"duration": 1e6, "features": {**FEATURES, "frame_shift": 1e-4}},
+            r"lasts 1000000.0 s, 10000000000 frames of 0.1 ms: beyond 2147483647 frames",
+        ),
         ({"features": {**FEATURES, "frame_shift": 0}}, r"frame_shift \(seconds\) is 0, not > 0"),
         ({"features": {**FEATURES, "frame_shift": "x"}}, r"frame_shift \(seconds\) is 'x', not a number"),
         ({"features": {**FEATURES, "num_features": 2.5}}, r"num_features is 2.5, not a whole number"),
@@ -165,6 +169,18 @@ def test_a_hostile_number_in_shar_cuts_is_named_with_its_file_line_and_field(tmp
         ShardError, match=rf"cuts\.000000\.jsonl\.gz at byte \d+: (cut 'cut-1' \(line 2\): )?.*{message}"
     ):
         shar_index(folder)
+
+
+@pytest.mark.parametrize("duration", [float("inf"), float("nan"), -1, "x", 1e12])
+def test_with_skip_bad_a_cut_whose_duration_is_not_one_is_counted_and_the_others_read(tmp_path, duration):
+    """It refused the whole folder at make_loader, skip_bad or not."""
+    folder = write_cuts(tmp_path / "shar", [cut(0), cut(1, duration=duration), cut(2)])
+    with pytest.raises(ShardError, match=r"cut 'cut-1' \(line 2\): its duration \(seconds\) is"):
+        make_loader(folder, batch_size=2, num_workers=0)
+    loader = make_loader(folder, batch_size=2, num_workers=0, shuffle=False, fields=["txt"], skip_bad=True)
+    assert [text for batch in loader for text in batch["texts"]] == ["text 0", "text 2"]
+    rank = loader.last_summary["ranks"][0]
+    assert rank["dropped"] == {"bad_duration": 1} and rank["planned"] == 3 == rank["utts"] + 1
 
 
 def test_shar_cuts_are_read_and_counted(tmp_path):

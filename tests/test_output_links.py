@@ -2,6 +2,8 @@
 each writer, given a symbolic link that leads out, refuses it by name before it writes, and the
 user's file where the link points is left as it was."""
 
+import os
+import re
 import shutil
 
 import numpy as np
@@ -9,7 +11,11 @@ import pytest
 
 from seqshard import add_field, pack_data
 from seqshard.errors import OutputError
+from seqshard.formats.files import open_output
+from seqshard.formats.lock import FolderLock
+from seqshard.formats.tar import ShardWriter
 from seqshard.prep.binarize import binarize
+from seqshard.prep.journal import Journal
 from seqshard.tools.cmvn import CmvnStats, write_cmvn
 from seqshard.tools.index import rebuild_index
 
@@ -79,3 +85,59 @@ def test_a_writer_refuses_a_link_out_of_its_folder_and_leaves_the_users_file(tmp
     assert str(victim) in str(error.value)
     assert sorted(p.name for p in victim.iterdir()) == before  # nothing new there, nothing gone
     assert all(p.read_bytes() == USERS for p in victim.iterdir())
+
+
+# (the name in the folder written that is a hard link to the user's file; set-up; the writer)
+HARD_LINKED = {
+    "pack: the lock": (".seqshard.lock", None, lambda p, s: _pack(p, s)),
+    "add-field: the lock": (".seqshard.lock", "copy", lambda p, s: add_field(s, "spk", p.out / "spk")),
+    "index: the lock": (".seqshard.lock", "copy", lambda p, s: rebuild_index(s, progress=False)),
+    "add-field: its journal": (".seqshard-pack/field-spk-1.jsonl", "copy", lambda p, s: Journal(s, "1", "field-spk").append({"a": 1})),
+    "binarize: its temporary": (".train.bin.partial", "units", lambda p, s: binarize(s / "lines.txt", s / "train", s / "units", append_eos=False, progress=False)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", HARD_LINKED)
+def test_a_writer_refuses_a_hard_link_to_a_users_file_and_leaves_it(tmp_path, packed, spk_source, case):
+    name, setup, write = HARD_LINKED[case]
+    shards, users = tmp_path / "shards", tmp_path / "users-file"
+    if setup == "copy":
+        _copy(packed, shards)
+    else:
+        shards.mkdir()
+        if setup == "units":
+            _units(shards)
+    users.write_bytes(USERS)
+    (shards / name).parent.mkdir(exist_ok=True)
+    os.link(users, shards / name)
+
+    with pytest.raises(OutputError, match=rf"{re.escape(name)}: is a file with 2 names \(hard links\).*Fix: remove it"):
+        write(packed, shards)
+
+    assert users.read_bytes() == USERS and os.stat(users).st_nlink == 2
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_a_partial_shard_that_has_other_names_is_neither_resumed_nor_emptied(tmp_path, resume):
+    users = tmp_path / "users-file"
+    writer = ShardWriter(tmp_path / "data-00000.tar")
+    writer.add("a", [("txt", [b"x"])])
+    part = writer.written()
+    writer.close()
+    os.replace(writer.temp_path, users)
+    os.link(users, writer.temp_path)
+    before = users.read_bytes()
+
+    with pytest.raises(OutputError, match=r"is a file with 2 names"):
+        ShardWriter(tmp_path / "data-00000.tar", resume=part if resume else None)
+
+    assert users.read_bytes() == before
+
+
+def test_a_lock_or_output_that_is_a_fifo_is_refused_without_waiting_for_a_reader(tmp_path):
+    lock = tmp_path / ".seqshard.lock"
+    os.mkfifo(lock)
+    with pytest.raises(OutputError, match=r"\.seqshard\.lock: is a FIFO \(named pipe\)"):
+        FolderLock(tmp_path, "seqshard index").acquire()
+    with pytest.raises(OutputError, match=r"\.seqshard\.lock: is a FIFO \(named pipe\)"):
+        open_output(lock)

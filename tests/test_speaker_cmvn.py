@@ -9,11 +9,13 @@ as statistics accumulated over exactly those frames imply."""
 
 from __future__ import annotations
 
+import logging
+
 import kaldiio
 import numpy as np
 import pytest
 
-from conftest import REALDATA
+from conftest import REALDATA, write_kaldi_dir
 from seqshard import ConfigError, InputError, make_loader, pack_data
 
 FSDD = REALDATA / "kaldi/kaldi-pr1626-fsdd-digits"  # 10 utterances of one speaker, MFCC, DM statistics
@@ -127,6 +129,7 @@ def test_a_cmvn_scp_by_utterance_without_utt2spk(fsdd, tmp_path):
         ("utt2spk", "no_speaker", "utt2spk"),
         ("cmvn.scp", "no_cmvn", "cmvn.scp"),
         ("dim", "bad_cmvn", "cmvn.scp:2"),
+        ("mean", "bad_cmvn", r"cmvn.scp:2 \(key 'spk001'\): the statistics give a mean of 1e\+30"),
     ],
 )
 def test_a_missing_speaker_or_bad_statistics_stop_the_pack_before_a_shard_or_are_counted(
@@ -144,6 +147,8 @@ def test_a_missing_speaker_or_bad_statistics_stop_the_pack_before_a_shard_or_are
         stats[speaker] = np.stack(
             [np.append(frames[:, :dim].sum(0), len(frames)), np.append((frames[:, :dim] ** 2).sum(0), 0)]
         )
+        if damage == "mean" and speaker == "spk001":
+            stats[speaker][0, 0] = 1e30 * len(frames)  # was packed, and applied as it is
     if damage == "cmvn.scp":
         del stats["spk002"]
     kaldiio.save_ark(str(tmp_path / "cmvn.ark"), stats, scp=str(tmp_path / "cmvn.scp"))
@@ -168,19 +173,76 @@ def test_the_loader_refuses_what_cannot_normalize(fsdd, packed):
 
 
 @pytest.mark.parametrize(
-    ("mean", "norm_vars", "named"),
-    [(1e300, False, "means are beyond"), (1e30, True, "offsets"), (1e30, False, None), (-3.0, True, None)],
+    ("mean", "square", "norm_vars", "named"),
+    [
+        (1e300, 1.0, False, r"a mean of 1e\+300 in dimension 0 \(of 3 beyond 1e\+10\)"),
+        (1e30, 1e60, False, r"a mean of 1e\+30 in dimension 0"),  # was applied as it is
+        (1e30, 1e60, True, r"a mean of 1e\+30 in dimension 0"),
+        (3.0, 1e24, True, r"a standard deviation of 1e\+12 in dimension 0"),
+        (3.0, 1e24, False, None),  # means only: the squares play no part
+        (-3.0, 3.0, True, None),  # a negative variance: floored, as Kaldi floors it
+    ],
 )
-def test_statistics_whose_normalization_overflows_float_are_refused_not_applied_as_infinity(mean, norm_vars, named):
+def test_statistics_beyond_any_features_are_refused_not_applied(mean, square, norm_vars, named):
     from seqshard.features.speaker_cmvn import SpeakerCmvn, stats_problem
 
     count, dim = 10.0, 3
-    stats = np.array([[mean * count] * dim + [count], [abs(mean) * count] * dim + [0.0]])
+    stats = np.array([[mean * count] * dim + [count], [square * count] * dim + [0.0]])
     feats = np.ones((4, dim), dtype=np.float32)
     if named is None:
         assert stats_problem(stats, dim) is None
-        assert np.isfinite(SpeakerCmvn(norm_vars).normalize(feats, stats)).all()
+        assert np.abs(SpeakerCmvn(norm_vars).normalize(feats, stats)).max() < 1e11
         return
     with pytest.raises(ValueError, match=named):
         SpeakerCmvn(norm_vars).normalize(feats, stats)
-    assert (stats_problem(stats, dim) is None) == norm_vars  # pack refuses what no loader could apply
+    assert (stats_problem(stats, dim) is None) == ("deviation" in named)  # pack refuses absurd means
+
+
+def _speaker_shards(tmp_path, edit):
+    """A Kaldi dir of 3 speakers ``flooredNNN`` packed with utt2spk and each speaker's exact
+    statistics, changed by ``edit(stats)`` first; returns the dir and the shards."""
+    data = write_kaldi_dir(tmp_path / "d", speakers=3, per_speaker=3, prefix="floored")
+    speakers = {key: key.split("-")[0] for key in data.keys}
+    (tmp_path / "utt2spk").write_text("".join(f"{k} {s}\n" for k, s in speakers.items()))
+    stats = {}
+    for speaker in sorted(set(speakers.values())):
+        frames = np.concatenate([data.arrays[k] for k, s in speakers.items() if s == speaker]).astype(np.float64)
+        stats[speaker] = np.stack([np.append(frames.sum(0), len(frames)), np.append((frames**2).sum(0), 0)])
+    edit(stats)
+    kaldiio.save_ark(str(tmp_path / "cmvn.ark"), stats, scp=str(tmp_path / "cmvn.scp"))
+    pack_data(
+        data.scp, data.text, tmp_path / "shards", utt2spk=tmp_path / "utt2spk", cmvn_scp=tmp_path / "cmvn.scp",
+        progress=False,
+    )  # fmt: skip
+    return data, stats, tmp_path / "shards"
+
+
+def test_a_zero_sum_of_squares_is_floored_as_kaldi_does_and_said_once_naming_the_speaker(tmp_path, caplog):
+    """It was applied without a word (features up to 9.5e10)."""
+
+    def zero_squares(stats):
+        stats["floored001"][1, :3] = 0.0  # dimensions 0-2: a negative variance, floored at 1e-20
+
+    data, stats, shards = _speaker_shards(tmp_path, zero_squares)
+    with caplog.at_level(logging.WARNING, logger="seqshard"):
+        normalized, _ = batch_of(shards, cmvn="speaker", cmvn_norm_vars=True)
+    for key, feats in normalized.items():
+        np.testing.assert_array_equal(feats, kaldi_apply_cmvn(data.arrays[key], stats[key.split("-")[0]], True))
+    said = [r.getMessage() for r in caplog.records if "floored at 1e-20" in r.getMessage()]
+    assert len(said) == 1, said  # once for the speaker's 3 utterances
+    assert "speaker 'floored001' give dimension(s) 0, 1, 2 a variance below 1e-20" in said[0]
+    assert "multiplied by 1e+10" in said[0] and "compute-cmvn-stats" in said[0]
+
+
+def test_an_absurd_variance_is_refused_by_the_loader_or_counted(tmp_path):
+    def absurd(stats):
+        stats["floored002"][1, 4] = 1e30 * stats["floored002"][0, -1]  # a standard deviation of 1e15
+
+    _, _, shards = _speaker_shards(tmp_path, absurd)
+    with pytest.raises(InputError, match=r"standard deviation of 1e\+15 in dimension 4") as error:
+        batch_of(shards, cmvn="speaker", cmvn_norm_vars=True)
+    assert error.value.reason == "bad_cmvn"
+    loader = make_loader(shards, batch_size=100, num_workers=0, cmvn="speaker", cmvn_norm_vars=True, skip_bad=True)
+    assert sum(len(batch["keys"]) for batch in loader) == 6
+    assert loader.last_summary["ranks"][0]["dropped"] == {"bad_cmvn": 3}
+    assert sum(len(b["keys"]) for b in make_loader(shards, batch_size=100, num_workers=0, cmvn="speaker")) == 9

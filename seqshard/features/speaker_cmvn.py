@@ -7,19 +7,29 @@ each frame gets ``-mean`` added; with them (``--norm-vars``), ``var = sumsq / co
 (floored at 1e-20), ``scale = 1 / sqrt(var)``, ``offset = -mean * scale``, and each frame
 becomes ``frame * scale + offset``. Offsets and scales are computed in double precision and
 kept as float, as Kaldi keeps them, then applied to float features, so the result is Kaldi's
-to the last bit for float32 input.
+to the last bit for float32 input. A variance floored is said, as Kaldi's ``Flooring cepstral
+variance`` warning says it, once per speaker and process, naming the speaker.
+
+Statistics beyond what any features have are refused, not applied: a mean, or with variances a
+standard deviation, beyond :data:`MAX_STATISTIC` (1e10) in any dimension. Kaldi's features
+(fbank, MFCC, PLP, pitch) lie within about 1e3, raw FFT values of 16-bit audio within 2e7; a
+mean of 1e10 subtracted from float32 features leaves them nothing of their own (float32 keeps
+7 digits), so such statistics are damaged, or those of other data.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import numpy as np
 
+_LOG = logging.getLogger("seqshard")
+
 STATS_FIELD = "cmvn"  # the sample field holding its speaker's statistics (``KEY.cmvn.npy``)
 SPEAKER_FIELD = "spk"  # the sample field holding its speaker (``KEY.spk.txt``)
 VARIANCE_FLOOR = 1.0e-20  # Kaldi's
-FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_STATISTIC = 1.0e10  # the largest mean, or standard deviation, statistics may give (see above)
 
 
 def stats_problem(stats: np.ndarray, dim: int | None = None) -> str | None:
@@ -34,9 +44,28 @@ def stats_problem(stats: np.ndarray, dim: int | None = None) -> str | None:
     count = float(stats[0, -1])
     if count < 1.0:
         return f"the statistics count {count:g} frames (Kaldi needs at least 1)"
-    if np.abs(stats[0, :-1] / count).max() > FLOAT32_MAX:
-        return "the statistics' means are beyond float features' range (3.4e38)"
-    return None
+    return _beyond("mean", stats[0, :-1] / count)
+
+
+def _beyond(what: str, values: np.ndarray) -> str | None:
+    """Why ``values`` (a mean or a standard deviation per dimension) are absurd, or None."""
+    far = np.flatnonzero(~(np.abs(values) <= MAX_STATISTIC))
+    if len(far) == 0:
+        return None
+    return (
+        f"the statistics give a {what} of {values[far[0]]:.3g} in dimension {far[0]} (of {len(far)} beyond "
+        f"{MAX_STATISTIC:.0e}): no features lie there (damaged statistics, or those of other data)"
+    )
+
+
+def variances(stats: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each dimension's variance, floored at Kaldi's :data:`VARIANCE_FLOOR`, and the dimensions
+    floored (their variance below the floor: zero, or negative from inconsistent statistics)."""
+    count = stats[0, dim]
+    mean = stats[0, :dim] / count
+    variance = stats[1, :dim] / count - mean * mean
+    floored = np.flatnonzero(variance < VARIANCE_FLOOR)
+    return np.maximum(variance, VARIANCE_FLOOR), floored
 
 
 @dataclass(frozen=True)
@@ -55,14 +84,46 @@ class SpeakerCmvn:
         if problem is not None:
             raise ValueError(problem)
         dim = feats.shape[1]
-        count = stats[0, dim]
-        mean = stats[0, :dim] / count
+        mean = stats[0, :dim] / stats[0, dim]
         feats = np.asarray(feats, dtype=np.float32)
         if not self.norm_vars:
             return feats + (-mean).astype(np.float32)
-        variance = np.maximum(stats[1, :dim] / count - mean * mean, VARIANCE_FLOOR)
+        variance, _ = variances(stats, dim)
+        problem = _beyond("standard deviation", np.sqrt(variance))
+        if problem is not None:
+            raise ValueError(problem)
         scale = 1.0 / np.sqrt(variance)
         offset = -(mean * scale)
-        if np.abs(offset).max() > FLOAT32_MAX:
-            raise ValueError("the statistics' offsets (-mean / std) are beyond float features' range (3.4e38)")
         return feats * scale.astype(np.float32) + offset.astype(np.float32)
+
+
+class FlooredVariances:
+    """Says, once per speaker (and for the first :data:`SPEAKERS_SAID` speakers), that its
+    variances were floored, as Kaldi's ``apply-cmvn`` warns (``Flooring cepstral variance``)."""
+
+    SPEAKERS_SAID = 20
+
+    def __init__(self) -> None:
+        self._said: set[str] = set()
+
+    def check(self, stats: np.ndarray, dim: int, speaker: str, where: object) -> None:
+        if speaker in self._said or len(self._said) > self.SPEAKERS_SAID:
+            return
+        _, floored = variances(stats, dim)
+        if len(floored) == 0:
+            return
+        self._said.add(speaker)
+        if len(self._said) > self.SPEAKERS_SAID:
+            _LOG.warning("further speakers whose variances are floored are not named")
+            return
+        _LOG.warning(
+            "%s: the statistics of %s give dimension(s) %s a variance below %g (zero, or negative: statistics that do "
+            "not add up), floored at %g as Kaldi's apply-cmvn floors it: those dimensions are multiplied by %.0e. "
+            "Check the statistics (compute-cmvn-stats), or leave cmvn_norm_vars off",
+            where,
+            speaker,
+            ", ".join(map(str, floored[:10])) + (" ..." if len(floored) > 10 else ""),
+            VARIANCE_FLOOR,
+            VARIANCE_FLOOR,
+            VARIANCE_FLOOR**-0.5,
+        )

@@ -10,10 +10,12 @@ blob stored in an ark (ESPnet's and k2's wav-in-ark).
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
 import subprocess
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -22,6 +24,7 @@ import numpy as np
 
 from ..errors import InputError, Where, counted, option
 from .fields import AUDIO_EXTENSIONS
+from .files import NotAFileError, open_input, read_bounded, read_input
 
 if TYPE_CHECKING:
     from soundfile import SoundFile
@@ -44,6 +47,7 @@ LOSSY_SUBTYPES = (  # codecs that decode to approximations of 16-bit (or fewer) 
 )
 ESTIMATED_LENGTH_FORMATS = ("MP3", "OGG")  # their headers give an estimated frame count, not an exact one
 DECODE_BLOCK_SAMPLES = 1 << 20  # samples decoded at a time (4 MB of float32)
+MAX_AUDIO_FILE_BYTES = 1 << 32  # an audio file is read whole: 4 GiB is 18 h of 16 kHz 16-bit stereo
 MAX_FRAMES_PER_BYTE = 8192  # beyond any codec's reach (a FLAC frame holds <= 65535 frames in >= 10 bytes)
 
 
@@ -96,15 +100,19 @@ def parse_wav_location(value: str, root: Path | None = None) -> WavLocation:
 
 
 def read_location(location: WavLocation, where: Where, allow_pipes: bool = False) -> bytes:
-    """The encoded audio of an entry (the file's bytes, the ark's blob or the command's output)."""
+    """The encoded audio of an entry (the file's bytes, the ark's blob or the command's output),
+    the one way every route reads audio by path: only a regular file (a FIFO with
+    ``allow_pipes``), of at most :data:`MAX_AUDIO_FILE_BYTES` (InputError ``not_a_file``)."""
     if location.is_pipe:
         return _run_pipe(location, where, allow_pipes)
     try:
-        with open(location.path, "rb") as stream:
-            if location.offset is None:
-                return stream.read()
+        if location.offset is None:
+            return read_audio_file(location.path, allow_pipes)
+        with os.fdopen(open_input(location.path), "rb") as stream:
             stream.seek(location.offset)
             return _riff_blob(stream, location, where)
+    except NotAFileError as error:
+        raise not_audio(location.path, error, where) from None
     except OSError as error:
         raise InputError(
             where,
@@ -114,23 +122,38 @@ def read_location(location: WavLocation, where: Where, allow_pipes: bool = False
         ) from None
 
 
+def read_audio_file(path: str | Path, allow_pipes: bool = False) -> bytes:
+    """The bytes of the audio file ``path``: a regular file (a FIFO with ``allow_pipes``) of at
+    most :data:`MAX_AUDIO_FILE_BYTES`, else NotAFileError (an OSError) saying what it is."""
+    return read_input(path, MAX_AUDIO_FILE_BYTES, allow_pipes, "one audio file")
+
+
+def not_audio(path: str | Path, error: NotAFileError, where: Where) -> InputError:
+    """The error for an audio path that is no audio file (a device, a FIFO, too large)."""
+    if error.errno == errno.EFBIG:
+        fix = "cut the recording into shorter files (or give their segments of it in shorter files)."
+    else:
+        fix = f"name the audio file itself (to read a FIFO, pass {option('allow_pipes')})."
+    return InputError(where, "not_a_file", f"{str(path)!r} cannot be read as audio: {error.strerror}.", fix)
+
+
 def header_seconds(location: WavLocation, where: Where) -> float | None:
-    """The duration a file's header gives, read without decoding the audio; None for pipes,
-    for formats whose headers only estimate it (MP3, OGG), for a header that declares more
-    frames than its bytes can hold, and for anything unreadable (the full read reports those)."""
+    """The duration a file's header gives, read without decoding the audio; None for pipes
+    (and FIFOs), for formats whose headers only estimate it (MP3, OGG), for a header that
+    declares more frames than its bytes can hold, and for anything unreadable (the full read
+    reports those)."""
     import soundfile
 
     if location.is_pipe:
         return None
     try:
-        if location.offset is None:
-            info = soundfile.info(location.path)
-            size = os.path.getsize(location.path)
-        else:
-            with open(location.path, "rb") as stream:
+        with os.fdopen(open_input(location.path), "rb") as stream:
+            if location.offset is None:
+                info, size = soundfile.info(stream), os.fstat(stream.fileno()).st_size
+            else:
                 stream.seek(location.offset)
                 blob = _riff_blob(stream, location, where)
-            info, size = soundfile.info(io.BytesIO(blob)), len(blob)
+                info, size = soundfile.info(io.BytesIO(blob)), len(blob)
     except (OSError, RuntimeError, InputError):
         return None
     if info.format in ESTIMATED_LENGTH_FORMATS or info.samplerate <= 0 or info.frames > MAX_FRAMES_PER_BYTE * size:
@@ -174,16 +197,28 @@ def _run_pipe(location: WavLocation, where: Where, allow_pipes: bool) -> bytes:
             skippable=False,
         )
     # a shell, as Kaldi runs its pipes: the user allowed commands from this data
-    result = subprocess.run(location.path, shell=True, capture_output=True, check=False)
-    if result.returncode != 0:
-        message = result.stderr.decode("utf-8", "replace").strip()[-300:].rstrip(".")
+    with (
+        tempfile.TemporaryFile() as errors,
+        subprocess.Popen(location.path, shell=True, stdout=subprocess.PIPE, stderr=errors) as process,
+    ):
+        assert process.stdout is not None
+        data = read_bounded(process.stdout, MAX_AUDIO_FILE_BYTES)
+        if len(data) > MAX_AUDIO_FILE_BYTES:
+            process.kill()
+            raise not_audio(
+                location.path, NotAFileError(errno.EFBIG, f"its output is over {MAX_AUDIO_FILE_BYTES} bytes"), where
+            )
+        code = process.wait()
+        errors.seek(max(0, os.fstat(errors.fileno()).st_size - 4096))
+        message = errors.read().decode("utf-8", "replace").strip()[-300:].rstrip(".")
+    if code != 0:
         raise InputError(
             where,
             "unreadable_audio",
-            f"the command {location.path!r} failed (exit code {result.returncode}): {message}.",
+            f"the command {location.path!r} failed (exit code {code}): {message}.",
             "run the command in a shell to see why (a program missing from PATH, such as flac or sox, exits 127).",
         )
-    return result.stdout
+    return data
 
 
 def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = None) -> Audio:

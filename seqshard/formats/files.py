@@ -1,7 +1,11 @@
 """Writing output files safely: complete or absent under their final name, with the mode the
 user's umask gives, errors that name the file (disk full, read-only, no permission), and only
 inside the folder being written: :func:`inside` refuses a path that a symbolic link leads out
-of it, and files are opened without following a link at their own name (:func:`open_output`).
+of it, and files are opened without following a link at their own name and only when they are
+regular files with no other name (:func:`open_own`): nothing is written into a user's file that
+a hard link brought into the folder. Inputs read by path are opened by :func:`open_input`:
+regular files only (a FIFO where pipes are allowed), checked on the opened descriptor, so that
+a device such as ``/dev/zero`` or a FIFO never fills memory or hangs a reader.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import contextlib
 import errno
 import json
 import os
+import select
+import stat
 import tempfile
 import time
 import zlib
@@ -88,17 +94,125 @@ def _first_link(folder: Path, path: Path) -> Path | None:
 
 
 def open_output(path: Path, append: bool = False) -> int:
-    """A descriptor of ``path`` opened for writing (created, emptied unless ``append``), never
-    through a symbolic link at ``path`` itself (OutputError naming it)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_APPEND if append else os.O_TRUNC)
+    """A descriptor of ``path`` opened for writing (created, emptied unless ``append``): see
+    :func:`open_own`."""
+    return open_own(path, os.O_WRONLY | (os.O_APPEND if append else os.O_TRUNC))
+
+
+def open_own(path: Path, flags: int) -> int:
+    """``path`` opened with ``flags`` (and created when absent) as a file seqshard may write in
+    place: a regular file with no other name. Never through a symbolic link at ``path`` itself;
+    a hard link to another file, a FIFO or a device there is refused (OutputError naming it)
+    before a byte is written or cut (``O_TRUNC`` is applied after the check; the open does not
+    wait for a FIFO's reader)."""
+    opened = (flags & ~os.O_TRUNC) | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
     try:
-        return os.open(path, flags, 0o666)
+        descriptor = os.open(path, opened, 0o666)
     except OSError as error:
         if error.errno == errno.ELOOP:
             raise OutputError(
                 path, f"is a symbolic link (to {os.readlink(path)}): refusing to write through it.", "remove the link."
             ) from None
+        if error.errno == errno.ENXIO:  # a FIFO that no one reads, opened for writing only
+            raise _not_own(path, "a FIFO (named pipe)") from None
         raise OutputError.from_os_error(path, error) from None
+    try:
+        found = os.fstat(descriptor)
+        if not stat.S_ISREG(found.st_mode):
+            raise _not_own(path, file_kind(found.st_mode))
+        if found.st_nlink > 1:
+            raise _not_own(
+                path,
+                f"a file with {found.st_nlink} names (hard links)",
+                "writing it would change that file under its other names too",
+            )
+        os.set_blocking(descriptor, True)
+        if flags & os.O_TRUNC:
+            os.ftruncate(descriptor, 0)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _not_own(path: Path, what: str, why: str = "it is not a file to write") -> OutputError:
+    return OutputError(
+        path,
+        f"is {what}: seqshard writes only regular files of its own here ({why}).",
+        "remove it (a hard link's other names keep their content); seqshard then makes a file of its own.",
+    )
+
+
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` (``st_mode``) is, as messages name it."""
+    for test, kind in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a regular file"
+
+
+class NotAFileError(OSError):
+    """An input that is not a regular file: a device (``/dev/zero``), a FIFO where none is
+    allowed, a folder, a socket; or a file beyond what may be read whole. An OSError, so that
+    every reader reports it as a file it cannot open (``strerror`` says what it is)."""
+
+
+def open_input(path: str | Path, pipes: bool = False) -> int:
+    """A descriptor of the input ``path``, opened for reading when it is a regular file, or with
+    ``pipes`` (``allow_pipes``) a FIFO, once its writer has come (as Kaldi waits for it).
+    Anything else is :class:`NotAFileError`, found before it is opened (opening a FIFO lets its
+    writer in, opening a device may act) and again on the opened descriptor, before a byte is
+    read; the open itself never waits."""
+    _input_kind(os.stat(path).st_mode, path, pipes)
+    descriptor = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        if _input_kind(os.fstat(descriptor).st_mode, path, pipes) == "fifo":
+            waiting = select.poll()  # data, or an end, once a writer came (none is said before)
+            waiting.register(descriptor, select.POLLIN)
+            waiting.poll()
+        os.set_blocking(descriptor, True)
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _input_kind(mode: int, path: str | Path, pipes: bool) -> str:
+    """``file`` or (with ``pipes``) ``fifo``; else NotAFileError saying what ``path`` is."""
+    if stat.S_ISREG(mode):
+        return "file"
+    if pipes and stat.S_ISFIFO(mode):
+        return "fifo"
+    raise NotAFileError(errno.EINVAL, f"it is {file_kind(mode)}, not a regular file", str(path))
+
+
+def read_input(path: str | Path, limit: int, pipes: bool = False, what: str = "a file") -> bytes:
+    """The whole of the input ``path`` (:func:`open_input`), at most ``limit`` bytes: a larger
+    file (its size checked before it is read) or FIFO is :class:`NotAFileError`."""
+    with os.fdopen(open_input(path, pipes), "rb") as stream:
+        found = os.fstat(stream.fileno())
+        piped = stat.S_ISFIFO(found.st_mode)
+        data = read_bounded(stream, limit) if piped else b"" if found.st_size > limit else stream.read(found.st_size)
+    if len(data) > limit or found.st_size > limit:
+        raise NotAFileError(errno.EFBIG, f"it holds more than the {limit} bytes seqshard reads as {what}", str(path))
+    return data
+
+
+def read_bounded(stream: BinaryIO, limit: int) -> bytes:
+    """What ``stream`` (a pipe) gives until its end, or its first ``limit + 1`` bytes: read a
+    MiB at a time (``read(limit + 1)`` would allocate all of it at once)."""
+    chunks, size = [], 0
+    while size <= limit and (chunk := stream.read(min(1 << 20, limit + 1 - size))):
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 def write_json_atomic(path: Path, data: Any, root: str | Path | None = None, sync: bool = True) -> None:

@@ -13,9 +13,12 @@ is allocated for it, and inflating stops at the limit.
 from __future__ import annotations
 
 import gzip
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+from .files import open_input
 
 MAX_INFLATION = 200  # a compressed item may inflate to this many times its size
 MAX_INFLATED_BYTES = 1 << 30  # and never beyond this (an hour of 80-dim float32 features is 115 MB)
@@ -56,15 +59,17 @@ class BoundedLines:
     def __init__(self, path: str | Path, start: int = 0, compressed: bool | None = None):
         self.path = str(path)
         compressed = self.path.endswith(".gz") if compressed is None else compressed
-        self._stream: BinaryIO = gzip.open(path, "rb") if compressed else open(path, "rb")  # type: ignore[assignment]  # noqa: SIM115
+        file = os.fdopen(open_input(path), "rb")  # a regular file: a FIFO or a device is refused
+        self._stream: BinaryIO = gzip.GzipFile(fileobj=file, mode="rb") if compressed else file  # type: ignore[assignment]
+        self._file = file
         self._allowed: int | None = None
         self.position = start  # decompressed bytes before the next line
         try:
             if compressed:
-                self._allowed = inflation_limit(Path(path).stat().st_size, capped=False)
+                self._allowed = inflation_limit(os.fstat(file.fileno()).st_size, capped=False)
             self._stream.seek(start)
         except BaseException:
-            self._stream.close()
+            self.close()
             raise
 
     def readline(self) -> bytes:
@@ -92,6 +97,7 @@ class BoundedLines:
 
     def close(self) -> None:
         self._stream.close()
+        self._file.close()  # a GzipFile leaves the file it was given open
 
 
 def numbered_lines(

@@ -5,7 +5,8 @@ hold an ``fcntl.flock`` on a lock file in it while they write, and record in the
 are (pid, host, command, since). A second writer is refused with a message naming the first,
 before it has read or written anything, so neither loses the other's work. The lock is the
 kernel's: it goes with its process however that ends (SIGKILL included), so a killed run never
-leaves a folder locked, and the file left behind is harmless. Parts of one pack
+leaves a folder locked, and the file left behind is harmless. The lock file is a regular file
+of its own: a hard link to another file (or a FIFO, a device) at its name is refused, not written. Parts of one pack
 (``--num-parts``) share the lock with each other and exclude every other writer.
 
 On a file system without locks (some network file systems) the writer goes on without one
@@ -28,7 +29,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ..errors import SeqshardError
-from .files import inside, writing
+from .files import inside, open_own, writing
 
 _LOG = logging.getLogger("seqshard")
 LOCK_NAME = ".seqshard.lock"
@@ -66,8 +67,7 @@ class FolderLock:
         with writing(self.path):
             self.folder.mkdir(parents=True, exist_ok=True)
         while True:
-            with writing(self.path):
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+            fd = open_own(self.path, os.O_RDWR)  # a fresh file, or one no other name shares
             try:
                 self.alone = self._try(fd, fcntl.LOCK_EX)
                 if not self.alone and not (self.shared and self._wait_shared(fd)):

@@ -63,6 +63,7 @@ class ShardSelection:
     folders: dict[Path, list[Path]] = field(default_factory=dict)
     indexes: dict[Path, ShardIndex | None] = field(default_factory=dict)
     missing: list[MissingShard] = field(default_factory=list)
+    skip_bad: bool = False  # a Lhotse Shar cut with a bad duration is counted when read, not refused here
 
     @property
     def paths(self) -> list[Path]:
@@ -82,11 +83,11 @@ def missing_error(missing: Sequence[MissingShard]) -> ShardError:
     )
 
 
-def select_shards(patterns: Patterns) -> ShardSelection:
+def select_shards(patterns: Patterns, skip_bad: bool = False) -> ShardSelection:
     """The shards named by ``patterns`` (see the module docstring), each file once however
     it is spelled (``a/../b``, a link); raises ConfigError for an alternative that selects
-    nothing at all."""
-    selection = ShardSelection()
+    nothing at all. ``skip_bad``: see :func:`~.peers.shar.shar_index`."""
+    selection = ShardSelection(skip_bad=skip_bad)
     missing: dict[Path, MissingShard] = {}
     selected: dict[str, Path] = {}  # real path -> the spelling selected
     for pattern in pattern_list(patterns):
@@ -126,7 +127,9 @@ def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
     """The folder's index.json, or the facts of a Lhotse Shar folder (its field files are
     then sidecars, never shards) or of a NeMo tarred set (from its manifest)."""
     if folder not in selection.indexes:
-        selection.indexes[folder] = shar_index(folder) or ShardIndex.load(folder) or nemo_index(folder)
+        selection.indexes[folder] = (
+            shar_index(folder, selection.skip_bad) or ShardIndex.load(folder) or nemo_index(folder)
+        )
     return selection.indexes[folder]
 
 

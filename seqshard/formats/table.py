@@ -75,12 +75,12 @@ class SelectedFolder:
 
 
 def select_folders(
-    patterns: Patterns, access: RemoteAccess | None = None
+    patterns: Patterns, access: RemoteAccess | None = None, skip_bad: bool = False
 ) -> tuple[list[SelectedFolder], list[MissingShard]]:
     """The shards of ``patterns``, local ones (see :func:`select_shards`) then remote ones
     (URLs, lists naming URLs: :mod:`.remote_selection`), grouped by folder; and the missing."""
     local, remote = split_patterns(patterns)
-    selection = select_shards(local) if local else ShardSelection()
+    selection = select_shards(local, skip_bad) if local else ShardSelection()
     folders = [
         SelectedFolder(str(folder), selection.indexes[folder], [str(p) for p in paths])
         for folder, paths in selection.folders.items()
@@ -224,12 +224,15 @@ class ShardTable:
     lengths: ShardLengths = field(default_factory=lambda: ShardLengths.of([]), compare=False)  # each shard's
 
     @classmethod
-    def from_patterns(cls, patterns: Patterns, access: RemoteAccess | None = None) -> ShardTable:
+    def from_patterns(
+        cls, patterns: Patterns, access: RemoteAccess | None = None, skip_bad: bool = False
+    ) -> ShardTable:
         """Expand brace/glob ``patterns`` (local paths, URLs, lists) and read each folder's
         ``index.json``; remote sizes and index facts go into ``access`` (the cache checks its
-        copies against them). Local shards come first, then remote ones, each in pattern order."""
+        copies against them). Local shards come first, then remote ones, each in pattern order.
+        ``skip_bad``: a bad sample that a folder's facts show is left to the reader to count."""
         access = access or RemoteAccess()
-        folders, missing = select_folders(patterns, access)
+        folders, missing = select_folders(patterns, access, skip_bad)
         gathered = _Gathered(access)
         for folder in folders:
             gathered.add_folder(folder.name, folder.index, folder.shards)

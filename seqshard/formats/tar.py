@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ShardError
-from .files import fsync_directory, inside, open_output, writing
+from .files import fsync_directory, inside, open_input, open_output, writing
 from .keys import split_member_name
 from .members import MemberTable, TableBuilder, has_table_format, table_path
 from .prefetch import ReadAhead
@@ -263,7 +263,7 @@ class MappedBytes:
     def __init__(self, path: str, ahead: ReadAhead | None = None, file: BinaryIO | None = None):
         self.path = path
         self._ahead = ahead
-        self._file = file or open(path, "rb")  # noqa: SIM115 (open until close(): chunks are mapped from it)
+        self._file = file or os.fdopen(open_input(path), "rb")  # open until close(): chunks are mapped from it
         self.size = os.fstat(self._file.fileno()).st_size
         self._chunk = memoryview(b"")
         self._chunk_start = self._chunk_end = 0
@@ -518,6 +518,7 @@ def _open_for_reading(path: str, read_ahead: bool, access: RemoteAccess | None) 
         return source
     try:
         if path.endswith((".gz", ".tgz")):
+            os.close(open_input(path))  # a regular file (a FIFO or a device would hang or never end)
             return _StreamedBytes(gzip.open(path, "rb"))  # type: ignore[arg-type]
         return MappedBytes(path, access.read_ahead() if read_ahead and access is not None else None)
     except OSError as error:

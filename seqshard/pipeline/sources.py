@@ -78,10 +78,10 @@ def open_sources(
     """The table of what ``patterns`` (or a mux of them) select, with the missing-shard rule
     applied; the mix's set-up when it is one."""
     if isinstance(patterns, Mux):
-        table, mix = mixed_table(patterns, access)
+        table, mix = mixed_table(patterns, access, options.bad_data.skip_bad)
         check_epoch_source(mix, options.epochs.epoch_source)
     else:
-        table, mix = ShardTable.from_patterns(patterns, access), None
+        table, mix = ShardTable.from_patterns(patterns, access, options.bad_data.skip_bad), None
     check_missing(table, options.bad_data)
     return table, mix
 
@@ -110,13 +110,13 @@ def check_missing(table: ShardTable, bad_data: BadData) -> None:
         raise ConfigError("none of the selected shards exists (all are missing).")
 
 
-def mixed_table(mix: Mux, access: RemoteAccess) -> tuple[ShardTable, MixSetup]:
+def mixed_table(mix: Mux, access: RemoteAccess, skip_bad: bool = False) -> tuple[ShardTable, MixSetup]:
     """The combined shard table of the mux's leaves, and where each leaf's shards are."""
     tables: dict[int, ShardTable] = {}
 
     def table_of(leaf: Patterns) -> ShardTable:
         if id(leaf) not in tables:
-            tables[id(leaf)] = ShardTable.from_patterns(leaf, access)
+            tables[id(leaf)] = ShardTable.from_patterns(leaf, access, skip_bad)
         return tables[id(leaf)]
 
     def size_of(leaf: Patterns) -> float:

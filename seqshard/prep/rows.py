@@ -25,7 +25,7 @@ import numpy as np
 
 from ..checks import NumberError, read_number
 from ..errors import SeqshardError, Where
-from ..formats.files import inside, write_atomic, write_json_atomic, writing
+from ..formats.files import inside, open_input, write_atomic, write_json_atomic, writing
 from ..formats.pack_state import STATE_DIR
 from ..formats.peers.kaldi import parse_line, parse_location
 from ..formats.peers.keytable import line_at
@@ -169,7 +169,7 @@ class TableLines:
         path = self.path(chunk)
         descriptor = self._descriptors.get(path)
         if descriptor is None:
-            descriptor = self._descriptors[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            descriptor = self._descriptors[path] = open_input(path)
         source = self.job.source
         parse = source.parse if table == "utts" else parse_line
         if table == "labels" and source.texts_inside:

@@ -37,6 +37,7 @@ from ..formats.audio import (
     store,
 )
 from ..formats.fields import NODATA
+from ..formats.files import NotAFileError, read_input
 from ..formats.keys import key_problem
 from ..formats.npy import npy_parts
 from ..formats.peers.kaldi import MatrixReader, parse_line
@@ -51,6 +52,7 @@ FEATURE_MEMBER, LABEL_MEMBER = "feats.npy", "txt"  # what a packed feature sampl
 NUM_FRAMES_FILE = "utt2num_frames"
 DURATIONS_FILE = "utt2dur"
 FRAME_SHIFT_FILE = "frame_shift"
+FRAME_SHIFT_BYTES = 4096  # what is read of it (a number)
 AUDIO_SHIFT_MS = 10.0  # audio lengths are counted in 10 ms frames (those fbank makes)
 Members = list[tuple[str, list[Any]]]
 Progress = Callable[[str, int], Callable[[int], None]] | None
@@ -511,7 +513,12 @@ def _frame_shift_ms(files: Sequence[Path]) -> float:
     """Kaldi's ``frame_shift`` file (seconds) next to the first scp, else 10 ms."""
     candidate = Path(files[0]).parent / FRAME_SHIFT_FILE
     try:
-        text = candidate.read_text(encoding="utf-8", errors="replace")
+        text = read_input(candidate, FRAME_SHIFT_BYTES).decode("utf-8", errors="replace")
+    except NotAFileError as error:
+        raise ConfigError(
+            f"{candidate}: {error.strerror}. Fix: make it a file holding the frame shift in seconds (such as 0.01), "
+            "or remove it (10 ms is assumed)."
+        ) from None
     except OSError:
         return 10.0
     try:

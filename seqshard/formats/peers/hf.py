@@ -33,7 +33,7 @@ import numpy as np
 
 from ...checks import NumberError, read_number, shown
 from ...errors import ConfigError, InputError, Where, option
-from ..audio import Audio, decode_audio
+from ..audio import Audio, decode_audio, read_audio_file
 from ..inflation import MAX_INFLATION, MIN_INFLATION_LIMIT, inflation_limit
 from .arrow_ipc import DamagedMessage, batch_sizes
 
@@ -543,7 +543,7 @@ def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tu
         try:  # a path too long or holding NUL is an OSError or ValueError of its own
             path = Path(cell["path"])
             path = path if path.is_absolute() or path.is_file() else folder / path
-            data = path.read_bytes()
+            data = read_audio_file(path)  # a regular file of bounded size, not a device or a FIFO
         except (OSError, ValueError) as error:
             said = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
             raise InputError(

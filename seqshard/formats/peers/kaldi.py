@@ -24,6 +24,7 @@ from typing import BinaryIO
 import numpy as np
 
 from ...errors import InputError, Where, option
+from ..files import NotAFileError, open_input
 from ..inflation import LineTooLong, numbered_lines
 
 _LOG = logging.getLogger("seqshard")
@@ -253,7 +254,14 @@ class MatrixReader:
         stream = self._files.pop(path, None)
         if stream is None:
             try:
-                stream = open(path, "rb", buffering=1 << 20)  # noqa: SIM115 (kept open in the cache)
+                stream = os.fdopen(open_input(path), "rb", buffering=1 << 20)  # kept open in the cache
+            except NotAFileError as error:
+                raise InputError(
+                    where,
+                    "not_a_file",
+                    f"cannot read ark {path!r}: {error.strerror}.",
+                    "name the ark file itself (an ark is read at offsets: write a pipe's output to a file first).",
+                ) from None
             except OSError as error:
                 raise InputError(
                     where,

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from ...errors import InputError, SkipCounter, Where
+from ..files import NotAFileError, open_input
 from ..index import MAX_LENGTH  # utterance lengths are held as int32 (frames, or 10 ms of audio)
 from ..keys import key_hash
 from .kaldi import ASCII_WHITESPACE, iter_lines, long_line, parse_line
@@ -125,7 +126,7 @@ class KeyTable:
         file_id = int(self.file_ids[row])
         descriptor = self._files.get(file_id)
         if descriptor is None:
-            descriptor = self._files[file_id] = os.open(self.files[file_id], os.O_RDONLY | os.O_CLOEXEC)
+            descriptor = self._files[file_id] = open_input(self.files[file_id])
         return self.parse(line_at(descriptor, int(self.offsets[row])), self.where(row), False)
 
     def find(self, key: str) -> tuple[int, str] | None:
@@ -282,7 +283,17 @@ def line_at(descriptor: int, start: int, piece: int = 512) -> bytes:
 def _count_lines(path: Path) -> int:
     lines = 0
     last = b"\n"
-    with open(path, "rb", buffering=0) as stream:
+    try:
+        descriptor = open_input(path)
+    except NotAFileError as error:  # the one check of each table file: it is counted before it is read
+        raise InputError(
+            Where(path),
+            "not_a_file",
+            f"cannot be read as a table: {error.strerror}.",
+            "give a regular file (seqshard reads a table more than once: write a pipe's output to a file first).",
+            skippable=False,
+        ) from None
+    with os.fdopen(descriptor, "rb", buffering=0) as stream:
         while chunk := stream.read(8 << 20):
             lines += chunk.count(b"\n")
             last = chunk[-1:]

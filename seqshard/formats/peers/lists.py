@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 
 from ...errors import ConfigError, InputError, Where
 from ..audio import WavLocation, parse_wav_location, read_location
+from ..files import NotAFileError
 from ..inflation import BoundedLines, LineTooLong, numbered_lines
 from ..keys import key_hash
 from ..patterns import SHARD_SUFFIXES, is_shard_name
@@ -58,7 +59,7 @@ def shard_list(path: Path) -> list[str] | None:
     if first is None or first.lstrip().startswith(b"{"):
         return None  # a raw list (an empty one is reported as such)
     lines = []
-    for number, _, raw in numbered_lines(path):
+    for number, _, raw in list_lines(path):
         if not isinstance(raw, bytes):
             raise ConfigError(f"{path} line {number}: {raw}; a list names one shard a line.")
         try:
@@ -75,8 +76,19 @@ def shard_list(path: Path) -> list[str] | None:
     return [line if is_remote(line) else str(resolve(line, path)) for _, line in lines]
 
 
-def _problem(error: InputError) -> bytes:
-    """An error carried as a field to the stage that reports it per sample."""
+def list_lines(path: str | Path) -> Iterator[tuple[int, int, bytes | LineTooLong]]:
+    """The lines of a list (or manifest) file (``inflation.numbered_lines``): a regular file
+    (ConfigError for a FIFO, a device or a folder: it is read more than once, and a device
+    never ends)."""
+    try:
+        yield from numbered_lines(path)
+    except NotAFileError as error:
+        raise ConfigError(f"{path}: {error.strerror}: a list is read more than once; write it to a file.") from None
+
+
+def carried_problem(error: InputError) -> bytes:
+    """An error carried as a field (:data:`READ_ERROR_FIELD`) to the stage that reports it per
+    sample (counted under ``skip_bad``)."""
     return "\t".join((error.reason, error.problem, error.fix or "")).encode()
 
 
@@ -87,7 +99,7 @@ def scan_list(path: Path, key_of: Callable[[bytes], str] | None = None) -> int:
     reported when the loader reaches them."""
     key_of = key_of or _key_of
     keys = []
-    for number, _, line in numbered_lines(path):
+    for number, _, line in list_lines(path):
         if not isinstance(line, bytes):
             keys.append(key_hash(f"{line} (line {number})"))  # read as a bad sample, told then
         elif line.strip():
@@ -109,7 +121,7 @@ def scan_list(path: Path, key_of: Callable[[bytes], str] | None = None) -> int:
 def first_line(path: Path) -> bytes | None:
     """The first line of a file that is not blank (None when there is none); ConfigError
     when it is beyond the line bound (``inflation.MAX_LINE_BYTES``)."""
-    for number, _, line in numbered_lines(path):
+    for number, _, line in list_lines(path):
         if not isinstance(line, bytes):
             raise ConfigError(f"{path} line {number}: {line}. Fix: remove the line, or split it (one entry a line).")
         if line.strip():
@@ -191,7 +203,7 @@ class ListSampleStream:
             record = self._parse(line, where)
         except InputError as error:  # one bad line is one bad sample, not the end of the list
             record = {"key": f"line-{self.ordinal + 1}"}
-            fields[READ_ERROR_FIELD] = _problem(error)
+            fields[READ_ERROR_FIELD] = carried_problem(error)
         else:
             if self._read_data:
                 fields.update(self._audio(record))
@@ -228,7 +240,7 @@ class ListSampleStream:
             if error.reason == "missing_audio":
                 fix = f"check the path (relative paths are taken from path_root={self.path_root!s})."
                 error = InputError(error.where, error.reason, error.problem, fix if self.path_root else RELATIVE_PATHS)
-            return {READ_ERROR_FIELD: _problem(error)}
+            return {READ_ERROR_FIELD: carried_problem(error)}
 
     def _parse(self, line: bytes, where: Where) -> dict:
         """A line as a record with ``key``, ``wav`` and optional ``txt``, ``start``, ``end``

@@ -28,13 +28,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 from ...checks import NumberError, read_number
-from ...errors import ConfigError, ShardError, redact
+from ...errors import ConfigError, InputError, ShardError, Where, redact
 from ..fields import NODATA
 from ..index import MAX_LENGTH, FieldSet, ShardEntry, ShardIndex, SidecarEntry, length_bin
 from ..inflation import BoundedLines, InflationError
 from ..patterns import SHAR_CUTS
 from ..remote.access import is_remote
 from ..tar import TarRecord, TarStream
+from .lists import READ_ERROR_FIELD, carried_problem
 
 CUTS = "cuts"  # what lhotse calls the cuts "field"; their files name the shards
 FEATURES = "features"  # the field lhotse keeps features in: a Shar folder's feature field
@@ -45,6 +46,7 @@ META = "_meta"  # NAME_meta: the manifest of field NAME
 JSONL_EXTENSIONS = (".jsonl.gz", ".jsonl")
 FIELD_FILE = re.compile(r"(?P<field>[^.]+)(?P<id>(?:\.[^.]+)*?)\.(?:tar|tar\.gz|jsonl|jsonl\.gz)")
 DEFAULT_SHIFT_MS = 10.0
+MAX_CUT_SECONDS = MAX_LENGTH * DEFAULT_SHIFT_MS / 1000  # 248 days: a length in 10 ms frames fits int32
 OUT_OF_STEP_FIX = "write the field again with lhotse's SharWriter, in the order of the cuts"
 
 
@@ -178,6 +180,13 @@ class CutStream(_JsonLines):
     def _fields(self, line: _Line) -> dict[str, bytes | memoryview]:
         fields: dict[str, bytes | memoryview] = {CUT_SUFFIX: line.text}
         try:
+            cut_duration(line.record)
+        except NumberError as error:  # the index gave it a frame (skip_bad): counted when decoded
+            problem = f"cut {line.key!r} (line {line.ordinal + 1} of {self.path}): {error}."
+            fields[READ_ERROR_FIELD] = carried_problem(
+                InputError(Where(self.path), "bad_duration", problem, "correct the cut, or leave it out.")
+            )
+        try:
             text = supervision_text(line.record)
         except (AttributeError, TypeError, ValueError):
             raise ShardError(
@@ -268,10 +277,12 @@ class FieldTarStream:
         return TarRecord(key, fields, data.offset, self.ordinal - 1)
 
 
-def shar_index(folder: Path) -> ShardIndex | None:
+def shar_index(folder: Path, skip_bad: bool = False) -> ShardIndex | None:
     """What a Shar folder holds, as the index of a folder of shards (its cuts files), or None
     when ``folder`` holds no Shar cuts. ConfigError when a shard lacks a field file that the
-    others have (naming both); ShardError for a cuts file that cannot be read."""
+    others have (naming both); ShardError for a cuts file that cannot be read, or a cut whose
+    duration is not one (:func:`cut_duration`): with ``skip_bad`` such a cut is one frame long
+    here, and the reader counts it (:class:`CutStream`)."""
     if not folder.is_dir():
         return None
     names = sorted(path.name for path in folder.iterdir() if not path.name.startswith("."))
@@ -283,7 +294,7 @@ def shar_index(folder: Path) -> ShardIndex | None:
     if not cuts:
         return None
     files = _field_files(folder, names, cuts)
-    facts = {shard: _cut_facts(folder / name) for shard, name in cuts.items()}
+    facts = {shard: _cut_facts(folder / name, skip_bad) for shard, name in cuts.items()}
     features = next((manifest for _, _, manifest in facts.values() if manifest is not None), None)
     shift = features[0] * 1000 if features else DEFAULT_SHIFT_MS
     entries = []
@@ -366,17 +377,29 @@ def _field_files(folder: Path, names: list[str], cuts: dict[str, str]) -> dict[s
     return files
 
 
-def _cut_facts(path: Path) -> tuple[list[float], list[int], tuple[float, int] | None]:
+def cut_duration(cut: dict) -> float:
+    """A cut's duration (seconds); NumberError unless it is a number >= 0 and at most
+    :data:`MAX_CUT_SECONDS`."""
+    return float(read_number("its duration (seconds)", cut.get("duration"), at_least=0, at_most=MAX_CUT_SECONDS))  # type: ignore[arg-type]
+
+
+def _cut_facts(path: Path, skip_bad: bool) -> tuple[list[float], list[int], tuple[float, int] | None]:
     """The duration of every cut of a cuts file (seconds) and the offset of its line, and the
     frame shift (seconds) and dimension of the first features manifest of its cuts; ShardError
-    naming the cut and the field when one is not a number of its kind (a duration: finite and
-    >= 0; a frame shift: > 0; a dimension: a whole number >= 1)."""
+    naming the cut and the field when one is not a number of its kind (a duration:
+    :func:`cut_duration`, 0 with ``skip_bad``; a frame shift: > 0; a dimension: a whole number
+    >= 1)."""
     durations, offsets, features = [], [], None
     with CutStream(path, read_data=False) as stream:
         while (line := stream.next_line()) is not None:
             manifest = line.record.get(FEATURES)
             try:
-                durations.append(float(read_number("its duration (seconds)", line.record.get("duration"), at_least=0)))  # type: ignore[arg-type]
+                try:
+                    durations.append(cut_duration(line.record))
+                except NumberError:
+                    if not skip_bad:
+                        raise
+                    durations.append(0.0)  # the reader counts the cut
                 if (
                     features is None
                     and isinstance(manifest, dict)

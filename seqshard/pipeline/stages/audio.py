@@ -21,7 +21,7 @@ from ...errors import InputError, SkipCounter, option
 from ...features.audio import AudioOptions, audio_fbank, check_rate, draw_masks, spec_augment
 from ...features.fbank import FbankOptions, num_frames
 from ...features.on_device import MASKS, NOISE_SEED
-from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
+from ...features.speaker_cmvn import SPEAKER_FIELD, STATS_FIELD, FlooredVariances, SpeakerCmvn
 from ...formats.audio import cut, decode_audio, resample
 from ...formats.fields import AudioBytes, field_name
 from ...formats.peers.lists import SEGMENT_FIELD
@@ -171,6 +171,9 @@ def mix(audio: np.ndarray, noise: np.ndarray, snr_db: float) -> np.ndarray:
     return (audio + scale * noise).astype(np.float32)
 
 
+FLOORED = FlooredVariances()  # said once per speaker and process, not again each epoch
+
+
 class SpeakerNormalize:
     """Kaldi's per-speaker CMVN of a sample's features by its ``cmvn`` field (its speaker's
     statistics), which leaves the sample once applied."""
@@ -191,6 +194,10 @@ class SpeakerNormalize:
             sample.fields[FEATS] = self.cmvn.normalize(sample.fields[FEATS], stats)
         except ValueError as error:
             raise InputError(sample.where(), "bad_cmvn", f"{error}.") from None
+        if self.cmvn.norm_vars:
+            speaker = sample.fields.get(SPEAKER_FIELD)
+            who = f"speaker {speaker!r}" if isinstance(speaker, str) else f"the speaker of {sample.key!r}"
+            FLOORED.check(stats, sample.fields[FEATS].shape[1], who, sample.where())
         return sample
 
 

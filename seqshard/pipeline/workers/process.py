@@ -47,6 +47,7 @@ from ...errors import SeqshardError
 from .protocol import BatchItem, EndItem, ErrorItem, Item, pack
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
+from .transfer import SharedMemoryError, shm_problem
 from .worker import Made, ReaderRun
 
 WATCH_S = 5.0  # how often a waiting worker checks that its parent is alive
@@ -126,10 +127,10 @@ class WorkerLink:
         self.process.join(1.0)
         code = self.process.exitcode
         how = "is still running" if code is None else f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        return (
-            f"seqshard worker {self.worker} (pid {self.process.pid}) stopped unexpectedly ({how}); "
-            "if it was killed for memory (signal 9), try fewer num_workers or smaller windows."
-        )
+        gone = f"seqshard worker {self.worker} (pid {self.process.pid}) stopped unexpectedly ({how})"
+        if code == -signal.SIGBUS:  # what touching shared memory that /dev/shm has no room for does
+            return f"{gone}: a bus error, most often a full /dev/shm. " + shm_problem("its batches", "SIGBUS")
+        return f"{gone}; if it was killed for memory (signal 9), try fewer num_workers or smaller windows."
 
 
 class _Messages:
@@ -391,7 +392,10 @@ def _forking_dumps(value: Any) -> bytes:
 
     import torch.multiprocessing  # noqa: F401 (it registers the reductions)
 
-    return bytes(ForkingPickler.dumps(value))
+    try:
+        return bytes(ForkingPickler.dumps(value))
+    except (RuntimeError, OSError) as error:  # the tensors' shared memory could not be allocated
+        raise SharedMemoryError(shm_problem("a batch too large for its slot (or with no slot free)", error)) from None
 
 
 def _portable(error: BaseException, worker: int) -> BaseException:

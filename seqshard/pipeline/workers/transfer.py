@@ -19,24 +19,51 @@ all), travels the default way.
 A slot's mark says who has it: 0 free, -1 leased to the training process, or the number of
 the iteration whose worker filled it. A slot filled in an abandoned iteration and never
 received is free again in the next one.
+
+Shared memory lives in ``/dev/shm``, which a container often keeps small (64 MB by Docker's
+default): where it is full, the ring, or a batch travelling the default way, cannot be allocated,
+and :class:`SharedMemoryError` says so, with what it wanted, what is free and the options that
+need less (:func:`shm_problem`).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import weakref
 from collections import deque
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...errors import SeqshardError
 from ..stages.collate import aligned
 
 _LOG = logging.getLogger("seqshard")
 
 ALIGN = 64
 FREE, LEASED = 0, -1
+
+
+class SharedMemoryError(SeqshardError, RuntimeError):
+    """Shared memory (``/dev/shm``) could not be allocated: :func:`shm_problem` says why."""
+
+
+def shm_problem(what: str, error: BaseException | str) -> str:
+    """Why ``what`` could not be allocated in shared memory (``error``: torch's or the OS's
+    word), how full ``/dev/shm`` is, and the options that need less of it."""
+    try:
+        found = os.statvfs("/dev/shm")
+        room = f"/dev/shm has {found.f_bavail * found.f_frsize >> 20} MB free of {found.f_blocks * found.f_frsize >> 20} MB"
+    except OSError:
+        room = "no /dev/shm"
+    return (
+        f"{what} could not be allocated in shared memory ({room}): {error}. Fix: fewer num_workers or a smaller "
+        "prefetch_factor (each worker holds prefetch_factor + 3 batches there, + 5 pinned), smaller batches (batch_frames, "
+        "batch_size or budgets), or a larger /dev/shm (a container's --shm-size, e.g. `docker run --shm-size=16g`; "
+        "in Kubernetes an emptyDir of medium Memory mounted at /dev/shm)."
+    )
 
 
 class SlotArray(NamedTuple):
@@ -81,8 +108,12 @@ class BatchSlots:
         self.workers = workers
         self.per_worker = per_worker
         self.slot_bytes = aligned(slot_bytes, ALIGN)
-        self._buffer = torch.empty(workers * per_worker * self.slot_bytes, dtype=torch.uint8).share_memory_()
-        self._marks = context.Array("i", workers * per_worker, lock=False)
+        try:
+            self._buffer = torch.empty(workers * per_worker * self.slot_bytes, dtype=torch.uint8).share_memory_()
+            self._marks = context.Array("i", workers * per_worker, lock=False)
+        except (RuntimeError, OSError) as error:
+            what = f"the batch slots of {workers} reader(s) ({per_worker} of {self.slot_bytes >> 20} MB each)"
+            raise SharedMemoryError(shm_problem(what, error)) from None
         self._memory: np.ndarray | None = None
         self.registrations = 0  # times the ring was registered as pinned memory (once at most)
         self._pinned: bool | None = None  # None: not tried yet
