@@ -324,9 +324,9 @@ class ShardIndex:
             self._by_name = {shard.name: shard for shard in self.shards}
         return self._by_name.get(name)
 
-    def sidecar_names(self) -> set[str]:
+    def sidecar_names(self) -> frozenset[str]:
         """File names of every sidecar listed (they are field files, not shards)."""
-        return {car.name for shard in self.shards for car in shard.sidecars.values()}
+        return frozenset(car.name for shard in self.shards for car in shard.sidecars.values())
 
     def to_json(self) -> dict[str, Any]:
         return {
