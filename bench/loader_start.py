@@ -94,8 +94,7 @@ def main() -> None:
         print(
             f"{shards:>9,} shards: make_loader as rank {args.ranks - 1} of {args.ranks} {found['make_s']:.2f} s; "
             f"one process's make_loader and first batch {found['alone_first_batch_s']:.2f} s; "
-            f"{found['peak_mb']:.0f} MB over imports"
-            + (f" (folder made in {made:.0f} s)" if made > 1 else "")
+            f"{found['peak_mb']:.0f} MB over imports" + (f" (folder made in {made:.0f} s)" if made > 1 else "")
         )
     (args.work / "loader_start.json").write_text(json.dumps(results, indent=1))
 

@@ -309,7 +309,7 @@ def _pack_waves(waves: Waves, run: dict[str, Any], text_files: Sequence[Path], s
 
     records = finished_shards(d_out)
     complete = _write_indexes(job, tasks, records, dim, text_files)
-    report = _report(job, totals, tasks, records, todo, complete, time.perf_counter() - started, dim)
+    report = _report(job, totals, tasks, records, waves.written, complete, time.perf_counter() - started, dim)
     report.resumed_utts = waves.resumed
     if complete:
         for state in (d_out / STATE_DIR).glob("partial-*.json"):  # a checkpoint that ended after its shard

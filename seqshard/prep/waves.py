@@ -95,6 +95,7 @@ class Waves:
         self.files = WaveFiles.of(job)
         self.live = getattr(executor, "live_progress", False)
         self.resumed = 0  # utterances the partial files of a killed run held (continued, not read again)
+        self.written: list[ShardTask] = []  # the shards of the write tasks this run ran
         for folder in self.files.folder.parent.glob(f"{WAVES_DIR}-*"):  # of other inputs: no shard was written
             if folder != self.files.folder:
                 remove_tree(folder)
@@ -187,6 +188,7 @@ class Waves:
 
         def done(call: Call, record: dict[str, Any]) -> None:
             self.resumed += record.get("resumed", 0)
+            self.written += by_key[call.key].shards
             if not self.live:
                 advance(record.get("utts", 0))
 
