@@ -33,7 +33,9 @@ redacted wherever a URL is shown (:func:`seqshard.errors.redact`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -372,22 +374,23 @@ class RemoteAccess:
             )
         return int(size)
 
-    def fetch(self, url: str, start: int, end: int, abandoned: threading.Event | None = None) -> bytes:
+    def fetch(self, url: str, start: int, end: int, abandoned: threading.Event | None = None) -> Chunk:
         """Bytes ``[start, end)`` of ``url``; a short body is a failure (retried, until
         ``abandoned`` is set). RangesIgnored when the server answers with the whole object (the
         server is noted: :meth:`ranges`)."""
         fs, path = self.filesystem(url)
 
-        def call() -> bytes:
+        def call() -> Chunk:
             if _is_http(url):
-                data, ranged = self._http(fs, http_range, url, start, end)
+                pieces, ranged = self._http(fs, http_range, url, start, end)
             else:
-                data, ranged = self._call(fs, "cat_file", path, start=start, end=end, expected=end - start), True
-            if len(data) != end - start:
-                raise BodyError(f"short body: {len(data)} of {end - start} bytes")
+                pieces, ranged = [self._call(fs, "cat_file", path, start=start, end=end, expected=end - start)], True
+            chunk = Chunk(pieces)
+            if chunk.size != end - start:
+                raise BodyError(f"short body: {chunk.size} of {end - start} bytes")
             if ranged:
                 self._servers()[_host(url)] = True
-            return data
+            return chunk
 
         try:
             return self.retrying(url, f"reading bytes {start}-{end}", call, abandoned)
@@ -560,6 +563,23 @@ def _early_chunks(access: RemoteAccess, url: str) -> None:
     )
 
 
+class Chunk:
+    """A fetched range as the pieces the socket gave it in (most reads fall in one piece and
+    are a view of it; one that spans two joins their parts)."""
+
+    __slots__ = ("pieces", "size", "starts")
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+        self.starts = [0, *itertools.accumulate(map(len, pieces))]
+        self.size = self.starts[-1]
+
+    def piece(self, at: int) -> tuple[int, memoryview]:
+        """The piece holding byte ``at`` of the chunk: where it starts in the chunk, and a view."""
+        index = bisect.bisect_right(self.starts, at) - 1
+        return self.starts[index], memoryview(self.pieces[index])
+
+
 class RemoteBytes:
     """A remote object read through ranged requests of ``chunk_bytes``, ``ahead`` of them in
     flight: the byte-source interface of the tar reader (seek, read, skip, close). On a server
@@ -573,7 +593,8 @@ class RemoteBytes:
         self._abandoned, self._chunks = _EARLY.pop(url, None) or (threading.Event(), {})  # set when closed
         self._stream: RemoteStream | None = None  # reads on a server that ignores ranges
         self._pos = 0
-        self._current: tuple[int, bytes] = (-1, b"")  # the chunk read last
+        self._current: tuple[int, Chunk] = (-1, Chunk([]))  # the chunk read last
+        self._base, self._view = 0, memoryview(b"")  # the piece read last: where it starts, a view
         # the index's size is used for planning reads; the server's is checked once, alongside
         # the first chunk, so that a shard replaced since it was indexed is not read as it
         self._checked: Future | None = None
@@ -597,8 +618,8 @@ class RemoteBytes:
             self._chunks[number] = _pool().submit(self._access.fetch, self.path, start, end, self._abandoned)
         return self._chunks[number]
 
-    def _data(self, number: int) -> bytes:
-        if number == self._current[0]:  # most reads fall in the chunk the last one read
+    def _data(self, number: int) -> Chunk:
+        if number == self._current[0]:
             return self._current[1]
         last = (self.size - 1) // self._chunk
         depth = self._access.ahead if self._access.ranges(self.path) else 0  # one request learns a server's ways
@@ -606,9 +627,9 @@ class RemoteBytes:
             self._future(ahead)
         for old in [k for k in self._chunks if k < number]:
             self._chunks.pop(old).cancel()
-        data = self._chunks[number].result()
-        self._current = (number, data)
-        return data
+        chunk = self._chunks[number].result()
+        self._current = (number, chunk)
+        return chunk
 
     def seek(self, position: int) -> None:
         self._pos = position
@@ -624,6 +645,10 @@ class RemoteBytes:
             raise
 
     def _read(self, size: int) -> bytes | memoryview:
+        at = self._pos - self._base
+        if at >= 0 and at + size <= len(self._view):  # most reads: within the piece read last
+            self._pos += size
+            return self._view[at : at + size]
         if self._checked is not None:
             self._check_size()
         end = min(self._pos + size, self.size)
@@ -644,21 +669,20 @@ class RemoteBytes:
         return data
 
     def _ranged(self, end: int) -> bytes | memoryview:
-        first, last = self._pos // self._chunk, (end - 1) // self._chunk
-        if first == last:
-            return memoryview(self._data(first))[self._pos - first * self._chunk : end - first * self._chunk]
-        parts = []
-        for number in range(first, last + 1):
-            chunk = self._data(number)
-            base = number * self._chunk
-            parts.append(chunk[max(self._pos, base) - base : min(end, base + len(chunk)) - base])
-        return memoryview(b"".join(parts))
+        parts, position = [], self._pos
+        while position < end:
+            number = position // self._chunk
+            start, view = self._data(number).piece(position - number * self._chunk)
+            self._base, self._view = number * self._chunk + start, view
+            parts.append(view[position - self._base : end - self._base])
+            position += len(parts[-1])
+        return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
     def _cancel_chunks(self) -> None:
         for future in self._chunks.values():
             future.cancel()
         self._chunks = {}
-        self._current = (-1, b"")
+        self._current, self._base, self._view = (-1, Chunk([])), 0, memoryview(b"")
 
     def close(self) -> None:
         self._abandoned.set()
