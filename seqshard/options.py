@@ -469,7 +469,7 @@ class Remote(OptionGroup):
     cache_limit: str | int | None = None
     remote_retries: int = 4
     remote_timeout: float = 60.0
-    remote_min_rate: float = 256 << 10  # a request slower than this on average, past remote_timeout, has stalled
+    remote_min_rate: float = 256 << 10  # a request's body slower than this over its last remote_timeout: stalled
     allow_pipes: bool = False
 
     def check(self) -> None:
