@@ -19,7 +19,6 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -45,8 +44,10 @@ def make_metadata(folder: Path, utterances: int) -> tuple[Path, Path]:
 
     folder.mkdir(parents=True, exist_ok=True)
     scp, text, frames = folder / "feats.scp", folder / "text", folder / "utt2num_frames"
-    if scp.exists() and sum(1 for _ in open(scp, "rb")) == utterances:
-        return scp, text
+    if scp.exists():
+        with open(scp, "rb") as lines:
+            if sum(1 for _ in lines) == utterances:
+                return scp, text
     ark = folder / "one.ark"
     kaldiio.save_ark(str(ark), {"x": np.zeros((300, 80), dtype=np.float32)}, scp=str(folder / "one.scp"))
     location = (folder / "one.scp").read_text().split()[1]
