@@ -261,6 +261,8 @@ def max_samples(name: str, size: int) -> int:
 
 def _count(field: str, value: Any, at_most: int = MAX_COUNT) -> int:
     """A whole number from 0 to ``at_most`` read from an index (NumberError naming ``field``)."""
+    if type(value) is int and 0 <= value <= at_most:  # nearly every number: checked without a call (500,000 shards)
+        return value
     return int(read_number(field, value, whole=True, at_least=0, at_most=at_most))  # type: ignore[arg-type]
 
 
