@@ -81,7 +81,8 @@ class WriteTask:
     @property
     def name(self) -> str:
         first, last = self.shards[0], self.shards[-1]
-        return f"shards {first.path.name}..{last.path.name}" + (f" of {first.group}" if first.group else "")
+        named = f"shard {first.path.name}" if first is last else f"shards {first.path.name}..{last.path.name}"
+        return named + (f" of {first.group}" if first.group else "")
 
 
 def write_tasks(
