@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distributed import kill, run_ranks, start_ranks
+from gloo_ranks import kill, run_ranks, start_ranks
 from seqshard.formats.npy import npy_parts
 from seqshard.formats.table import ShardTable
 from seqshard.formats.tar import ShardWriter

@@ -5,7 +5,7 @@ to the script, SIGTERM to every process of the job), the script ends with status
 and the job resumes; it says when a run is finished.
 
 The first run of each test is what a user runs (``python examples/train_ddp.py``, torchrun);
-the others run the same script in processes forked from tests/distributed.py's server, which
+the others run the same script in processes forked from tests/gloo_ranks.py's server, which
 has imported torch once (a fresh interpreter, and torchrun's own, cost 2-4 s of CPU each).
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import RankProcess, kill, start_script, wait_for
+from gloo_ranks import RankProcess, kill, start_script, wait_for
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "train_ddp.py"
