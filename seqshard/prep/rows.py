@@ -154,12 +154,11 @@ class TableLines:
 
     def __init__(self, job: PackJob, chunks: Sequence[Chunk]):
         self.job = job
-        self.chunks = {chunk.number: chunk for chunk in chunks}
+        self._paths = {chunk.number: Path(job.table_files(chunk.table)[chunk.file]) for chunk in chunks}
         self._descriptors: dict[Path, int] = {}
 
     def path(self, chunk: int) -> Path:
-        found = self.chunks[chunk]
-        return Path(self.job.table_files(found.table)[found.file])
+        return self._paths[chunk]
 
     def where(self, chunk: int, line: int, key: str | None = None) -> Where:
         return Where(self.path(chunk), line, key)
