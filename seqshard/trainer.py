@@ -14,7 +14,10 @@ next step, another model shape or tokenizer is refused.
 Every ``log_every`` steps rank 0 prints loss, utterances/s, frames/s and the **data-wait
 fraction**: the time spent waiting for the next batch over the step time, the number that says
 whether the loader starves the model. Runs on CPU (gloo) or GPU (nccl), under torchrun or as
-one process.
+one process. A step does not wait for the GPU's bookkeeping: losses and frames are read once a
+log line, DDP all-reduces the gradients during the backward pass (:class:`StepRunner`), the
+ranks agree on a preemption without waiting (:class:`Preemption`), and the progress bar counts
+planned utterances without walking the epoch's plan.
 """
 
 from __future__ import annotations
