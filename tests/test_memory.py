@@ -14,7 +14,7 @@ from torch import nn
 from trainer_probe import SCENARIOS
 
 from conftest import pack_small
-from distributed import start_script, wait_for
+from gloo_ranks import start_script, wait_for
 from seqshard import build_loaders, make_loader, split_batch
 from seqshard.cli import main
 from seqshard.errors import ConfigError
