@@ -295,6 +295,12 @@ def load_settings(args: argparse.Namespace, rank: int) -> tuple[dict[str, Any], 
     return apply_overrides(config, name, args.set), name + (" with --set" if args.set else "")
 
 
+def line(text: str) -> None:
+    """Print ``text`` as one write (ranks share one output: two writes of theirs could interleave)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+
+
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
     """A short hash of which token has which id: a units file's units, ids and split, or a
     SentencePiece model's bytes (a tokenizer of the same size with other ids differs)."""
@@ -797,7 +803,7 @@ def train(args: argparse.Namespace, cuda: bool, preemption: Preemption) -> int:
 
     def say(message: str) -> None:
         if rank == 0:
-            print(message, flush=True)
+            line(message)
 
     steps_file = check_outputs(args, rank)
     checkpoint_path = args.out / "ckpt.pt"
@@ -883,7 +889,7 @@ def train(args: argparse.Namespace, cuda: bool, preemption: Preemption) -> int:
         say(f"epoch {epoch} step {step} {meter.line()} {memory_line(guard, device)}")
         meter.reset()
 
-    runner = StepRunner(model, loss_of, guard, lambda line: print(f"rank {rank} step {step + 1}: {line}", flush=True))
+    runner = StepRunner(model, loss_of, guard, lambda text: line(f"rank {rank} step {step + 1}: {text}"))
     if checkpoint is not None:
         guard.load(checkpoint.get("memory"))
     if args.preflight:
@@ -921,7 +927,7 @@ def train(args: argparse.Namespace, cuda: bool, preemption: Preemption) -> int:
                         save(epoch)
                         say(f"epoch {epoch} step {step} checkpoint saved")
                     if signalled:
-                        print(f"rank {rank}: {signalled}: stopped after step {step}, checkpoint saved", flush=True)
+                        line(f"rank {rank}: {signalled}: stopped after step {step}, checkpoint saved")
                         return 0
                     if stopping:
                         say(
