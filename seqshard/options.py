@@ -588,7 +588,7 @@ class Epochs(OptionGroup):
             )
         if self.uneven == "join" and self.epoch_hours is not None:
             raise ConfigError(
-                "epoch_hours counts hours over all ranks, which needs the ranks to talk at each step; "
+                "epoch_hours counts hours over all ranks, which needs the ranks to talk; "
                 "uneven='join' does not: use epoch_steps, or uneven='stop'."
             )
 

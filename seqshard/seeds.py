@@ -35,6 +35,7 @@ class Seed(IntEnum):
     MIX_PASS = 14  # a mixed source's shard order in each pass (after PLAN)
     TOKEN_BLOCKS = 15  # the order of a language-model epoch's blocks (tokens/blocks.py)
     ESTIMATE = 16  # lengths drawn from the index to estimate an epoch's batches (rank/counts.py)
+    BUCKET_ORDER = 17  # the length bucket of each reader's k-th batch with bucket_sync (stages/buckets.py)
     MIX_ORDER = 0x6D7578  # which source each position of a mixed stream takes (seqshard.mix)
 
 

@@ -24,6 +24,11 @@ Samples that ``skip_bad`` or the label filters (``max_tokens``, frames per token
 are read are not foreseen: the bounds count them (the real count can only be lower), and
 ``why`` says so. Audio measured as it is read (fbank frames, speed perturbation) is allowed
 the difference from the index's 10 ms frames (``AUDIO_SLACK`` frames, the speed factors).
+
+- What a rank surely still makes (:func:`surely_left`, for the ranks' agreement on the end of
+  an epoch: ``epochs.py``): a batch holds at most one batch's worth of unpadded shares, so the
+  shares of the samples left, each at its bin's low end and the fewest that can be left,
+  summed, are a lower bound of its batches whatever the windows and orders.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
 from ..plan import Unit, plan_epoch, planned_utts
 from ..stages.base import Growth
-from ..stages.batching import BatchCost, count_sorted_batches, window_limits
+from ..stages.batching import BatchCost, BucketBudgets, count_sorted_batches, window_limits
 from ..workers.recipe import batch_cost, sort_growth
 from ..workers.setup import WorkerSetup
 from .batch_plan import rest_of_epoch
@@ -103,7 +108,7 @@ def _walked(setup: WorkerSetup, epoch: int, start: RankPosition | None) -> Plann
     lengths, nothing the plan cannot see: ``batch_plan.py``), by walking them; else None."""
     if (setup.table.num_utts or math.inf) > EXACT_UTTS:
         return None
-    position = start if start is not None else RankPosition.fresh(epoch, setup.readers_per_rank, 0)
+    position = start if start is not None else RankPosition.fresh(epoch, setup.readers_per_rank)
     try:
         rest = len(rest_of_epoch(setup, position))
     except SeqshardError:  # NotPlannable, or a table the plan cannot use: the bounds below
@@ -168,6 +173,72 @@ def _reader_batches(
     if not estimate:
         return None
     return (*_drawn_counts(setup, low, high, cost, position, grow), True)
+
+
+Certain = tuple[Lengths, int]  # the samples certainly kept (at their bins' low ends), and all the units hold
+
+
+def certain_lengths(setup: WorkerSetup, units: Sequence[Unit]) -> Certain | None:
+    """The samples of ``units`` that are certainly kept (length filters, ``oversize="drop"``),
+    each at its bin's low end, and how many samples the units hold; None when their shards'
+    index does not say."""
+    bracket = _bracket(setup, units)
+    count = planned_utts(setup.table, units)
+    return None if bracket is None or count is None else (bracket[0], count)
+
+
+def surely_left(setup: WorkerSetup, certain: Certain, remaining: int) -> int:
+    """A lower bound of the batches that ``remaining`` samples not yet taken from units whose
+    certainly kept samples are ``certain`` still make: the shares of the fewest certainly kept
+    samples that can be among them, each its shortest, summed (a batch holds at most 1)."""
+    lengths, count = certain
+    kept = remaining - (count - int(lengths[1].sum()))
+    if kept <= 0:
+        return 0
+    values, counts = _smallest(lengths, kept)
+    share = _least_share(batch_cost(setup.options.batching))
+    shares = sum(share(int(v)) * int(n) for v, n in zip(values, counts) if n)
+    return max(0, math.floor(shares - 1e-6))
+
+
+def surely_first(setup: WorkerSetup, epoch: int) -> int | None:
+    """The batches that every rank surely makes in ``epoch`` from its start (the least over
+    ranks of :func:`surely_left`), from the plan alone; None when an index does not say."""
+    options = setup.options
+    plan = plan_epoch(
+        setup.table,
+        epoch,
+        options.shuffling.seed,
+        setup.world_size,
+        setup.readers_per_rank,
+        options.shuffling.shuffle,
+        options.shuffling.split_shards,
+    )
+    least = math.inf
+    for readers in plan:
+        certain = certain_lengths(setup, [unit for units in readers for unit in units])
+        if certain is None:
+            return None
+        least = min(least, surely_left(setup, certain, certain[1]))
+    return int(least) if plan else 0
+
+
+def unforeseen(setup: WorkerSetup) -> list[str]:
+    """What drops samples as they are read, unforeseen by the index (the label filters,
+    ``skip_bad``)."""
+    options = setup.options
+    named = (("the label filters", options.limits.count_tokens), ("skip_bad", options.bad_data.skip_bad))
+    return [name for name, on in named if on]
+
+
+def _least_share(cost: BatchCost):
+    """A sample's share of a batch, at least (a batch's shares sum to at most 1): the cost's
+    own, and with per-bucket budgets against the largest (a short sample may share a batch of
+    a longer bucket)."""
+    if isinstance(cost, BucketBudgets):
+        most = max(cost.budgets.budgets)
+        return lambda length: min(1.0, length / most)
+    return cost.share
 
 
 def _fixed_size_windows(setup: WorkerSetup, count: int, size: int, grow: Growth | None) -> list[int]:
@@ -392,11 +463,10 @@ def _why_not_exact(setup: WorkerSetup, estimated: bool) -> tuple[str, bool]:
         reasons.append("length filters drop samples the index knows only to a histogram bin")
     if estimated:
         reasons.append(f"readers of several sort windows: bounds estimated over {DRAWS} random orders of their lengths")
-    unforeseen = [name for name, on in (("the label filters", limits.count_tokens), ("skip_bad", options.bad_data.skip_bad),
-                  ("bucket_sync", options.batching.bucket_sync)) if on]  # fmt: skip
-    if unforeseen:
-        reasons.append(f"what {' and '.join(unforeseen)} hold back as they read is not foreseen: fewer batches then")
-    return "; ".join(reasons), not estimated and not unforeseen
+    dropping = unforeseen(setup)
+    if dropping:
+        reasons.append(f"what {' and '.join(dropping)} hold back as they read is not foreseen: fewer batches then")
+    return "; ".join(reasons), not estimated and not dropping
 
 
 def _unknown_why(setup: WorkerSetup) -> str:

@@ -62,9 +62,11 @@ def build_pipeline(
 
         def one_pass(number: int) -> Stage:
             planned = carried if carried is not None and number == first else None
-            return recipe(reader(setup, worker, number, access, planned, None, read_ahead))
+            before = passes.finished.get("batches", 0)  # bucket_sync's draws go on across passes
+            return recipe(reader(setup, worker, number, access, planned, None, read_ahead, before))
 
-        return Passes(one_pass, first)
+        passes = Passes(one_pass, first)
+        return passes
     return recipe(reader(setup, worker, epoch, access, units, None, read_ahead))
 
 
