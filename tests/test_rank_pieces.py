@@ -84,7 +84,7 @@ def run_rules(rules: EpochRules, counts: list[int]) -> tuple[list[int], RankPosi
     process: its agreements cost nothing), and its position after them."""
     position = RankPosition.fresh(0, len(counts))
     stream = MergedStream(workers(counts), position)
-    rules.start(position, None, lambda: None)
+    rules.start(position, None)
     seen = []
     while True:
         if rules.due(position):

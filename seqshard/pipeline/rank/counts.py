@@ -182,7 +182,7 @@ def certain_lengths(setup: WorkerSetup, units: Sequence[Unit]) -> Certain | None
     """The samples of ``units`` that are certainly kept (length filters, ``oversize="drop"``),
     each at its bin's low end, and how many samples the units hold; None when their shards'
     index does not say."""
-    bracket = _bracket(setup, units)
+    bracket = _bracket(setup, units, high=False)
     count = planned_utts(setup.table, units)
     return None if bracket is None or count is None else (bracket[0], count)
 
@@ -199,28 +199,6 @@ def surely_left(setup: WorkerSetup, certain: Certain, remaining: int) -> int:
     share = _least_share(batch_cost(setup.options.batching))
     shares = sum(share(int(v)) * int(n) for v, n in zip(values, counts) if n)
     return max(0, math.floor(shares - 1e-6))
-
-
-def surely_first(setup: WorkerSetup, epoch: int) -> int | None:
-    """The batches that every rank surely makes in ``epoch`` from its start (the least over
-    ranks of :func:`surely_left`), from the plan alone; None when an index does not say."""
-    options = setup.options
-    plan = plan_epoch(
-        setup.table,
-        epoch,
-        options.shuffling.seed,
-        setup.world_size,
-        setup.readers_per_rank,
-        options.shuffling.shuffle,
-        options.shuffling.split_shards,
-    )
-    least = math.inf
-    for readers in plan:
-        certain = certain_lengths(setup, [unit for units in readers for unit in units])
-        if certain is None:
-            return None
-        least = min(least, surely_left(setup, certain, certain[1]))
-    return int(least) if plan else 0
 
 
 def unforeseen(setup: WorkerSetup) -> list[str]:
@@ -257,9 +235,10 @@ def _sort_window(setup: WorkerSetup) -> BudgetWindow | int:
     return setup.options.batching.sort_window or BudgetWindow()
 
 
-def _bracket(setup: WorkerSetup, units: Sequence[Unit]) -> tuple[Lengths, Lengths] | None:
+def _bracket(setup: WorkerSetup, units: Sequence[Unit], high: bool = True) -> tuple[Lengths, Lengths] | None:
     """The reader's lengths for each bound: those certainly kept at their lowest, and those
-    possibly kept at their highest (see the module docstring)."""
+    possibly kept at their highest (see the module docstring; ``high=False``: the first
+    alone, the second empty)."""
     table, options = setup.table, setup.options
     shortest, longest = options.limits.min_frames or 1, options.limits.max_frames or math.inf
     cost = batch_cost(options.batching)
@@ -274,13 +253,15 @@ def _bracket(setup: WorkerSetup, units: Sequence[Unit]) -> tuple[Lengths, Length
         bins = table.lengths.bins(unit.shard)
         if bins is None or shard.num_utts is None:
             return None
-        low, high, counts = _measured(setup, *bins)
-        certain = (low >= shortest) & (high <= longest)
-        possible = (high >= shortest) & (low <= longest)
-        sure = max(0, taken - (int(shard.num_utts) - int(counts[certain].sum())))  # kept, whichever are read
-        low_parts.append(_smallest((low[certain], counts[certain]), sure))
-        capped = np.minimum(high[possible], longest) if math.isfinite(longest) else high[possible]
-        high_parts.append(_largest((capped.astype(np.int64), counts[possible]), taken))
+        lows, highs, counts = _measured(setup, *bins)
+        certain = (lows >= shortest) & (highs <= longest)
+        kept = counts[certain]
+        sure = max(0, taken - (int(shard.num_utts) - int(kept.sum())))  # kept, whichever are read
+        low_parts.append((lows[certain], kept) if sure >= kept.sum() else _smallest((lows[certain], kept), sure))
+        if high:
+            possible = (highs >= shortest) & (lows <= longest)
+            capped = np.minimum(highs[possible], longest) if math.isfinite(longest) else highs[possible]
+            high_parts.append(_largest((capped.astype(np.int64), counts[possible]), taken))
     return _merged(low_parts), _merged(high_parts)
 
 

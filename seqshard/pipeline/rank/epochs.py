@@ -10,23 +10,23 @@ and decides where the epoch ends:
 - ``"join"``: each rank reads all of its data with no communication (for torch's ``Join``).
 
 The ranks do not meet at every step. They agree on a step that every rank surely reaches
-(``RankPosition.agreed``), step to it without talking, and there exchange what they know in
-one collective (an all-reduce of four integers a rank, :meth:`EpochRules.agree`): how many
+(``RankPosition.agreed``; the first time at an epoch's start), step to it without talking, and
+there exchange what they know in one collective (an all-reduce of four integers a rank,
+:meth:`EpochRules.agree`): how many
 batches each surely still hands out (``counts.surely_left`` on the samples it has not taken,
 halved where samples may be dropped as they are read: ``skip_bad``, the label filters; plus
 the batches it took ahead) and whether that is exact (its readers are done); the damaged shards
 each met (``skip_bad``'s budget, judged over all ranks); and each one's part of the epoch's
 length: the frames (``epoch_hours``) or the epoch's source's utterances (``epoch_source``) it
 handed out. The next agreed step is the least of what every rank surely has left and of the
-step where the length will be reached at the rate so far (the first time, the earliest it can
-be). The epoch ends there (``RankPosition.ends``) when a rank whose readers are done has the
+step where the length will be reached at the rate so far (the first time, at the index's mean
+length; a little before while it is far). The epoch ends there (``RankPosition.ends``) when a rank whose readers are done has the
 least left (``"data"``), or at an agreement where the hours or utterances summed over ranks
 have reached the length (``"length"``: an epoch cut by a length is that length or a step or
 two more). A rank with fewer than ``LOOKAHEAD`` batches surely left first takes batches ahead
 (``MergedStream.hold``), so the end is found in one more exchange; one whose shards' index does
 not say what they hold steps ``LOOKAHEAD`` at a time. With an exact count (``epoch_steps``;
-fixed ``batch_size`` with nothing dropped unforeseen) the ranks do not talk at all; at the
-start of an epoch the plan gives every rank what every other surely has (:func:`counts.surely_first`).
+fixed ``batch_size`` with nothing dropped unforeseen) the ranks do not talk at all.
 
 Should a rank run out before the agreed step (its shards held less than their index: a shard
 found damaged under ``skip_bad`` took more than the half kept in reserve), it hands out its last
@@ -172,23 +172,18 @@ class EpochRules:
         """Whether an epoch has a length of its own (steps, hours, a source's pass)."""
         return type(self.length) is not EpochLength
 
-    def start(self, position: RankPosition, exact: int | None, first: Callable[[], int | None]) -> None:
+    def start(self, position: RankPosition, exact: int | None) -> None:
         """Settle, without talking, what an iteration starting at ``position`` knows: the
-        epoch's exact batch count on every rank (``exact``, or None), else at an epoch's start
-        what every rank surely makes (``first()``, from the plan). A resumed position keeps
-        what the ranks had agreed; one moved on otherwise (an elastic resume, skipped
-        batches) makes them agree at once."""
+        epoch's exact batch count on every rank (``exact``, or None; else the ranks agree at
+        once). A resumed position keeps what the ranks had agreed."""
         if position.ends or position.agreed > position.step:
             return
-        length_at = self._first_length_check(position)
         data_at, data_final = NEVER, False
         if exact is not None:
             data_at, data_final = exact, True
-        elif self.together:  # where samples may be dropped, only what a rank holds is sure: it says so at once
-            fresh = position.step == 0 and position.plan is None and not position.held and not self.cautious
-            surely = first() if fresh else None
-            data_at = surely if surely is not None else position.step
-        self._settle(position, data_at, data_final, length_at, False)
+        elif self.together:
+            data_at = position.step
+        self._settle(position, data_at, data_final, self._first_length_check(position), False)
 
     def agree(
         self,

@@ -30,7 +30,7 @@ from . import batch_plan, checkpoint
 from .accounts import EpochAccounts
 from .auto import auto_workers
 from .batch_plan import PlannedBatch
-from .counts import certain_lengths, planned_batches, surely_first, surely_left
+from .counts import certain_lengths, planned_batches, surely_left
 from .cursor import EpochCursor
 from .delivery import Delivery
 from .epochs import epoch_rules
@@ -165,7 +165,7 @@ class ShardLoader:
             # utterances); otherwise the summary comes when the consumer asks for one more batch.
             planned = planned_batches(setup, self.epoch, position, estimate=False)
             exact = planned.total if planned.exact else None
-            rules.start(position, exact if rules.talks else None, lambda: surely_first(setup, position.epoch))
+            rules.start(position, exact if rules.talks else None)
             last = exact if not rules.talks else None  # the ranks that talk know it from the agreement
             stream, left, batch = MergedStream(take, position), self._surely_left(position), None
             while True:
