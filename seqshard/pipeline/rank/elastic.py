@@ -175,7 +175,7 @@ def elastic_position(
 
 def _with_progress(fresh: RankPosition, positions: list[RankPosition], rank: int) -> RankPosition:
     """``fresh`` at the saved epoch's step (the ranks' least), with what the saved ranks had done
-    on the first rank: utterances, frames and per mixed source read, so that epoch lengths
+    on the first rank: utterances (and those skipped unread), frames and per mixed source read, so that epoch lengths
     counted over all ranks (hours, a source's pass) go on where they stood; their counters
     (dropped, filtered, ...) and what they had taken from the plan, so that the first rank's
     summary counts the whole epoch's past and the ranks' summaries add up to the epoch."""
@@ -184,6 +184,8 @@ def _with_progress(fresh: RankPosition, positions: list[RankPosition], rank: int
         fresh.before = merge_counts(*(p.counters() for p in positions))
         fresh.before_planned = sum(p.taken() for p in positions)
         fresh.utts = sum(p.utts for p in positions)
+        fresh.skipped_batches = sum(p.skipped_batches for p in positions)
+        fresh.skipped_utts = sum(p.skipped_utts for p in positions)
         fresh.frames = sum(p.frames for p in positions)
         fresh.padded_frames = sum(p.padded_frames for p in positions)
         for name in ("sources", "sources_all"):
