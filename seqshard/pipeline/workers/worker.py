@@ -25,7 +25,7 @@ from ...errors import SeqshardError
 from ...formats.remote.access import RemoteAccess
 from ..plan import Unit
 from ..stages.base import Stage, State
-from ..stages.batching import Batch, bucket_of
+from ..stages.batching import Batch
 from ..stages.collate import Collator, array_bytes
 from ..stages.mixing import per_source_counts
 from ..stages.passes import Passes
@@ -159,7 +159,6 @@ class ReaderRun:
             len(batch),
             sum(batch.lengths),
             batch.longest * len(batch),
-            bucket_of(batch, self.setup.bucket_bounds),
             slot,
             places,
             per_source_counts(batch.samples, batch.lengths, len(mix.names)) if mix else None,
