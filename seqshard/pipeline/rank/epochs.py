@@ -183,7 +183,7 @@ class EpochRules:
             data_at, data_final = exact, True
         elif self.together:
             data_at = position.step
-        self._settle(position, data_at, data_final, self._first_length_check(position), False)
+        self._settle(position, data_at, data_final, self._first_length_check(position.step), False)
 
     def agree(
         self,
@@ -227,13 +227,14 @@ class EpochRules:
         found = left(sum(item.size for item in stream.held))
         return 0 if found is None else math.floor(found * (CAUTION if self.cautious else 1))
 
-    def _first_length_check(self, position: RankPosition) -> int:
-        """Where an iteration first compares the summed length: at once when alone (free) or
-        resumed, else a little before where the index's lengths say the ranks reach it."""
+    def _first_length_check(self, step: int) -> int:
+        """Where an iteration starting at ``step`` first compares the summed length: at once
+        when alone (free) or resumed, else a little before where the index's lengths say the
+        ranks reach it."""
         if not self.summed:
-            return self._budget_check(position.step)
-        if not self.collectives.context.distributed or position.step:
-            return position.step
+            return self._budget_check(step)
+        if not self.collectives.context.distributed or step:
+            return step
         steps = self.length.target / (self.collectives.context.world_size * self.length.per_step)
         return max(1, math.floor(steps - SHORT * math.sqrt(steps)))
 
@@ -246,8 +247,10 @@ class EpochRules:
             return self._budget_check(step)
         if not self.collectives.context.distributed:
             return step + 1
-        if total <= 0 or step <= 0:
-            return step + max(1, step)
+        if step <= 0:
+            return self._first_length_check(step)
+        if total <= 0:
+            return 2 * step
         left = (self.length.target - total) * step / total
         allowed = max(4, (step + left) / 16) - 1  # an epoch's collectives, less its summary
         if left > CLOSE and agreements + 3 <= allowed:  # room for this one, the exact one and one more

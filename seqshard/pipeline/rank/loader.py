@@ -165,7 +165,8 @@ class ShardLoader:
             # utterances); otherwise the summary comes when the consumer asks for one more batch.
             planned = planned_batches(setup, self.epoch, position, estimate=False)
             exact = planned.total if planned.exact else None
-            rules.start(position, exact if rules.talks else None)
+            # the data's own count (epoch_steps caps an epoch, it does not make the data last)
+            rules.start(position, exact if rules.talks and setup.options.epochs.epoch_steps is None else None)
             last = exact if not rules.talks else None  # the ranks that talk know it from the agreement
             stream, left, batch = MergedStream(take, position), self._surely_left(position), None
             while True:
