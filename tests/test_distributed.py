@@ -421,3 +421,28 @@ def test_a_state_saved_with_batches_taken_ahead_resumes_exactly_and_elastically(
     after = [k for r in three for k in keys_of(r["epochs"][0])]
     handed = [k for rank in before for s in rank for k in s["keys"]]
     assert sorted(handed + after) == sorted(f"s{s}u{i:03d}" for s, n in enumerate(sizes) for i in range(n))
+
+
+def test_samples_dropped_as_read_do_not_leave_a_rank_short_of_the_agreed_end(tmp_path):
+    """check_finite drops samples the index counts: an epoch of a fixed batch size is then not
+    exactly known, and a rank whose shard holds many non-finite samples ends the epoch with the
+    others where its data does, without handing out a batch twice."""
+    folder = tmp_path / "shards"
+    rng = np.random.default_rng(0)
+    for number in range(2):
+        writer = ShardWriter(folder / f"data-{number:05d}.tar")
+        for i in range(60):
+            array = rng.standard_normal((int(rng.integers(5, 40)), DIM)).astype(np.float32)
+            if number == 0 and i % 2 == 0:
+                array[0, 0] = np.nan
+            writer.add(f"s{number}u{i:03d}", [("feats.npy", list(npy_parts(array))), ("txt", [b"x"])])
+        writer.commit()
+    rebuild_index(folder, progress=False)
+    options = dict(
+        batch_size=2, num_workers=0, split_shards=False, shuffle_window=4, sort_window=4, check_finite=True, seed=1
+    )
+    ranks = run_ranks(2, {"pattern": f"{folder}/data-*.tar", "options": options, "epochs": [0]}, tmp_path / "run")
+    epochs = [r["epochs"][0] for r in ranks]
+    assert [len(e["steps"]) for e in epochs] == [15, 15]  # 30 finite samples on one rank: 15 batches
+    assert [e["stats"]["repeated"] for e in epochs] == [0, 0]
+    assert sorted(e["stats"]["dropped"].get("non_finite", 0) for e in epochs) == [0, 30]

@@ -20,8 +20,8 @@ exact where the plan decides it, else bounds that hold, else an estimate that sa
   of more samples than its share of ``SIMULATED_SAMPLES`` (at least two windows) has its count
   scaled from that many.
 
-Samples that ``skip_bad`` or the label filters (``max_tokens``, frames per token) drop as they
-are read are not foreseen: the bounds count them (the real count can only be lower), and
+Samples that ``skip_bad``, ``check_finite``, the label filters (``max_tokens``, frames per
+token), ``transforms`` or a ``recipe`` drop (or change) as they are read are not foreseen: the bounds count them (the real count can only be lower), and
 ``why`` says so. Audio measured as it is read (fbank frames, speed perturbation) is allowed
 the difference from the index's 10 ms frames (``AUDIO_SLACK`` frames, the speed factors).
 
@@ -202,10 +202,16 @@ def surely_left(setup: WorkerSetup, certain: Certain, remaining: int) -> int:
 
 
 def unforeseen(setup: WorkerSetup) -> list[str]:
-    """What drops samples as they are read, unforeseen by the index (the label filters,
-    ``skip_bad``)."""
+    """What may drop (or change) samples as they are read, unforeseen by the index: the label
+    filters, ``skip_bad``, ``check_finite``, ``transforms`` and a ``recipe`` of the user's."""
     options = setup.options
-    named = (("the label filters", options.limits.count_tokens), ("skip_bad", options.bad_data.skip_bad))
+    named = (
+        ("the label filters", options.limits.count_tokens),
+        ("skip_bad", options.bad_data.skip_bad),
+        ("check_finite", options.bad_data.check_finite),
+        ("transforms", bool(options.pipeline.transforms)),
+        ("a recipe of your own", options.pipeline.recipe is not None),
+    )
     return [name for name, on in named if on]
 
 

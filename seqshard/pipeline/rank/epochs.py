@@ -14,7 +14,7 @@ The ranks do not meet at every step. They agree on a step that every rank surely
 there exchange what they know in one collective (an all-reduce of four integers a rank,
 :meth:`EpochRules.agree`): how many
 batches each surely still hands out (``counts.surely_left`` on the samples it has not taken,
-halved where samples may be dropped as they are read: ``skip_bad``, the label filters; plus
+halved where samples may be dropped as they are read: ``counts.unforeseen``; plus
 the batches it took ahead) and whether that is exact (its readers are done); the damaged shards
 each met (``skip_bad``'s budget, judged over all ranks); and each one's part of the epoch's
 length: the frames (``epoch_hours``) or the epoch's source's utterances (``epoch_source``) it
@@ -47,6 +47,7 @@ from ...options import Epochs
 from ..stages.batching import BucketBudgets, FixedSize
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
+from .counts import unforeseen
 from .merge import MergedStream, RankPosition
 
 _LOG = logging.getLogger("seqshard")
@@ -55,6 +56,7 @@ LOOKAHEAD = 16  # batches a rank near its end (or without an index) takes ahead 
 CAUTION = 0.5  # of its batches surely left that a rank counts on when samples may be dropped as read
 BUDGET_CHECKS = 3  # agreements an epoch of epoch_steps holds for skip_bad's budget alone (at least BUDGET_STEPS apart)
 BUDGET_STEPS = 16
+DROPPING = "skip_bad, check_finite, the label filters, transforms"
 CLOSE, SHORT = 8, 1.5  # a length checked more than CLOSE steps ahead is aimed SHORT x its square root before
 
 
@@ -296,7 +298,7 @@ class EpochRules:
             raise SeqshardError(
                 f"rank {rank} has no batch for step {position.step} of epoch {position.epoch}, which every rank "
                 f"surely reaches by what they agreed, and none to hand out again: its readers ran out early "
-                f"(what skip_bad or the label filters dropped as they read took more than its reserve), or this "
+                f"(samples dropped as they were read took more than its reserve: {DROPPING}), or this "
                 "state was saved while it repeated its last batch. Resume from a state saved before that, "
                 "with strict=False, or train with uneven='join' under torch's Join."
             )
@@ -304,8 +306,8 @@ class EpochRules:
             self._warned = True
             _LOG.warning(
                 "seqshard epoch %d rank %d: its readers ran out at step %d, before step %d that every rank "
-                "surely reaches by the lower bound of its batches (what skip_bad or the label filters dropped as "
-                "they read took more than its reserve): it hands out its last batch again up to that step, so "
+                "surely reaches by the lower bound of its batches (samples dropped as they were read took more "
+                f"than its reserve: {DROPPING}): it hands out its last batch again up to that step, so "
                 "that every rank ends the epoch together (stats()['repeated'] counts them).",
                 position.epoch,
                 rank,
@@ -343,6 +345,5 @@ def epoch_rules(setup: WorkerSetup, collectives: Collectives, source: tuple[int,
         length = SourceRead(*source, per_batch(setup, True) * setup.mix.shares[source[0]])
     else:
         length = EpochLength()
-    skip_bad = setup.options.bad_data.skip_bad
-    cautious = bool(skip_bad or setup.options.limits.count_tokens)
-    return EpochRules(epoch_end(epochs.uneven), length, collectives, cautious, skip_bad)
+    cautious = bool(unforeseen(setup))
+    return EpochRules(epoch_end(epochs.uneven), length, collectives, cautious, setup.options.bad_data.skip_bad)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -208,8 +209,9 @@ class ShardLoader:
 
     def _surely_left(self, position: RankPosition) -> Callable[[int], int | None]:
         """What this rank's samples not yet taken, less ``held`` ones, surely still make in
-        batches (``counts.surely_left``; None when its shards' index does not say)."""
-        setup, accounts = self._setup, self._accounts
+        batches (``counts.surely_left``; None when its shards' index does not say); where samples
+        may be dropped as they are read, at the share of those taken so far that were kept."""
+        setup, accounts, cautious = self._setup, self._accounts, self._rules.cautious
         certain: list = []  # found at the first agreement that needs it
 
         def left(held: int) -> int | None:
@@ -219,7 +221,11 @@ class ShardLoader:
             remaining = accounts.planned_utts(position)
             if certain[0] is None or remaining is None:
                 return None
-            return surely_left(setup, certain[0], remaining - held)
+            found = surely_left(setup, certain[0], remaining - held)
+            taken = position.taken()
+            if not cautious or not taken:
+                return found
+            return math.floor(found * (position.utts + position.skipped_utts) / taken)
 
         return left
 
