@@ -210,7 +210,8 @@ class ShardLoader:
     def _surely_left(self, position: RankPosition) -> Callable[[int], int | None]:
         """What this rank's samples not yet taken, less ``held`` ones, surely still make in
         batches (``counts.surely_left``; None when its shards' index does not say); where samples
-        may be dropped as they are read, at the share of those taken so far that were kept."""
+        may be dropped as they are read, at the share of those taken so far that were kept (the
+        rest of a damaged shard aside: it does not make the next shards worse)."""
         setup, accounts, cautious = self._setup, self._accounts, self._rules.cautious
         certain: list = []  # found at the first agreement that needs it
 
@@ -222,10 +223,10 @@ class ShardLoader:
             if certain[0] is None or remaining is None:
                 return None
             found = surely_left(setup, certain[0], remaining - held)
-            taken = position.taken()
-            if not cautious or not taken:
+            taken = position.taken() - position.counters().get("dropped.damaged", 0)  # a damaged shard: once
+            if not cautious or taken <= 0:
                 return found
-            return math.floor(found * (position.utts + position.skipped_utts) / taken)
+            return math.floor(found * min(1.0, (position.utts + position.skipped_utts) / taken))
 
         return left
 
