@@ -169,15 +169,11 @@ class EpochRules:
         self.summed = length.target < math.inf  # a length summed over ranks
         self._warned = False
 
-    @property
-    def capped(self) -> bool:
-        """Whether an epoch has a length of its own (steps, hours, a source's pass)."""
-        return type(self.length) is not EpochLength
-
     def start(self, position: RankPosition, exact: int | None) -> None:
         """Settle, without talking, what an iteration starting at ``position`` knows: the
         epoch's exact batch count on every rank (``exact``, or None; else the ranks agree at
         once). A resumed position keeps what the ranks had agreed."""
+        self._warned = False
         if position.ends or position.agreed > position.step:
             return
         data_at, data_final = NEVER, False
