@@ -151,6 +151,27 @@ def test_states_name_what_differs_and_refuse_what_does_not_fit(table):
     assert checkpoint.check_ranks_agree(identity, ONE)
 
 
+def test_a_bucket_sync_state_of_the_training_processs_queues_is_refused_and_an_old_one_without_is_read(table):
+    """Version 3 kept bucket sync's batches in queues of the training process: such a state does
+    not fit readers that order their own batches; other version 3 states (their queues empty)
+    are read."""
+    options = LoaderOptions(batch_size=4, num_workers=0, bucket_sync=True)
+    setup = make_setup(table, options, 0, 1, None, None)
+    identity = checkpoint.identity(table, options, 1)
+    old = json.loads(json.dumps(checkpoint.state(RankPosition.fresh(1, 1), identity, ONE, gather=True)))
+    old["seqshard_loader_state"] = 3
+    old["ranks"]["0"]["queues"] = [[[0, 1]], [], []]
+    old["ranks"]["0"]["workers"][0]["emitted_above"] = []
+    for strict in (True, False):
+        with pytest.raises(StateMismatchError, match=r"bucket_sync .* held batches back in the training process"):
+            checkpoint.restore(old, identity, setup, None, ONE, strict=strict)
+    plain = LoaderOptions(batch_size=4, num_workers=0)
+    old["identity"] = checkpoint.identity(table, plain, 1)
+    old["ranks"]["0"]["queues"] = []
+    restored = checkpoint.restore(old, old["identity"], make_setup(table, plain, 0, 1, None, None), None, ONE, True)
+    assert restored.epoch == 1 and restored.held == []
+
+
 @pytest.mark.parametrize("taken", [0, 1, 3])
 def test_elastic_remainders_and_what_was_handed_out_make_the_epoch_once(table, taken):
     options = LoaderOptions(batch_size=2, num_workers=2, shuffle_window=4, sort_window=4)
