@@ -314,6 +314,7 @@ def first_step_reaching(per_step: list[int], target: float) -> int:
     return int(np.searchsorted(np.cumsum(per_step), target)) + 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("case", list(AGREEMENT_CASES))
 def test_the_ranks_end_every_epoch_together_in_a_few_collectives(tmp_path, agreement_data, case, world_size):
