@@ -144,7 +144,7 @@ class Batching(OptionGroup):
     64 batches, 2,000 to 16,384 samples, so padding stays low at any budget; a number fixes
     the window's samples); samples over the budget
     go ``"alone"`` or are ``"drop"``ped; ``bucket_sync`` gives every rank batches of one length
-    bucket (of ``num_buckets``) at each step; ``grow_windows``: each epoch's first sort and
+    bucket (of ``num_buckets``, drawn from a shared seed) at most steps; ``grow_windows``: each epoch's first sort and
     shuffle windows are small and grow, so its first batch comes early."""
 
     batch_size: int | None = None
@@ -588,7 +588,7 @@ class Epochs(OptionGroup):
             )
         if self.uneven == "join" and self.epoch_hours is not None:
             raise ConfigError(
-                "epoch_hours counts hours over all ranks, which needs the ranks to talk at each step; "
+                "epoch_hours counts hours over all ranks, which needs the ranks to talk; "
                 "uneven='join' does not: use epoch_steps, or uneven='stop'."
             )
 

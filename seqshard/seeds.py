@@ -36,6 +36,7 @@ class Seed(IntEnum):
     TOKEN_BLOCKS = 15  # the order of a language-model epoch's blocks (tokens/blocks.py)
     ESTIMATE = 16  # lengths drawn from the index to estimate an epoch's batches (rank/counts.py)
     PACK_BUCKET = 17  # the pack-time order of a length group's utterances in one bucket (prep/buckets.py)
+    BUCKET_ORDER = 18  # the length bucket of each reader's k-th batch with bucket_sync (stages/buckets.py)
     MIX_ORDER = 0x6D7578  # which source each position of a mixed stream takes (seqshard.mix)
 
 

@@ -398,5 +398,3 @@ def _entries(folder: Path) -> list[os.DirEntry]:
     system call a shard (an entry's kind comes with the listing; names sort as strings)."""
     with os.scandir(folder) as listing:
         return list(listing)
-
-

@@ -48,7 +48,6 @@ class BatchItem:
     size: int  # samples in the batch
     length: int  # their summed length (batching measure)
     padded: int  # size x longest
-    bucket: int = 0
     slot: int | None = None
     places: tuple[str, ...] = ()  # the names of the arrays in the slot
     by_source: list[list[int]] | None = None  # [utterances, length] per source of a mix
@@ -73,7 +72,6 @@ class BatchItem:
             self.size,
             self.length,
             self.padded,
-            self.bucket,
             self.slot,
             self.places,
             self.by_source,

@@ -46,6 +46,7 @@ from ..plan import Unit
 from ..stages.audio import decode, signal_stages
 from ..stages.base import Filter, Growth, Map, Stage
 from ..stages.batching import BatchCost, BucketBudgets, FixedSize, LengthBudget, SortBatch
+from ..stages.buckets import BucketDraws, BucketSortBatch, bucket_weights
 from ..stages.decode import Decoder
 from ..stages.filters import finite_filter, length_filter
 from ..stages.labels import Labeler, Labels
@@ -86,7 +87,8 @@ class Reader:
     stage of the user's must use. ``units`` replace the reader's planned units of the epoch, and
     ``carry`` the units left of each source's current pass of an endless stream (both: an
     elastic resume); ``access`` reads the shards; ``read_ahead=False`` reads only what the
-    stages ask for.
+    stages ask for; ``batches_before``: the batches the reader made in earlier passes of an
+    endless stream (``bucket_sync`` draws go on from there).
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class Reader:
         units: list[Unit] | None = None,
         carry: Carry | None = None,
         read_ahead: bool = True,
+        batches_before: int = 0,
     ):
         self.setup = setup
         self.options = setup.options
@@ -109,6 +112,7 @@ class Reader:
         self.units = units
         self.carry = carry or {}
         self.read_ahead = read_ahead
+        self.batches_before = batches_before
         self.skip = SkipCounter(True) if self.options.bad_data.skip_bad else None
 
     @property
@@ -223,18 +227,23 @@ class Reader:
         return WindowShuffle(source, shuffling.shuffle_window, self.seed, *self.seed_position, grow=grow)
 
     def batch(self, source: Stage[Sample]) -> SortBatch:
-        batching = self.options.batching
-        return SortBatch(
-            source,
-            batching.sort_window,
-            batch_cost(batching),
-            self.seed,
-            *self.seed_position,
+        """Length-sorted batches; with ``bucket_sync`` each window's in the order of the
+        buckets every rank draws (``stages/buckets.py``)."""
+        batching, cost = self.options.batching, batch_cost(self.options.batching)
+        made = (source, batching.sort_window, cost, self.seed, *self.seed_position)
+        options = dict(
             length=self.setup.length,
             shuffle=self.options.shuffling.shuffle,
             oversize=batching.oversize,
             grow=sort_growth(batching),
         )
+        if not batching.bucket_sync:
+            return SortBatch(*made, **options)
+        bounds = self.setup.bucket_bounds
+        weights = bucket_weights(self.table.length_hist, bounds, cost)
+        shared = (self.worker,) if self.options.epochs.continues_stream else (self.epoch, self.worker)  # no rank
+        draws = BucketDraws(bounds, weights, self.seed, shared)
+        return BucketSortBatch(*made, draws=draws, before=self.batches_before, **options)
 
 
 def sort_growth(batching: Batching) -> Growth | None:

@@ -25,7 +25,7 @@ from ...errors import SeqshardError
 from ...formats.remote.access import RemoteAccess
 from ..plan import Unit
 from ..stages.base import Stage, State
-from ..stages.batching import Batch, bucket_of
+from ..stages.batching import Batch
 from ..stages.collate import Collator, array_bytes
 from ..stages.mixing import per_source_counts
 from ..stages.passes import Passes
@@ -62,9 +62,11 @@ def build_pipeline(
 
         def one_pass(number: int) -> Stage:
             planned = carried if carried is not None and number == first else None
-            return recipe(reader(setup, worker, number, access, planned, None, read_ahead))
+            before = passes.finished.get("batches", 0)  # bucket_sync's draws go on across passes
+            return recipe(reader(setup, worker, number, access, planned, None, read_ahead, before))
 
-        return Passes(one_pass, first)
+        passes = Passes(one_pass, first)
+        return passes
     return recipe(reader(setup, worker, epoch, access, units, None, read_ahead))
 
 
@@ -157,7 +159,6 @@ class ReaderRun:
             len(batch),
             sum(batch.lengths),
             batch.longest * len(batch),
-            bucket_of(batch, self.setup.bucket_bounds),
             slot,
             places,
             per_source_counts(batch.samples, batch.lengths, len(mix.names)) if mix else None,
