@@ -132,7 +132,7 @@ class _Failed:
 @pytest.mark.parametrize("wave", ["scan_task", "bucket_task", "write_task"])
 def test_a_failed_task_costs_only_itself(tmp_path, corpus, small_waves, wave):
     pack_data(corpus.scp, corpus.text, tmp_path / "clean", **COMMON, executor=(clean := SubmitOnly()))
-    with pytest.raises(SeqshardError, match=r"task of (chunk|bucket|shards) .* failed .*run the same command again"):
+    with pytest.raises(SeqshardError, match=r"task of (chunk|bucket|shards?) .* failed .*run the same command again"):
         pack_data(corpus.scp, corpus.text, tmp_path / "out", **COMMON, executor=FailsOnce(wave, 2))
     pack_data(corpus.scp, corpus.text, tmp_path / "out", **COMMON, executor=(rerun := SubmitOnly()))
     assert written(tmp_path / "out") == written(tmp_path / "clean")
