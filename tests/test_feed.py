@@ -370,6 +370,7 @@ def test_an_epochs_start_neither_walks_the_plan_nor_draws_orders_and_len_still_c
     loader = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, **WINDOWS)
     batches = sum(1 for _ in loader)
     assert not calls
+    loader.set_epoch(0)  # len() after an epoch counts the next one's
     assert len(loader) == batches and calls == ["_walked"]
     large = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, sort_window=64, shuffle_window=64)
     monkeypatch.setattr(counts, "EXACT_UTTS", 100)  # too many to walk: bounds drawn over orders of lengths

@@ -16,12 +16,13 @@ seed gives the same items on any machine and a restored stage needs no RNG state
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ...errors import ConfigError, InputError, SkipCounter
+from ...errors import ConfigError, InputError, SkipCounter, StateMismatchError
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -227,10 +228,14 @@ class WindowStage(Stage[U]):
     output comes after a small part of a window's reading.
 
     State: the source's state where the current window began, the window's number and how
-    many of its outputs were emitted (and whether its windows grow); a restore re-reads that
-    one window (what was in flight) and skips the emitted outputs. A state saved without the
-    growth flag (before windows grew) goes on with full windows.
+    many of its outputs were emitted (and, while windows grow, the share of a full window the
+    first one held); a restore re-reads that one window (what was in flight) and skips the
+    emitted outputs, its windows growing as they grew when the state was saved. A state saved
+    without growth (before windows grew) goes on with full windows; one that says only that
+    they grew (before the share was kept) with ``legacy_growth``, or else ``grow``.
     """
+
+    legacy_growth: Growth | None = None
 
     def __init__(self, source: Stage, window: int, what: str, grow: Growth | None = None):
         super().__init__(source)
@@ -238,7 +243,7 @@ class WindowStage(Stage[U]):
             raise ConfigError(f"{what} must be >= 1, got {window}.")
         self.window = window
         self.grow = grow
-        self._growing = grow is not None
+        self.growth = grow  # the growth of the stream being read: ``grow``, or a restored state's
         self._outputs: list[U | None] = []
         self._window_start: State | None = None
         self._window_number = -1
@@ -267,9 +272,7 @@ class WindowStage(Stage[U]):
 
     def capacity(self, number: int) -> int:
         """The most items window ``number`` holds."""
-        if not self._growing or self.grow is None:
-            return self.window
-        return self.grow.items(self.window, number)
+        return self.window if self.growth is None else self.growth.items(self.window, number)
 
     def held(self, output: U) -> list[Any]:
         """The source items inside an output (for :meth:`pending`)."""
@@ -282,18 +285,31 @@ class WindowStage(Stage[U]):
     # -- provided ---------------------------------------------------------------------------
     def scale(self, number: int) -> float:
         """The share of a full window that window ``number`` holds (1 unless windows grow)."""
-        return self.grow.scale(number) if self._growing and self.grow is not None else 1.0
+        return 1.0 if self.growth is None else self.growth.scale(number)
 
     def reset(self, state: State | None = None) -> None:
         self._started = True
         self._outputs, self._emitted, self._count = [], 0, 0
         self._window_number, self._window_start = -1, None
         self._ahead, self._prepared, self._primed, self._source_stats = None, 0, False, None
-        self._growing = self.grow is not None and (state is None or bool(state.get("grow", False)))
+        self.growth = self.grow if state is None else self._saved_growth(state.get("grow", False))
         self.source.reset(None if state is None else state.get("source"))
         if state is not None and state.get("window", -1) >= 0:
             self._arrange(self._read(Window(int(state["window"]), self.source.get_state())), fresh=False)
             self._emitted = self._prepared = int(state["emitted"])
+
+    def _saved_growth(self, saved: Any) -> Growth | None:
+        """The growth a saved state's windows had (its "grow": the first window's share)."""
+        if saved is False:
+            return None
+        if saved is True:
+            return self.legacy_growth or self.grow
+        if not isinstance(saved, (int, float)) or not 0 < saved <= 1:
+            raise StateMismatchError(
+                f"a saved {type(self).__name__} state says its first window held {saved!r} of a full one, not a "
+                "share in (0, 1]: the state is damaged; start the epoch afresh."
+            )
+        return dataclasses.replace(self.grow, first=saved) if self.grow is not None else Growth(saved)
 
     def _read(self, window: Window, until: int | None = None) -> Window:
         """Read items into ``window`` until it closes (or holds ``until`` items)."""
@@ -378,6 +394,6 @@ class WindowStage(Stage[U]):
     def get_state(self) -> State:
         start = self._window_start if self._window_start is not None else self.source.get_state()
         state = {"source": start, "window": self._window_number, "emitted": self._emitted}
-        if self._growing:
-            state["grow"] = True
+        if self.growth is not None:
+            state["grow"] = self.growth.first
         return state

@@ -321,6 +321,8 @@ class SortBatch(WindowStage[Batch]):
     ``frames`` and ``padded_frames`` (in the measure's unit).
     """
 
+    legacy_growth = Growth(1 / 16)  # every stream's, before growth followed the epoch's size
+
     def __init__(
         self,
         source: Stage[Sample],
@@ -354,7 +356,7 @@ class SortBatch(WindowStage[Batch]):
 
     def limits(self, number: int) -> tuple[int, int, float]:
         """Window ``number``'s limits (:func:`window_limits`)."""
-        grow = self.grow if self.scale(number) < 1 else None
+        grow = self.growth if self.scale(number) < 1 else None
         return window_limits(self.window if self.budget is None else self.budget, self.cost, grow, number)
 
     def capacity(self, number: int) -> int:

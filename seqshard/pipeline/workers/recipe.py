@@ -31,18 +31,20 @@ exact and elastic resume keep their guarantees. Recipes and transforms must be p
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from ...errors import ConfigError, SkipCounter
+from ...formats.index import bin_bounds
 from ...formats.keys import key_hash
 from ...formats.remote.access import RemoteAccess
-from ...options import Batching
+from ...options import Batching, BudgetWindow
 from ...seeds import Seed, stage_rng
-from ..plan import Unit
+from ..plan import Unit, planned_utts
 from ..stages.audio import decode, signal_stages
 from ..stages.base import Filter, Growth, Map, Stage
 from ..stages.batching import BatchCost, BucketBudgets, FixedSize, LengthBudget, SortBatch
@@ -56,12 +58,14 @@ from ..stages.sample import Sample
 from ..stages.shuffle import WindowShuffle
 from .setup import WorkerSetup
 
-# A stream's first sort window holds 1/16 of a full one (4 of the default 64 batches), its
-# first shuffle window 1/32: its first batch comes after about 1/10 of a full window's reading,
-# and until the first batch the shuffle's windows are read as the sort window asks for them.
+# A stream's first sort window holds at most 1/16 of a full one (4 of the default 64 batches;
+# sort_growth: less growth in a short epoch), its first shuffle window 1/32: its first batch
+# comes after about 1/10 of a full window's reading, and until the first batch the shuffle's
+# windows are read as the sort window asks for them.
 SORT_GROWTH = Growth(1 / 16)
 SHUFFLE_GROWTH = Growth(1 / 32)
 
+Histogram = Iterable[tuple[int, int]] | Mapping[int, int]  # an index's lengths: bin -> samples
 Carry = dict[int, tuple[int, list[Unit]]]  # source -> (its pass, the units left of that pass): an elastic resume
 
 
@@ -233,13 +237,49 @@ class Reader:
             length=self.setup.length,
             shuffle=self.options.shuffling.shuffle,
             oversize=batching.oversize,
-            grow=sort_growth(batching),
+            grow=sort_growth(batching, self.table.length_hist, self.planned_samples()),
+        )
+
+    def planned_samples(self) -> int | None:
+        """The samples of this reader's epoch (or pass) by its shards' index; None for a mix
+        (an endless stream, its windows grown once) or shards of unknown size."""
+        if self.setup.mix is not None:
+            return None
+        return planned_utts(
+            self.table, self.units if self.units is not None else self.setup.units(self.epoch, self.worker)
         )
 
 
-def sort_growth(batching: Batching) -> Growth | None:
-    """How a stream's first sort windows grow (None: full from the start)."""
-    return SORT_GROWTH if batching.grow_windows else None
+def sort_growth(batching: Batching, histogram: Histogram, samples: int | None) -> Growth | None:
+    """How the sort windows of a reader's epoch of ``samples`` grow (None: full from the start),
+    the index's length ``histogram`` telling how many samples fill a window.
+    A small window pads about as much in all as a full one (its few batches each span a wider
+    range of lengths), so an epoch of ``W`` full windows grows through at most ``floor(W)``
+    windows, from ``1 / 2**floor(W)`` of a full one, and at most from ``SORT_GROWTH``'s; an epoch
+    of unknown size or lengths grows from ``SORT_GROWTH``."""
+    if not batching.grow_windows:
+        return None
+    full = window_samples(batching, histogram)
+    if samples is None or full is None:
+        return SORT_GROWTH
+    doublings = min(samples // full, round(-math.log2(SORT_GROWTH.first)))
+    return replace(SORT_GROWTH, first=2.0**-doublings) if doublings else None
+
+
+def window_samples(batching: Batching, histogram: Histogram) -> int | None:
+    """Samples of a full sort window: the option's number, or what the default budget window
+    reads at the mean share of a batch per sample of the index's length ``histogram`` (bin ->
+    samples; None when it is empty)."""
+    if batching.sort_window is not None:
+        return batching.sort_window
+    histogram = dict(histogram)
+    if not sum(histogram.values()):
+        return None
+    cost = batch_cost(batching)
+    shares = sum(
+        cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
+    )
+    return BudgetWindow().samples(shares / sum(histogram.values()))
 
 
 def batch_cost(batching: Batching) -> BatchCost:
