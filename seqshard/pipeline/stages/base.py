@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -81,6 +82,13 @@ class Stage(Generic[T]):
         part of its next one (``WindowStage``); others pass the call to their source."""
         if self.source is not None:
             self.source.prepare()
+
+    def read_further(self, until: float) -> None:
+        """Work further ahead until ``until`` (a ``time.perf_counter()`` deadline), in time the
+        reader would otherwise spend waiting: a stage that holds windows reads more of its next
+        one; others pass the call to their source."""
+        if self.source is not None:
+            self.source.read_further(until)
 
     def reading_done(self) -> bool:
         """Whether the stream has read all it will read (what is left is in its windows);
@@ -219,9 +227,10 @@ class WindowStage(Stage[U]):
     Reading ahead: :meth:`prepare` (called after an output was handed out) reads the share of
     the next window that the outputs handed out since the last call stand for, so the next
     window is read by the time the current one runs out and a window's boundary costs no more
-    than any other output. Without calls to :meth:`prepare` the next window is read when the
-    current one runs out. The items of a window are the same either way: what ends a window
-    depends on its items alone. Counters are reported as they stood where the current window
+    than any other output; :meth:`read_further` reads more of it while time allows, so that it is
+    read long before. Without either the next window is read when the current one runs out.
+    The items of a window are the same either way: what ends a window depends on its items
+    alone. Counters are reported as they stood where the current window
     ended (:meth:`stats`), whatever was read ahead.
 
     ``grow``: a stream's first windows are small and double (:class:`Growth`), so its first
@@ -368,6 +377,17 @@ class WindowStage(Stage[U]):
             self._prepared = self._emitted
             self._primed = True
         self.source.prepare()
+
+    def read_further(self, until: float) -> None:
+        """Read the next window, an item at a time, until it closes or ``until`` comes; then
+        let the source read ahead in the time left."""
+        if self._window_number >= 0:
+            ahead = self._ahead
+            if ahead is None:
+                ahead = self._ahead = Window(self._window_number + 1, self.source.get_state())
+            while not ahead.closed and time.perf_counter() < until:
+                self._read(ahead, len(ahead.items) + 1)
+        self.source.read_further(until)
 
     def reading_done(self) -> bool:
         return self._ahead is not None and self._ahead.ended

@@ -100,6 +100,10 @@ class Mix(Stage[Sample]):
         for stream in self.streams:
             stream.prepare()
 
+    def read_further(self, until: float) -> None:
+        for stream in self.streams:
+            stream.read_further(until)
+
 
 def per_source_counts(samples: Sequence[Sample], lengths: Sequence[int], sources: int) -> list[list[int]]:
     """[utterances, summed length] per source of a batch's samples."""

@@ -90,3 +90,7 @@ class Passes(Stage):
     def prepare(self) -> None:
         if self._inner is not None:
             self._inner.prepare()
+
+    def read_further(self, until: float) -> None:
+        if self._inner is not None:
+            self._inner.read_further(until)
