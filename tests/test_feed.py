@@ -30,7 +30,8 @@ from seqshard.dist import cores_per_rank
 from seqshard.options import Workers
 from seqshard.pipeline.rank.auto import choose_workers
 from seqshard.pipeline.rank.feed import FeedMeter
-from seqshard.pipeline.stages.base import Stage
+from seqshard.pipeline.stages import base
+from seqshard.pipeline.stages.base import Map, Stage
 from seqshard.pipeline.stages.batching import LengthBudget, SortBatch
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.pipeline.stages.shuffle import WindowShuffle
@@ -165,6 +166,51 @@ def test_a_state_saved_before_windows_grew_resumes_with_its_windows():
     elastic.load_state_dict(state, strict=False)
     rest = sorted(k for b in elastic for k in b["keys"])
     assert rest == sorted(k for b in expected["rest"] for k in b)
+
+
+class Clock:
+    """A clock that moves a tick each time it is read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1
+        return self.now
+
+
+def test_reading_further_keeps_the_sources_next_window_read_in_step(monkeypatch):
+    """Reading a sort window on in spare time takes the shuffle's items faster than one a batch;
+    the shuffle reads its own next window a share for each of them, so that no item it hands out
+    waits for the rest of that window (up to its whole 300 items were read for one before, when
+    the spare time ran out before the shuffle's turn to read further)."""
+    clock = Clock()
+    monkeypatch.setattr(base, "time", clock)  # the spare time: 200 items' reading after each batch
+    counter = Counted()
+    samples = lengths_only(np.random.default_rng(6).integers(1, 20, 1500))
+    shuffle = WindowShuffle(Map(ListSource(samples), counter), 300, 7, 1)
+    sort = SortBatch(shuffle, 400, LengthBudget(60), 7, 1)
+    most, take = 0, shuffle.next
+
+    def counted_next():
+        nonlocal most
+        before = counter.seen
+        item = take()
+        most = max(most, counter.seen - before)
+        return item
+
+    shuffle.next = counted_next
+    batches = [next(sort)]  # the first windows are read whole, for it
+    most = 0
+    while True:
+        sort.prepare()
+        sort.read_further(clock.now + 200)
+        try:
+            batches.append(sort.next())
+        except StopIteration:
+            break
+    assert sum(map(len, batches)) == 1500
+    assert most <= 5, most  # was 298
 
 
 def read_while_waiting(pattern, in_worker_process, monkeypatch):

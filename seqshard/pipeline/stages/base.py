@@ -379,14 +379,16 @@ class WindowStage(Stage[U]):
         self.source.prepare()
 
     def read_further(self, until: float) -> None:
-        """Read the next window, an item at a time, until it closes or ``until`` comes; then
-        let the source read ahead in the time left."""
+        """Read the next window, an item at a time (the source reading its share ahead for
+        each, so that no item it hands out waits for its next window), until the window closes
+        or ``until`` comes; then let the source read further in the time left."""
         if self._window_number >= 0:
             ahead = self._ahead
             if ahead is None:
                 ahead = self._ahead = Window(self._window_number + 1, self.source.get_state())
             while not ahead.closed and time.perf_counter() < until:
                 self._read(ahead, len(ahead.items) + 1)
+                self.source.prepare()
         self.source.read_further(until)
 
     def reading_done(self) -> bool:
