@@ -146,7 +146,7 @@ class Batching(OptionGroup):
     go ``"alone"`` or are ``"drop"``ped; ``bucket_sync`` gives every rank batches of one length
     bucket (of ``num_buckets``) at each step; ``grow_windows``: each epoch's first sort and
     shuffle windows are small and grow, so its first batch comes early (the sort windows
-    through fewer steps in an epoch of few windows: ``recipe.sort_growth``)."""
+    in fewer steps in an epoch of few windows: ``recipe.sort_growth``)."""
 
     batch_size: int | None = None
     batch_frames: int | None = None

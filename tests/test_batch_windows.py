@@ -171,10 +171,10 @@ def test_impossible_windows_are_refused(window):
 
 def test_the_loaders_default_window_follows_the_budget_and_len_stays_exact(tmp_path):
     """make_loader's default sort_window is the budget window: batch_size=3 sorts windows of
-    2,000 samples (64 batches of 3 is fewer), after an epoch's first windows of 1/4 and 1/2 of
-    that in whole batches (an epoch of two full windows grows through two); so 4,500 utterances
-    make windows of 501, 1,002, 2,000 and 997 samples, 167 + 334 + 667 + 333 batches, and len()
-    counts them so."""
+    2,000 samples (64 batches of 3 is fewer), after an epoch's first windows of 1/16 and 1/4 of
+    that in whole batches (an epoch of 2 to 4 full windows grows by 4); so 4,500 utterances make
+    windows of 126, 501, 2,000 and 1,873 samples, 42 + 167 + 667 + 625 batches, and len() counts
+    them so."""
     from conftest import pack_small
     from seqshard import make_loader
 
@@ -259,18 +259,21 @@ def test_a_short_epoch_pads_no_more_than_lhotse(utts, seconds):
 
 
 @pytest.mark.parametrize(
-    ("windows", "first"), [(0.9, None), (1.0, 1 / 2), (2.9, 1 / 4), (3.0, 1 / 8), (4.5, 1 / 16), (400, 1 / 16)]
-)
-def test_an_epoch_of_few_windows_grows_through_few(windows, first):
-    """An epoch of W full windows grows from 1 / 2**floor(W) of one, at most from 1/16."""
+    ("windows", "growth"),
+    [(0.9, Growth(1 / 8, 8)), (1.99, Growth(1 / 8, 8)), (2.0, Growth(1 / 16, 4)), (3.99, Growth(1 / 16, 4)),
+     (4.0, Growth(1 / 16)), (400, Growth(1 / 16))],
+)  # fmt: skip
+def test_an_epoch_of_few_windows_grows_in_few_steps(windows, growth):
+    """An epoch of W full windows grows from 1/16 of one, doubling, when W >= 4; by 4 when
+    2 <= W < 4; from 1/8 straight to full when W < 2 (windows of 1/8 to 1/2 pad as much in
+    all as a full one: those are the steps left out)."""
     batching = Batching(batch_size=4, sort_window=1000)
-    growth = sort_growth(batching, {}, int(windows * 1000))
-    assert (growth and growth.first) == first
+    assert sort_growth(batching, {}, round(windows * 1000)) == growth
     assert sort_growth(batching, {}, None) == Growth(1 / 16)  # an epoch of unknown size
     assert sort_growth(Batching(batch_size=4, grow_windows=False), {}, 10**6) is None
     lengths = {length_bin(700): 100}  # 64 batches of 1,200 s hold 64 x 1,200 / 7 = 10,971 samples of 7 s
-    assert sort_growth(Batching(batch_frames=120_000), lengths, 21_000).first == 1 / 2
-    assert sort_growth(Batching(batch_frames=120_000), lengths, 23_000).first == 1 / 4
+    assert sort_growth(Batching(batch_frames=120_000), lengths, 21_000) == Growth(1 / 8, 8)
+    assert sort_growth(Batching(batch_frames=120_000), lengths, 23_000) == Growth(1 / 16, 4)
 
 
 def growing_sort(lengths, growth):
@@ -282,15 +285,16 @@ def test_a_state_keeps_the_growth_of_its_windows():
     the rebuilt stage is given (an epoch's size decides it now); a state saved when every stream
     grew from 1/16 (its "grow" only True) goes on with that."""
     lengths = read_lognormal(600, seed=3) // 20
-    assert_resumes_everywhere(lambda: growing_sort(lengths, Growth(1 / 4)), limit=20)
+    assert_resumes_everywhere(lambda: growing_sort(lengths, Growth(1 / 16, 4)), limit=20)
     full = [[s.key for s in b.samples] for b in growing_sort(lengths, Growth(1 / 16))]
-    for saved, share in ((1 / 16, 1 / 16), (True, 1 / 16)):
+    for saved in ([1 / 16, 2.0], True):
         stage = growing_sort(lengths, Growth(1 / 16))
         head = [[s.key for s in next(stage).samples] for _ in range(6)]
         state = stage.get_state()
-        assert state["grow"] == share and state["emitted"] > 0 and stage.scale(state["window"]) < 1
-        rebuilt = growing_sort(lengths, Growth(1 / 2))
+        assert state["grow"] == [1 / 16, 2.0] and state["emitted"] > 0 and stage.scale(state["window"]) < 1
+        rebuilt = growing_sort(lengths, Growth(1 / 8, 8))
         rebuilt.reset({**state, "grow": saved})
         assert head + [[s.key for s in b.samples] for b in rebuilt] == full
-    with pytest.raises(StateMismatchError, match="its first window held 3"):
-        growing_sort(lengths, Growth(1 / 2)).reset({**state, "grow": 3})
+    for damaged in (3, [2.0, 2.0], [0.5, 1.0], "[0.5, 2]", [0.5]):
+        with pytest.raises(StateMismatchError, match="the state is damaged"):
+            growing_sort(lengths, Growth(1 / 8, 8)).reset({**state, "grow": damaged})

@@ -16,7 +16,6 @@ seed gives the same items on any machine and a restored stage needs no RNG state
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -238,7 +237,7 @@ class WindowStage(Stage[U]):
 
     State: the source's state where the current window began, the window's number and how
     many of its outputs were emitted (and, while windows grow, the share of a full window the
-    first one held); a restore re-reads that one window (what was in flight) and skips the
+    first one held and the factor between windows); a restore re-reads that one window (what was in flight) and skips the
     emitted outputs, its windows growing as they grew when the state was saved. A state saved
     without growth (before windows grew) goes on with full windows; one that says only that
     they grew (before the share was kept) with ``legacy_growth``, or else ``grow``.
@@ -308,17 +307,21 @@ class WindowStage(Stage[U]):
             self._emitted = self._prepared = int(state["emitted"])
 
     def _saved_growth(self, saved: Any) -> Growth | None:
-        """The growth a saved state's windows had (its "grow": the first window's share)."""
+        """The growth a saved state's windows had (its "grow": the first window's share of a full
+        one and the factor between windows)."""
         if saved is False:
             return None
         if saved is True:
             return self.legacy_growth or self.grow
-        if not isinstance(saved, (int, float)) or not 0 < saved <= 1:
+        try:
+            first, factor = (float(number) for number in saved)
+            floor = (self.grow or Growth(1.0)).floor
+            return Growth(first, factor, floor)
+        except (TypeError, ValueError, ConfigError):
             raise StateMismatchError(
-                f"a saved {type(self).__name__} state says its first window held {saved!r} of a full one, not a "
-                "share in (0, 1]: the state is damaged; start the epoch afresh."
-            )
-        return dataclasses.replace(self.grow, first=saved) if self.grow is not None else Growth(saved)
+                f"a saved {type(self).__name__} state says its windows grew as {saved!r}, not as [share of a full "
+                "window in (0, 1], factor above 1]: the state is damaged; start the epoch afresh."
+            ) from None
 
     def _read(self, window: Window, until: int | None = None) -> Window:
         """Read items into ``window`` until it closes (or holds ``until`` items)."""
@@ -417,5 +420,5 @@ class WindowStage(Stage[U]):
         start = self._window_start if self._window_start is not None else self.source.get_state()
         state = {"source": start, "window": self._window_number, "emitted": self._emitted}
         if self.growth is not None:
-            state["grow"] = self.growth.first
+            state["grow"] = [self.growth.first, self.growth.factor]
         return state

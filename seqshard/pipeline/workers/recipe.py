@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -58,11 +58,12 @@ from ..stages.sample import Sample
 from ..stages.shuffle import WindowShuffle
 from .setup import WorkerSetup
 
-# A stream's first sort window holds at most 1/16 of a full one (4 of the default 64 batches;
-# sort_growth: less growth in a short epoch), its first shuffle window 1/32: its first batch
-# comes after about 1/10 of a full window's reading, and until the first batch the shuffle's
-# windows are read as the sort window asks for them.
+# A stream's first sort window holds 1/16 of a full one (4 of the default 64 batches; 1/8 in an
+# epoch of under two full windows, which grows in fewer steps: sort_growth), its first shuffle
+# window 1/32: its first batch comes after about 1/10 of a full window's reading, and until the
+# first batch the shuffle's windows are read as the sort window asks for them.
 SORT_GROWTH = Growth(1 / 16)
+SHORT_GROWTH = ((2, Growth(1 / 8, 8)), (4, Growth(1 / 16, 4)))  # an epoch under 2 (4) full windows: sort_growth
 SHUFFLE_GROWTH = Growth(1 / 32)
 
 Histogram = Iterable[tuple[int, int]] | Mapping[int, int]  # an index's lengths: bin -> samples
@@ -252,18 +253,19 @@ class Reader:
 
 def sort_growth(batching: Batching, histogram: Histogram, samples: int | None) -> Growth | None:
     """How the sort windows of a reader's epoch of ``samples`` grow (None: full from the start),
-    the index's length ``histogram`` telling how many samples fill a window.
-    A small window pads about as much in all as a full one (its few batches each span a wider
-    range of lengths), so an epoch of ``W`` full windows grows through at most ``floor(W)``
-    windows, from ``1 / 2**floor(W)`` of a full one, and at most from ``SORT_GROWTH``'s; an epoch
-    of unknown size or lengths grows from ``SORT_GROWTH``."""
+    the index's length ``histogram`` telling how many samples fill a window. A window of 1/8 to
+    1/2 of a full one pads about as much in all as a full one (its few batches each span a wide
+    range of lengths), the small first one little; so an epoch of fewer than 4 full windows
+    grows to full ones in fewer steps (``SHORT_GROWTH``: from 1/16 by 4 in one of 2 to 4, from
+    1/8 straight to full in one of fewer), and one of more, or of unknown size or lengths, as
+    ``SORT_GROWTH``. The fewer the steps, the more of the next window a reader reads for each
+    batch of the first ones (up to 8 batches' worth instead of 2)."""
     if not batching.grow_windows:
         return None
     full = window_samples(batching, histogram)
     if samples is None or full is None:
         return SORT_GROWTH
-    doublings = min(samples // full, round(-math.log2(SORT_GROWTH.first)))
-    return replace(SORT_GROWTH, first=2.0**-doublings) if doublings else None
+    return next((growth for windows, growth in SHORT_GROWTH if samples < windows * full), SORT_GROWTH)
 
 
 def window_samples(batching: Batching, histogram: Histogram) -> int | None:
