@@ -260,19 +260,19 @@ def test_a_short_epoch_pads_no_more_than_lhotse(utts, seconds):
 
 @pytest.mark.parametrize(
     ("windows", "growth"),
-    [(0.9, Growth(1 / 8, 8)), (1.99, Growth(1 / 8, 8)), (2.0, Growth(1 / 16, 4)), (3.99, Growth(1 / 16, 4)),
+    [(0.9, Growth(1 / 4, 4)), (1.99, Growth(1 / 4, 4)), (2.0, Growth(1 / 16, 4)), (3.99, Growth(1 / 16, 4)),
      (4.0, Growth(1 / 16)), (400, Growth(1 / 16))],
 )  # fmt: skip
 def test_an_epoch_of_few_windows_grows_in_few_steps(windows, growth):
-    """An epoch of W full windows grows from 1/16 of one, doubling, when W >= 4; by 4 when
-    2 <= W < 4; from 1/8 straight to full when W < 2 (windows of 1/8 to 1/2 pad as much in
-    all as a full one: those are the steps left out)."""
+    """An epoch of W full windows grows from 1/16 of one, doubling, when W >= 4; by 4 from 1/16
+    when 2 <= W < 4, from 1/4 when W < 2 (each small window pads about as much in all as a full
+    one: fewer of them)."""
     batching = Batching(batch_size=4, sort_window=1000)
     assert sort_growth(batching, {}, round(windows * 1000)) == growth
     assert sort_growth(batching, {}, None) == Growth(1 / 16)  # an epoch of unknown size
     assert sort_growth(Batching(batch_size=4, grow_windows=False), {}, 10**6) is None
     lengths = {length_bin(700): 100}  # 64 batches of 1,200 s hold 64 x 1,200 / 7 = 10,971 samples of 7 s
-    assert sort_growth(Batching(batch_frames=120_000), lengths, 21_000) == Growth(1 / 8, 8)
+    assert sort_growth(Batching(batch_frames=120_000), lengths, 21_000) == Growth(1 / 4, 4)
     assert sort_growth(Batching(batch_frames=120_000), lengths, 23_000) == Growth(1 / 16, 4)
 
 
@@ -292,9 +292,9 @@ def test_a_state_keeps_the_growth_of_its_windows():
         head = [[s.key for s in next(stage).samples] for _ in range(6)]
         state = stage.get_state()
         assert state["grow"] == [1 / 16, 2.0] and state["emitted"] > 0 and stage.scale(state["window"]) < 1
-        rebuilt = growing_sort(lengths, Growth(1 / 8, 8))
+        rebuilt = growing_sort(lengths, Growth(1 / 4, 4))
         rebuilt.reset({**state, "grow": saved})
         assert head + [[s.key for s in b.samples] for b in rebuilt] == full
     for damaged in (3, [2.0, 2.0], [0.5, 1.0], "[0.5, 2]", [0.5]):
         with pytest.raises(StateMismatchError, match="the state is damaged"):
-            growing_sort(lengths, Growth(1 / 8, 8)).reset({**state, "grow": damaged})
+            growing_sort(lengths, Growth(1 / 4, 4)).reset({**state, "grow": damaged})

@@ -239,6 +239,37 @@ def test_a_worker_reads_the_next_window_while_its_consumer_computes(five_hundred
     assert read_while_waiting(five_hundred.pattern, True, monkeypatch) == 300
 
 
+def test_a_persistent_worker_reads_the_next_epochs_first_window_in_its_spare_time(five_hundred, monkeypatch):
+    """A persistent worker made the next epoch's first batches in the time it would wait, one
+    batch at a time: the first read the epoch's first windows whole, in one go (a small epoch's
+    first window holds a quarter of a full one now). It now reads that window on in spare time,
+    a little after each batch once its own reading is done, before it makes those batches; the
+    batches are the epoch's as a fresh run makes them."""
+    monkeypatch.setattr(worker, "_SETTLED", True, raising=False)  # no gc.freeze in the test's own process
+    counter = Counted()
+    options = dict(batch_size=4, sort_window=400, shuffle_window=100, transforms=[counter], persistent_workers=True)
+    setup = make_loader(five_hundred.pattern, num_workers=1, **options)._setup
+    runtime = WorkerRuntime(None)
+    run = worker.ReaderRun(setup, runtime, 0, 0, {"state": None, "seq": 0}, True)
+    batches = 0
+    while isinstance(made := run.make(), worker.Made):
+        run.item(made, 0)
+        run.prepare()
+        batches += 1
+        time.sleep(0.01)
+        if run.reading_done():
+            break
+    assert batches < 110  # of 125: the epoch's reading, then the next one's first window, done before its end
+    before = counter.seen
+    ahead = worker.ReaderRun(setup, runtime, 0, 1, {"state": None, "seq": 0}, True)
+    first = ahead.make()
+    assert counter.seen - before < 20  # its first window was read: a share of the next one at most
+    fresh = worker.ReaderRun(setup, WorkerRuntime(None), 0, 1, {"state": None, "seq": 0})
+    made = [first] + [ahead.make() for _ in range(124)]
+    keys = [[s.key for s in m.batch.samples] for m in made]
+    assert keys == [[s.key for s in fresh.make().batch.samples] for _ in range(125)]
+
+
 FROZEN = multiprocessing.Value("q", -1)  # gc.get_freeze_count() in a worker process (forked workers share it)
 
 

@@ -82,12 +82,12 @@ class Stage(Generic[T]):
         if self.source is not None:
             self.source.prepare()
 
-    def read_further(self, until: float) -> None:
+    def read_further(self, until: float) -> bool:
         """Work further ahead until ``until`` (a ``time.perf_counter()`` deadline), in time the
         reader would otherwise spend waiting: a stage that holds windows reads more of its next
-        one; others pass the call to their source."""
-        if self.source is not None:
-            self.source.read_further(until)
+        one (its first, before any output); others pass the call to their source. True when that
+        window is read."""
+        return self.source.read_further(until) if self.source is not None else True
 
     def reading_done(self) -> bool:
         """Whether the stream has read all it will read (what is left is in its windows);
@@ -381,18 +381,19 @@ class WindowStage(Stage[U]):
             self._primed = True
         self.source.prepare()
 
-    def read_further(self, until: float) -> None:
-        """Read the next window, an item at a time (the source reading its share ahead for
-        each, so that no item it hands out waits for its next window), until the window closes
-        or ``until`` comes; then let the source read further in the time left."""
-        if self._window_number >= 0:
-            ahead = self._ahead
-            if ahead is None:
-                ahead = self._ahead = Window(self._window_number + 1, self.source.get_state())
-            while not ahead.closed and time.perf_counter() < until:
-                self._read(ahead, len(ahead.items) + 1)
-                self.source.prepare()
+    def read_further(self, until: float) -> bool:
+        """Read the next window (the first, before any output), an item at a time (the source
+        reading its share ahead for each, so that no item it hands out waits for its next
+        window), until the window closes or ``until`` comes; then let the source read further
+        in the time left. True once the window is read."""
+        ahead = self._ahead
+        if ahead is None:
+            ahead = self._ahead = Window(self._window_number + 1, self.source.get_state())
+        while not ahead.closed and time.perf_counter() < until:
+            self._read(ahead, len(ahead.items) + 1)
+            self.source.prepare()
         self.source.read_further(until)
+        return ahead.closed
 
     def reading_done(self) -> bool:
         return self._ahead is not None and self._ahead.ended

@@ -91,6 +91,5 @@ class Passes(Stage):
         if self._inner is not None:
             self._inner.prepare()
 
-    def read_further(self, until: float) -> None:
-        if self._inner is not None:
-            self._inner.read_further(until)
+    def read_further(self, until: float) -> bool:
+        return self._inner.read_further(until) if self._inner is not None else True

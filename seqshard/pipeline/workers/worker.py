@@ -9,8 +9,9 @@ it handed out, which is all it needs to resume. After an item is handed out, the
 pipeline read ahead (``Stage.prepare``), so that no batch waits for a whole window; in a worker
 process it also reads further ahead for half the time it last waited for the consumer
 (``Stage.read_further``), so that the next window is read long before the current one runs out,
-and the objects alive when its first run began are frozen out of the garbage collector's
-scans (:func:`settle_collector`).
+and once its reading is done, a persistent worker reads the next epoch's first window so (its
+pipeline kept in ``runtime.live`` for that epoch's run). The objects alive when a worker's first
+run began are frozen out of the garbage collector's scans (:func:`settle_collector`).
 
 Without worker processes, :func:`iterate_worker` runs reader 0 in the training process; with
 them, each worker process runs its reader's runs (``process.py``).
@@ -117,10 +118,16 @@ class ReaderRun:
         self.pipeline: Stage | None = None
         self._waits: deque[float] = deque(maxlen=WAITS_KEPT)  # seconds between a prepare() and the next make()
         self._prepared_at: float | None = None
+        options = setup.options
+        # whether the next epoch's first window is read (a persistent worker reads it in spare time)
+        self._next_read = not (in_worker_process and options.workers.persistent_workers) or self.continuing
         if in_worker_process:
             settle_collector()
         try:
             pipeline = runtime.live.take(worker, spec["state"]) if self.continuing else None
+            read = runtime.live.take_next(worker, epoch) if in_worker_process else None
+            if pipeline is None and spec["state"] is None and units is None and spec.get("carry") is None:
+                pipeline = read
             if pipeline is None:
                 pipeline = build_pipeline(
                     setup, worker, epoch, runtime.access, units, carry_from_json(spec.get("carry"))
@@ -188,14 +195,36 @@ class ReaderRun:
             try:
                 self.pipeline.prepare()
                 if self.in_worker_process and len(self._waits) == WAITS_KEPT:
-                    self.pipeline.read_further(time.perf_counter() + min(self._waits) / 2)
+                    until = time.perf_counter() + min(self._waits) / 2
+                    self.pipeline.read_further(until)
+                    if not self._next_read and self.pipeline.reading_done():
+                        self._next_read = self._read_next_epoch(until)
             except SeqshardError as error:
                 self._stop(error)
         self._prepared_at = time.perf_counter()
 
+    def _read_next_epoch(self, until: float) -> bool:
+        """Read the next epoch's first window until ``until``, its pipeline kept for that epoch's
+        run from its beginning; True once it is read (or cannot be: that run meets the error)."""
+        live = self.runtime.live
+        try:
+            pipeline = live.take_next(self.worker, self.epoch + 1)
+            if pipeline is None:
+                pipeline = build_pipeline(self.setup, self.worker, self.epoch + 1, self.runtime.access)
+                pipeline.reset(None)
+            read = pipeline.read_further(until)
+        except Exception:  # bad data or a user's transform, met again by the next epoch's own run
+            return True
+        live.keep_next(self.worker, self.epoch + 1, pipeline)
+        return read
+
     def reading_done(self) -> bool:
-        """Whether the pipeline has read all it will read this iteration."""
-        return self.pipeline is None or self.error is not None or self.ended or self.pipeline.reading_done()
+        """Whether the pipeline has read all it will read this iteration and, in a persistent
+        worker, the next epoch's first window was read in spare time (what the worker makes
+        ahead of that epoch then costs no more than a batch of the current one)."""
+        if self.pipeline is None or self.error is not None or self.ended:
+            return True
+        return self.pipeline.reading_done() and self._next_read
 
     def _stop(self, error: SeqshardError) -> None:
         if not self.in_worker_process:
