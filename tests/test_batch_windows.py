@@ -171,10 +171,10 @@ def test_impossible_windows_are_refused(window):
 
 def test_the_loaders_default_window_follows_the_budget_and_len_stays_exact(tmp_path):
     """make_loader's default sort_window is the budget window: batch_size=3 sorts windows of
-    2,000 samples (64 batches of 3 is fewer), after an epoch's first windows of 1/16 and 1/4 of
-    that in whole batches (an epoch of 2 to 4 full windows grows by 4); so 4,500 utterances make
-    windows of 126, 501, 2,000 and 1,873 samples, 42 + 167 + 667 + 625 batches, and len() counts
-    them so."""
+    2,000 samples (64 batches of 3 is fewer), after an epoch's first windows of 1/4 and 1/2 of
+    that in whole batches (an epoch of 2 to 4 full windows starts from 1/4); so 4,500 utterances
+    make windows of 501, 1,002, 2,000 and 997 samples, 167 + 334 + 667 + 333 batches, and len()
+    counts them so."""
     from conftest import pack_small
     from seqshard import make_loader
 
@@ -260,20 +260,20 @@ def test_a_short_epoch_pads_no_more_than_lhotse(utts, seconds):
 
 @pytest.mark.parametrize(
     ("windows", "growth"),
-    [(0.9, Growth(1 / 4, 4)), (1.99, Growth(1 / 4, 4)), (2.0, Growth(1 / 16, 4)), (3.99, Growth(1 / 16, 4)),
+    [(0.9, Growth(1 / 2)), (1.99, Growth(1 / 2)), (2.0, Growth(1 / 4)), (3.99, Growth(1 / 4)),
      (4.0, Growth(1 / 16)), (400, Growth(1 / 16))],
 )  # fmt: skip
 def test_an_epoch_of_few_windows_grows_in_few_steps(windows, growth):
-    """An epoch of W full windows grows from 1/16 of one, doubling, when W >= 4; by 4 from 1/16
-    when 2 <= W < 4, from 1/4 when W < 2 (each small window pads about as much in all as a full
-    one: fewer of them)."""
+    """An epoch of W full windows grows from 1/16 of one, doubling, when W >= 4; from 1/4 when
+    2 <= W < 4, from 1/2 when W < 2 (each small window pads about as much in all as a full one:
+    fewer of them)."""
     batching = Batching(batch_size=4, sort_window=1000)
     assert sort_growth(batching, {}, round(windows * 1000)) == growth
     assert sort_growth(batching, {}, None) == Growth(1 / 16)  # an epoch of unknown size
     assert sort_growth(Batching(batch_size=4, grow_windows=False), {}, 10**6) is None
     lengths = {length_bin(700): 100}  # 64 batches of 1,200 s hold 64 x 1,200 / 7 = 10,971 samples of 7 s
-    assert sort_growth(Batching(batch_frames=120_000), lengths, 21_000) == Growth(1 / 4, 4)
-    assert sort_growth(Batching(batch_frames=120_000), lengths, 23_000) == Growth(1 / 16, 4)
+    assert sort_growth(Batching(batch_frames=120_000), lengths, 21_000) == Growth(1 / 2)
+    assert sort_growth(Batching(batch_frames=120_000), lengths, 23_000) == Growth(1 / 4)
 
 
 def growing_sort(lengths, growth):

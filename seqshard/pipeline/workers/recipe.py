@@ -58,12 +58,12 @@ from ..stages.sample import Sample
 from ..stages.shuffle import WindowShuffle
 from .setup import WorkerSetup
 
-# A stream's first sort window holds 1/16 of a full one (4 of the default 64 batches; 1/4 in an
-# epoch of under two full windows, which grows in fewer steps: sort_growth), its first shuffle
+# A stream's first sort window holds 1/16 of a full one (4 of the default 64 batches; more in an
+# epoch of under 4 full windows, which grows in fewer steps: sort_growth), its first shuffle
 # window 1/32: its first batch comes after about 1/10 of a full window's reading, and until the
 # first batch the shuffle's windows are read as the sort window asks for them.
 SORT_GROWTH = Growth(1 / 16)
-SHORT_GROWTH = ((2, Growth(1 / 4, 4)), (4, Growth(1 / 16, 4)))  # an epoch under 2 (4) full windows: sort_growth
+SHORT_GROWTH = ((2, Growth(1 / 2)), (4, Growth(1 / 4)))  # an epoch under 2 (4) full windows: sort_growth
 SHUFFLE_GROWTH = Growth(1 / 32)
 
 Histogram = Iterable[tuple[int, int]] | Mapping[int, int]  # an index's lengths: bin -> samples
@@ -255,11 +255,12 @@ def sort_growth(batching: Batching, histogram: Histogram, samples: int | None) -
     """How the sort windows of a reader's epoch of ``samples`` grow (None: full from the start),
     the index's length ``histogram`` telling how many samples fill a window. Each small window
     pads about as much in all as a full one (its few batches each span a wide range of lengths),
-    a first one of 1/16 less; so an epoch of fewer than 4 full windows grows to full ones in
-    fewer steps (``SHORT_GROWTH``: from 1/16 by 4 in one of 2 to 4, from 1/4 by 4 in one of
-    fewer), and one of more, or of unknown size or lengths, as ``SORT_GROWTH``. Growing by 4, a
-    reader reads 4 batches' worth of the next window for each batch of the growing ones (2
-    doubling)."""
+    so an epoch of fewer than 4 full windows starts from a larger one and doubles fewer times
+    (``SHORT_GROWTH``: from 1/4 of a full one in an epoch of 2 to 4, from 1/2 in one of fewer);
+    one of more, or of unknown size or lengths, grows as ``SORT_GROWTH``. Windows double, so
+    that a reader reads 2 batches' worth of the next window for each batch of a growing one;
+    its first window, read before its first batch, a persistent worker reads in its spare time
+    during the epoch before (``worker.ReaderRun.prepare``)."""
     if not batching.grow_windows:
         return None
     full = window_samples(batching, histogram)
