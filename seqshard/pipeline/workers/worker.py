@@ -116,8 +116,11 @@ class ReaderRun:
         self.error: SeqshardError | None = None
         self.ended = False
         self.pipeline: Stage | None = None
-        self._waits: deque[float] = deque(maxlen=WAITS_KEPT)  # seconds between a prepare() and the next make()
+        # seconds of spare time between batches: from a prepare() to the next make(), and what
+        # that prepare spent reading further (spare time too)
+        self._waits: deque[float] = deque(maxlen=WAITS_KEPT)
         self._prepared_at: float | None = None
+        self._further = 0.0
         options = setup.options
         # whether the next epoch's first window is read (a persistent worker reads it in spare time)
         self._next_read = not (in_worker_process and options.workers.persistent_workers) or self.continuing
@@ -143,7 +146,7 @@ class ReaderRun:
             return self._last()
         started = time.perf_counter()
         if self._prepared_at is not None:
-            self._waits.append(started - self._prepared_at)
+            self._waits.append(started - self._prepared_at + self._further)
         try:
             batch = self.pipeline.next()  # type: ignore[union-attr]
         except StopIteration:
@@ -188,17 +191,19 @@ class ReaderRun:
 
     def prepare(self) -> None:
         """Let the pipeline read ahead, now that a batch is handed out: its share of the next
-        windows, and in a worker process more for half the time the run waited for the
-        consumer between its last batches (the shortest of them: it is the step's time less
-        the reader's own, and the queue of batches stays full)."""
+        windows, and in a worker process more for half the spare time the run had between its
+        last batches (the shortest: the step's time less the reader's own, so the queue of
+        batches stays full; what it read further counts as spare, or the half would shrink)."""
         if self.pipeline is not None and self.error is None and not self.ended:
             try:
                 self.pipeline.prepare()
                 if self.in_worker_process and len(self._waits) == WAITS_KEPT:
-                    until = time.perf_counter() + min(self._waits) / 2
+                    started = time.perf_counter()
+                    until = started + min(self._waits) / 2
                     self.pipeline.read_further(until)
                     if not self._next_read and self.pipeline.reading_done():
                         self._next_read = self._read_next_epoch(until)
+                    self._further = time.perf_counter() - started
             except SeqshardError as error:
                 self._stop(error)
         self._prepared_at = time.perf_counter()
