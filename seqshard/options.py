@@ -145,7 +145,8 @@ class Batching(OptionGroup):
     the window's samples); samples over the budget
     go ``"alone"`` or are ``"drop"``ped; ``bucket_sync`` gives every rank batches of one length
     bucket (of ``num_buckets``, drawn from a shared seed) at most steps; ``grow_windows``: each epoch's first sort and
-    shuffle windows are small and grow, so its first batch comes early."""
+    shuffle windows are small and grow, so its first batch comes early (the sort windows
+    in fewer steps in an epoch of few windows: ``recipe.sort_growth``)."""
 
     batch_size: int | None = None
     batch_frames: int | None = None

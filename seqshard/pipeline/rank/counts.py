@@ -46,7 +46,7 @@ from ...seeds import Seed, stage_rng
 from ..plan import Unit, plan_epoch, planned_utts
 from ..stages.base import Growth
 from ..stages.batching import BatchCost, BucketBudgets, count_sorted_batches, window_limits
-from ..workers.recipe import batch_cost, sort_growth
+from ..workers.recipe import batch_cost, sort_growth, window_samples
 from ..workers.setup import WorkerSetup
 from .batch_plan import rest_of_epoch
 from .merge import RankPosition
@@ -71,14 +71,14 @@ def planned_batches(
     done_steps = start.step if start is not None else 0
     resumed = start.plan_units() if start is not None else None
     options = setup.options
-    grow = _growth(setup, start)
+    grows = start is None or start.windows_grow  # False: an epoch resumed from a state saved before windows grew
     steps = options.epochs.epoch_steps
     if steps is not None:
         return PlannedBatches(steps, max(0, steps - done_steps))
     if options.epochs.continues_stream:
         return _stream_estimate(setup, done_steps) if estimate else _unknown("not estimated")
     if resumed is not None:
-        return _elastic_rest(setup, resumed, done_steps, epoch, grow, estimate)
+        return _elastic_rest(setup, resumed, done_steps, epoch, grows, estimate)
     exact = _walked(setup, epoch, start) if estimate else None
     if exact is not None:
         return exact
@@ -93,7 +93,7 @@ def planned_batches(
     )
     # with "join" each rank goes to its own end; else the ranks step together until the first runs out
     ranks = [setup.rank] if options.epochs.uneven == "join" else range(len(plan))
-    found = [[_reader_batches(setup, units, (epoch, rank, reader), grow, estimate)
+    found = [[_reader_batches(setup, units, (epoch, rank, reader), grows, estimate)
               for reader, units in enumerate(plan[rank])] for rank in ranks]  # fmt: skip
     if any(pair is None for rank in found for pair in rank):
         return _unknown(_unknown_why(setup))
@@ -116,25 +116,19 @@ def _walked(setup: WorkerSetup, epoch: int, start: RankPosition | None) -> Plann
     return PlannedBatches(position.step + rest, rest)
 
 
-def _growth(setup: WorkerSetup, start: RankPosition | None) -> Growth | None:
-    """How the epoch's first sort windows grow (None: full from the start, as in an epoch
-    resumed from a state saved before windows grew)."""
-    return sort_growth(setup.options.batching) if start is None or start.windows_grow else None
-
-
 def _elastic_rest(
     setup: WorkerSetup,
     resumed: list[list[Unit]],
     done_steps: int,
     epoch: int,
-    grow: Growth | None,
+    grows: bool,
     estimate: bool,
 ) -> PlannedBatches:
     """The rest of an epoch resumed elastically: the batches of this rank's new units (each
     rank knows only its own share, so the step where ranks that stop together end is an
     estimate, at most this rank's count)."""
     found = [
-        _reader_batches(setup, units, (epoch, setup.rank, reader, 1), grow, estimate)
+        _reader_batches(setup, units, (epoch, setup.rank, reader, 1), grows, estimate)
         for reader, units in enumerate(resumed)
     ]
     if any(pair is None for pair in found):
@@ -150,15 +144,17 @@ def _elastic_rest(
 
 
 def _reader_batches(
-    setup: WorkerSetup, units: Sequence[Unit], position: tuple[int, ...], grow: Growth | None, estimate: bool
+    setup: WorkerSetup, units: Sequence[Unit], position: tuple[int, ...], grows: bool, estimate: bool
 ) -> tuple[int, int, bool] | None:
     """``(low, high, estimated)`` batches of the reader of ``units`` (its first sort windows
-    growing with ``grow``); None when its shards' index does not say enough (their sizes, or
-    for budget batches their lengths), or when only an estimate would (``estimate=False``)."""
+    growing, if ``grows``, as the size of its epoch has them: ``recipe.sort_growth``); None when
+    its shards' index does not say enough (their sizes, or for budget batches their lengths), or
+    when only an estimate would (``estimate=False``)."""
     count = planned_utts(setup.table, units)
     if count is None:
         return None
     options = setup.options
+    grow = sort_growth(options.batching, setup.table.length_hist, count) if grows else None
     if not _why_not_exact(setup, False)[0]:  # fixed batch_size, nothing filtered: ceil(n / size) a window
         size = int(options.batching.batch_size)  # type: ignore[arg-type]
         batches = sum(math.ceil(n / size) for n in _fixed_size_windows(setup, count, size, grow))
@@ -347,7 +343,10 @@ def _drawn_counts(
     and one batch."""
     found: list[list[float]] = [[], []]
     draws = DRAWS if (setup.table.num_utts or 0) <= LARGE else LARGE_DRAWS
-    cap = max(2 * _window_samples(setup), SIMULATED_SAMPLES // (setup.world_size * setup.readers_per_rank))
+    cap = max(
+        2 * (window_samples(setup.options.batching, setup.table.length_hist) or 0),
+        SIMULATED_SAMPLES // (setup.world_size * setup.readers_per_rank),
+    )
     for end, (values, counts) in enumerate((low, high)):
         total = int(counts.sum())
         shares = np.array([cost.share(int(v)) for v in values])
@@ -411,7 +410,7 @@ def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
     if not histogram:
         return math.nan, math.nan
     cost = batch_cost(setup.options.batching)
-    window = _window_samples(setup)
+    window = window_samples(setup.options.batching, histogram) or BudgetWindow().max_samples  # not empty here
     windows = max(2, SIMULATED_SAMPLES // window)
     bins = np.fromiter(histogram, dtype=np.int64)
     mass = np.fromiter(histogram.values(), dtype=np.float64)
@@ -423,20 +422,6 @@ def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
         lengths = np.maximum(1, np.floor(2.0 ** ((drawn + end) / BINS_PER_OCTAVE))).astype(np.int64)  # bin_bounds
         found.append(sum(_count(np.sort(part), cost) for part in np.split(lengths, windows)) / len(drawn))
     return found[0], found[1]
-
-
-def _window_samples(setup: WorkerSetup) -> int:
-    """Samples of a sort window: the option's number, or what the default budget window
-    reads at the index's mean share of a batch per sample."""
-    batching = setup.options.batching
-    if batching.sort_window is not None:
-        return batching.sort_window
-    histogram = dict(setup.table.length_hist)
-    cost = batch_cost(batching)
-    shares = sum(
-        cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
-    )
-    return BudgetWindow().samples(shares / sum(histogram.values()))
 
 
 def _why_not_exact(setup: WorkerSetup, estimated: bool) -> tuple[str, bool]:

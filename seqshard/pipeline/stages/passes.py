@@ -95,3 +95,6 @@ class Passes(Stage):
     def prepare(self) -> None:
         if self._inner is not None:
             self._inner.prepare()
+
+    def read_further(self, until: float) -> bool:
+        return self._inner.read_further(until) if self._inner is not None else True
