@@ -242,6 +242,13 @@ class Reader:
             oversize=batching.oversize,
             grow=sort_growth(batching, self.table.length_hist, self.planned_samples()),
         )
+        if not batching.bucket_sync:
+            return SortBatch(*made, **options)
+        bounds = self.setup.bucket_bounds
+        weights = bucket_weights(self.table.length_hist, bounds, cost)
+        shared = (self.worker,) if self.options.epochs.continues_stream else (self.epoch, self.worker)  # no rank
+        draws = BucketDraws(bounds, weights, self.seed, shared)
+        return BucketSortBatch(*made, draws=draws, before=self.batches_before, **options)
 
     def planned_samples(self) -> int | None:
         """The samples of this reader's epoch (or pass) by its shards' index; None for a mix
@@ -251,13 +258,6 @@ class Reader:
         return planned_utts(
             self.table, self.units if self.units is not None else self.setup.units(self.epoch, self.worker)
         )
-        if not batching.bucket_sync:
-            return SortBatch(*made, **options)
-        bounds = self.setup.bucket_bounds
-        weights = bucket_weights(self.table.length_hist, bounds, cost)
-        shared = (self.worker,) if self.options.epochs.continues_stream else (self.epoch, self.worker)  # no rank
-        draws = BucketDraws(bounds, weights, self.seed, shared)
-        return BucketSortBatch(*made, draws=draws, before=self.batches_before, **options)
 
 
 def sort_growth(batching: Batching, histogram: Histogram, samples: int | None) -> Growth | None:
