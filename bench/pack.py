@@ -143,22 +143,34 @@ def main() -> None:
 
 
 PLAN_PROBE = """
-import sys
+import shutil, sys
 from pathlib import Path
-from seqshard.prep.plan import PackOptions, build_plan
+from seqshard.prep.executors import InlineExecutor
+from seqshard.prep.plan import PackJob, PackOptions
 from seqshard.prep.sources import FeatureSource
+from seqshard.prep.waves import Waves, plan_chunks, with_buckets
+from seqshard.progress import Progress
 sys.path.insert(0, sys.argv[4])
 from common import vm_kb
 before = vm_kb("VmRSS")
 options = PackOptions()
-build_plan(FeatureSource([Path(sys.argv[1])], options), [Path(sys.argv[2])], Path(sys.argv[3]), options)
+out = Path(sys.argv[3])
+shutil.rmtree(out, ignore_errors=True)
+job = PackJob(out, options, FeatureSource([Path(sys.argv[1])], options), (Path(sys.argv[2]),), (), False, 1, run="plan")
+with Progress(False) as bars:
+    chunks = plan_chunks(job, bars.bar)
+    job = with_buckets(job, chunks)
+    waves = Waves(job, chunks, InlineExecutor(), bars)
+    waves.scan()
+    waves.buckets()
 print(before, vm_kb("VmHWM"))
 """
 
 
 def plan_memory(folder: Path, corpus, sizes: tuple[int, int]) -> dict:
-    """Peak RSS of planning a pack of N utterances (scp lines all naming one real matrix;
-    planning reads only lines), at two sizes: the metadata cost per utterance. Each probe is a
+    """Peak RSS of planning a pack of N utterances in one process (its scan and bucket waves;
+    scp lines all naming one real matrix: planning reads only lines), at two sizes: the
+    metadata cost per utterance (a bucket's, once the corpus has several). Each probe is a
     fresh process that reads its own ``VmHWM`` (its ``ru_maxrss`` would include this one's)."""
     folder.mkdir(parents=True, exist_ok=True)
     location = corpus.scp.read_text().split("\n", 1)[0].split()[1]

@@ -9,7 +9,8 @@ utterances in the same order, metadata only (no audio, no tar), in this process:
     seqshard         WindowShuffle (the loader's 3,000) then SortBatch with its default window,
                      which follows the budget (BudgetWindow: 64 batches' worth of samples, at
                      least 2,000 and at most 16,384 of them), both growing from small at the
-                     stream's start as the loader's recipe builds them (SHUFFLE_GROWTH, SORT_GROWTH)
+                     stream's start as the loader's recipe builds them for one reader of the
+                     corpus (SHUFFLE_GROWTH; sort_growth: less growth in an epoch of few windows)
     fixed 2000       the same with the former fixed window of 2,000 samples
     lhotse           DynamicBucketingSampler(max_duration=B, num_buckets=30, shuffle=True) over
                      a CutSet of dummy cuts of the same durations
@@ -40,10 +41,12 @@ sys.path.insert(0, str(Path(__file__).parent.parent))
 sys.path.insert(0, str(Path(__file__).parent))
 from common import expected_speakers, utterance_frames, with_quick
 
+from seqshard.formats.index import length_bin
+from seqshard.options import Batching
 from seqshard.pipeline.stages.batching import BudgetWindow, LengthBudget, SortBatch
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.pipeline.stages.shuffle import WindowShuffle
-from seqshard.pipeline.workers.recipe import SHUFFLE_GROWTH, SORT_GROWTH
+from seqshard.pipeline.workers.recipe import SHUFFLE_GROWTH, sort_growth
 from seqshard.testing import ListSource
 
 FRAMES_PER_SECOND = 100
@@ -92,8 +95,10 @@ def seqshard_batches(
     """Batches (utterance indices), the sizes of its windows but the last (partial) one, and CPU
     seconds of seqshard's stages (``grow``: the first windows small, as the loader's)."""
     samples = [Sample(str(i), {"feats": range(frames[i])}) for i in order.tolist()]  # a length, no data
+    histogram = Counter(map(length_bin, frames.tolist()))  # the index's
+    growth = sort_growth(Batching(batch_frames=budget_frames), histogram, len(samples)) if grow else None
     shuffle = WindowShuffle(ListSource(samples), SHUFFLE_WINDOW, 0, grow=SHUFFLE_GROWTH if grow else None)
-    stage = _WindowSizes(shuffle, window, LengthBudget(budget_frames), 0, grow=SORT_GROWTH if grow else None)
+    stage = _WindowSizes(shuffle, window, LengthBudget(budget_frames), 0, grow=growth)
     stage.sizes = []
     started = time.process_time()
     batches = [[int(s.key) for s in batch.samples] for batch in stage]

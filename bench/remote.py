@@ -1,6 +1,7 @@
 """Remote shards against local disk, each ratio within one run.
 
     python bench/remote.py [--gb 2.2] [--rounds 2] [--work bench/out] [--quick]
+    python bench/remote.py --http-ratio [--baseline-code NAME=DIR ...] [--rounds 5]
 
 The shards of bench/loader.py (2.2 GB of 80-dim features; made here when missing) are served by the
 stdlib HTTP server of tests/http_server.py in a child process on loopback. One epoch of
@@ -14,6 +15,12 @@ make_loader (num_workers=0, batch_frames=20000) is timed, warm page cache, from:
     latency     http with 50 ms added to every request
 
 Prints MB/s and the ratios against local disk; writes OUT/remote.json.
+
+``--http-ratio``: only the http epoch, each in a fresh process, of this checkout and of each
+``--baseline-code`` (seqshard imported from another checkout, e.g. a worktree of an earlier
+commit), in interleaved rounds of shuffled order, with the fetch of the same bytes (this
+checkout's client) in each round; prints every run, the best and the median; writes
+OUT/remote-http-ratio.json.
 """
 
 from __future__ import annotations
@@ -21,7 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import os
+import random
 import shutil
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +87,52 @@ def fetch_seconds(base_url: str, shards: list[Path]) -> float:
     return time.perf_counter() - started
 
 
+_EPOCH = """
+import sys, time
+from seqshard import make_loader
+loader = make_loader(sys.argv[1], batch_frames=20000, num_workers=0)
+started, cpu = time.perf_counter(), time.process_time()
+for _ in loader:
+    pass
+print(time.perf_counter() - started, time.process_time() - cpu)
+"""
+
+
+def code_epoch_seconds(code: Path, url: str) -> tuple[float, float]:
+    """One http epoch (num_workers=0) in a fresh process importing seqshard from ``code``:
+    its seconds and the CPU seconds of the process (all its threads) meanwhile."""
+    env = {**os.environ, "PYTHONPATH": str(code), "PYTHONWARNINGS": "ignore"}
+    run = subprocess.run([sys.executable, "-c", _EPOCH, url], cwd=code, env=env, capture_output=True, text=True)
+    if run.returncode:
+        raise SystemExit(f"{code}: {run.stderr[-2000:]}")
+    seconds, cpu = run.stdout.split()[-2:]
+    return float(seconds), float(cpu)
+
+
+def http_ratio(args: argparse.Namespace, url: str, shards: list[Path], megabytes: float) -> None:
+    """``--http-ratio`` (see the module docstring)."""
+    codes = {"this": ROOT, **{name: Path(folder) for name, _, folder in (s.partition("=") for s in args.baseline_code)}}
+    times: dict[str, list[float]] = {name: [] for name in [*codes, "fetch"]}
+    cpu: dict[str, list[float]] = {name: [] for name in codes}
+    for number in range(args.rounds):
+        order = list(codes)
+        random.Random(number).shuffle(order)
+        for name in order:
+            seconds, used = code_epoch_seconds(codes[name], url + "/")
+            times[name].append(seconds)
+            cpu[name].append(used)
+        times["fetch"].append(fetch_seconds(url, shards))
+        print(f"round {number + 1}/{args.rounds}: " + ", ".join(f"{n} {t[-1]:.2f} s" for n, t in times.items()))
+    summary = {n: {"best": min(t), "median": statistics.median(t), "runs": t} for n, t in times.items()}
+    for name, row in summary.items():
+        ratio = summary["fetch"]["best"] / row["best"]
+        used = f"  CPU median {statistics.median(cpu[name]):5.2f} s" if name in cpu else ""
+        print(f"{name:10s} best {row['best']:6.2f} s  median {row['median']:6.2f} s  {megabytes / row['best']:7.1f} MB/s"
+              f"  fetch / it {ratio:.2f}x{used}")  # fmt: skip
+        row["cpu"] = cpu.get(name)
+    (args.work / "remote-http-ratio.json").write_text(json.dumps({"megabytes": megabytes, **summary}, indent=1))
+
+
 def main() -> None:
     from seqshard import make_loader
 
@@ -84,10 +141,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--work", type=Path, default=ROOT / "bench" / "out")
     parser.add_argument("--utts-per-file", type=int, default=2000)
+    parser.add_argument("--http-ratio", action="store_true", help="only the http epoch, against --baseline-code")
+    parser.add_argument("--baseline-code", action="append", default=[], metavar="NAME=DIR", help="with --http-ratio")
     args = with_quick(parser, gb=0.05, rounds=1, utts_per_file=25, work=ROOT / "bench" / "out" / "quick")
     _, args.shards = packed_corpus(args.work, args.gb, utts_per_file=args.utts_per_file)
     megabytes = sum(p.stat().st_size for p in args.shards.glob("*.tar")) / 1e6
     options = dict(batch_frames=20000, num_workers=0)
+    if args.http_ratio:
+        server, url = start_server(args.shards, 0.0)
+        try:
+            return http_ratio(args, url, sorted(args.shards.glob("*.tar")), megabytes)
+        finally:
+            server.kill()
     plain, plain_url = start_server(args.shards, 0.0)
     slow, slow_url = start_server(args.shards, 0.05)
     cache_dir = Path(tempfile.mkdtemp(prefix="seqshard-cache-"))

@@ -28,6 +28,7 @@ RENAMED_FLAGS = {
 
 
 def _pack(args: argparse.Namespace) -> int:
+    from .prep.executors import parse_settings
     from .prep.pack import pack_data
 
     report = pack_data(
@@ -41,6 +42,8 @@ def _pack(args: argparse.Namespace) -> int:
         seed=args.seed,
         dtype=args.dtype,
         jobs=args.jobs,
+        executor=args.executor,
+        executor_options=parse_settings(args.executor_option),
         num_parts=args.num_parts,
         part=args.part,
         skip_bad=args.skip_bad,
@@ -299,7 +302,20 @@ def _pack_command(commands: Any) -> None:
         default="float32",
         help="stored feature type; float16 halves the IO (default: %(default)s, lossless)",
     )
-    pack.add_argument("--jobs", type=int, default=1, help="writer processes on this machine (default: %(default)s)")
+    pack.add_argument(
+        "--jobs", type=int, default=1, help="processes on this machine (--executor processes:N; default: %(default)s)"
+    )
+    pack.add_argument(
+        "--executor",
+        metavar="ENGINE",
+        help="where the tasks run: processes:N, dask://HOST:PORT, dask-local:N, ray, ray://HOST:PORT or slurm",
+    )
+    pack.add_argument(
+        "--executor-option",
+        action="append",
+        metavar="KEY=VALUE",
+        help="a setting of the engine (e.g. slurm_partition=cpu, timeout_min=120, mem_gb=16); repeat for several",
+    )
     pack.add_argument(
         "--num-parts", type=int, default=1, help="split the pack into this many parts (e.g. a Slurm array)"
     )

@@ -4,9 +4,9 @@ This is the one module that reads the environment: ``torch.distributed`` when it
 initialised, else torchrun's ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``, else a single process.
 The result is a frozen :class:`DistContext` passed explicitly to whatever needs it.
 
-The loader's collectives (one small all-reduce per step in the ``"stop"`` mode) run on a
-gloo process group, created once on first use, so that they work the same under the NCCL
-backend (CPU tensors, no CUDA stream involved).
+The loader's collectives (a few an epoch: ``rank/epochs.py``) run on a gloo process group,
+created once on first use, so that they work the same under the NCCL backend (CPU tensors, no
+CUDA stream involved).
 """
 
 from __future__ import annotations
@@ -90,12 +90,14 @@ def discover(rank: int | None = None, world_size: int | None = None) -> DistCont
 
 
 class Collectives:
-    """Small CPU collectives among the loader's ranks (no-ops with one rank)."""
+    """Small CPU collectives among the loader's ranks (no-ops with one rank). ``calls`` counts
+    those this process took part in (``seqshard.testing.collectives_made``)."""
 
     def __init__(self, context: DistContext):
         self.context = context
         self._group: Any = None
         self._ready = False
+        self.calls = 0
 
     def _setup(self) -> None:
         if self._ready:
@@ -122,14 +124,27 @@ class Collectives:
 
         self._setup()
         tensor = torch.tensor(values, dtype=torch.int64)
+        self.calls += 1
         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=self._group)
         return [int(v) for v in tensor.tolist()]
 
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's ``values`` (as many on every rank), in rank order: one all-reduce of a
+        ranks x values table that each rank fills in its own row."""
+        if not self.context.distributed:
+            return [list(values)]
+        import torch
+        import torch.distributed as dist
+
+        self._setup()
+        table = torch.zeros((self.context.world_size, len(values)), dtype=torch.int64)
+        table[self.context.rank] = torch.tensor(values, dtype=torch.int64)
+        self.calls += 1
+        dist.all_reduce(table, op=dist.ReduceOp.SUM, group=self._group)
+        return [[int(v) for v in row] for row in table.tolist()]
+
     def all_min(self, values: list[int]) -> list[int]:
         return self._all_reduce(values, "MIN")
-
-    def all_sum(self, values: list[int]) -> list[int]:
-        return self._all_reduce(values, "SUM")
 
     def ready(self) -> bool:
         """Whether torch.distributed runs (collectives can be used)."""
@@ -145,5 +160,6 @@ class Collectives:
 
         self._setup()
         gathered: list[Any] = [None] * self.context.world_size
+        self.calls += 1
         dist.all_gather_object(gathered, value, group=self._group)
         return gathered

@@ -144,8 +144,9 @@ class Batching(OptionGroup):
     64 batches, 2,000 to 16,384 samples, so padding stays low at any budget; a number fixes
     the window's samples); samples over the budget
     go ``"alone"`` or are ``"drop"``ped; ``bucket_sync`` gives every rank batches of one length
-    bucket (of ``num_buckets``) at each step; ``grow_windows``: each epoch's first sort and
-    shuffle windows are small and grow, so its first batch comes early."""
+    bucket (of ``num_buckets``, drawn from a shared seed) at most steps; ``grow_windows``: each epoch's first sort and
+    shuffle windows are small and grow, so its first batch comes early (the sort windows
+    in fewer steps in an epoch of few windows: ``recipe.sort_growth``)."""
 
     batch_size: int | None = None
     batch_frames: int | None = None
@@ -469,7 +470,7 @@ class Remote(OptionGroup):
     cache_limit: str | int | None = None
     remote_retries: int = 4
     remote_timeout: float = 60.0
-    remote_min_rate: float = 256 << 10  # a request slower than this on average, past remote_timeout, has stalled
+    remote_min_rate: float = 256 << 10  # a request's body slower than this over its last remote_timeout: stalled
     allow_pipes: bool = False
 
     def check(self) -> None:
@@ -588,7 +589,7 @@ class Epochs(OptionGroup):
             )
         if self.uneven == "join" and self.epoch_hours is not None:
             raise ConfigError(
-                "epoch_hours counts hours over all ranks, which needs the ranks to talk at each step; "
+                "epoch_hours counts hours over all ranks, which needs the ranks to talk; "
                 "uneven='join' does not: use epoch_steps, or uneven='stop'."
             )
 

@@ -35,19 +35,14 @@ class Seed(IntEnum):
     MIX_PASS = 14  # a mixed source's shard order in each pass (after PLAN)
     TOKEN_BLOCKS = 15  # the order of a language-model epoch's blocks (tokens/blocks.py)
     ESTIMATE = 16  # lengths drawn from the index to estimate an epoch's batches (rank/counts.py)
+    PACK_BUCKET = 17  # the pack-time order of a length group's utterances in one bucket (prep/buckets.py)
+    BUCKET_ORDER = 18  # the length bucket of each reader's k-th batch with bucket_sync (stages/buckets.py)
     MIX_ORDER = 0x6D7578  # which source each position of a mixed stream takes (seqshard.mix)
 
 
 def stage_rng(seed: int, stage: int, *position: int) -> np.random.Generator:
     """A generator keyed by (seed, stage, *position); seeds are derived, never added."""
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, int(stage), *position])))
-
-
-def pack_order_rng(seed: int, *group: float) -> np.random.Generator:
-    """The pack-time shuffle of a length group (``group``: its bounds): keyed by (seed, group)
-    without a stage id, as packs have always been, so a pack resumed by this version writes the
-    same shards as the version that started it."""
-    return np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, *group])))
 
 
 def torch_generator(seed: int, device: object = "cpu") -> object:

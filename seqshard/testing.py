@@ -4,7 +4,8 @@
 stage restored from the state saved there (through JSON) yields exactly the rest of an
 uninterrupted run, also when its windows are restored from what they held, without reading them
 again (``pipeline/workers/replay.py``). :class:`ListSource` is a resumable source of given items
-to test with.
+to test with. :func:`collectives_made` counts the collectives a shard loader's ranks made (the
+multi-rank tests hold them to a few an epoch).
 """
 
 from __future__ import annotations
@@ -106,3 +107,9 @@ def assert_resumes_everywhere(make_stage: Callable[[], Stage], limit: int | None
             rest = [_identity(x) for x in restored]
             assert head + rest == full, f"resume after {k} items differs: {rest[:3]}... instead of {full[k : k + 3]}..."
     return full
+
+
+def collectives_made(loader: Any) -> int:
+    """How many collectives this process's rank has taken part in for ``loader`` (a shard
+    loader: its epoch agreements, summaries, state gathers); 0 with one rank."""
+    return loader.collectives.calls

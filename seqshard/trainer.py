@@ -14,7 +14,10 @@ next step, another model shape or tokenizer is refused.
 Every ``log_every`` steps rank 0 prints loss, utterances/s, frames/s and the **data-wait
 fraction**: the time spent waiting for the next batch over the step time, the number that says
 whether the loader starves the model. Runs on CPU (gloo) or GPU (nccl), under torchrun or as
-one process.
+one process. A step does not wait for the GPU's bookkeeping: losses and frames are read once a
+log line, DDP all-reduces the gradients during the backward pass (:class:`StepRunner`), the
+ranks agree on a preemption without waiting (:class:`Preemption`), and the progress bar counts
+planned utterances without walking the epoch's plan.
 """
 
 from __future__ import annotations
@@ -76,9 +79,21 @@ class SmallCTC(nn.Module):
         hidden = self.normalise(feats).transpose(1, 2)  # B x D x T
         for convolution, activation in zip(self.subsample[::2], self.subsample[1::2]):
             hidden = activation(convolution(hidden.masked_fill(~_mask(lengths, hidden.shape[2]), 0.0)))
-            lengths = (lengths + 1) // 2
+            lengths = _strided(lengths)
         hidden, _ = self.lstm(hidden.transpose(1, 2))
         return self.output(hidden).log_softmax(-1), lengths
+
+    def output_lengths(self, lengths: torch.Tensor) -> torch.Tensor:
+        """The frames of each utterance's output (what :meth:`forward` gives with its output),
+        where ``lengths`` is: from lengths on the host, the CTC loss reads none from the GPU."""
+        for _ in self.subsample[::2]:
+            lengths = _strided(lengths)
+        return lengths
+
+
+def _strided(lengths: torch.Tensor) -> torch.Tensor:
+    """Frames after a convolution of stride 2 (kernel 3, padding 1)."""
+    return (lengths + 1) // 2
 
 
 def _mask(lengths: torch.Tensor, frames: int) -> torch.Tensor:
@@ -98,31 +113,73 @@ def timed(batches: Any) -> Iterator[tuple[Any, float]]:
 
 
 class FeedMeter:
-    """Step timings over a window: how long the loop waited for batches, against the time of
-    the whole step (wait + forward + backward + update)."""
+    """The steps since the last line: how long the loop waited for batches, against the time
+    they took (measured when the line is made: its read waits for the device to finish them;
+    time in :meth:`paused` blocks is no step's), and their utterances, frames and mean loss. The
+    frames and losses stay on the device until the line: one read a line, none a step."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.reset()
 
     def reset(self) -> None:
-        self.wait = self.total = 0.0
-        self.utts = self.frames = self.steps = 0
-        self.loss = 0.0
+        self.began = time.perf_counter()
+        self.wait = 0.0
+        self.utts = self.steps = 0
+        self.losses: list[torch.Tensor] = []
+        self.frames: list[torch.Tensor] = []
 
-    def add(self, wait: float, total: float, utts: int, frames: int, loss: float) -> None:
+    def add(self, wait: float, utts: int, frames: torch.Tensor, loss: torch.Tensor) -> None:
         self.wait += wait
-        self.total += total
         self.utts += utts
-        self.frames += frames
         self.steps += 1
-        self.loss += loss
+        self.frames.append(frames)
+        self.losses.append(loss)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """A block whose time is no step's (a checkpoint, the dev set): the device finishes
+        the steps before it starts."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.began += time.perf_counter() - started
 
     def line(self) -> str:
-        seconds = max(self.total, 1e-9)
+        loss = frames = 0.0
+        if self.steps:
+            sums = torch.stack([torch.stack(self.losses).double().sum(), torch.stack(self.frames).double().sum()])
+            loss, frames = sums.tolist()
+        seconds = max(time.perf_counter() - self.began, 1e-9)
         return (
-            f"loss {self.loss / max(1, self.steps):.3f} {self.utts / seconds:.0f} utts/s {self.frames / seconds:.0f} "
+            f"loss {loss / max(1, self.steps):.3f} {self.utts / seconds:.0f} utts/s {frames / seconds:.0f} "
             f"frames/s data-wait {self.wait / seconds:.1%}"
         )
+
+
+class StepRecords:
+    """``--steps-file``: a line a step (its batch's keys, loss and learning rate), written when
+    the losses are read anyway (a log line, a checkpoint, the run's end): one read for all the
+    steps since. Without a file it keeps nothing."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.pending: list[tuple[int, list[str], torch.Tensor, float]] = []
+
+    def add(self, step: int, keys: Sequence[str], loss: torch.Tensor, rate: float) -> None:
+        if self.file is not None:
+            self.pending.append((step, list(keys), loss, rate))
+
+    def write(self) -> None:
+        if not self.pending:
+            return
+        losses = torch.stack([loss for _, _, loss, _ in self.pending]).tolist()
+        for (step, keys, _, rate), loss in zip(self.pending, losses):
+            self.file.write(json.dumps({"step": step, "keys": keys, "loss": loss, "lr": rate}) + "\n")
+        self.pending.clear()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -203,7 +260,9 @@ def main(argv: list[str] | None = None) -> int:
     preemption = Preemption()  # before the rendezvous, which may take long, and before any worker process starts
     init_distributed(cuda)
     try:
+        preemption.connect()
         code = train(args, cuda, preemption)
+        preemption.finish()
         dist.barrier()  # every rank is past its last collective
     except SeqshardError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -234,6 +293,12 @@ def load_settings(args: argparse.Namespace, rank: int) -> tuple[dict[str, Any], 
         dist.barrier()
         config = demo_config(args.out / "data", args.demo_utts)  # made by rank 0: paths only
     return apply_overrides(config, name, args.set), name + (" with --set" if args.set else "")
+
+
+def line(text: str) -> None:
+    """Print ``text`` as one write (ranks share one output: two writes of theirs could interleave)."""
+    sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
@@ -405,10 +470,11 @@ class MemoryGuard:
     def bucket_of(self, longest: int) -> int:
         return bisect.bisect_right(self.bounds, longest)
 
-    def parts_for(self, lengths: torch.Tensor) -> int:
-        """How many parts a batch of utterances of ``lengths`` runs in: 1, or the fewest
-        (doubling) whose largest is within its bucket's limit."""
-        limit = self.limits.get(self.bucket_of(int(lengths.max())))
+    def parts_for(self, lengths: torch.Tensor, longest: int) -> int:
+        """How many parts a batch of utterances of ``lengths``, the longest of ``longest`` frames,
+        runs in: 1, or the fewest (doubling) whose largest is within its bucket's limit (the
+        lengths are read only in a bucket that has one: after it ran out of memory)."""
+        limit = self.limits.get(self.bucket_of(longest))
         parts = 1
         while limit is not None and parts < len(lengths) and largest_part(lengths, parts) > limit:
             parts *= 2
@@ -474,65 +540,108 @@ def budgets_elsewhere(loader: Any, device: torch.device) -> str | None:
     )
 
 
-def accumulate_gradients(model: nn.Module, loss_of: Any, batch: dict[str, Any], parts: int) -> float:
-    """Forward and backward ``batch`` in ``parts`` (:func:`seqshard.split_batch`), each part's
-    loss weighted by its share of the batch's utterances, so that the gradients add up to the
-    whole batch's (its loss is a mean over utterances); the batch's loss."""
-    pieces = split_batch(batch, parts) if parts > 1 else [batch]
-    size, total = len(batch["keys"]), 0.0
-    for piece in pieces:
-        loss = loss_of(piece) * (len(piece["keys"]) / size)
-        loss.backward()
-        total += float(loss.item())
-    return total
-
-
 class StepRunner:
-    """A training step's forward and backward passes, in parts when the batch's bucket limit
-    (:class:`MemoryGuard`) says so or the step runs out of memory: then memory is freed and the
-    batch runs in twice as many parts, and the bucket's limit is lowered. Never a batch skipped."""
+    """A training step's forward and backward passes under DDP. A batch runs in the parts its
+    bucket's limit (:class:`MemoryGuard`) says: all but the last under ``no_sync`` (their
+    gradients add up on this rank), the last with DDP's all-reduce, which sends each bucket of
+    gradients as the backward pass fills it. When memory runs out before DDP's forward of the
+    last part has armed its all-reduce, the batch runs again in twice as many parts; after it
+    (in the loss or that backward pass, when buckets may have gone and the other ranks wait for
+    the rest), the gradients DDP has not taken yet are computed again in smaller parts apart
+    from DDP and handed to its hooks, so that the all-reduce ends as it would have: with the
+    whole batch's gradients on every rank, and no rank but this one learns of it. Either way the
+    bucket's limit is lowered; never a batch skipped. ``loss_of(model, batch)``: the batch's
+    mean loss through ``model`` (the DDP module, or the model it wraps)."""
 
     def __init__(self, model: nn.Module, loss_of: Any, guard: MemoryGuard, report: Any):
         self.model, self.loss_of, self.guard, self.report = model, loss_of, guard, report
+        self.module = getattr(model, "module", model)  # the model DDP wraps
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        self.taken: set[int] = set()  # ids of the parameters whose gradient this backward pass has accumulated
+        self.armed = False  # DDP's forward has armed its all-reduce for the backward pass to come
+        for param in self.params:
+            param.register_post_accumulate_grad_hook(lambda p: self.taken.add(id(p)))
+        model.register_forward_hook(self._forwarded)
 
-    def backward(self, batch: dict[str, Any]) -> float:
-        """The batch's loss, its gradients in the model's parameters (not averaged over ranks)."""
-        lengths = batch["feat_lens"]
-        size, longest = len(lengths), int(lengths.max())
-        parts = self.guard.parts_for(lengths)
+    def _forwarded(self, model: nn.Module, inputs: Any, output: Any) -> None:
+        self.armed = torch.is_grad_enabled() and getattr(model, "require_backward_grad_sync", False)
+
+    def backward(self, batch: dict[str, Any], sync: bool = True) -> torch.Tensor:
+        """The batch's loss (on the device, not read) and its gradients in the parameters:
+        averaged over the ranks by DDP, or (``sync`` False: the preflight) this rank's alone."""
+        size, longest = batch["feats"].shape[:2]  # the padded batch's shape: its lengths are not read
+        parts = self.guard.parts_for(batch["feat_lens"], longest)
         ran_out = False
-        while True:
-            with getattr(self.model, "no_sync", contextlib.nullcontext)():  # ranks average after
-                fitted, loss = within_memory(accumulate_gradients, self.model, self.loss_of, batch, parts)
-            if fitted:
-                break
+        while (loss := self._attempt(batch, parts, sync, longest)) is None:
             if parts >= size:
                 raise torch.OutOfMemoryError(f"one utterance of {longest} frames does not fit in memory")
             self.model.zero_grad(set_to_none=True)
             free_memory()
             parts, ran_out = min(parts * 2, size), True
-            self.guard.out_of_memory += 1
-            self.report(f"out of memory on a batch of {size} x {longest} frames: running it in {parts} parts")
+            self._ran_out(size, longest, f"running it in {parts} parts")
         if ran_out:
-            self.guard.lower(longest, largest_part(lengths, parts))
+            self.guard.lower(longest, largest_part(batch["feat_lens"], parts))
         self.guard.note(size, longest)
         return loss
 
+    def _attempt(self, batch: dict[str, Any], parts: int, sync: bool, longest: int) -> torch.Tensor | None:
+        """The batch run in ``parts``: its loss, or None when memory ran out before DDP's
+        all-reduce was armed (the gradients so far are to be dropped)."""
+        pieces = split_batch(batch, parts) if parts > 1 else [batch]
+        size, total = len(batch["keys"]), None
+        for number, piece in enumerate(pieces, 1):
+            synced = sync and number == len(pieces)
+            self.taken.clear()
+            self.armed = False
+            with contextlib.nullcontext() if synced else getattr(self.model, "no_sync", contextlib.nullcontext)():
+                fitted, loss = within_memory(self._piece, piece, size)
+            if not fitted and not self.armed:
+                return None
+            if not fitted:
+                loss = self._hand_over(piece, size, longest)
+            total = loss if total is None else total + loss
+        return total
 
-def average_gradients(model: nn.Module) -> None:
-    """Average the ranks' gradients (what DDP does during the backward pass, done after it so
-    that a rank may run its batch in parts): one all-reduce of them all."""
-    world = dist.get_world_size()
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
-    if world == 1 or not grads:
-        return
-    flat = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(flat)
-    flat /= world
-    at = 0
-    for grad in grads:
-        grad.copy_(flat[at : at + grad.numel()].view_as(grad))
-        at += grad.numel()
+    def _piece(self, piece: dict[str, Any], size: int) -> torch.Tensor:
+        loss = self.loss_of(self.model, piece) * (len(piece["keys"]) / size)
+        loss.backward()
+        return loss.detach()
+
+    def _hand_over(self, piece: dict[str, Any], size: int, longest: int) -> torch.Tensor:
+        """Memory ran out with DDP's all-reduce armed: the gradients of ``piece`` for the
+        parameters DDP has not taken, computed again in 2, 4, ... parts through the wrapped
+        model (``torch.autograd.grad`` runs none of DDP's hooks), then accumulated as the
+        backward pass would have, which runs DDP's hooks: the buckets it owes go out. The
+        piece's loss."""
+        waiting = [p for p in self.params if id(p) not in self.taken]
+        count = len(piece["keys"])
+        parts = min(2, count)
+        while not (found := within_memory(self._gradients, piece, size, parts, waiting))[0]:
+            if parts >= count:
+                raise torch.OutOfMemoryError(f"one utterance of {longest} frames does not fit in memory")
+            parts = min(parts * 2, count)
+        loss, gradients = found[1]
+        if waiting:
+            torch.autograd.backward(waiting, gradients)
+        self._ran_out(len(piece["keys"]), longest, f"its gradients computed again in {parts} parts")
+        self.guard.lower(longest, largest_part(piece["feat_lens"], parts))
+        return loss
+
+    def _gradients(
+        self, piece: dict[str, Any], size: int, parts: int, params: list[nn.Parameter]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The loss of ``piece`` and its gradients for ``params``, in ``parts``, apart from DDP."""
+        loss, sums = None, None
+        for part in split_batch(piece, parts) if parts > 1 else [piece]:
+            value = self.loss_of(self.module, part) * (len(part["keys"]) / size)
+            found = torch.autograd.grad(value, params, materialize_grads=True) if params else ()
+            sums = list(found) if sums is None else [total.add_(more) for total, more in zip(sums, found)]
+            loss = value.detach() if loss is None else loss + value.detach()
+        return loss, sums  # type: ignore[return-value]
+
+    def _ran_out(self, size: int, longest: int, then: str) -> None:
+        self.guard.out_of_memory += 1
+        self.report(f"out of memory on a batch of {size} x {longest} frames: {then}")
 
 
 # -- preemption and skipped steps -----------------------------------------------------------------
@@ -540,27 +649,51 @@ def average_gradients(model: nn.Module) -> None:
 
 class Preemption:
     """SIGTERM or SIGUSR1 (what a scheduler such as Slurm sends before it stops a job): the
-    step under way finishes, then the ranks agree (one all-reduce of one number a step) to stop
-    at the same step; the trainer saves its checkpoint and exits 0."""
+    step under way finishes and the ranks agree to stop after the same step; the trainer saves
+    its checkpoint and exits 0. They agree through an all-reduce of one number, on a gloo group
+    of its own, begun at each step and read at the next: no rank waits for it (it ran while the
+    step did) and no GPU takes part, so a signal stops the run one step later than it would with
+    a blocking collective a step."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self) -> None:
         self.received = 0
+        self.group: Any = None
+        self.exchange: tuple[Any, Any] | None = None  # the all-reduce under way and the host array it fills
         for number in self.SIGNALS:
             signal.signal(number, self._note)
 
     def _note(self, number: int, frame: Any) -> None:
         self.received = number
 
-    def agreed(self, device: torch.device) -> str | None:
-        """The signal's name when any rank received one (on every rank: a collective)."""
-        received = self.received
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            flag = torch.tensor([received], dtype=torch.int64, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            received = int(flag.item())
-        return signal.Signals(received).name if received else None
+    def connect(self) -> None:
+        """Make the group the ranks agree on (every rank at once: a collective), with more than one."""
+        if dist.get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo")
+
+    def agreed(self) -> str | None:
+        """The signal's name when any rank had received one by its previous call (every rank
+        gets the same answer at the same call), else None; an exchange for the next call begun."""
+        if self.group is None:
+            return signal.Signals(self.received).name if self.received else None
+        found = self.finish()
+        if not found:
+            import numpy as np
+
+            flag = np.array([self.received], dtype=np.int64)  # host memory: read without a tensor read
+            work = dist.all_reduce(torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            self.exchange = work, flag
+        return signal.Signals(found).name if found else None
+
+    def finish(self) -> int:
+        """Wait for the exchange under way (before the run ends): the signal it found, or 0."""
+        if self.exchange is None:
+            return 0
+        work, flag = self.exchange
+        self.exchange = None
+        work.wait()
+        return int(flag[0])
 
 
 def step_range(text: str) -> tuple[int, int]:
@@ -655,7 +788,7 @@ def preflight(loader: Any, runner: StepRunner, dim: int, vocab_size: int, device
     shapes = dict.fromkeys((b.size, b.longest) for b in (planned[0], max(planned, key=lambda b: b.longest)))
     before = runner.guard.out_of_memory
     for size, longest in shapes:
-        runner.backward(synthetic_batch(size, longest, dim, vocab_size, device))
+        runner.backward(synthetic_batch(size, longest, dim, vocab_size, device), sync=False)  # ranks apart: no update
         runner.model.zero_grad(set_to_none=True)
     shown = ", ".join(f"{size} x {longest}" for size, longest in shapes)
     verdict = "fit" if runner.guard.out_of_memory == before else "ran out of memory: such batches run in parts"
@@ -670,7 +803,7 @@ def train(args: argparse.Namespace, cuda: bool, preemption: Preemption) -> int:
 
     def say(message: str) -> None:
         if rank == 0:
-            print(message, flush=True)
+            line(message)
 
     steps_file = check_outputs(args, rank)
     checkpoint_path = args.out / "ckpt.pt"
@@ -721,30 +854,42 @@ def train(args: argparse.Namespace, cuda: bool, preemption: Preemption) -> int:
     else:
         say(f"training from scratch: {counted(settings['epochs'], 'epoch')}, checkpoints in {checkpoint_path}")
 
-    def loss_of(batch: dict[str, Any]) -> torch.Tensor:
-        log_probs, lengths = model(batch["feats"].to(device, non_blocking=True), batch["feat_lens"].to(device))
-        return ctc(log_probs.transpose(0, 1), batch["labels"].to(device), lengths, batch["label_lens"].to(device))
+    def loss_of(module: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """The batch's loss; the CTC loss takes the lengths where the batch has them (on the
+        host, it reads none from the GPU)."""
+        lengths = batch["feat_lens"]
+        log_probs, _ = module(batch["feats"].to(device, non_blocking=True), lengths.to(device, non_blocking=True))
+        targets = batch["labels"].to(device, non_blocking=True)
+        return ctc(log_probs.transpose(0, 1), targets, model.module.output_lengths(lengths), batch["label_lens"])
+
+    meter, records = FeedMeter(device), StepRecords(steps_file)
 
     def save(next_epoch: int) -> None:
         """``next_epoch``: the epoch a resume runs (the current one, or the next when it is done)."""
-        loader_state = loader.state_dict()  # a collective: every rank calls it at the same step
-        memory = guard.state(device)  # a collective too
-        if rank == 0:
-            temporary = checkpoint_path.with_name(checkpoint_path.name + ".partial")
-            state = {
-                "model": model.module.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "settings": recorded,
-                "loader": loader_state,
-                "epoch": next_epoch,
-                "step": step,
-                "memory": memory,
-            }
-            torch.save(state, temporary)
-            temporary.replace(checkpoint_path)
+        records.write()
+        with meter.paused():
+            loader_state = loader.state_dict()  # a collective: every rank calls it at the same step
+            memory = guard.state(device)  # a collective too
+            if rank == 0:
+                temporary = checkpoint_path.with_name(checkpoint_path.name + ".partial")
+                state = {
+                    "model": model.module.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "settings": recorded,
+                    "loader": loader_state,
+                    "epoch": next_epoch,
+                    "step": step,
+                    "memory": memory,
+                }
+                torch.save(state, temporary)
+                temporary.replace(checkpoint_path)
 
-    meter = FeedMeter()
-    runner = StepRunner(model, loss_of, guard, lambda line: print(f"rank {rank} step {step + 1}: {line}", flush=True))
+    def log() -> None:
+        records.write()
+        say(f"epoch {epoch} step {step} {meter.line()} {memory_line(guard, device)}")
+        meter.reset()
+
+    runner = StepRunner(model, loss_of, guard, lambda text: line(f"rank {rank} step {step + 1}: {text}"))
     if checkpoint is not None:
         guard.load(checkpoint.get("memory"))
     if args.preflight:
@@ -754,42 +899,35 @@ def train(args: argparse.Namespace, cuda: bool, preemption: Preemption) -> int:
     steps_this_run = 0
     while epoch < settings["epochs"]:
         loader.set_epoch(epoch)
+        meter.reset()
         while True:  # an iteration of the epoch; again after a range of steps is skipped
             skips.check_epoch(step, epoch, settings["epochs"], device)
             step = skips.skip(step)
-            planned = loader.planned_batches()
             skipping = False
-            with Progress(rank == 0 and planned.total > 0, interval=30) as bars:
-                advance = bars.bar(f"epoch {epoch}", planned.remaining, unit="batch", exact=planned.exact)
+            model.train()
+            with Progress(rank == 0, interval=30) as bars:
+                advance = bars.bar(f"epoch {epoch}", planned_utts(loader), unit="utt", exact=False)
                 for batch, waited in timed(loader):
-                    started = time.perf_counter() - waited
-                    model.train()
                     optimizer.zero_grad()
-                    value = runner.backward(batch)
-                    average_gradients(model)
+                    loss = runner.backward(batch)
                     rate = settings["lr"] * lr_schedule(step, settings["warmup_steps"])  # a function of the step
                     for group in optimizer.param_groups:
                         group["lr"] = rate
                     optimizer.step()
                     step += 1
                     steps_this_run += 1
-                    meter.add(
-                        waited, time.perf_counter() - started, len(batch["keys"]), int(batch["feat_lens"].sum()), value
-                    )
-                    advance(1)
-                    if steps_file is not None:
-                        record = {"step": step, "keys": list(batch["keys"]), "loss": value, "lr": rate}
-                        steps_file.write(json.dumps(record) + "\n")
+                    meter.add(waited, len(batch["keys"]), batch["feat_lens"].sum(), loss)
+                    advance(len(batch["keys"]))
+                    records.add(step, batch["keys"], loss, rate)
                     stopping = args.stop_after_steps is not None and steps_this_run >= args.stop_after_steps
-                    signalled = preemption.agreed(device)
+                    signalled = preemption.agreed()
                     if step % settings["log_every"] == 0:
-                        say(f"epoch {epoch} step {step} {meter.line()} {memory_line(guard, device)}")
-                        meter.reset()
+                        log()
                     if step % settings["save_every"] == 0 or stopping or signalled:
                         save(epoch)
                         say(f"epoch {epoch} step {step} checkpoint saved")
                     if signalled:
-                        print(f"rank {rank}: {signalled}: stopped after step {step}, checkpoint saved", flush=True)
+                        line(f"rank {rank}: {signalled}: stopped after step {step}, checkpoint saved")
                         return 0
                     if stopping:
                         say(
@@ -803,15 +941,23 @@ def train(args: argparse.Namespace, cuda: bool, preemption: Preemption) -> int:
                 break
             loader.load_state_dict(loader.state_dict())
         if meter.steps:
-            say(f"epoch {epoch} step {step} {meter.line()} {memory_line(guard, device)}")
-            meter.reset()
+            log()
         if dev is not None:
-            say(f"epoch {epoch} dev loss {evaluate(model, dev, loss_of, epoch, device):.3f}")
+            with meter.paused():
+                say(f"epoch {epoch} dev loss {evaluate(model, dev, loss_of, epoch, device):.3f}")
         epoch += 1
         save(epoch)  # the epoch is done: a resume starts the next one
         say(f"epoch {epoch - 1} done at step {step}, checkpoint saved")
     say(f"finished: {counted(settings['epochs'], 'epoch')}, {counted(step, 'step')}")
     return 0
+
+
+def planned_utts(loader: Any) -> int | None:
+    """The utterances the loader plans for the rest of the epoch it runs next, where it can
+    tell without walking its plan (a shard loader counts them from the shards' index); else
+    None: a progress bar without a total."""
+    planned = getattr(loader, "planned_utts", None)
+    return planned() if planned is not None else None
 
 
 def memory_line(guard: MemoryGuard, device: torch.device) -> str:
@@ -827,14 +973,16 @@ def evaluate(model: nn.Module, dev: Any, loss_of: Any, epoch: int, device: torch
     """Mean dev loss per utterance over every rank's part of the dev set."""
     model.eval()
     dev.set_epoch(epoch)
-    total = torch.zeros(2, dtype=torch.float64, device=device)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # loss x utterances, utterances: read once
     with torch.no_grad():
         for batch in dev:
             count = len(batch["keys"])
-            total += torch.tensor([loss_of(batch).item() * count, count], dtype=torch.float64, device=device)
+            total[0] += loss_of(model, batch).double() * count
+            total[1] += count
     if dist.is_initialized():
         dist.all_reduce(total)
-    return float(total[0] / max(total[1], 1))
+    loss, count = total.tolist()
+    return loss / max(count, 1)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/ddp_harness.py CONFIG.json
 
 Trains nothing but iterates the loader like a training loop would (``mode="join"`` runs a
-tiny DDP model under torch's Join) and writes what each step received to OUT/rank<r>.json.
+tiny DDP model under torch's Join) and writes what each step received, and the collectives
+each epoch made, to OUT/rank<r>.json.
 """
 
 import datetime
@@ -20,6 +21,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import seqshard
+    from seqshard.testing import collectives_made
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=config.get("collective_timeout", 60)))
     rank = dist.get_rank()
@@ -38,6 +40,7 @@ def main() -> None:
         loader.set_epoch(epoch)
         steps = []
         started = time.perf_counter()
+        collectives = collectives_made(loader)
         if model is not None:
             from torch.distributed.algorithms.join import Join
 
@@ -47,7 +50,13 @@ def main() -> None:
                     steps.append({"keys": batch["keys"], "frames": int(batch["feats"].shape[1])})
         else:
             for batch in loader:
-                steps.append({"keys": batch["keys"], "frames": int(batch["feats"].shape[1])})
+                steps.append(
+                    {
+                        "keys": batch["keys"],
+                        "frames": int(batch["feats"].shape[1]),
+                        "length": int(batch["feat_lens"].sum()),
+                    }
+                )
                 if config.get("save_at") == [epoch, len(steps)]:
                     state = loader.state_dict()  # a collective: every rank calls it
                     (out / f"before-rank{rank}.json").write_text(
@@ -64,6 +73,7 @@ def main() -> None:
                 "summary": loader.last_summary,
                 "stats": loader.stats(),
                 "seconds": time.perf_counter() - started,
+                "collectives": collectives_made(loader) - collectives,
             }
         )
     if config.get("measure_collective"):

@@ -318,3 +318,16 @@ def test_wrong_kind_of_input_is_named(tmp_path):
     with pytest.raises(InputError, match=r"the file is empty \(0 bytes\)") as error:
         pack_data(None, tmp_path / "text", tmp_path / "o2", wav_scp=tmp_path / "wav.scp", progress=False)
     assert "_io.BytesIO" not in str(error.value)
+
+
+def test_a_wav_header_declaring_a_rate_no_audio_has_is_a_named_error_or_counted(tmp_path):
+    data = write_audio_dir(tmp_path / "d", utts=4)
+    damaged = data.root / f"{data.keys[1]}.wav"
+    raw = bytearray(damaged.read_bytes())
+    raw[24:28] = (8_404_608).to_bytes(4, "little")  # the fmt chunk's sample rate
+    damaged.write_bytes(bytes(raw))
+    with pytest.raises(InputError, match=r"declares 8404608 Hz, no rate audio is recorded at") as error:
+        _pack(data, tmp_path / "strict")
+    assert error.value.reason == "unreadable_audio" and data.keys[1] in str(error.value)
+    report = _pack(data, tmp_path / "skip", skip_bad=True)
+    assert report.dropped == {"unreadable_audio": 1} and report.packed == 3

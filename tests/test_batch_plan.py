@@ -87,6 +87,28 @@ def test_skip_batches_after_a_resume_gives_the_uninterrupted_runs_later_batches(
     assert past.skip_batches(10**6) == len(uninterrupted) and past.heaviest_batches() == []  # not past the epoch
 
 
+def test_an_elastic_resume_after_skipped_batches_keeps_them_counted(shards):
+    """The first rank's summary after an elastic resume counts the saved epoch's past, the
+    batches moved past unread included: nothing is left over (and what a rank surely has left,
+    for the ranks' agreement on the epoch's end, is not more than it has)."""
+    first = make_loader(shards.pattern, num_workers=0, **OPTIONS)
+    assert first.skip_batches(4) == 4
+    iterator = iter(first)
+    taken = [k for _ in range(2) for k in next(iterator)["keys"]]
+    state = first.state_dict(gather=False)
+    skipped = first.stats()["skipped"]
+    first.close()
+    summaries, read = [], []
+    for rank in (0, 1):
+        loader = make_loader(shards.pattern, num_workers=0, rank=rank, world_size=2, uneven="join", **OPTIONS)
+        loader.load_state_dict(state, strict=False)
+        read += [k for batch in loader for k in batch["keys"]]
+        summaries += loader.last_summary["ranks"]
+    assert summaries[0]["skipped"] == skipped["utts"] > 0 and len(taken) + len(read) + skipped["utts"] == 120
+    assert [s["left"] for s in summaries] == [0, 0]
+    assert all(s["utts"] + s["skipped"] + s["left"] == s["planned"] for s in summaries)
+
+
 def test_what_the_plan_cannot_see_is_refused(shards, tmp_path):
     with pytest.raises(NotPlannable, match="transforms= may change or drop samples"):
         make_loader(shards.pattern, num_workers=0, transforms=[_identity], **OPTIONS).heaviest_batches()

@@ -20,7 +20,7 @@ from common import pss_kb, run_measured, vm_kb  # noqa: E402
 
 sys.path.remove(str(BENCH))  # bench's module names (fields, loader, ...) stay out of the other tests' way
 
-TEST_ONLY = {"conftest", "pytest", "hypothesis", "distributed"}  # modules of tests/ and what only [test] installs
+TEST_ONLY = {"conftest", "pytest", "hypothesis", "gloo_ranks"}  # modules of tests/ and what only [test] installs
 
 
 @pytest.mark.parametrize("script", sorted(BENCH.glob("*.py")), ids=lambda p: p.name)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_unread_warning import write_shards
 
-from distributed import kill, run_ranks, start_ranks
+from gloo_ranks import kill, run_ranks, start_ranks
 from seqshard import make_loader
 from seqshard.errors import ShardError
 

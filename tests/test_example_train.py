@@ -5,7 +5,7 @@ to the script, SIGTERM to every process of the job), the script ends with status
 and the job resumes; it says when a run is finished.
 
 The first run of each test is what a user runs (``python examples/train_ddp.py``, torchrun);
-the others run the same script in processes forked from tests/distributed.py's server, which
+the others run the same script in processes forked from tests/gloo_ranks.py's server, which
 has imported torch once (a fresh interpreter, and torchrun's own, cost 2-4 s of CPU each).
 """
 
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed import RankProcess, kill, start_script, wait_for
+from gloo_ranks import RankProcess, kill, start_script, wait_for
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -275,3 +275,57 @@ def test_the_readme_slurm_script_is_preempted_ends_with_0_requeues_and_resumes_e
     )
     assert FINISHED.match(lines[-1]), lines
     assert_same_steps(records(tmp_path / "run.jsonl"), records(tmp_path / "ref.jsonl"))  # rank 0's batches and losses
+
+
+PROBE = ROOT / "tests" / "trainer_probe.py"
+PROBED = {
+    **SETTINGS,
+    "batch_frames": 1500,
+    "epochs": 1,
+    "save_every": 8,
+    "log_every": 4,
+    "hidden": 32,
+    "num_workers": 0,
+}
+STOPPED = re.compile(r"^rank (\d+): SIGTERM: stopped after step (\d+), checkpoint saved$", re.MULTILINE)
+
+
+def probed(out: Path, events: dict, cwd: Path) -> tuple[list[dict], list[dict]]:
+    """2 ranks of the example trainer under tests/trainer_probe.py (``events`` happen): each
+    rank's record of each step; rank r's output in OUT/rank<r>.log, rank 0's steps file in OUT."""
+    settings = [f"--set={k}={json.dumps(v)}" for k, v in PROBED.items()]
+    args = ["--demo-utts", "160", *settings, "--out", str(out / "run"), "--steps-file", str(out / "steps.jsonl")]
+    wait_for(start_script(PROBE, ["train", str(out), json.dumps(events), "--", *args], out, 2, cwd=cwd), 150)
+    return tuple([json.loads(line) for line in (out / f"probe{r}.jsonl").read_text().splitlines()] for r in (0, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.timeout(400)
+def test_a_step_waits_for_no_read_ddp_averages_in_backward_and_memory_running_out_changes_no_update(tmp_path):
+    reference = probed(tmp_path / "reference", {}, tmp_path)
+    for rank, windows in enumerate(reference):
+        assert len(windows) >= 12
+        for window in windows:  # what happens from a step's update to the next's (step 0: before the first)
+            step, logs = window["step"], window["step"] % PROBED["log_every"] == 0
+            assert window["plan"] == 0, window  # no walk of the epoch's plan (for a progress bar)
+            assert not any("float" in call["dtype"] for call in window["all_reduce"]), window  # no gradients of ours
+            if step == 0 or logs:  # the line reads the losses; a checkpoint (a multiple of 4 too) reads and meets
+                continue
+            assert window["reads"] == [], (rank, window)  # nothing read from the device: no wait for it
+            assert window["buckets"] >= 1, window  # DDP all-reduced the gradients, during the backward pass
+            assert window["all_reduce"] == [{"dtype": "torch.int64", "size": 1, "async": True}], window  # the flag
+        assert any(window["reads"] for window in windows if window["step"] % PROBED["log_every"] == 0)
+
+    # memory runs out on rank 1 in step 3's backward pass (DDP has its output layer's and LSTM's
+    # gradients by then), and rank 1 receives SIGTERM after step 10
+    out = tmp_path / "run"
+    probed(out, {"oom": [1, 3], "signal": [1, 10]}, tmp_path)
+    logs = [(out / f"rank{rank}.log").read_text() for rank in (0, 1)]
+    assert "rank 1 step 3: out of memory on a batch of " in logs[1], logs[1]
+    stopped = [int(m[2]) for log in logs for m in STOPPED.finditer(log)]
+    assert len(stopped) == 2 and stopped[0] == stopped[1] in (10, 11), logs  # both ranks, at one step
+    expected = {step: item for step, item in records(tmp_path / "reference" / "steps.jsonl").items()}
+    found = records(out / "steps.jsonl")
+    assert sorted(found) == list(range(1, stopped[0] + 1))
+    assert_same_steps(found, {step: expected[step] for step in found})  # the updates of the run without either

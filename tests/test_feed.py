@@ -7,8 +7,10 @@ Counted in samples read, never in milliseconds."""
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
+import math
 import multiprocessing
 import os
 import pickle
@@ -28,11 +30,14 @@ from seqshard.dist import cores_per_rank
 from seqshard.options import Workers
 from seqshard.pipeline.rank.auto import choose_workers
 from seqshard.pipeline.rank.feed import FeedMeter
-from seqshard.pipeline.stages.base import REPLAY_BATCH, Stage
+from seqshard.pipeline.stages import base
+from seqshard.pipeline.stages.base import REPLAY_BATCH, Map, Stage
 from seqshard.pipeline.stages.batching import LengthBudget, SortBatch
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.pipeline.stages.shuffle import WindowShuffle
+from seqshard.pipeline.workers import worker
 from seqshard.pipeline.workers.recipe import SHUFFLE_GROWTH, SORT_GROWTH
+from seqshard.pipeline.workers.runtime import WorkerRuntime
 from seqshard.testing import ListSource
 
 STATE_V2 = Path(__file__).parent / "data" / "state-v2"
@@ -93,11 +98,18 @@ def lengths_only(lengths):
 
 
 class Preparing(Stage):
-    """Hands out its source's outputs and lets the source read ahead after each, as a reader does."""
+    """Hands out its source's outputs and lets the source read ahead after each, as a reader does
+    (``further``: and read on until its next windows are read, as a worker that waits does)."""
+
+    def __init__(self, source, further=False):
+        super().__init__(source)
+        self.further = further
 
     def next(self):
         output = self.source.next()
         self.source.prepare()
+        if self.further:
+            self.source.read_further(math.inf)
         return output
 
     def get_state(self):
@@ -108,7 +120,7 @@ class Preparing(Stage):
         self.source.reset(state)
 
 
-def growing(samples, prepare=True):
+def growing(samples, prepare=True, further=False):
     stage = SortBatch(
         WindowShuffle(ListSource(samples), 300, 7, 1, grow=SHUFFLE_GROWTH),
         400,
@@ -117,15 +129,16 @@ def growing(samples, prepare=True):
         1,
         grow=SORT_GROWTH,
     )
-    return Preparing(stage) if prepare else stage
+    return Preparing(stage, further) if prepare else stage
 
 
-def test_reading_ahead_changes_no_batch_and_resumes_everywhere():
+@pytest.mark.parametrize("further", [False, True], ids=["its share", "further"])
+def test_reading_ahead_changes_no_batch_and_resumes_everywhere(further):
     samples = lengths_only(np.random.default_rng(5).integers(1, 20, 800))
-    keys = assert_resumes_everywhere(lambda: growing(samples), limit=12)
+    keys = assert_resumes_everywhere(lambda: growing(samples, further=further), limit=12)
     assert keys == [[s.key for s in b.samples] for b in growing(samples, prepare=False)]
     assert sorted(k for batch in keys for k in batch) == [s.key for s in samples]
-    stage = growing(samples)
+    stage = growing(samples, further=further)
     for _ in range(40):
         next(stage)
     sort = stage.source
@@ -153,6 +166,130 @@ def test_a_state_saved_before_windows_grew_resumes_with_its_windows():
     elastic.load_state_dict(state, strict=False)
     rest = sorted(k for b in elastic for k in b["keys"])
     assert rest == sorted(k for b in expected["rest"] for k in b)
+
+
+class Clock:
+    """A clock that moves a tick each time it is read."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1
+        return self.now
+
+
+def test_reading_further_keeps_the_sources_next_window_read_in_step(monkeypatch):
+    """Reading a sort window on in spare time takes the shuffle's items faster than one a batch;
+    the shuffle reads its own next window a share for each of them, so that no item it hands out
+    waits for the rest of that window (up to its whole 300 items were read for one before, when
+    the spare time ran out before the shuffle's turn to read further)."""
+    clock = Clock()
+    monkeypatch.setattr(base, "time", clock)  # the spare time: 200 items' reading after each batch
+    counter = Counted()
+    samples = lengths_only(np.random.default_rng(6).integers(1, 20, 1500))
+    shuffle = WindowShuffle(Map(ListSource(samples), counter), 300, 7, 1)
+    sort = SortBatch(shuffle, 400, LengthBudget(60), 7, 1)
+    most, take = 0, shuffle.next
+
+    def counted_next():
+        nonlocal most
+        before = counter.seen
+        item = take()
+        most = max(most, counter.seen - before)
+        return item
+
+    shuffle.next = counted_next
+    batches = [next(sort)]  # the first windows are read whole, for it
+    most = 0
+    while True:
+        sort.prepare()
+        sort.read_further(clock.now + 200)
+        try:
+            batches.append(sort.next())
+        except StopIteration:
+            break
+    assert sum(map(len, batches)) == 1500
+    assert most <= 5, most  # was 298
+
+
+def read_while_waiting(pattern, in_worker_process, monkeypatch):
+    """Samples a reader has read by its 10th batch, whose consumer takes one every 20 ms (windows
+    of 25 batches, the first of them full)."""
+    monkeypatch.setattr(worker, "_SETTLED", True, raising=False)  # no gc.freeze in the test's own process
+    counter = Counted()
+    options = dict(batch_size=4, sort_window=100, shuffle_window=100, grow_windows=False, transforms=[counter])
+    setup = make_loader(pattern, num_workers=0, **options)._setup
+    run = worker.ReaderRun(setup, WorkerRuntime(None), 0, 0, {"state": None, "seq": 0}, in_worker_process)
+    for _ in range(10):
+        run.item(run.make(), 0)
+        run.prepare()
+        time.sleep(0.02)
+    return counter.seen
+
+
+def test_a_worker_reads_the_next_window_while_its_consumer_computes(five_hundred, monkeypatch):
+    """A reader read the next window a share per batch, so it was read only as the current one
+    ran out: any batch slower than the rest at a window's end (a collection, a slow shard)
+    left the queue empty. A worker now reads on for half of what it waited between its last
+    batches: the next window is read after a few batches of the current one."""
+    # shuffle windows of 100 read ahead as the sort windows take them: the first two for the first
+    # sort window, then 10 shares of the next ones; waiting, the next sort and shuffle windows whole
+    assert read_while_waiting(five_hundred.pattern, False, monkeypatch) == 240
+    assert read_while_waiting(five_hundred.pattern, True, monkeypatch) == 300
+
+
+def test_a_persistent_worker_reads_the_next_epochs_first_window_in_its_spare_time(five_hundred, monkeypatch):
+    """A persistent worker made the next epoch's first batches in the time it would wait, one
+    batch at a time: the first read the epoch's first windows whole, in one go (a small epoch's
+    first window holds a quarter of a full one now). It now reads that window on in spare time,
+    a little after each batch once its own reading is done, before it makes those batches; the
+    batches are the epoch's as a fresh run makes them."""
+    monkeypatch.setattr(worker, "_SETTLED", True, raising=False)  # no gc.freeze in the test's own process
+    counter = Counted()
+    options = dict(batch_size=4, sort_window=400, shuffle_window=100, transforms=[counter], persistent_workers=True)
+    setup = make_loader(five_hundred.pattern, num_workers=1, **options)._setup
+    runtime = WorkerRuntime(None)
+    run = worker.ReaderRun(setup, runtime, 0, 0, {"state": None, "seq": 0}, True)
+    batches = 0
+    while isinstance(made := run.make(), worker.Made):
+        run.item(made, 0)
+        run.prepare()
+        batches += 1
+        time.sleep(0.01)
+        if run.reading_done():
+            break
+    assert batches < 110  # of 125: the epoch's reading, then the next one's first window, done before its end
+    before = counter.seen
+    ahead = worker.ReaderRun(setup, runtime, 0, 1, {"state": None, "seq": 0}, True)
+    first = ahead.make()
+    assert counter.seen - before < 20  # its first window was read: a share of the next one at most
+    assert "held" in pickle.loads(first.state)  # and its windows are saved with their samples' places
+    fresh = worker.ReaderRun(setup, WorkerRuntime(None), 0, 1, {"state": None, "seq": 0})
+    made = [first] + [ahead.make() for _ in range(124)]
+    keys = [[s.key for s in m.batch.samples] for m in made]
+    assert keys == [[s.key for s in fresh.make().batch.samples] for _ in range(125)]
+
+
+FROZEN = multiprocessing.Value("q", -1)  # gc.get_freeze_count() in a worker process (forked workers share it)
+
+
+def frozen(sample):
+    FROZEN.value = gc.get_freeze_count()
+    return sample
+
+
+@pytest.mark.skipif(multiprocessing.get_start_method() != "fork", reason="workers share FROZEN through fork")
+def test_a_worker_keeps_its_long_lived_objects_out_of_the_collectors_scans(packed):
+    """A full collection of the cyclic garbage collector scanned every object of a worker (torch's
+    ~170,000 among them): 60-180 ms, every few windows, long enough to empty the queue of
+    batches (waits of 7-18 steps of 10 ms). A worker freezes what lives when its first run
+    begins; the training process's own collector is left alone."""
+    options = dict(batch_size=2, shuffle_window=12, sort_window=8, transforms=[frozen])
+    assert len(list(make_loader(packed.pattern, num_workers=1, **options))) == 24
+    assert FROZEN.value > 10_000
+    assert len(list(make_loader(packed.pattern, num_workers=0, **options))) == 24
+    assert FROZEN.value == gc.get_freeze_count() == 0
 
 
 TOUCHED = multiprocessing.Value("q", 0)  # samples a worker process has read (forked workers share it)
@@ -370,6 +507,7 @@ def test_an_epochs_start_neither_walks_the_plan_nor_draws_orders_and_len_still_c
     loader = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, **WINDOWS)
     batches = sum(1 for _ in loader)
     assert not calls
+    loader.set_epoch(0)  # len() after an epoch counts the next one's
     assert len(loader) == batches and calls == ["_walked"]
     large = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, sort_window=64, shuffle_window=64)
     monkeypatch.setattr(counts, "EXACT_UTTS", 100)  # too many to walk: bounds drawn over orders of lengths
@@ -417,19 +555,23 @@ def test_a_worker_that_sends_nothing_for_the_timeout_is_named(packed):
     loader.close()
 
 
-@pytest.mark.parametrize("stage", [False, True], ids=["function", "stage"])
-def test_a_resume_reads_only_the_samples_of_the_batches_it_hands_out(five_hundred, stage):
+@pytest.mark.parametrize(
+    ("stage", "bucket_sync"), [(False, False), (True, False), (False, True)], ids=["function", "stage", "bucket sync"]
+)
+def test_a_resume_reads_only_the_samples_of_the_batches_it_hands_out(five_hundred, stage, bucket_sync):
     """Issue 32, item 5: a restore read the windows in flight again from their start (a shuffle
     and a sort window of 320 here) before its first batch. Now each window's state holds its
     outputs by their samples' origins and the source's state where it ended: the restored
     windows read again only the samples of the batches they hand out, as they hand them out (at
     least REPLAY_BATCH samples at once), and the batches, their counters and the state after each are those of the uninterrupted
-    run. Under a Stage of the user's (which may keep state) the windows are read again."""
-    options = dict(batch_size=4, num_workers=0, seed=3, **WINDOWS)
+    run (with bucket_sync too: its windows' batches go out in the drawn order, which the record
+    keeps). Under a Stage of the user's (which may keep state) the windows are read again."""
+    options = dict(batch_size=4, num_workers=0, seed=3, bucket_sync=bucket_sync, **WINDOWS)
     transforms = [CountBuilds] if stage else [Counted()]
     full = make_loader(five_hundred.pattern, transforms=transforms, **options)
     keys = [b["keys"] for b in full]
-    for k in (1, 40, 79, 80, 81, 97, len(keys) - 1):
+    restored = 0
+    for k in (1, 39, 40, 41, 79, 80, 81, 97, len(keys) - 1):
         loader = make_loader(five_hundred.pattern, transforms=transforms, **options)
         batches = iter(loader)
         for _ in range(k):
@@ -441,10 +583,54 @@ def test_a_resume_reads_only_the_samples_of_the_batches_it_hands_out(five_hundre
         again.load_state_dict(state)
         rest = iter(again)
         first = next(rest)["keys"]
-        if not stage:  # the first batch's samples (and its next ones', a few at once), not its windows'
+        if not stage and inside(state):  # the first batch's samples (and a few next ones'), not its windows'
             assert len(first) <= counter.seen <= REPLAY_BATCH, (k, counter.seen)
+            restored += 1
         assert [first, *(b["keys"] for b in rest)] == keys[k:], k
         assert again.stats()["utts"] == full.stats()["utts"] and again.stats()["steps"] == len(keys)
+    assert stage or restored >= 5
+
+
+def inside(state: dict) -> bool:
+    """Whether the sort window of a one-reader state has outputs left (else the next window is
+    read, as the uninterrupted run reads it)."""
+    from seqshard.pipeline.stages.held import Held
+
+    window = state["ranks"]["0"]["workers"][0]["state"]
+    return Held.of(window["held"]).outputs > window["emitted"]
+
+
+@pytest.mark.parametrize("bucket_sync", [False, True], ids=["plain", "bucket sync"])
+def test_a_version_4_state_without_window_records_resumes_by_reading_its_windows_again(five_hundred, bucket_sync):
+    """A state saved before version 5 holds no window records (``stages/held.py``): it is read,
+    its windows read again from their start, and the batches are those of the uninterrupted run;
+    a state of a version this seqshard does not know is refused by name."""
+    from seqshard.errors import StateMismatchError
+    from seqshard.pipeline.stages.held import without_held
+
+    counter = Counted()
+    options = dict(batch_size=4, num_workers=0, seed=3, bucket_sync=bucket_sync, transforms=[counter], **WINDOWS)
+    keys = [b["keys"] for b in make_loader(five_hundred.pattern, **options)]
+    loader = make_loader(five_hundred.pattern, **options)
+    batches = iter(loader)
+    for _ in range(50):
+        next(batches)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert state["seqshard_loader_state"] == 5 and "held" in state["ranks"]["0"]["workers"][0]["state"]
+    old = json.loads(json.dumps({**state, "seqshard_loader_state": 4}))
+    for spot in old["ranks"]["0"]["workers"]:
+        spot["state"] = without_held(spot["state"])  # as version 4 saved it
+    assert not any('"held"' in json.dumps(spot["state"]) for spot in old["ranks"]["0"]["workers"])
+    again = make_loader(five_hundred.pattern, **options)
+    again.load_state_dict(old)
+    counter.seen = 0
+    rest = iter(again)
+    first = next(rest)["keys"]
+    assert counter.seen > REPLAY_BATCH  # its window read again from its start, not its first batch's samples
+    assert [first, *(b["keys"] for b in rest)] == keys[50:]
+    with pytest.raises(StateMismatchError, match=r"it is version 6, this seqshard reads 2 and 3 and 4 and 5"):
+        make_loader(five_hundred.pattern, **options).load_state_dict({**state, "seqshard_loader_state": 6})
 
 
 def test_workers_start_restoring_at_load_state_dict_and_another_start_is_still_honoured(five_hundred):

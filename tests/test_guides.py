@@ -1,4 +1,4 @@
-"""Every guide docs/from-*.md runs as written, so a guide that no longer works fails here.
+"""Every guide docs/from-*.md and docs/on-*.md runs as written, so a guide that no longer works fails here.
 
 A guide's ```bash and ```python blocks run in order, from the repository root, in one fresh
 Python process per guide (``python tests/test_guides.py docs/from-kaldi.md`` runs one by
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GUIDES = sorted((ROOT / "docs").glob("from-*.md"))
+GUIDES = sorted([*(ROOT / "docs").glob("from-*.md"), *(ROOT / "docs").glob("on-*.md")])
 RUN_LANGUAGES = ("bash", "python")
 FENCE = re.compile(r"^```(\w*)[^\n]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
 SHELL_STATE = ("PWD", "OLDPWD", "SHLVL", "_", "GUIDE_ENV_DUMP")  # bash's own, not the guide's exports

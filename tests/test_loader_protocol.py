@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import pack_small, write_kaldi_dir
-from seqshard import make_loader, make_token_loader
+from seqshard import keep_if, make_loader, make_token_loader
 from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.protocol import Loader
 from seqshard.scp_dataset import MapStyleLoader, ScpDataset
@@ -179,6 +179,21 @@ def test_budget_batches_have_an_estimate_and_len_says_why_it_is_not_exact(made):
         len(loader)
     steps = make_loader(made["shards"], batch_frames=200, num_workers=0, uneven="repeat", epoch_steps=7)
     assert len(steps) == 7 and len(epoch_of(steps)) == 7
+
+
+def _odd(sample) -> bool:
+    return sample.key.endswith(("1", "3", "5", "7", "9"))
+
+
+@pytest.mark.parametrize("option", [dict(check_finite=True), dict(transforms=[keep_if(_odd, "even")])])
+def test_what_may_drop_samples_as_they_are_read_makes_a_fixed_size_count_inexact(made, option):
+    """check_finite and transforms (a keep_if filter here) drop samples the index counts: the
+    count is no longer exact (the ranks would otherwise take it as where the data ends)."""
+    loader = make_loader(made["shards"], batch_size=4, num_workers=0, **option)
+    planned = loader.planned_batches()
+    real = len(epoch_of(loader))
+    assert not planned.exact and ("check_finite" in planned.why or "transforms" in planned.why)
+    assert real <= planned.high  # the bounds count every sample: the real count is the same or lower
 
 
 def test_a_second_iteration_begun_while_one_is_read_ends_the_first_and_says_so(made, caplog):

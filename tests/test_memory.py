@@ -6,17 +6,21 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
+from trainer_probe import SCENARIOS
 
 from conftest import pack_small
+from gloo_ranks import start_script, wait_for
 from seqshard import build_loaders, make_loader, split_batch
 from seqshard.cli import main
 from seqshard.errors import ConfigError
-from seqshard.trainer import MemoryGuard, SmallCTC, StepRunner, accumulate_gradients
+from seqshard.trainer import MemoryGuard, SmallCTC, StepRunner, largest_part
 
+PROBE = Path(__file__).parent / "trainer_probe.py"
 LIMIT = 40_000  # B x T^2 a step takes before it runs out of memory
 CALLS: list[tuple[int, int]] = []
 
@@ -134,10 +138,10 @@ def trainable(batch):
     return {**batch, "label_lens": label_lens, "labels": batch["labels"][:, : int(label_lens.max())]}
 
 
-def _ctc_loss(model):
+def _ctc_loss():
     ctc = nn.CTCLoss(zero_infinity=True)
 
-    def loss_of(batch):
+    def loss_of(model, batch):
         log_probs, lengths = model(batch["feats"], batch["feat_lens"])
         return ctc(log_probs.transpose(0, 1), batch["labels"], lengths, batch["label_lens"])
 
@@ -155,13 +159,16 @@ def test_gradients_of_a_batch_in_parts_equal_the_whole(trainable):
     model = SmallCTC(trainable["feats"].shape[2], int(trainable["labels"].max()) + 1, hidden=32, layers=1)
     with torch.no_grad():
         model.normalise.bias.fill_(0.5)  # padding frames normalise to this: the model must mask them
-    loss_of = _ctc_loss(model)
-    whole_loss = accumulate_gradients(model, loss_of, trainable, 1)
+    guard = MemoryGuard()
+    runner = StepRunner(model, _ctc_loss(), guard, print)
+    whole_loss = float(runner.backward(trainable))
     whole = _gradients(model)
     assert 0 < whole_loss < float("inf") and whole.count_nonzero() > len(whole) // 2
-    for parts in (2, 3, 9):
-        loss = accumulate_gradients(model, loss_of, trainable, parts)
-        assert loss == pytest.approx(whole_loss, rel=1e-6)
+    lengths, longest = trainable["feat_lens"], trainable["feats"].shape[1]
+    for parts, pieces in ((2, 2), (4, 4), (16, 9)):  # the limit of a bucket that ran out of memory splits its batches
+        guard.limits[0] = largest_part(lengths, pieces)
+        assert guard.parts_for(lengths, longest) == parts
+        assert float(runner.backward(trainable)) == pytest.approx(whole_loss, rel=1e-6)
         assert (_gradients(model) - whole).abs().max() <= 1e-5
 
 
@@ -169,15 +176,15 @@ def test_a_step_that_runs_out_of_memory_runs_in_parts_and_lowers_its_buckets_lim
     batch = trainable
     torch.manual_seed(0)
     model = SmallCTC(batch["feats"].shape[2], int(batch["labels"].max()) + 1, hidden=32, layers=1)
-    loss_of = _ctc_loss(model)
+    loss_of = _ctc_loss()
     limit = batch["feats"].shape[0] * batch["feats"].shape[1] // 3  # padded frames
 
-    def limited(part):
+    def limited(model, part):
         if part["feats"].shape[0] * part["feats"].shape[1] > limit:
             raise torch.OutOfMemoryError("over the limit")
-        return loss_of(part)
+        return loss_of(model, part)
 
-    accumulate_gradients(model, loss_of, batch, 1)
+    StepRunner(model, loss_of, MemoryGuard(), print).backward(batch)
     whole = _gradients(model)
     guard, said = MemoryGuard((20, 60)), []
     runner = StepRunner(model, limited, guard, said.append)
@@ -188,6 +195,28 @@ def test_a_step_that_runs_out_of_memory_runs_in_parts_and_lowers_its_buckets_lim
     assert 0 < guard.limits[bucket] <= limit
     runner.backward(batch)  # the bucket's lowered limit splits it before it runs out
     assert guard.out_of_memory == 2 and guard.largest[bucket] == (9, int(batch["feat_lens"].max()))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_memory_running_out_anywhere_in_a_ddp_step_gives_every_rank_the_whole_batchs_update(tmp_path):
+    """2 gloo ranks, a model of several DDP buckets; memory runs out on rank 1 (probe's SCENARIOS):
+    both ranks end each step with the gradients of the step where it does not, DDP all-reduces
+    them during the backward pass, and no all_reduce of the trainer's own runs."""
+    wait_for(start_script(PROBE, ["runner", str(tmp_path)], tmp_path, world_size=2), 120)
+    ranks = [json.loads((tmp_path / f"runner{rank}.json").read_text()) for rank in range(2)]
+    scenarios = [*SCENARIOS, "none again"]
+    for rank, found in enumerate(ranks):
+        assert found["all_reduce calls"] == 0  # gradients averaged by DDP alone, also after running out
+        for number, scenario in enumerate(scenarios):
+            assert found[scenario]["largest difference"] <= 1e-6, (rank, scenario, found[scenario])
+            assert found[scenario]["loss"] == pytest.approx(found["none"]["loss"], rel=1e-6), (rank, scenario)
+            assert found[scenario]["sum"] == ranks[0][scenario]["sum"], scenario  # the same gradients on both ranks
+            ran_out = min(number, len(SCENARIOS) - 1) if rank == 1 else 0
+            assert found[scenario]["out of memory"] == ran_out, (rank, scenario, found[scenario])
+    sent = ranks[0]["none again"]["sent with"]  # per bucket: the parameters whose gradients were in when it went
+    assert len(sent) > 2 and sent[0] < ranks[0]["parameters"], sent  # all-reduced during the backward pass
+    assert ranks[1]["backward"]["buckets sent"] >= 1  # a bucket had gone when memory ran out
 
 
 @pytest.mark.parametrize(

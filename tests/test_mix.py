@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import write_kaldi_dir
-from distributed import run_ranks
+from gloo_ranks import run_ranks
 from seqshard import make_loader, mux, pack_data
 from seqshard.errors import ConfigError, StateMismatchError
 from seqshard.mix import BLOCK, GROUP, flatten, next_block

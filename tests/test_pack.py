@@ -127,10 +127,9 @@ def test_parts_and_jobs_write_the_same_bytes_as_one_process(tmp_path):
     data = write_kaldi_dir(tmp_path / "d", speakers=6, per_speaker=10)
     common = dict(utts_per_file=6, filter_group=["5:30", "30:60"], progress=False)
     pack_data(data.scp, data.text, tmp_path / "one", **common)
-    for part in range(3):
+    for part in range(3):  # a part alone runs every task no live part holds: the first does all
         report = pack_data(data.scp, data.text, tmp_path / "parts", num_parts=3, part=part, **common)
-        assert report.complete == (part == 2)
-        assert (tmp_path / "parts" / "pack_report.json").exists() == (part == 2)
+        assert report.complete and report.shards_written_now == (0 if part else report.shards_total)
     pack_data(data.scp, data.text, tmp_path / "jobs", jobs=3, max_open=2, **common)
     reference = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in shards_under(tmp_path / "one")}
     for name in ("parts", "jobs"):

@@ -81,10 +81,11 @@ def test_parts_agree_on_an_empty_shard(tmp_path):
     data = damaged_middle_shard(tmp_path)
     options = dict(utts_per_file=10, shuffle=False, skip_bad=True, progress=False)
     whole = pack_data(data.scp, data.text, tmp_path / "whole", **options)
-    first = pack_data(data.scp, data.text, tmp_path / "parts", num_parts=2, part=1, **options)
-    assert not first.complete and first.shards_empty == 1 and not (tmp_path / "parts/data-00001.tar").exists()
+    first = pack_data(data.scp, data.text, tmp_path / "parts", num_parts=2, part=1, **options)  # alone: all tasks
+    assert first.complete and first.shards_empty == 1 and not (tmp_path / "parts/data-00001.tar").exists()
     last = pack_data(data.scp, data.text, tmp_path / "parts", num_parts=2, part=0, **options)
-    assert last.complete and (last.packed, last.dropped, last.shards_empty) == (whole.packed, whole.dropped, 1)
+    assert last.complete and last.shards_written_now == 0
+    assert (last.packed, last.dropped, last.shards_empty) == (whole.packed, whole.dropped, 1)
     for name in ("data-00000.tar", "data-00002.tar"):
         assert (tmp_path / "parts" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
     assert ShardIndex.load(tmp_path / "parts").shards == ShardIndex.load(tmp_path / "whole").shards

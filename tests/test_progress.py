@@ -166,8 +166,8 @@ def test_pack_command_with_stderr_to_a_file(tmp_path: Path):
         lines = assert_plain(log.read_text())
         packed = [line for line in lines if line.startswith("pack")]
         assert packed, lines
-        assert re.match(r"^pack( \(2 jobs\))?: 40/40 utt \(100\.0%\), .*, done in ", packed[-1]), packed
-        assert any(line.startswith("scan inputs: ") and "(100.0%)" in line for line in lines), lines
+        assert re.match(r"^pack( \(2 workers\))?: 40/40 utt \(100\.0%\), .*, done in ", packed[-1]), packed
+        assert any(line.startswith("scan: ") and "(100.0%)" in line for line in lines), lines
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ from seqshard.dist import Collectives, DistContext
 from seqshard.errors import ConfigError, SeqshardError, StateMismatchError
 from seqshard.formats.remote.access import RemoteAccess
 from seqshard.formats.table import ShardTable
-from seqshard.options import Epochs, LoaderOptions
+from seqshard.options import LoaderOptions
 from seqshard.pipeline.plan import planned_utts
 from seqshard.pipeline.rank import checkpoint
 from seqshard.pipeline.rank.cursor import EpochCursor
 from seqshard.pipeline.rank.elastic import remainder_plan
-from seqshard.pipeline.rank.epochs import epoch_rules
+from seqshard.pipeline.rank.epochs import EpochLength, EpochRules, HoursLimit, RepeatStream, StepLimit, StopTogether
 from seqshard.pipeline.rank.merge import MergedStream, RankPosition
 from seqshard.pipeline.workers.pool import WorkerPool
 from seqshard.pipeline.workers.protocol import BatchItem, EndItem
@@ -49,7 +49,7 @@ def workers(counts: list[int], after: list[int] | None = None):
 
 
 def test_the_merged_stream_takes_workers_in_turn_and_skips_finished_ones():
-    position = RankPosition.fresh(0, 2, 0)
+    position = RankPosition.fresh(0, 2)
     stream = MergedStream(workers([3, 2]), position)
     taken = []
     while (item := stream.pull()) is not None:
@@ -61,7 +61,7 @@ def test_the_merged_stream_takes_workers_in_turn_and_skips_finished_ones():
 
 
 def test_a_restored_stream_goes_on_where_its_position_stands():
-    position = RankPosition.fresh(0, 2, 0)
+    position = RankPosition.fresh(0, 2)
     stream = MergedStream(workers([3, 3]), position)
     for _ in range(3):
         stream.emit(stream.pull())
@@ -79,25 +79,39 @@ def test_a_restored_stream_goes_on_where_its_position_stands():
         MergedStream(workers([3, 3], after=[2, 1]), broken)
 
 
-def test_epoch_rules_cut_by_steps_or_hours_and_end_with_the_data():
-    position = RankPosition.fresh(0, 1, 0)
-    by_steps = epoch_rules(Epochs(uneven="repeat", epoch_steps=2), 10.0, ONE)
-    by_hours = epoch_rules(Epochs(uneven="repeat", epoch_hours=30 * 0.01 / 3600), 10.0, ONE)  # 30 frames
-    stream = MergedStream(workers([3]), position)
-    stops = epoch_rules(Epochs(uneven="stop"), 10.0, ONE)
+def run_rules(rules: EpochRules, counts: list[int]) -> tuple[list[int], RankPosition]:
+    """The batches a loader with ``rules`` hands out over workers of ``counts`` batches (one
+    process: its agreements cost nothing), and its position after them."""
+    position = RankPosition.fresh(0, len(counts))
+    stream = MergedStream(workers(counts), position)
+    rules.start(position, None)
     seen = []
-    while not by_steps.over(position) and (item := stops.next_item(stream)) is not None:
+    while True:
+        if rules.due(position):
+            rules.agree(position, stream, lambda held: None, 0, lambda summed: None)
+        if rules.over(position):
+            break
+        item = stream.next()
+        if item is None and rules.ran_out(position, None, 0):
+            break
         stream.emit(item)
         seen.append(item.seq)
-        assert by_hours.over(position) == (position.frames >= 30)
-    assert seen == [1, 2]
-    assert [stops.next_item(stream).seq, stops.next_item(stream)] == [3, None]  # the data ends it
+    return seen, position
+
+
+def test_epoch_rules_cut_by_steps_or_hours_and_end_with_the_data():
+    seen, position = run_rules(EpochRules(RepeatStream(), StepLimit(2), ONE), [3])
+    assert seen == [1, 2] and position.ends == "length"
+    seen, position = run_rules(EpochRules(RepeatStream(), HoursLimit(30 * 0.01 / 3600, 10.0), ONE), [3])
+    assert seen == [1, 2] and position.frames == 40  # 20 frames a batch: reached at the second, checked each step
+    seen, position = run_rules(EpochRules(StopTogether(), EpochLength(), ONE), [3])
+    assert seen == [1, 2, 3] and not position.ends  # the data ends it
     with pytest.raises(ConfigError, match="ran out in uneven='repeat'"):
-        by_steps.end.settle(None, agreed=False)
+        run_rules(EpochRules(RepeatStream(), EpochLength(), ONE), [3])
 
 
 def test_the_cursor_runs_the_next_epoch_unless_one_is_chosen():
-    cursor = EpochCursor(lambda e: RankPosition.fresh(e, 1, 0), continues_stream=False)
+    cursor = EpochCursor(lambda e: RankPosition.fresh(e, 1), continues_stream=False)
     assert cursor.start().epoch == 0
     cursor.position.completed = True
     assert cursor.start().epoch == 1  # iterated again after a finished epoch
@@ -106,7 +120,7 @@ def test_the_cursor_runs_the_next_epoch_unless_one_is_chosen():
     cursor.position.completed = True
     cursor.set_epoch(1)
     assert cursor.start().epoch == 1 and not cursor.position.completed  # set_epoch wins
-    done = RankPosition.fresh(4, 1, 0)
+    done = RankPosition.fresh(4, 1)
     done.completed = True
     cursor.load(done)
     assert cursor.start().epoch == 5  # a state saved at an epoch's end goes on with the next
@@ -125,7 +139,7 @@ def test_states_name_what_differs_and_refuse_what_does_not_fit(table):
     options = LoaderOptions(batch_size=4, num_workers=0)
     setup = make_setup(table, options, 0, 1, None, None)
     identity = checkpoint.identity(table, options, 1)
-    position = RankPosition.fresh(2, 1, 0)
+    position = RankPosition.fresh(2, 1)
     state = json.loads(json.dumps(checkpoint.state(position, identity, ONE, gather=True)))
     assert checkpoint.restore(state, identity, setup, None, ONE, strict=True).epoch == 2
     other = checkpoint.identity(table, options.replace(seed=9), 1)
@@ -137,6 +151,27 @@ def test_states_name_what_differs_and_refuse_what_does_not_fit(table):
     assert checkpoint.check_ranks_agree(identity, ONE)
 
 
+def test_a_bucket_sync_state_of_the_training_processs_queues_is_refused_and_an_old_one_without_is_read(table):
+    """Version 3 kept bucket sync's batches in queues of the training process: such a state does
+    not fit readers that order their own batches; other version 3 states (their queues empty)
+    are read."""
+    options = LoaderOptions(batch_size=4, num_workers=0, bucket_sync=True)
+    setup = make_setup(table, options, 0, 1, None, None)
+    identity = checkpoint.identity(table, options, 1)
+    old = json.loads(json.dumps(checkpoint.state(RankPosition.fresh(1, 1), identity, ONE, gather=True)))
+    old["seqshard_loader_state"] = 3
+    old["ranks"]["0"]["queues"] = [[[0, 1]], [], []]
+    old["ranks"]["0"]["workers"][0]["emitted_above"] = []
+    for strict in (True, False):
+        with pytest.raises(StateMismatchError, match=r"bucket_sync .* held batches back in the training process"):
+            checkpoint.restore(old, identity, setup, None, ONE, strict=strict)
+    plain = LoaderOptions(batch_size=4, num_workers=0)
+    old["identity"] = checkpoint.identity(table, plain, 1)
+    old["ranks"]["0"]["queues"] = []
+    restored = checkpoint.restore(old, old["identity"], make_setup(table, plain, 0, 1, None, None), None, ONE, True)
+    assert restored.epoch == 1 and restored.held == []
+
+
 @pytest.mark.parametrize("taken", [0, 1, 3])
 def test_elastic_remainders_and_what_was_handed_out_make_the_epoch_once(table, taken):
     options = LoaderOptions(batch_size=2, num_workers=2, shuffle_window=4, sort_window=4)
@@ -144,7 +179,7 @@ def test_elastic_remainders_and_what_was_handed_out_make_the_epoch_once(table, t
     handed: list[str] = []
     positions = []
     for setup in old:
-        position = RankPosition.fresh(0, 2, 0)
+        position = RankPosition.fresh(0, 2)
         for worker, spot in enumerate(position.workers):
             pipeline = build_pipeline(setup, worker, 0)
             pipeline.reset()

@@ -2,16 +2,19 @@
 the same batches as from local disk, faults retried or skipped and counted, the failure budget,
 and the local cache (served from disk the second time, limited, repaired, shared by processes)."""
 
+import itertools
 import multiprocessing as mp
 import shutil
 import zlib
 
+import numpy as np
 import pytest
 from http_server import ShardServer
 
 from conftest import write_kaldi_dir
 from seqshard import make_loader, pack_data
 from seqshard.errors import ConfigError, ShardError
+from seqshard.formats.remote import access as remote
 from seqshard.formats.remote.cache import TAG
 
 OPTIONS = dict(batch_size=4, shuffle_window=16, sort_window=8, seed=1)
@@ -286,3 +289,31 @@ def test_a_shard_changed_on_the_server_since_its_index_is_not_read(packed, tmp_p
         loader = make_loader(url, num_workers=2, skip_bad=True, max_bad_shards=1, **OPTIONS)
         seen = keys_of(loader)
         assert len(seen) == len(set(seen)) == 42 and loader.stats()["damaged_shards"] == 1
+
+
+def test_reads_across_the_pieces_of_fetched_chunks_give_the_bytes(monkeypatch):
+    """A fetched chunk is kept in the pieces the socket gave it in, not joined (issue 30 item
+    21: a copy of every byte): a read within a piece is a view of it, one across pieces or
+    chunks joins its parts."""
+    data = np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint8).tobytes()
+    url = "http://shards.example/data-00000.tar"
+    access = remote.RemoteAccess(chunk_bytes=1000, expected={url: (len(data), None)})
+    access._servers()["http://shards.example"] = True  # serves ranges
+
+    def fetch(url, start, end, abandoned=None):
+        cuts = sorted({start, end, *range(start, end, 7 + start % 13)})  # uneven pieces
+        return remote.Chunk([data[a:b] for a, b in itertools.pairwise(cuts)])
+
+    monkeypatch.setattr(access, "fetch", fetch)
+    monkeypatch.setattr(access, "server_size", lambda url, abandoned=None: len(data))
+    source = remote.RemoteBytes(url, access)
+    rng = np.random.default_rng(1)
+    position = 0
+    for _ in range(400):
+        if rng.random() < 0.2:
+            position = int(rng.integers(0, len(data)))
+            source.seek(position)
+        size = int(rng.integers(0, 300))
+        assert bytes(source.read(size)) == data[position : position + size]
+        position = min(position + size, len(data))
+    source.close()

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from distributed import run_ranks
+from gloo_ranks import run_ranks
 from seqshard import make_loader
 from seqshard.cli import main
 from seqshard.errors import ConfigError, InputError, ShardError

@@ -204,3 +204,42 @@ def test_a_windows_record_survives_its_text_and_leaves_out_what_it_handed_out(se
         with pytest.raises(SeqshardError, match="window record cannot be read"):
             Held.decode(damaged)
     assert Held.describe([1, 2], None, None, ended=True) is None  # not samples read from shards
+
+
+def test_bucket_sorted_batches_follow_the_shared_draws_and_resume_everywhere():
+    """With bucket_sync each reader's k-th batch is of the bucket drawn for k (where its window
+    has one): the same draws on every rank, whatever its samples; batches and states are the
+    window's own, so a restore anywhere gives the rest."""
+    from seqshard.pipeline.stages.batching import bucket_of
+    from seqshard.pipeline.stages.buckets import BucketDraws, BucketSortBatch, bucket_weights
+
+    bounds = (12, 25, 38)
+    cost = FixedSize(3)
+    weights = bucket_weights([(k, 10) for k in range(20, 43)], bounds, cost)
+    draws = BucketDraws(bounds, weights, 5, (0, 1))
+    assert draws.draws(7, 9) == draws.draws(0, 20)[7:16]  # any run of outputs, the same draws
+
+    def make(seed=0, before=0):
+        return BucketSortBatch(
+            ListSource(utterances(90, seed)), 24, cost, 5, 0, seed, 1, draws=draws, before=before, shuffle=True
+        )
+
+    def met(batches: list) -> float:
+        return float(np.mean(np.array([bucket_of(b, bounds) for b in batches]) == draws.draws(0, len(batches))))
+
+    for seed in (0, 1):  # two ranks: other samples, the same draws
+        assert_resumes_everywhere(lambda seed=seed: make(seed))
+        batches = list(make(seed))
+        unsynced = list(SortBatch(ListSource(utterances(90, seed)), 24, cost, 5, 0, seed, 1))
+        assert met(batches) >= 0.5 > 0.3 >= met(unsynced), (met(batches), met(unsynced))  # windows of 8 batches
+        assert sorted(s.key for b in batches for s in b.samples) == sorted(s.key for b in unsynced for s in b.samples)
+    later = list(make(before=40))  # an endless stream's later pass: draws from output 40 on
+    assert [bucket_of(b, bounds) for b in later] != [bucket_of(b, bounds) for b in list(make())]
+
+
+def test_batches_go_out_in_the_draws_order_as_far_as_their_buckets_allow():
+    from seqshard.pipeline.stages.buckets import in_draw_order
+
+    batches = ["a0", "b1", "c1", "d3", "e3"]  # named by their buckets
+    ordered = in_draw_order(batches, [0, 1, 1, 3, 3], [1, 3, 2, 1, 0])
+    assert ordered == ["b1", "d3", "e3", "c1", "a0"]  # the 2 drawn gets the nearest left (3 over 0)

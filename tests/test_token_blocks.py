@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import distributed
+import gloo_ranks
 from conftest import REALDATA
 from seqshard import TokenDataset, make_token_loader
 from seqshard.errors import ConfigError
@@ -173,9 +173,9 @@ def test_the_plan_of_a_billion_tokens_is_one_array_of_blocks():
 
 
 def test_two_gloo_ranks_on_openwebtext(tmp_path, monkeypatch):
-    monkeypatch.setattr(distributed, "HARNESS", HARNESS)
+    monkeypatch.setattr(gloo_ranks, "HARNESS", HARNESS)
     config = {"prefix": str(OPENWEBTEXT), "options": {"block_size": 1024, "max_tokens": 2048}, "save_at": 100}
-    ranks = distributed.run_ranks(2, config, tmp_path / "run")
+    ranks = gloo_ranks.run_ranks(2, config, tmp_path / "run")
     assert [r["len"] for r in ranks] == [332, 332] and [len(r["steps"]) for r in ranks] == [332, 332]
     blocks = [i for r in ranks for step in r["steps"] for i in step]
     assert len(blocks) == len(set(blocks)) == 1328  # of 1,329: one left so that the ranks stay even

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from distributed import kill, start_script
+from gloo_ranks import kill, start_script
 from seqshard.errors import ConfigError
 from seqshard.formats.budgets import Budgets
 from seqshard.trainer import budgets_elsewhere, changes_since, lr_schedule, read_checkpoint
@@ -28,7 +28,7 @@ OPTIONS = ["--demo-utts", "60"] + [f"--set={k}={json.dumps(v)}" for k, v in SETT
 
 def trainer(folder: Path, *args: str | Path) -> subprocess.CompletedProcess:
     """One run of the example trainer (examples/train_ddp.py, which runs seqshard.trainer's main)
-    without a launcher, in a process forked from tests/distributed.py's server that has imported
+    without a launcher, in a process forked from tests/gloo_ranks.py's server that has imported
     torch (a fresh interpreter costs 2-4 s of CPU)."""
     logs = folder / f"logs{len(list(folder.glob('logs*')))}"
     command = [*OPTIONS, "--out", str(folder / "run"), *map(str, args)]

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distributed import kill, start_ranks
+from gloo_ranks import kill, start_ranks
 from seqshard import make_loader, make_token_loader
 from seqshard.formats.npy import npy_parts
 from seqshard.formats.peers.mmidx import TokenDatasetWriter

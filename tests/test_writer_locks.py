@@ -86,9 +86,9 @@ def test_a_second_add_field_is_refused_naming_the_first_and_both_field_sets_are_
 
 
 def test_a_second_pack_is_refused_while_parts_of_one_pack_share_the_folder(tmp_path):
-    data = write_kaldi_dir(tmp_path / "d")  # 48 utterances: shards 0, 2, 4 are part 0's, 1 and 3 part 1's
+    data = write_kaldi_dir(tmp_path / "d")  # 48 utterances in shards of 10 (no shuffle): the last in shard 4
     lines = data.scp.read_text().splitlines()
-    last = lines[-1].split()[0]  # in shard 4 (no shuffle): part 0 stops there with shards 0 and 2 written
+    last = lines[-1].split()[0]
     fifo = tmp_path / "last.fifo"
     os.mkfifo(fifo)
     data.scp.write_text("\n".join([*lines[:-1], f"{last} cat {fifo} |"]) + "\n")
@@ -97,17 +97,19 @@ def test_a_second_pack_is_refused_while_parts_of_one_pack_share_the_folder(tmp_p
     part0 = _start(
         f"from seqshard import pack_data; pack_data({str(data.scp)!r}, {str(data.text)!r}, {str(out)!r}, num_parts=2, part=0, **{options!r})"
     )
-    held = _hold_reader(fifo, part0)
+    held = _hold_reader(fifo, part0)  # part 0 writes shard 4 and waits for the FIFO
 
     with pytest.raises(FolderBusyError, match=rf"pid {part0.pid} on host .*seqshard pack \(part 0 of 2\)"):
         pack_data(data.scp, data.text, out, **options)
-    part1 = pack_data(data.scp, data.text, out, num_parts=2, part=1, **options)  # shares the folder
-    assert not part1.complete and part1.shards_written_now == 2
     with pytest.raises(FolderBusyError, match=rf"pid {part0.pid} .*seqshard index does not start"):
         rebuild_index(out, progress=False)
+    part1 = _start(  # shares the folder: writes what part 0 does not hold, then waits for shard 4
+        f"from seqshard import pack_data; pack_data({str(data.scp)!r}, {str(data.text)!r}, {str(out)!r}, num_parts=2, part=1, **{options!r})"
+    )
     _feed(held, _matrix_bytes(data.arrays[last]), part0)
+    assert part1.wait(timeout=60) == 0, part1.stderr.read().decode()
 
-    index = ShardIndex.load(out)  # part 0, the last to finish, indexed all five
+    index = ShardIndex.load(out)  # the last part to finish indexed all five
     assert [entry.num_utts for entry in index.shards] == [10, 10, 10, 10, 8]
     assert not (out / ".seqshard.lock").exists()
 

@@ -1,5 +1,5 @@
 """One rank of a gloo job iterating a token loader (not a test module itself), started by
-tests/test_token_blocks.py through tests/distributed.py like ddp_harness.py:
+tests/test_token_blocks.py through tests/gloo_ranks.py like ddp_harness.py:
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python tests/token_ddp_harness.py CONFIG.json
 

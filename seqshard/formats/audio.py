@@ -49,6 +49,7 @@ ESTIMATED_LENGTH_FORMATS = ("MP3", "OGG")  # their headers give an estimated fra
 DECODE_BLOCK_SAMPLES = 1 << 20  # samples decoded at a time (4 MB of float32)
 MAX_AUDIO_FILE_BYTES = 1 << 32  # an audio file is read whole: 4 GiB is 18 h of 16 kHz 16-bit stereo
 MAX_FRAMES_PER_BYTE = 8192  # beyond any codec's reach (a FLAC frame holds <= 65535 frames in >= 10 bytes)
+MAX_SAMPLE_RATE = 655_350  # FLAC's highest rate; a header declaring more (or 0) is damaged
 
 
 @dataclass(frozen=True)
@@ -235,6 +236,14 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
                     "unreadable_audio",
                     f"the {sound.format} header declares {sound.frames} frames, more than {len(data)} bytes of audio "
                     "can hold (a damaged header).",
+                    "check the file, or remove its line.",
+                )
+            if not 0 < sound.samplerate <= MAX_SAMPLE_RATE:
+                raise InputError(
+                    where,
+                    "unreadable_audio",
+                    f"the {sound.format} header declares {sound.samplerate} Hz, no rate audio is recorded at (FLAC "
+                    f"holds at most {MAX_SAMPLE_RATE} Hz): a damaged header.",
                     "check the file, or remove its line.",
                 )
             samples = _read_samples(sound)

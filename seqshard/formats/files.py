@@ -216,9 +216,21 @@ def read_bounded(stream: BinaryIO, limit: int) -> bytes:
 
 
 def write_json_atomic(path: Path, data: Any, root: str | Path | None = None, sync: bool = True) -> None:
-    """Write JSON to ``path`` so that a reader sees the old file or the new one, never half,
-    and only inside ``root`` (default: ``path``'s own folder; see :func:`inside`). ``sync``:
-    on disk before the rename (without it a lost machine may leave the file empty).
+    """Write JSON to ``path`` as :func:`write_atomic` does."""
+
+    def fill(stream: BinaryIO) -> None:
+        stream.write(json.dumps(data, indent=1, ensure_ascii=False).encode("utf-8") + b"\n")
+
+    write_atomic(path, fill, root, sync)
+
+
+def write_atomic(
+    path: Path, fill: Callable[[BinaryIO], None], root: str | Path | None = None, sync: bool = True
+) -> None:
+    """Write ``path`` (``fill`` writes its bytes to a stream) so that a reader sees the old file
+    or the new one, never half, and only inside ``root`` (default: ``path``'s own folder; see
+    :func:`inside`). ``sync``: on disk before the rename (without it a lost machine may leave
+    the file empty).
 
     The temporary file has a unique name: parts of a pack running at once may write the same
     file (they write the same content). The file gets the mode of any new file (umask).
@@ -227,9 +239,8 @@ def write_json_atomic(path: Path, data: Any, root: str | Path | None = None, syn
     with writing(path):
         descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=TEMPORARY_SUFFIX)
         try:
-            with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-                json.dump(data, stream, indent=1, ensure_ascii=False)
-                stream.write("\n")
+            with os.fdopen(descriptor, "wb") as stream:
+                fill(stream)
                 stream.flush()
                 os.fchmod(stream.fileno(), default_file_mode())
                 if sync:

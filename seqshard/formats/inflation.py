@@ -100,14 +100,17 @@ class BoundedLines:
         self._file.close()  # a GzipFile leaves the file it was given open
 
 
-def numbered_lines(path: str | Path) -> Iterator[tuple[int, int, bytes | LineTooLong]]:
-    """``(line number from 1, byte offset, line)`` for each line of a plain file, read by
+def numbered_lines(
+    path: str | Path, start: int = 0, end: int | None = None, first_line: int = 1
+) -> Iterator[tuple[int, int, bytes | LineTooLong]]:
+    """``(line number, byte offset, line)`` for each line of a plain file (or of its lines
+    starting in bytes ``[start, end)``, the first numbered ``first_line``), read by
     :class:`BoundedLines`: a line beyond :data:`MAX_LINE_BYTES` comes as its LineTooLong
     (passed over, never held), so that the caller can name or count it and go on."""
-    lines = BoundedLines(path, compressed=False)
+    lines = BoundedLines(path, start, compressed=False)
     try:
-        number = 0
-        while True:
+        number = first_line - 1
+        while end is None or lines.position < end:
             number, offset = number + 1, lines.position
             try:
                 line = lines.readline()

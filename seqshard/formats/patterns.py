@@ -347,7 +347,8 @@ def _alternative(text: str) -> Alternative:
 def shard_subfolders(folder: Path) -> list[Path]:
     """The sub-folders of ``folder`` that may hold shards (length groups), sorted: not hidden
     ones, and not its ``fields/`` folder of sidecars."""
-    return sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != FIELDS_DIR)
+    names = (e.name for e in _entries(folder) if e.is_dir() and not e.name.startswith(".") and e.name != FIELDS_DIR)
+    return [folder / name for name in sorted(names)]
 
 
 def shard_stem(shard_name: str) -> str:
@@ -388,4 +389,12 @@ def in_fields_folder(path: Path) -> bool:
 
 def shards_in_folder(folder: Path) -> list[Path]:
     """Shard files directly inside ``folder`` (hidden partial files excluded), sorted."""
-    return sorted(p for p in folder.iterdir() if p.is_file() and is_shard_name(p.name))
+    names = (e.name for e in _entries(folder) if is_shard_name(e.name) and e.is_file())
+    return [folder / name for name in sorted(names)]
+
+
+def _entries(folder: Path) -> list[os.DirEntry]:
+    """The entries of ``folder``, listed once: a folder of 500,000 shards costs a listing, not a
+    system call a shard (an entry's kind comes with the listing; names sort as strings)."""
+    with os.scandir(folder) as listing:
+        return list(listing)

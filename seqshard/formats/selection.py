@@ -64,6 +64,7 @@ class ShardSelection:
     indexes: dict[Path, ShardIndex | None] = field(default_factory=dict)
     missing: list[MissingShard] = field(default_factory=list)
     skip_bad: bool = False  # a Lhotse Shar cut with a bad duration is counted when read, not refused here
+    listed_sidecars: dict[Path, frozenset[str]] = field(default_factory=dict)  # per folder, from its index
 
     @property
     def paths(self) -> list[Path]:
@@ -135,17 +136,22 @@ def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
 
 def _is_sidecar(path: Path, selection: ShardSelection) -> bool:
     """Whether ``path`` is a field file beside a shard (read with its shard, never alone)."""
-    return is_sidecar(path, _index_of(path.parent, selection))
+    index = _index_of(path.parent, selection)
+    listed = selection.listed_sidecars.get(path.parent)
+    if listed is None and index is not None:
+        listed = selection.listed_sidecars[path.parent] = index.sidecar_names()  # once a folder, not once a file
+    return is_sidecar(path, index, listed)
 
 
-def is_sidecar(path: Path, index: ShardIndex | None) -> bool:
+def is_sidecar(path: Path, index: ShardIndex | None, listed: frozenset[str] | None = None) -> bool:
     """Whether ``path`` is a field file of a shard beside it (read with that shard, never as a
     shard), on evidence: its folder's ``index`` lists it as one (not as a shard), it lies in
     add-field's ``fields/NAME/`` beside its shard, or it is named ``STEM.NAME.tar`` beside a
     shard ``STEM.tar`` (add-field's old layout) and holds the same keys in the same order. A
     dotted name alone is no evidence: WebDataset shards ``part.tar`` and ``part.1.tar`` are
-    two shards. One taken for a field file that no index lists is named in a warning."""
-    if index is not None and path.name in index.sidecar_names():
+    two shards. One taken for a field file that no index lists is named in a warning.
+    ``listed``: ``index.sidecar_names()``, when the caller asks about many files of one folder."""
+    if index is not None and path.name in (index.sidecar_names() if listed is None else listed):
         return True
     if index is not None and index.entry(path.name) is not None:
         return False

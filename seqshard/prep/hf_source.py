@@ -18,14 +18,11 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
-
 from ..checks import shown
-from ..errors import ConfigError, InputError, SkipCounter, Where, option
+from ..errors import ConfigError, InputError, Where, option
 from ..formats.audio import Audio
 from ..formats.files import open_output
 from ..formats.pack_state import STATE_DIR
@@ -40,9 +37,8 @@ from ..formats.peers.hf import (
     id_column,
     text_column,
 )
-from ..formats.peers.keytable import KeyTable
-from .plan import PackOptions, PackPlan
-from .sources import AudioSource, Members, Progress, _AudioReader, check_key, field_members
+from .plan import PackOptions
+from .sources import AudioSource, Members, Utterance, _AudioReader, check_key, field_members
 
 _LOG = logging.getLogger("seqshard")
 
@@ -97,6 +93,10 @@ def _row(key: object, text: object, columns: tuple[str | None, str], at: list[in
 class DatasetSource(AudioSource):
     """Audio and texts of one split of a Hugging Face dataset."""
 
+    texts_inside = True
+    parse = staticmethod(_parse_row)
+    parse_label = staticmethod(_parse_text)
+
     durations = "the audio header", "check the audio cell."
 
     def __init__(
@@ -138,7 +138,13 @@ class DatasetSource(AudioSource):
             digest.update(stream.read())
         return digest.hexdigest()
 
-    def scan(self, drops: SkipCounter, progress: Callable[[int], None] | None) -> KeyTable:
+    @property
+    def tables(self) -> list[Path]:
+        return [self.rows_file]
+
+    def prepare(self) -> None:
+        """Write ``rows.jsonl``: each row's key, text and place, the source's table (read by
+        line as a text file is)."""
         columns = [c for c in (self.id_column, self.text_column) if c is not None]
         temporary = self.rows_file.with_name(f".{ROWS_FILE}.{os.getpid()}")
         number = 0
@@ -161,31 +167,22 @@ class DatasetSource(AudioSource):
                     number += 1
         os.replace(temporary, self.rows_file)
 
-        def check(key: str, value: str, where: Where) -> None:
-            _check_row(value, where)
-            check_key(key, where, self.options)
+    def check(self, key: str, value: str, where: Where) -> None:
+        _check_row(value, where)
+        check_key(key, where, self.options)
 
-        return KeyTable.scan([self.rows_file], drops, check=check, parse=_parse_row)
+    def length_files(self) -> tuple[list[Path], bool]:
+        return [], True  # lengths come from the audio cells
 
-    def scan_labels(self, issues: SkipCounter, check: Callable[[str, str, Where], None]) -> KeyTable:
-        return KeyTable.scan([self.rows_file], issues, needs_value=False, check=check, parse=_parse_text)
+    def length(self, measurer: _DatasetReader, key: str, value: str, where: Where) -> int:
+        """Length in 10 ms frames, from the row's audio cell."""
+        return round(measurer.audio(key, value, where).seconds * 100)
 
-    def lengths(
-        self, table: KeyTable, keep: np.ndarray, drops: SkipCounter, issues: SkipCounter, progress: Progress
-    ) -> np.ndarray:
-        """Length per row in 10 ms frames, from the audio cells (each decoded once)."""
-        frames = np.full(len(table), -1, dtype=np.int32)
-        with _DatasetReader(self, None, 0) as reader:
-            for row in map(int, np.flatnonzero(keep)):
-                key, value = table.record(row)
-                try:
-                    frames[row] = round(reader.audio(key, value, table.where(row, key)).seconds * 100)
-                except InputError as error:
-                    drops(error)
-        return frames
+    def measurer(self) -> _DatasetReader:
+        return _DatasetReader(self, 0)
 
-    def reader(self, plan: PackPlan, dim: int) -> _DatasetReader:
-        return _DatasetReader(self, plan, dim)
+    def reader(self, dim: int) -> _DatasetReader:
+        return _DatasetReader(self, dim)
 
 
 class _DatasetReader(_AudioReader):
@@ -193,8 +190,8 @@ class _DatasetReader(_AudioReader):
 
     source: DatasetSource
 
-    def __init__(self, source: DatasetSource, plan: PackPlan | None, dim: int):
-        super().__init__(source, plan, dim)
+    def __init__(self, source: DatasetSource, dim: int):
+        super().__init__(source, dim)
         self.batches = Batches(source.dataset)
         self.columns = [source.audio_column, *(f for f in self.options.fields if f != source.audio_column)]
         self._batch: tuple[tuple[int, int], object] | None = None
@@ -227,8 +224,10 @@ class _DatasetReader(_AudioReader):
             )
         return original, audio
 
-    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int, str | None]:
-        members, frames, how = super().read(row, key, value, where)
+    def read(self, utterance: Utterance) -> tuple[Members, int, str | None]:
+        members, frames, how = super().read(utterance)
         if self.options.fields:
-            members += field_members(self._cell(value, where)[0], self.options.fields, where)
+            members += field_members(
+                self._cell(utterance.value, utterance.where)[0], self.options.fields, utterance.where
+            )
         return members, frames, how

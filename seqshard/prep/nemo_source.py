@@ -10,49 +10,39 @@ table and its labels: no text files.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
-
-from ..errors import SkipCounter, Where
+from ..errors import Where
 from ..formats.audio import Audio, WavLocation, cut, decode_audio, read_location
-from ..formats.peers.keytable import KeyTable
 from ..formats.peers.nemo import audio_path, parse_entry, parse_keyed, parse_text
-from .plan import PackOptions, PackPlan
-from .sources import AudioSource, Members, Progress, _AudioReader, check_key, field_members
+from .plan import PackOptions
+from .sources import AudioSource, Members, Utterance, _AudioReader, check_key, field_members
 
 
 class ManifestSource(AudioSource):
     """Audio and texts named by NeMo manifest file(s)."""
 
+    texts_inside = True
+    parse = staticmethod(parse_keyed)
+    parse_label = staticmethod(parse_text)
     durations = "the manifest's duration", "correct the entry's duration (NeMo reads that many seconds)."
 
     def __init__(self, manifests: Sequence[Path], options: PackOptions):
         super().__init__(manifests, [], options)
 
-    def scan(self, drops: SkipCounter, progress: Callable[[int], None] | None) -> KeyTable:
-        def check(key: str, value: str, where: Where) -> None:
-            check_key(key, where, self.options)
+    def check(self, key: str, value: str, where: Where) -> None:
+        check_key(key, where, self.options)
 
-        return KeyTable.scan(self.files, drops, needs_value=True, check=check, progress=progress, parse=parse_keyed)
+    def length_files(self) -> tuple[list[Path], bool]:
+        return [], True  # the entries' durations say
 
-    def scan_labels(self, issues: SkipCounter, check: Callable[[str, str, Where], None]) -> KeyTable:
-        """The entries' texts, as the pack's labels."""
-        return KeyTable.scan(self.files, issues, needs_value=False, check=check, parse=parse_text)
+    def length(self, measurer: object, key: str, value: str, where: Where) -> int:
+        """Length in 10 ms frames, from the entry's duration (no audio is read)."""
+        return round(parse_entry(value, where).duration * 100)
 
-    def lengths(
-        self, table: KeyTable, keep: np.ndarray, drops: SkipCounter, issues: SkipCounter, progress: Progress
-    ) -> np.ndarray:
-        """Length per row in 10 ms frames, from the entries' durations (no audio is read)."""
-        frames = np.full(len(table), -1, dtype=np.int32)
-        for row in map(int, np.flatnonzero(keep)):
-            key, value = table.record(row)
-            frames[row] = round(parse_entry(value, table.where(row, key)).duration * 100)
-        return frames
-
-    def reader(self, plan: PackPlan, dim: int) -> _ManifestReader:
-        return _ManifestReader(self, plan, dim)
+    def reader(self, dim: int) -> _ManifestReader:
+        return _ManifestReader(self, dim)
 
 
 class _ManifestReader(_AudioReader):
@@ -69,8 +59,10 @@ class _ManifestReader(_AudioReader):
             self._last = (path, decode_audio(data, where, self.options.channel))
         return None, cut(self._last[1], *entry.segment, where)
 
-    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int, str | None]:
-        members, frames, how = super().read(row, key, value, where)
+    def read(self, utterance: Utterance) -> tuple[Members, int, str | None]:
+        members, frames, how = super().read(utterance)
         if self.options.fields:
-            members += field_members(parse_entry(value, where).record, self.options.fields, where)
+            members += field_members(
+                parse_entry(utterance.value, utterance.where).record, self.options.fields, utterance.where
+            )
         return members, frames, how

@@ -93,10 +93,21 @@ def remove_previous_pack(root: Path) -> int:
         if group:
             _remove_if_empty(folder, root)
     removed += _unlink(root / REPORT_NAME)
-    state = root / STATE_DIR
-    if state.is_dir() and not state.is_symlink():  # seqshard's own folder: its files all go
-        removed += sum(_unlink(path) for path in state.iterdir() if path.is_file() or path.is_symlink())
-        _remove_if_empty(state)
+    return removed + remove_tree(root / STATE_DIR)
+
+
+def remove_tree(folder: Path) -> int:
+    """Remove seqshard's own ``folder`` (the pack's state: its files, its waves' folders),
+    never following a link (a link in it is removed, not what it points at); returns how many files."""
+    if not folder.is_dir() or folder.is_symlink():
+        return 0
+    removed = 0
+    for path in folder.iterdir():
+        if path.is_dir() and not path.is_symlink():
+            removed += remove_tree(path)
+        else:
+            removed += _unlink(path)
+    _remove_if_empty(folder)
     return removed
 
 

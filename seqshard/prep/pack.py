@@ -1,41 +1,45 @@
 """``pack_data``: Kaldi features + labels -> indexed, globally shuffled tar shards.
 
-The work is split into shards: ``--num-parts P --part I`` takes every P-th shard (for a Slurm
-array or any scheduler, all parts writing into one shared folder) and ``jobs`` processes
-share a part's shards. A rerun of the same command after a crash skips finished shards. The
-part that finds every shard finished writes each folder's ``index.json`` and the report.
+The work runs as waves of small tasks (``waves.py``) on any executor: this process, ``jobs``
+processes, a Dask or Ray cluster, Slurm through submitit (``executors.py``), or ``--num-parts P
+--part I`` runs of an array job sharing one folder. A rerun of the same command after a crash
+redoes only unfinished tasks. The run that finds every shard finished writes each folder's
+``index.json`` and the report.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
 import logging
-import multiprocessing as mp
-import os
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import ConfigError, InputError, SeqshardError, Where, option
+from ..errors import ConfigError, InputError, SeqshardError, Where, counted, option
 from ..formats.files import inside, remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import ShardEntry, ShardIndex
 from ..formats.lock import FolderLock
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
 from ..formats.peers.nemo import manifest_files
 from ..progress import Progress
-from .journal import Journal, finished_shards, shard_written
+from .chunks import Chunk
+from .executors import open_executor
+from .journal import finished_shards, shard_written
+from .layout import GroupOrder, group_orders
 from .nemo_source import ManifestSource
 from .owned import describe_foreign, foreign_entries, in_the_way, recorded, remove_previous_pack
-from .plan import UTTS_PER_FILE, PackOptions, PackPlan, PackSource, ShardTask, build_plan, parse_groups
+from .plan import UTTS_PER_FILE, PackJob, PackOptions, PackSource, ShardTask, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
-from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource
-from .speakers import Speakers
-from .write import DEFAULT_MAX_OPEN, Resume, write_shards
+from .rows import TableLines
+from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource, Utterance
+from .waves import Totals, Waves, plan_chunks, totals_of, with_buckets
+from .write import DEFAULT_MAX_OPEN
 
 _LOG = logging.getLogger("seqshard")
 RUN_FILE = "run.json"
@@ -54,6 +58,8 @@ def pack_data(
     seed: int = 0,
     dtype: str = "float32",
     jobs: int = 1,
+    executor: Any = None,
+    executor_options: Mapping[str, str] | None = None,
     num_parts: int = 1,
     part: int = 0,
     skip_bad: bool = False,
@@ -96,6 +102,11 @@ def pack_data(
     original bytes), or as fbank features computed now (``features="fbank"``, ``num_mel_bins``,
     ``resample_to``). ``utt2spk`` and ``cmvn_scp`` (Kaldi's) record each utterance's speaker
     and its speaker's CMVN statistics, for the loader's ``cmvn="speaker"``.
+    ``executor``: where the tasks run: an object with ``submit(fn, *args, **kwargs)`` returning
+    a future (a ``concurrent.futures`` executor, ``dask.distributed.Client.get_executor()``,
+    submitit's, :class:`~seqshard.prep.executors.RayExecutor`), or a name (``processes:N``,
+    ``dask://HOST:PORT``, ``dask-local:N``, ``ray``, ``ray://HOST:PORT``, ``slurm``, with
+    ``executor_options``); default ``jobs`` processes.
     Each folder gets ``index.json``; ``d_out/pack_report.json`` says what happened. Bad input
     raises InputError naming file, line and key, unless ``skip_bad`` (then it is counted in the
     report). See README for every option.
@@ -122,6 +133,10 @@ def pack_data(
         raise ConfigError(
             f"{option('overwrite')} cannot be combined with {option('num_parts', num_parts)} (each part would delete "
             "the others' work); empty the output folder first."
+        )
+    if executor is not None and jobs != 1:
+        raise ConfigError(
+            f"give either jobs or executor: {option('jobs', jobs)} is {option('executor', f'processes:{jobs}')}."
         )
     if jobs < 1 or num_parts < 1 or not 0 <= part < num_parts or max_open < 1:
         raise ConfigError(
@@ -150,15 +165,16 @@ def pack_data(
         utt2spk=str(utt2spk) if utt2spk else None,
         cmvn_scp=str(cmvn_scp) if cmvn_scp else None,
     )
-    speakers = _speakers(options)
     d_out = Path(d_out)
     source = _source(inputs, segments, options, (split, audio_column, text_column, id_column), d_out)
     if d_out.exists() and not d_out.is_dir():
         raise ConfigError(f"{option('d_out', d_out)}: {d_out} is a file, not a folder.")
     with writing(d_out):
         d_out.mkdir(parents=True, exist_ok=True)
+    job = _job(source, text_files, options, d_out)
     digest = getattr(source, "content_hash", content_hash)  # a dataset's files are too large to read twice
-    identity_files = [*_identity_inputs(source, text_files, options), *(speakers.files if speakers else [])]
+    speaker_files = [p for p in (job.utt2spk, job.cmvn_scp) if p is not None]
+    identity_files = [*_identity_inputs(source, text_files, options), *speaker_files]
     described = _describe_run(options, identity_files, digest)
     command = "seqshard pack" + (f" (part {part} of {num_parts})" if num_parts > 1 else "")
     with FolderLock(d_out, command, shared=num_parts > 1) as lock:
@@ -174,20 +190,18 @@ def pack_data(
         _refuse_foreign_files(d_out, [d_out / g.name for g in options.groups] or [d_out], options.fmt)
         run = _claim_output(d_out, described, alone=lock.alone)
         lock.share()
-
-        with Progress(progress) as bars:
-            plan = build_plan(source, text_files, d_out, options, bars.bar)
-            plan.speakers = speakers
-            _record_plan(d_out, run, plan)
-            try:
-                if speakers is not None and not skip_bad:  # before a shard is written
-                    speakers.check(plan.planned_utterances(), plan.source.dim(plan))
-                return _pack_planned(plan, options, d_out, text_files, jobs, num_parts, part, max_open, bars, started)
-            finally:
-                plan.scp.close()
-                plan.labels.close()
-                if speakers is not None:
-                    speakers.close()
+        engine = executor if executor is not None and not isinstance(executor, str) else None
+        with Progress(progress) as bars, contextlib.ExitStack() as stack:
+            if engine is None:
+                folder = d_out / STATE_DIR / "submitit"
+                engine = stack.enter_context(open_executor(executor, jobs, executor_options, folder))
+            prepare = getattr(source, "prepare", None)
+            if prepare is not None:  # a dataset's rows file: its key and text columns, read once
+                prepare()
+            chunks = plan_chunks(job, bars.bar)
+            job = replace(with_buckets(job, chunks), run=run["fingerprint"][:16])
+            waves = Waves(job, chunks, engine, bars, part, num_parts, max_open)
+            return _pack_waves(waves, run, text_files, started)
 
 
 def _source(
@@ -237,58 +251,72 @@ def _source(
     )
 
 
-def _speakers(options: PackOptions) -> Speakers | None:
-    """The speaker and CMVN members the pack adds, when asked for."""
-    if options.utt2spk is None and options.cmvn_scp is None:
-        return None
+def _job(source: PackSource, text_files: list[Path], options: PackOptions, d_out: Path) -> PackJob:
+    """What every task of the pack is handed (its bucket count is set once the inputs are counted)."""
     utt2spk, cmvn_scp = (
         _as_paths(path, name)[0] if path else None
         for path, name in ((options.utt2spk, "utt2spk"), (options.cmvn_scp, "cmvn_scp"))
     )
-    return Speakers(utt2spk, cmvn_scp, options.location, options.allow_pipes)
+    length_files, seconds = source.length_files() if options.groups else ([], False)
+    return PackJob(
+        d_out=d_out,
+        options=options,
+        source=source,
+        text_files=tuple(text_files),
+        length_files=tuple(length_files),
+        seconds=seconds,
+        buckets=1,
+        lengths_at_scan=bool(options.groups) and (not length_files or source.texts_inside),
+        utt2spk=utt2spk,
+        cmvn_scp=cmvn_scp,
+    )
 
 
-def _pack_planned(
-    plan: PackPlan,
-    options: PackOptions,
-    d_out: Path,
-    text_files: Sequence[Path],
-    jobs: int,
-    num_parts: int,
-    part: int,
-    max_open: int,
-    bars: Progress,
-    started: float,
-) -> PackReport:
-    """Write this part's unfinished shards of ``plan``; then, once every part's shards are
-    finished, each folder's index and the report."""
-    dim = plan.source.dim(plan)
-    mine = [t for t in plan.tasks if t.ordinal % num_parts == part]
-    done = finished_shards(d_out)
-    todo = [t for t in mine if _relative(t) not in done]
-    resume = Resume(d_out, todo, {t.ordinal for t in mine if _relative(t) in done})
-    if len(todo) < len(mine):
-        _LOG.info(
-            "%d of this part's %d shards are already finished; writing %d",
-            len(mine) - len(todo),
-            len(mine),
-            len(todo),
+def _pack_waves(waves: Waves, run: dict[str, Any], text_files: Sequence[Path], started: float) -> PackReport:
+    """Scan, plan and write this run's share; then, once every shard is finished, each
+    folder's index and the report."""
+    job = waves.job
+    options, d_out = job.options, job.d_out
+    scans = waves.scan()
+    if not sum(record["lines"] for chunk, record in zip(waves.chunks, scans) if chunk.table == "utts"):
+        raise InputError(
+            Where(", ".join(map(str, job.source.files))),
+            "empty_input",
+            "the input files hold no entries.",
+            "check that you gave the right feats.scp, wav.scp or segments.",
+            skippable=False,
         )
-    if resume.states:
-        _LOG.info("continuing %d partial shards of a killed run from their last checkpoint", len(resume.states))
-    resumed = resume.utterances
-    _write_all(plan, todo, options, dim, d_out, f"{part}", jobs, max_open, bars, resume)
+    buckets = waves.buckets()
+    totals = totals_of(scans, buckets, waves.chunks)
+    if totals.label_issues.get("empty_label"):  # kept (a silent recording may have none), but never unannounced
+        count = totals.label_issues["empty_label"]
+        _LOG.warning("%s empty, packed as empty texts (first: %s)", counted(count, "label", "is"), totals.first_empty)
+    orders = group_orders(buckets, max(1, len(options.groups)))
+    tasks = _shard_tasks(job, orders)
+    _record_plan(d_out, run, tasks, [b["digest"] for b in buckets], [g.name for g in options.groups] or [""])
+    dim = job.source.dim(_first_utterances(job, waves.chunks, buckets))
+    speakers = job.speakers()
+    if speakers is not None and not options.skip_bad:  # before a shard is written
+        try:
+            speakers.check_all(dim)
+        finally:
+            speakers.close()
+    done = finished_shards(d_out)
+    todo = [t for t in tasks if _relative(t) not in done]
+    if len(todo) < len(tasks):
+        _LOG.info("%d of the %d shards are already finished; writing %d", len(tasks) - len(todo), len(tasks), len(todo))
+    waves.write(todo, orders, dim)
 
     records = finished_shards(d_out)
-    complete = _write_indexes(plan, records, options, dim, d_out, text_files)
-    report = _report(plan, records, todo, d_out, complete, time.perf_counter() - started, dim, options)
-    report.resumed_utts = resumed
+    complete = _write_indexes(job, tasks, records, dim, text_files)
+    report = _report(job, totals, tasks, records, waves.written, complete, time.perf_counter() - started, dim)
+    report.resumed_utts = waves.resumed
     if complete:
         for state in (d_out / STATE_DIR).glob("partial-*.json"):  # a checkpoint that ended after its shard
             state.unlink(missing_ok=True)
         write_json_atomic(d_out / REPORT_NAME, report.to_json(), d_out)
     else:
-        write_json_atomic(d_out / STATE_DIR / f"report-part{part}.json", report.to_json(), d_out)
+        write_json_atomic(d_out / STATE_DIR / f"report-part{waves.part}.json", report.to_json(), d_out)
     if complete and report.packed == 0:
         reasons = ", ".join(f"{reason}={count}" for reason, count in report.dropped.items())
         raise SeqshardError(
@@ -296,6 +324,27 @@ def _pack_planned(
             f"see {d_out / REPORT_NAME} and the warnings above."
         )
     return report
+
+
+def _shard_tasks(job: PackJob, orders: Sequence[GroupOrder]) -> list[ShardTask]:
+    """Every shard of the pack: a group's order cut into runs of ``utts_per_file``."""
+    tasks: list[ShardTask] = []
+    per_file = job.options.utts_per_file
+    for name, order in zip([g.name for g in job.options.groups] or [""], orders):
+        folder = job.d_out / name if name else job.d_out
+        for index in range(-(-order.size // per_file)):
+            planned = min(per_file, order.size - index * per_file)
+            tasks.append(ShardTask(len(tasks), name, index, folder / (job.options.fmt % index), planned))
+    return tasks
+
+
+def _first_utterances(job: PackJob, chunks: list[Chunk], buckets: Sequence[dict[str, Any]]) -> Iterator[Utterance]:
+    """The first planned utterances, in input order (the dataset's dim is that of the first that reads)."""
+    first = sorted(tuple(row) for record in buckets for row in record["first"])
+    with contextlib.closing(TableLines(job, chunks)) as lines:
+        for chunk, line, offset in first:
+            key, value = lines.record("utts", chunk, offset, line)
+            yield Utterance(key, value, lines.where(chunk, line, key))
 
 
 def _as_paths(value: str | Path | Sequence[str | Path], name: str) -> list[Path]:
@@ -435,12 +484,14 @@ def _run_differences(previous: dict[str, Any], current: dict[str, Any]) -> list[
     return found or ["other inputs"]
 
 
-def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
+def _record_plan(
+    d_out: Path, run: dict[str, Any], tasks: Sequence[ShardTask], digests: Sequence[str], group_names: Sequence[str]
+) -> None:
     """Check the plan against the one the finished shards were written from, then record it
     (``run.json``) and the shards it plans (``planned.json``, read by the loader and ``index``
     to name what an unfinished pack still lacks)."""
-    digest = hashlib.blake2b(memoryview(plan.shard_of_row), digest_size=16)  # its bytes, not a copy
-    for task in plan.tasks:
+    digest = hashlib.blake2b("".join(digests).encode(), digest_size=16)
+    for task in tasks:
         digest.update(f"{task.group}/{task.path.name}:{task.num_planned}\n".encode())
     if run.get("plan") not in (None, digest.hexdigest()):
         if _any_shard_written(d_out):
@@ -453,8 +504,8 @@ def _record_plan(d_out: Path, run: dict[str, Any], plan: PackPlan) -> None:
     if run.get("plan") != digest.hexdigest():
         run["plan"] = digest.hexdigest()
         write_json_atomic(d_out / STATE_DIR / RUN_FILE, run, d_out)
-    groups: dict[str, list[tuple[str, int]]] = {name: [] for name in plan.group_names}
-    for task in plan.tasks:
+    groups: dict[str, list[tuple[str, int]]] = {name: [] for name in group_names}
+    for task in tasks:
         groups[task.group].append((task.path.name, task.num_planned))
     write_json_atomic(d_out / STATE_DIR / PLANNED_NAME, planned_record(groups), d_out)
 
@@ -479,126 +530,22 @@ def _relative(task: ShardTask) -> str:
     return f"{task.group}/{task.path.name}" if task.group else task.path.name
 
 
-def _write_all(
-    plan: PackPlan,
-    todo: list[ShardTask],
-    options: PackOptions,
-    dim: int,
-    d_out: Path,
-    name: str,
-    jobs: int,
-    max_open: int,
-    bars: Progress,
-    resume: Resume,
-) -> None:
-    total = sum(t.num_planned for t in todo)
-    if not todo:
-        return
-    jobs = min(jobs, len(todo))
-    if jobs == 1:
-        advance = bars.bar("pack", total, unit="utt")
-        write_shards(plan, todo, options, dim, Journal(d_out, f"{name}-{os.getpid()}"), advance, max_open, resume)
-        return
-    context = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
-    counters = context.Array("q", jobs, lock=False)
-    errors = context.SimpleQueue()
-    processes = [
-        context.Process(
-            target=_job_main,
-            args=(
-                plan,
-                todo[j::jobs],
-                options,
-                dim,
-                d_out,
-                f"{name}-{j}-{os.getpid()}",
-                max_open,
-                resume,
-                counters,
-                j,
-                errors,
-            ),
-            name=f"seqshard-pack-{j}",
-        )
-        for j in range(jobs)
-    ]
-    for process in processes:
-        process.start()
-    advance = bars.bar(f"pack ({jobs} jobs)", total, unit="utt")
-    shown = 0
-    try:
-        while any(p.is_alive() for p in processes) or any(p.exitcode is None for p in processes):
-            time.sleep(0.2)
-            now = sum(counters)
-            advance(now - shown)
-            shown = now
-            if any(p.exitcode not in (None, 0) for p in processes):
-                break
-        for process in processes:
-            process.join(timeout=0.1 if any(p.exitcode for p in processes) else None)
-        failed = [p for p in processes if p.exitcode not in (None, 0)]
-        if failed:
-            error = (
-                errors.get()
-                if not errors.empty()
-                else SeqshardError(f"pack job {failed[0].name} died with exit code {failed[0].exitcode}")
-            )
-            raise error
-        advance(sum(counters) - shown)
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join()
-
-
-def _job_main(
-    plan: PackPlan,
-    tasks: list[ShardTask],
-    options: PackOptions,
-    dim: int,
-    d_out: Path,
-    name: str,
-    max_open: int,
-    resume: Resume,
-    counters: Any,
-    slot: int,
-    errors: Any,
-) -> None:
-    parent = os.getppid()
-
-    def advance(count: int) -> None:
-        counters[slot] += count
-        if os.getppid() != parent:  # the parent was killed: stop rather than run on orphaned
-            raise SystemExit(1)
-
-    try:
-        write_shards(plan, tasks, options, dim, Journal(d_out, name), advance, max_open, resume)
-    except BaseException as error:  # report any failure to the parent, then exit non-zero
-        errors.put(error if isinstance(error, SeqshardError) else SeqshardError(f"{type(error).__name__}: {error}"))
-        raise SystemExit(1) from None
-
-
 def _write_indexes(
-    plan: PackPlan,
-    records: dict[str, dict[str, Any]],
-    options: PackOptions,
-    dim: int,
-    d_out: Path,
-    text_files: Sequence[Path],
+    job: PackJob, tasks: Sequence[ShardTask], records: dict[str, dict[str, Any]], dim: int, text_files: Sequence[Path]
 ) -> bool:
     """Write ``index.json`` in every group folder whose shards are all finished (listing those
     written: a shard whose utterances were all dropped while writing has no file)."""
     complete = True
-    facts, fields = plan.source.facts(dim)
-    for name in plan.group_names:
-        tasks = [t for t in plan.tasks if t.group == name]
-        if any(_relative(t) not in records for t in tasks):
+    options, source = job.options, job.source
+    facts, fields = source.facts(dim)
+    for name in [g.name for g in options.groups] or [""]:
+        mine = [t for t in tasks if t.group == name]
+        if any(_relative(t) not in records for t in mine):
             complete = False
             continue
-        folder = d_out / name if name else d_out
+        folder = job.d_out / name if name else job.d_out
         folder.mkdir(parents=True, exist_ok=True)
-        written = [records[_relative(t)] for t in tasks if shard_written(records[_relative(t)])]
+        written = [records[_relative(t)] for t in mine if shard_written(records[_relative(t)])]
         members = dict.fromkeys(m for record in written for m in record.get("members", ()))
         index = ShardIndex(
             escaped_keys=options.escape_keys,
@@ -608,7 +555,7 @@ def _write_indexes(
             created=_now(),
             created_by=f"seqshard {__version__} pack",
             source={
-                plan.source.kind: [str(p) for p in plan.source.files],
+                source.kind: [str(p) for p in source.files],
                 "text": [str(p) for p in text_files],
                 "group": name,
                 "shuffle": options.shuffle,
@@ -621,18 +568,19 @@ def _write_indexes(
 
 
 def _report(
-    plan: PackPlan,
+    job: PackJob,
+    totals: Totals,
+    tasks: Sequence[ShardTask],
     records: dict[str, dict[str, Any]],
     written: list[ShardTask],
-    d_out: Path,
     complete: bool,
     wall: float,
     dim: int,
-    options: PackOptions,
 ) -> PackReport:
-    mine = [records[_relative(t)] for t in plan.tasks if _relative(t) in records]
+    options = job.options
+    mine = [records[_relative(t)] for t in tasks if _relative(t) in records]
     groups, skipped, histogram, audio_stored = summarize_records(mine)
-    dropped = dict(plan.dropped)
+    dropped = dict(totals.dropped)
     for reason, count in skipped.items():
         dropped[reason] = dropped.get(reason, 0) + count
     written_now = [
@@ -641,16 +589,16 @@ def _report(
     packed = sum(g.utts for g in groups.values())
     frames = sum(g.frames for g in groups.values())
     return PackReport(
-        output=str(d_out),
+        output=str(job.d_out),
         complete=complete,
-        input_utts=plan.input_lines,
+        input_utts=totals.input_utts,
         packed=packed,
-        dropped=dict(sorted(dropped.items())),
-        label_issues=dict(sorted(plan.label_issues.items())),
-        frames_file_issues=dict(sorted(plan.frames_file_issues.items())),
-        num_labels=plan.num_labels,
-        groups={name: groups.get(name) or GroupTotals() for name in plan.group_names},
-        shards_total=len(plan.tasks),
+        dropped=dict(sorted((reason, count) for reason, count in dropped.items() if count)),
+        label_issues=dict(sorted(totals.label_issues.items())),
+        frames_file_issues=dict(sorted(totals.frames_file_issues.items())),
+        num_labels=totals.num_labels,
+        groups={name: groups.get(name) or GroupTotals() for name in [g.name for g in options.groups] or [""]},
+        shards_total=len(tasks),
         shards_done=len(mine),
         shards_empty=sum(not shard_written(record) for record in mine),
         audio_stored=audio_stored,
@@ -658,7 +606,7 @@ def _report(
         bytes_written_now=sum(r["bytes"] for r in written_now),
         wall_seconds=wall,
         dim=dim,
-        dtype=options.dtype if dim or plan.source.kind == "features" else f"audio ({options.audio_format})",
+        dtype=options.dtype if dim or job.source.kind == "features" else f"audio ({options.audio_format})",
         float16_saved_bytes=frames * dim * 2 if options.dtype == "float16" else 0,
         length_hist=histogram,
     )

@@ -1,11 +1,12 @@
-"""Planning a pack: which utterance goes into which shard, decided before any feature is read.
+"""What a pack is asked to do: its options, length groups and inputs (:class:`PackJob`, handed
+to every task of its waves), and the shards it writes (:class:`ShardTask`).
 
-The plan joins the scp entries with their labels, drops (or refuses) bad entries, sorts
-utterances into length groups and gives each kept utterance a shard. With shuffling on, the
-shard of an utterance comes from a seeded permutation of its group, so every shard is a
-uniform random sample of the group however the scp is sorted, and shards have exactly
-``utts_per_file`` utterances (the last one of a group fewer). The plan is a pure function of
-the inputs and options: a crashed or distributed pack recomputes the same one.
+Which utterance goes into which shard is decided by the waves (``waves.py``): the scan wave reads
+the inputs' lines, the bucket wave joins them by key and shuffles each bucket, and shards take
+consecutive runs of the buckets' permutations. With shuffling on, every shard is a uniform random
+sample of its length group however the inputs are sorted, and shards have exactly
+``utts_per_file`` utterances (the last one of a group fewer). The plan is a pure function of the
+inputs and options: a crashed or distributed pack recomputes the same one.
 """
 
 from __future__ import annotations
@@ -13,20 +14,16 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
-from ..errors import ConfigError, InputError, SkipCounter, Where, counted, option
+from ..errors import ConfigError, Where, option
 from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.keys import escape_key
 from ..formats.patterns import FIELD_SET_NAME
 from ..formats.peers.kaldi import ArkLocation, parse_location
-from ..formats.peers.keytable import KeyTable
-from ..seeds import pack_order_rng
 
 if TYPE_CHECKING:
     from .speakers import Speakers
@@ -34,24 +31,32 @@ if TYPE_CHECKING:
 
 class PackSource(Protocol):
     """Where a pack's utterances come from (``sources.py``: feature matrices of a feats.scp, or
-    audio of a wav.scp; ``nemo_source.py``, ``hf_source.py``): its table files, the scan of
-    their lines, each row's length, the feature dim, a reader of rows for writing, and the
-    facts the index records. A source whose inputs hold the texts too (a NeMo manifest, a
-    Hugging Face dataset) also has ``scan_labels(issues, check) -> KeyTable``, read instead
-    of text files."""
+    audio of a wav.scp; ``nemo_source.py``, ``hf_source.py``): the table of one line per
+    utterance (``tables``, split by ``parse``, checked by ``check``), the files that give
+    lengths, the length of a line's utterance, the feature dim, a reader of utterances for
+    writing, and the facts the index records. A source whose table holds the texts too (a NeMo
+    manifest, a Hugging Face dataset: ``texts_inside``) splits its lines into labels with
+    ``parse_label``."""
 
     kind: str  # "features" or "audio", as the report names the inputs
-    files: Sequence[Path]
+    unit: str
+    files: Sequence[Path]  # what the pack is made from (its identity)
+    tables: Sequence[Path]
+    texts_inside: bool
 
-    def scan(self, drops: SkipCounter, progress: Callable[[int], None] | None) -> KeyTable: ...
+    def parse(self, raw: bytes, where: Where, needs_value: bool) -> tuple[str, str]: ...
 
-    def lengths(
-        self, table: KeyTable, keep: np.ndarray, drops: SkipCounter, issues: SkipCounter, progress: Any
-    ) -> np.ndarray: ...
+    def check(self, key: str, value: str, where: Where) -> Any: ...
 
-    def dim(self, plan: PackPlan) -> int: ...
+    def length_files(self) -> tuple[list[Path], bool]: ...
 
-    def reader(self, plan: PackPlan, dim: int) -> Any: ...
+    def measurer(self) -> Any: ...
+
+    def length(self, measurer: Any, key: str, value: str, where: Where) -> int: ...
+
+    def dim(self, utterances: Iterable[Any]) -> int: ...
+
+    def reader(self, dim: int) -> Any: ...
 
     def facts(self, dim: int) -> tuple[dict[str, Any], list[str]]: ...
 
@@ -194,210 +199,39 @@ class ShardTask:
     num_planned: int
 
 
-@dataclass
-class PackPlan:
-    """Per utterance row (of ``scp``: the feats.scp, wav.scp or segments lines): its label
-    row, length (-1 unknown) and shard ordinal (-1 dropped); ``source`` reads the rows."""
+@dataclass(frozen=True)
+class PackJob:
+    """Everything a task of a pack needs, small enough to send to any worker: the output
+    folder, options, source, text files (none when the texts are inside the source), length
+    files (``seconds``: durations) and the speakers' files; ``buckets``: how many buckets the
+    keys are hashed into (from the inputs' size, never from the workers)."""
 
+    d_out: Path
+    options: PackOptions
     source: PackSource
-    scp: KeyTable
-    labels: KeyTable
-    label_rows: np.ndarray
-    frames: np.ndarray
-    shard_of_row: np.ndarray
-    tasks: list[ShardTask]
-    group_names: list[str]
-    input_lines: int
-    dropped: dict[str, int] = field(default_factory=dict)  # utterance drops by reason
-    label_issues: dict[str, int] = field(default_factory=dict)  # text-side problems by reason
-    num_labels: int = 0
-    frames_file_issues: dict[str, int] = field(default_factory=dict)  # length-file lines skipped, by reason
-    speakers: Speakers | None = None  # speaker and CMVN members of each utterance (pack --utt2spk/--cmvn-scp)
+    text_files: tuple[Path, ...]
+    length_files: tuple[Path, ...]
+    seconds: bool
+    buckets: int
+    lengths_at_scan: bool = False  # the scan reads each utterance's length (length groups, no length files)
+    run: str = ""  # the pack's fingerprint (its inputs and options), naming its waves' folder
+    utt2spk: Path | None = None
+    cmvn_scp: Path | None = None
 
-    @property
-    def num_planned(self) -> int:
-        return int((self.shard_of_row >= 0).sum())
+    def speakers(self) -> Speakers | None:
+        """The speakers' statistics the pack adds, when asked for."""
+        if self.utt2spk is None and self.cmvn_scp is None:
+            return None
+        from .speakers import Speakers
 
-    def planned_utterances(self) -> Iterator[tuple[str, Where]]:
-        """Each planned utterance's key and where its scp line is, in scp order."""
-        for row in np.flatnonzero(self.shard_of_row >= 0):
-            key = self.scp.record(int(row))[0]
-            yield key, self.scp.where(int(row), key)
+        return Speakers(self.utt2spk, self.cmvn_scp, self.options.location, self.options.allow_pipes)
 
-
-def build_plan(
-    source: PackSource,
-    text_files: Sequence[Path],
-    d_out: Path,
-    options: PackOptions,
-    progress: Callable[..., Callable[[int], None]] | None = None,
-) -> PackPlan:
-    """Scan the inputs and decide every utterance's fate (see the module docstring)."""
-    drops = SkipCounter(options.skip_bad)
-    label_issues = SkipCounter(options.skip_bad)
-    scan_progress = (
-        progress("scan inputs", sum(Path(f).stat().st_size for f in [*source.files, *text_files]), "B")
-        if progress
-        else None
-    )
-    scp = source.scan(drops, scan_progress)
-    empty_labels: list[Where] = []
-
-    def note_empty(key: str, value: str, where: Where) -> None:
-        if not value:
-            empty_labels.append(where)
-
-    scan_labels = getattr(source, "scan_labels", None)
-    if scan_labels is not None:
-        labels = scan_labels(label_issues, note_empty)
-    else:
-        labels = KeyTable.scan(text_files, label_issues, needs_value=False, check=note_empty, progress=scan_progress)
-    if empty_labels:  # kept (a silent recording may have none), but never unannounced
-        _LOG.warning(
-            "%s empty, packed as empty texts (first: %s)", counted(len(empty_labels), "label", "is"), empty_labels[0]
-        )
-        label_issues.counts["empty_label"] = len(empty_labels)
-    if len(scp) + scp.bad_lines == 0:
-        raise InputError(
-            Where(", ".join(map(str, source.files))),
-            "empty_input",
-            "the input files hold no entries.",
-            "check that you gave the right feats.scp, wav.scp or segments.",
-            skippable=False,
-        )
-    keep = np.ones(len(scp), dtype=bool)
-
-    keep &= ~scp.report_repeats(
-        drops,
-        "duplicate_key",
-        "the key was already given at {first} (skipping keeps that first entry).",
-        "remove duplicate entries (utils/fix_data_dir.sh).",
-    )
-    duplicate_labels = labels.report_repeats(
-        label_issues,
-        "duplicate_label",
-        "the key already has a label at {first} (skipping keeps that first label).",
-        "remove duplicate lines from the text files.",
-    )
-
-    label_rows = labels.lookup(scp.hashes).astype(np.int32 if len(labels) < 2**31 else np.int64, copy=False)
-    for row in np.flatnonzero(keep & (label_rows < 0)):
-        key = scp.record(int(row))[0]
-        drops(
-            InputError(
-                scp.where(int(row), key),
-                "no_label",
-                f"the utterance has {source.kind} but no label in the text files.",
-                "add its label.",
-            )
-        )
-        keep[row] = False
-
-    used = np.zeros(len(labels), dtype=bool)
-    used[label_rows[keep]] = True
-    dropped_lines = labels.lookup(scp.bad_key_hashes)  # already one drop each, under the line's reason
-    used[dropped_lines[dropped_lines >= 0]] = True
-    unused = np.flatnonzero(~used & ~duplicate_labels)
-    for number, row in enumerate(unused):
-        key = labels.record(int(row))[0]
-        label_issues(
-            InputError(
-                labels.where(int(row), key),
-                "no_features",
-                f"the label has no {source.kind} in the input files{_and_more(len(unused)) if number == 0 else ''}.",
-                f"add its {source.kind}.",
-            )
-        )
-
-    frames = np.full(len(scp), -1, dtype=np.int32)
-    group_of_row = np.zeros(len(scp), dtype=np.int16)
-    outside = 0
-    frames_file_issues = SkipCounter(options.skip_bad, done="line ignored, length read from the input")
-    if options.groups:
-        frames = source.lengths(scp, keep, drops, frames_file_issues, progress)
-        keep &= frames >= 0
-        zero = keep & (frames == 0)
-        for row in np.flatnonzero(zero):
-            drops(
-                InputError(
-                    scp.where(int(row), scp.record(int(row))[0]),
-                    "zero_length",
-                    "the utterance has no length (0 frames).",
-                    "remove it.",
-                )
-            )
-        keep &= ~zero
-        group_of_row = np.full(len(scp), -1, dtype=np.int16)
-        for number, group in enumerate(options.groups):
-            group_of_row[(frames >= group.low) & (frames < group.high)] = number
-        outside_rows = np.flatnonzero(keep & (group_of_row < 0))
-        outside = len(outside_rows)
-        _log_outside(scp, frames, outside_rows, options.groups)
-        keep &= group_of_row >= 0
-
-    shard_of_row = np.full(len(scp), -1, dtype=np.int32)
-    tasks: list[ShardTask] = []
-    group_names = [g.name for g in options.groups] or [""]
-    for number, name in enumerate(group_names):
-        rows = np.flatnonzero(keep & (group_of_row == number))
-        positions = np.arange(len(rows))
-        if options.shuffle:
-            group = options.groups[number] if options.groups else None
-            bounds = (group.low, group.high) if group else ()
-            positions = pack_order_rng(options.seed, *bounds).permutation(len(rows))
-        positions //= options.utts_per_file  # in place: each row's shard in its group (memory, not time)
-        num_shards = math.ceil(len(rows) / options.utts_per_file)
-        counts = np.bincount(positions, minlength=num_shards)
-        folder = d_out / name if name else d_out
-        first_ordinal = len(tasks)
-        for index in range(num_shards):
-            tasks.append(
-                ShardTask(first_ordinal + index, name, index, folder / (options.fmt % index), int(counts[index]))
-            )
-        positions += first_ordinal
-        shard_of_row[rows] = positions
-        del rows, positions
-
-    dropped = dict(drops.counts)
-    if outside:
-        dropped["outside_groups"] = outside
-    scp.forget_lookups()  # writing re-reads rows by number only
-    labels.forget_lookups()
-    return PackPlan(
-        source,
-        scp,
-        labels,
-        label_rows,
-        frames,
-        shard_of_row,
-        tasks,
-        group_names,
-        len(scp) + scp.bad_lines,
-        dropped,
-        dict(label_issues.counts),
-        len(labels) + labels.bad_lines,
-        dict(frames_file_issues.counts),
-    )
-
-
-def _log_outside(scp: KeyTable, frames: np.ndarray, rows: np.ndarray, groups: Sequence[LengthGroup]) -> None:
-    """Name, at INFO level, the first utterances dropped as outside every length group."""
-    if not len(rows) or not _LOG.isEnabledFor(logging.INFO):
-        return
-    specs = ", ".join(f"[{g.low}, {g.high})" for g in groups)
-    for row in rows[:OUTSIDE_LOG_LIMIT]:
-        key = scp.record(int(row))[0]
-        _LOG.info(
-            "dropped (outside_groups): %s: %d frames, outside every length group (%s)",
-            scp.where(int(row), key),
-            int(frames[row]),
-            specs,
-        )
-    if len(rows) > OUTSIDE_LOG_LIMIT:
-        _LOG.info(
-            "dropped (outside_groups): %d more utterances outside every length group", len(rows) - OUTSIDE_LOG_LIMIT
-        )
-
-
-def _and_more(count: int) -> str:
-    return f" ({count - 1} more labels have the same problem)" if count > 1 else ""
+    def table_files(self, table: str) -> Sequence[Path]:
+        """The files of one of the pack's tables (see ``chunks.py``)."""
+        files = {
+            "utts": self.source.tables,
+            "labels": self.text_files,
+            "lengths": self.length_files,
+            "speakers": [self.utt2spk] if self.utt2spk else [],
+        }
+        return files[table]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 from array import array
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -40,11 +40,11 @@ from ..formats.fields import NODATA
 from ..formats.files import NotAFileError, read_input
 from ..formats.keys import key_problem
 from ..formats.npy import npy_parts
-from ..formats.peers.kaldi import MatrixReader, parse_location
+from ..formats.peers.kaldi import MatrixReader, parse_line
 from ..formats.peers.keytable import KeyTable
 
 if TYPE_CHECKING:
-    from .plan import PackOptions, PackPlan
+    from .plan import PackOptions
 
 _LOG = logging.getLogger("seqshard")
 
@@ -77,77 +77,66 @@ def check_key(key: str, where: Where, options: PackOptions) -> None:
 # Kaldi features
 
 
+@dataclass(frozen=True)
+class Utterance:
+    """A planned utterance as a write task reads it: its table line's key and value, where
+    that line is, its length as planned (-1: not known) and, for a feature matrix, ``(value
+    offset, key)`` of the next value its scp lists in the same ark (see ``MatrixReader.read``)."""
+
+    key: str
+    value: str
+    where: Where
+    length: int = -1
+    successor: tuple[int, str] | None = None
+
+
 class FeatureSource:
     """Kaldi feature matrices named by ``feats.scp`` file(s)."""
 
     kind = "features"
     unit = "frames"
+    texts_inside = False
+    parse = staticmethod(parse_line)
 
     def __init__(self, scp_files: Sequence[Path], options: PackOptions):
-        self.files = [Path(f) for f in scp_files]
+        self.files = self.tables = [Path(f) for f in scp_files]
         self.options = options
-        self.next_row: np.ndarray | None = None
 
-    def scan(self, drops: SkipCounter, progress: Callable[[int], None] | None) -> KeyTable:
-        arks = _ArkPositions()
+    def check(self, key: str, value: str, where: Where) -> tuple[str, int] | None:
+        """Refuse a line the pack cannot take; returns the value's ``(ark, offset)`` (None for a
+        command or a file of one object), by which a scan finds each value's successor."""
+        check_key(key, where, self.options)
+        location = self.options.location(value, where)
+        return None if location.is_pipe or location.offset is None else (location.path, location.offset)
 
-        def check(key: str, value: str, where: Where) -> None:
-            check_key(key, where, self.options)
-            arks.add(self.options.location(value, where))  # the last check: a row follows each call
+    def length_files(self) -> tuple[list[Path], bool]:
+        """The files that give lengths (``utt2num_frames``, next to each scp or given), and
+        whether they count seconds."""
+        return [Path(f) for f in self.options.num_frames_files] or _beside(self.files, NUM_FRAMES_FILE), False
 
-        table = KeyTable.scan(self.files, drops, needs_value=True, check=check, progress=progress)
-        self.next_row = arks.next_rows(len(table))
-        return table
+    def measurer(self) -> MatrixReader:
+        return MatrixReader(allow_pipes=self.options.allow_pipes)
 
-    def lengths(
-        self, table: KeyTable, keep: np.ndarray, drops: SkipCounter, issues: SkipCounter, progress: Progress
-    ) -> np.ndarray:
-        """Frames per row (-1 for rows that could not be read), from ``utt2num_frames``
-        (next to each scp, or given) and from matrix headers otherwise. A malformed
-        ``utt2num_frames`` line stops the pack, or when skipping is counted in ``issues``."""
-        files = [Path(f) for f in self.options.num_frames_files] or _beside(self.files, NUM_FRAMES_FILE)
-        frames = _lengths_from(files, table, issues)
-        missing = np.flatnonzero(keep & (frames < 0))
-        if len(missing):
-            advance = progress("read matrix headers", len(missing)) if progress else None
-            with MatrixReader(allow_pipes=self.options.allow_pipes) as reader:
-                for row in missing:
-                    key, value = table.record(int(row))
-                    where = table.where(int(row), key)
-                    try:
-                        frames[row] = reader.shape(self.options.location(value, where), where)[0]
-                    except InputError as error:
-                        drops(error)
-                    if advance:
-                        advance(1)
-        return frames
+    def length(self, measurer: MatrixReader, key: str, value: str, where: Where) -> int:
+        """Frames of the matrix, from its header when binary."""
+        return int(measurer.shape(self.options.location(value, where), where)[0])
 
-    def dim(self, plan: PackPlan) -> int:
-        """The dataset's feature dimension: that of the first planned utterance that reads
-        (an unreadable one stops here unless skipping; 0 when none reads)."""
-        with MatrixReader(allow_pipes=self.options.allow_pipes) as reader:
-            for row in np.flatnonzero(plan.shard_of_row >= 0):
-                key, value = plan.scp.record(int(row))
-                where = plan.scp.where(int(row), key)
+    def dim(self, utterances: Iterable[Utterance]) -> int:
+        """The dataset's feature dimension: that of the first of ``utterances`` that reads (an
+        unreadable one stops here unless skipping; 0 when none reads)."""
+        with self.measurer() as reader:
+            for utterance in utterances:
                 try:
-                    return int(reader.shape(self.options.location(value, where), where)[1])
+                    return int(
+                        reader.shape(self.options.location(utterance.value, utterance.where), utterance.where)[1]
+                    )
                 except InputError:
                     if not self.options.skip_bad:
                         raise
         return 0
 
-    def successor(self, table: KeyTable, row: int) -> tuple[int, str] | None:
-        """``(value offset, key)`` of the next value after ``row``'s that the scp lists in the
-        same ark, for :meth:`MatrixReader.read`'s end check; None when there is none."""
-        if self.next_row is None or self.next_row[row] < 0:
-            return None
-        following = int(self.next_row[row])
-        key, value = table.record(following)
-        offset = parse_location(value, table.where(following, key)).offset  # paths need no mapping here
-        return None if offset is None else (offset, key)
-
-    def reader(self, plan: PackPlan, dim: int) -> _FeatureReader:
-        return _FeatureReader(self, plan, dim)
+    def reader(self, dim: int) -> _FeatureReader:
+        return _FeatureReader(self, dim)
 
     def facts(self, dim: int) -> tuple[dict[str, Any], list[str]]:
         """The index's dataset facts and member fields."""
@@ -162,10 +151,10 @@ class FeatureSource:
 
 
 class _FeatureReader:
-    """Reads planned rows' matrices and checks them (a context manager: arks stay open)."""
+    """Reads planned matrices and checks them (a context manager: arks stay open)."""
 
-    def __init__(self, source: FeatureSource, plan: PackPlan, dim: int):
-        self.source, self.plan, self.dim = source, plan, dim
+    def __init__(self, source: FeatureSource, dim: int):
+        self.source, self.dim = source, dim
         self.options = source.options
         self.matrices = MatrixReader(allow_pipes=self.options.allow_pipes)
 
@@ -175,19 +164,18 @@ class _FeatureReader:
     def __exit__(self, *exc: object) -> None:
         self.matrices.close()
 
-    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int, None]:
+    def read(self, utterance: Utterance) -> tuple[Members, int, None]:
         """The utterance's members and length (frames); None: no audio was stored."""
-        plan, options = self.plan, self.options
-        array = self.matrices.read(options.location(value, where), where, self.source.successor(plan.scp, row))
+        options, where = self.options, utterance.where
+        array = self.matrices.read(options.location(utterance.value, where), where, utterance.successor)
         frames = array.shape[0]
         if frames == 0:
             raise InputError(where, "zero_length", "the matrix has no frames.", "remove it.")
-        planned = int(plan.frames[row])
-        if planned >= 0 and planned != frames:
+        if utterance.length >= 0 and utterance.length != frames:
             raise InputError(
                 where,
                 "frames_mismatch",
-                f"utt2num_frames says {planned} frames but the ark holds {frames}.",
+                f"utt2num_frames says {utterance.length} frames but the ark holds {frames}.",
                 "regenerate utt2num_frames (or delete it to read lengths from the arks).",
             )
         if array.shape[1] != self.dim:
@@ -222,7 +210,7 @@ def checked_features(array: np.ndarray, dtype: str, where: Where) -> np.ndarray:
     return array
 
 
-class _ArkPositions:
+class ArkPositions:
     """Per scp row, its ark (a small number per distinct path) and value offset, gathered
     while the scp is scanned, in compact arrays (no Python object per row)."""
 
@@ -231,13 +219,15 @@ class _ArkPositions:
         self.arks = array("i")
         self.offsets = array("q")
 
-    def add(self, location: Any) -> None:
-        if location.is_pipe or location.offset is None:
-            self.arks.append(-1)  # no ark position: a command, or a file holding one object
+    def add(self, position: tuple[str, int] | None) -> None:
+        """The next row's ``(ark, value offset)``; None: no ark position (a command, or a file
+        holding one object)."""
+        if position is None:
+            self.arks.append(-1)
             self.offsets.append(0)
             return
-        self.arks.append(self._ids.setdefault(location.path, len(self._ids)))
-        self.offsets.append(location.offset)
+        self.arks.append(self._ids.setdefault(position[0], len(self._ids)))
+        self.offsets.append(position[1])
 
     def next_rows(self, num_rows: int) -> np.ndarray:
         """For each row, the first row (in scp order) of the next distinct value start after
@@ -284,6 +274,8 @@ class AudioSource:
 
     kind = "audio"
     unit = "10 ms"
+    texts_inside = False
+    parse = staticmethod(parse_line)
     durations = "utt2dur", "regenerate utt2dur (or delete it to read durations from the audio)."  # name, fix
 
     def __init__(self, wav_scp: Sequence[Path], segments: Sequence[Path], options: PackOptions):
@@ -291,66 +283,58 @@ class AudioSource:
         self.segment_files = [Path(f) for f in segments]
         self.files = [*self.wav_files, *self.segment_files]
         self.options = options
-        self.recordings: KeyTable | None = None
+        self._recordings: KeyTable | None = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_recordings": None}  # each process scans the wav.scp it needs
+
+    @property
+    def tables(self) -> list[Path]:
+        """The files of one line per utterance: the segments, else the wav.scp."""
+        return self.segment_files or self.wav_files
 
     def _root(self) -> Path | None:
         return Path(self.options.path_root) if self.options.path_root else None
 
-    def scan(self, drops: SkipCounter, progress: Callable[[int], None] | None) -> KeyTable:
-        def check_wav(key: str, value: str, where: Where) -> None:
-            if not self.segment_files:
-                check_key(key, where, self.options)
-            location = parse_wav_location(value, self._root())
-            if location.is_pipe and not self.options.allow_pipes:
-                raise InputError(
-                    where,
-                    "pipe_refused",
-                    f"the entry is a shell command ({location.path!r}); seqshard does not run commands found in data.",
-                    f"run the command yourself, or pass {option('allow_pipes')} to run it.",
-                    skippable=False,  # running data as commands is the user's call, not a bad-data skip
-                )
-
-        if not self.segment_files:
-            table = KeyTable.scan(self.wav_files, drops, needs_value=True, check=check_wav, progress=progress)
-            self.recordings = table
-            return table
-        # a bad recording line is counted through its segments, dropped as no_recording
-        self.recordings = KeyTable.scan(
-            self.wav_files, SkipCounter(self.options.skip_bad), needs_value=True, check=check_wav, progress=progress
-        )
-
-        def check_segment(key: str, value: str, where: Where) -> None:
-            check_key(key, where, self.options)
+    def check(self, key: str, value: str, where: Where) -> None:
+        """Refuse a line the pack cannot take (a key no shard holds, a command unless allowed)."""
+        check_key(key, where, self.options)
+        if self.segment_files:
             _parse_segment(value, where)
+        else:
+            self._check_recording(value, where)
 
-        return KeyTable.scan(self.segment_files, drops, needs_value=True, check=check_segment, progress=progress)
+    def _check_recording(self, value: str, where: Where) -> None:
+        location = parse_wav_location(value, self._root())
+        if location.is_pipe and not self.options.allow_pipes:
+            raise InputError(
+                where,
+                "pipe_refused",
+                f"the entry is a shell command ({location.path!r}); seqshard does not run commands found in data.",
+                f"run the command yourself, or pass {option('allow_pipes')} to run it.",
+                skippable=False,  # running data as commands is the user's call, not a bad-data skip
+            )
 
-    def lengths(
-        self, table: KeyTable, keep: np.ndarray, drops: SkipCounter, issues: SkipCounter, progress: Progress
-    ) -> np.ndarray:
-        """Length per row in 10 ms frames (-1: unreadable): from ``segments`` when they say
-        where a segment ends, else ``utt2dur`` (next to the wav.scp), else the audio file's
-        header, else the decoded audio (pipes, MP3, segments to the end of a recording)."""
-        frames = (
-            _lengths_from(_beside(self.wav_files, DURATIONS_FILE), table, issues, seconds=True)
-            if not self.segment_files
-            else np.full(len(table), -1, dtype=np.int32)
-        )
-        rows = np.flatnonzero(keep & (frames < 0))
-        advance = progress("read audio lengths", len(rows)) if progress and len(rows) else None
-        with _AudioReader(self, None, 0) as reader:
-            for row in map(int, rows):
-                key, value = table.record(row)
-                where = table.where(row, key)
-                try:
-                    frames[row] = self._length(reader, key, value, where)
-                except InputError as error:
-                    drops(error)
-                if advance:
-                    advance(1)
-        return frames
+    def recordings(self) -> KeyTable:
+        """The wav.scp of the segments, scanned once per process (a bad recording line is
+        counted through its segments, dropped as ``no_recording``)."""
+        if self._recordings is None:
+            self._recordings = KeyTable.scan(
+                self.wav_files,
+                SkipCounter(self.options.skip_bad),
+                needs_value=True,
+                check=lambda key, value, where: self._check_recording(value, where),
+            )
+        return self._recordings
 
-    def _length(self, reader: _AudioReader, key: str, value: str, where: Where) -> int:
+    def length_files(self) -> tuple[list[Path], bool]:
+        """``utt2dur`` next to the wav.scp (not for segments, which say their own ends), in seconds."""
+        return ([] if self.segment_files else _beside(self.wav_files, DURATIONS_FILE)), True
+
+    def measurer(self) -> _AudioReader:
+        return _AudioReader(self, 0)
+
+    def length(self, reader: _AudioReader, key: str, value: str, where: Where) -> int:
         """One utterance's length in 10 ms frames, decoding its audio only when no header or
         segment end says it."""
         if self.segment_files:
@@ -363,11 +347,11 @@ class AudioSource:
                 return round(seconds * 100)
         return round(reader.audio(key, value, where).seconds * 100)
 
-    def dim(self, plan: PackPlan) -> int:
+    def dim(self, utterances: Iterable[Utterance]) -> int:
         return self.options.num_mel_bins if self.options.features == "fbank" else 0
 
-    def reader(self, plan: PackPlan, dim: int) -> _AudioReader:
-        return _AudioReader(self, plan, dim)
+    def reader(self, dim: int) -> _AudioReader:
+        return _AudioReader(self, dim)
 
     def facts(self, dim: int) -> tuple[dict[str, Any], list[str]]:
         options = self.options
@@ -408,11 +392,11 @@ def _parse_segment(value: str, where: Where) -> _Segment:
 
 
 class _AudioReader:
-    """Reads planned rows' audio: decodes (the last recording is kept for its next segments),
-    cuts, and encodes or computes fbank."""
+    """Reads planned utterances' audio: decodes (the last recording is kept for its next
+    segments), cuts, and encodes or computes fbank."""
 
-    def __init__(self, source: AudioSource, plan: PackPlan | None, dim: int):
-        self.source, self.plan, self.dim = source, plan, dim
+    def __init__(self, source: AudioSource, dim: int):
+        self.source, self.dim = source, dim
         self.options = source.options
         self._last: tuple[str, Audio] | None = None
 
@@ -435,10 +419,8 @@ class _AudioReader:
         if not self.source.segment_files:
             return self._recording(key, value, where)
         segment = _parse_segment(value, where)
-        recordings = self.source.recordings
-        assert recordings is not None
         if self._last is None or self._last[0] != segment.recording:
-            found = recordings.find(segment.recording)
+            found = self.source.recordings().find(segment.recording)
             if found is None:
                 raise InputError(
                     where,
@@ -449,10 +431,11 @@ class _AudioReader:
             self._last = (segment.recording, self._recording(segment.recording, found[1], where)[1])
         return None, cut(self._last[1], segment.start, segment.end, where)
 
-    def read(self, row: int, key: str, value: str, where: Where) -> tuple[Members, int, str | None]:
+    def read(self, utterance: Utterance) -> tuple[Members, int, str | None]:
         """The utterance's members, its length and how its audio was stored (``kept mp3``,
         ``wav -> flac``; None for fbank features)."""
-        original, audio = self._utterance(key, value, where)
+        where = utterance.where
+        original, audio = self._utterance(utterance.key, utterance.value, where)
         samples = audio.samples  # float WAV, decoded arrays may hold NaN (integer PCM cannot): never stored
         if samples.dtype.kind == "f" and not np.isfinite(samples.sum(dtype=np.float64)):
             raise InputError(
@@ -461,13 +444,12 @@ class _AudioReader:
                 f"the audio holds NaN or infinity (first at sample {int(np.flatnonzero(~np.isfinite(samples))[0])}).",
                 "check how the audio was made.",
             )
-        planned = int(self.plan.frames[row]) if self.plan is not None else -1
         frames = round(audio.seconds * 100)
-        if planned >= 0 and abs(planned - frames) > 1:
+        if utterance.length >= 0 and abs(utterance.length - frames) > 1:
             raise InputError(
                 where,
                 "duration_mismatch",
-                f"{self.source.durations[0]} says {planned / 100:g} s but the audio lasts {audio.seconds:g} s.",
+                f"{self.source.durations[0]} says {utterance.length / 100:g} s but the audio lasts {audio.seconds:g} s.",
                 self.source.durations[1],
             )
         options = self.options
@@ -525,21 +507,6 @@ def field_members(values: Mapping[str, Any], names: Sequence[str], where: Where)
 def _beside(files: Sequence[Path], name: str) -> list[Path]:
     """``name`` in the folders of ``files``, where it exists (Kaldi's data dir layout)."""
     return list(dict.fromkeys(Path(f).parent / name for f in files if (Path(f).parent / name).is_file()))
-
-
-def _lengths_from(files: Sequence[Path], table: KeyTable, issues: SkipCounter, seconds: bool = False) -> np.ndarray:
-    """Per row of ``table``, its length from ``KEY value`` files, -1 where they do not say:
-    frames (``utt2num_frames``), or with ``seconds`` 10 ms frames of durations (``utt2dur``)."""
-    lengths = np.full(len(table), -1, dtype=np.int32)
-    if not files:
-        return lengths
-    counts = KeyTable.scan(sorted(set(files)), issues, number=True, seconds=seconds)
-    found = counts.lookup(table.hashes)
-    assert counts.values is not None
-    values = counts.values[found[found >= 0]]
-    lengths[found >= 0] = np.round(values / AUDIO_SHIFT_MS) if seconds else values
-    _LOG.info("lengths from %s", ", ".join(map(str, sorted(set(files)))))
-    return lengths
 
 
 def _frame_shift_ms(files: Sequence[Path]) -> float:

@@ -10,7 +10,7 @@ of tens of kilobytes), so any selection of shards, local or remote, normalizes a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,61 +29,64 @@ CACHED_SPEAKERS = 4096  # statistics kept encoded per writer, the most recent sp
 
 
 class Speakers:
-    """``utt2spk`` and/or ``cmvn.scp`` of a pack (either may be None, not both); ``locate``
-    and ``allow_pipes`` read the statistics as the pack's options say."""
+    """The speakers' statistics of a pack (``cmvn_scp``, keyed by speaker, or by utterance
+    without ``utt2spk``) and the members they add to each utterance; ``locate`` and
+    ``allow_pipes`` read the statistics as the pack's options say. Which utterance is whose is
+    joined by key in the pack's bucket wave (``buckets.py``)."""
 
     def __init__(self, utt2spk: Path | None, cmvn_scp: Path | None, locate: Locate, allow_pipes: bool):
-        refuse = SkipCounter(False)  # a malformed or repeated line stops the pack: ids would be guessed
+        self.utt2spk, self.cmvn_scp = utt2spk, cmvn_scp
         self.locate, self.allow_pipes = locate, allow_pipes
-        self.utt2spk = KeyTable.scan([utt2spk], refuse, check=_one_word) if utt2spk else None
-        self.stats = KeyTable.scan([cmvn_scp], refuse) if cmvn_scp else None
-        for table, name in ((self.utt2spk, "utterance"), (self.stats, "speaker")):
-            if table is not None:
-                table.report_repeats(
-                    refuse, "duplicate_key", f"the {name} was already given at {{first}}.", "remove the repeat."
-                )
+        self._stats: KeyTable | None = None
         self._reader: MatrixReader | None = None
         self._encoded: dict[str, list[Any]] = {}
 
-    @property
-    def files(self) -> list[Path]:
-        return [table.files[0] for table in (self.utt2spk, self.stats) if table is not None]
-
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_reader": None, "_encoded": {}}
+        return {**self.__dict__, "_stats": None, "_reader": None, "_encoded": {}}
+
+    @property
+    def stats(self) -> KeyTable | None:
+        """``cmvn.scp``, scanned once per process: a malformed or repeated line stops the pack."""
+        if self._stats is None and self.cmvn_scp is not None:
+            refuse = SkipCounter(False)
+            self._stats = KeyTable.scan([self.cmvn_scp], refuse)
+            self._stats.report_repeats(
+                refuse, "duplicate_key", "the speaker was already given at {first}.", "remove the repeat."
+            )
+        return self._stats
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.close()
             self._reader = None
-        for table in (self.utt2spk, self.stats):
-            if table is not None:
-                table.close()
+        if self._stats is not None:
+            self._stats.close()
 
-    def members(self, key: str, where: Where, dim: int) -> list[tuple[str, list[Any]]]:
-        """The utterance's speaker and statistics members; InputError (``no_speaker``,
-        ``no_cmvn``, ``bad_cmvn``) naming the file and line at fault. ``dim`` (0: not known
-        before the loader computes features) is the features' dimension the statistics must fit."""
-        speaker = self.speaker(key, where)
+    def has_statistics(self, speaker: str) -> bool:
+        return self.stats is None or self.stats.find(speaker) is not None
+
+    def missing(self, speaker: str, where: Where) -> InputError:
+        """The error of an utterance whose speaker has no statistics."""
+        whose = f"speaker {speaker!r}" if self.utt2spk is not None else "the utterance"
+        return InputError(
+            where,
+            "no_cmvn",
+            f"{whose} has no statistics in {self.cmvn_scp}.",
+            "compute them for every speaker (steps/compute_cmvn_stats.sh), or pass the cmvn.scp made with this "
+            "utt2spk.",
+        )
+
+    def members(self, speaker: str, where: Where, dim: int) -> list[tuple[str, list[Any]]]:
+        """The utterance's speaker and statistics members (``speaker``: its speaker, or its key
+        without utt2spk); InputError (``no_cmvn``, ``bad_cmvn``) naming the file and line at
+        fault. ``dim`` (0: not known before the loader computes features) is the features'
+        dimension the statistics must fit."""
         members: list[tuple[str, list[Any]]] = []
         if self.utt2spk is not None:
             members.append((SPEAKER_MEMBER, [speaker.encode("utf-8")]))
-        if self.stats is not None:
+        if self.cmvn_scp is not None:
             members.append((STATS_MEMBER, self._statistics(speaker, where, dim)))
         return members
-
-    def speaker(self, key: str, where: Where) -> str:
-        if self.utt2spk is None:
-            return key  # apply-cmvn without --utt2spk: statistics keyed by utterance
-        found = self.utt2spk.find(key)
-        if found is None:
-            raise InputError(
-                where,
-                "no_speaker",
-                f"the utterance has no speaker in {self.utt2spk.files[0]}.",
-                "add its line to utt2spk (utils/fix_data_dir.sh keeps the files of a data dir in step).",
-            )
-        return found[1]
 
     def _statistics(self, speaker: str, where: Where, dim: int) -> list[Any]:
         encoded = self._encoded.get(speaker)
@@ -91,15 +94,8 @@ class Speakers:
             return encoded
         assert self.stats is not None
         found = self.stats.find(speaker)
-        whose = f"speaker {speaker!r}" if self.utt2spk is not None else "the utterance"
         if found is None:
-            raise InputError(
-                where,
-                "no_cmvn",
-                f"{whose} has no statistics in {self.stats.files[0]}.",
-                "compute them for every speaker (steps/compute_cmvn_stats.sh), or pass the cmvn.scp made with this "
-                "utt2spk.",
-            )
+            raise self.missing(speaker, where)
         row, value = found
         at = self.stats.where(row, speaker)
         if self._reader is None:
@@ -113,18 +109,17 @@ class Speakers:
         encoded = self._encoded[speaker] = list(npy_parts(np.ascontiguousarray(stats, dtype=np.float64)))
         return encoded
 
-    def check(self, utterances: Iterable[tuple[str, Where]], dim: int) -> None:
-        """Every planned utterance's speaker and statistics (its key, and where its line is),
-        before a shard is written (the first problem raises; the writers count them when skipping)."""
+    def check_all(self, dim: int) -> None:
+        """Every speaker's statistics, before a shard is written (the first problem raises; the
+        writers count them when skipping)."""
+        if self.stats is None:
+            return
         try:
-            for key, where in utterances:
-                self.members(key, where, dim)
+            for row in range(len(self.stats)):
+                speaker, _ = self.stats.record(row)
+                self._statistics(speaker, self.stats.where(row, speaker), dim)
         finally:
+            self._encoded.clear()
             if self._reader is not None:  # writer processes open their own (an open file's offset is shared)
                 self._reader.close()
                 self._reader = None
-
-
-def _one_word(key: str, value: str, where: Where) -> None:
-    if len(value.split()) != 1:
-        raise InputError(where, "malformed_line", f"expected 'UTTERANCE SPEAKER', found a speaker of {value!r}.")

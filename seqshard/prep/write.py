@@ -1,8 +1,8 @@
-"""Writing planned shards: one forward pass over the scp per sweep of open shards.
+"""Writing planned shards: a write task's shards in one forward pass over their utterances.
 
-A sweep keeps up to ``max_open`` shards open and reads, in scp order (so the arks are read
-front to back), only the utterances planned for them, appending each to its shard. Reads are
-forward-only; writes go to many files, each written sequentially. A shard is committed (fsync,
+A sweep keeps its shards (at most ``max_open``) open and reads their utterances in input order
+(so the arks are read front to back), appending each to its shard. Reads are forward-only;
+writes go to many files, each written sequentially. A shard is committed (fsync,
 renamed to its final name, journaled) as soon as its last planned utterance is handled; one
 whose utterances were all dropped while writing is journaled as empty and never gets a file.
 
@@ -16,6 +16,7 @@ there (:class:`Resume`).
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 import os
 import threading
@@ -33,7 +34,8 @@ from ..formats.files import writing
 from ..formats.index import length_bin
 from ..formats.tar import ShardWriter, WrittenPart, temporary_path
 from .journal import Journal, forget_partial, partial_states, save_partial
-from .plan import PackOptions, PackPlan, ShardTask
+from .plan import PackJob, ShardTask
+from .rows import TableLines
 from .sources import LABEL_MEMBER
 
 _LOG = logging.getLogger("seqshard")
@@ -185,21 +187,19 @@ def _matches(state: dict[str, Any] | None, task: ShardTask) -> bool:
 
 
 def write_shards(
-    plan: PackPlan,
+    planned: ShardRows,
     tasks: Sequence[ShardTask],
-    options: PackOptions,
+    job: PackJob,
     dim: int,
     journal: Journal,
     advance: Callable[[int], None],
-    max_open: int = DEFAULT_MAX_OPEN,
     resume: Resume | None = None,
 ) -> None:
-    """Write ``tasks`` (shards of ``plan``), ``max_open`` at a time, continuing those that
+    """Write ``tasks`` (shards of ``planned`` rows) in one sweep, continuing those that
     ``resume`` holds states of."""
     todo = sorted(tasks, key=lambda t: t.ordinal)
     resume = resume or Resume(journal.root, todo, ())
-    for start in range(0, len(todo), max_open):
-        _write_sweep(plan, todo[start : start + max_open], options, dim, journal, advance, resume)
+    _write_sweep(planned, todo, job, dim, journal, advance, resume)
 
 
 class _Committer:
@@ -287,25 +287,25 @@ class _Committer:
 
 
 def _write_sweep(
-    plan: PackPlan,
+    planned: ShardRows,
     sweep: Sequence[ShardTask],
-    options: PackOptions,
+    job: PackJob,
     dim: int,
     journal: Journal,
     advance: Callable[[int], None],
     resume: Resume,
 ) -> None:
+    options = job.options
     by_ordinal = {task.ordinal: task for task in sweep}
-    rows = np.flatnonzero(np.isin(plan.shard_of_row, np.fromiter(by_ordinal, dtype=np.int64)))
     skip = SkipCounter(options.skip_bad)
     open_shards: dict[int, _OpenShard] = {}
     committer = _Committer(journal, dim, options.dtype)
-    every = max(1, int(len(rows) * CHECKPOINT_SHARE))
+    every = max(1, int(len(planned.rows) * CHECKPOINT_SHARE))
     since, last = 0, time.monotonic()
+    speakers = job.speakers()
     try:
-        with plan.source.reader(plan, dim) as reader:
-            for row in rows:
-                ordinal = int(plan.shard_of_row[row])
+        with job.source.reader(dim) as reader, contextlib.closing(planned.lines) as lines:
+            for row, ordinal in zip(planned.rows, planned.ordinals.tolist()):
                 shard = open_shards.get(ordinal)
                 if shard is None:
                     shard = open_shards[ordinal] = resume.open(by_ordinal[ordinal])
@@ -315,20 +315,19 @@ def _write_sweep(
                     if not shard.already and not shard.remaining:  # it was whole: killed before its commit
                         committer.submit(open_shards.pop(ordinal))
                     continue
-                key, value = plan.scp.record(int(row))
-                where = plan.scp.where(int(row), key)
+                utterance = lines.utterance(row)
                 try:
-                    members, length, stored = reader.read(int(row), key, value, where)
-                    if plan.speakers is not None:
-                        members += plan.speakers.members(key, where, dim)
+                    members, length, stored = reader.read(utterance)
+                    if speakers is not None:
+                        members += speakers.members(lines.speaker(row, utterance.key), utterance.where, dim)
                 except InputError as error:
                     skip(error)
                     shard.skipped[error.reason] = shard.skipped.get(error.reason, 0) + 1
                 else:
                     if stored:
                         shard.audio_stored[stored] = shard.audio_stored.get(stored, 0) + 1
-                    members.append((LABEL_MEMBER, [_label(plan, int(row), key).encode("utf-8")]))
-                    shard_key = options.shard_key(key)
+                    members.append((LABEL_MEMBER, [lines.label(row, utterance.key).encode("utf-8")]))
+                    shard_key = options.shard_key(utterance.key)
                     shard.writer.add(shard_key, members, length)
                     shard.members.update(dict.fromkeys(name for name, _ in members))
                     shard.count(shard_key, length)
@@ -341,6 +340,8 @@ def _write_sweep(
                     committer.checkpoint([s for s in open_shards.values() if not s.already])
                     since, last = 0, time.monotonic()
     finally:
+        if speakers is not None:
+            speakers.close()
         try:
             committer.finish()
         finally:
@@ -349,8 +350,11 @@ def _write_sweep(
                 shard.writer.close() if keep else shard.writer.abort()
 
 
-def _label(plan: PackPlan, row: int, key: str) -> str:
-    label_key, label = plan.labels.record(int(plan.label_rows[row]))
-    if label_key != key:
-        raise RuntimeError(f"64-bit key hash collision between {key!r} and {label_key!r}; please report this.")
-    return label
+@dataclass
+class ShardRows:
+    """The planned rows of some shards in input order, the ordinal of each one's shard, and
+    the tables to re-read their lines from."""
+
+    rows: np.ndarray
+    ordinals: np.ndarray
+    lines: TableLines

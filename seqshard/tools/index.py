@@ -125,10 +125,11 @@ def _rebuild(root: Path, folders: list[Path], jobs: int, progress: bool, move_si
                 root,
             )
         found_old = {path.name for path, _, _ in old_sidecars}  # judged once (on their keys) just above
+        listed = previous.sidecar_names() if previous else None
         shards = [
             s
             for s in shards_in_folder(folder)
-            if s.name not in found_old and (old_layout_sidecar(s) is not None or not is_sidecar(s, previous))
+            if s.name not in found_old and (old_layout_sidecar(s) is not None or not is_sidecar(s, previous, listed))
         ]
         entries: dict[str, ShardEntry] = {}
         feature: dict = dict(previous.feature) if previous else {}
@@ -208,7 +209,8 @@ def _old_layout_sidecars(folder: Path, previous: ShardIndex | None) -> list[tupl
     """``(file, shard name, field set)`` of each sidecar in the old layout in ``folder`` (on
     evidence: ``selection.is_sidecar``)."""
     found = ((path, old_layout_sidecar(path)) for path in sorted(folder.glob("*.tar")))
-    return [(path, *names) for path, names in found if names is not None and is_sidecar(path, previous)]
+    listed = previous.sidecar_names() if previous else None
+    return [(path, *names) for path, names in found if names is not None and is_sidecar(path, previous, listed)]
 
 
 def _link_new_names(folder: Path, old: list[tuple[Path, str, str]], previous: ShardIndex | None) -> None:

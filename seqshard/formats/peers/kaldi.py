@@ -55,10 +55,13 @@ _GIT_HINT = (
 BOM = b"\xef\xbb\xbf"
 
 
-def iter_lines(path: Path) -> Iterator[tuple[int, int, bytes | LineTooLong]]:
-    """``(line_number, byte_offset, raw_line)`` for each line of a file (1-based lines); a line
-    beyond the line bound comes as its LineTooLong (``inflation.numbered_lines``)."""
-    for number, offset, raw in numbered_lines(path):
+def iter_lines(
+    path: Path, start: int = 0, end: int | None = None, first_line: int = 1
+) -> Iterator[tuple[int, int, bytes | LineTooLong]]:
+    """``(line_number, byte_offset, raw_line)`` for each line of a file (1-based lines), or of
+    the lines starting in bytes ``[start, end)`` (``first_line``: the number of the line at
+    ``start``); a line beyond the line bound comes as its LineTooLong (``inflation.numbered_lines``)."""
+    for number, offset, raw in numbered_lines(path, start, end, first_line):
         if number == 1 and isinstance(raw, bytes) and raw.startswith(BOM):
             _LOG.warning("%s starts with a UTF-8 byte order mark (an editor's); it is not part of the first key", path)
         yield number, offset, raw

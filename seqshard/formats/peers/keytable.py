@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -82,33 +82,23 @@ class KeyTable:
             raise ValueError("at most 65535 table files")
         capacity = sum(_count_lines(Path(f)) for f in files)  # exact-size arrays: no regrowth
         columns = _Columns(capacity, number)
-        bad_lines = 0
         bad_keys: list[int] = []
+        counter = _Counter(bad)
+        measure = (parse_milliseconds if seconds else parse_count) if number else None
         for file_id, path in enumerate(files):
-            for line_no, offset, raw in iter_lines(Path(path)):
-                if progress is not None and isinstance(raw, bytes):
-                    progress(len(raw))
-                where = Where(path, line_no)
-                key = None
+            lines = table_lines(Path(path), counter, parse, needs_value, check, progress, bad_keys=bad_keys)
+            for key, value, line_no, offset in lines:
                 try:
-                    if not isinstance(raw, bytes):
-                        raise long_line(where, raw)
-                    key, value = parse(raw, where, needs_value)
-                    where = Where(path, line_no, key)
-                    count = (_parse_milliseconds if seconds else _parse_count)(value, where) if number else 0
-                    if check is not None:
-                        check(key, value, where)
+                    count = measure(value, Where(path, line_no, key)) if measure else 0
                 except InputError as error:
-                    bad(error)
-                    bad_lines += 1
-                    if key is not None:
-                        bad_keys.append(key_hash(key))
+                    counter(error)
+                    bad_keys.append(key_hash(key))
                     continue
                 columns.add(key_hash(key), file_id, line_no, offset, count)
         return cls(
             files,
             *columns.finish(),
-            bad_lines=bad_lines,
+            bad_lines=counter.lines,
             parse=parse,
             bad_key_hashes=np.array(bad_keys, dtype=np.uint64),
         )
@@ -137,7 +127,7 @@ class KeyTable:
         descriptor = self._files.get(file_id)
         if descriptor is None:
             descriptor = self._files[file_id] = open_input(self.files[file_id])
-        return self.parse(_line_at(descriptor, int(self.offsets[row])), self.where(row), False)
+        return self.parse(line_at(descriptor, int(self.offsets[row])), self.where(row), False)
 
     def find(self, key: str) -> tuple[int, str] | None:
         """``(row, value)`` of the first line with ``key``, or None."""
@@ -188,6 +178,54 @@ class KeyTable:
         self._files.clear()
 
 
+def table_lines(
+    path: Path,
+    bad: Callable[[InputError], None],
+    parse: Parser = parse_line,
+    needs_value: bool = True,
+    check: Callable[[str, str, Where], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    start: int = 0,
+    end: int | None = None,
+    first_line: int = 1,
+    bad_keys: list[int] | None = None,
+) -> Iterator[tuple[str, str, int, int]]:
+    """``(key, value, line number, byte offset)`` of each good line of a table file (or of its
+    lines starting in bytes ``[start, end)``, the first numbered ``first_line``);
+    ``parse(raw_line, where, needs_value)`` splits a line into ``(key, value)``, ``check(key,
+    value, where)`` may raise InputError. A bad line goes to ``bad`` (which raises or counts
+    it), the hash of its key, when one was read, to ``bad_keys``."""
+    for line_no, offset, raw in iter_lines(path, start, end, first_line):
+        if progress is not None and isinstance(raw, bytes):
+            progress(len(raw))
+        where = Where(path, line_no)
+        key = None
+        try:
+            if not isinstance(raw, bytes):
+                raise long_line(where, raw)
+            key, value = parse(raw, where, needs_value)
+            if check is not None:
+                check(key, value, Where(path, line_no, key))
+        except InputError as error:
+            bad(error)
+            if key is not None and bad_keys is not None:
+                bad_keys.append(key_hash(key))
+            continue
+        yield key, value, line_no, offset
+
+
+class _Counter:
+    """Hands bad lines on to ``bad`` and counts them."""
+
+    def __init__(self, bad: Callable[[InputError], None]):
+        self.bad = bad
+        self.lines = 0
+
+    def __call__(self, error: InputError) -> None:
+        self.bad(error)
+        self.lines += 1
+
+
 class _Columns:
     """Rows gathered in small Python arrays and moved into exact-size numpy arrays."""
 
@@ -228,7 +266,7 @@ class _Columns:
         return (*(c[: self.size] for c in columns), values)
 
 
-def _line_at(descriptor: int, start: int, piece: int = 512) -> bytes:
+def line_at(descriptor: int, start: int, piece: int = 512) -> bytes:
     """The line starting at byte ``start`` of a file, without its newline."""
     pieces = []
     while True:
@@ -262,7 +300,7 @@ def _count_lines(path: Path) -> int:
     return lines + (last != b"\n")
 
 
-def _parse_count(value: str, where: Where) -> int:
+def parse_count(value: str, where: Where) -> int:
     """A count as Kaldi writes it: ASCII digits (``int`` would also take ``1_000``, Unicode
     digits and Unicode spaces)."""
     text = value.strip(ASCII_WHITESPACE)
@@ -279,7 +317,7 @@ def _parse_count(value: str, where: Where) -> int:
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
 
 
-def _parse_milliseconds(value: str, where: Where) -> int:
+def parse_milliseconds(value: str, where: Where) -> int:
     """A duration in seconds as Kaldi writes it (``utt2dur``), in whole milliseconds."""
     text = value.strip(ASCII_WHITESPACE)
     if not _SECONDS.fullmatch(text):

@@ -1,1 +1,1 @@
-"""Shards at a URL: ranged reads with deadlines and retries, a remote folder's selection, the local cache."""
+"""Shards at a URL: ranged reads with retries, requests watched for stalls, a remote folder's selection, the local cache."""

@@ -9,10 +9,10 @@ host is noted, and its shards are read front to back through one plain GET each
 then costs the download of the bytes before it.
 
 Each request is retried on a 5xx, a timeout, a refused or dropped connection, a short body or a
-stall, with bounded, jittered exponential backoff. Besides ``remote_timeout`` for each wait on
-the socket, every request has a deadline of its own, twice ``remote_timeout`` plus its size at
-``remote_min_rate``: a server that trickles bytes (or a proxy that holds a connection open)
-fails the request within that time instead of never. Only an answer that says the object does not exist
+stall, with bounded, jittered exponential backoff. ``remote_timeout`` bounds each wait on the
+socket, and every request is watched for a stall (:mod:`.transfer`): fewer than
+``remote_min_rate`` bytes a second over its last ``remote_timeout`` seconds, whatever its size.
+Only an answer that says the object does not exist
 (HTTP 404, S3's NoSuchKey) means a missing shard (:class:`NotOnServer`, not retried); fsspec's
 http backend reports any failure to learn a size as FileNotFoundError, so its cause decides.
 What still fails is a :class:`~seqshard.errors.ShardError` naming the URL and what happened
@@ -33,14 +33,15 @@ redacted wherever a URL is shown (:func:`seqshard.errors.redact`).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
+import itertools
 import json
 import logging
 import os
 import random
 import subprocess
 import threading
-import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -49,6 +50,20 @@ from urllib.parse import urlsplit
 
 from ...errors import ConfigError, ShardError, counted, option, redact, redact_libraries
 from ..prefetch import ReadAhead
+from .transfer import (
+    LISTING_BYTES,
+    BodyError,
+    HttpStream,
+    RangesIgnored,
+    Received,
+    Refused,
+    Rule,
+    Stalled,
+    http_bytes,
+    http_range,
+    http_size,
+    redirect_guard,
+)
 
 if TYPE_CHECKING:
     from ..index import ShardIndex
@@ -59,7 +74,7 @@ _LOG = logging.getLogger("seqshard")
 CHUNK_BYTES = 8 << 20
 AHEAD = 4  # chunks fetched ahead of the reader
 FETCH_THREADS = 8
-INDEX_BYTES = 64 << 20  # the size an index.json is given time for (a folder of some 100,000 shards)
+INDEX_BYTES = LISTING_BYTES  # the most an index.json may hold (a folder of some 100,000 shards)
 
 
 def is_remote(path: str) -> bool:
@@ -90,32 +105,17 @@ class NotOnServer(ShardError):
         super().__init__(url, offset, problem)
 
 
-class RangesIgnored(Exception):
-    """The server answered a ranged request with the whole object (HTTP 200)."""
-
-
 class _Closed(Exception):
     """A read ahead whose reader closed the object meanwhile (nothing to retry)."""
-
-
-class _BodyError(OSError):
-    """An answer whose body is not as long as asked for."""
-
-
-class _Stalled(TimeoutError):
-    """A request that did not complete by its deadline (its bytes came too slowly)."""
-
-    def __init__(self, seconds: float):
-        super().__init__(f"not complete within {seconds:.1f} s")
 
 
 @dataclass(frozen=True)
 class Failure:
     """What a failed request met, in the terms that decide whether to retry and what to advise.
     ``kind``: missing, denied (401/403), rejected (other 4xx), server (5xx, 408, 429), timeout,
-    stalled (past its deadline), redirects (a redirect loop), connection (refused, reset,
-    dropped), body (shorter than asked) or other; ``error`` is the
-    exception that says so."""
+    stalled (its bytes stopped coming at the least rate), redirects (a redirect loop), refused (a
+    redirect not followed), malformed (not HTTP: an endless header), connection (refused, reset,
+    dropped), body (not the bytes asked for) or other; ``error`` is the exception that says so."""
 
     kind: str
     error: BaseException
@@ -131,6 +131,12 @@ class Failure:
             error = cause  # fsspec's http size() reports any failure (a refused connection too) as not found
         if type(error).__name__ == "TooManyRedirects":  # aiohttp's, before its status (that of the last hop)
             return cls("redirects", error)
+        if isinstance(error, Refused) or type(error).__name__ in _REFUSED_REDIRECTS:
+            return cls("refused", error)
+        if type(error).__name__ == "ClientResponseError" and type(error.__cause__).__module__.endswith(
+            "http_exceptions"
+        ):
+            return cls("malformed", error)  # aiohttp's parser refused the headers: its 400 is not the server's
         status = _status(error)
         if status == 404:
             return cls("missing", error, status)
@@ -138,9 +144,9 @@ class Failure:
             return cls("denied", error, status)
         if status is not None:
             return cls("rejected" if 400 <= status < 500 and status not in (408, 429) else "server", error, status)
-        if isinstance(error, _BodyError):
+        if isinstance(error, BodyError):
             return cls("body", error)
-        if isinstance(error, _Stalled):
+        if isinstance(error, Stalled):
             return cls("stalled", error)
         if isinstance(error, (TimeoutError, asyncio.TimeoutError)):
             return cls("timeout", error)
@@ -148,7 +154,7 @@ class Failure:
 
     @property
     def retried(self) -> bool:
-        return self.kind not in ("missing", "denied", "rejected", "redirects")
+        return self.kind not in ("missing", "denied", "rejected", "redirects", "refused", "malformed")
 
     def advice(self, access: RemoteAccess) -> str:
         """What happened and what to do, after the retries."""
@@ -177,13 +183,22 @@ class Failure:
         if self.kind == "stalled":
             rate = option("remote_min_rate", max(1024, int(access.min_rate // 4)))
             return (
-                f"the bytes came slower than {access.min_rate:g} bytes/s (remote_min_rate) past {2 * access.timeout_s:g} s "
-                f"(a stalled server or proxy). Fix: check the server; for a network that slow lower {rate}"
+                f"its bytes came slower than remote_min_rate ({access.min_rate:g} bytes/s) over remote_timeout "
+                f"({access.timeout_s:g} s): a stalled server or proxy. Fix: check the server; for a network that slow "
+                f"lower {rate} or raise {timeout}"
             )
-        if self.kind == "redirects":
+        if self.kind in ("redirects", "refused"):
             return (
                 f"the server redirected the request again and again ({_redirects(self.error)}). Fix: check the URL "
                 "(a redirect loop is the server's or proxy's configuration)"
+                if self.kind == "redirects"
+                else "redirects are followed to http(s) URLs only, and to a private, loopback or link-local address "
+                "only from one of the same kind. Fix: if you trust where it leads, use that URL"
+            )
+        if self.kind == "malformed":
+            return (
+                "the server's answer breaks HTTP (a header too long or endless, bytes beyond its Content-Length). "
+                "Fix: check the server or the proxy in between"
             )
         if self.kind == "connection":
             return (
@@ -192,10 +207,13 @@ class Failure:
             )
         if self.kind == "body":
             return (
-                "the answers ended before the bytes asked for (a flaky network, or a proxy cutting long responses). "
-                f"Fix: retry with {retries}"
+                "the answers did not hold the bytes asked for (cut short by a flaky network or a proxy, or lengths "
+                f"that disagree with the range). Fix: retry with {retries}"
             )
         return f"Fix: check the URL and storage_options; a flaky store may need {retries} or {timeout}"
+
+
+_REFUSED_REDIRECTS = ("NonHttpUrlRedirectClientError", "InvalidUrlRedirectClientError")  # aiohttp's (file://, ...)
 
 
 def _status(error: BaseException) -> int | None:
@@ -259,11 +277,12 @@ class RemoteAccess:
 
         protocol = url.split("://", 1)[0]
         options = dict(self.storage_options)
-        if protocol in ("http", "https"):
-            options.setdefault("client_kwargs", {"timeout": _aiohttp_timeout(self.timeout_s)})
-        key = (os.getpid(), protocol, repr(sorted(options.items())))  # async file systems are not fork-safe
+        # async file systems are not fork-safe: one per process
+        key = (os.getpid(), protocol, repr(sorted(options.items())), self.timeout_s)
         with _SYSTEMS_LOCK:
             if key not in _SYSTEMS:
+                if protocol in ("http", "https"):
+                    options["client_kwargs"] = _client_options(options.get("client_kwargs"), self.timeout_s)
                 try:
                     _SYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
                     redact_libraries()  # the loggers its modules made on import
@@ -277,11 +296,22 @@ class RemoteAccess:
             fs = _SYSTEMS[key]
         return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
 
-    def deadline_s(self, size: int) -> float:
-        """The longest a request for ``size`` bytes may take in all: its bytes at the minimum
-        rate, after twice the timeout (a server that does not answer at all meets the socket's
-        timeout first, and is told apart)."""
-        return 2 * self.timeout_s + size / self.min_rate
+    @property
+    def rule(self) -> Rule:
+        """The stall rule every request is held to (:mod:`.transfer`)."""
+        return Rule(self.timeout_s, self.min_rate)
+
+    def _call(self, fs: Any, name: str, *args: Any, expected: int, **kwargs: Any) -> Any:
+        """``fs.NAME(*args, **kwargs)``; where ``fs`` is asynchronous (s3fs, gcsfs) its coroutine
+        ``_NAME`` under the stall rule, given ``expected`` bytes (it does not report them)."""
+        if getattr(fs, "async_impl", False):
+            return self.rule.run(fs.loop, getattr(fs, "_" + name)(*args, **kwargs), None, expected)
+        return getattr(fs, name)(*args, **kwargs)
+
+    def _http(self, fs: Any, request: Any, *args: Any) -> Any:
+        """The coroutine ``request(fs, *args, received)`` of :mod:`.transfer` under the stall rule."""
+        received = Received()
+        return self.rule.run(fs.loop, request(fs, *args, received), received)
 
     # -- requests with retries -----------------------------------------------------------
     def retrying(self, url: str, what: str, call: Any, abandoned: threading.Event | None = None) -> Any:
@@ -331,7 +361,10 @@ class RemoteAccess:
     def server_size(self, url: str, abandoned: threading.Event | None = None) -> int:
         """The object's size as the store reports it now (NotOnServer when it has none)."""
         fs, path = self.filesystem(url)
-        size = self.retrying(url, "asking its size", lambda: fs.size(path), abandoned)
+        if _is_http(url):
+            size = self.retrying(url, "asking its size", lambda: self._http(fs, http_size, url), abandoned)
+        else:
+            size = self.retrying(url, "asking its size", lambda: self._call(fs, "size", path, expected=0), abandoned)
         if size is None:
             raise ShardError(
                 url,
@@ -341,21 +374,23 @@ class RemoteAccess:
             )
         return int(size)
 
-    def fetch(self, url: str, start: int, end: int, abandoned: threading.Event | None = None) -> bytes:
+    def fetch(self, url: str, start: int, end: int, abandoned: threading.Event | None = None) -> Chunk:
         """Bytes ``[start, end)`` of ``url``; a short body is a failure (retried, until
         ``abandoned`` is set). RangesIgnored when the server answers with the whole object (the
         server is noted: :meth:`ranges`)."""
         fs, path = self.filesystem(url)
-        get = _http_range if url.startswith(("http://", "https://")) else _store_range
-        deadline = self.deadline_s(end - start)
 
-        def call() -> bytes:
-            data, ranged = get(fs, path, start, end, deadline)
-            if len(data) != end - start:
-                raise _BodyError(f"short body: {len(data)} of {end - start} bytes")
+        def call() -> Chunk:
+            if _is_http(url):
+                pieces, ranged = self._http(fs, http_range, url, start, end)
+            else:
+                pieces, ranged = [self._call(fs, "cat_file", path, start=start, end=end, expected=end - start)], True
+            chunk = Chunk(pieces)
+            if chunk.size != end - start:
+                raise BodyError(f"short body: {chunk.size} of {end - start} bytes")
             if ranged:
                 self._servers()[_host(url)] = True
-            return data
+            return chunk
 
         try:
             return self.retrying(url, f"reading bytes {start}-{end}", call, abandoned)
@@ -371,7 +406,7 @@ class RemoteAccess:
     def ranges(self, url: str) -> bool | None:
         """Whether ``url``'s server answers ranged requests with the range: True for object
         stores, learnt from the first partial read for a web server (None until then)."""
-        if not url.startswith(("http://", "https://")):
+        if not _is_http(url):
             return True
         return self._servers().get(_host(url))
 
@@ -397,9 +432,14 @@ class RemoteAccess:
         """A small text object (an index.json: at most INDEX_BYTES of UTF-8), or None when there
         is none."""
         fs, path = self.filesystem(url)
-        deadline = self.deadline_s(INDEX_BYTES)
+
+        def call() -> bytes:
+            if _is_http(url):
+                return self._http(fs, http_bytes, url, INDEX_BYTES)
+            return self._call(fs, "cat_file", path, start=0, end=INDEX_BYTES + 1, expected=INDEX_BYTES)
+
         try:
-            data = self.retrying(url, "reading", lambda: _cat(fs, path, deadline, start=0, end=INDEX_BYTES + 1))
+            data = self.retrying(url, "reading", call)
         except NotOnServer:
             return None
         if len(data) > INDEX_BYTES:
@@ -413,7 +453,7 @@ class RemoteAccess:
         """URLs matching a glob, where the store can list (not plain http)."""
         fs, path = self.filesystem(pattern)
         protocol = pattern.split("://", 1)[0]
-        found = self.retrying(pattern, "listing", lambda: fs.glob(path))
+        found = self.retrying(pattern, "listing", lambda: self._call(fs, "glob", path, expected=LISTING_BYTES))
         return sorted(m if "://" in m else f"{protocol}://{m}" for m in found)
 
     # -- reading -------------------------------------------------------------------------
@@ -458,50 +498,8 @@ def _host(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def _store_range(fs: Any, path: str, start: int, end: int, deadline: float) -> tuple[bytes, bool]:
-    return _cat(fs, path, deadline, start=start, end=end), True
-
-
-def _cat(fs: Any, path: str, deadline: float, **where: int) -> bytes:
-    """An object's bytes (``start``/``end``: a range), within ``deadline`` seconds where its file
-    system is asynchronous (http, s3fs, gcsfs: the request is cancelled then), else as it answers."""
-    if getattr(fs, "async_impl", False):
-        return _within(fs.loop, lambda: fs._cat_file(path, **where), deadline)
-    return fs.cat_file(path, **where)
-
-
-def _within(loop: Any, make: Any, deadline: float) -> Any:
-    """The result of the coroutine ``make()`` run on fsspec's ``loop``, cancelled after
-    ``deadline`` seconds (_Stalled); a socket timeout before that stays a timeout."""
-    from fsspec.asyn import sync
-
-    started = time.monotonic()
-    try:
-        return sync(loop, make, timeout=deadline)
-    except TimeoutError:
-        if time.monotonic() - started >= deadline:
-            raise _Stalled(deadline) from None
-        raise
-
-
-def _http_range(fs: Any, url: str, start: int, end: int, deadline: float) -> tuple[bytes, bool]:
-    """Bytes ``[start, end)`` through fsspec's http session within ``deadline`` seconds, and
-    whether the answer was a range (206); a whole object (200) raises RangesIgnored without its
-    body being read, unless the whole object was asked for."""
-
-    async def get() -> tuple[bytes, bool]:
-        session = await fs.set_session()
-        options = dict(fs.kwargs)
-        headers = {**(options.pop("headers", None) or {}), "Range": f"bytes={start}-{end - 1}"}
-        async with session.get(fs.encode_url(url), headers=headers, **options) as response:
-            if response.status == 404:
-                raise FileNotFoundError(url)
-            response.raise_for_status()
-            if response.status != 206 and (start > 0 or response.content_length != end):
-                raise RangesIgnored(url)
-            return await response.read(), response.status == 206
-
-    return _within(fs.loop, get, deadline)
+def _is_http(url: str) -> bool:
+    return url.startswith(("http://", "https://"))
 
 
 def _redirects(error: BaseException) -> str:
@@ -511,10 +509,14 @@ def _redirects(error: BaseException) -> str:
     return f"{len(hops)} redirects: {shown}" if hops else "too many redirects"
 
 
-def _aiohttp_timeout(seconds: float) -> Any:
+def _client_options(given: dict[str, Any] | None, timeout_s: float) -> dict[str, Any]:
+    """aiohttp session options: the socket's timeout and the redirect guard, with the user's."""
     import aiohttp
 
-    return aiohttp.ClientTimeout(total=None, sock_connect=seconds, sock_read=seconds)
+    options = {"timeout": aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)}
+    options.update(given or {})
+    options["trace_configs"] = [*options.get("trace_configs", ()), redirect_guard()]
+    return options
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
@@ -561,6 +563,23 @@ def _early_chunks(access: RemoteAccess, url: str) -> None:
     )
 
 
+class Chunk:
+    """A fetched range as the pieces the socket gave it in (most reads fall in one piece and
+    are a view of it; one that spans two joins their parts)."""
+
+    __slots__ = ("pieces", "size", "starts")
+
+    def __init__(self, pieces: list[bytes]):
+        self.pieces = pieces
+        self.starts = [0, *itertools.accumulate(map(len, pieces))]
+        self.size = self.starts[-1]
+
+    def piece(self, at: int) -> tuple[int, memoryview]:
+        """The piece holding byte ``at`` of the chunk: where it starts in the chunk, and a view."""
+        index = bisect.bisect_right(self.starts, at) - 1
+        return self.starts[index], memoryview(self.pieces[index])
+
+
 class RemoteBytes:
     """A remote object read through ranged requests of ``chunk_bytes``, ``ahead`` of them in
     flight: the byte-source interface of the tar reader (seek, read, skip, close). On a server
@@ -574,7 +593,8 @@ class RemoteBytes:
         self._abandoned, self._chunks = _EARLY.pop(url, None) or (threading.Event(), {})  # set when closed
         self._stream: RemoteStream | None = None  # reads on a server that ignores ranges
         self._pos = 0
-        self._current: tuple[int, bytes] = (-1, b"")  # the chunk read last
+        self._current: tuple[int, Chunk] = (-1, Chunk([]))  # the chunk read last
+        self._base, self._view = 0, memoryview(b"")  # the piece read last: where it starts, a view
         # the index's size is used for planning reads; the server's is checked once, alongside
         # the first chunk, so that a shard replaced since it was indexed is not read as it
         self._checked: Future | None = None
@@ -598,8 +618,8 @@ class RemoteBytes:
             self._chunks[number] = _pool().submit(self._access.fetch, self.path, start, end, self._abandoned)
         return self._chunks[number]
 
-    def _data(self, number: int) -> bytes:
-        if number == self._current[0]:  # most reads fall in the chunk the last one read
+    def _data(self, number: int) -> Chunk:
+        if number == self._current[0]:
             return self._current[1]
         last = (self.size - 1) // self._chunk
         depth = self._access.ahead if self._access.ranges(self.path) else 0  # one request learns a server's ways
@@ -607,9 +627,9 @@ class RemoteBytes:
             self._future(ahead)
         for old in [k for k in self._chunks if k < number]:
             self._chunks.pop(old).cancel()
-        data = self._chunks[number].result()
-        self._current = (number, data)
-        return data
+        chunk = self._chunks[number].result()
+        self._current = (number, chunk)
+        return chunk
 
     def seek(self, position: int) -> None:
         self._pos = position
@@ -625,6 +645,10 @@ class RemoteBytes:
             raise
 
     def _read(self, size: int) -> bytes | memoryview:
+        at = self._pos - self._base
+        if at >= 0 and at + size <= len(self._view):  # most reads: within the piece read last
+            self._pos += size
+            return self._view[at : at + size]
         if self._checked is not None:
             self._check_size()
         end = min(self._pos + size, self.size)
@@ -645,21 +669,20 @@ class RemoteBytes:
         return data
 
     def _ranged(self, end: int) -> bytes | memoryview:
-        first, last = self._pos // self._chunk, (end - 1) // self._chunk
-        if first == last:
-            return memoryview(self._data(first))[self._pos - first * self._chunk : end - first * self._chunk]
-        parts = []
-        for number in range(first, last + 1):
-            chunk = self._data(number)
-            base = number * self._chunk
-            parts.append(chunk[max(self._pos, base) - base : min(end, base + len(chunk)) - base])
-        return memoryview(b"".join(parts))
+        parts, position = [], self._pos
+        while position < end:
+            number = position // self._chunk
+            start, view = self._data(number).piece(position - number * self._chunk)
+            self._base, self._view = number * self._chunk + start, view
+            parts.append(view[position - self._base : end - self._base])
+            position += len(parts[-1])
+        return parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
 
     def _cancel_chunks(self) -> None:
         for future in self._chunks.values():
             future.cancel()
         self._chunks = {}
-        self._current = (-1, b"")
+        self._current, self._base, self._view = (-1, Chunk([])), 0, memoryview(b"")
 
     def close(self) -> None:
         self._abandoned.set()
@@ -720,7 +743,6 @@ class RemoteStream:
         return self._access.retrying(self.path, what, lambda: self._read(start, want), self._closed)
 
     def _read(self, start: int, want: int) -> bytes:
-        deadline = time.monotonic() + self._access.deadline_s(want)
         with self._lock:
             if self._closed.is_set():
                 raise _Closed(self.path)
@@ -730,15 +752,14 @@ class RemoteStream:
                     if start and not self._failed:
                         self._access.note_restart(self.path, start)
                 while self._at < start:  # a skip forward, or the bytes before a (re)start
-                    step = min(self._access.chunk_bytes, start - self._at)
-                    skipped = len(_read_up_to(self._file, step, time.monotonic() + self._access.deadline_s(step)))
+                    skipped = len(self._file.read(min(self._access.chunk_bytes, start - self._at)))
                     if not skipped:
                         break
                     self._at += skipped
-                data = _read_up_to(self._file, want, deadline) if self._at == start else b""
+                data = self._file.read(want) if self._at == start else b""
                 self._at += len(data)
                 if len(data) != want:
-                    raise _BodyError(f"short body: it ended at byte {self._at} of {self.size}")
+                    raise BodyError(f"short body: it ended at byte {self._at} of {self.size}")
                 self._failed = False
                 return data
             except BaseException:
@@ -748,14 +769,14 @@ class RemoteStream:
 
     def _open(self) -> None:
         self._drop()
-        fs, path = self._access.filesystem(self.path)
-        self._file = fs.open(path, "rb", block_size=0, size=self.size)  # a plain GET, read as it arrives
+        fs, _ = self._access.filesystem(self.path)
+        self._file = HttpStream(fs, self.path, self._access.rule, self._access.chunk_bytes)  # a plain GET
+        self._file.open(self.size)
         self._at = 0
 
     def _drop(self) -> None:
         if self._file is not None:
-            with contextlib.suppress(Exception):
-                self._file.close()
+            self._file.close()
             self._file = None
 
     def close(self) -> None:
@@ -765,21 +786,6 @@ class RemoteStream:
         self._closed.set()
         with self._lock:
             self._drop()
-
-
-def _read_up_to(file: Any, size: int, deadline: float) -> bytes:
-    """``size`` bytes of a stream, fewer only at its end (a stream's read may return less);
-    _Stalled once ``deadline`` (a ``time.monotonic()``) has passed."""
-    parts, got, started = [], 0, time.monotonic()
-    while got < size:
-        if time.monotonic() > deadline:
-            raise _Stalled(deadline - started)
-        data = file.read(size - got)
-        if not data:
-            break
-        parts.append(data)
-        got += len(data)
-    return b"".join(parts)
 
 
 def check_pipes_allowed(source: str, allowed: bool) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ...errors import ConfigError
 from ..index import ShardEntry, ShardIndex
-from ..patterns import is_list_name, is_shard_name, pattern_list
+from ..patterns import expand_braces, is_list_name, is_shard_name, pattern_list
 from ..peers.lists import shard_list
 from ..selection import MissingShard
 from .access import (
@@ -70,15 +70,13 @@ class RemoteSelection:
     selected shards that the store does not have."""
 
     def __init__(self, patterns: list[str], access: RemoteAccess):
-        from braceexpand import braceexpand
-
         self.access = access
         self.indexes: dict[str, ShardIndex | None] = {}
         self.shards: list[RemoteShard] = []
         self.missing: list[MissingShard] = []
         seen: set[str] = set()
         for pattern in patterns:
-            for text in dict.fromkeys(braceexpand(pattern)):
+            for text in dict.fromkeys(expand_braces(pattern)):  # counted before they are made
                 urls = self._alternative(text)
                 if not urls:
                     raise ConfigError(

@@ -48,7 +48,7 @@ class EpochAccounts:
         self._tokens_judged = setup.tokenizer is None
         self._bad_before: set[int] = set()  # damaged shards a stream had counted when this epoch began
         self._mine: set[int] | None = None  # this rank's damaged shards at the last count
-        self._ranks_in_step = False  # the ranks take every step together and can add their bad shards up
+        self.talks = False  # the ranks talk, and judge their bad shards together
         self._summed = self._distinct = 0  # damaged shards summed over ranks, and how many distinct
 
     def stats(self, position: RankPosition, seconds: float) -> dict[str, Any]:
@@ -72,6 +72,7 @@ class EpochAccounts:
             "duplicate_keys": counters.get("duplicate_keys", 0),
             "missing_shards": len(self.table.missing),
             "skipped": {"batches": position.skipped_batches, "utts": position.skipped_utts},
+            "repeated": position.repeated,
         }
         if self.setup.mix is not None:
             found["sources"] = self.source_stats(position)
@@ -106,51 +107,56 @@ class EpochAccounts:
     def start_bad_shard_count(self, position: RankPosition) -> None:
         """Bad shards are budgeted per epoch: remember what a stream that goes on across epochs
         had counted before this one (an epoch's readers count afresh), and whether the ranks
-        can add theirs up at every step (not with ``uneven="join"``: its ranks do not talk)."""
+        judge theirs together (they talk; not with ``uneven="join"``)."""
         continuing = self.end.continues_stream
         self._bad_before = damaged_shard_numbers(position.counters()) if continuing else set()
         self._mine = None  # this rank's damaged shards at the last count
         context = self.collectives.context
-        self._ranks_in_step = context.distributed and self.end.gathers_summary and self.collectives.ready()
+        self.talks = context.distributed and self.end.gathers_summary and self.collectives.ready()
         self._summed = self._distinct = 0
 
-    @property
-    def checks_every_step(self) -> bool:
-        """Whether the bad-shard budget is judged at every step: ranks that add their damaged
-        shards up take part in a collective at each step; a rank alone judges it when a reader
-        meets a newly damaged shard (and at the first step and the end)."""
-        return self.setup.options.bad_data.skip_bad and self._ranks_in_step
-
     def check_bad_shards(self, position: RankPosition, recount: bool = True) -> None:
-        """Stop the run when more shards were bad this epoch (damaged on any rank, or missing)
-        than ``max_bad_shards`` allows of all the selected shards, whatever the world size.
-        Ranks that take every step together add theirs up at each step (one all-reduce; every
-        rank stops at the same step); with ``uneven="join"`` each rank judges its own alone.
-        ``recount=False``: this rank's damaged shards are those of the last count (no reader
-        met a new one since: its counters are not read again)."""
-        bad_data = self.setup.options.bad_data
-        if not bad_data.skip_bad:
+        """Stop the run when more shards were bad this epoch (damaged, or missing) than
+        ``max_bad_shards`` allows of all the selected shards, whatever the world size: here a
+        rank that does not talk to the others (one rank, ``uneven="join"``) judges its own, when
+        a reader met a newly damaged shard; ranks that talk judge theirs together where they
+        agree (:meth:`judge_together`) and at the epoch's end (:meth:`finish`). ``recount=False``:
+        no reader met a new one since the last count (its counters are not read again)."""
+        if self.setup.options.bad_data.skip_bad and not self.talks:
+            self._judge(len(self._damaged(position, recount)))
+
+    def damaged_count(self, position: RankPosition) -> int:
+        """This rank's damaged shards this epoch (what it tells the other ranks)."""
+        return len(self._damaged(position)) if self.setup.options.bad_data.skip_bad else 0
+
+    def judge_together(self, position: RankPosition, summed: int) -> None:
+        """The budget where the ranks agree (on every rank at the same step): ``summed``, every
+        rank's damaged shards added up, while that fits; else how many distinct ones (a shard
+        split between ranks may be met on both: a collective)."""
+        if not (self.setup.options.bad_data.skip_bad and self.talks):
             return
+        room = self._budget() - len(self.table.missing)
+        if summed > room and summed != self._summed:
+            self._summed = summed
+            gathered = self.collectives.all_gather(sorted(self._damaged(position)))
+            self._distinct = len(set().union(*(set(s) for s in gathered)))
+        self._judge(summed if summed <= room else self._distinct)
+
+    def _damaged(self, position: RankPosition, recount: bool = True) -> set[int]:
         if recount or self._mine is None:
             self._mine = damaged_shard_numbers(position.counters()) - self._bad_before
-        mine = self._mine
-        missing = len(self.table.missing)
-        shards = len(self.table.shards) + missing
-        budget = bad_data.shard_budget(shards)
-        damaged = self._damaged_on_all_ranks(mine, budget - missing) if self._ranks_in_step else len(mine)
-        if damaged + missing > budget:
-            raise ShardError("the selected shards", None, bad_data.over_budget(damaged, missing, shards))
+        return self._mine
 
-    def _damaged_on_all_ranks(self, mine: set[int], room: int) -> int:
-        """Damaged shards over all ranks (a collective): their sum while it fits in ``room``,
-        else how many distinct ones (a shard split between ranks may be met on both)."""
-        (summed,) = self.collectives.all_sum([len(mine)])
-        if summed <= room:
-            return summed
-        if summed != self._summed:
-            self._summed = summed
-            self._distinct = len(set().union(*(set(s) for s in self.collectives.all_gather(sorted(mine)))))
-        return self._distinct
+    def _budget(self) -> int:
+        return self.setup.options.bad_data.shard_budget(len(self.table.shards) + len(self.table.missing))
+
+    def _judge(self, damaged: int) -> None:
+        missing = len(self.table.missing)
+        if damaged + missing > self._budget():
+            shards = len(self.table.shards) + missing
+            raise ShardError(
+                "the selected shards", None, self.setup.options.bad_data.over_budget(damaged, missing, shards)
+            )
 
     def judge_unknown_tokens(self, position: RankPosition, final: bool = False) -> None:
         """Warn once when many label tokens are unknown to the tokenizer (a units file of
@@ -171,10 +177,17 @@ class EpochAccounts:
         with a warning when much was left unread (unless ``cut``: the epoch's length, not the
         data, ended it)."""
         self.judge_unknown_tokens(position, final=True)
+        self.check_bad_shards(position)
         rank = self.setup.rank
         local = self._rank_summary(position, seconds)
         gathered = self.end.gathers_summary
-        ranks = self.collectives.all_gather(local) if gathered else [local]
+        if gathered:
+            both = self.collectives.all_gather([local, sorted(self._damaged(position))])
+            ranks = [pair[0] for pair in both]
+            if self.setup.options.bad_data.skip_bad and self.talks:  # every rank judges the same, at once
+                self._judge(len(set().union(*(set(pair[1]) for pair in both))))
+        else:
+            ranks = [local]
         summary: dict[str, Any] = {"epoch": position.epoch, "ranks": ranks}
         missing = self.table.missing
         if missing:
@@ -204,6 +217,8 @@ class EpochAccounts:
             "dropped": stats["dropped"],
             "filtered": stats["filtered"],
         }
+        if position.repeated:
+            summary["repeated"] = position.repeated
         if self.end.continues_stream:
             return summary
         units = [self.units_of(position, worker) for worker in range(len(position.workers))]
@@ -255,6 +270,8 @@ def describe(summary: dict[str, Any]) -> str:
         text += f" ({summary['skipped']} more skipped unread)"
     if "left" in summary:
         text += f" of {summary['planned']} planned, {summary['left']} left unread"
+    if summary.get("repeated"):
+        text += f", its last batch handed out {counted(summary['repeated'], 'more time')} (it ran out early)"
     for kind in ("dropped", "filtered"):
         if summary[kind]:
             text += f", {kind} " + ", ".join(f"{k}={v}" for k, v in summary[kind].items())

@@ -74,7 +74,7 @@ class PlannedStream(MergedStream):
             len(batch),
             sum(batch.lengths),
             batch.longest * len(batch),
-        )  # bucket 0: a plan is refused with bucket_sync (planned.py), budgets' buckets are found in _walk
+        )  # budgets' buckets are found in _walk
 
 
 def _refuse_elastic(position: RankPosition) -> None:
@@ -92,7 +92,7 @@ def _walk(setup: WorkerSetup, start: RankPosition, limit: int | None, cost: Call
     budgets = setup.options.batching.budgets
     found: list[PlannedBatch] = []
     while limit is None or len(found) < limit:
-        item = stream.pull()
+        item = stream.next()
         if item is None:
             break
         stream.emit(item)
@@ -123,7 +123,7 @@ def rest_of_epoch(setup: WorkerSetup, start: RankPosition) -> list[PlannedBatch]
     end = start.step + len(mine)  # the ranks stop at the first one's end
     for rank in range(setup.world_size):
         if rank != setup.rank:
-            fresh = RankPosition.fresh(start.epoch, setup.readers_per_rank, 0)
+            fresh = RankPosition.fresh(start.epoch, setup.readers_per_rank)
             theirs, _ = _walk(dataclasses.replace(planned, rank=rank), fresh, end, cost)
             end = min(end, len(theirs))
     return [batch for batch in mine if batch.step <= end]

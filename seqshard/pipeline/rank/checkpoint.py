@@ -20,8 +20,12 @@ from ..workers.setup import WorkerSetup
 from .elastic import elastic_position
 from .merge import RankPosition
 
-STATE_VERSION = 3  # 2: units hold one byte offset per field file; sample fields; 3: windows grow
-READABLE_VERSIONS = (2, 3)  # a version 2 state goes on with full windows until its epoch ends
+STATE_VERSION = 5  # 2: units hold one byte offset per field file; sample fields; 3: windows grow;
+# 4: the ranks agree on an epoch's end now and then (epochs.py), bucket sync is the readers' (stages/buckets.py);
+# 5: a window's state holds its outputs by their samples' origins (stages/held.py)
+# a version 2 state goes on with full windows until its epoch ends; one before 5 restores its
+# windows by reading them again (it holds no origins)
+READABLE_VERSIONS = (2, 3, 4, 5)
 MIXING = "source stage"  # how a mix is composed: since its sources became one stage under the windows
 
 
@@ -63,6 +67,12 @@ def restore(
     """Where this rank goes on from ``state``, saved by a loader of ``identity``'s shards: its
     own saved position, or (``strict=False``, other ranks, workers or options) an elastic one."""
     check_state(state)
+    if state["seqshard_loader_state"] < 4 and state["identity"].get("options", {}).get("bucket_sync"):
+        raise StateMismatchError(
+            "the state was saved with bucket_sync by a seqshard that held batches back in the training process "
+            f"(state version {state['seqshard_loader_state']}); this one orders each reader's batches by bucket: "
+            "its positions do not fit. Start the epoch afresh."
+        )
     if "mix" in state["identity"] and state["identity"].get("mixing") != MIXING:
         raise StateMismatchError(
             "the state was saved by a seqshard that composed mixes otherwise (a shuffle window per source): "

@@ -20,10 +20,15 @@ exact where the plan decides it, else bounds that hold, else an estimate that sa
   of more samples than its share of ``SIMULATED_SAMPLES`` (at least two windows) has its count
   scaled from that many.
 
-Samples that ``skip_bad`` or the label filters (``max_tokens``, frames per token) drop as they
-are read are not foreseen: the bounds count them (the real count can only be lower), and
+Samples that ``skip_bad``, ``check_finite``, the label filters (``max_tokens``, frames per
+token), ``transforms`` or a ``recipe`` drop (or change) as they are read are not foreseen: the bounds count them (the real count can only be lower), and
 ``why`` says so. Audio measured as it is read (fbank frames, speed perturbation) is allowed
 the difference from the index's 10 ms frames (``AUDIO_SLACK`` frames, the speed factors).
+
+- What a rank surely still makes (:func:`surely_left`, for the ranks' agreement on the end of
+  an epoch: ``epochs.py``): a batch holds at most one batch's worth of unpadded shares, so the
+  shares of the samples left, each at its bin's low end and the fewest that can be left,
+  summed, are a lower bound of its batches whatever the windows and orders.
 """
 
 from __future__ import annotations
@@ -40,8 +45,8 @@ from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
 from ..plan import Unit, plan_epoch, planned_utts
 from ..stages.base import Growth
-from ..stages.batching import BatchCost, count_sorted_batches, window_limits
-from ..workers.recipe import batch_cost, sort_growth
+from ..stages.batching import BatchCost, BucketBudgets, count_sorted_batches, window_limits
+from ..workers.recipe import batch_cost, sort_growth, window_samples
 from ..workers.setup import WorkerSetup
 from .batch_plan import rest_of_epoch
 from .merge import RankPosition
@@ -66,14 +71,14 @@ def planned_batches(
     done_steps = start.step if start is not None else 0
     resumed = start.plan_units() if start is not None else None
     options = setup.options
-    grow = _growth(setup, start)
+    grows = start is None or start.windows_grow  # False: an epoch resumed from a state saved before windows grew
     steps = options.epochs.epoch_steps
     if steps is not None:
         return PlannedBatches(steps, max(0, steps - done_steps))
     if options.epochs.continues_stream:
         return _stream_estimate(setup, done_steps) if estimate else _unknown("not estimated")
     if resumed is not None:
-        return _elastic_rest(setup, resumed, done_steps, epoch, grow, estimate)
+        return _elastic_rest(setup, resumed, done_steps, epoch, grows, estimate)
     exact = _walked(setup, epoch, start) if estimate else None
     if exact is not None:
         return exact
@@ -88,7 +93,7 @@ def planned_batches(
     )
     # with "join" each rank goes to its own end; else the ranks step together until the first runs out
     ranks = [setup.rank] if options.epochs.uneven == "join" else range(len(plan))
-    found = [[_reader_batches(setup, units, (epoch, rank, reader), grow, estimate)
+    found = [[_reader_batches(setup, units, (epoch, rank, reader), grows, estimate)
               for reader, units in enumerate(plan[rank])] for rank in ranks]  # fmt: skip
     if any(pair is None for rank in found for pair in rank):
         return _unknown(_unknown_why(setup))
@@ -103,7 +108,7 @@ def _walked(setup: WorkerSetup, epoch: int, start: RankPosition | None) -> Plann
     lengths, nothing the plan cannot see: ``batch_plan.py``), by walking them; else None."""
     if (setup.table.num_utts or math.inf) > EXACT_UTTS:
         return None
-    position = start if start is not None else RankPosition.fresh(epoch, setup.readers_per_rank, 0)
+    position = start if start is not None else RankPosition.fresh(epoch, setup.readers_per_rank)
     try:
         rest = len(rest_of_epoch(setup, position))
     except SeqshardError:  # NotPlannable, or a table the plan cannot use: the bounds below
@@ -111,25 +116,19 @@ def _walked(setup: WorkerSetup, epoch: int, start: RankPosition | None) -> Plann
     return PlannedBatches(position.step + rest, rest)
 
 
-def _growth(setup: WorkerSetup, start: RankPosition | None) -> Growth | None:
-    """How the epoch's first sort windows grow (None: full from the start, as in an epoch
-    resumed from a state saved before windows grew)."""
-    return sort_growth(setup.options.batching) if start is None or start.windows_grow else None
-
-
 def _elastic_rest(
     setup: WorkerSetup,
     resumed: list[list[Unit]],
     done_steps: int,
     epoch: int,
-    grow: Growth | None,
+    grows: bool,
     estimate: bool,
 ) -> PlannedBatches:
     """The rest of an epoch resumed elastically: the batches of this rank's new units (each
     rank knows only its own share, so the step where ranks that stop together end is an
     estimate, at most this rank's count)."""
     found = [
-        _reader_batches(setup, units, (epoch, setup.rank, reader, 1), grow, estimate)
+        _reader_batches(setup, units, (epoch, setup.rank, reader, 1), grows, estimate)
         for reader, units in enumerate(resumed)
     ]
     if any(pair is None for pair in found):
@@ -145,15 +144,17 @@ def _elastic_rest(
 
 
 def _reader_batches(
-    setup: WorkerSetup, units: Sequence[Unit], position: tuple[int, ...], grow: Growth | None, estimate: bool
+    setup: WorkerSetup, units: Sequence[Unit], position: tuple[int, ...], grows: bool, estimate: bool
 ) -> tuple[int, int, bool] | None:
     """``(low, high, estimated)`` batches of the reader of ``units`` (its first sort windows
-    growing with ``grow``); None when its shards' index does not say enough (their sizes, or
-    for budget batches their lengths), or when only an estimate would (``estimate=False``)."""
+    growing, if ``grows``, as the size of its epoch has them: ``recipe.sort_growth``); None when
+    its shards' index does not say enough (their sizes, or for budget batches their lengths), or
+    when only an estimate would (``estimate=False``)."""
     count = planned_utts(setup.table, units)
     if count is None:
         return None
     options = setup.options
+    grow = sort_growth(options.batching, setup.table.length_hist, count) if grows else None
     if not _why_not_exact(setup, False)[0]:  # fixed batch_size, nothing filtered: ceil(n / size) a window
         size = int(options.batching.batch_size)  # type: ignore[arg-type]
         batches = sum(math.ceil(n / size) for n in _fixed_size_windows(setup, count, size, grow))
@@ -168,6 +169,56 @@ def _reader_batches(
     if not estimate:
         return None
     return (*_drawn_counts(setup, low, high, cost, position, grow), True)
+
+
+Certain = tuple[Lengths, int]  # the samples certainly kept (at their bins' low ends), and all the units hold
+
+
+def certain_lengths(setup: WorkerSetup, units: Sequence[Unit]) -> Certain | None:
+    """The samples of ``units`` that are certainly kept (length filters, ``oversize="drop"``),
+    each at its bin's low end, and how many samples the units hold; None when their shards'
+    index does not say."""
+    bracket = _bracket(setup, units, high=False)
+    count = planned_utts(setup.table, units)
+    return None if bracket is None or count is None else (bracket[0], count)
+
+
+def surely_left(setup: WorkerSetup, certain: Certain, remaining: int) -> int:
+    """A lower bound of the batches that ``remaining`` samples not yet taken from units whose
+    certainly kept samples are ``certain`` still make: the shares of the fewest certainly kept
+    samples that can be among them, each its shortest, summed (a batch holds at most 1)."""
+    lengths, count = certain
+    kept = remaining - (count - int(lengths[1].sum()))
+    if kept <= 0:
+        return 0
+    values, counts = _smallest(lengths, kept)
+    share = _least_share(batch_cost(setup.options.batching))
+    shares = sum(share(int(v)) * int(n) for v, n in zip(values, counts) if n)
+    return max(0, math.floor(shares - 1e-6))
+
+
+def unforeseen(setup: WorkerSetup) -> list[str]:
+    """What may drop (or change) samples as they are read, unforeseen by the index: the label
+    filters, ``skip_bad``, ``check_finite``, ``transforms`` and a ``recipe`` of the user's."""
+    options = setup.options
+    named = (
+        ("the label filters", options.limits.count_tokens),
+        ("skip_bad", options.bad_data.skip_bad),
+        ("check_finite", options.bad_data.check_finite),
+        ("transforms", bool(options.pipeline.transforms)),
+        ("a recipe of your own", options.pipeline.recipe is not None),
+    )
+    return [name for name, on in named if on]
+
+
+def _least_share(cost: BatchCost):
+    """A sample's share of a batch, at least (a batch's shares sum to at most 1): the cost's
+    own, and with per-bucket budgets against the largest (a short sample may share a batch of
+    a longer bucket)."""
+    if isinstance(cost, BucketBudgets):
+        most = max(cost.budgets.budgets)
+        return lambda length: min(1.0, length / most)
+    return cost.share
 
 
 def _fixed_size_windows(setup: WorkerSetup, count: int, size: int, grow: Growth | None) -> list[int]:
@@ -186,9 +237,10 @@ def _sort_window(setup: WorkerSetup) -> BudgetWindow | int:
     return setup.options.batching.sort_window or BudgetWindow()
 
 
-def _bracket(setup: WorkerSetup, units: Sequence[Unit]) -> tuple[Lengths, Lengths] | None:
+def _bracket(setup: WorkerSetup, units: Sequence[Unit], high: bool = True) -> tuple[Lengths, Lengths] | None:
     """The reader's lengths for each bound: those certainly kept at their lowest, and those
-    possibly kept at their highest (see the module docstring)."""
+    possibly kept at their highest (see the module docstring; ``high=False``: the first
+    alone, the second empty)."""
     table, options = setup.table, setup.options
     shortest, longest = options.limits.min_frames or 1, options.limits.max_frames or math.inf
     cost = batch_cost(options.batching)
@@ -203,13 +255,15 @@ def _bracket(setup: WorkerSetup, units: Sequence[Unit]) -> tuple[Lengths, Length
         bins = table.lengths.bins(unit.shard)
         if bins is None or shard.num_utts is None:
             return None
-        low, high, counts = _measured(setup, *bins)
-        certain = (low >= shortest) & (high <= longest)
-        possible = (high >= shortest) & (low <= longest)
-        sure = max(0, taken - (int(shard.num_utts) - int(counts[certain].sum())))  # kept, whichever are read
-        low_parts.append(_smallest((low[certain], counts[certain]), sure))
-        capped = np.minimum(high[possible], longest) if math.isfinite(longest) else high[possible]
-        high_parts.append(_largest((capped.astype(np.int64), counts[possible]), taken))
+        lows, highs, counts = _measured(setup, *bins)
+        certain = (lows >= shortest) & (highs <= longest)
+        kept = counts[certain]
+        sure = max(0, taken - (int(shard.num_utts) - int(kept.sum())))  # kept, whichever are read
+        low_parts.append((lows[certain], kept) if sure >= kept.sum() else _smallest((lows[certain], kept), sure))
+        if high:
+            possible = (highs >= shortest) & (lows <= longest)
+            capped = np.minimum(highs[possible], longest) if math.isfinite(longest) else highs[possible]
+            high_parts.append(_largest((capped.astype(np.int64), counts[possible]), taken))
     return _merged(low_parts), _merged(high_parts)
 
 
@@ -289,7 +343,10 @@ def _drawn_counts(
     and one batch."""
     found: list[list[float]] = [[], []]
     draws = DRAWS if (setup.table.num_utts or 0) <= LARGE else LARGE_DRAWS
-    cap = max(2 * _window_samples(setup), SIMULATED_SAMPLES // (setup.world_size * setup.readers_per_rank))
+    cap = max(
+        2 * (window_samples(setup.options.batching, setup.table.length_hist) or 0),
+        SIMULATED_SAMPLES // (setup.world_size * setup.readers_per_rank),
+    )
     for end, (values, counts) in enumerate((low, high)):
         total = int(counts.sum())
         shares = np.array([cost.share(int(v)) for v in values])
@@ -353,7 +410,7 @@ def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
     if not histogram:
         return math.nan, math.nan
     cost = batch_cost(setup.options.batching)
-    window = _window_samples(setup)
+    window = window_samples(setup.options.batching, histogram) or BudgetWindow().max_samples  # not empty here
     windows = max(2, SIMULATED_SAMPLES // window)
     bins = np.fromiter(histogram, dtype=np.int64)
     mass = np.fromiter(histogram.values(), dtype=np.float64)
@@ -367,20 +424,6 @@ def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
     return found[0], found[1]
 
 
-def _window_samples(setup: WorkerSetup) -> int:
-    """Samples of a sort window: the option's number, or what the default budget window
-    reads at the index's mean share of a batch per sample."""
-    batching = setup.options.batching
-    if batching.sort_window is not None:
-        return batching.sort_window
-    histogram = dict(setup.table.length_hist)
-    cost = batch_cost(batching)
-    shares = sum(
-        cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
-    )
-    return BudgetWindow().samples(shares / sum(histogram.values()))
-
-
 def _why_not_exact(setup: WorkerSetup, estimated: bool) -> tuple[str, bool]:
     """Why the count is not exact ("" when the plan decides it), and whether its bounds hold
     whatever the reading finds (no estimate, nothing dropped that the index cannot foresee)."""
@@ -392,11 +435,10 @@ def _why_not_exact(setup: WorkerSetup, estimated: bool) -> tuple[str, bool]:
         reasons.append("length filters drop samples the index knows only to a histogram bin")
     if estimated:
         reasons.append(f"readers of several sort windows: bounds estimated over {DRAWS} random orders of their lengths")
-    unforeseen = [name for name, on in (("the label filters", limits.count_tokens), ("skip_bad", options.bad_data.skip_bad),
-                  ("bucket_sync", options.batching.bucket_sync)) if on]  # fmt: skip
-    if unforeseen:
-        reasons.append(f"what {' and '.join(unforeseen)} hold back as they read is not foreseen: fewer batches then")
-    return "; ".join(reasons), not estimated and not unforeseen
+    dropping = unforeseen(setup)
+    if dropping:
+        reasons.append(f"what {' and '.join(dropping)} hold back as they read is not foreseen: fewer batches then")
+    return "; ".join(reasons), not estimated and not dropping
 
 
 def _unknown_why(setup: WorkerSetup) -> str:

@@ -48,12 +48,9 @@ def reader_remainder(
     carry = carry_from_json(position.carry[worker]) if position.carry is not None else None
     pipeline = build_pipeline(setup, worker, position.epoch, access, position.units_of(worker), carry, read_ahead=False)
     pipeline.reset(spot.state)
-    emitted = set(spot.emitted_above)
     held: list[Sample] = []
-    for seq in range(spot.low + 1, spot.pulled + 1):
-        batch = pipeline.next()
-        if seq not in emitted:
-            held.extend(batch.samples)
+    for _ in range(spot.low + 1, spot.pulled + 1):  # batches taken ahead, not handed out
+        held.extend(pipeline.next().samples)
     held.extend(pipeline.pending())
     remainder: Remainder = {}
     for source, (number, reader) in _readers(pipeline).items():
@@ -140,10 +137,9 @@ def elastic_position(
     saved = saved_options(state, setup.options)
     positions = saved_positions(state)
     epoch, world = positions[0].epoch, setup.world_size
-    buckets = len(setup.bucket_bounds) + 1 if setup.options.batching.bucket_sync else 0
     stream = setup.options.epochs.continues_stream
     if not stream and all(p.completed for p in positions):
-        done = RankPosition.fresh(epoch, setup.readers_per_rank, buckets)
+        done = RankPosition.fresh(epoch, setup.readers_per_rank)
         done.completed = True
         return done
     old_world = state["identity"]["world_size"]
@@ -163,7 +159,7 @@ def elastic_position(
         setup.readers_per_rank,
     )
     if not stream:
-        fresh = RankPosition.fresh(epoch, setup.readers_per_rank, buckets, plans[0][1][setup.rank])
+        fresh = RankPosition.fresh(epoch, setup.readers_per_rank, plans[0][1][setup.rank])
     else:
         carry = [
             [
@@ -172,14 +168,14 @@ def elastic_position(
             ]
             for worker in range(setup.readers_per_rank)
         ]
-        fresh = RankPosition.fresh(epoch, setup.readers_per_rank, buckets, carry=carry)
+        fresh = RankPosition.fresh(epoch, setup.readers_per_rank, carry=carry)
         fresh.completed = all(p.completed for p in positions)
     return _with_progress(fresh, positions, setup.rank)
 
 
 def _with_progress(fresh: RankPosition, positions: list[RankPosition], rank: int) -> RankPosition:
     """``fresh`` at the saved epoch's step (the ranks' least), with what the saved ranks had done
-    on the first rank: utterances, frames and per mixed source read, so that epoch lengths
+    on the first rank: utterances (and those skipped unread), frames and per mixed source read, so that epoch lengths
     counted over all ranks (hours, a source's pass) go on where they stood; their counters
     (dropped, filtered, ...) and what they had taken from the plan, so that the first rank's
     summary counts the whole epoch's past and the ranks' summaries add up to the epoch."""
@@ -188,6 +184,8 @@ def _with_progress(fresh: RankPosition, positions: list[RankPosition], rank: int
         fresh.before = merge_counts(*(p.counters() for p in positions))
         fresh.before_planned = sum(p.taken() for p in positions)
         fresh.utts = sum(p.utts for p in positions)
+        fresh.skipped_batches = sum(p.skipped_batches for p in positions)
+        fresh.skipped_utts = sum(p.skipped_utts for p in positions)
         fresh.frames = sum(p.frames for p in positions)
         fresh.padded_frames = sum(p.padded_frames for p in positions)
         for name in ("sources", "sources_all"):

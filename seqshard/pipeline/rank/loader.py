@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import json
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -31,7 +32,7 @@ from . import batch_plan, checkpoint
 from .accounts import EpochAccounts
 from .auto import auto_workers
 from .batch_plan import PlannedBatch
-from .counts import planned_batches
+from .counts import certain_lengths, planned_batches, surely_left
 from .cursor import EpochCursor
 from .delivery import Delivery
 from .epochs import epoch_rules
@@ -84,13 +85,12 @@ class ShardLoader:
         self._setup = make_setup(table, options, context.rank, context.world_size, *self._made_from, mix, access)
         self._pool = WorkerPool(self._setup, access)
         self._delivery = Delivery(options, self._setup.audio)
-        buckets = len(self._setup.bucket_bounds) + 1 if options.batching.bucket_sync else 0
         source = (
             mix.epoch_source(options.epochs.epoch_source) if mix and options.epochs.epoch_source is not None else None
         )
-        self._rules = epoch_rules(options.epochs, table.frame_shift_ms, self.collectives, buckets, source)
+        self._rules = epoch_rules(self._setup, self.collectives, source)
         readers = self._setup.readers_per_rank
-        self._cursor = EpochCursor(lambda e: RankPosition.fresh(e, readers, buckets), self._rules.end.continues_stream)
+        self._cursor = EpochCursor(lambda e: RankPosition.fresh(e, readers), self._rules.end.continues_stream)
         self._accounts = EpochAccounts(self._setup, self._rules.end, self.collectives, access)
         self._meter = FeedMeter(options.workers, context.rank)
         self._primed: tuple[RankPosition, Take] | None = None  # workers started on a loaded position
@@ -153,11 +153,11 @@ class ShardLoader:
             return
         if not self._ranks_agree and self.context.distributed and self._rules.end.gathers_summary:
             self._ranks_agree = checkpoint.check_ranks_agree(self._identity(), self.collectives)
-        accounts, rules, meter = self._accounts, self._rules, self._meter
+        accounts, rules, meter, setup = self._accounts, self._rules, self._meter, self._setup
         accounts.start_bad_shard_count(position)
         meter.begin()
         damaged = [0] * len(position.workers)  # damaged shards each reader reported
-        clock, capped = time.perf_counter, rules.capped
+        clock = time.perf_counter
         try:
             primed, self._primed = self._primed, None
             started = primed[1] if primed is not None and primed[0] is position else None
@@ -168,43 +168,76 @@ class ShardLoader:
             # last one, where every rank knows it without walking the plan or drawing orders of
             # lengths (which would delay each epoch's first batch: 50-500 ms at 12,000
             # utterances); otherwise the summary comes when the consumer asks for one more batch.
-            planned = planned_batches(self._setup, self.epoch, position, estimate=False)
-            last = planned.total if planned.exact else None
-            stream = MergedStream(take, position)
-            next_item, emit, every_step = rules.next_item, stream.emit, accounts.checks_every_step
+            planned = planned_batches(setup, self.epoch, position, estimate=False)
+            exact = planned.total if planned.exact else None
+            # the data's own count (epoch_steps caps an epoch, it does not make the data last)
+            rules.start(position, exact if rules.talks and setup.options.epochs.epoch_steps is None else None)
+            last = exact if not rules.talks else None  # the ranks that talk know it from the agreement
+            stream, left, batch = MergedStream(take, position), self._surely_left(position), None
+            due, over, next_item, emit = rules.due, rules.over, stream.next, stream.emit
             while True:
                 asked = clock()
-                cut = capped and rules.over(position)  # the epoch's length reached, not the data's end
-                item = None if cut else next_item(stream)
-                if item is None:
+                if due(position):
+                    judge = lambda summed: accounts.judge_together(position, summed)  # noqa: E731
+                    rules.agree(position, stream, left, accounts.damaged_count(position) if rules.talks else 0, judge)
+                if over(position):
                     break
-                emit(item)
+                item = next_item()
+                if item is None:
+                    if rules.ran_out(position, batch, self.context.rank):
+                        break
+                    stream.emit_again()
+                    batch = dict(batch)  # type: ignore[arg-type]
+                else:
+                    emit(item)
+                    batch = item.batch
+                    meter.busy += item.busy
+                    if item.damaged != damaged[item.worker] or meter.steps == 0:  # a newly damaged shard
+                        damaged[item.worker] = item.damaged
+                        accounts.check_bad_shards(position)
                 meter.waited += clock() - asked
-                meter.busy += item.busy
                 steps = meter.steps = meter.steps + 1
                 if steps == 1:
                     meter.first = meter.waited
                 elif steps % WAIT_WARN_AFTER == 0:
                     meter.judge()
                     accounts.judge_unknown_tokens(position)
-                met = item.damaged != damaged[item.worker] or steps == 1  # a newly damaged shard
-                if met or every_step:
-                    damaged[item.worker] = item.damaged
-                    accounts.check_bad_shards(position, recount=met)
-                if position.step == last:
-                    self._finish(position, rules.over(position))
-                yield item.batch
+                if position.step == last or (position.ends and position.step == position.agreed):
+                    self._finish(position, position.ends == "length")
+                yield batch
             del stream
             if not position.completed:
-                self._finish(position, cut)
+                self._finish(position, rules.over(position) and position.ends == "length")
         finally:
             self._delivery.finish()  # batches copied ahead are dropped (the position never counted them)
             self._pool.finish()  # stops workers that do not persist now, not at garbage collection
 
+    def _surely_left(self, position: RankPosition) -> Callable[[int], int | None]:
+        """What this rank's samples not yet taken, less ``held`` ones, surely still make in
+        batches (``counts.surely_left``; None when its shards' index does not say); where samples
+        may be dropped as they are read, at the share of those taken so far that were kept (the
+        rest of a damaged shard aside: it does not make the next shards worse)."""
+        setup, accounts, cautious = self._setup, self._accounts, self._rules.cautious
+        certain: list = []  # found at the first agreement that needs it
+
+        def left(held: int) -> int | None:
+            if not certain:
+                workers = range(len(position.workers))
+                certain.append(certain_lengths(setup, [u for w in workers for u in accounts.units_of(position, w)]))
+            remaining = accounts.planned_utts(position)
+            if certain[0] is None or remaining is None:
+                return None
+            found = surely_left(setup, certain[0], remaining - held)
+            taken = position.taken() - position.counters().get("dropped.damaged", 0)  # a damaged shard: once
+            if not cautious or taken <= 0:
+                return found
+            return math.floor(found * min(1.0, (position.utts + position.skipped_utts) / taken))
+
+        return left
+
     def _finish(self, position: RankPosition, cut: bool) -> None:
         """The epoch is complete (on every rank at the same step: the summary is a collective)."""
         self._meter.end()
-        self._accounts.check_bad_shards(position)
         position.completed = True
         self.last_summary = self._accounts.finish(position, self._meter.seconds, cut)
 

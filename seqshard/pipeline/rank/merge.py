@@ -2,12 +2,11 @@
 
 Workers' items are taken in turn (worker 0, 1, ..., skipping finished workers), each from its
 own worker, whatever order they are made in, so the stream is a pure function of the workers'
-streams. The position records, per worker, the state after its last batch such that every
-earlier one was handed out (``low``), how many batches were taken from it (``pulled``) and
-which of those beyond ``low`` were handed out. With bucket sync, batches wait in per-bucket
-queues (the reservoir) and leave out of order; a restore regenerates batches ``low+1 ..
-pulled`` of each worker (only what was in flight), drops those already handed out and puts
-the rest back in their queues.
+streams. The position records, per worker, the state after its last batch handed out
+(``low``) and how many batches were taken from it (``pulled``). Batches taken ahead of their
+step (``hold``: a rank near its end counts what it surely still has) wait in the order taken
+(``held``) and are handed out in that order; a restore regenerates batches ``low+1 .. pulled``
+of each worker (only what was in flight) and holds them again.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ class WorkerPosition:
     state: dict[str, Any] | bytes | None = None
     low: int = 0
     pulled: int = 0
-    emitted_above: list[int] = field(default_factory=list)
     done: bool = False
     stats: dict[str, int] | bytes = field(default_factory=dict)
 
@@ -56,7 +54,7 @@ class RankPosition:
     workers: list[WorkerPosition]
     turn: int = 0
     step: int = 0
-    queues: list[list[list[int]]] = field(default_factory=list)  # bucket -> [[worker, seq], ...]
+    held: list[list[int]] = field(default_factory=list)  # [[worker, seq], ...] taken ahead, not handed out
     utts: int = 0
     frames: int = 0
     padded_frames: int = 0
@@ -74,20 +72,24 @@ class RankPosition:
     windows_grow: bool = True  # False in an epoch resumed from a state saved before windows grew (version 2)
     skipped_batches: int = 0  # moved past without reading (loader.skip_batches), counted in ``step``
     skipped_utts: int = 0
+    # what the ranks agreed on (epochs.py): every rank reaches step ``agreed`` without talking;
+    # ``ends`` ("data" or "length") when the epoch ends there, "" when they talk again there
+    agreed: int = 0
+    ends: str = ""
+    agreements: int = 0  # this epoch's
+    repeated: int = 0  # this rank's last batch handed out again: it ran out before the agreed step
 
     @classmethod
     def fresh(
         cls,
         epoch: int,
         workers: int,
-        buckets: int,
         plan: list[list[Unit]] | None = None,
         carry: list[list | None] | None = None,
     ) -> RankPosition:
         return cls(
             epoch,
             [WorkerPosition() for _ in range(workers)],
-            queues=[[] for _ in range(buckets)],
             plan=None if plan is None else [[u.to_json() for u in units] for units in plan],
             carry=carry,
         )
@@ -124,6 +126,9 @@ class RankPosition:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankPosition:
         data = copy.deepcopy(data)
+        data.pop("queues", None)  # bucket sync's queues in the training process before version 4 (refused
+        for worker in data["workers"]:  # then with bucket sync: checkpoint.py), empty without it
+            worker.pop("emitted_above", None)
         data["workers"] = [WorkerPosition(**w) for w in data["workers"]]
         return cls(**data)
 
@@ -138,7 +143,8 @@ class RankPosition:
             0,
             False,
         )
-        moved.skipped_batches = moved.skipped_utts = 0
+        moved.skipped_batches = moved.skipped_utts = moved.agreed = moved.repeated = moved.agreements = 0
+        moved.ends = ""
         moved.sources = [[0, 0] for _ in moved.sources]
         return moved
 
@@ -161,37 +167,55 @@ class MergedStream:
     def __init__(self, take: Take, position: RankPosition):
         self._take = take
         self.position = position
-        self._reservoir: list[deque[BatchItem]] = [deque() for _ in position.queues]
-        self._states_above: dict[tuple[int, int], dict[str, Any]] = {}  # emitted beyond low
+        self._held: deque[BatchItem] = deque()
         self._done = sum(w.done for w in position.workers)  # workers that sent their end
         self._count = len(position.workers)
         self._replay()
 
     def _replay(self) -> None:
-        """Regenerate what was in flight at the saved position and rebuild the reservoir."""
-        stash: dict[tuple[int, int], BatchItem] = {}
+        """Regenerate what was in flight at the saved position: the batches held ahead."""
+        found: dict[tuple[int, int], BatchItem] = {}
         for worker, spot in enumerate(self.position.workers):
-            emitted = set(spot.emitted_above)
             for seq in range(spot.low + 1, spot.pulled + 1):
                 item = self._take(worker)
                 if not isinstance(item, BatchItem) or item.seq != seq:
                     raise SeqshardError(
                         f"worker {worker} did not regenerate batch {seq} on resume (got {item.seq}); the shards changed since the state was saved?"
                     )
-                if seq in emitted:
-                    self._states_above[(worker, seq)] = _detached(item.state)
-                else:
-                    stash[(worker, seq)] = item
-        for bucket, entries in enumerate(self.position.queues):
-            self._reservoir[bucket].extend(stash.pop((w, s)) for w, s in entries)
-        if stash:
+                found[(worker, seq)] = item
+        held = [(w, s) for w, s in self.position.held]
+        if sorted(found) != sorted(held):
             raise SeqshardError(
-                f"saved loader position is inconsistent: {sorted(stash)} pulled but neither emitted nor queued"
+                f"saved loader position is inconsistent: {sorted(set(found) - set(held))} pulled but not held"
             )
+        self._held.extend(found[spot] for spot in held)
 
     @property
     def exhausted(self) -> bool:
+        """Whether every worker has sent its end (batches may still be held)."""
         return self._done == self._count
+
+    @property
+    def held(self) -> list[BatchItem]:
+        """The batches taken ahead and not handed out, in the order they go out."""
+        return list(self._held)
+
+    def next(self) -> BatchItem | None:
+        """The batch of the next step: the first held one, else the next in turn; None when
+        every worker is finished."""
+        if self._held:
+            self.position.held.pop(0)
+            return self._held.popleft()
+        return self.pull()
+
+    def hold(self, count: int) -> None:
+        """Take batches ahead until ``count`` are held or every worker is finished."""
+        while len(self._held) < count:
+            item = self.pull()
+            if item is None:
+                return
+            self._held.append(item)
+            self.position.held.append([item.worker, item.seq])
 
     def pull(self) -> BatchItem | None:
         """The next batch in turn, or None when every worker is finished."""
@@ -218,30 +242,16 @@ class MergedStream:
 
     # -- handing items out -----------------------------------------------------------------
     def emit(self, item: BatchItem) -> None:
-        """Record that ``item`` was handed to training."""
-        worker, seq = item.worker, item.seq
+        """Record that ``item`` was handed to training (items go out in the order taken)."""
         position = self.position
-        spot = position.workers[worker]
-        if seq == spot.low + 1:
-            spot.low, spot.state = seq, item.state
-            if spot.emitted_above:
-                self._catch_up(worker, spot)
-        else:
-            spot.emitted_above.append(seq)
-            self._states_above[(worker, seq)] = _detached(item.state)
+        spot = position.workers[item.worker]
+        spot.low, spot.state = item.seq, item.state
         position.step += 1
         position.utts += item.size
         position.frames += item.length
         position.padded_frames += item.padded
         if item.by_source is not None:
             self._count_sources(item.by_source)
-
-    def _catch_up(self, worker: int, spot: WorkerPosition) -> None:
-        """Move ``low`` over the batches handed out earlier, out of order (bucket sync)."""
-        while spot.low + 1 in spot.emitted_above:
-            spot.low += 1
-            spot.emitted_above.remove(spot.low)
-            spot.state = self._states_above.pop((worker, spot.low))
 
     def _count_sources(self, by_source: list[list[int]]) -> None:
         position = self.position
@@ -254,26 +264,7 @@ class MergedStream:
             total[0] += utts
             total[1] += length
 
-    # -- the reservoir (bucket sync) -----------------------------------------------------------
-    def reservoir_counts(self) -> list[int]:
-        return [len(queue) for queue in self._reservoir]
-
-    def pull_into_reservoir(self) -> bool:
-        """Pull one batch into its bucket's queue; False when nothing is left to pull."""
-        item = self.pull()
-        if item is None:
-            return False
-        self._reservoir[item.bucket].append(item)
-        self.position.queues[item.bucket].append([item.worker, item.seq])
-        return True
-
-    def take_from_reservoir(self, bucket: int) -> BatchItem:
-        item = self._reservoir[bucket].popleft()
-        self.position.queues[bucket].pop(0)
-        return item
-
-
-def _detached(state: Any) -> Any:
-    """A state kept until ``low`` reaches its batch: as bytes, not a view that keeps the batch's
-    slot (``transfer.py``) while batches are handed out ahead of it (bucket sync)."""
-    return state if state is None or isinstance(state, (dict, bytes)) else bytes(state)
+    def emit_again(self) -> None:
+        """Record that the last batch was handed out once more (see ``RankPosition.repeated``)."""
+        self.position.step += 1
+        self.position.repeated += 1

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from ...errors import ConfigError, InputError, SkipCounter
+from ...errors import ConfigError, InputError, SkipCounter, StateMismatchError
 from .held import Held, Origin, without_held
 
 T = TypeVar("T")
@@ -83,6 +84,13 @@ class Stage(Generic[T]):
         part of its next one (``WindowStage``); others pass the call to their source."""
         if self.source is not None:
             self.source.prepare()
+
+    def read_further(self, until: float) -> bool:
+        """Work further ahead until ``until`` (a ``time.perf_counter()`` deadline), in time the
+        reader would otherwise spend waiting: a stage that holds windows reads more of its next
+        one (its first, before any output); others pass the call to their source. True when that
+        window is read."""
+        return self.source.read_further(until) if self.source is not None else True
 
     def reading_done(self) -> bool:
         """Whether the stream has read all it will read (what is left is in its windows);
@@ -225,18 +233,21 @@ class WindowStage(Stage[U]):
     Reading ahead: :meth:`prepare` (called after an output was handed out) reads the share of
     the next window that the outputs handed out since the last call stand for, so the next
     window is read by the time the current one runs out and a window's boundary costs no more
-    than any other output. Without calls to :meth:`prepare` the next window is read when the
-    current one runs out. The items of a window are the same either way: what ends a window
-    depends on its items alone. Counters are reported as they stood where the current window
+    than any other output; :meth:`read_further` reads more of it while time allows, so that it is
+    read long before. Without either the next window is read when the current one runs out.
+    The items of a window are the same either way: what ends a window depends on its items
+    alone. Counters are reported as they stood where the current window
     ended (:meth:`stats`), whatever was read ahead.
 
     ``grow``: a stream's first windows are small and double (:class:`Growth`), so its first
     output comes after a small part of a window's reading.
 
     State: the source's state where the current window began, the window's number and how
-    many of its outputs were emitted (and whether its windows grow); a restore re-reads that
-    one window (what was in flight) and skips the emitted outputs. A state saved without the
-    growth flag (before windows grew) goes on with full windows.
+    many of its outputs were emitted (and, while windows grow, the share of a full window the
+    first one held and the factor between windows); a restore re-reads that one window (what was
+    in flight) and skips the emitted outputs, its windows growing as they grew when the state was
+    saved. A state saved without growth (before windows grew) goes on with full windows; one that
+    says only that they grew (before the share was kept) with ``legacy_growth``, or else ``grow``.
 
     Restoring without reading again (``held.py``): when ``replay`` is set (a function that
     reads samples again from their origins, made by the reader that built the pipeline), the
@@ -245,6 +256,7 @@ class WindowStage(Stage[U]):
     each output it hands out, as it hands it out, and the source goes on from ``end``.
     """
 
+    legacy_growth: Growth | None = None
     replay: Callable[[list[Origin]], list[Any]] | None = None
 
     def __init__(self, source: Stage, window: int, what: str, grow: Growth | None = None):
@@ -253,7 +265,7 @@ class WindowStage(Stage[U]):
             raise ConfigError(f"{what} must be >= 1, got {window}.")
         self.window = window
         self.grow = grow
-        self._growing = grow is not None
+        self.growth = grow  # the growth of the stream being read: ``grow``, or a restored state's
         self._outputs: list[U | None] = []
         self._window_start: State | None = None
         self._window_number = -1
@@ -284,9 +296,7 @@ class WindowStage(Stage[U]):
 
     def capacity(self, number: int) -> int:
         """The most items window ``number`` holds."""
-        if not self._growing or self.grow is None:
-            return self.window
-        return self.grow.items(self.window, number)
+        return self.window if self.growth is None else self.growth.items(self.window, number)
 
     def held(self, output: U) -> list[Any]:
         """The source items inside an output (for :meth:`pending`)."""
@@ -308,7 +318,7 @@ class WindowStage(Stage[U]):
     # -- provided ---------------------------------------------------------------------------
     def scale(self, number: int) -> float:
         """The share of a full window that window ``number`` holds (1 unless windows grow)."""
-        return self.grow.scale(number) if self._growing and self.grow is not None else 1.0
+        return 1.0 if self.growth is None else self.growth.scale(number)
 
     def reset(self, state: State | None = None) -> None:
         self._started = True
@@ -316,7 +326,7 @@ class WindowStage(Stage[U]):
         self._window_number, self._window_start = -1, None
         self._ahead, self._prepared, self._primed, self._source_stats = None, 0, False, None
         self._held = self._window_end = None
-        self._growing = self.grow is not None and (state is None or bool(state.get("grow", False)))
+        self.growth = self.grow if state is None else self._saved_growth(state.get("grow", False))
         if state is not None and "held" in state and self.replay is not None:
             self._restore_held(state)
             return
@@ -352,6 +362,23 @@ class WindowStage(Stage[U]):
             count = held.count_of(number)
             numbers = held.extra_of(number) if held.extra is not None else None
             outputs[number], items = self.rebuild(items[:count], numbers), items[count:]
+
+    def _saved_growth(self, saved: Any) -> Growth | None:
+        """The growth a saved state's windows had (its "grow": the first window's share of a full
+        one and the factor between windows)."""
+        if saved is False:
+            return None
+        if saved is True:
+            return self.legacy_growth or self.grow
+        try:
+            first, factor = (float(number) for number in saved)
+            floor = (self.grow or Growth(1.0)).floor
+            return Growth(first, factor, floor)
+        except (TypeError, ValueError, ConfigError):
+            raise StateMismatchError(
+                f"a saved {type(self).__name__} state says its windows grew as {saved!r}, not as [share of a full "
+                "window in (0, 1], factor above 1]: the state is damaged; start the epoch afresh."
+            ) from None
 
     def _read(self, window: Window, until: int | None = None) -> Window:
         """Read items into ``window`` until it closes (or holds ``until`` items)."""
@@ -420,6 +447,20 @@ class WindowStage(Stage[U]):
             self._primed = True
         self.source.prepare()
 
+    def read_further(self, until: float) -> bool:
+        """Read the next window (the first, before any output), an item at a time (the source
+        reading its share ahead for each, so that no item it hands out waits for its next
+        window), until the window closes or ``until`` comes; then let the source read further
+        in the time left. True once the window is read."""
+        ahead = self._ahead
+        if ahead is None:
+            ahead = self._ahead = Window(self._window_number + 1, self.source.get_state())
+        while not ahead.closed and time.perf_counter() < until:
+            self._read(ahead, len(ahead.items) + 1)
+            self.source.prepare()
+        self.source.read_further(until)
+        return ahead.closed
+
     def reading_done(self) -> bool:
         return self._ahead is not None and self._ahead.ended
 
@@ -449,8 +490,8 @@ class WindowStage(Stage[U]):
     def get_state(self) -> State:
         start = self._window_start if self._window_start is not None else self.source.get_state()
         state = {"source": start, "window": self._window_number, "emitted": self._emitted}
-        if self._growing:
-            state["grow"] = True
+        if self.growth is not None:
+            state["grow"] = [self.growth.first, self.growth.factor]
         if self._held is not None:
             state["end"], state["held"] = self._window_end, self._held
         return state

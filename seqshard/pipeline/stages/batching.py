@@ -39,7 +39,11 @@ FRAMES = Length()  # frames of the "feats" field
 
 class BatchCost:
     """What a batch may hold: ``fits(count, longest)`` says whether ``count`` samples padded
-    to length ``longest`` are within the budget."""
+    to length ``longest`` are within the budget; ``monotone``: it never fits again once more
+    samples or a longer one do not (a batch's end along ascending lengths is then found by a
+    binary search, :func:`cut_sorted`)."""
+
+    monotone = False
 
     def fits(self, count: int, longest: int) -> bool:
         raise NotImplementedError
@@ -54,6 +58,7 @@ class FixedSize(BatchCost):
     """At most ``size`` samples per batch."""
 
     size: int
+    monotone = True
 
     def __post_init__(self) -> None:
         check_number("batch_size", self.size, whole=True, at_least=1)
@@ -72,6 +77,7 @@ class LengthBudget(BatchCost):
 
     budget: int
     quadratic: float | None = None
+    monotone = True
 
     def __post_init__(self) -> None:
         check_number("batch_frames", self.budget, whole=True, at_least=1)
@@ -155,12 +161,16 @@ def bucket_of(batch: Batch, bounds: Sequence[int]) -> int:
 
 
 def cut_batches(
-    lengths: Sequence[int], cost: BatchCost, keys: Sequence[str] | None = None
+    lengths: Sequence[int], cost: BatchCost, keys: Sequence[str] | None = None, ascending: bool = False
 ) -> tuple[list[list[int]], list[int]]:
-    """Batches of indices into ``lengths`` (sorted ascending, or in ascending runs), and the
-    indices of samples that do not fit even alone. With ``keys``, no batch holds one key
-    twice, and copies of a key still leave every batch but the last full (see
-    :class:`_CopiesApart`) whenever the copies allow it."""
+    """Batches of indices into ``lengths`` (sorted ascending, or in ascending runs; ``ascending``:
+    sorted, which a monotone cost cuts by binary searches), and the indices of samples that do
+    not fit even alone. With ``keys``, no batch holds one key twice, and copies of a key still
+    leave every batch but the last full (see :class:`_CopiesApart`) whenever the copies allow it."""
+    if ascending and cost.monotone:
+        spans, fitting = cut_sorted(lengths, cost)
+        if keys is None or len(set(keys[:fitting])) == fitting:
+            return [list(range(start, stop)) for start, stop in spans], list(range(fitting, len(lengths)))
     fitting = [index for index, length in enumerate(lengths) if cost.fits(1, length)]
     oversize = [index for index, length in enumerate(lengths) if not cost.fits(1, length)]
     if keys is None or len({keys[index] for index in fitting}) == len(fitting):
@@ -169,19 +179,26 @@ def cut_batches(
 
 
 def count_sorted_batches(lengths: Sequence[int], cost: BatchCost) -> int:
-    """``len(batches) + len(oversize)`` of :func:`cut_batches` on ascending ``lengths``,
-    found by a binary search per batch (its greedy end), not a test per sample: a batch from
-    ``start`` ends before the first ``j`` where ``j - start + 1`` samples padded to
-    ``lengths[j]`` do not fit, and fitting only gets harder along an ascending run."""
+    """``len(batches) + len(oversize)`` of :func:`cut_batches` on ascending ``lengths``
+    (:func:`cut_sorted`'s spans)."""
+    spans, fitting = cut_sorted(lengths, cost)
+    return len(spans) + len(lengths) - fitting
+
+
+def cut_sorted(lengths: Sequence[int], cost: BatchCost) -> tuple[list[tuple[int, int]], int]:
+    """The greedy batches of ascending ``lengths`` as ``(start, stop)`` spans, and where the
+    samples that fit no batch begin; found by a binary search per batch, not a test per sample:
+    a batch from ``start`` ends before the first ``j`` where ``j - start + 1`` samples padded to
+    ``lengths[j]`` do not fit, and fitting only gets harder along them (a monotone cost)."""
     fitting = bisect.bisect_left(range(len(lengths)), True, key=lambda j: not cost.fits(1, lengths[j]))
-    batches, start = 0, 0
+    spans: list[tuple[int, int]] = []
+    start = 0
     while start < fitting:
-        stop = bisect.bisect_left(
-            range(start + 1, fitting), True, key=lambda j: not cost.fits(j - start + 1, lengths[j])
-        )
-        start += stop + 1
-        batches += 1
-    return batches + len(lengths) - fitting
+        stop = start + 1
+        stop += bisect.bisect_left(range(stop, fitting), True, key=lambda j: not cost.fits(j - start + 1, lengths[j]))
+        spans.append((start, stop))
+        start = stop
+    return spans, fitting
 
 
 def _cut_in_order(lengths: Sequence[int], cost: BatchCost, order: Iterable[int]) -> list[list[int]]:
@@ -321,6 +338,8 @@ class SortBatch(WindowStage[Batch]):
     ``frames`` and ``padded_frames`` (in the measure's unit).
     """
 
+    legacy_growth = Growth(1 / 16)  # every stream's, before growth followed the epoch's size
+
     def __init__(
         self,
         source: Stage[Sample],
@@ -354,7 +373,7 @@ class SortBatch(WindowStage[Batch]):
 
     def limits(self, number: int) -> tuple[int, int, float]:
         """Window ``number``'s limits (:func:`window_limits`)."""
-        grow = self.grow if self.scale(number) < 1 else None
+        grow = self.growth if self.scale(number) < 1 else None
         return window_limits(self.window if self.budget is None else self.budget, self.cost, grow, number)
 
     def capacity(self, number: int) -> int:
@@ -379,12 +398,15 @@ class SortBatch(WindowStage[Batch]):
         return item[1]
 
     def arrange(self, items: list[tuple[int, Sample]], number: int, fresh: bool) -> list[Batch]:
-        measured = sorted(((length, s.key, i) for i, (length, s) in enumerate(items)))
-        lengths = [length for length, _, _ in measured]
-        samples = [items[i][1] for _, _, i in measured]
+        lengths = [length for length, _ in items]
+        keys = [sample.key for _, sample in items]
+        order = sorted(range(len(items)), key=keys.__getitem__)
+        order.sort(key=lengths.__getitem__)  # stable: by length, then key, then place in the window
+        lengths = [lengths[i] for i in order]
+        samples = [items[i][1] for i in order]
         # A window of a mixed stream can hold several passes of a small source: copies of one
         # utterance sort next to each other, and cut_batches keeps them in different batches.
-        indices, oversize = cut_batches(lengths, self.cost, [key for _, key, _ in measured])
+        indices, oversize = cut_batches(lengths, self.cost, [keys[i] for i in order], ascending=True)
         batches = [Batch([samples[i] for i in batch], [lengths[i] for i in batch]) for batch in indices]
         if self.oversize == "alone":
             batches.extend(Batch([samples[i]], [lengths[i]]) for i in oversize)

@@ -100,6 +100,9 @@ class Mix(Stage[Sample]):
         for stream in self.streams:
             stream.prepare()
 
+    def read_further(self, until: float) -> bool:
+        return all([stream.read_further(until) for stream in self.streams])
+
 
 def per_source_counts(samples: Sequence[Sample], lengths: Sequence[int], sources: int) -> list[list[int]]:
     """[utterances, summed length] per source of a batch's samples."""

@@ -69,6 +69,11 @@ class Passes(Stage):
             return item
 
     @property
+    def finished(self) -> dict[str, int]:
+        """The counters of the passes before the current one."""
+        return self._finished
+
+    @property
     def current(self) -> tuple[int, Stage | None]:
         """The pass being read and its stage."""
         return self._pass, self._inner
@@ -90,3 +95,6 @@ class Passes(Stage):
     def prepare(self) -> None:
         if self._inner is not None:
             self._inner.prepare()
+
+    def read_further(self, until: float) -> bool:
+        return self._inner.read_further(until) if self._inner is not None else True

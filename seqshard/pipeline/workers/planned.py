@@ -14,7 +14,8 @@ restores a worker exactly: ``loader.skip_batches`` hands such states to the work
 
 What the plan cannot see, it refuses (:func:`unplannable` says why): a recipe or transforms of
 the user's, audio measured as it is decoded, limits that count label tokens, ``skip_bad``
-(bad samples are only found by reading), ``bucket_sync``, epochs cut by hours, an elastic
+(bad samples are only found by reading), ``check_finite`` (nor are non-finite ones), epochs cut
+by hours, an elastic
 resume, and shards without member tables or without lengths in them, or whose size is not
 their table's. A table is trusted as far as that: one that disagrees with its shard otherwise
 (which a worker finds as it reads, counting ``damaged_tables``) makes the plan differ from the
@@ -78,8 +79,8 @@ def unplannable(setup: WorkerSetup) -> str | None:
         return "max_tokens and the frames-per-token limits count label tokens, known once labels are read"
     if options.bad_data.skip_bad:
         return "skip_bad drops bad samples, found only by reading them"
-    if options.batching.bucket_sync:
-        return "bucket_sync holds batches back in per-bucket queues"
+    if options.bad_data.check_finite:
+        return "check_finite drops samples whose features hold NaN or infinity, found only by reading them"
     if options.epochs.epoch_hours is not None or options.epochs.epoch_source is not None:
         return "the epoch is cut by what every rank has read (epoch_hours, epoch_source)"
     length = setup.length

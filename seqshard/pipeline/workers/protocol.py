@@ -51,7 +51,6 @@ class BatchItem(NamedTuple):
     size: int  # samples in the batch
     length: int  # their summed length (batching measure)
     padded: int  # size x longest
-    bucket: int = 0
     slot: int | None = None
     places: tuple[str, ...] = ()  # the names of the arrays in the slot
     by_source: list[list[int]] | None = None  # [utterances, length] per source of a mix

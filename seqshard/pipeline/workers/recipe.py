@@ -31,21 +31,24 @@ exact and elastic resume keep their guarantees. Recipes and transforms must be p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ...errors import ConfigError, SkipCounter
+from ...formats.index import bin_bounds
 from ...formats.keys import key_hash
 from ...formats.remote.access import RemoteAccess
-from ...options import Batching
+from ...options import Batching, BudgetWindow
 from ...seeds import Seed, stage_rng
-from ..plan import Unit
+from ..plan import Unit, planned_utts
 from ..stages.audio import decode, signal_stages
 from ..stages.base import Filter, Growth, Map, Stage
 from ..stages.batching import BatchCost, BucketBudgets, FixedSize, LengthBudget, SortBatch
+from ..stages.buckets import BucketDraws, BucketSortBatch, bucket_weights
 from ..stages.decode import Decoder
 from ..stages.filters import finite_filter, length_filter
 from ..stages.labels import Labeler, Labels
@@ -56,12 +59,15 @@ from ..stages.sample import Sample
 from ..stages.shuffle import WindowShuffle
 from .setup import WorkerSetup
 
-# A stream's first sort window holds 1/16 of a full one (4 of the default 64 batches), its
-# first shuffle window 1/32: its first batch comes after about 1/10 of a full window's reading,
-# and until the first batch the shuffle's windows are read as the sort window asks for them.
+# A stream's first sort window holds 1/16 of a full one (4 of the default 64 batches; more in an
+# epoch of under 4 full windows, which grows in fewer steps: sort_growth), its first shuffle
+# window 1/32: its first batch comes after about 1/10 of a full window's reading, and until the
+# first batch the shuffle's windows are read as the sort window asks for them.
 SORT_GROWTH = Growth(1 / 16)
+SHORT_GROWTH = ((2, Growth(1 / 2)), (4, Growth(1 / 4)))  # an epoch under 2 (4) full windows: sort_growth
 SHUFFLE_GROWTH = Growth(1 / 32)
 
+Histogram = Iterable[tuple[int, int]] | Mapping[int, int]  # an index's lengths: bin -> samples
 Carry = dict[int, tuple[int, list[Unit]]]  # source -> (its pass, the units left of that pass): an elastic resume
 
 
@@ -86,7 +92,8 @@ class Reader:
     stage of the user's must use. ``units`` replace the reader's planned units of the epoch, and
     ``carry`` the units left of each source's current pass of an endless stream (both: an
     elastic resume); ``access`` reads the shards; ``read_ahead=False`` reads only what the
-    stages ask for.
+    stages ask for; ``batches_before``: the batches the reader made in earlier passes of an
+    endless stream (``bucket_sync`` draws go on from there).
     """
 
     def __init__(
@@ -98,6 +105,7 @@ class Reader:
         units: list[Unit] | None = None,
         carry: Carry | None = None,
         read_ahead: bool = True,
+        batches_before: int = 0,
     ):
         self.setup = setup
         self.options = setup.options
@@ -109,6 +117,7 @@ class Reader:
         self.units = units
         self.carry = carry or {}
         self.read_ahead = read_ahead
+        self.batches_before = batches_before
         self.skip = SkipCounter(True) if self.options.bad_data.skip_bad else None
 
     @property
@@ -223,23 +232,66 @@ class Reader:
         return WindowShuffle(source, shuffling.shuffle_window, self.seed, *self.seed_position, grow=grow)
 
     def batch(self, source: Stage[Sample]) -> SortBatch:
-        batching = self.options.batching
-        return SortBatch(
-            source,
-            batching.sort_window,
-            batch_cost(batching),
-            self.seed,
-            *self.seed_position,
+        """Length-sorted batches; with ``bucket_sync`` each window's in the order of the
+        buckets every rank draws (``stages/buckets.py``)."""
+        batching, cost = self.options.batching, batch_cost(self.options.batching)
+        made = (source, batching.sort_window, cost, self.seed, *self.seed_position)
+        options = dict(
             length=self.setup.length,
             shuffle=self.options.shuffling.shuffle,
             oversize=batching.oversize,
-            grow=sort_growth(batching),
+            grow=sort_growth(batching, self.table.length_hist, self.planned_samples()),
+        )
+        if not batching.bucket_sync:
+            return SortBatch(*made, **options)
+        bounds = self.setup.bucket_bounds
+        weights = bucket_weights(self.table.length_hist, bounds, cost)
+        shared = (self.worker,) if self.options.epochs.continues_stream else (self.epoch, self.worker)  # no rank
+        draws = BucketDraws(bounds, weights, self.seed, shared)
+        return BucketSortBatch(*made, draws=draws, before=self.batches_before, **options)
+
+    def planned_samples(self) -> int | None:
+        """The samples of this reader's epoch (or pass) by its shards' index; None for a mix
+        (an endless stream, its windows grown once) or shards of unknown size."""
+        if self.setup.mix is not None:
+            return None
+        return planned_utts(
+            self.table, self.units if self.units is not None else self.setup.units(self.epoch, self.worker)
         )
 
 
-def sort_growth(batching: Batching) -> Growth | None:
-    """How a stream's first sort windows grow (None: full from the start)."""
-    return SORT_GROWTH if batching.grow_windows else None
+def sort_growth(batching: Batching, histogram: Histogram, samples: int | None) -> Growth | None:
+    """How the sort windows of a reader's epoch of ``samples`` grow (None: full from the start),
+    the index's length ``histogram`` telling how many samples fill a window. Each small window
+    pads about as much in all as a full one (its few batches each span a wide range of lengths),
+    so an epoch of fewer than 4 full windows starts from a larger one and doubles fewer times
+    (``SHORT_GROWTH``: from 1/4 of a full one in an epoch of 2 to 4, from 1/2 in one of fewer);
+    one of more, or of unknown size or lengths, grows as ``SORT_GROWTH``. Windows double, so
+    that a reader reads 2 batches' worth of the next window for each batch of a growing one;
+    its first window, read before its first batch, a persistent worker reads in its spare time
+    during the epoch before (``worker.ReaderRun.prepare``)."""
+    if not batching.grow_windows:
+        return None
+    full = window_samples(batching, histogram)
+    if samples is None or full is None:
+        return SORT_GROWTH
+    return next((growth for windows, growth in SHORT_GROWTH if samples < windows * full), SORT_GROWTH)
+
+
+def window_samples(batching: Batching, histogram: Histogram) -> int | None:
+    """Samples of a full sort window: the option's number, or what the default budget window
+    reads at the mean share of a batch per sample of the index's length ``histogram`` (bin ->
+    samples; None when it is empty)."""
+    if batching.sort_window is not None:
+        return batching.sort_window
+    histogram = dict(histogram)
+    if not sum(histogram.values()):
+        return None
+    cost = batch_cost(batching)
+    shares = sum(
+        cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
+    )
+    return BudgetWindow().samples(shares / sum(histogram.values()))
 
 
 def batch_cost(batching: Batching) -> BatchCost:

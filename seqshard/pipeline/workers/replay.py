@@ -22,13 +22,16 @@ from typing import Any
 from ...errors import SeqshardError
 from ..stages.base import Filter, Map, Stage, WindowStage
 from ..stages.batching import SortBatch
+from ..stages.buckets import BucketSortBatch
 from ..stages.held import Origin
 from ..stages.labels import Labels
 from ..stages.sample import Sample
 from ..stages.shuffle import WindowShuffle
 
 REPLAYABLE = (Map, Filter, Labels)  # exactly these classes: a subclass of the user's may keep state
-WINDOWS = (WindowShuffle, SortBatch)  # windows whose outputs their record makes again (a subclass may not)
+# windows whose outputs their record makes again (a subclass of the user's may not; bucket sync's
+# only hands a window's batches out in another order, which the record keeps)
+WINDOWS = (WindowShuffle, SortBatch, BucketSortBatch)
 
 
 def attach(pipeline: Stage, rebuild: Callable[[], Stage]) -> int:

@@ -17,10 +17,13 @@ class LivePipelines:
     """The pipeline of each reader whose stream goes on across epochs (``uneven="repeat"``,
     mixes), with its state after the last batch it made. When the next epoch starts from that
     state (no batch was made ahead and dropped: no worker processes), the pipeline continues as
-    it is, instead of being rebuilt from the state, which re-reads its windows."""
+    it is, instead of being rebuilt from the state, which re-reads its windows. Also a
+    persistent worker's pipeline of the next epoch, whose first window it reads in spare time
+    (``worker.ReaderRun.prepare``), for the run of that epoch from its beginning."""
 
     def __init__(self) -> None:
         self._kept: dict[int, tuple[State, Stage]] = {}
+        self._next: dict[int, tuple[int, Stage]] = {}
 
     def keep(self, worker: int, state: State, pipeline: Stage) -> None:
         self._kept[worker] = (state, pipeline)
@@ -29,6 +32,15 @@ class LivePipelines:
         """The kept pipeline of ``worker`` if it stands at ``state``, else None."""
         kept = self._kept.pop(worker, None)
         return kept[1] if kept is not None and state is not None and kept[0] == state else None
+
+    def keep_next(self, worker: int, epoch: int, pipeline: Stage) -> None:
+        self._next[worker] = (epoch, pipeline)
+
+    def take_next(self, worker: int, epoch: int) -> Stage | None:
+        """The kept pipeline of ``worker`` for ``epoch`` from its beginning, else None (a pipeline
+        kept for another epoch is dropped)."""
+        kept = self._next.pop(worker, None)
+        return kept[1] if kept is not None and kept[0] == epoch else None
 
 
 @dataclass

@@ -6,7 +6,12 @@ epochs, kept alive from the last one), and its batches as items. Each batch leav
 :class:`~.protocol.BatchItem` carrying the reader's number, the batch's sequence number, and
 the pipeline's state right after it: the training process keeps the state of the last batch
 it handed out, which is all it needs to resume. After an item is handed out, the run lets the
-pipeline read ahead (``Stage.prepare``), so that no batch waits for a whole window.
+pipeline read ahead (``Stage.prepare``), so that no batch waits for a whole window; in a worker
+process it also reads further ahead for half the time it last waited for the consumer
+(``Stage.read_further``), so that the next window is read long before the current one runs out,
+and once its reading is done, a persistent worker reads the next epoch's first window so (its
+pipeline kept in ``runtime.live`` for that epoch's run). The objects alive when a worker's first
+run began are frozen out of the garbage collector's scans (:func:`settle_collector`).
 
 Without worker processes, :func:`iterate_worker` runs reader 0 in the training process; with
 them, each worker process runs its reader's runs (``process.py``).
@@ -14,7 +19,9 @@ them, each worker process runs its reader's runs (``process.py``).
 
 from __future__ import annotations
 
+import gc
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +32,7 @@ from ...errors import SeqshardError
 from ...formats.remote.access import RemoteAccess
 from ..plan import Unit
 from ..stages.base import Stage, State
-from ..stages.batching import Batch, bucket_of
+from ..stages.batching import Batch
 from ..stages.collate import Collator, aligned, array_bytes
 from ..stages.mixing import per_source_counts
 from ..stages.passes import Passes
@@ -36,6 +43,8 @@ from .replay import attach as attach_replay
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import ALIGN
+
+WAITS_KEPT = 4  # a run reads ahead for half the shortest of its last waits for the consumer (not one long pause)
 
 
 def build_pipeline(
@@ -60,10 +69,10 @@ def build_pipeline(
     again, where they can be (``replay.py``)."""
     recipe = setup.options.pipeline.recipe or default_recipe
 
-    def made(number: int, planned: list[Unit] | None, carried: Carry | None) -> Stage:
-        pipeline = recipe(reader(setup, worker, number, access, planned, carried, read_ahead))
+    def made(number: int, planned: list[Unit] | None, carried: Carry | None, before: int = 0) -> Stage:
+        pipeline = recipe(reader(setup, worker, number, access, planned, carried, read_ahead, before))
         if replay:
-            attach_replay(pipeline, lambda: recipe(reader(setup, worker, number, access, [], None, False)))
+            attach_replay(pipeline, lambda: recipe(reader(setup, worker, number, access, [], None, False, before)))
         return pipeline
 
     if setup.options.epochs.continues_stream:  # endless streams: seeds come from passes, not epoch labels
@@ -72,9 +81,12 @@ def build_pipeline(
         first, carried = (carry or {}).get(0, (0, None))
 
         def one_pass(number: int) -> Stage:
-            return made(number, carried if carried is not None and number == first else None, None)
+            planned = carried if carried is not None and number == first else None
+            before = passes.finished.get("batches", 0)  # bucket_sync's draws go on across passes
+            return made(number, planned, None, before)
 
-        return Passes(one_pass, first)
+        passes = Passes(one_pass, first)
+        return passes
     return made(epoch, units, None)
 
 
@@ -117,8 +129,21 @@ class ReaderRun:
         self.error: SeqshardError | None = None
         self.ended = False
         self.pipeline: Stage | None = None
+        # seconds of spare time between batches: from a prepare() to the next make(), and what
+        # that prepare spent reading further (spare time too)
+        self._waits: deque[float] = deque(maxlen=WAITS_KEPT)
+        self._prepared_at: float | None = None
+        self._further = 0.0
+        options = setup.options
+        # whether the next epoch's first window is read (a persistent worker reads it in spare time)
+        self._next_read = not (in_worker_process and options.workers.persistent_workers) or self.continuing
+        if in_worker_process:
+            settle_collector()
         try:
             pipeline = runtime.live.take(worker, spec["state"]) if self.continuing else None
+            read = runtime.live.take_next(worker, epoch) if in_worker_process else None
+            if pipeline is None and spec["state"] is None and units is None and spec.get("carry") is None:
+                pipeline = read
             if pipeline is None:
                 pipeline = build_pipeline(
                     setup, worker, epoch, runtime.access, units, carry_from_json(spec.get("carry")), replay=True
@@ -133,6 +158,8 @@ class ReaderRun:
         if self.error is not None or self.ended:
             return self._last()
         started = time.perf_counter()
+        if self._prepared_at is not None:
+            self._waits.append(started - self._prepared_at + self._further)
         try:
             batch = self.pipeline.next()  # type: ignore[union-attr]
         except StopIteration:
@@ -167,7 +194,6 @@ class ReaderRun:
             len(batch),
             sum(batch.lengths),
             batch.longest * len(batch),
-            bucket_of(batch, self.setup.bucket_bounds),
             slot,
             places,
             per_source_counts(batch.samples, batch.lengths, len(mix.names)) if mix else None,
@@ -176,16 +202,46 @@ class ReaderRun:
         )
 
     def prepare(self) -> None:
-        """Let the pipeline read ahead, now that a batch is handed out."""
+        """Let the pipeline read ahead, now that a batch is handed out: its share of the next
+        windows, and in a worker process more for half the spare time the run had between its
+        last batches (the shortest: the step's time less the reader's own, so the queue of
+        batches stays full; what it read further counts as spare, or the half would shrink)."""
         if self.pipeline is not None and self.error is None and not self.ended:
             try:
                 self.pipeline.prepare()
+                if self.in_worker_process and len(self._waits) == WAITS_KEPT:
+                    started = time.perf_counter()
+                    until = started + min(self._waits) / 2
+                    self.pipeline.read_further(until)
+                    if not self._next_read and self.pipeline.reading_done():
+                        self._next_read = self._read_next_epoch(until)
+                    self._further = time.perf_counter() - started
             except SeqshardError as error:
                 self._stop(error)
+        self._prepared_at = time.perf_counter()
+
+    def _read_next_epoch(self, until: float) -> bool:
+        """Read the next epoch's first window until ``until``, its pipeline kept for that epoch's
+        run from its beginning; True once it is read (or cannot be: that run meets the error)."""
+        live = self.runtime.live
+        try:
+            pipeline = live.take_next(self.worker, self.epoch + 1)
+            if pipeline is None:
+                pipeline = build_pipeline(self.setup, self.worker, self.epoch + 1, self.runtime.access, replay=True)
+                pipeline.reset(None)
+            read = pipeline.read_further(until)
+        except Exception:  # bad data or a user's transform, met again by the next epoch's own run
+            return True
+        live.keep_next(self.worker, self.epoch + 1, pipeline)
+        return read
 
     def reading_done(self) -> bool:
-        """Whether the pipeline has read all it will read this iteration."""
-        return self.pipeline is None or self.error is not None or self.ended or self.pipeline.reading_done()
+        """Whether the pipeline has read all it will read this iteration and, in a persistent
+        worker, the next epoch's first window was read in spare time (what the worker makes
+        ahead of that epoch then costs no more than a batch of the current one)."""
+        if self.pipeline is None or self.error is not None or self.ended:
+            return True
+        return self.pipeline.reading_done() and self._next_read
 
     def _stop(self, error: SeqshardError) -> None:
         if not self.in_worker_process:
@@ -200,6 +256,20 @@ class ReaderRun:
         if self.in_worker_process:
             state, stats = pack(state), pack(stats)
         return EndItem(self.worker, self.seq, state, stats)
+
+
+_SETTLED = False
+
+
+def settle_collector() -> None:
+    """Once per worker process: the objects alive now (modules, torch's ~170,000, the setup)
+    leave the view of the cyclic garbage collector (``gc.freeze``). Its full collections come
+    every few windows of samples; scanning those objects took 60-180 ms each here (7-18 steps of
+    10 ms, the queue of batches emptied), the reader's own objects take about a millisecond."""
+    global _SETTLED
+    if not _SETTLED:
+        _SETTLED = True
+        gc.freeze()
 
 
 def iterate_worker(
