@@ -8,10 +8,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .index import bin_bounds, length_bin
+
+if TYPE_CHECKING:
+    from .index_table import ShardColumns
 
 
 @lru_cache(maxsize=1024)
@@ -59,6 +63,37 @@ class ShardLengths:
             shortest[row], longest[row] = low or 0, high or 0
             known[row] = True
         return cls(first, counts, shortest, longest, known)
+
+    @classmethod
+    def of_rows(
+        cls, parts: Sequence[tuple[ShardColumns | None, np.ndarray]]
+    ) -> tuple[ShardLengths, tuple[tuple[int, int], ...]]:
+        """The lengths of shards drawn from indexes, part by part: ``(columns, rows)``, each
+        shard's row in that index (-1, or no columns: not indexed); and the histogram of them
+        all, bin by bin (each bin any of them lists, in order), gathered in bulk."""
+        total = sum(len(rows) for _, rows in parts)
+        pieces, at = [], 0
+        for columns, rows in parts:
+            local = np.flatnonzero(rows >= 0)
+            if columns is not None and len(local):
+                starts, sizes = columns.at[rows[local]], np.diff(columns.at)[rows[local]]
+                flat = np.repeat(starts - np.cumsum(sizes) + sizes, sizes) + np.arange(int(sizes.sum()))
+                ends = [np.maximum(columns.numbers[f][rows[local]], 0) for f in ("min_frames", "max_frames")]
+                pieces.append((at + local, sizes, columns.bins[flat].astype(np.int64), columns.counts[flat], ends))
+            at += len(rows)
+        bins = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros(0, np.int64)
+        first, last = (int(bins.min()), int(bins.max())) if len(bins) else (0, -1)
+        counts = np.zeros((total, last - first + 1), dtype=np.int32)
+        shortest, longest, known = np.zeros(total, np.int32), np.zeros(total, np.int32), np.zeros(total, bool)
+        for shards, sizes, found, values, (low, high) in pieces:
+            counts[np.repeat(shards, sizes), found - first] = values
+            listed = sizes > 0
+            known[shards[listed]] = True
+            shortest[shards[listed]], longest[shards[listed]] = low[listed], high[listed]
+        present = np.unique(bins) - first
+        totals = counts.sum(axis=0, dtype=np.int64)
+        histogram = tuple(zip((present + first).tolist(), totals[present].tolist()))
+        return cls(first, counts, shortest, longest, known), histogram
 
     @classmethod
     def combine(cls, parts: Sequence[ShardLengths]) -> ShardLengths:

@@ -206,7 +206,7 @@ def make_setup(
     )
     if mix is not None and rank == 0:
         _warn_of_windows_over_a_pass(setup, mix)
-    unlabelled = [shard.path for shard in table.shards if shard.path.endswith(".scp")]
+    unlabelled = [path for path in table.shards.paths if path.endswith(".scp")]
     if unlabelled and override is None and rank == 0:
         _LOG.warning(
             "%s %s KEY PATH lines (a wav.scp) and no labels: batches hold no texts%s; pass labels= the Kaldi text "
