@@ -13,10 +13,11 @@ utterance.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 
@@ -90,7 +91,47 @@ class _Piece:
         )
 
 
-Plan = list[list[list[Unit]]]  # [rank][worker] -> units, in reading order
+class Plan(Sequence[list[list[Unit]]]):
+    """An epoch's plan: ``plan[rank][worker]`` is that reader's units, in reading order. The
+    ranks' shares are cut at once, in bulk; a rank's units are made when it is first asked for,
+    so that a rank of a table of 500,000 shards makes its own, not every rank's."""
+
+    def __init__(self, ranks: Sequence[Sequence[_Piece | range]], piece_of: Callable[[int], _Piece], workers: int):
+        self._ranks, self._piece_of, self._workers = ranks, piece_of, workers
+        self._made: dict[int, list[list[Unit]]] = {}
+
+    @classmethod
+    def of(cls, readers: list[list[list[Unit]]]) -> Plan:
+        """A plan of units made already (``readers[rank][worker]``)."""
+        plan = cls([[] for _ in readers], lambda _: None, len(readers[0]) if readers else 0)  # type: ignore[arg-type, return-value]
+        plan._made = dict(enumerate(readers))
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._ranks)
+
+    @overload
+    def __getitem__(self, rank: int) -> list[list[Unit]]: ...
+    @overload
+    def __getitem__(self, rank: slice) -> list[list[list[Unit]]]: ...
+    def __getitem__(self, rank: int | slice) -> list[list[Unit]] | list[list[list[Unit]]]:
+        if isinstance(rank, slice):
+            return [self[r] for r in range(*rank.indices(len(self)))]
+        rank = range(len(self))[rank]  # IndexError as a list gives
+        if rank not in self._made:
+            pieces = [
+                p
+                for item in self._ranks[rank]
+                for p in (map(self._piece_of, item) if isinstance(item, range) else (item,))
+            ]
+            self._made[rank] = [[p.unit for p in worker] for worker in _cut(pieces, self._workers)]
+        return self._made[rank]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (Plan, list)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"Plan({list(self)!r})"
 
 
 def plan_epoch(
@@ -107,10 +148,10 @@ def plan_epoch(
     ``split_shards=False`` deals whole shards (as CAT and WebDataset do): no shard is read
     by two readers, at the price of ranks ending up to a shard apart.
     """
-    order = list(range(len(table.shards)))
+    order = np.arange(len(table.shards))
     if shuffle:
-        order = [int(i) for i in stage_rng(seed, Seed.PLAN, epoch).permutation(len(order))]
-    return spread_units(table, [Unit(i) for i in order], world_size, num_workers, split_shards)
+        order = stage_rng(seed, Seed.PLAN, epoch).permutation(len(order))
+    return spread_shards(table, order, world_size, num_workers, split_shards)
 
 
 def source_plan(
@@ -128,8 +169,24 @@ def source_plan(
     order = np.arange(start, stop)
     if shuffling.shuffle:
         order = start + stage_rng(shuffling.seed, Seed.PLAN, Seed.MIX_PASS, source, number).permutation(stop - start)
-    units = [Unit(int(i)) for i in order]
-    return spread_units(table, units, world_size, num_workers, shuffling.split_shards)
+    return spread_shards(table, order, world_size, num_workers, shuffling.split_shards)
+
+
+def spread_shards(
+    table: ShardTable, order: np.ndarray, world_size: int, num_workers: int, split_shards: bool = True
+) -> Plan:
+    """The whole shards ``order`` (in reading order) spread as :func:`spread_units` spreads
+    them, the ranks' cuts made in bulk (the same plan, without an object a shard)."""
+    if world_size < 1 or num_workers < 1:
+        raise ConfigError(f"world_size and num_workers must be >= 1 (got {world_size}, {num_workers}).")
+    if not (table.indexed and split_shards):
+        return spread_units(table, [Unit(i) for i in order.tolist()], world_size, num_workers, split_shards)
+    shards, counts, weights = order.tolist(), table.sizes()[order].tolist(), table.weights()[order].tolist()
+
+    def piece_of(at: int) -> _Piece:  # a whole shard: its count, its weight (as spread_units makes it)
+        return _Piece(Unit(shards[at]), counts[at], weights[at] * 1.0)
+
+    return Plan(_cut_whole(weights, piece_of, world_size), piece_of, num_workers)
 
 
 def spread_units(
@@ -140,18 +197,60 @@ def spread_units(
     whole to the least-loaded reader (see the module docstring)."""
     if world_size < 1 or num_workers < 1:
         raise ConfigError(f"world_size and num_workers must be >= 1 (got {world_size}, {num_workers}).")
-    weights = table.weights()
+    weights, sizes = table.weights().tolist(), table.sizes()
     pieces = []
     for unit in units:
-        size = table.shards[unit.shard].num_utts
+        size = int(sizes[unit.shard])
+        size = None if size < 0 else size
         count = unit.count(size)
         share = count / size if count is not None and size else 1.0
         pieces.append(_Piece(unit, count, weights[unit.shard] * share))
     if table.indexed and split_shards:
         ranks = _cut(pieces, world_size)
-        return [[[p.unit for p in worker] for worker in _cut(rank, num_workers)] for rank in ranks]
+        return Plan.of([[[p.unit for p in worker] for worker in _cut(rank, num_workers)] for rank in ranks])
     ranks = _deal(pieces, world_size, world_size * num_workers)
-    return [[[p.unit for p in worker] for worker in _deal(rank, num_workers, num_workers)] for rank in ranks]
+    return Plan.of([[[p.unit for p in worker] for worker in _deal(rank, num_workers, num_workers)] for rank in ranks])
+
+
+def _cut_whole(weights: list[float], piece_of: Callable[[int], _Piece], parts: int) -> list[list[_Piece | range]]:
+    """:func:`_cut` of whole pieces ``0 .. len(weights)`` (``piece_of`` makes one), in bulk:
+    the runs of pieces that fit a part whole are found on running sums (``numpy.cumsum`` adds
+    in order, as ``_cut`` does), the pieces cut between parts as ``_cut`` cuts them. Each part
+    as runs of whole pieces (ranges) and pieces cut."""
+    out: list[list[_Piece | range]] = [[] for _ in range(parts)]
+    total = sum(weights)
+    array = np.asarray(weights, dtype=np.float64)
+    part, done, at, piece = 0, 0.0, 0, None  # piece: what is left of piece ``at`` once cut (None: all of it)
+    while at < len(weights):
+        if part == parts - 1:
+            out[part] += ([piece] if piece is not None else []) + [range(at + (piece is not None), len(weights))]
+            break
+        boundary = total * (part + 1) / parts
+        if piece is None:
+            sums = np.cumsum(np.concatenate(([done], array[at:])))
+            fit = int(np.searchsorted(sums[1:], boundary + 1e-9, side="right"))
+            if fit:
+                out[part].append(range(at, at + fit))
+                done, at = float(sums[fit]), at + fit
+                if at == len(weights):
+                    break
+            piece = piece_of(at)
+        elif done + piece.weight <= boundary + 1e-9:
+            out[part].append(piece)
+            done, at, piece = done + piece.weight, at + 1, None
+            continue
+        assert piece.count is not None
+        head_count = round((boundary - done) / piece.weight * piece.count) if piece.weight else 0
+        if head_count >= piece.count:
+            out[part].append(piece)
+            done, at, piece = done + piece.weight, at + 1, None
+            continue
+        if head_count > 0:
+            head, piece = piece.split(head_count)
+            out[part].append(head)
+            done += head.weight
+        part += 1
+    return out
 
 
 def _cut(pieces: Sequence[_Piece], parts: int) -> list[list[_Piece]]:
@@ -181,8 +280,9 @@ def _cut(pieces: Sequence[_Piece], parts: int) -> list[list[_Piece]]:
 
 
 def _deal(pieces: Sequence[_Piece], parts: int, readers: int) -> list[list[_Piece]]:
-    """Whole shards to the least-loaded part, in order; with fewer shards than ``readers``
-    each shard becomes k strided units (each reader keeps every k-th utterance)."""
+    """Whole shards to the least-loaded part (the first of the least), in order; with fewer
+    shards than ``readers`` each shard becomes k strided units (each reader keeps every k-th
+    utterance)."""
     if pieces and len(pieces) < readers:
         ways = math.ceil(readers / len(pieces))
         pieces = [
@@ -193,11 +293,11 @@ def _deal(pieces: Sequence[_Piece], parts: int, readers: int) -> list[list[_Piec
             for r in range(ways)
         ]
     out: list[list[_Piece]] = [[] for _ in range(parts)]
-    loads = [0.0] * parts
+    loads = [(0.0, k) for k in range(parts)]  # a heap: (load, part)
     for piece in pieces:
-        target = min(range(parts), key=lambda k: (loads[k], k))
+        load, target = heapq.heappop(loads)
         out[target].append(piece)
-        loads[target] += piece.weight
+        heapq.heappush(loads, (load + piece.weight, target))
     return out
 
 
@@ -205,6 +305,12 @@ def planned_utts(table: ShardTable, units: Sequence[Unit], counted: Mapping[int,
     """Utterances a reader's units hold, when the size of every shard they read is known
     (from the index, or ``counted``: shard number -> samples counted on disk)."""
     counted = counted or {}
-    sizes = [s.num_utts if s.num_utts is not None else counted.get(i) for i, s in enumerate(table.shards)]
-    counts = [u.count(sizes[u.shard]) for u in units]
-    return None if any(c is None for c in counts) else sum(counts)  # type: ignore[arg-type]
+    sizes = table.sizes()
+    total = 0
+    for unit in units:
+        size = int(sizes[unit.shard])
+        count = unit.count(size if size >= 0 else counted.get(unit.shard))
+        if count is None:
+            return None
+        total += count
+    return total
