@@ -76,6 +76,13 @@ class Texts:
             return None
         return self.text[int(self.ends[row - 1]) if row else 0 : int(self.ends[row])]
 
+    def take(self, rows: np.ndarray) -> list[str | None]:
+        """The strings of ``rows``: each cut out, or all made once when they are many."""
+        if len(rows) * 8 < len(self):
+            return [self[row] for row in rows.tolist()]
+        every = self.tolist()
+        return [every[row] for row in rows.tolist()]
+
     def tolist(self) -> list[str | None]:
         ends = self.ends.tolist()
         found = list(map(self.text.__getitem__, map(slice, [0, *ends[:-1]], ends)))
@@ -248,7 +255,8 @@ class ShardColumns:
         if (size > MAX_BYTES).any() or (frames > MAX_COUNT).any() or (np.maximum(shortest, longest) > MAX_LENGTH).any():
             return "a number out of range"
         most = np.minimum(size // 512, MAX_LENGTH)
-        gzipped = ".gz" in "".join(self.names) or ".tgz" in "".join(self.names)
+        joined = "\0".join(self.names)
+        gzipped = ".gz\0" in joined + "\0" or ".tgz\0" in joined + "\0"
         for row in (r for r, name in enumerate(self.names) if gzipped and name.endswith((".gz", ".tgz"))):
             most[row] = min(MAX_LENGTH, max_samples(self.names[row], int(size[row])))
         if (utts > most).any():
@@ -263,7 +271,7 @@ class ShardColumns:
             return "lengths that do not fit"
         if any(len(texts) != rows for texts in self.texts.values()) or self.texts["checksum"].absent is not None:
             return "texts"
-        return _names_problem(self.names) or self._sidecars_problem()
+        return _names_problem(self.names, joined) or self._sidecars_problem()
 
     def _histogram_problem(self, utts: np.ndarray) -> str | None:
         rows = len(self.names)
@@ -373,9 +381,9 @@ def _shaped(array: Any, dtype: Any, rows: int) -> bool:
     return isinstance(array, np.ndarray) and array.dtype == dtype and array.shape == (rows,)
 
 
-def _names_problem(names: list[str]) -> str | None:
-    """Whether a name is not a plain file name (``index.check_name``), in bulk."""
-    joined = "\0".join(names)
+def _names_problem(names: list[str], joined: str) -> str | None:
+    """Whether a name is not a plain file name (``index.check_name``), in bulk (``joined``:
+    the names joined by NUL)."""
     if "/" in joined or "\\" in joined or joined.count("\0") != max(0, len(names) - 1):
         return "a name with / or \\ or NUL"
     if not {"", ".", ".."}.isdisjoint(names):

@@ -88,6 +88,7 @@ class Alternative:
     folders: list[Path] = field(default_factory=list)
     names: dict[str, None] = field(default_factory=dict)  # in order
     links: dict[Path, frozenset[str]] = field(default_factory=dict)
+    listings: dict[Path, Listing] = field(default_factory=dict)  # of the folders it listed whole
 
     @property
     def paths(self) -> list[Path]:
@@ -350,19 +351,24 @@ def _alternative(text: str) -> Alternative:
         matches = [Path(p) for p in sorted(glob.glob(text))]
         files = grouped(p for p in matches if is_shard_name(p.name) and p.is_file())
         links: dict[Path, frozenset[str]] = {}  # of the folders listed whole (those of files matched: not known)
+        listings: dict[Path, Listing] = {}
         for folder in (p for p in matches if p.is_dir() and p.name != FIELDS_DIR):  # a folder stands for its shards
             inner = _alternative(str(folder))
             for place, names in inner.files.items():
                 links.update({place: inner.links[place]} if place not in files else {})
                 files.setdefault(place, []).extend(names)
             folders.extend(inner.folders)
-        return Alternative(text, "glob", files, [f for f in dict.fromkeys(folders) if f.is_dir()], links=links)
+            listings.update(inner.listings)
+        found = [f for f in dict.fromkeys(folders) if f.is_dir()]
+        return Alternative(text, "glob", files, found, links=links, listings=listings)
     if path.is_dir():
         top = list_folder(path)
         listings = [(path, top), *((sub, list_folder(sub)) for sub in (path / name for name in top.folders))]
         files = {folder: listing.shards for folder, listing in listings if listing.shards}
         links = {folder: listing.links for folder, listing in listings}
-        return Alternative(text, "folder", files, [folder for folder, _ in listings], links=links)
+        return Alternative(
+            text, "folder", files, [folder for folder, _ in listings], links=links, listings=dict(listings)
+        )
     files = {path.parent: [path.name]} if path.is_file() else {}
     if files and is_list_name(path.name):
         return Alternative(text, "list", files, [path.parent])
@@ -435,25 +441,40 @@ def shards_in_folder(folder: Path) -> list[Path]:
 @dataclass(frozen=True)
 class Listing:
     """What one listing of a folder says: its shard files (``links``: those of them that are
-    symbolic links) and the sub-folders that may hold shards (:func:`shard_subfolders`), each
-    sorted by name."""
+    symbolic links), the sub-folders that may hold shards (:func:`shard_subfolders`), each
+    sorted by name, and whether any name is a Lhotse Shar cuts file's (``cuts``)."""
 
     shards: list[str]
     links: frozenset[str]
     folders: list[str]
+    cuts: bool = False
 
 
 def list_folder(folder: Path) -> Listing:
     """``folder`` listed once: a folder of 500,000 shards costs a listing, not a system call a
     shard (an entry's kind comes with the listing; names sort as strings)."""
-    shards, links, folders = [], set(), []
+    shards: list[str] = []
+    links: list[str] = []
+    folders: list[str] = []
+    cuts = False
+    append = shards.append
     with os.scandir(folder) as listing:
         for entry in listing:
             name = entry.name
+            if name.endswith(SHARD_SUFFIXES) and entry.is_file(follow_symlinks=False) and name[0] != ".":
+                append(name)  # a shard file, not a link: nearly every one
+                continue
+            cuts = cuts or _is_cuts(name)
             if is_shard_name(name) and entry.is_file():
-                shards.append(name)
+                append(name)
                 if entry.is_symlink():
-                    links.add(name)
+                    links.append(name)
             elif entry.is_dir() and not name.startswith(".") and name != FIELDS_DIR:
                 folders.append(name)
-    return Listing(sorted(shards), frozenset(links), sorted(folders))
+    shards.sort()
+    return Listing(shards, frozenset(links), sorted(folders), cuts)
+
+
+def _is_cuts(name: str) -> bool:
+    """Whether ``name`` is a Lhotse Shar cuts file's (not hidden)."""
+    return SHAR_CUTS.fullmatch(name) is not None and not name.startswith(".")

@@ -10,12 +10,12 @@ naming them, or (when the user asked to skip bad data) a counted, logged skip.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError, ShardError, counted, option
 from .index import ShardIndex
@@ -24,6 +24,7 @@ from .patterns import (
     FIELD_SET_NAME,
     FIELDS_DIR,
     Alternative,
+    Listing,
     Patterns,
     expand_pattern,
     grouped,
@@ -69,6 +70,7 @@ class ShardSelection:
     missing: list[MissingShard] = field(default_factory=list)
     skip_bad: bool = False  # a Lhotse Shar cut with a bad duration is counted when read, not refused here
     listed_sidecars: dict[Path, frozenset[str]] = field(default_factory=dict)  # per folder, from its index
+    listings: dict[Path, Listing] = field(default_factory=dict)  # of folders listed whole
     real_folders: dict[Path, str] = field(default_factory=dict)  # each folder's real path, looked up once
 
     @property
@@ -95,9 +97,10 @@ def select_shards(patterns: Patterns, skip_bad: bool = False) -> ShardSelection:
     nothing at all. ``skip_bad``: see :func:`~.peers.shar.shar_index`."""
     selection = ShardSelection(skip_bad=skip_bad)
     missing: dict[Path, MissingShard] = {}
-    selected: dict[str, dict[str, tuple[Path, str]]] = {}  # real folder -> real name -> the spelling selected
+    selected: dict[str, dict[str, Any]] = {}  # real folder -> real name -> the spelling selected (or its folder)
     for pattern in pattern_list(patterns):
         for alternative in expand_pattern(pattern):
+            selection.listings.update(alternative.listings)
             if alternative.kind == "list":
                 absent = _read_list(alternative)
             else:
@@ -136,30 +139,32 @@ def _select(
     folder: Path,
     names: list[str],
     links: frozenset[str] | None,
-    selected: dict[str, dict[str, tuple[Path, str]]],
+    selected: dict[str, dict[str, Any]],
     selection: ShardSelection,
 ) -> None:
     """Add the files ``names`` of ``folder`` to ``selection`` unless a file is selected already
     (under another spelling: logged). A file is known by its real path: the folder's (looked
-    up once) and its name, unless it is a symbolic link (``links``; None: not known, each
-    file's is looked up)."""
+    up once) and its name, unless it is a symbolic link (``links``: of a listing, whose names
+    are each once; None: not known, each file's is looked up)."""
     if not names:
         return
     if folder not in selection.real_folders:
         selection.real_folders[folder] = os.path.realpath(folder)
     real = selection.real_folders[folder]
-    if links is not None and not links and real not in selected and len(set(names)) == len(names):
-        selected[real] = dict(zip(names, zip(itertools.repeat(folder), names)))  # none selected yet: all new
+    if links is not None and not links and real not in selected:  # a listing's names, none a link, none seen
+        selected[real] = (folder, names)  # made a dict only if another spelling comes to this folder
         selection.folders.setdefault(folder, []).extend(names)
         return
     for name in names:
         place, real_name = (real, name) if links is not None and name not in links else _real(folder, name)
         known = selected.setdefault(place, {})
+        if isinstance(known, tuple):  # the names of one listing: spelled folder/name
+            known = selected[place] = dict.fromkeys(known[1], known[0])
         first = known.get(real_name)
         if first is None:
             known[real_name] = (folder, name)
             selection.folders.setdefault(folder, []).append(name)
-        elif first != (folder, name):
+        elif (first := first if isinstance(first, tuple) else (first, real_name)) != (folder, name):
             _LOG.info("%s is %s (selected already): read once", folder / name, first[0] / first[1])
 
 
@@ -173,9 +178,9 @@ def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
     """The folder's index.json, or the facts of a Lhotse Shar folder (its field files are
     then sidecars, never shards) or of a NeMo tarred set (from its manifest)."""
     if folder not in selection.indexes:
-        selection.indexes[folder] = (
-            shar_index(folder, selection.skip_bad) or ShardIndex.load(folder) or nemo_index(folder)
-        )
+        listing = selection.listings.get(folder)
+        shar = shar_index(folder, selection.skip_bad) if listing is None or listing.cuts else None  # a listing said
+        selection.indexes[folder] = shar or ShardIndex.load(folder) or nemo_index(folder)
     return selection.indexes[folder]
 
 
@@ -191,14 +196,14 @@ def _sidecars_among(folder: Path, names: list[str], selection: ShardSelection) -
         listed = selection.listed_sidecars.get(folder)
         if listed is None:
             listed = selection.listed_sidecars[folder] = index.sidecar_names()  # once a folder
-        rows = index.columns.rows()
-        unknown = [name for name in names if name in listed or name not in rows]
+        unlisted = set() if names == index.columns.names else set(names).difference(index.columns.rows())
+        unknown = unlisted | (listed.intersection(names) if listed else set())  # the index's names in its order: none
     if not unknown:
         return set()
     fields_folder = folder.parent.name == FIELDS_DIR and FIELD_SET_NAME.fullmatch(folder.name) is not None
     return {
         name
-        for name in unknown
+        for name in (names if unknown is names else [name for name in names if name in unknown])  # in order
         if (listed is not None and name in listed)
         or ((fields_folder or _dotted(name)) and is_sidecar(folder / name, index, listed))
     }
@@ -260,8 +265,10 @@ def _absent(alternative: Alternative, selection: ShardSelection) -> list[Missing
         index = _index_of(folder, selection)
         if index is not None:
             columns = index.columns
-            found = set(alternative.files.get(folder, ()))
-            expected = {n: c for n, c in zip(columns.names, columns.numbers["num_utts"].tolist()) if n not in found}
+            found = alternative.files.get(folder, [])
+            unseen = set() if found == columns.names else columns.rows().keys() - set(found)  # not found: missing?
+            counts = columns.numbers["num_utts"].tolist() if unseen else []
+            expected = {n: c for n, c in zip(columns.names, counts) if n in unseen}
             why = "listed in its folder's index.json, but the file is missing"
             if index.source.get("format") == NEMO_FORMAT:
                 why = "its shard id has entries in the folder's NeMo manifest, but the tar is missing"

@@ -8,6 +8,7 @@ selected) are refused when the table is made: their samples would be read twice.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import zlib
@@ -124,12 +125,13 @@ class Shards(Sequence["ShardInfo"]):
         paths: list[str],
         numbers: dict[str, np.ndarray],  # bytes, num_utts, num_frames (int64, -1 unknown)
         escaped: np.ndarray,  # bool
+        listed: np.ndarray,  # bool: a list (a WeNet list, a manifest) read as a shard
         rows: np.ndarray,  # int64: the row in its folder's index, -1 when none
         folders: np.ndarray,  # int32: the folder in ``sources``, -1 when none
         sources: list[tuple[str, ShardColumns]],  # (folder as the paths spell it, its index's columns)
         given: dict[int, ShardInfo] | None = None,  # shards made as objects (ShardTable(...) of ShardInfo)
     ):
-        self.paths, self.numbers, self.escaped = paths, numbers, escaped
+        self.paths, self.numbers, self.escaped, self.listed = paths, numbers, escaped, listed
         self.rows, self.folders, self.sources, self.given = rows, folders, sources, given or {}
         self._made: dict[int, ShardInfo] = {}
         self._fingerprint: str | None = None
@@ -142,7 +144,8 @@ class Shards(Sequence["ShardInfo"]):
         }
         none = np.full(len(infos), -1, np.int64)
         escaped = np.array([s.escaped_keys for s in infos], bool).reshape(-1)
-        return cls([s.path for s in infos], numbers, escaped, none, none.astype(np.int32), [], dict(enumerate(infos)))
+        paths = [s.path for s in infos]
+        return cls(paths, numbers, escaped, _lists(paths), none, none.astype(np.int32), [], dict(enumerate(infos)))
 
     @classmethod
     def concat(cls, parts: Sequence[Shards]) -> Shards:
@@ -155,6 +158,7 @@ class Shards(Sequence["ShardInfo"]):
             [path for part in parts for path in part.paths],
             {f: np.concatenate([p.numbers[f] for p in parts]) for f in parts[0].numbers},
             np.concatenate([p.escaped for p in parts]),
+            np.concatenate([p.listed for p in parts]),
             np.concatenate([p.rows for p in parts]),
             np.concatenate([np.where(p.folders < 0, -1, p.folders + first) for p, first in zip(parts, firsts)]),
             [source for part in parts for source in part.sources],
@@ -217,16 +221,17 @@ class Shards(Sequence["ShardInfo"]):
             self._fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
         return self._fingerprint
 
-    def checksums(self) -> list[str | None]:
-        """Each shard's checksum, when its index records one."""
-        found: list[str | None] = [None] * len(self)
+    def checksums(self, shards: np.ndarray) -> np.ndarray:
+        """The checksums of ``shards``, when their index records them (else None), as an object
+        array of this table's length (None elsewhere)."""
+        found = np.full(len(self), None, dtype=object)
+        chosen = np.zeros(len(self), dtype=bool)
+        chosen[shards] = True
         for number, (_, columns) in enumerate(self.sources):
-            at = np.flatnonzero(self.folders == number)
-            listed = columns.texts["checksum"].tolist()
-            for shard, row in zip(at.tolist(), self.rows[at].tolist()):
-                found[shard] = listed[row]
+            at = np.flatnonzero((self.folders == number) & chosen)
+            found[at] = columns.texts["checksum"].take(self.rows[at])
         for shard, info in self.given.items():
-            found[shard] = info.checksum
+            found[shard] = info.checksum if chosen[shard] else None
         return found
 
     def lacking(self, field_set: str) -> str | None:
@@ -271,9 +276,12 @@ class _Gathered:
                 self.layouts.setdefault(name, (str(fs.layout["dtype"]), tuple(int(n) for n in fs.layout["shape"])))
         lists = _lists(folder.names)
         columns = index.columns if index is not None else None
-        if columns is not None:
+        if columns is not None and folder.names == columns.names:  # the index's own order: nearly always
+            rows = np.arange(len(paths), dtype=np.int64)
+            rows[lists] = -1
+        elif columns is not None:
             found = columns.rows()
-            rows = np.fromiter((found.get(name, -1) for name in folder.names), np.int64, len(paths))
+            rows = np.fromiter(map(found.get, folder.names, itertools.repeat(-1)), np.int64, len(paths))
             rows[lists] = -1
         else:
             rows = np.full(len(paths), -1, np.int64)
@@ -305,7 +313,7 @@ class _Gathered:
                     self.access.expected[f"{folder.name}/{car.name}"] = (car.bytes, car.checksum)
         sources = [(folder.name, columns)] if columns is not None else []
         where = np.where(indexed, 0, -1).astype(np.int32)
-        self.parts.append(Shards(paths, numbers, ~lists & escaped, rows, where, sources))
+        self.parts.append(Shards(paths, numbers, ~lists & escaped, lists, rows, where, sources))
         self.lengths.append((columns, rows))
 
 
@@ -326,19 +334,20 @@ def _refuse_copies(shards: Shards, access: RemoteAccess) -> None:
     compared, by their index's CRC-32 when every one of them is indexed, else by their first
     sample (key and bytes, one small read each)."""
     sizes = shards.numbers["bytes"]
-    candidates = np.flatnonzero(~_lists(shards.paths))
+    candidates = np.flatnonzero(~shards.listed)
     _, inverse, counts = np.unique(sizes[candidates], return_inverse=True, return_counts=True)
     shared = counts[inverse] > 1
     if not shared.any():
         return
-    checksums = shards.checksums()
+    checksums = shards.checksums(candidates[shared])
     order = np.argsort(inverse[shared], kind="stable")
     groups = np.split(candidates[shared][order], np.flatnonzero(np.diff(inverse[shared][order])) + 1)
     for group in sorted(groups, key=lambda g: int(g[0])):  # in the order their first shard comes
-        members = group.tolist()
-        indexed = all(checksums[shard] for shard in members)
-        if indexed and len({checksums[shard] for shard in members}) == len(members):
+        marks = checksums[group].tolist()
+        indexed = all(marks)
+        if indexed and len(set(marks)) == len(marks):
             continue  # no two alike
+        members = group.tolist()
         seen: dict[Any, str] = {}
         for shard in members:
             path = shards.paths[shard]

@@ -91,19 +91,89 @@ class _Piece:
         )
 
 
-class Plan(Sequence[list[list[Unit]]]):
-    """An epoch's plan: ``plan[rank][worker]`` is that reader's units, in reading order. The
-    ranks' shares are cut at once, in bulk; a rank's units are made when it is first asked for,
-    so that a rank of a table of 500,000 shards makes its own, not every rank's."""
+class _Pieces:
+    """Pieces as columns (a unit's fields, its count and weight), each one made a
+    :class:`_Piece` only when it is cut: what a plan of 500,000 shards is cut from."""
 
-    def __init__(self, ranks: Sequence[Sequence[_Piece | range]], piece_of: Callable[[int], _Piece], workers: int):
-        self._ranks, self._piece_of, self._workers = ranks, piece_of, workers
-        self._made: dict[int, list[list[Unit]]] = {}
+    FIELDS = ("shard", "start", "stop", "step", "at", "count")  # int64; stop -1: None
+
+    def __init__(self, columns: dict[str, np.ndarray], weights: list[float]):
+        self.columns, self.weights = columns, weights
+
+    @classmethod
+    def whole(cls, shards: np.ndarray, counts: np.ndarray, weights: list[float]) -> _Pieces:
+        """Whole shards, as ``Unit(shard)`` reads them."""
+        zeros = np.zeros(len(shards), dtype=np.int64)
+        columns = dict(zip(cls.FIELDS, (shards, zeros, zeros - 1, zeros + 1, zeros, counts)))
+        return cls({k: v.astype(np.int64) for k, v in columns.items()}, [w * 1.0 for w in weights])
+
+    def piece(self, row: int) -> _Piece:
+        shard, start, stop, step, at, count = (int(self.columns[f][row]) for f in self.FIELDS)
+        return _Piece(Unit(shard, start, None if stop < 0 else stop, step, None, at), count, self.weights[row])
+
+    def take(self, items: Sequence[_Piece | range]) -> _Pieces:
+        """The pieces of ``items`` (runs of these pieces, whole; pieces cut from them), in order."""
+        parts, weights = [], []
+        for item in items:
+            if isinstance(item, range):
+                parts.append({f: self.columns[f][item.start : item.stop] for f in self.FIELDS})
+                weights += self.weights[item.start : item.stop]
+            else:
+                unit = item.unit
+                values = (
+                    unit.shard,
+                    unit.start,
+                    -1 if unit.stop is None else unit.stop,
+                    unit.step,
+                    unit.at,
+                    item.count,
+                )
+                parts.append({f: np.array([v], dtype=np.int64) for f, v in zip(self.FIELDS, values)})
+                weights.append(item.weight)
+        if not parts:
+            return _Pieces({f: np.zeros(0, dtype=np.int64) for f in self.FIELDS}, [])
+        return _Pieces({f: np.concatenate([part[f] for part in parts]) for f in self.FIELDS}, weights)
+
+
+class Units(Sequence[Unit]):
+    """A reader's units of a plan, as columns: a :class:`Unit` is made when asked for (a rank
+    counting every rank's batches makes none); their shards and counts in bulk
+    (:func:`unit_counts`)."""
+
+    def __init__(self, pieces: _Pieces):
+        self.pieces = pieces
+
+    def __len__(self) -> int:
+        return len(self.pieces.weights)
+
+    @overload
+    def __getitem__(self, at: int) -> Unit: ...
+    @overload
+    def __getitem__(self, at: slice) -> list[Unit]: ...
+    def __getitem__(self, at: int | slice) -> Unit | list[Unit]:
+        if isinstance(at, slice):
+            return [self[i] for i in range(*at.indices(len(self)))]
+        return self.pieces.piece(range(len(self))[at]).unit
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, (Units, list)) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return repr(list(self))
+
+
+class Plan(Sequence[list[Units]]):
+    """An epoch's plan: ``plan[rank][worker]`` is that reader's units, in reading order. The
+    ranks' shares are cut at once, in bulk, and a rank's readers' when it is first asked for."""
+
+    def __init__(self, pieces: _Pieces | None, ranks: list[list[_Piece | range]], workers: int):
+        self._pieces, self._ranks, self._workers = pieces, ranks, workers
+        self._made: dict[int, list[Any]] = {}
 
     @classmethod
     def of(cls, readers: list[list[list[Unit]]]) -> Plan:
         """A plan of units made already (``readers[rank][worker]``)."""
-        plan = cls([[] for _ in readers], lambda _: None, len(readers[0]) if readers else 0)  # type: ignore[arg-type, return-value]
+        plan = cls(None, [[] for _ in readers], len(readers[0]) if readers else 0)
         plan._made = dict(enumerate(readers))
         return plan
 
@@ -111,20 +181,18 @@ class Plan(Sequence[list[list[Unit]]]):
         return len(self._ranks)
 
     @overload
-    def __getitem__(self, rank: int) -> list[list[Unit]]: ...
+    def __getitem__(self, rank: int) -> list[Units]: ...
     @overload
-    def __getitem__(self, rank: slice) -> list[list[list[Unit]]]: ...
-    def __getitem__(self, rank: int | slice) -> list[list[Unit]] | list[list[list[Unit]]]:
+    def __getitem__(self, rank: slice) -> list[list[Units]]: ...
+    def __getitem__(self, rank: int | slice) -> list[Units] | list[list[Units]]:
         if isinstance(rank, slice):
             return [self[r] for r in range(*rank.indices(len(self)))]
         rank = range(len(self))[rank]  # IndexError as a list gives
         if rank not in self._made:
-            pieces = [
-                p
-                for item in self._ranks[rank]
-                for p in (map(self._piece_of, item) if isinstance(item, range) else (item,))
-            ]
-            self._made[rank] = [[p.unit for p in worker] for worker in _cut(pieces, self._workers)]
+            assert self._pieces is not None
+            pieces = self._pieces.take(self._ranks[rank])
+            workers = _cut_whole(pieces.weights, pieces.piece, self._workers)
+            self._made[rank] = [Units(pieces.take(items)) for items in workers]
         return self._made[rank]
 
     def __eq__(self, other: object) -> bool:
@@ -181,12 +249,8 @@ def spread_shards(
         raise ConfigError(f"world_size and num_workers must be >= 1 (got {world_size}, {num_workers}).")
     if not (table.indexed and split_shards):
         return spread_units(table, [Unit(i) for i in order.tolist()], world_size, num_workers, split_shards)
-    shards, counts, weights = order.tolist(), table.sizes()[order].tolist(), table.weights()[order].tolist()
-
-    def piece_of(at: int) -> _Piece:  # a whole shard: its count, its weight (as spread_units makes it)
-        return _Piece(Unit(shards[at]), counts[at], weights[at] * 1.0)
-
-    return Plan(_cut_whole(weights, piece_of, world_size), piece_of, num_workers)
+    pieces = _Pieces.whole(order, table.sizes()[order], table.weights()[order].tolist())
+    return Plan(pieces, _cut_whole(pieces.weights, pieces.piece, world_size), num_workers)
 
 
 def spread_units(
@@ -227,11 +291,10 @@ def _cut_whole(weights: list[float], piece_of: Callable[[int], _Piece], parts: i
             break
         boundary = total * (part + 1) / parts
         if piece is None:
-            sums = np.cumsum(np.concatenate(([done], array[at:])))
-            fit = int(np.searchsorted(sums[1:], boundary + 1e-9, side="right"))
+            fit, done = _fitting(array, at, done, boundary + 1e-9, 2 * len(weights) // parts + 64)
             if fit:
                 out[part].append(range(at, at + fit))
-                done, at = float(sums[fit]), at + fit
+                at += fit
                 if at == len(weights):
                     break
             piece = piece_of(at)
@@ -279,6 +342,19 @@ def _cut(pieces: Sequence[_Piece], parts: int) -> list[list[_Piece]]:
     return out
 
 
+def _fitting(weights: np.ndarray, at: int, done: float, bound: float, chunk: int) -> tuple[int, float]:
+    """How many of ``weights[at:]`` added one by one to ``done`` stay ``<= bound``, and the
+    sum then: running sums of ``chunk`` weights at a time (``numpy.cumsum`` adds in order)."""
+    fit = 0
+    while at + fit < len(weights):
+        sums = np.cumsum(np.concatenate(([done], weights[at + fit : at + fit + chunk])))
+        more = int(np.searchsorted(sums[1:], bound, side="right"))
+        fit, done = fit + more, float(sums[more])
+        if more < len(sums) - 1:
+            break
+    return fit, done
+
+
 def _deal(pieces: Sequence[_Piece], parts: int, readers: int) -> list[list[_Piece]]:
     """Whole shards to the least-loaded part (the first of the least), in order; with fewer
     shards than ``readers`` each shard becomes k strided units (each reader keeps every k-th
@@ -301,9 +377,22 @@ def _deal(pieces: Sequence[_Piece], parts: int, readers: int) -> list[list[_Piec
     return out
 
 
+def unit_counts(table: ShardTable, units: Sequence[Unit]) -> tuple[np.ndarray, np.ndarray]:
+    """Each unit's shard and the samples it yields (-1 where its shard's size is unknown),
+    in bulk for a plan's :class:`Units`."""
+    if isinstance(units, Units):
+        return units.pieces.columns["shard"], units.pieces.columns["count"]
+    sizes = table.sizes()
+    counts = [unit.count(int(sizes[unit.shard]) if sizes[unit.shard] >= 0 else None) for unit in units]
+    shards = np.array([unit.shard for unit in units], dtype=np.int64)
+    return shards, np.array([-1 if count is None else count for count in counts], dtype=np.int64)
+
+
 def planned_utts(table: ShardTable, units: Sequence[Unit], counted: Mapping[int, int] | None = None) -> int | None:
     """Utterances a reader's units hold, when the size of every shard they read is known
     (from the index, or ``counted``: shard number -> samples counted on disk)."""
+    if isinstance(units, Units):
+        return int(units.pieces.columns["count"].sum())  # a plan's: of shards whose sizes are known
     counted = counted or {}
     sizes = table.sizes()
     total = 0
