@@ -37,7 +37,7 @@ from ..checks import number_problem, read_number, shown
 from ..errors import SeqshardError
 from .files import json_bytes, write_atomic, writing
 from .inflation import inflation_limit
-from .patterns import FIELD_SET_NAME, FIELDS_DIR, INDEX_NAME, shard_stem
+from .patterns import FIELD_SET_NAME, FIELDS_DIR, INDEX_NAME, INDEX_TABLE_NAME, shard_stem
 
 if TYPE_CHECKING:
     from .index_table import ShardColumns
@@ -391,9 +391,9 @@ class ShardIndex:
         """Write ``folder/index.json`` atomically (temporary name, then rename), with its
         compact table ``index.npz`` when it lists :data:`~.index_table.TABLE_FROM` shards or
         more (``index_table.py``; a table left by an earlier index is removed otherwise)."""
-        from .index_table import TABLE_FROM, TABLE_NAME, ShardColumns, write_table
+        from .index_table import TABLE_FROM, ShardColumns, write_table
 
-        path, table = Path(folder) / INDEX_NAME, Path(folder) / TABLE_NAME
+        path, table = Path(folder) / INDEX_NAME, Path(folder) / INDEX_TABLE_NAME
         data = self.to_json()
         text = json_bytes(data)
         if len(self.shards) >= TABLE_FROM:
@@ -411,12 +411,12 @@ class ShardIndex:
     def load(cls, folder: str | Path) -> ShardIndex | None:
         """The index of ``folder``, or None when it has none: from its compact table when
         that goes with its index.json (``index_table.py``), else from the index.json."""
-        from .index_table import TABLE_NAME, json_digest, read_table
+        from .index_table import json_digest, read_table
 
         path = Path(folder) / INDEX_NAME
         rebuild = f"seqshard index {folder}"
-        if (Path(folder) / TABLE_NAME).is_file() and (digest := json_digest(path)) is not None:
-            found = read_table(Path(folder) / TABLE_NAME, digest)
+        if (Path(folder) / INDEX_TABLE_NAME).is_file() and (digest := json_digest(path)) is not None:
+            found = read_table(Path(folder) / INDEX_TABLE_NAME, digest)
             if found is not None:
                 header, columns = found
                 return cls.from_json({**header, "shards": []}, path, rebuild)._as(columns)

@@ -42,7 +42,6 @@ from .index import (
 from .patterns import FIELD_SET_NAME
 
 _LOG = logging.getLogger("seqshard")
-TABLE_NAME = "index.npz"  # beside index.json
 TABLE_FROM = 1000  # shards in a folder from which its index gets a table
 TABLE_FORMAT = 1
 _BIN_OF = {str(b): b for b in range(MAX_BIN + 1)}  # a histogram's bins as seqshard writes them
@@ -136,13 +135,19 @@ class ShardColumns:
     numbers: dict[str, np.ndarray]  # _NUMBERS, int64
     at: np.ndarray  # int64, rows + 1
     bins: np.ndarray  # int16
-    counts: np.ndarray  # int64
+    counts: np.ndarray  # int32 (each at most a shard's count: MAX_LENGTH)
     texts: dict[str, Texts]  # _TEXTS
     sidecars: dict[str, SidecarColumns] = field(default_factory=dict)  # by field set
     _rows: dict[str, int] | None = field(default=None, repr=False)
 
     def __len__(self) -> int:
         return len(self.names)
+
+    def __getstate__(self) -> dict[str, Any]:  # pickled to spawned workers: the names as one text
+        return {**self.__dict__, "names": Texts.of(self.names), "_rows": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, names=state["names"].tolist())
 
     def row(self, name: str) -> int | None:
         """The row of shard ``name`` (the last of that name, as a dict of the entries has it)."""
@@ -195,7 +200,7 @@ class ShardColumns:
             numbers,
             np.cumsum([0, *map(len, hists)], dtype=np.int64),
             np.array([b for b, _ in flat], np.int16).reshape(-1),
-            np.array([c for _, c in flat], np.int64).reshape(-1),
+            np.array([c for _, c in flat], np.int32).reshape(-1),
             {f: Texts.of([getattr(entry, f) for entry in entries]) for f in _TEXTS},
             cars,
         )
@@ -231,6 +236,7 @@ class ShardColumns:
         counts = _ints(list(itertools.chain.from_iterable(map(dict.values, hists))), MAX_LENGTH)
         if counts is None or (bins < 0).any():
             return None
+        counts = counts.astype(np.int32)
         numbers = dict(zip(_NUMBERS, (utts, frames, size, shortest, longest)))
         columns = cls(names, numbers, at, bins, counts, {f: Texts.of(v) for f, v in texts.items()})  # type: ignore[arg-type]
         cars = _column(entries, "sidecars", {})
@@ -277,7 +283,7 @@ class ShardColumns:
         rows = len(self.names)
         if not _shaped(self.at, np.int64, rows + 1) or self.at[0] != 0 or (np.diff(self.at) < 0).any():
             return "histogram rows"
-        if not _shaped(self.bins, np.int16, int(self.at[-1])) or not _shaped(self.counts, np.int64, len(self.bins)):
+        if not _shaped(self.bins, np.int16, int(self.at[-1])) or not _shaped(self.counts, np.int32, len(self.bins)):
             return "histogram arrays"
         if len(self.counts) * MAX_LENGTH >= 2**62:
             return "too many bins"

@@ -36,6 +36,7 @@ MANIFEST_SUFFIXES = (".json", ".jsonl")  # NeMo manifests, read directly (see fo
 LIST_SUFFIXES = (".list", ".scp", *MANIFEST_SUFFIXES)  # and WeNet lists and Kaldi wav.scp (formats/peers/lists.py)
 FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
 INDEX_NAME = "index.json"  # a folder's index (formats/index.py)
+INDEX_TABLE_NAME = "index.npz"  # its shards as arrays, beside it (formats/index_table.py)
 FIELDS_DIR = "fields"  # FOLDER/fields/NAME/data-00042.tar: field set NAME of FOLDER/data-00042.tar
 SHAR_CUTS = re.compile(r"cuts(?P<id>(?:\.[^.]+)*?)\.jsonl(?:\.gz)?")  # a Lhotse Shar shard (formats/peers/shar.py)
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import ConfigError, ShardError, counted
 from .index import ShardIndex, merge_histograms
-from .index_table import ShardColumns
+from .index_table import ShardColumns, Texts
 from .patterns import LIST_SUFFIXES, Patterns, is_list_name, is_manifest_name
 from .peers.lists import scan_list
 from .peers.nemo import scan_manifest
@@ -75,8 +75,12 @@ class SelectedFolder:
 
     name: str
     index: ShardIndex | None
-    shards: list[str]
-    names: list[str]
+    paths: Paths
+    names: list[str]  # the file names (a URL's last part)
+
+    @property
+    def shards(self) -> list[str]:
+        return list(self.paths)
 
 
 def select_folders(
@@ -87,7 +91,7 @@ def select_folders(
     local, remote = split_patterns(patterns)
     selection = select_shards(local, skip_bad) if local else ShardSelection()
     folders = [
-        SelectedFolder(str(folder), selection.indexes[folder], _paths(folder, names), names)
+        SelectedFolder(str(folder), selection.indexes[folder], Paths.in_folder(folder, names), names)
         for folder, names in selection.folders.items()
     ]
     missing = selection.missing
@@ -97,20 +101,63 @@ def select_folders(
         for shard in chosen.shards:
             by_folder.setdefault(shard.folder, []).append(shard.url)
         folders += [
-            SelectedFolder(name, chosen.indexes.get(name), urls, [_name(url) for url in urls])
+            SelectedFolder(name, chosen.indexes.get(name), Paths.of(urls), [_name(url) for url in urls])
             for name, urls in by_folder.items()
         ]
         missing = missing + chosen.missing
     return folders, missing
 
 
-def _paths(folder: Path, names: list[str]) -> list[str]:
-    """``str(folder / name)`` of each name, made as strings."""
-    base = str(folder)
-    if base == ".":
-        return list(names)
-    base = base if base.endswith("/") else base + "/"
-    return [base + name for name in names]
+class Paths(Sequence[str]):
+    """Paths (or URLs) as a prefix and a name each: the shards of a local folder share its
+    prefix, and their names are its index's (no string a path until one is asked for);
+    pickled with the names as one text (:class:`~.index_table.Texts`)."""
+
+    def __init__(self, prefixes: list[str], place: np.ndarray, names: list[str]):
+        self.prefixes, self.place, self.names = prefixes, place, names
+
+    @classmethod
+    def of(cls, paths: Sequence[str]) -> Paths:
+        return cls([""], np.zeros(len(paths), dtype=np.int32), list(paths))
+
+    @classmethod
+    def in_folder(cls, folder: Path, names: list[str]) -> Paths:
+        """``str(folder / name)`` of each of ``names``."""
+        base = str(folder)
+        prefix = "" if base == "." else base if base.endswith("/") else base + "/"
+        return cls([prefix], np.zeros(len(names), dtype=np.int32), names)
+
+    @classmethod
+    def concat(cls, parts: Sequence[Paths]) -> Paths:
+        firsts = np.cumsum([0, *(len(p.prefixes) for p in parts)])
+        return cls(
+            [prefix for part in parts for prefix in part.prefixes],
+            np.concatenate([part.place + first for part, first in zip(parts, firsts)]).astype(np.int32),
+            [name for part in parts for name in part.names],
+        )
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    @overload
+    def __getitem__(self, at: int) -> str: ...
+    @overload
+    def __getitem__(self, at: slice) -> list[str]: ...
+    def __getitem__(self, at: int | slice) -> str | list[str]:
+        if isinstance(at, slice):
+            return [self[i] for i in range(*at.indices(len(self)))]
+        return self.prefixes[self.place[at]] + self.names[at]
+
+    def __iter__(self) -> Iterator[str]:
+        if len(self.prefixes) == 1:
+            return map(self.prefixes[0].__add__, self.names)
+        return map(str.__add__, map(self.prefixes.__getitem__, self.place.tolist()), self.names)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "names": Texts.of(self.names)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, names=state["names"].tolist())
 
 
 class Shards(Sequence["ShardInfo"]):
@@ -122,7 +169,7 @@ class Shards(Sequence["ShardInfo"]):
 
     def __init__(
         self,
-        paths: list[str],
+        paths: Paths,
         numbers: dict[str, np.ndarray],  # bytes, num_utts, num_frames (int64, -1 unknown)
         escaped: np.ndarray,  # bool
         listed: np.ndarray,  # bool: a list (a WeNet list, a manifest) read as a shard
@@ -144,8 +191,10 @@ class Shards(Sequence["ShardInfo"]):
         }
         none = np.full(len(infos), -1, np.int64)
         escaped = np.array([s.escaped_keys for s in infos], bool).reshape(-1)
-        paths = [s.path for s in infos]
-        return cls(paths, numbers, escaped, _lists(paths), none, none.astype(np.int32), [], dict(enumerate(infos)))
+        paths = Paths.of([s.path for s in infos])
+        return cls(
+            paths, numbers, escaped, _lists(paths.names), none, none.astype(np.int32), [], dict(enumerate(infos))
+        )
 
     @classmethod
     def concat(cls, parts: Sequence[Shards]) -> Shards:
@@ -155,7 +204,7 @@ class Shards(Sequence["ShardInfo"]):
         starts = np.cumsum([0, *map(len, parts)])
         firsts = np.cumsum([0, *(len(p.sources) for p in parts)])
         return cls(
-            [path for part in parts for path in part.paths],
+            Paths.concat([part.paths for part in parts]),
             {f: np.concatenate([p.numbers[f] for p in parts]) for f in parts[0].numbers},
             np.concatenate([p.escaped for p in parts]),
             np.concatenate([p.listed for p in parts]),
@@ -261,7 +310,7 @@ class _Gathered:
         self.lengths: list[tuple[ShardColumns | None, np.ndarray]] = []  # each part's index and rows
 
     def add_folder(self, folder: SelectedFolder) -> None:
-        index, paths = folder.index, folder.shards
+        index, paths = folder.index, folder.paths
         if index is not None and index.feature.get("dim"):
             self.dims.setdefault(int(index.feature["dim"]), folder.name)
             self.shift = float(index.feature.get("frame_shift_ms") or self.shift)
@@ -274,14 +323,17 @@ class _Gathered:
         for name, fs in index.field_sets.items() if index else []:
             if fs.layout.get("dtype"):
                 self.layouts.setdefault(name, (str(fs.layout["dtype"]), tuple(int(n) for n in fs.layout["shape"])))
-        lists = _lists(folder.names)
+        names = folder.names
+        lists = _lists(names)
         columns = index.columns if index is not None else None
-        if columns is not None and folder.names == columns.names:  # the index's own order: nearly always
+        if columns is not None and names == columns.names:  # the index's own order: nearly always
             rows = np.arange(len(paths), dtype=np.int64)
             rows[lists] = -1
+            if paths.names is names:  # a local folder's: the index's strings, not a copy of each
+                paths = Paths(paths.prefixes, paths.place, columns.names)
         elif columns is not None:
             found = columns.rows()
-            rows = np.fromiter(map(found.get, folder.names, itertools.repeat(-1)), np.int64, len(paths))
+            rows = np.fromiter(map(found.get, names, itertools.repeat(-1)), np.int64, len(paths))
             rows[lists] = -1
         else:
             rows = np.full(len(paths), -1, np.int64)
@@ -425,7 +477,7 @@ class ShardTable:
             histogram,
             tuple(missing),
             tuple((name, tuple(suffixes)) for name, suffixes in gathered.field_sets.items()),
-            is_shar_table(shards.paths),
+            is_shar_table(shards.paths),  # type: ignore[arg-type]
             tuple((name, dtype, shape) for name, (dtype, shape) in gathered.layouts.items()),
             lengths,
         )
