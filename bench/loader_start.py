@@ -9,10 +9,15 @@ names, with their member tables; a copy of it every 50,000, as a file takes at m
 each entry with a checksum of its own, so that the links are not taken for copies). Each
 size runs in a fresh process that has imported seqshard, numpy and torch (a training script
 has) before the clock starts: ``make_loader(folder, rank=R, world_size=W)`` (index, selection,
-this rank's shards), the first epoch's plan as this rank's readers make it (``plan_epoch``,
-the rank's share), ``len(loader)`` (the epoch's batches, which counts every rank's share),
-the identity the ranks compare (``fingerprint``): together a rank's start; then one process's
-loader of the whole folder and its first batch. Peak memory (``VmHWM``) over the imports.
+this rank's shards; the default batches, ``batch_frames``), the first epoch's plan as this
+rank's readers make it (``plan_epoch``, the rank's share), the epoch's batches as an
+iteration's start counts them (every rank's share: ``counts.planned_batches(...,
+estimate=False)``), the identity the ranks compare (``fingerprint``), and the first batch of
+that rank from one worker process (a loader with ``uneven="join"``, which iterates without a
+process group; its ``make_loader`` not counted again): together a rank's start, and its peak
+memory (``VmHWM``, over the imports). Apart: ``planned_batches()``'s estimate (what ``len`` and
+progress bars ask; random orders of the lengths, a cost of the world size, not of the shards),
+and one process's loader of the whole folder with its first batch, and the peak with it.
 ``--compare OLD_TREE`` runs the same probe with the seqshard of OLD_TREE (e.g. a ``git
 archive`` of main) on the same folders, interleaved with this tree's, ``--rounds`` times.
 Writes WORK/loader_start.json.
@@ -37,30 +42,44 @@ LINKS = 50_000
 ROOT = HERE.parent
 
 PROBE = r"""
-import json, sys, time
+import gc, json, sys, time
 sys.path.insert(0, sys.argv[4])
 from common import vm_kb
 import seqshard, numpy, torch
+from seqshard.pipeline.rank import counts
 assert seqshard.__file__.startswith(sys.argv[5]), seqshard.__file__
 before = vm_kb("VmHWM")
 folder, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 clock = time.perf_counter
+cpu = time.process_time()
 started = clock()
 ranked = seqshard.make_loader(folder, num_workers=1, rank=rank, world_size=world)
 made = clock()
-plan = seqshard.plan_epoch(ranked.table, 0, 0, world, 1)
-units = plan[rank][0]
+units = seqshard.plan_epoch(ranked.table, 0, 0, world, 1)[rank][0]
 planned = clock()
-batches = ranked.planned_batches().total
-fingerprint = ranked.table.fingerprint()
+counts.planned_batches(ranked._setup, 0, None, estimate=False)  # what an iteration's start counts
+fingerprint = ranked.table.fingerprint()  # what the ranks compare
 counted = clock()
+cpu = time.process_time() - cpu
+estimate = ranked.planned_batches()  # len()'s estimate, for a progress bar: not needed to start
+estimated = clock()
+del ranked
+gc.collect()
+joined = seqshard.make_loader(folder, num_workers=1, rank=rank, world_size=world, uneven="join")  # iterates alone
+begun = clock()
+first = next(iter(joined))
+reading = clock()
 start_mb = (vm_kb("VmHWM") - before) / 1024
+del joined, first
+gc.collect()
 alone = seqshard.make_loader(folder, num_workers=0)
 first = next(iter(alone))
 done = clock()
 print(json.dumps({"make_s": made - started, "plan_s": planned - made, "count_s": counted - planned,
-                  "start_s": counted - started, "start_mb": start_mb, "alone_first_batch_s": done - counted,
-                  "peak_mb": (vm_kb("VmHWM") - before) / 1024, "units": len(units), "batches": batches}))
+                  "first_batch_s": reading - begun, "start_s": counted - started + reading - begun,
+                  "start_cpu_s": cpu, "estimate_s": estimated - counted, "start_mb": start_mb,
+                  "alone_first_batch_s": done - reading, "peak_mb": (vm_kb("VmHWM") - before) / 1024,
+                  "units": len(units), "batches": estimate.total}))
 """
 
 
@@ -92,7 +111,16 @@ def probe(code: Path, folder: Path, ranks: int) -> dict:
     """The probe's figures, run with the seqshard of ``code``."""
     env = {**os.environ, "PYTHONPATH": str(code)}
     found = subprocess.run(  # in the tree's folder: `python -c` puts the current folder first on the path
-        [sys.executable, "-c", PROBE, str(folder.resolve()), str(ranks - 1), str(ranks), str(HERE), str(Path(code).resolve())],
+        [
+            sys.executable,
+            "-c",
+            PROBE,
+            str(folder.resolve()),
+            str(ranks - 1),
+            str(ranks),
+            str(HERE),
+            str(Path(code).resolve()),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -127,13 +155,16 @@ def main() -> None:
         made = time.perf_counter() - started
         for _ in range(args.rounds):
             for name, code in codes.items():
-                found = probe(code, folder, args.ranks)
+                found = probe(code, folder, args.ranks) | {"load": os.getloadavg()[0]}
                 results.setdefault(name, {}).setdefault(shards, []).append(found)
                 print(
                     f"{name:>8} {shards:>9,} shards, rank {args.ranks - 1} of {args.ranks}: start {found['start_s']:.2f} s "
-                    f"(make_loader {found['make_s']:.2f}, plan {found['plan_s']:.2f}, len {found['count_s']:.2f}), "
-                    f"{found['start_mb']:.0f} MB; one process's loader and first batch {found['alone_first_batch_s']:.2f} s; "
-                    f"peak {found['peak_mb']:.0f} MB over imports" + (f" (folder made in {made:.0f} s)" if made > 1 else ""),
+                    f"(make_loader {found['make_s']:.2f}, plan {found['plan_s']:.2f}, the epoch's count "
+                    f"{found['count_s']:.2f}, first batch {found['first_batch_s']:.2f}; CPU before the first batch "
+                    f"{found['start_cpu_s']:.2f} s), {found['start_mb']:.0f} MB; planned_batches()'s estimate "
+                    f"{found['estimate_s']:.2f} s; one process's loader and first batch "
+                    f"{found['alone_first_batch_s']:.2f} s; peak {found['peak_mb']:.0f} MB over imports; load {found['load']:.1f}"
+                    + (f" (folder made in {made:.0f} s)" if made > 1 else ""),
                     flush=True,
                 )
     (args.work / "loader_start.json").write_text(json.dumps(results, indent=1))
