@@ -282,3 +282,34 @@ def test_a_hostile_kaldi_frame_shift_file_is_named_not_written_into_the_index(tm
     (data.root / "frame_shift").write_text(content)
     with pytest.raises(ConfigError, match=r"frame_shift: .* is not a frame shift in seconds"):
         pack_data(data.scp, data.text, tmp_path / "out", progress=False)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("bytes", "x", r"bytes is 'x', not a whole number"),
+        ("num_utts", 10**9, r"num_utts is 1000000000, not >= 0 and <= \d+"),
+        ("name", "../data-01234.tar", r"is named '\.\./data-01234\.tar', not a plain file name"),
+        ("length_hist", "zero-padded", None),  # bins not as seqshard writes them ("07"), still numbers: read
+    ],
+)
+def test_a_hostile_entry_deep_in_a_large_index_is_named_as_in_a_small_one(one_shard, tmp_path, field, value, message):
+    """An index of many entries is checked in bulk, and read again entry by entry only to name
+    a bad one; its table (index.npz, written before the edit) is not read instead."""
+    folder = tmp_path / "large"
+    folder.mkdir()
+    data = json.loads((one_shard / "index.json").read_text())
+    entry = data["shards"][0]
+    data["shards"] = [{**entry, "name": f"data-{n:05d}.tar", "checksum": f"crc32:{n:08x}"} for n in range(1500)]
+    ShardIndex.from_json(data, folder, "test").save(folder)
+    assert (folder / "index.npz").is_file()
+    if value == "zero-padded":
+        value = {f"0{bin_}": count for bin_, count in entry["length_hist"].items()}
+    data["shards"][1234][field] = value
+    (folder / "index.json").write_text(json.dumps(data))
+    if message is None:
+        found = ShardIndex.load(folder).entry("data-01234.tar").length_hist
+        assert found == {int(bin_): count for bin_, count in entry["length_hist"].items()}
+        return
+    with pytest.raises(SeqshardError, match=rf"large/index\.json: shard entry 1234( \(data-01234\.tar\))?:? {message}"):
+        ShardIndex.load(folder)

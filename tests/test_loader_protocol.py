@@ -168,6 +168,45 @@ def test_the_real_count_of_budget_batches_is_known_or_within_the_stated_bounds(
         assert len(loader) == real == planned.total
 
 
+@pytest.mark.parametrize("limits", [{}, {"min_frames": 40, "max_frames": 200}, {"oversize": "drop"}])
+def test_the_bounds_of_budget_batches_read_every_shard_s_lengths_at_once_as_one_by_one(sixty, limits):
+    """A rank counts every rank's batches from each shard's length histogram: read for all of a
+    reader's shards at once (5e5 shards: one by one took minutes), the same lengths as read
+    one shard and one utterance at a time."""
+    from collections import Counter
+
+    from seqshard.formats.shard_lengths import bin_range
+    from seqshard.pipeline.plan import Unit
+    from seqshard.pipeline.rank import counts
+
+    loader = make_loader(sixty["bare"], batch_frames=400, num_workers=2, **limits)
+    setup, lengths = loader._setup, loader.table.lengths
+    shortest, longest = loader.options.limits.min_frames or 1, loader.options.limits.max_frames or np.inf
+    if loader.options.batching.oversize == "drop":
+        longest = min(longest, counts._longest_fitting(counts.batch_cost(loader.options.batching)))
+    units = [*setup.units(0, 1), Unit(2, 3, 9, 2), Unit(4, 0, 1), Unit(5, 7), Unit(0, 10)]
+
+    def one_by_one():
+        low, high = Counter(), Counter()
+        for unit in units:
+            size = loader.table.shards[unit.shard].num_utts
+            taken = unit.count(size)
+            spans = []
+            for column, count in enumerate(lengths.counts[unit.shard].tolist()):
+                start, end = bin_range(lengths.first + column)
+                start = max(start, int(lengths.shortest[unit.shard]) or start)
+                end = max(min(end, int(lengths.longest[unit.shard]) or end), start)
+                spans += [(start, end)] * count
+            certain = sorted(start for start, end in spans if start >= shortest and end <= longest)
+            low.update(certain[: max(0, taken - (size - len(certain)))])
+            possible = sorted((min(end, longest) for start, end in spans if end >= shortest and start <= longest))
+            high.update(possible[::-1][:taken])
+        return low, high
+
+    found = counts._bracket(setup, units)
+    assert [Counter(dict(zip(*(side.tolist() for side in bound)))) for bound in found] == list(one_by_one())
+
+
 def test_budget_batches_have_an_estimate_and_len_says_why_it_is_not_exact(made):
     loader = make_loader(made["shards"], batch_frames=200, num_workers=0, sort_window=16, skip_bad=True)
     planned = loader.planned_batches()  # skip_bad: the batches are not known before reading

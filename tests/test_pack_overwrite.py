@@ -69,3 +69,25 @@ def test_a_pack_never_writes_over_a_corpus_it_did_not_write(tmp_path, packed, ov
 
     assert "index.json" in str(error.value) and "move them elsewhere" in str(error.value)
     assert _files(out) == before
+
+
+def test_an_index_table_goes_with_its_pack_and_a_foreign_one_is_not_written_over(tmp_path, packed, monkeypatch):
+    """index.npz (the shards of index.json as arrays, written for folders of many shards) is
+    the pack's own: removed with it by --overwrite; one no pack here wrote is named, not replaced."""
+    from seqshard.formats import index_table
+
+    monkeypatch.setattr(index_table, "TABLE_FROM", 1)  # a table for this pack of 5 shards
+    out = tmp_path / "out"
+    pack_data(packed.data.scp, packed.data.text, out, utts_per_file=10, progress=False)
+    first = (out / "index.npz").read_bytes()
+    second = write_kaldi_dir(tmp_path / "second", speakers=3, seed=1)
+    pack_data(second.scp, second.text, out, utts_per_file=10, overwrite=True, progress=False)
+    assert (out / "index.npz").read_bytes() != first
+    assert ShardIndex.load(out).num_utts == 24 and ShardIndex.load(out)._columns is not None  # read from the table
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "index.npz").write_bytes(b"another tool's arrays")
+    with pytest.raises(ConfigError, match=r"index\.npz"):
+        pack_data(packed.data.scp, packed.data.text, foreign, utts_per_file=10, progress=False)
+    assert (foreign / "index.npz").read_bytes() == b"another tool's arrays"

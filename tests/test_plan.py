@@ -57,3 +57,31 @@ def test_plans_change_with_the_epoch_and_not_with_the_machine():
     assert plan_epoch(table, 0, 1, 2, 2) == plan_epoch(table, 0, 1, 2, 2)
     assert plan_epoch(table, 0, 1, 2, 2) != plan_epoch(table, 1, 1, 2, 2)
     assert plan_epoch(table, 0, 1, 2, 2, shuffle=False) == plan_epoch(table, 5, 1, 2, 2, shuffle=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 60), st.integers(0, 9)), min_size=1, max_size=40),
+    st.integers(1, 9),
+    st.integers(1, 4),
+    st.integers(0, 3),
+)
+def test_plans_cut_in_bulk_are_the_plans_cut_unit_by_unit(shards, world_size, workers, epoch):
+    """An epoch's plan is cut on running sums of its shards' weights, each rank's readers when
+    asked for (a table of 5e5 shards makes no object a shard): the same units as cutting
+    unit by unit, which is how resumed remainders are still cut."""
+    import pickle
+
+    from seqshard.pipeline.plan import Unit, spread_shards, spread_units
+    from seqshard.seeds import Seed, stage_rng
+
+    table = ShardTable(tuple(ShardInfo(f"s{i}", 1000 * n + 1, n, n * f) for i, (n, f) in enumerate(shards)))
+    order = stage_rng(7, Seed.PLAN, epoch).permutation(len(shards))
+    bulk = spread_shards(table, order, world_size, workers)
+    assert bulk == spread_units(table, [Unit(int(i)) for i in order], world_size, workers)
+    assert bulk == plan_epoch(table, epoch, 7, world_size, workers)
+    reader = bulk[world_size - 1][workers - 1]
+    assert (
+        list(pickle.loads(pickle.dumps(reader))) == list(reader) == reader[:] == [reader[i] for i in range(len(reader))]
+    )
+    assert planned_utts(table, reader) == sum(unit.count(shards[unit.shard][0]) for unit in reader)

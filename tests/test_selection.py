@@ -1,7 +1,9 @@
 """Which shards a pattern selects: nothing may be left out without a word (loader, inspect,
 verify and index alike)."""
 
+import hashlib
 import json
+import os
 import shutil
 import time
 
@@ -241,3 +243,109 @@ def test_a_name_holding_brackets_is_a_name_where_it_exists(grouped, tmp_path):
     _, out = grouped
     shutil.copytree(out / "5_40", tmp_path / "run(1,2)")
     assert len(select_shards(f"{tmp_path}/run(1,2)/data-*.tar").paths) == 3
+
+
+MANY = 1_200  # shards of a folder large enough for its index to get a table (index_table.TABLE_FROM)
+PER_SHARD = 20  # utterances: MANY of them make an epoch too large to walk batch by batch (counts.EXACT_UTTS)
+
+
+@pytest.fixture(scope="module")
+def many(tmp_path_factory):
+    """A folder of MANY shards: hard links of one packed shard of 20 utterances (with its member
+    table), each listed in the index under its own name and checksum, as a pack writes it."""
+    from seqshard.formats.index import ShardIndex
+
+    root = tmp_path_factory.mktemp("many")
+    seed = pack_small(root, utts_per_file=PER_SHARD, speakers=4, per_speaker=5, frames=(5, 60)).out
+    folder = root / "many"
+    (folder / ".members").mkdir(parents=True)
+    index = json.loads((seed / "index.json").read_text())
+    entries = []
+    for number in range(MANY):
+        name = f"data-{number:05d}.tar"
+        os.link(seed / "data-00000.tar", folder / name)
+        os.link(seed / ".members" / "data-00000.tar.npz", folder / ".members" / f"{name}.npz")
+        entries.append({**index["shards"][0], "name": name, "checksum": f"crc32:{number:08x}"})
+    ShardIndex.from_json({**index, "shards": entries}, folder, "test").save(folder)
+    return folder
+
+
+def test_a_folder_of_many_shards_is_read_with_a_listing_not_calls_or_objects_a_shard(many, monkeypatch):
+    """5e5 shards a folder (10^9 utterances): a rank's start must not make a system call or a
+    Python object a shard (it did: realpath and a stat a file, a ShardEntry and a ShardInfo a
+    shard)."""
+    from seqshard.formats import index, table
+
+    assert (many / "index.npz").is_file()
+    calls = {"stat": 0, "entries": 0, "infos": 0}
+
+    def counted(name, real, of_shards=False):
+        def call(*args, **kwargs):
+            calls[name] += not of_shards or str(args[0]).startswith(str(many))  # a shard's, not a module's
+            return real(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(os, "stat", counted("stat", os.stat, of_shards=True))
+    monkeypatch.setattr(os, "lstat", counted("stat", os.lstat, of_shards=True))
+    monkeypatch.setattr(index.ShardEntry, "__init__", counted("entries", index.ShardEntry.__init__))
+    monkeypatch.setattr(table.ShardInfo, "__init__", counted("infos", table.ShardInfo.__init__))
+    loader = make_loader(str(many), batch_size=4, num_workers=0, rank=7, world_size=8)
+    loader.planned_batches()
+    assert calls["stat"] < 50 and calls["entries"] == 0 and calls["infos"] == 0, calls
+    assert len(loader.table.shards) == MANY and loader.table.num_utts == PER_SHARD * MANY
+
+
+def test_the_table_beside_index_json_gives_what_index_json_gives(many, tmp_path):
+    """The same shards, facts, lengths, plans and counts from index.npz as from index.json
+    (read in bulk), and as index.json read entry by entry."""
+    from seqshard.formats.index import ShardIndex, _entries
+    from seqshard.formats.table import ShardTable
+
+    def described(pattern):
+        table = ShardTable.from_patterns(pattern)
+        loader = make_loader(pattern, num_workers=2, rank=2, world_size=3, max_frames=40)
+        return (
+            [tuple(vars(shard).items()) for shard in table.shards],
+            table.fingerprint(),
+            table.length_hist,
+            table.lengths.counts.tolist(),
+            str(loader.planned_batches()),
+            loader.planned_utts(),
+        )
+
+    from_table = described(str(many))
+    data = json.loads((many / "index.json").read_text())
+    assert ShardIndex.load(many).shards == _entries(data["shards"], "x", "fix")
+    moved = tmp_path / "index.npz"
+    shutil.move(many / "index.npz", moved)
+    try:
+        assert described(str(many)) == from_table
+    finally:
+        shutil.move(moved, many / "index.npz")
+
+
+def test_a_table_that_does_not_go_with_its_index_json_is_not_read(many, tmp_path):
+    """index.json edited after the table was written (by hand, by another tool): the table is
+    stale and index.json is read; a table whose values break the index's rules is not read."""
+    from seqshard.formats.index import ShardIndex
+    from seqshard.formats.index_table import ShardColumns, write_table
+
+    folder = tmp_path / "edited"
+    shutil.copytree(many, folder, copy_function=os.link)
+    data = json.loads((folder / "index.json").read_text())
+    data["shards"][5]["checksum"] = "crc32:0badc0de"
+    (folder / "index.json").write_text(json.dumps(data))
+    assert (folder / "index.npz").is_file()
+    assert ShardIndex.load(folder).entry("data-00005.tar").checksum == "crc32:0badc0de"
+
+    index = ShardIndex.load(folder)
+    columns = ShardColumns.of(index.shards)
+    columns.numbers["num_utts"][3] = 10**6  # more utterances than the shard's bytes hold
+    digest = hashlib.sha256((folder / "index.json").read_bytes()).hexdigest()
+    with open(folder / "index.npz", "wb") as stream:
+        write_table(stream, columns, index._header(), digest)
+    assert ShardIndex.load(folder).entry("data-00003.tar").num_utts == PER_SHARD  # index.json's
+    index.shards = index.shards[:3]  # an index of few shards: no table, and the stale one goes
+    index.save(folder)
+    assert not (folder / "index.npz").exists() and ShardIndex.load(folder).num_utts == 3 * PER_SHARD

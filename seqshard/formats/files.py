@@ -218,10 +218,13 @@ def read_bounded(stream: BinaryIO, limit: int) -> bytes:
 def write_json_atomic(path: Path, data: Any, root: str | Path | None = None, sync: bool = True) -> None:
     """Write JSON to ``path`` as :func:`write_atomic` does."""
 
-    def fill(stream: BinaryIO) -> None:
-        stream.write(json.dumps(data, indent=1, ensure_ascii=False).encode("utf-8") + b"\n")
+    text = json_bytes(data)
+    write_atomic(path, lambda stream: stream.write(text), root, sync)
 
-    write_atomic(path, fill, root, sync)
+
+def json_bytes(data: Any) -> bytes:
+    """``data`` as seqshard writes its JSON files."""
+    return json.dumps(data, indent=1, ensure_ascii=False).encode("utf-8") + b"\n"
 
 
 def write_atomic(

@@ -36,6 +36,7 @@ MANIFEST_SUFFIXES = (".json", ".jsonl")  # NeMo manifests, read directly (see fo
 LIST_SUFFIXES = (".list", ".scp", *MANIFEST_SUFFIXES)  # and WeNet lists and Kaldi wav.scp (formats/peers/lists.py)
 FIELD_SET_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_]*")  # names of sidecar field sets
 INDEX_NAME = "index.json"  # a folder's index (formats/index.py)
+INDEX_TABLE_NAME = "index.npz"  # its shards as arrays, beside it (formats/index_table.py)
 FIELDS_DIR = "fields"  # FOLDER/fields/NAME/data-00042.tar: field set NAME of FOLDER/data-00042.tar
 SHAR_CUTS = re.compile(r"cuts(?P<id>(?:\.[^.]+)*?)\.jsonl(?:\.gz)?")  # a Lhotse Shar shard (formats/peers/shar.py)
 
@@ -73,18 +74,27 @@ class Alternative:
     """One brace alternative of a pattern and what it names on disk.
 
     ``kind`` is ``"folder"``, ``"glob"``, ``"file"`` or ``"list"`` (a WeNet list file, which
-    :mod:`~.selection` reads). ``files`` are the shard files found (a
-    glob's other matches, such as ``index.json``, are not shards); ``folders`` are the folders
-    it covers, whose indexes may list shards that should be there. A ``"file"`` alternative
-    stands for the files ``names`` of its one folder (alternatives named one after another),
-    whether they exist or not.
+    :mod:`~.selection` reads). ``files`` are the shard files found, by folder: their names, in
+    order (a glob's other matches, such as ``index.json``, are not shards; names, not a path
+    object a shard: a folder may hold 500,000); ``links``, for a folder whose listing said which
+    of them are symbolic links, those names (a folder not there: not known). ``folders`` are
+    the folders it covers, whose indexes may list shards that should be there. A ``"file"``
+    alternative stands for the files ``names`` of its one folder (alternatives named one after
+    another), whether they exist or not.
     """
 
     text: str
     kind: str
-    files: list[Path] = field(default_factory=list)
+    files: dict[Path, list[str]] = field(default_factory=dict)
     folders: list[Path] = field(default_factory=list)
     names: dict[str, None] = field(default_factory=dict)  # in order
+    links: dict[Path, frozenset[str]] = field(default_factory=dict)
+    listings: dict[Path, Listing] = field(default_factory=dict)  # of the folders it listed whole
+
+    @property
+    def paths(self) -> list[Path]:
+        """The shard files found, as paths."""
+        return [folder / name for folder, names in self.files.items() for name in names]
 
     def covers(self, path: Path) -> bool:
         """Whether a shard at ``path`` would be named by this alternative if it existed."""
@@ -123,13 +133,17 @@ def _named_in(folder: str, names: list[str]) -> Iterator[Alternative]:
     """The alternatives of paths without wildcards in one folder: each folder and list its
     own, shard files and names of nothing together (in order)."""
     base = Path(folder or ".")
-    files: list[Path] = []
+    files: list[str] = []
     named: dict[str, None] = {}
-    for name, kind in zip(names, kinds_in_folder(base, names)):
+    listed = _listed_kinds(base, names) if len(names) > LISTED else None
+    known = {base: listed[1]} if listed is not None else {}  # the listing said which are links
+    for name, kind in zip(names, listed[0] if listed is not None else [_kind(base / n) for n in names]):
         text = os.path.join(folder, name)
         if kind == "folder" or (kind == "file" and is_list_name(name)):
             if named:
-                yield Alternative(os.path.join(folder, next(iter(named))), "file", files, [base], named)
+                yield Alternative(
+                    os.path.join(folder, next(iter(named))), "file", _of(base, files), [base], named, known
+                )
                 files, named = [], {}
             yield _alternative(text)
         elif kind == "file" and not is_shard_name(name):
@@ -138,23 +152,34 @@ def _named_in(folder: str, names: list[str]) -> Iterator[Alternative]:
             )
         elif name not in named:
             named[name] = None
-            files += [Path(text)] if kind == "file" else []
+            files += [name] if kind == "file" else []
     if named:
-        yield Alternative(os.path.join(folder, next(iter(named))), "file", files, [base], named)
+        yield Alternative(os.path.join(folder, next(iter(named))), "file", _of(base, files), [base], named, known)
 
 
 def kinds_in_folder(folder: Path, names: Sequence[str]) -> list[str | None]:
     """For each of ``names`` in ``folder``: ``"folder"``, ``"file"`` or None (nothing, or
     neither), links followed; more than :data:`LISTED` names are answered by one listing."""
-    if len(names) > LISTED:
-        try:
-            with os.scandir(folder) as entries:
-                wanted = set(names)
-                found = {e.name: _kind(e) for e in entries if e.name in wanted}
-            return [found.get(name) if name not in ("", ".", "..") else _kind(folder / name) for name in names]
-        except OSError:  # not a folder, or not listable: each name is looked up
-            pass
-    return [_kind(folder / name) for name in names]
+    listed = _listed_kinds(folder, names) if len(names) > LISTED else None
+    return listed[0] if listed is not None else [_kind(folder / name) for name in names]
+
+
+def _listed_kinds(folder: Path, names: Sequence[str]) -> tuple[list[str | None], frozenset[str]] | None:
+    """What :func:`kinds_in_folder` says of ``names``, from one listing of ``folder``, and
+    which of them are symbolic links; None when the folder cannot be listed."""
+    wanted, found, links = set(names), {}, set()
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if entry.name in wanted:
+                    found[entry.name] = _kind(entry)
+                    if entry.is_symlink():
+                        links.add(entry.name)
+    except OSError:  # not a folder, or not listable: each name is looked up
+        return None
+    return [found.get(name) if name not in ("", ".", "..") else _kind(folder / name) for name in names], frozenset(
+        links
+    )
 
 
 def _kind(path: os.DirEntry | Path) -> str | None:
@@ -210,7 +235,7 @@ def _refuse_nemo_brackets(pattern: str, text: str, alternatives: list[Alternativ
         more = _count(_parse(nemo, escape=False)) > _count(_parse(text, escape=True))
     except (ValueError, RecursionError):  # not NeMo's braces either (_Unbalanced is a ValueError)
         return
-    named = any(a.files or a.kind in ("folder", "list") for a in alternatives)
+    named = any(a.files or a.kind in ("folder", "list") for a in alternatives)  # files: only folders with some
     if more and (_NEMO_RANGE_IN_BRACKETS.search(pattern) or not named):
         raise ConfigError(
             f"the pattern {pattern!r} holds NeMo's spelling of braces: NeMo reads (…), […] and <…> as {{…}} "
@@ -325,16 +350,27 @@ def _alternative(text: str) -> Alternative:
         parent = str(path.parent)
         folders = [Path(p) for p in sorted(glob.glob(parent))] if glob.has_magic(parent) else [path.parent]
         matches = [Path(p) for p in sorted(glob.glob(text))]
-        files = [p for p in matches if is_shard_name(p.name) and p.is_file()]
+        files = grouped(p for p in matches if is_shard_name(p.name) and p.is_file())
+        links: dict[Path, frozenset[str]] = {}  # of the folders listed whole (those of files matched: not known)
+        listings: dict[Path, Listing] = {}
         for folder in (p for p in matches if p.is_dir() and p.name != FIELDS_DIR):  # a folder stands for its shards
             inner = _alternative(str(folder))
-            files.extend(inner.files)
+            for place, names in inner.files.items():
+                links.update({place: inner.links[place]} if place not in files else {})
+                files.setdefault(place, []).extend(names)
             folders.extend(inner.folders)
-        return Alternative(text, "glob", files, [f for f in dict.fromkeys(folders) if f.is_dir()])
+            listings.update(inner.listings)
+        found = [f for f in dict.fromkeys(folders) if f.is_dir()]
+        return Alternative(text, "glob", files, found, links=links, listings=listings)
     if path.is_dir():
-        folders = [path, *shard_subfolders(path)]
-        return Alternative(text, "folder", [f for folder in folders for f in shards_in_folder(folder)], folders)
-    files = [path] if path.is_file() else []
+        top = list_folder(path)
+        listings = [(path, top), *((sub, list_folder(sub)) for sub in (path / name for name in top.folders))]
+        files = {folder: listing.shards for folder, listing in listings if listing.shards}
+        links = {folder: listing.links for folder, listing in listings}
+        return Alternative(
+            text, "folder", files, [folder for folder, _ in listings], links=links, listings=dict(listings)
+        )
+    files = {path.parent: [path.name]} if path.is_file() else {}
     if files and is_list_name(path.name):
         return Alternative(text, "list", files, [path.parent])
     if files and not is_shard_name(path.name):
@@ -344,11 +380,22 @@ def _alternative(text: str) -> Alternative:
     return Alternative(text, "file", files, [path.parent])
 
 
+def _of(folder: Path, names: list[str]) -> dict[Path, list[str]]:
+    return {folder: names} if names else {}
+
+
+def grouped(paths: Iterable[Path]) -> dict[Path, list[str]]:
+    """The names of ``paths`` by folder, in order."""
+    found: dict[Path, list[str]] = {}
+    for path in paths:
+        found.setdefault(path.parent, []).append(path.name)
+    return found
+
+
 def shard_subfolders(folder: Path) -> list[Path]:
     """The sub-folders of ``folder`` that may hold shards (length groups), sorted: not hidden
     ones, and not its ``fields/`` folder of sidecars."""
-    names = (e.name for e in _entries(folder) if e.is_dir() and not e.name.startswith(".") and e.name != FIELDS_DIR)
-    return [folder / name for name in sorted(names)]
+    return [folder / name for name in list_folder(folder).folders]
 
 
 def shard_stem(shard_name: str) -> str:
@@ -389,12 +436,46 @@ def in_fields_folder(path: Path) -> bool:
 
 def shards_in_folder(folder: Path) -> list[Path]:
     """Shard files directly inside ``folder`` (hidden partial files excluded), sorted."""
-    names = (e.name for e in _entries(folder) if is_shard_name(e.name) and e.is_file())
-    return [folder / name for name in sorted(names)]
+    return [folder / name for name in list_folder(folder).shards]
 
 
-def _entries(folder: Path) -> list[os.DirEntry]:
-    """The entries of ``folder``, listed once: a folder of 500,000 shards costs a listing, not a
-    system call a shard (an entry's kind comes with the listing; names sort as strings)."""
+@dataclass(frozen=True)
+class Listing:
+    """What one listing of a folder says: its shard files (``links``: those of them that are
+    symbolic links), the sub-folders that may hold shards (:func:`shard_subfolders`), each
+    sorted by name, and whether any name is a Lhotse Shar cuts file's (``cuts``)."""
+
+    shards: list[str]
+    links: frozenset[str]
+    folders: list[str]
+    cuts: bool = False
+
+
+def list_folder(folder: Path) -> Listing:
+    """``folder`` listed once: a folder of 500,000 shards costs a listing, not a system call a
+    shard (an entry's kind comes with the listing; names sort as strings)."""
+    shards: list[str] = []
+    links: list[str] = []
+    folders: list[str] = []
+    cuts = False
+    append = shards.append
     with os.scandir(folder) as listing:
-        return list(listing)
+        for entry in listing:
+            name = entry.name
+            if name.endswith(SHARD_SUFFIXES) and entry.is_file(follow_symlinks=False) and name[0] != ".":
+                append(name)  # a shard file, not a link: nearly every one
+                continue
+            cuts = cuts or _is_cuts(name)
+            if is_shard_name(name) and entry.is_file():
+                append(name)
+                if entry.is_symlink():
+                    links.append(name)
+            elif entry.is_dir() and not name.startswith(".") and name != FIELDS_DIR:
+                folders.append(name)
+    shards.sort()
+    return Listing(shards, frozenset(links), sorted(folders), cuts)
+
+
+def _is_cuts(name: str) -> bool:
+    """Whether ``name`` is a Lhotse Shar cuts file's (not hidden)."""
+    return SHAR_CUTS.fullmatch(name) is not None and not name.startswith(".")

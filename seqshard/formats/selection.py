@@ -15,14 +15,19 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..errors import ConfigError, ShardError, counted, option
 from .index import ShardIndex
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
 from .patterns import (
+    FIELD_SET_NAME,
+    FIELDS_DIR,
     Alternative,
+    Listing,
     Patterns,
     expand_pattern,
+    grouped,
     in_fields_folder,
     is_shard_name,
     old_layout_sidecar,
@@ -57,18 +62,20 @@ class MissingShard:
 
 @dataclass
 class ShardSelection:
-    """Shard files grouped by folder (in pattern order, each once), each folder's index, and
-    the shards that are missing."""
+    """The names of the shard files selected, by folder (in pattern order, each file once),
+    each folder's index, and the shards that are missing."""
 
-    folders: dict[Path, list[Path]] = field(default_factory=dict)
+    folders: dict[Path, list[str]] = field(default_factory=dict)
     indexes: dict[Path, ShardIndex | None] = field(default_factory=dict)
     missing: list[MissingShard] = field(default_factory=list)
     skip_bad: bool = False  # a Lhotse Shar cut with a bad duration is counted when read, not refused here
     listed_sidecars: dict[Path, frozenset[str]] = field(default_factory=dict)  # per folder, from its index
+    listings: dict[Path, Listing] = field(default_factory=dict)  # of folders listed whole
+    real_folders: dict[Path, str] = field(default_factory=dict)  # each folder's real path, looked up once
 
     @property
     def paths(self) -> list[Path]:
-        return [path for paths in self.folders.values() for path in paths]
+        return [folder / name for folder, names in self.folders.items() for name in names]
 
 
 def missing_error(missing: Sequence[MissingShard]) -> ShardError:
@@ -90,21 +97,29 @@ def select_shards(patterns: Patterns, skip_bad: bool = False) -> ShardSelection:
     nothing at all. ``skip_bad``: see :func:`~.peers.shar.shar_index`."""
     selection = ShardSelection(skip_bad=skip_bad)
     missing: dict[Path, MissingShard] = {}
-    selected: dict[str, Path] = {}  # real path -> the spelling selected
+    selected: dict[str, dict[str, Any]] = {}  # real folder -> real name -> the spelling selected (or its folder)
     for pattern in pattern_list(patterns):
         for alternative in expand_pattern(pattern):
+            selection.listings.update(alternative.listings)
             if alternative.kind == "list":
                 absent = _read_list(alternative)
             else:
-                sidecars = [f for f in alternative.files if _is_sidecar(f, selection)]
-                if alternative.kind == "file" and sidecars:
+                sidecars = {
+                    folder: _sidecars_among(folder, names, selection) for folder, names in alternative.files.items()
+                }
+                if alternative.kind == "file" and any(sidecars.values()):
+                    folder, names = next((f, n) for f, n in sidecars.items() if n)
                     raise ConfigError(
-                        f"{sidecars[0]} is a field file of add-field, read with its shard beside it (or in the "
-                        "folder above fields/): select that shard, and the field with fields=[...]."
+                        f"{folder / next(n for n in alternative.files[folder] if n in names)} is a field file of "
+                        "add-field, read with its shard beside it (or in the folder above fields/): select that "
+                        "shard, and the field with fields=[...]."
                     )
-                alternative.files = [f for f in alternative.files if f not in sidecars]
+                alternative.files = {
+                    folder: [n for n in names if n not in sidecars[folder]] if sidecars[folder] else names
+                    for folder, names in alternative.files.items()
+                }
                 absent = _absent(alternative, selection)
-            if not alternative.files and not absent:
+            if not any(alternative.files.values()) and not absent:
                 raise ConfigError(
                     f"{alternative.text!r} (from the pattern {pattern!r}) selects no shard (from {Path.cwd()}). "
                     "Check the path, the braces and the wildcard; shards end in .tar, .tar.gz or .tgz (lists in .list; "
@@ -112,35 +127,91 @@ def select_shards(patterns: Patterns, skip_bad: bool = False) -> ShardSelection:
                 )
             for shard in absent:
                 missing.setdefault(shard.path, shard)
-            for path in alternative.files:
-                first = selected.setdefault(os.path.realpath(path), path)
-                if first is path:
-                    selection.folders.setdefault(path.parent, []).append(path)
-                elif first != path:
-                    _LOG.info("%s is %s (selected already): read once", path, first)
+            for folder, names in alternative.files.items():
+                _select(folder, names, alternative.links.get(folder), selected, selection)
     for folder in selection.folders:
         _index_of(folder, selection)
     selection.missing = list(missing.values())
     return selection
 
 
+def _select(
+    folder: Path,
+    names: list[str],
+    links: frozenset[str] | None,
+    selected: dict[str, dict[str, Any]],
+    selection: ShardSelection,
+) -> None:
+    """Add the files ``names`` of ``folder`` to ``selection`` unless a file is selected already
+    (under another spelling: logged). A file is known by its real path: the folder's (looked
+    up once) and its name, unless it is a symbolic link (``links``: of a listing, whose names
+    are each once; None: not known, each file's is looked up)."""
+    if not names:
+        return
+    if folder not in selection.real_folders:
+        selection.real_folders[folder] = os.path.realpath(folder)
+    real = selection.real_folders[folder]
+    if links is not None and not links and real not in selected:  # a listing's names, none a link, none seen
+        selected[real] = (folder, names)  # made a dict only if another spelling comes to this folder
+        selection.folders.setdefault(folder, []).extend(names)
+        return
+    for name in names:
+        place, real_name = (real, name) if links is not None and name not in links else _real(folder, name)
+        known = selected.setdefault(place, {})
+        if isinstance(known, tuple):  # the names of one listing: spelled folder/name
+            known = selected[place] = dict.fromkeys(known[1], known[0])
+        first = known.get(real_name)
+        if first is None:
+            known[real_name] = (folder, name)
+            selection.folders.setdefault(folder, []).append(name)
+        elif (first := first if isinstance(first, tuple) else (first, real_name)) != (folder, name):
+            _LOG.info("%s is %s (selected already): read once", folder / name, first[0] / first[1])
+
+
+def _real(folder: Path, name: str) -> tuple[str, str]:
+    """The real folder and name of the file ``name`` in ``folder`` (links followed)."""
+    real = os.path.realpath(folder / name)
+    return os.path.dirname(real), os.path.basename(real)
+
+
 def _index_of(folder: Path, selection: ShardSelection) -> ShardIndex | None:
     """The folder's index.json, or the facts of a Lhotse Shar folder (its field files are
     then sidecars, never shards) or of a NeMo tarred set (from its manifest)."""
     if folder not in selection.indexes:
-        selection.indexes[folder] = (
-            shar_index(folder, selection.skip_bad) or ShardIndex.load(folder) or nemo_index(folder)
-        )
+        listing = selection.listings.get(folder)
+        shar = shar_index(folder, selection.skip_bad) if listing is None or listing.cuts else None  # a listing said
+        selection.indexes[folder] = shar or ShardIndex.load(folder) or nemo_index(folder)
     return selection.indexes[folder]
 
 
-def _is_sidecar(path: Path, selection: ShardSelection) -> bool:
-    """Whether ``path`` is a field file beside a shard (read with its shard, never alone)."""
-    index = _index_of(path.parent, selection)
-    listed = selection.listed_sidecars.get(path.parent)
-    if listed is None and index is not None:
-        listed = selection.listed_sidecars[path.parent] = index.sidecar_names()  # once a folder, not once a file
-    return is_sidecar(path, index, listed)
+def _sidecars_among(folder: Path, names: list[str], selection: ShardSelection) -> set[str]:
+    """Those of the files ``names`` of ``folder`` that are field files beside a shard (read
+    with their shard, never alone: :func:`is_sidecar`), judged on the folder's index at once
+    (the files it lists as shards are not field files), the others one by one."""
+    index = _index_of(folder, selection)
+    if index is None:
+        listed = None
+        unknown = names
+    else:
+        listed = selection.listed_sidecars.get(folder)
+        if listed is None:
+            listed = selection.listed_sidecars[folder] = index.sidecar_names()  # once a folder
+        unlisted = set() if names == index.columns.names else set(names).difference(index.columns.rows())
+        unknown = unlisted | (listed.intersection(names) if listed else set())  # the index's names in its order: none
+    if not unknown:
+        return set()
+    fields_folder = folder.parent.name == FIELDS_DIR and FIELD_SET_NAME.fullmatch(folder.name) is not None
+    return {
+        name
+        for name in (names if unknown is names else [name for name in names if name in unknown])  # in order
+        if (listed is not None and name in listed)
+        or ((fields_folder or _dotted(name)) and is_sidecar(folder / name, index, listed))
+    }
+
+
+def _dotted(name: str) -> bool:
+    """Whether ``name`` may be add-field's old ``STEM.NAME.tar`` (``old_layout_sidecar`` decides)."""
+    return name.endswith(".tar") and "." in name[: -len(".tar")]
 
 
 def is_sidecar(path: Path, index: ShardIndex | None, listed: frozenset[str] | None = None) -> bool:
@@ -174,11 +245,11 @@ def is_sidecar(path: Path, index: ShardIndex | None, listed: frozenset[str] | No
 def _read_list(alternative: Alternative) -> list[MissingShard]:
     """A WeNet shard list stands for the shards it names (those not on disk are returned); a
     raw list of samples is read as one shard."""
-    entries = shard_list(alternative.files[0])
+    entries = shard_list(alternative.paths[0])
     if entries is None:
         return []
     listed = [Path(entry) for entry in entries]
-    alternative.files = [path for path in listed if path.is_file()]
+    alternative.files = grouped(path for path in listed if path.is_file())
     return [
         MissingShard(path, f"named in {alternative.text}, but it does not exist")
         for path in listed
@@ -187,12 +258,17 @@ def _read_list(alternative: Alternative) -> list[MissingShard]:
 
 
 def _absent(alternative: Alternative, selection: ShardSelection) -> list[MissingShard]:
-    """Shards this alternative names that should exist and do not."""
+    """Shards this alternative names that should exist and do not (those of a folder's index
+    or plan that the alternative did not find, each then looked for)."""
     absent = []
     for folder in alternative.folders:
         index = _index_of(folder, selection)
         if index is not None:
-            expected = {entry.name: entry.num_utts for entry in index.shards}
+            columns = index.columns
+            found = alternative.files.get(folder, [])
+            unseen = set() if found == columns.names else columns.rows().keys() - set(found)  # not found: missing?
+            counts = columns.numbers["num_utts"].tolist() if unseen else []
+            expected = {n: c for n, c in zip(columns.names, counts) if n in unseen}
             why = "listed in its folder's index.json, but the file is missing"
             if index.source.get("format") == NEMO_FORMAT:
                 why = "its shard id has entries in the folder's NeMo manifest, but the tar is missing"
@@ -215,9 +291,10 @@ def _absent(alternative: Alternative, selection: ShardSelection) -> list[Missing
             if alternative.covers(folder / name) and not (folder / name).is_file()
         )
     if alternative.kind == "file":
-        found = {path.name for path in alternative.files} | {m.path.name for m in absent if isinstance(m.path, Path)}
+        folder = alternative.folders[0]
+        found = set(alternative.files.get(folder, ())) | {m.path.name for m in absent if isinstance(m.path, Path)}
         absent.extend(
-            MissingShard(alternative.folders[0] / name, "named in the pattern, but it does not exist")
+            MissingShard(folder / name, "named in the pattern, but it does not exist")
             for name in alternative.names
             if name not in found
         )

@@ -8,10 +8,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .index import bin_bounds, length_bin
+
+if TYPE_CHECKING:
+    from .index_table import ShardColumns
 
 
 @lru_cache(maxsize=1024)
@@ -61,6 +65,41 @@ class ShardLengths:
         return cls(first, counts, shortest, longest, known)
 
     @classmethod
+    def of_rows(
+        cls, parts: Sequence[tuple[ShardColumns | None, np.ndarray]]
+    ) -> tuple[ShardLengths, tuple[tuple[int, int], ...]]:
+        """The lengths of shards drawn from indexes, part by part: ``(columns, rows)``, each
+        shard's row in that index (-1, or no columns: not indexed); and the histogram of them
+        all, bin by bin (each bin any of them lists, in order), gathered in bulk."""
+        total = sum(len(rows) for _, rows in parts)
+        pieces, at = [], 0
+        for columns, rows in parts:
+            local = np.flatnonzero(rows >= 0)
+            if columns is not None and len(local):
+                sizes = np.diff(columns.at)[rows[local]]
+                if len(local) == len(columns) and (rows == np.arange(len(rows))).all():  # the whole index, in order
+                    flat = slice(None)
+                else:
+                    flat = np.repeat(columns.at[rows[local]] - np.cumsum(sizes) + sizes, sizes)
+                    flat += np.arange(int(sizes.sum()))
+                ends = [np.maximum(columns.numbers[f][rows[local]], 0) for f in ("min_frames", "max_frames")]
+                pieces.append((at + local, sizes, columns.bins[flat].astype(np.int64), columns.counts[flat], ends))
+            at += len(rows)
+        bins = np.concatenate([p[2] for p in pieces]) if pieces else np.zeros(0, np.int64)
+        first, last = (int(bins.min()), int(bins.max())) if len(bins) else (0, -1)
+        counts = np.zeros((total, last - first + 1), dtype=np.int32)
+        shortest, longest, known = np.zeros(total, np.int32), np.zeros(total, np.int32), np.zeros(total, bool)
+        for shards, sizes, found, values, (low, high) in pieces:
+            counts[np.repeat(shards, sizes), found - first] = values
+            listed = sizes > 0
+            known[shards[listed]] = True
+            shortest[shards[listed]], longest[shards[listed]] = low[listed], high[listed]
+        present = np.flatnonzero(np.bincount(bins - first, minlength=last - first + 1))  # bins listed, any count
+        totals = counts.sum(axis=0, dtype=np.int64)
+        histogram = tuple(zip((present + first).tolist(), totals[present].tolist()))
+        return cls(first, counts, shortest, longest, known), histogram
+
+    @classmethod
     def combine(cls, parts: Sequence[ShardLengths]) -> ShardLengths:
         """The lengths of several tables' shards, in order (the sources of a mix)."""
         firsts = [p.first for p in parts if p.counts.shape[1]]
@@ -80,17 +119,18 @@ class ShardLengths:
             np.concatenate([p.known for p in parts]),
         )
 
-    def bins(self, shard: int) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """``(low, high, count)`` of each non-empty bin of ``shard``: its utterances' possible
-        lengths, within the recorded shortest and longest; None when not recorded."""
-        if shard >= len(self.known) or not self.known[shard]:
+    def ranges(self, shards: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``(low, high, count)`` of each bin (a column) of each of ``shards`` (a row): the
+        lengths its utterances there may have, within the shard's recorded shortest and
+        longest, and how many (0 in a bin it does not hold); None when one of them has no
+        recorded lengths."""
+        if len(shards) and (shards.max() >= len(self.known) or not self.known[shards].all()):
             return None
-        row = self.counts[shard]
-        present = np.flatnonzero(row)
-        ranges = np.array([bin_range(self.first + int(b)) for b in present], dtype=np.int64).reshape(-1, 2)
-        low, high = ranges[:, 0], ranges[:, 1]
-        if self.shortest[shard]:
-            low = np.maximum(low, self.shortest[shard])
-        if self.longest[shard]:
-            high = np.minimum(high, self.longest[shard])
-        return low, np.maximum(high, low), row[present]
+        width = self.counts.shape[1]
+        edges = np.array([bin_range(self.first + b) for b in range(width)], dtype=np.int64).reshape(-1, 2)
+        low = np.broadcast_to(edges[:, 0], (len(shards), width))
+        high = np.broadcast_to(edges[:, 1], (len(shards), width))
+        shortest, longest = self.shortest[shards][:, None], self.longest[shards][:, None]
+        low = np.where(shortest > 0, np.maximum(low, shortest), low)
+        high = np.where(longest > 0, np.minimum(high, longest), high)
+        return low, np.maximum(high, low), self.counts[shards]

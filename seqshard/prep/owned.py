@@ -3,7 +3,7 @@
 A pack records every shard it plans (``.seqshard-pack/planned.json``, before it writes any)
 and every shard it finishes (the journals). Its own files are those shards with what belongs
 to each (the hidden partial file, the member table, the sidecars ``add-field`` wrote for it),
-each group folder's ``index.json``, the report and the state folder. ``pack --overwrite``
+each group folder's ``index.json`` (and ``index.npz``), the report and the state folder. ``pack --overwrite``
 removes exactly those (:func:`remove_previous_pack`); anything else in the folder (another
 corpus copied there, a link to one, a user's notes) is left alone and never written over or
 mixed with: a file named like the pack's shards, or an index, that the previous pack did not
@@ -27,7 +27,7 @@ from ..formats.index import INDEX_NAME, ShardIndex, check_name, old_sidecar_name
 from ..formats.lock import LOCK_NAME
 from ..formats.members import TABLE_DIR, table_path
 from ..formats.pack_state import REPORT_NAME, STATE_DIR, planned_shards
-from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, is_shard_name, shard_stem
+from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, INDEX_TABLE_NAME, is_shard_name, shard_stem
 from ..formats.tar import temporary_path
 from .journal import journal_records
 
@@ -89,7 +89,7 @@ def remove_previous_pack(root: Path) -> int:
             _LOG.warning("%s is a symbolic link: the previous pack's files through it are left alone", folder)
             continue
         removed += _remove_shards(folder, names, owned.field_sets)
-        removed += _unlink(folder / INDEX_NAME)
+        removed += _unlink(folder / INDEX_NAME) + _unlink(folder / INDEX_TABLE_NAME)
         if group:
             _remove_if_empty(folder, root)
     removed += _unlink(root / REPORT_NAME)
@@ -145,9 +145,9 @@ def in_the_way(owned: Owned, folders: list[Path], fmt: str) -> list[Path]:
     found = []
     for folder in folders:
         group = "" if folder == owned.root else folder.name
-        index = folder / INDEX_NAME
-        if group not in owned.shards and (index.exists() or index.is_symlink()):
-            found.append(index)
+        for index in (folder / INDEX_NAME, folder / INDEX_TABLE_NAME):
+            if group not in owned.shards and (index.exists() or index.is_symlink()):
+                found.append(index)
         found += [path for path in sorted(folder.glob(pattern)) if path not in ours]
     return found
 
@@ -158,7 +158,7 @@ def foreign_entries(owned: Owned) -> list[str]:
     root = owned.root
     ours = {STATE_DIR, LOCK_NAME, REPORT_NAME, *(group for group in owned.shards if group)}
     if "" in owned.shards:
-        ours |= {INDEX_NAME, TABLE_DIR, FIELDS_DIR, *owned.shards[""]}
+        ours |= {INDEX_NAME, INDEX_TABLE_NAME, TABLE_DIR, FIELDS_DIR, *owned.shards[""]}
     found = []
     for entry in sorted(root.iterdir()):
         name = entry.name

@@ -21,6 +21,7 @@ resuming and counting treat its shards as seqshard's own.
 from __future__ import annotations
 
 import json
+import os
 import re
 import zlib
 from collections import Counter
@@ -285,7 +286,10 @@ def shar_index(folder: Path, skip_bad: bool = False) -> ShardIndex | None:
     here, and the reader counts it (:class:`CutStream`)."""
     if not folder.is_dir():
         return None
-    names = sorted(path.name for path in folder.iterdir() if not path.name.startswith("."))
+    listed = os.listdir(folder)
+    if "\0cuts" not in "\0" + "\0".join(listed):  # no name starts as a cuts file does: one look, not one a name
+        return None
+    names = sorted(name for name in listed if not name.startswith("."))
     cuts: dict[str, str] = {}
     for name in names:
         match = SHAR_CUTS.fullmatch(name)

@@ -126,7 +126,7 @@ class RemoteSelection:
             groups = self._pack_groups(folder)
             return [url for group in groups for url in self._alternative(f"{folder}/{group}/")]
         sidecars = index.sidecar_names()
-        return [f"{folder}/{entry.name}" for entry in index.shards if entry.name not in sidecars]
+        return [f"{folder}/{name}" for name in index.columns.names if name not in sidecars]
 
     def _pack_groups(self, folder: str) -> list[str]:
         """The length groups' folders that ``folder``'s pack_report.json names (none without one)."""

@@ -43,7 +43,7 @@ from ...formats.index import BINS_PER_OCTAVE, MAX_LENGTH, bin_bounds
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
-from ..plan import Unit, plan_epoch, planned_utts
+from ..plan import Unit, plan_epoch, planned_utts, unit_counts
 from ..stages.base import Growth
 from ..stages.batching import BatchCost, BucketBudgets, count_sorted_batches, window_limits
 from ..workers.recipe import batch_cost, sort_growth, window_samples
@@ -56,6 +56,7 @@ SIMULATED_SAMPLES = 40_000  # lengths drawn and cut into windows, shared by the 
 DRAWS = 8  # random orders of a reader's lengths counted, for a reader of several windows
 LARGE_DRAWS, LARGE = 2, 200_000  # fewer of them for a table of more utterances (each order is long)
 AUDIO_SLACK = 3  # frames between an index's 10 ms frames of audio and the fbank frames the loader counts
+ROWS = 16_384  # shards whose length bins are bounded at once (a few MB a bound)
 
 Lengths = tuple[np.ndarray, np.ndarray]  # a multiset of lengths: (values ascending, how many of each)
 
@@ -191,7 +192,7 @@ def surely_left(setup: WorkerSetup, certain: Certain, remaining: int) -> int:
     kept = remaining - (count - int(lengths[1].sum()))
     if kept <= 0:
         return 0
-    values, counts = _smallest(lengths, kept)
+    values, counts = _kept(lengths[0][None, :], lengths[1][None, :], np.array([kept]))  # ascending: merged
     share = _least_share(batch_cost(setup.options.batching))
     shares = sum(share(int(v)) * int(n) for v, n in zip(values, counts) if n)
     return max(0, math.floor(shares - 1e-6))
@@ -246,25 +247,36 @@ def _bracket(setup: WorkerSetup, units: Sequence[Unit], high: bool = True) -> tu
     cost = batch_cost(options.batching)
     if options.batching.oversize == "drop":  # kept only when it fits a batch alone
         longest = min(longest, _longest_fitting(cost))
+    sizes = table.sizes()
+    shards, taken = unit_counts(table, units)
+    read = taken > 0
+    shards, wanted = shards[read], taken[read]
+    if (sizes[shards] < 0).any():
+        return None
     low_parts, high_parts = [], []
-    for unit in units:
-        shard = table.shards[unit.shard]
-        taken = unit.count(shard.num_utts)
-        if not taken:
-            continue
-        bins = table.lengths.bins(unit.shard)
-        if bins is None or shard.num_utts is None:
+    for at in range(0, len(shards), ROWS):  # each shard's bins a row, in bulk, so many rows at a time
+        part, asked = shards[at : at + ROWS], wanted[at : at + ROWS]
+        found = table.lengths.ranges(part)
+        if found is None:
             return None
-        lows, highs, counts = _measured(setup, *bins)
-        certain = (lows >= shortest) & (highs <= longest)
-        kept = counts[certain]
-        sure = max(0, taken - (int(shard.num_utts) - int(kept.sum())))  # kept, whichever are read
-        low_parts.append((lows[certain], kept) if sure >= kept.sum() else _smallest((lows[certain], kept), sure))
+        lows, highs, counts = _measured(setup, *found)
+        counts = counts.astype(np.int64)
+        certain = np.where((lows >= shortest) & (highs <= longest), counts, 0)
+        sure = np.maximum(0, asked - (sizes[part] - certain.sum(axis=1)))  # kept, whichever are read
+        low_parts.append(_kept(lows, certain, sure))
         if high:
-            possible = (highs >= shortest) & (lows <= longest)
-            capped = np.minimum(highs[possible], longest) if math.isfinite(longest) else highs[possible]
-            high_parts.append(_largest((capped.astype(np.int64), counts[possible]), taken))
+            possible = np.where((highs >= shortest) & (lows <= longest), counts, 0)
+            capped = (np.minimum(highs, longest) if math.isfinite(longest) else highs).astype(np.int64)
+            high_parts.append(_kept(capped[:, ::-1], possible[:, ::-1], asked))
     return _merged(low_parts), _merged(high_parts)
+
+
+def _kept(values: np.ndarray, counts: np.ndarray, wanted: np.ndarray) -> Lengths:
+    """Of each row's lengths ``values`` (ascending, or descending: in the order they are
+    taken) with their ``counts``, the first ``wanted`` of that row, all rows together."""
+    before = np.cumsum(counts, axis=1) - counts
+    kept = np.clip(wanted[:, None] - before, 0, counts)
+    return values[kept > 0], kept[kept > 0]
 
 
 def _measured(setup: WorkerSetup, low: np.ndarray, high: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -289,21 +301,6 @@ def _longest_fitting(cost: BatchCost) -> float:
         middle = (low + high) // 2
         low, high = (middle, high) if cost.fits(1, middle) else (low, middle)
     return low
-
-
-def _smallest(lengths: Lengths, count: int) -> Lengths:
-    """The ``count`` shortest of a multiset."""
-    values, counts = lengths
-    order = np.argsort(values, kind="stable")
-    values, counts = values[order], counts[order]
-    before = np.cumsum(counts) - counts
-    return values, np.clip(count - before, 0, counts)
-
-
-def _largest(lengths: Lengths, count: int) -> Lengths:
-    """The ``count`` longest of a multiset."""
-    values, counts = _smallest((-lengths[0], lengths[1]), count)
-    return -values, counts
 
 
 def _merged(parts: Sequence[Lengths]) -> Lengths:

@@ -72,7 +72,7 @@ def plan_fields(
         sets[owner] = None
     for set_name in sets:
         if set_name != MAIN:
-            lacking = next((s.path for s in table.shards if set_name not in dict(s.sidecars)), None)
+            lacking = table.shards.lacking(set_name)
             if lacking is not None:
                 raise ConfigError(
                     f"fields: {lacking} has no field set {set_name!r} (add it with `seqshard add-field` to every folder read)."

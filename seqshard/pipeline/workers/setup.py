@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
+import numpy as np
+
 from ...errors import ConfigError, SeqshardError, counted
 from ...features.audio import AudioOptions
 from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
@@ -206,7 +208,9 @@ def make_setup(
     )
     if mix is not None and rank == 0:
         _warn_of_windows_over_a_pass(setup, mix)
-    unlabelled = [shard.path for shard in table.shards if shard.path.endswith(".scp")]
+    unlabelled = [
+        p for p in map(table.shards.paths.__getitem__, np.flatnonzero(table.shards.listed)) if p.endswith(".scp")
+    ]
     if unlabelled and override is None and rank == 0:
         _LOG.warning(
             "%s %s KEY PATH lines (a wav.scp) and no labels: batches hold no texts%s; pass labels= the Kaldi text "
