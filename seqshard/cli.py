@@ -206,7 +206,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from .config import check_data, explain
+    from .app.config import check_data, explain
 
     if args.explain:
         print(explain(args.file))
@@ -217,7 +217,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .app.demo import run_demo
 
     run_demo(args.out, num_utts=args.utts, num_workers=args.workers, train_epochs=args.train_epochs)
     return 0
