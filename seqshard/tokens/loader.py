@@ -28,7 +28,7 @@ from ..mix import Mux, flatten
 from ..protocol import PlannedBatches, length_of
 from ..seeds import Seed, stage_rng
 from ..text.fairseq_dict import FairseqDictionary
-from .blocks import BlockBatching, block_rules, separator_warning
+from .blocks import BlockBatching, BlockRules, block_rules, separator_warning
 from .collate import CollateRules, as_tensors, with_net_input
 from .databin import DataBin, Direction
 from .ids import SpecialIds, special_ids
@@ -100,6 +100,7 @@ def make_token_loader(
     check_number("rank", rank, whole=True, at_least=0, optional=True)
     check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     context = discover(rank, world_size)
+    batching: BlockBatching | SentenceBatching
     if block_size is not None:
         if isinstance(src, (Mux, DataBin)) or tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
             raise ConfigError("block_size reads one language-model dataset: no target, mux, data_bin or language ids.")
@@ -107,21 +108,47 @@ def make_token_loader(
         if pair.tgt is not None:
             raise ConfigError(f"block_size reads one language-model dataset, not the pair {pair}.")
         rules = block_rules(block_size, max_tokens, max_sentences, max_positions, shuffle, seed, block_style)
-        dataset = OpenPair(pair).src
-        warning = separator_warning(dataset)
-        if warning and context.rank == 0:
-            _LOG.warning("%s", warning)
-        ids = special_ids([dataset], pad_id, eos_id, pads=rules.style == "fairseq")  # Megatron's are never padded
-        return TokenLoader(BlockBatching(pair.src, dataset, rules, ids), num_workers, context, device)
-    if block_style != "megatron":
-        raise ConfigError(f"block_style={block_style!r} cuts language-model blocks: give block_size=N with it.")
+        batching = _block_batching(pair, rules, pad_id, eos_id, warn=context.rank == 0)
+    else:
+        if block_style != "megatron":
+            raise ConfigError(f"block_style={block_style!r} cuts language-model blocks: give block_size=N with it.")
+        leaves, mixed = _leaves_of(src, tgt, src_lang_id, tgt_lang_id)
+        check_flag("left_pad_source", left_pad_source)
+        positions = DEFAULT_MAX_POSITIONS if max_positions is None else max_positions
+        rules = BatchRules(max_tokens, max_sentences, positions, shuffle, seed, virtual_size)
+        batching = _sentence_batching(src, leaves, mixed, rules, pad_id, eos_id, left_pad_source)
+    return TokenLoader(batching, num_workers, context, device)
+
+
+def _block_batching(
+    pair: TokenPair, rules: BlockRules, pad_id: int | None, eos_id: int | None, warn: bool
+) -> BlockBatching:
+    """One language-model dataset read in blocks (``warn``: log what its separators say)."""
+    dataset = OpenPair(pair).src
+    warning = separator_warning(dataset)
+    if warning and warn:
+        _LOG.warning("%s", warning)
+    ids = special_ids([dataset], pad_id, eos_id, pads=rules.style == "fairseq")  # Megatron's are never padded
+    return BlockBatching(pair.src, dataset, rules, ids)
+
+
+def _leaves_of(
+    src: str | Path | TokenPair | Mux | DataBin,
+    tgt: str | Path | None,
+    src_lang_id: int | None,
+    tgt_lang_id: int | None,
+) -> tuple[list[TokenPair | Direction], np.ndarray | None]:
+    """What ``src`` reads: a mux's or a data_bin's leaves and shares (:func:`_leaves`), or one
+    pair, with the target and language ids given beside it put in it; every pair's language
+    ids checked."""
+    given = tgt is not None or src_lang_id is not None or tgt_lang_id is not None
     if isinstance(src, (Mux, DataBin)):
-        if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
+        if given:
             raise ConfigError("with a mux or a data_bin, give targets and language ids in each TokenPair.")
         leaves, mixed = _leaves(src)
     else:
         pair = as_pair(src)
-        if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
+        if given:
             pair = TokenPair(
                 pair.src,
                 str(tgt) if tgt is not None else pair.tgt,
@@ -133,10 +160,20 @@ def make_token_loader(
         for pair in _pairs_of(leaf):
             check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
             check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
-    check_flag("left_pad_source", left_pad_source)
-    if max_positions is None:
-        max_positions = DEFAULT_MAX_POSITIONS
-    rules = BatchRules(max_tokens, max_sentences, max_positions, shuffle, seed, virtual_size)
+    return leaves, mixed
+
+
+def _sentence_batching(
+    src: Any,
+    leaves: list[TokenPair | Direction],
+    mixed: np.ndarray | None,
+    rules: BatchRules,
+    pad_id: int | None,
+    eos_id: int | None,
+    left_pad_source: bool,
+) -> SentenceBatching:
+    """Sentence batches of ``leaves`` (with ``mixed`` shares); pad and eos ids from a
+    data_bin's dictionaries, the datasets' ``PREFIX.json`` or fairseq's defaults."""
     fixed = {leaf: OpenPair(leaf) for leaf in leaves if isinstance(leaf, TokenPair)}
     sources = EpochSources(leaves, mixed, fixed)
     first = sources.open(sources.epoch(0).pairs)
@@ -151,8 +188,7 @@ def make_token_loader(
         )
     else:
         ids = special_ids([d for o in first for d in (o.src, o.tgt) if d is not None], pad_id, eos_id)
-    collate = CollateRules(ids.pad_id, ids.eos_id, left_pad_source)
-    return TokenLoader(SentenceBatching(sources, rules, collate, ids), num_workers, context, device)
+    return SentenceBatching(sources, rules, CollateRules(ids.pad_id, ids.eos_id, left_pad_source), ids)
 
 
 def _leaves(src: Mux | DataBin) -> tuple[list[TokenPair | Direction], np.ndarray | None]:
