@@ -221,7 +221,7 @@ def _of_data_bin(src: Any) -> bool:
     return isinstance(src, Mux) and all(isinstance(source, Direction) for source in src.sources)
 
 
-class Batching(Protocol):
+class TokenBatching(Protocol):
     """What :class:`TokenLoader` asks of a way of batching (sentences or blocks)."""
 
     rules: Any  # with ``shuffle`` and ``seed``
@@ -245,10 +245,62 @@ def _as_built(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return batches
 
 
+def _built(dataset: Any, numbers: list[int], num_workers: int) -> Iterator[dict[str, Any]]:
+    """The batches ``numbers`` of ``dataset`` (built in groups: in this process, or by
+    ``num_workers`` processes of a DataLoader, which stop when the iterator goes)."""
+    import torch.utils.data
+
+    groups = [numbers[at : at + GROUP_BATCHES] for at in range(0, len(numbers), GROUP_BATCHES)]
+    if num_workers == 0:  # batches cost a fraction of a millisecond: no DataLoader in between
+        return (batch for group in groups for batch in dataset.__getitems__(group))
+    # each worker builds whole groups (the DataLoader calls __getitems__ with each)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=groups, num_workers=num_workers, collate_fn=_as_built)
+    return (batch for group in loader for batch in group)
+
+
+def _handed_over(
+    built: Iterator[dict[str, Any]], copier: CudaCopier | None
+) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each batch's arrays with the batch handed over: tensors over the arrays, or with a
+    ``copier`` on the GPU, the next batch's copy started before one is handed over."""
+    if copier is None:
+        return ((arrays, as_tensors(arrays)) for arrays in built)
+
+    def start(arrays: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        host = as_tensors(arrays)
+        del host["net_input"]  # made again from the copied tensors
+        return arrays, copier.start(host)
+
+    def finish(started: tuple[dict[str, Any], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        arrays, copy = started
+        return arrays, with_net_input(copier.finish(copy))
+
+    return one_ahead(built, start, finish)
+
+
+def _dealt_again(
+    lists: list[np.ndarray], history: list[dict[str, Any]], world: int, rules: Any, epoch: int
+) -> list[np.ndarray]:
+    """Every rank's batch numbers after resumes with other world sizes (``history``: the deals
+    of the epoch before the current one, ``lists`` the first one's): the batches no rank had
+    taken, dealt again (in order, then shuffled) to the ranks of the next deal."""
+    for number, deal in enumerate(history):
+        after = int(history[number + 1]["world_size"]) if number + 1 < len(history) else world
+        rest = np.sort(np.concatenate([lists[r][int(step) :] for r, step in enumerate(deal["steps"])]))
+        equal = len(rest) // after
+        lists = []
+        for rank in range(after):
+            mine = rest[rank::after][:equal]
+            if rules.shuffle:
+                mine = stage_rng(rules.seed, Seed.TOKEN_REDEAL, epoch, number, rank).permutation(mine)
+            lists.append(mine)
+    return lists
+
+
 class TokenLoader:
     """Iterate it once per epoch; see :func:`make_token_loader` and :class:`seqshard.protocol.Loader`."""
 
-    def __init__(self, batching: Batching, num_workers: int, context: DistContext, device: str | None = None):
+    def __init__(self, batching: TokenBatching, num_workers: int, context: DistContext, device: str | None = None):
         self.batching = batching
         self.rules = batching.rules
         self.num_workers = num_workers
@@ -309,20 +361,9 @@ class TokenLoader:
     def _lists(self) -> list[np.ndarray]:
         """Every rank's batch numbers for this epoch: the plan's, or after resumes with other
         world sizes, the batches no rank had taken, dealt again (in order, then shuffled)."""
-        history = self._history or []
-        world = self.context.world_size
+        history, world = self._history or [], self.context.world_size
         lists = self.plan(world_size=int(history[0]["world_size"]) if history else world).ranks
-        for number, deal in enumerate(history):
-            after = int(history[number + 1]["world_size"]) if number + 1 < len(history) else world
-            rest = np.sort(np.concatenate([lists[r][int(step) :] for r, step in enumerate(deal["steps"])]))
-            equal = len(rest) // after
-            lists = []
-            for rank in range(after):
-                mine = rest[rank::after][:equal]
-                if self.rules.shuffle:
-                    mine = stage_rng(self.rules.seed, Seed.TOKEN_REDEAL, self._epoch, number, rank).permutation(mine)
-                lists.append(mine)
-        return lists
+        return _dealt_again(lists, history, world, self.rules, self._epoch)
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -365,21 +406,10 @@ class TokenLoader:
 
     def _batches(self, numbers: list[int], end: int) -> Iterator[dict[str, Any]]:
         """The batches ``numbers``, the last of them this rank's ``end``-th of the epoch."""
-        import torch.utils.data
-
-        dataset = self.batching.batches(self.plan())
-        groups = [numbers[at : at + GROUP_BATCHES] for at in range(0, len(numbers), GROUP_BATCHES)]
-        if self.num_workers == 0:  # batches cost a fraction of a millisecond: no DataLoader in between
-            built: Iterator[dict[str, Any]] = (batch for group in groups for batch in dataset.__getitems__(group))
-        else:  # each worker builds whole groups (the DataLoader calls __getitems__ with each)
-            loader = torch.utils.data.DataLoader(
-                dataset,
-                batch_sampler=groups,
-                num_workers=self.num_workers,
-                collate_fn=_as_built,  # batches are built whole by the dataset
-            )
-            built = (batch for group in loader for batch in group)
-        delivered = self._delivered(built)
+        built = _built(self.batching.batches(self.plan()), numbers, self.num_workers)
+        if is_cuda(self.device) and self._copier is None:
+            self._copier = CudaCopier(self.device)  # type: ignore[arg-type]
+        delivered = _handed_over(built, self._copier)
         try:
             for arrays, batch in delivered:
                 self._step += 1
@@ -392,26 +422,6 @@ class TokenLoader:
             del built, delivered  # a DataLoader iterator's workers stop when it goes
             if self._copier is not None:
                 self._copier.close()
-
-    def _delivered(self, built: Iterator[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-        """Each batch's arrays with the batch handed over: tensors over the arrays, or with
-        ``device="cuda"`` on the GPU, the next batch's copy started before one is handed over."""
-        if not is_cuda(self.device):
-            return ((arrays, as_tensors(arrays)) for arrays in built)
-        if self._copier is None:
-            self._copier = CudaCopier(self.device)  # type: ignore[arg-type]
-        copier = self._copier
-
-        def start(arrays: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-            host = as_tensors(arrays)
-            del host["net_input"]  # made again from the copied tensors
-            return arrays, copier.start(host)
-
-        def finish(started: tuple[dict[str, Any], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-            arrays, copy = started
-            return arrays, with_net_input(copier.finish(copy))
-
-        return one_ahead(built, start, finish)
 
     def close(self) -> None:
         """Stop the workers of an iteration still open (iterating again starts them anew)."""
