@@ -129,12 +129,7 @@ def binarize(
         raise ConfigError(f"need {option('jobs', 1)} or more, got {jobs}.")
     check_layout(layout)
     encoder = _encoder(tokenizer, dictionary, split)
-    eos = (eos_id if eos_id is not None else encoder.eos_id) if append_eos else None
-    if append_eos and eos is None:
-        raise ConfigError(
-            f"the {encoder.describe()} has no end-of-sentence id: pass {option('eos_id', 'ID')}, or "
-            f"{option('append_eos', False)} to store the tokens alone."
-        )
+    eos = _appended_eos(encoder, append_eos, eos_id)
     dtype = token_dtype(encoder.vocab_size, layout)
     bin_path, _ = paths_of(out_prefix)
     ranges = [
@@ -184,6 +179,18 @@ def binarize(
     )
     _say_unusual(text, encoder, dictionary is not None, report)
     return report
+
+
+def _appended_eos(encoder: Tokenizer, append_eos: bool, eos_id: int | None) -> int | None:
+    """The id appended to each sentence (None: none); ConfigError when one is asked for and the
+    tokenizer has none."""
+    eos = (eos_id if eos_id is not None else encoder.eos_id) if append_eos else None
+    if append_eos and eos is None:
+        raise ConfigError(
+            f"the {encoder.describe()} has no end-of-sentence id: pass {option('eos_id', 'ID')}, or "
+            f"{option('append_eos', False)} to store the tokens alone."
+        )
+    return eos
 
 
 def _write(
