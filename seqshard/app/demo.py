@@ -19,6 +19,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -214,6 +215,13 @@ def _plot(pattern: str, path: Path) -> Path | None:
     return path
 
 
+def corpus_option(folder: Path, trset: str) -> dict[str, Any]:
+    """train.option's data keys for the shards ``trset`` of the made-up corpus in ``folder``
+    (its ``kaldi/`` and ``dev/`` data dirs)."""
+    dev, units = folder / "dev", folder / "kaldi/units.txt"
+    return {"large_dataset": True, "trset": trset, "devset": str(dev), "tokenizer": str(units)}
+
+
 def _train(out: Path, pattern: str, epochs: int, ranks: int) -> bool:
     """Write hyper-p.json and run seqshard.app.trainer under torchrun; True when it finished."""
     import os
@@ -221,14 +229,7 @@ def _train(out: Path, pattern: str, epochs: int, ranks: int) -> bool:
     import sys
 
     make_corpus(out / "dev", 60, seed=1)
-    option = {
-        "large_dataset": True,
-        "trset": pattern,
-        "devset": str(out / "dev"),
-        "tokenizer": str(out / "kaldi/units.txt"),
-        "epochs": epochs,
-        **TRAIN_OPTION,
-    }
+    option = {**corpus_option(out, pattern), "epochs": epochs, **TRAIN_OPTION}
     config = out / "hyper-p.json"
     config.write_text(json.dumps({"train": {"bin": "seqshard.app.trainer", "option": option}}, indent=2) + "\n")
     print(f"config: {config} (train.option: large_dataset, trset, devset, tokenizer, loader and trainer keys)")

@@ -27,21 +27,14 @@ from .train_memory import MemoryGuard, length_buckets
 def demo_config(folder: Path, num_utts: int) -> dict[str, Any]:
     """A made-up corpus (features drawn from the label characters), packed; its config."""
     from ..prep.pack import pack_data
-    from .demo import make_corpus
+    from .demo import corpus_option, make_corpus
 
     shards = folder / "shards"
     if not (shards / "pack_report.json").exists():
         make_corpus(folder / "kaldi", num_utts)
         make_corpus(folder / "dev", max(20, num_utts // 10), seed=1)
         pack_data(folder / "kaldi/feats.scp", folder / "kaldi/text", shards, utts_per_file=100, progress=False)
-    option = {
-        "large_dataset": True,
-        "trset": f"{shards}/data-*.tar",
-        "devset": str(folder / "dev"),
-        "tokenizer": str(folder / "kaldi/units.txt"),
-        "batch_frames": 20000,
-        "num_workers": 2,
-    }
+    option = {**corpus_option(folder, f"{shards}/data-*.tar"), "batch_frames": 20000, "num_workers": 2}
     return {"train": {"option": option}}
 
 
