@@ -4,7 +4,7 @@
     python bench/calibrate_gpu.py --quick --device cpu       # a smoke run (small batches, CPU)
 
 A corpus of 80-dim features (lengths as read speech has them: log-normal, median 7 s, 1-20 s;
-labels of T/10 characters) is packed; then for the example model (seqshard.trainer.SmallCTC,
+labels of T/10 characters) is packed; then for the example model (seqshard.app.ctc_model.SmallCTC,
 hidden 256, 2 LSTM layers) and a 4-layer version:
 
     calibrate   seqshard.calibrate at --fraction of the card's memory: each bucket's budget
@@ -77,7 +77,7 @@ def utterance_lengths(shards: Path) -> list[int]:
 
 def prepare(layers: int, device: torch.device) -> None:
     """The example model with ``layers`` LSTM layers, its Adam and its CTC loss, as STATE."""
-    from seqshard.trainer import SmallCTC
+    from seqshard.app.ctc_model import SmallCTC
 
     torch.manual_seed(0)
     STATE.clear()
@@ -102,8 +102,8 @@ def epoch(loader, device: torch.device, budgets=None) -> dict:
     steps alone (the loader runs in this process: batches of the calibrated budgets are too large
     for shared-memory slots), peak memory, out-of-memory errors, and the largest share of its
     bucket's budget a batch used."""
+    from seqshard.app.train_epoch import timed
     from seqshard.tools.calibrate import peak_memory, reset_peak, within_memory
-    from seqshard.trainer import timed
 
     reset_peak(device)
     steps = frames = errors = 0

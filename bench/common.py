@@ -271,13 +271,13 @@ def with_quick(parser: argparse.ArgumentParser, **quick) -> argparse.Namespace:
 
 
 def demo_corpus(folder: Path, utts: int, utts_per_file: int = 200) -> tuple[Path, Path]:
-    """``seqshard.demo``'s made-up corpus of ``utts`` utterances (80-dim features drawn from the
+    """``seqshard.app.demo``'s made-up corpus of ``utts`` utterances (80-dim features drawn from the
     labels) packed into FOLDER/shards, made again when its size differs; returns (the shards'
     folder, the units file)."""
     import shutil
 
     from seqshard import pack_data
-    from seqshard.demo import make_corpus
+    from seqshard.app.demo import make_corpus
     from seqshard.formats.index import ShardIndex
 
     shards, kaldi = folder / "shards", folder / "kaldi"

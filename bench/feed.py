@@ -6,7 +6,7 @@ another checkout's (``--baseline-code``).
                          [--baseline-code DIR] [--audio-minutes 10] [--kinds feats audio resumed]
                          [--out bench/out] [--quick]
 
-Features: seqshard.demo.make_corpus (80-dim, about 310 frames an utterance) packed, batches of
+Features: seqshard.app.demo.make_corpus (80-dim, about 310 frames an utterance) packed, batches of
 20,000 padded frames (about 200 steps an epoch for 12,000 utterances), labels as text
 (``--tokenizer``: tokenized with the corpus's units, which about doubles a reader's work). Audio: bench/audio.py's
 corpus of real speech cut into 2-15 s utterances, packed as FLAC, fbank computed on the fly

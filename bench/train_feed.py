@@ -8,8 +8,8 @@ On a GPU machine (epochs of >= 500 steps, both models; about 5 min each on one H
     python bench/train_feed.py --device cuda --utts 32000
     python bench/train_feed.py --device cuda --utts 32000 --hidden 1024 --layers 4
 
-A made-up corpus (seqshard.demo.make_corpus: 80-dim features drawn from the labels) packed
-into shards; the example model (seqshard.trainer.SmallCTC, CTC, Adam) trained in one process
+A made-up corpus (seqshard.app.demo.make_corpus: 80-dim features drawn from the labels) packed
+into shards; the example model (seqshard.app.ctc_model.SmallCTC, CTC, Adam) trained in one process
 with one torch thread:
 
     memory     the epoch's batches materialised in a list first (no loading in the loop)
@@ -51,7 +51,7 @@ ROOT = Path(__file__).parent.parent
 
 def train_epoch(model, optimizer, ctc, batches, device) -> dict:
     """Train over ``batches`` (an iterable); timings of waiting and of whole steps."""
-    from seqshard.trainer import timed
+    from seqshard.app.train_epoch import timed
 
     waited = total = 0.0
     steps = utts = 0
@@ -84,7 +84,7 @@ def fbank_rows(workers: int, device: str) -> dict[str, dict]:
 
 def speech_shards(out: Path, minutes: float) -> tuple[Path, Path]:
     """FLAC shards of ``minutes`` of speech (made once) and a character units file for them
-    (as seqshard.demo writes one)."""
+    (as seqshard.app.demo writes one)."""
     from seqshard import pack_data
 
     shards = out / "speech-shards"
@@ -100,7 +100,7 @@ def speech_shards(out: Path, minutes: float) -> tuple[Path, Path]:
 
 def main() -> None:
     from seqshard import make_loader
-    from seqshard.trainer import SmallCTC
+    from seqshard.app.ctc_model import SmallCTC
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--utts", type=int, default=2400)

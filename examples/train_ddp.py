@@ -23,13 +23,13 @@ change: a new learning rate or warm-up applies from the next step, another model
 Every log_every steps rank 0 prints the loss, utterances/s, frames/s and the data-wait
 fraction (time waiting for the next batch / step time).
 
-The trainer itself is seqshard/trainer.py (so that `seqshard demo` runs it from an installed
+The trainer itself is seqshard/app/trainer.py (so that `seqshard demo` runs it from an installed
 package too).
 """
 
 import sys
 
-from seqshard.trainer import main
+from seqshard.app.trainer import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -24,7 +24,7 @@ _EXPORTS = {
     "make_token_loader": "seqshard.tokens.loader",
     "TokenLoader": "seqshard.tokens.loader",
     "binarize": "seqshard.prep.binarize",
-    "build_loaders": "seqshard.config",
+    "build_loaders": "seqshard.app.config",
     "calibrate": "seqshard.tools.calibrate",
     "split_batch": "seqshard.pipeline.stages.split",
     "ShardLoader": "seqshard.loader",
@@ -54,7 +54,7 @@ _EXPORTS = {
     "StateMismatchError": "seqshard.errors",
 }
 
-_MODULES = ("config", "trainer", "testing")  # seqshard.config.build_loaders(...) after `import seqshard`
+_MODULES = ("testing",)  # seqshard.testing.ListSource after `import seqshard`
 
 __all__ = [*_EXPORTS, "__version__"]
 

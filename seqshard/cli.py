@@ -206,7 +206,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _config(args: argparse.Namespace) -> int:
-    from .config import check_data, explain
+    from .app.config import check_data, explain
 
     if args.explain:
         print(explain(args.file))
@@ -217,7 +217,7 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from .app.demo import run_demo
 
     run_demo(args.out, num_utts=args.utts, num_workers=args.workers, train_epochs=args.train_epochs)
     return 0
@@ -254,6 +254,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _pack_command(commands: Any) -> None:
     pack = commands.add_parser("pack", help="pack feats.scp + text into shuffled, indexed tar shards")
+    _pack_inputs(pack)
+    _pack_layout(pack)
+    _pack_running(pack)
+    _pack_reading(pack)
+    pack.add_argument("--max-open", type=int, default=256, help="shards written at once per job (default: %(default)s)")
+    pack.add_argument(
+        "--overwrite", action="store_true", help="replace a pack made in --out from other inputs or options"
+    )
+    pack.add_argument("--json", action="store_true", help="print the report as JSON")
+    pack.add_argument("--quiet", action="store_true", help="no progress bars")
+    pack.set_defaults(run=_pack)
+
+
+def _pack_inputs(pack: argparse.ArgumentParser) -> None:
+    """The pack command's options of what is packed: Kaldi tables, audio (and fbank made
+    from it), NeMo manifests, Hugging Face datasets."""
     pack.add_argument("--scp", nargs="+", action="extend", help="Kaldi feats.scp file(s); repeat or list several")
     pack.add_argument("--wav-scp", nargs="+", action="extend", help="Kaldi wav.scp file(s) of audio, instead of --scp")
     pack.add_argument(
@@ -285,6 +301,10 @@ def _pack_command(commands: Any) -> None:
     pack.add_argument("--id-column", help="the key column (default: id when there is one, else row numbers)")
     pack.add_argument("--fields", metavar="A,B", help="keep these manifest keys (dataset columns) as fields NAME.json")
     pack.add_argument("--text", nargs="+", action="extend", help="Kaldi text file(s): 'UTT-ID label words'")
+
+
+def _pack_layout(pack: argparse.ArgumentParser) -> None:
+    """The pack command's options of where and how the shards are written."""
     pack.add_argument("--out", required=True, help="output folder")
     pack.add_argument("--fmt", default="data-%05d.tar", help="shard file name pattern (default: %(default)s)")
     pack.add_argument(
@@ -302,6 +322,10 @@ def _pack_command(commands: Any) -> None:
         default="float32",
         help="stored feature type; float16 halves the IO (default: %(default)s, lossless)",
     )
+
+
+def _pack_running(pack: argparse.ArgumentParser) -> None:
+    """The pack command's options of where the pack runs, in how many parts."""
     pack.add_argument(
         "--jobs", type=int, default=1, help="processes on this machine (--executor processes:N; default: %(default)s)"
     )
@@ -320,6 +344,11 @@ def _pack_command(commands: Any) -> None:
         "--num-parts", type=int, default=1, help="split the pack into this many parts (e.g. a Slurm array)"
     )
     pack.add_argument("--part", type=int, default=0, help="which part this run packs, 0-based")
+
+
+def _pack_reading(pack: argparse.ArgumentParser) -> None:
+    """The pack command's options of how the inputs are read: bad utterances, keys,
+    commands, paths, lengths, speakers."""
     pack.add_argument(
         "--skip-bad", action="store_true", help="skip and count bad utterances instead of stopping at the first"
     )
@@ -350,13 +379,6 @@ def _pack_command(commands: Any) -> None:
         help="Kaldi cmvn.scp (by speaker with --utt2spk, else by utterance): record each utterance's CMVN statistics "
         "(field cmvn) for make_loader(cmvn='speaker')",
     )
-    pack.add_argument("--max-open", type=int, default=256, help="shards written at once per job (default: %(default)s)")
-    pack.add_argument(
-        "--overwrite", action="store_true", help="replace a pack made in --out from other inputs or options"
-    )
-    pack.add_argument("--json", action="store_true", help="print the report as JSON")
-    pack.add_argument("--quiet", action="store_true", help="no progress bars")
-    pack.set_defaults(run=_pack)
 
 
 def _add_field_command(commands: Any) -> None:

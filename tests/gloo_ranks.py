@@ -97,7 +97,7 @@ class RankProcess:
 
 
 # torch._dynamo: what DistributedDataParallel imports when a model is wrapped (1.5-2.5 s of CPU
-# a rank); seqshard.trainer: what examples/train_ddp.py runs.
+# a rank); seqshard.app.trainer: what examples/train_ddp.py runs.
 _PRELOAD = [
     "torch",
     "torch.distributed",
@@ -105,7 +105,7 @@ _PRELOAD = [
     "seqshard",
     "seqshard.loader",
     "seqshard.pipeline.rank.loader",
-    "seqshard.trainer",
+    "seqshard.app.trainer",
 ]
 
 

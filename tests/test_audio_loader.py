@@ -94,8 +94,9 @@ def test_fbank_on_the_fly_has_the_keys_feature_shards_give(audio_shards, num_wor
 
 def test_the_loaders_dim_is_the_fbanks_it_computes_and_sizes_the_trainers_model(audio_shards):
     """The example trainer sizes its model by loader.dim, None for audio shards before (issue 23, item 13)."""
-    from seqshard.config import build_loaders
-    from seqshard.trainer import SmallCTC, input_dim
+    from seqshard.app.config import build_loaders
+    from seqshard.app.ctc_model import SmallCTC
+    from seqshard.app.train_setup import input_dim
 
     option = {"large_dataset": True, "trset": str(audio_shards[1]), "batch_size": 4, "num_workers": 0, **SMALL}
     loader, _ = build_loaders({"train": {"option": {**option, "features": "fbank", "num_mel_bins": 40}}})

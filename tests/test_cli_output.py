@@ -94,8 +94,8 @@ def test_abbreviated_options_are_refused_by_name(argv, named, capsys):
 
 
 def test_every_command_and_the_trainer_take_only_whole_option_names(capsys):
+    from seqshard.app.trainer import parse_args
     from seqshard.cli import build_parser
-    from seqshard.trainer import parse_args
 
     parser = build_parser()
     commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices

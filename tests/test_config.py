@@ -7,8 +7,8 @@ import pytest
 
 from conftest import write_kaldi_dir
 from seqshard import make_loader, pack_data
+from seqshard.app.config import build_loaders, explain, load_config
 from seqshard.cli import main as cli
-from seqshard.config import build_loaders, explain, load_config
 from seqshard.errors import ConfigError
 
 

@@ -10,8 +10,8 @@ import pytest
 
 from conftest import write_kaldi_dir
 from seqshard import pack_data
+from seqshard.app.config import build_loaders, check_data, load_config, read_json
 from seqshard.cli import main as cli
-from seqshard.config import build_loaders, check_data, load_config, read_json
 from seqshard.errors import ConfigError
 
 
@@ -116,7 +116,8 @@ def test_map_style_sizes_are_checked_as_make_loader_checks_them(corpus):
 
 
 def test_the_trainers_set_values_are_read_and_checked_as_the_files(corpus, tmp_path):
-    from seqshard.trainer import load_settings, parse_args
+    from seqshard.app.train_setup import load_settings
+    from seqshard.app.trainer import parse_args
 
     path = tmp_path / "hyper-p.json"
     path.write_text(json.dumps(hyper(corpus)))

@@ -7,8 +7,8 @@ import shlex
 
 import pytest
 
+from seqshard.app.demo import where_next
 from seqshard.cli import main as cli
-from seqshard.demo import where_next
 
 
 @pytest.mark.slow
@@ -34,7 +34,7 @@ def test_the_demo_runs_end_to_end(tmp_path, capsys, monkeypatch):
 def test_the_demos_next_steps_run_from_an_installed_package(tmp_path):
     from torch.distributed.run import get_args_parser
 
-    from seqshard.trainer import parse_args
+    from seqshard.app.trainer import parse_args
 
     text = where_next(tmp_path, f"{tmp_path}/shards/*/data-*.tar", None, train_epochs=2)
     line = next(line for line in text.splitlines() if "torchrun" in line)
@@ -42,7 +42,7 @@ def test_the_demos_next_steps_run_from_an_installed_package(tmp_path):
     assert "examples/train_ddp.py runs the same trainer" in note  # the script exists only in a clone
     words = shlex.split(command)
     launcher = get_args_parser().parse_args(words[1:])
-    assert launcher.module and launcher.training_script == "seqshard.trainer"  # it was examples/train_ddp.py
+    assert launcher.module and launcher.training_script == "seqshard.app.trainer"  # it was examples/train_ddp.py
     assert importlib.util.find_spec(launcher.training_script) is not None
     assert parse_args(launcher.training_script_args).config == f"{tmp_path}/hyper-p.json"
     assert "hyper-p.json" not in where_next(tmp_path, "p", None, train_epochs=0)  # no training, no config

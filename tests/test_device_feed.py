@@ -303,7 +303,7 @@ def test_a_batch_of_waveforms_as_large_as_the_budget_fits_its_slot(audio_shards,
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
 def test_asking_for_a_gpu_where_there_is_none_is_refused_when_the_loader_is_made(audio_shards, tmp_path):
-    from seqshard.trainer import main
+    from seqshard.app.trainer import main
 
     with pytest.raises(ConfigError, match="device='cuda', and torch finds 0 CUDA device"):
         make_loader(audio_shards[0], batch_size=2, num_workers=0, device="cuda")
@@ -311,7 +311,7 @@ def test_asking_for_a_gpu_where_there_is_none_is_refused_when_the_loader_is_made
 
 
 def test_hyper_p_json_takes_the_device_options():
-    from seqshard.config import load_config
+    from seqshard.app.config import load_config
 
     option = {
         "large_dataset": True,

@@ -1,4 +1,4 @@
-"""The example trainer (examples/train_ddp.py -> seqshard.trainer) run for real: it learns,
+"""The example trainer (examples/train_ddp.py -> seqshard.app.trainer) run for real: it learns,
 it is killed with SIGKILL and resumed with the batches and losses of the uninterrupted run,
 2 ranks under torchrun, launched by the README's Slurm script as written, are preempted (USR1
 to the script, SIGTERM to every process of the job), the script ends with status 0 and requeues,

@@ -302,7 +302,7 @@ def test_reads_across_the_pieces_of_fetched_chunks_give_the_bytes(monkeypatch):
 
     def fetch(url, start, end, abandoned=None):
         cuts = sorted({start, end, *range(start, end, 7 + start % 13)})  # uneven pieces
-        return remote.Chunk([data[a:b] for a, b in itertools.pairwise(cuts)])
+        return remote.FetchedRange([data[a:b] for a, b in itertools.pairwise(cuts)])
 
     monkeypatch.setattr(access, "fetch", fetch)
     monkeypatch.setattr(access, "server_size", lambda url, abandoned=None: len(data))

@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from gloo_ranks import kill, start_script
+from seqshard.app.train_checkpoint import changes_since, read_checkpoint
+from seqshard.app.train_epoch import lr_schedule
+from seqshard.app.train_setup import budgets_elsewhere
 from seqshard.errors import ConfigError
 from seqshard.formats.budgets import Budgets
-from seqshard.trainer import budgets_elsewhere, changes_since, lr_schedule, read_checkpoint
 
 ROOT = Path(__file__).parent.parent
 SETTINGS = {"batch_frames": 3000, "epochs": 1, "save_every": 50, "log_every": 50, "hidden": 32, "layers": 1,
@@ -27,7 +29,7 @@ OPTIONS = ["--demo-utts", "60"] + [f"--set={k}={json.dumps(v)}" for k, v in SETT
 
 
 def trainer(folder: Path, *args: str | Path) -> subprocess.CompletedProcess:
-    """One run of the example trainer (examples/train_ddp.py, which runs seqshard.trainer's main)
+    """One run of the example trainer (examples/train_ddp.py, which runs seqshard.app.trainer's main)
     without a launcher, in a process forked from tests/gloo_ranks.py's server that has imported
     torch (a fresh interpreter costs 2-4 s of CPU)."""
     logs = folder / f"logs{len(list(folder.glob('logs*')))}"

@@ -1,7 +1,7 @@
 """One rank of the example trainer, or of its step runner, with probes; started by
 tests/test_example_train.py and tests/test_memory.py (not a test module itself).
 
-    python tests/trainer_probe.py train OUT EVENTS -- TRAINER ARGS   # seqshard.trainer.main
+    python tests/trainer_probe.py train OUT EVENTS -- TRAINER ARGS   # seqshard.app.trainer.main
     python tests/trainer_probe.py runner OUT                         # StepRunner under DDP
 
 ``train`` writes OUT/probe<rank>.jsonl, a line per optimizer step n with what happened from the
@@ -11,7 +11,7 @@ step's batch, forward and backward; step 0: from the start to the first update):
 - ``reads``: where seqshard's code read a tensor's value on the host (``item``, ``tolist``,
   ``numpy``, ``cpu``, ``int()``, ``float()``, ``bool()``, ``torch.cuda.synchronize``): on a GPU
   each waits for it; reads by torch itself (Adam's step counts, on the host) and those within
-  the loader's iteration (``seqshard.trainer.timed``, another part's business) are not counted;
+  the loader's iteration (``seqshard.app.train_epoch.timed``, another part's business) are not counted;
 - ``all_reduce``: the trainer's calls of ``torch.distributed.all_reduce`` (dtype, size, async);
 - ``buckets``: the gradient buckets DDP reduced (a comm hook on every DDP module);
 - ``plan``: the trainer's calls of the loader's ``planned_batches`` (a walk of the plan).
@@ -20,7 +20,7 @@ EVENTS (JSON): ``{"oom": [rank, step]}`` makes memory run out on that rank in th
 of that step, after the output layer's gradients (an exception raised between the LSTM and the
 output layer); ``{"signal": [rank, step]}`` sends SIGTERM to that rank after that step's update.
 
-``runner`` runs :class:`seqshard.trainer.StepRunner` on 2 ranks over a DDP model of several
+``runner`` runs :class:`seqshard.app.train_memory.StepRunner` on 2 ranks over a DDP model of several
 buckets, with memory running out on rank 1 at each place a step can run out (see
 ``SCENARIOS``), and writes OUT/runner<rank>.json: each scenario's gradients' largest
 difference from the step without it, and what DDP and ``all_reduce`` did.
@@ -42,10 +42,12 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import seqshard
-from seqshard.trainer import MemoryGuard, SmallCTC, StepRunner
+from seqshard.app.ctc_model import SmallCTC
+from seqshard.app.train_memory import MemoryGuard, StepRunner
 
 PACKAGE = Path(seqshard.__file__).parent
 TENSOR_CODE = (str(Path(torch.__file__).parent / "_tensor"),)  # Tensor.__format__ and the like: their caller reads
+TRAINER = str(PACKAGE / "app" / "train")  # seqshard/app/trainer.py and its train_*.py modules
 READS = ("item", "tolist", "numpy", "cpu", "__int__", "__float__", "__bool__", "__index__")
 
 
@@ -106,7 +108,7 @@ def seqshard_caller() -> str | None:
         return None
     where = f"{Path(frame.f_code.co_filename).relative_to(PACKAGE)}:{frame.f_lineno}"
     while frame is not None:
-        if frame.f_code.co_name == "timed" and frame.f_code.co_filename.endswith("trainer.py"):
+        if frame.f_code.co_name == "timed" and frame.f_code.co_filename.endswith("train_epoch.py"):
             return None
         frame = frame.f_back
     return where
@@ -130,7 +132,7 @@ def install_probes(window: Window) -> None:
     all_reduce = dist.all_reduce
 
     def counted_all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if sys._getframe(1).f_code.co_filename.endswith("seqshard/trainer.py"):
+        if sys._getframe(1).f_code.co_filename.startswith(TRAINER):
             call = {"dtype": str(tensor.dtype), "size": tensor.numel(), "async": bool(kwargs.get("async_op"))}
             window.all_reduce.append(call)
         return all_reduce(tensor, *args, **kwargs)
@@ -142,7 +144,7 @@ def install_probes(window: Window) -> None:
     planned = ShardLoader.planned_batches
 
     def counted_plan(self: Any) -> Any:
-        window.plan += sys._getframe(1).f_code.co_filename.endswith("seqshard/trainer.py")
+        window.plan += sys._getframe(1).f_code.co_filename.startswith(TRAINER)
         return planned(self)
 
     ShardLoader.planned_batches = counted_plan
@@ -190,7 +192,7 @@ def train(out: Path, events: dict[str, list[int]], args: list[str]) -> None:
 
     register_optimizer_step_pre_hook(before)
     register_optimizer_step_post_hook(after)
-    from seqshard.trainer import main
+    from seqshard.app.trainer import main
 
     main(args)
 

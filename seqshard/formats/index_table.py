@@ -247,71 +247,7 @@ class ShardColumns:
             if found is None:
                 return None
             columns.sidecars = found
-        return columns if columns.problem() is None else None
-
-    def problem(self) -> str | None:
-        """What breaks the rules of an index entry (``ShardEntry.from_json``, ``check_names``),
-        in bulk; None when nothing does."""
-        rows = len(self.names)
-        utts, frames, size, shortest, longest = (self.numbers[f] for f in _NUMBERS)
-        if any(not _shaped(self.numbers[f], np.int64, rows) for f in _NUMBERS):
-            return "numbers"
-        if (utts < 0).any() or (frames < 0).any() or (size < 0).any() or (shortest < -1).any() or (longest < -1).any():
-            return "a negative number"
-        if (size > MAX_BYTES).any() or (frames > MAX_COUNT).any() or (np.maximum(shortest, longest) > MAX_LENGTH).any():
-            return "a number out of range"
-        most = np.minimum(size // 512, MAX_LENGTH)
-        joined = "\0".join(self.names)
-        gzipped = ".gz\0" in joined + "\0" or ".tgz\0" in joined + "\0"
-        for row in (r for r, name in enumerate(self.names) if gzipped and name.endswith((".gz", ".tgz"))):
-            most[row] = min(MAX_LENGTH, max_samples(self.names[row], int(size[row])))
-        if (utts > most).any():
-            return "more utterances than the bytes hold"
-        hist = self._histogram_problem(utts)
-        if hist is not None:
-            return hist
-        measured = np.diff(np.concatenate([[0], np.cumsum(self.counts)])[self.at])
-        both = (shortest >= 0) & (longest >= 0)
-        fits = (shortest <= longest) & (measured * shortest <= frames) & (frames <= measured * longest)
-        if (measured > utts).any() or (both & ~fits).any():
-            return "lengths that do not fit"
-        if any(len(texts) != rows for texts in self.texts.values()) or self.texts["checksum"].absent is not None:
-            return "texts"
-        return _names_problem(self.names, joined) or self._sidecars_problem()
-
-    def _histogram_problem(self, utts: np.ndarray) -> str | None:
-        rows = len(self.names)
-        if not _shaped(self.at, np.int64, rows + 1) or self.at[0] != 0 or (np.diff(self.at) < 0).any():
-            return "histogram rows"
-        if not _shaped(self.bins, np.int16, int(self.at[-1])) or not _shaped(self.counts, np.int32, len(self.bins)):
-            return "histogram arrays"
-        if len(self.counts) * MAX_LENGTH >= 2**62:
-            return "too many bins"
-        if ((self.bins < 0) | (self.bins > MAX_BIN)).any() or (self.counts < 0).any():
-            return "a histogram bin or count out of range"
-        if (self.counts > np.repeat(utts, np.diff(self.at))).any():
-            return "a histogram count above its shard's"
-        return None
-
-    def _sidecars_problem(self) -> str | None:
-        rows = len(self.names)
-        for name, car in self.sidecars.items():
-            if not FIELD_SET_NAME.fullmatch(name) or not _shaped(car.present, bool, rows):
-                return "a field set"
-            if not _shaped(car.bytes, np.int64, rows) or (car.bytes < 0).any() or (car.bytes > MAX_BYTES).any():
-                return "a sidecar's bytes"
-            if any(len(car.texts[key]) != rows for key in _CAR_TEXTS):
-                return "a sidecar's texts"
-            for key in ("name", "checksum"):
-                absent = car.texts[key].absent
-                if absent is not None and (absent & car.present).any():
-                    return "a sidecar without a name or checksum"
-            given = car.texts["name"].tolist()
-            for row in np.flatnonzero(car.present).tolist():
-                shard = self.names[row]
-                if given[row] not in (sidecar_name(shard, name), old_sidecar_name(shard, name)):
-                    return "a sidecar's name"
-        return None
+        return columns if _problem(columns) is None else None
 
     # -- the compact table ----------------------------------------------------------------
     def arrays(self) -> dict[str, np.ndarray]:
@@ -355,7 +291,79 @@ class ShardColumns:
         if any(not isinstance(a, np.ndarray) for a in [*numbers.values(), *hist]):
             return None
         columns = cls(names.tolist(), numbers, *hist, texts, cars)  # type: ignore[arg-type]
-        return columns if columns.problem() is None else None
+        return columns if _problem(columns) is None else None
+
+
+# -- the rules of index entries, checked on the columns in bulk ------------------------------------
+
+
+def _problem(columns: ShardColumns) -> str | None:
+    """What breaks the rules of an index entry (``ShardEntry.from_json``, ``check_names``),
+    in bulk; None when nothing does."""
+    rows = len(columns.names)
+    utts, frames, size, shortest, longest = (columns.numbers[f] for f in _NUMBERS)
+    if any(not _shaped(columns.numbers[f], np.int64, rows) for f in _NUMBERS):
+        return "numbers"
+    if (utts < 0).any() or (frames < 0).any() or (size < 0).any() or (shortest < -1).any() or (longest < -1).any():
+        return "a negative number"
+    if (size > MAX_BYTES).any() or (frames > MAX_COUNT).any() or (np.maximum(shortest, longest) > MAX_LENGTH).any():
+        return "a number out of range"
+    most = np.minimum(size // 512, MAX_LENGTH)
+    joined = "\0".join(columns.names)
+    gzipped = ".gz\0" in joined + "\0" or ".tgz\0" in joined + "\0"
+    for row in (r for r, name in enumerate(columns.names) if gzipped and name.endswith((".gz", ".tgz"))):
+        most[row] = min(MAX_LENGTH, max_samples(columns.names[row], int(size[row])))
+    if (utts > most).any():
+        return "more utterances than the bytes hold"
+    hist = _histogram_problem(columns, utts)
+    if hist is not None:
+        return hist
+    measured = np.diff(np.concatenate([[0], np.cumsum(columns.counts)])[columns.at])
+    both = (shortest >= 0) & (longest >= 0)
+    fits = (shortest <= longest) & (measured * shortest <= frames) & (frames <= measured * longest)
+    if (measured > utts).any() or (both & ~fits).any():
+        return "lengths that do not fit"
+    if any(len(texts) != rows for texts in columns.texts.values()) or columns.texts["checksum"].absent is not None:
+        return "texts"
+    return _names_problem(columns.names, joined) or _sidecars_problem(columns)
+
+
+def _histogram_problem(columns: ShardColumns, utts: np.ndarray) -> str | None:
+    rows = len(columns.names)
+    if not _shaped(columns.at, np.int64, rows + 1) or columns.at[0] != 0 or (np.diff(columns.at) < 0).any():
+        return "histogram rows"
+    if not _shaped(columns.bins, np.int16, int(columns.at[-1])) or not _shaped(
+        columns.counts, np.int32, len(columns.bins)
+    ):
+        return "histogram arrays"
+    if len(columns.counts) * MAX_LENGTH >= 2**62:
+        return "too many bins"
+    if ((columns.bins < 0) | (columns.bins > MAX_BIN)).any() or (columns.counts < 0).any():
+        return "a histogram bin or count out of range"
+    if (columns.counts > np.repeat(utts, np.diff(columns.at))).any():
+        return "a histogram count above its shard's"
+    return None
+
+
+def _sidecars_problem(columns: ShardColumns) -> str | None:
+    rows = len(columns.names)
+    for name, car in columns.sidecars.items():
+        if not FIELD_SET_NAME.fullmatch(name) or not _shaped(car.present, bool, rows):
+            return "a field set"
+        if not _shaped(car.bytes, np.int64, rows) or (car.bytes < 0).any() or (car.bytes > MAX_BYTES).any():
+            return "a sidecar's bytes"
+        if any(len(car.texts[key]) != rows for key in _CAR_TEXTS):
+            return "a sidecar's texts"
+        for key in ("name", "checksum"):
+            absent = car.texts[key].absent
+            if absent is not None and (absent & car.present).any():
+                return "a sidecar without a name or checksum"
+        given = car.texts["name"].tolist()
+        for row in np.flatnonzero(car.present).tolist():
+            shard = columns.names[row]
+            if given[row] not in (sidecar_name(shard, name), old_sidecar_name(shard, name)):
+                return "a sidecar's name"
+    return None
 
 
 def _column(entries: list[dict[str, Any]], key: str, default: Any = None) -> list[Any]:

@@ -129,12 +129,7 @@ def binarize(
         raise ConfigError(f"need {option('jobs', 1)} or more, got {jobs}.")
     check_layout(layout)
     encoder = _encoder(tokenizer, dictionary, split)
-    eos = (eos_id if eos_id is not None else encoder.eos_id) if append_eos else None
-    if append_eos and eos is None:
-        raise ConfigError(
-            f"the {encoder.describe()} has no end-of-sentence id: pass {option('eos_id', 'ID')}, or "
-            f"{option('append_eos', False)} to store the tokens alone."
-        )
+    eos = _appended_eos(encoder, append_eos, eos_id)
     dtype = token_dtype(encoder.vocab_size, layout)
     bin_path, _ = paths_of(out_prefix)
     ranges = [
@@ -145,26 +140,11 @@ def binarize(
         for piece in ranges:
             inside(bin_path.parent, Path(piece.part))
         writer = TokenDatasetWriter(out_prefix, dtype, layout)
-        unknown = empty = lines = 0
         remove_parts(out_prefix)
         meta_path_of(out_prefix).unlink(missing_ok=True)  # an old PREFIX.json never describes the new files
-        try:
-            with Progress(progress) as bars:
-                advance = bars.bar(f"binarize {text.name}", text.stat().st_size, unit="B")
-                for piece, part in zip(ranges, _encode_ranges(ranges, jobs)):
-                    writer.add_bin(Path(piece.part), part.sizes)
-                    Path(piece.part).unlink()
-                    unknown += part.unknown
-                    empty += part.empty
-                    lines += len(part.sizes)
-                    advance(piece.end - piece.start)
-            writer.finish()
-        except BaseException:
-            writer.abort()
-            for piece in ranges:
-                Path(piece.part).unlink(missing_ok=True)
-            raise
+        unknown, empty, lines = _write(writer, ranges, jobs, text, progress)
         written = TokenDataset(out_prefix)  # read back: the report counts what is on disk
+        eos_recorded = eos_id if eos_id is not None else encoder.eos_id
         meta = TokenMeta(
             layout=layout,
             dtype=str(dtype),
@@ -172,9 +152,9 @@ def binarize(
             tokens=written.num_tokens,
             data=data_fingerprint(out_prefix),
             vocab_size=encoder.vocab_size,
-            eos_id=eos_id if eos_id is not None else encoder.eos_id,
+            eos_id=eos_recorded,
             eos_appended=eos is not None,
-            pad_id=padding_id(encoder, eos_id if eos_id is not None else encoder.eos_id),
+            pad_id=padding_id(encoder, eos_recorded),
             bos_id=getattr(encoder, "bos_id", None),
             unk_id=encoder.unk_id,
             tokenizer=_identity(tokenizer, encoder if dictionary is None else getattr(encoder, "pieces", None)),
@@ -197,17 +177,62 @@ def binarize(
         pad_id=meta.pad_id,
         dictionary=str(dictionary) if dictionary is not None else None,
     )
-    if dictionary is not None:
-        warning = _unknown_pieces_warning(encoder, report.tokens, unknown)
+    _say_unusual(text, encoder, dictionary is not None, report)
+    return report
+
+
+def _appended_eos(encoder: Tokenizer, append_eos: bool, eos_id: int | None) -> int | None:
+    """The id appended to each sentence (None: none); ConfigError when one is asked for and the
+    tokenizer has none."""
+    eos = (eos_id if eos_id is not None else encoder.eos_id) if append_eos else None
+    if append_eos and eos is None:
+        raise ConfigError(
+            f"the {encoder.describe()} has no end-of-sentence id: pass {option('eos_id', 'ID')}, or "
+            f"{option('append_eos', False)} to store the tokens alone."
+        )
+    return eos
+
+
+def _write(
+    writer: TokenDatasetWriter, ranges: list[_Range], jobs: int, text: Path, progress: bool
+) -> tuple[int, int, int]:
+    """Encode ``ranges`` of ``text`` (in ``jobs`` processes) into ``writer``'s files, each
+    range's part removed once added (all of them, and the files, on a failure); the unknown
+    tokens, the empty lines and the lines."""
+    unknown = empty = lines = 0
+    try:
+        with Progress(progress) as bars:
+            advance = bars.bar(f"binarize {text.name}", text.stat().st_size, unit="B")
+            for piece, part in zip(ranges, _encode_ranges(ranges, jobs)):
+                writer.add_bin(Path(piece.part), part.sizes)
+                Path(piece.part).unlink()
+                unknown += part.unknown
+                empty += part.empty
+                lines += len(part.sizes)
+                advance(piece.end - piece.start)
+        writer.finish()
+    except BaseException:
+        writer.abort()
+        for piece in ranges:
+            Path(piece.part).unlink(missing_ok=True)
+        raise
+    return unknown, empty, lines
+
+
+def _say_unusual(text: Path, encoder: Tokenizer, by_dictionary: bool, report: BinarizeReport) -> None:
+    """Warn of the unknown tokens and the empty lines ``report`` counts."""
+    if by_dictionary:
+        warning = _unknown_pieces_warning(encoder, report.tokens, report.unknown_tokens)
     else:
-        warning = unknown_tokens_warning(encoder, report.tokens, unknown)
+        warning = unknown_tokens_warning(encoder, report.tokens, report.unknown_tokens)
     if warning:
         _LOG.warning("%s", warning)
-    if empty:
+    if report.empty_lines:
         _LOG.warning(
-            "%s: %s, each stored as a sequence of its own (kept for alignment)", text, counted(empty, "empty line")
+            "%s: %s, each stored as a sequence of its own (kept for alignment)",
+            text,
+            counted(report.empty_lines, "empty line"),
         )
-    return report
 
 
 def padding_id(encoder: Tokenizer, eos: int | None) -> int:

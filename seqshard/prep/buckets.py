@@ -22,7 +22,7 @@ import numpy as np
 from ..errors import InputError, SkipCounter, Where
 from ..seeds import Seed, stage_rng
 from .chunks import Chunk
-from .plan import PackJob
+from .plan import PackJob, PackOptions
 from .rows import BAD, PLANNED_ROW, SCAN_ROW, TableLines, WaveFiles, order_of
 from .scan import SCAN, chunk_name
 
@@ -132,9 +132,11 @@ class _Planner:
             keep[repeat.row] = False
         label_of = self.labels(rows["labels"], utts, keep, bad_hashes)
         lengths = self.lengths(utts, keep, rows["lengths"])
-        speakers = self.speakers(utts, keep, rows["speakers"])
-        self.statistics(utts, keep, speakers, rows["speakers"])
-        return self.order(utts, keep, label_of, lengths, speakers, rows["labels"], rows["speakers"])
+        speaker_of = self.speakers(utts, keep, rows["speakers"])
+        self.statistics(utts, keep, speaker_of, rows["speakers"])
+        return planned_rows(
+            self.job.options, self.bucket, utts, keep, label_of, lengths, speaker_of, rows["labels"], rows["speakers"]
+        )
 
     def repeats(self, table: str, rows: np.ndarray) -> Iterator[_Repeat]:
         """Each row whose key an earlier row gave (a 64-bit hash collision is no repeat)."""
@@ -291,41 +293,42 @@ class _Planner:
         finally:
             known.close()
 
-    def order(
-        self,
-        utts: np.ndarray,
-        keep: np.ndarray,
-        label_of: np.ndarray,
-        lengths: np.ndarray,
-        speaker_of: np.ndarray,
-        labels: np.ndarray,
-        speakers: np.ndarray,
-    ) -> np.ndarray:
-        """The kept utterances as planned rows, each with its place in its group's order."""
-        options = self.job.options
-        group = group_of(lengths, options.groups) if options.groups else np.zeros(len(utts), dtype=np.int64)
-        parts = []
-        for number in range(max(1, len(options.groups))):
-            rows = np.flatnonzero(keep & (group == number))
-            planned = np.zeros(len(rows), dtype=PLANNED_ROW)
-            for field in ("chunk", "line", "offset"):
-                planned[field] = utts[field][rows]
-            planned["successor"] = utts["value"][rows]
-            planned["length"] = lengths[rows]
-            planned["label_chunk"] = labels["chunk"][label_of[rows]]
-            planned["label_offset"] = labels["offset"][label_of[rows]]
-            has_speaker = speaker_of[rows] >= 0
-            planned["speaker_offset"] = -1
-            planned["speaker_chunk"][has_speaker] = speakers["chunk"][speaker_of[rows][has_speaker]]
-            planned["speaker_offset"][has_speaker] = speakers["offset"][speaker_of[rows][has_speaker]]
-            if options.shuffle:
-                bounds = (options.groups[number].low, options.groups[number].high) if options.groups else ()
-                minor = stage_rng(options.seed, Seed.PACK_BUCKET, self.bucket, *bounds).permutation(len(rows))
-                planned["order"] = order_of(number, self.bucket, minor)
-            else:
-                planned["order"] = order_of(number, planned["chunk"], planned["line"])
-            parts.append(planned)
-        return np.concatenate(parts)
+
+def planned_rows(
+    options: PackOptions,
+    bucket: int,
+    utts: np.ndarray,
+    keep: np.ndarray,
+    label_of: np.ndarray,
+    lengths: np.ndarray,
+    speaker_of: np.ndarray,
+    labels: np.ndarray,
+    speakers: np.ndarray,
+) -> np.ndarray:
+    """The kept utterances as planned rows, each with its place in its group's order."""
+    group = group_of(lengths, options.groups) if options.groups else np.zeros(len(utts), dtype=np.int64)
+    parts = []
+    for number in range(max(1, len(options.groups))):
+        rows = np.flatnonzero(keep & (group == number))
+        planned = np.zeros(len(rows), dtype=PLANNED_ROW)
+        for field in ("chunk", "line", "offset"):
+            planned[field] = utts[field][rows]
+        planned["successor"] = utts["value"][rows]
+        planned["length"] = lengths[rows]
+        planned["label_chunk"] = labels["chunk"][label_of[rows]]
+        planned["label_offset"] = labels["offset"][label_of[rows]]
+        has_speaker = speaker_of[rows] >= 0
+        planned["speaker_offset"] = -1
+        planned["speaker_chunk"][has_speaker] = speakers["chunk"][speaker_of[rows][has_speaker]]
+        planned["speaker_offset"][has_speaker] = speakers["offset"][speaker_of[rows][has_speaker]]
+        if options.shuffle:
+            bounds = (options.groups[number].low, options.groups[number].high) if options.groups else ()
+            minor = stage_rng(options.seed, Seed.PACK_BUCKET, bucket, *bounds).permutation(len(rows))
+            planned["order"] = order_of(number, bucket, minor)
+        else:
+            planned["order"] = order_of(number, planned["chunk"], planned["line"])
+        parts.append(planned)
+    return np.concatenate(parts)
 
 
 def first_rows(hashes: np.ndarray, wanted: np.ndarray) -> np.ndarray:

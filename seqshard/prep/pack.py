@@ -102,33 +102,104 @@ def pack_data(
     original bytes), or as fbank features computed now (``features="fbank"``, ``num_mel_bins``,
     ``resample_to``). ``utt2spk`` and ``cmvn_scp`` (Kaldi's) record each utterance's speaker
     and its speaker's CMVN statistics, for the loader's ``cmvn="speaker"``.
-    ``executor``: where the tasks run: an object with ``submit(fn, *args, **kwargs)`` returning
-    a future (a ``concurrent.futures`` executor, ``dask.distributed.Client.get_executor()``,
-    submitit's, :class:`~seqshard.prep.executors.RayExecutor`), or a name (``processes:N``,
-    ``dask://HOST:PORT``, ``dask-local:N``, ``ray``, ``ray://HOST:PORT``, ``slurm``, with
-    ``executor_options``); default ``jobs`` processes.
+    ``executor``: where the tasks run: a ``concurrent.futures``-style executor (dask's, submitit's,
+    :class:`~seqshard.prep.executors.RayExecutor`) or a name (``processes:N``, ``dask://HOST:PORT``,
+    ``dask-local:N``, ``ray``, ``ray://HOST:PORT``, ``slurm``, with ``executor_options``); default
+    ``jobs`` processes.
     Each folder gets ``index.json``; ``d_out/pack_report.json`` says what happened. Bad input
     raises InputError naming file, line and key, unless ``skip_bad`` (then it is counted in the
     report). See README for every option.
     """
+    given = dict(locals())  # the arguments by name, before any other name is bound
     started = time.perf_counter()
     inputs = {"f_scps": f_scps, "wav_scp": wav_scp, "manifest": manifest, "hf": hf}
+    text_files = _text_files(inputs, f_labels)
+    _check_running(jobs, executor, num_parts, part, max_open, overwrite)
+    options = _pack_options(given)
+    d_out = Path(d_out)
+    source = _source(inputs, segments, options, (split, audio_column, text_column, id_column), d_out)
+    job = _job(source, text_files, options, _made_folder(d_out))
+    digest = getattr(source, "content_hash", content_hash)  # a dataset's files are too large to read twice
+    described = _describe_run(options, _identity_inputs(job), digest)
+    command = "seqshard pack" + (f" (part {part} of {num_parts})" if num_parts > 1 else "")
+    with FolderLock(d_out, command, shared=num_parts > 1) as lock:
+        run = _claim_folder(d_out, options, described, overwrite, lock)
+        return _run_tasks(job, run, given, started)
+
+
+def _made_folder(d_out: Path) -> Path:
+    """``d_out``, made where it is not (ConfigError when it is a file)."""
+    if d_out.exists() and not d_out.is_dir():
+        raise ConfigError(f"{option('d_out', d_out)}: {d_out} is a file, not a folder.")
+    with writing(d_out):
+        d_out.mkdir(parents=True, exist_ok=True)
+    return d_out
+
+
+def _run_tasks(job: PackJob, run: dict[str, Any], given: Mapping[str, Any], started: float) -> PackReport:
+    """The pack's tasks run where :func:`pack_data`'s arguments ``given`` say (an executor, or
+    one opened for the run), this part's; its report."""
+    executor = given["executor"]
+    engine = executor if executor is not None and not isinstance(executor, str) else None
+    with Progress(given["progress"]) as bars, contextlib.ExitStack() as stack:
+        if engine is None:
+            folder = job.d_out / STATE_DIR / "submitit"
+            engine = stack.enter_context(open_executor(executor, given["jobs"], given["executor_options"], folder))
+        prepare = getattr(job.source, "prepare", None)
+        if prepare is not None:  # a dataset's rows file: its key and text columns, read once
+            prepare()
+        chunks = plan_chunks(job, bars.bar)
+        job = replace(with_buckets(job, chunks), run=run["fingerprint"][:16])
+        waves = Waves(job, chunks, engine, bars, given["part"], given["num_parts"], given["max_open"])
+        return _pack_waves(waves, run, list(job.text_files), started)
+
+
+#: pack_data's arguments that are options of the pack as they are given
+_OPTIONS_AS_GIVEN = (
+    "fmt", "utts_per_file", "shuffle", "seed", "dtype", "skip_bad", "allow_pipes",
+    "audio_format", "features", "num_mel_bins", "resample_to", "channel",
+)  # fmt: skip
+
+
+def _pack_options(given: Mapping[str, Any]) -> PackOptions:
+    """The options among :func:`pack_data`'s arguments ``given`` that change what a pack writes."""
+    num_frames_files, fields = given["num_frames_files"], given["fields"]
+    return PackOptions(
+        **{name: given[name] for name in _OPTIONS_AS_GIVEN},
+        groups=parse_groups(given["filter_group"], seconds=given["f_scps"] is None),
+        escape_keys=given["escape_keys"] or given["manifest"] is not None,  # a manifest's keys are its file names
+        path_map=parse_path_map(given["path_map"]),
+        path_root=str(given["path_root"]) if given["path_root"] else None,
+        num_frames_files=tuple(str(p) for p in _as_paths(num_frames_files, "num_frames_files"))
+        if num_frames_files
+        else (),
+        fields=tuple(fields.split(",") if isinstance(fields, str) else fields or ()),
+        utt2spk=str(given["utt2spk"]) if given["utt2spk"] else None,
+        cmvn_scp=str(given["cmvn_scp"]) if given["cmvn_scp"] else None,
+    )
+
+
+def _text_files(inputs: Mapping[str, Any], f_labels: str | Path | Sequence[str | Path] | None) -> list[Path]:
+    """The text files, checked against the one input given (a manifest's or a dataset's texts
+    come with it)."""
     if sum(value is not None for value in inputs.values()) != 1:
         raise ConfigError(
             f"give either {option('f_scps', '...')} (features), {option('wav_scp', '...')} (audio), "
             f"{option('manifest', '...')} (NeMo manifests) or {option('hf', '...')} (a Hugging Face dataset): one input."
         )
-    texts_inside = manifest is not None or hf is not None
+    texts_inside = inputs["manifest"] is not None or inputs["hf"] is not None
     if texts_inside and f_labels is not None:
         raise ConfigError(
-            f"{option('f_labels', '...')}: the texts come from the {'manifest' if manifest is not None else 'dataset'}; "
-            "leave the text files out."
+            f"{option('f_labels', '...')}: the texts come from the "
+            f"{'manifest' if inputs['manifest'] is not None else 'dataset'}; leave the text files out."
         )
     if not texts_inside and f_labels is None:
         raise ConfigError(f"{option('f_labels', '...')}: give the text file(s) with the labels.")
-    text_files = [] if f_labels is None else _as_paths(f_labels, "f_labels")
-    if num_frames_files:
-        num_frames_files = _as_paths(num_frames_files, "num_frames_files")
+    return [] if f_labels is None else _as_paths(f_labels, "f_labels")
+
+
+def _check_running(jobs: int, executor: Any, num_parts: int, part: int, max_open: int, overwrite: bool) -> None:
+    """ConfigError when where and in how many parts the pack runs do not go together."""
     if overwrite and num_parts > 1:
         raise ConfigError(
             f"{option('overwrite')} cannot be combined with {option('num_parts', num_parts)} (each part would delete "
@@ -143,65 +214,28 @@ def pack_data(
             f"need jobs >= 1, max_open >= 1 and 0 <= part < num_parts (got {option('jobs', jobs)}, "
             f"{option('part', part)}, {option('num_parts', num_parts)}, {option('max_open', max_open)})."
         )
-    options = PackOptions(
-        fmt=fmt,
-        groups=parse_groups(filter_group, seconds=f_scps is None),
-        utts_per_file=utts_per_file,
-        shuffle=shuffle,
-        seed=seed,
-        dtype=dtype,
-        skip_bad=skip_bad,
-        escape_keys=escape_keys or manifest is not None,  # a manifest's keys are its file names, made by seqshard
-        allow_pipes=allow_pipes,
-        path_map=parse_path_map(path_map),
-        path_root=str(path_root) if path_root else None,
-        num_frames_files=tuple(str(p) for p in num_frames_files or ()),
-        audio_format=audio_format,
-        features=features,
-        num_mel_bins=num_mel_bins,
-        resample_to=resample_to,
-        channel=channel,
-        fields=tuple(fields.split(",") if isinstance(fields, str) else fields or ()),
-        utt2spk=str(utt2spk) if utt2spk else None,
-        cmvn_scp=str(cmvn_scp) if cmvn_scp else None,
-    )
-    d_out = Path(d_out)
-    source = _source(inputs, segments, options, (split, audio_column, text_column, id_column), d_out)
-    if d_out.exists() and not d_out.is_dir():
-        raise ConfigError(f"{option('d_out', d_out)}: {d_out} is a file, not a folder.")
-    with writing(d_out):
-        d_out.mkdir(parents=True, exist_ok=True)
-    job = _job(source, text_files, options, d_out)
-    digest = getattr(source, "content_hash", content_hash)  # a dataset's files are too large to read twice
-    speaker_files = [p for p in (job.utt2spk, job.cmvn_scp) if p is not None]
-    identity_files = [*_identity_inputs(source, text_files, options), *speaker_files]
-    described = _describe_run(options, identity_files, digest)
-    command = "seqshard pack" + (f" (part {part} of {num_parts})" if num_parts > 1 else "")
-    with FolderLock(d_out, command, shared=num_parts > 1) as lock:
-        folders = [d_out / STATE_DIR, *(d_out / g.name for g in options.groups)]
-        for folder in folders:
-            inside(d_out, folder)  # nothing is written (or removed) through a link out of the folder
-        if overwrite:
-            removed = remove_previous_pack(d_out)
-            _LOG.info("%s: removed %d files of the previous pack", d_out, removed)
-        for folder in [d_out, *folders]:
-            if folder.is_dir():
-                remove_stale_temporaries(folder)
-        _refuse_foreign_files(d_out, [d_out / g.name for g in options.groups] or [d_out], options.fmt)
-        run = _claim_output(d_out, described, alone=lock.alone)
-        lock.share()
-        engine = executor if executor is not None and not isinstance(executor, str) else None
-        with Progress(progress) as bars, contextlib.ExitStack() as stack:
-            if engine is None:
-                folder = d_out / STATE_DIR / "submitit"
-                engine = stack.enter_context(open_executor(executor, jobs, executor_options, folder))
-            prepare = getattr(source, "prepare", None)
-            if prepare is not None:  # a dataset's rows file: its key and text columns, read once
-                prepare()
-            chunks = plan_chunks(job, bars.bar)
-            job = replace(with_buckets(job, chunks), run=run["fingerprint"][:16])
-            waves = Waves(job, chunks, engine, bars, part, num_parts, max_open)
-            return _pack_waves(waves, run, text_files, started)
+
+
+def _claim_folder(
+    d_out: Path, options: PackOptions, described: dict[str, Any], overwrite: bool, lock: FolderLock
+) -> dict[str, Any]:
+    """``d_out``, locked, made ready for the run ``described`` (no link out of it, the previous
+    pack removed with ``overwrite``, killed writers' temporaries removed, foreign files refused)
+    and claimed: the run's record; then the lock shared with the pack's other parts."""
+    groups = [d_out / g.name for g in options.groups]
+    folders = [d_out / STATE_DIR, *groups]
+    for folder in folders:
+        inside(d_out, folder)  # nothing is written (or removed) through a link out of the folder
+    if overwrite:
+        removed = remove_previous_pack(d_out)
+        _LOG.info("%s: removed %d files of the previous pack", d_out, removed)
+    for folder in [d_out, *folders]:
+        if folder.is_dir():
+            remove_stale_temporaries(folder)
+    _refuse_foreign_files(d_out, groups or [d_out], options.fmt)
+    run = _claim_output(d_out, described, alone=lock.alone)
+    lock.share()
+    return run
 
 
 def _source(
@@ -386,15 +420,16 @@ def parse_path_map(path_map: Mapping[str, str] | Sequence[str] | None) -> tuple[
     return tuple(pairs)
 
 
-def _identity_inputs(source: PackSource, text_files: Sequence[Path], options: PackOptions) -> list[Path]:
-    """The files whose content decides what a pack writes (inputs, text, length files)."""
-    lengths = [Path(f) for f in options.num_frames_files] or [
+def _identity_inputs(job: PackJob) -> list[Path]:
+    """The files whose content decides what a pack writes (inputs, text, length files, speakers)."""
+    lengths = [Path(f) for f in job.options.num_frames_files] or [
         Path(f).parent / name
-        for f in source.files
+        for f in job.source.files
         for name in (NUM_FRAMES_FILE, DURATIONS_FILE)
         if (Path(f).parent / name).is_file()
     ]
-    return [*source.files, *text_files, *dict.fromkeys(lengths)]
+    speakers = [p for p in (job.utt2spk, job.cmvn_scp) if p is not None]
+    return [*job.source.files, *job.text_files, *dict.fromkeys(lengths), *speakers]
 
 
 def _describe_run(

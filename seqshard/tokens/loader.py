@@ -28,7 +28,7 @@ from ..mix import Mux, flatten
 from ..protocol import PlannedBatches, length_of
 from ..seeds import Seed, stage_rng
 from ..text.fairseq_dict import FairseqDictionary
-from .blocks import BlockBatching, block_rules, separator_warning
+from .blocks import BlockBatching, BlockRules, block_rules, separator_warning
 from .collate import CollateRules, as_tensors, with_net_input
 from .databin import DataBin, Direction
 from .ids import SpecialIds, special_ids
@@ -100,6 +100,7 @@ def make_token_loader(
     check_number("rank", rank, whole=True, at_least=0, optional=True)
     check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     context = discover(rank, world_size)
+    batching: BlockBatching | SentenceBatching
     if block_size is not None:
         if isinstance(src, (Mux, DataBin)) or tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
             raise ConfigError("block_size reads one language-model dataset: no target, mux, data_bin or language ids.")
@@ -107,21 +108,47 @@ def make_token_loader(
         if pair.tgt is not None:
             raise ConfigError(f"block_size reads one language-model dataset, not the pair {pair}.")
         rules = block_rules(block_size, max_tokens, max_sentences, max_positions, shuffle, seed, block_style)
-        dataset = OpenPair(pair).src
-        warning = separator_warning(dataset)
-        if warning and context.rank == 0:
-            _LOG.warning("%s", warning)
-        ids = special_ids([dataset], pad_id, eos_id, pads=rules.style == "fairseq")  # Megatron's are never padded
-        return TokenLoader(BlockBatching(pair.src, dataset, rules, ids), num_workers, context, device)
-    if block_style != "megatron":
-        raise ConfigError(f"block_style={block_style!r} cuts language-model blocks: give block_size=N with it.")
+        batching = _block_batching(pair, rules, pad_id, eos_id, warn=context.rank == 0)
+    else:
+        if block_style != "megatron":
+            raise ConfigError(f"block_style={block_style!r} cuts language-model blocks: give block_size=N with it.")
+        leaves, mixed = _leaves_of(src, tgt, src_lang_id, tgt_lang_id)
+        check_flag("left_pad_source", left_pad_source)
+        positions = DEFAULT_MAX_POSITIONS if max_positions is None else max_positions
+        rules = BatchRules(max_tokens, max_sentences, positions, shuffle, seed, virtual_size)
+        batching = _sentence_batching(src, leaves, mixed, rules, pad_id, eos_id, left_pad_source)
+    return TokenLoader(batching, num_workers, context, device)
+
+
+def _block_batching(
+    pair: TokenPair, rules: BlockRules, pad_id: int | None, eos_id: int | None, warn: bool
+) -> BlockBatching:
+    """One language-model dataset read in blocks (``warn``: log what its separators say)."""
+    dataset = OpenPair(pair).src
+    warning = separator_warning(dataset)
+    if warning and warn:
+        _LOG.warning("%s", warning)
+    ids = special_ids([dataset], pad_id, eos_id, pads=rules.style == "fairseq")  # Megatron's are never padded
+    return BlockBatching(pair.src, dataset, rules, ids)
+
+
+def _leaves_of(
+    src: str | Path | TokenPair | Mux | DataBin,
+    tgt: str | Path | None,
+    src_lang_id: int | None,
+    tgt_lang_id: int | None,
+) -> tuple[list[TokenPair | Direction], np.ndarray | None]:
+    """What ``src`` reads: a mux's or a data_bin's leaves and shares (:func:`_leaves`), or one
+    pair, with the target and language ids given beside it put in it; every pair's language
+    ids checked."""
+    given = tgt is not None or src_lang_id is not None or tgt_lang_id is not None
     if isinstance(src, (Mux, DataBin)):
-        if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
+        if given:
             raise ConfigError("with a mux or a data_bin, give targets and language ids in each TokenPair.")
         leaves, mixed = _leaves(src)
     else:
         pair = as_pair(src)
-        if tgt is not None or src_lang_id is not None or tgt_lang_id is not None:
+        if given:
             pair = TokenPair(
                 pair.src,
                 str(tgt) if tgt is not None else pair.tgt,
@@ -133,10 +160,20 @@ def make_token_loader(
         for pair in _pairs_of(leaf):
             check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
             check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
-    check_flag("left_pad_source", left_pad_source)
-    if max_positions is None:
-        max_positions = DEFAULT_MAX_POSITIONS
-    rules = BatchRules(max_tokens, max_sentences, max_positions, shuffle, seed, virtual_size)
+    return leaves, mixed
+
+
+def _sentence_batching(
+    src: Any,
+    leaves: list[TokenPair | Direction],
+    mixed: np.ndarray | None,
+    rules: BatchRules,
+    pad_id: int | None,
+    eos_id: int | None,
+    left_pad_source: bool,
+) -> SentenceBatching:
+    """Sentence batches of ``leaves`` (with ``mixed`` shares); pad and eos ids from a
+    data_bin's dictionaries, the datasets' ``PREFIX.json`` or fairseq's defaults."""
     fixed = {leaf: OpenPair(leaf) for leaf in leaves if isinstance(leaf, TokenPair)}
     sources = EpochSources(leaves, mixed, fixed)
     first = sources.open(sources.epoch(0).pairs)
@@ -151,8 +188,7 @@ def make_token_loader(
         )
     else:
         ids = special_ids([d for o in first for d in (o.src, o.tgt) if d is not None], pad_id, eos_id)
-    collate = CollateRules(ids.pad_id, ids.eos_id, left_pad_source)
-    return TokenLoader(SentenceBatching(sources, rules, collate, ids), num_workers, context, device)
+    return SentenceBatching(sources, rules, CollateRules(ids.pad_id, ids.eos_id, left_pad_source), ids)
 
 
 def _leaves(src: Mux | DataBin) -> tuple[list[TokenPair | Direction], np.ndarray | None]:
@@ -185,7 +221,7 @@ def _of_data_bin(src: Any) -> bool:
     return isinstance(src, Mux) and all(isinstance(source, Direction) for source in src.sources)
 
 
-class Batching(Protocol):
+class TokenBatching(Protocol):
     """What :class:`TokenLoader` asks of a way of batching (sentences or blocks)."""
 
     rules: Any  # with ``shuffle`` and ``seed``
@@ -209,10 +245,62 @@ def _as_built(batches: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return batches
 
 
+def _built(dataset: Any, numbers: list[int], num_workers: int) -> Iterator[dict[str, Any]]:
+    """The batches ``numbers`` of ``dataset`` (built in groups: in this process, or by
+    ``num_workers`` processes of a DataLoader, which stop when the iterator goes)."""
+    import torch.utils.data
+
+    groups = [numbers[at : at + GROUP_BATCHES] for at in range(0, len(numbers), GROUP_BATCHES)]
+    if num_workers == 0:  # batches cost a fraction of a millisecond: no DataLoader in between
+        return (batch for group in groups for batch in dataset.__getitems__(group))
+    # each worker builds whole groups (the DataLoader calls __getitems__ with each)
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=groups, num_workers=num_workers, collate_fn=_as_built)
+    return (batch for group in loader for batch in group)
+
+
+def _handed_over(
+    built: Iterator[dict[str, Any]], copier: CudaCopier | None
+) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each batch's arrays with the batch handed over: tensors over the arrays, or with a
+    ``copier`` on the GPU, the next batch's copy started before one is handed over."""
+    if copier is None:
+        return ((arrays, as_tensors(arrays)) for arrays in built)
+
+    def start(arrays: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        host = as_tensors(arrays)
+        del host["net_input"]  # made again from the copied tensors
+        return arrays, copier.start(host)
+
+    def finish(started: tuple[dict[str, Any], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        arrays, copy = started
+        return arrays, with_net_input(copier.finish(copy))
+
+    return one_ahead(built, start, finish)
+
+
+def _dealt_again(
+    lists: list[np.ndarray], history: list[dict[str, Any]], world: int, rules: Any, epoch: int
+) -> list[np.ndarray]:
+    """Every rank's batch numbers after resumes with other world sizes (``history``: the deals
+    of the epoch before the current one, ``lists`` the first one's): the batches no rank had
+    taken, dealt again (in order, then shuffled) to the ranks of the next deal."""
+    for number, deal in enumerate(history):
+        after = int(history[number + 1]["world_size"]) if number + 1 < len(history) else world
+        rest = np.sort(np.concatenate([lists[r][int(step) :] for r, step in enumerate(deal["steps"])]))
+        equal = len(rest) // after
+        lists = []
+        for rank in range(after):
+            mine = rest[rank::after][:equal]
+            if rules.shuffle:
+                mine = stage_rng(rules.seed, Seed.TOKEN_REDEAL, epoch, number, rank).permutation(mine)
+            lists.append(mine)
+    return lists
+
+
 class TokenLoader:
     """Iterate it once per epoch; see :func:`make_token_loader` and :class:`seqshard.protocol.Loader`."""
 
-    def __init__(self, batching: Batching, num_workers: int, context: DistContext, device: str | None = None):
+    def __init__(self, batching: TokenBatching, num_workers: int, context: DistContext, device: str | None = None):
         self.batching = batching
         self.rules = batching.rules
         self.num_workers = num_workers
@@ -273,20 +361,9 @@ class TokenLoader:
     def _lists(self) -> list[np.ndarray]:
         """Every rank's batch numbers for this epoch: the plan's, or after resumes with other
         world sizes, the batches no rank had taken, dealt again (in order, then shuffled)."""
-        history = self._history or []
-        world = self.context.world_size
+        history, world = self._history or [], self.context.world_size
         lists = self.plan(world_size=int(history[0]["world_size"]) if history else world).ranks
-        for number, deal in enumerate(history):
-            after = int(history[number + 1]["world_size"]) if number + 1 < len(history) else world
-            rest = np.sort(np.concatenate([lists[r][int(step) :] for r, step in enumerate(deal["steps"])]))
-            equal = len(rest) // after
-            lists = []
-            for rank in range(after):
-                mine = rest[rank::after][:equal]
-                if self.rules.shuffle:
-                    mine = stage_rng(self.rules.seed, Seed.TOKEN_REDEAL, self._epoch, number, rank).permutation(mine)
-                lists.append(mine)
-        return lists
+        return _dealt_again(lists, history, world, self.rules, self._epoch)
 
     # -- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
@@ -329,21 +406,10 @@ class TokenLoader:
 
     def _batches(self, numbers: list[int], end: int) -> Iterator[dict[str, Any]]:
         """The batches ``numbers``, the last of them this rank's ``end``-th of the epoch."""
-        import torch.utils.data
-
-        dataset = self.batching.batches(self.plan())
-        groups = [numbers[at : at + GROUP_BATCHES] for at in range(0, len(numbers), GROUP_BATCHES)]
-        if self.num_workers == 0:  # batches cost a fraction of a millisecond: no DataLoader in between
-            built: Iterator[dict[str, Any]] = (batch for group in groups for batch in dataset.__getitems__(group))
-        else:  # each worker builds whole groups (the DataLoader calls __getitems__ with each)
-            loader = torch.utils.data.DataLoader(
-                dataset,
-                batch_sampler=groups,
-                num_workers=self.num_workers,
-                collate_fn=_as_built,  # batches are built whole by the dataset
-            )
-            built = (batch for group in loader for batch in group)
-        delivered = self._delivered(built)
+        built = _built(self.batching.batches(self.plan()), numbers, self.num_workers)
+        if is_cuda(self.device) and self._copier is None:
+            self._copier = CudaCopier(self.device)  # type: ignore[arg-type]
+        delivered = _handed_over(built, self._copier)
         try:
             for arrays, batch in delivered:
                 self._step += 1
@@ -356,26 +422,6 @@ class TokenLoader:
             del built, delivered  # a DataLoader iterator's workers stop when it goes
             if self._copier is not None:
                 self._copier.close()
-
-    def _delivered(self, built: Iterator[dict[str, Any]]) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
-        """Each batch's arrays with the batch handed over: tensors over the arrays, or with
-        ``device="cuda"`` on the GPU, the next batch's copy started before one is handed over."""
-        if not is_cuda(self.device):
-            return ((arrays, as_tensors(arrays)) for arrays in built)
-        if self._copier is None:
-            self._copier = CudaCopier(self.device)  # type: ignore[arg-type]
-        copier = self._copier
-
-        def start(arrays: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-            host = as_tensors(arrays)
-            del host["net_input"]  # made again from the copied tensors
-            return arrays, copier.start(host)
-
-        def finish(started: tuple[dict[str, Any], Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-            arrays, copy = started
-            return arrays, with_net_input(copier.finish(copy))
-
-        return one_ahead(built, start, finish)
 
     def close(self) -> None:
         """Stop the workers of an iteration still open (iterating again starts them anew)."""

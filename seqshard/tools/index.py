@@ -107,85 +107,100 @@ def _rebuild(root: Path, folders: list[Path], jobs: int, progress: bool, move_si
     journal = finished_shards(root) if (root / STATE_DIR).is_dir() else {}
     _refuse_unfinished_pack(root, journal)
     run = _pack_run(root)
-    written = []
-    for folder in folders:
-        prefix = "" if folder == root else f"{folder.name}/"
-        previous = _previous_index(folder)
-        old_sidecars = _old_layout_sidecars(folder, previous)
-        if move_sidecars:
-            _link_new_names(folder, old_sidecars, previous)
-        elif old_sidecars:
-            _LOG.warning(
-                "%s: %s in the old layout of add-field (e.g. %s), which globs of the shards such as "
-                "data-*.tar select (WebDataset readers take them for shards); `seqshard index --move-sidecars %s` "
-                "moves them to fields/NAME/",
-                folder,
-                counted(len(old_sidecars), "sidecar", "is"),
-                old_sidecars[0][0].name,
-                root,
-            )
-        found_old = {path.name for path, _, _ in old_sidecars}  # judged once (on their keys) just above
-        listed = previous.sidecar_names() if previous else None
-        shards = [
-            s
-            for s in shards_in_folder(folder)
-            if s.name not in found_old and (old_layout_sidecar(s) is not None or not is_sidecar(s, previous, listed))
-        ]
-        entries: dict[str, ShardEntry] = {}
-        feature: dict = dict(previous.feature) if previous else {}
-        fields: dict[str, None] = dict.fromkeys(previous.fields if previous else [])
-        to_scan = []
-        for shard in shards:
-            record = journal.get(prefix + shard.name)
-            if record is not None:
-                _ensure_table(shard)
-                entries[shard.name] = ShardEntry.from_json(record)
-                feature.setdefault("dim", record.get("dim"))
-                feature.setdefault("dtype", record.get("dtype"))
-                fields.update(dict.fromkeys(PACKED_FIELDS))
-            else:
-                to_scan.append(shard)
-        for shard, scan in zip(to_scan, map_shards(scan_shard, to_scan, jobs, f"index {folder}", progress)):
-            if scan.problems:
-                raise ConfigError(f"{shard} is damaged, not indexing it: {'; '.join(scan.problems)}")
-            if scan.table is not None:
-                scan.table.save(shard)
-            entries[shard.name] = scan.entry
-            fields.update(dict.fromkeys(scan.fields))
-            if scan.audio:  # lengths are durations in 10 ms frames, as a pack of audio records
-                feature.setdefault("field", "audio")
-                feature.setdefault("kind", "audio")
-            elif scan.feature_field:
-                feature.setdefault("field", scan.feature_field)
-                feature.setdefault("dim", scan.dim)
-                feature.setdefault("dtype", scan.dtype)
-        feature.setdefault("field", FEATURE_MEMBER if journal else None)
-        feature.setdefault("frame_shift_ms", 10.0)
-        if feature["field"] is None:
-            _LOG.warning(
-                "%s: the shards hold no feature field (.npy array) and no audio: frame counts and hours are unknown",
-                folder,
-            )
-        field_sets = _keep_field_sets(folder, previous, entries)
-        index = ShardIndex(
-            shards=[entries[s.name] for s in shards],
-            feature=feature,
-            fields=list(fields),
-            field_sets=field_sets,
-            escaped_keys=previous.escaped_keys if previous else bool((run or {}).get("escape_keys", False)),
-            created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-            created_by=f"seqshard {__version__} index",
-            source={
-                **(previous.source if previous else {}),
-                "rebuilt_from": "pack journal and shards" if journal else "shards",
-                **({"pack": run} if run else {}),
-            },
+    return [_index_folder(root, folder, journal, run, jobs, progress, move_sidecars) for folder in folders]
+
+
+def _index_folder(
+    root: Path, folder: Path, journal: dict, run: dict | None, jobs: int, progress: bool, move_sidecars: bool
+) -> Path:
+    """Write ``folder``'s index.json from the pack journal's records and scans of the shards
+    it does not describe; its path."""
+    previous = _previous_index(folder)
+    old_sidecars = _old_layout_sidecars(folder, previous)
+    if move_sidecars:
+        _link_new_names(folder, old_sidecars, previous)
+    elif old_sidecars:
+        _LOG.warning(
+            "%s: %s in the old layout of add-field (e.g. %s), which globs of the shards such as "
+            "data-*.tar select (WebDataset readers take them for shards); `seqshard index --move-sidecars %s` "
+            "moves them to fields/NAME/",
+            folder,
+            counted(len(old_sidecars), "sidecar", "is"),
+            old_sidecars[0][0].name,
+            root,
         )
-        written.append(index.save(folder))
-        if move_sidecars:  # the index names the new names only now
-            for path, _, _ in old_sidecars:
-                path.unlink(missing_ok=True)
+    found_old = {path.name for path, _, _ in old_sidecars}  # judged once (on their keys) just above
+    listed = previous.sidecar_names() if previous else None
+    shards = [
+        s
+        for s in shards_in_folder(folder)
+        if s.name not in found_old and (old_layout_sidecar(s) is not None or not is_sidecar(s, previous, listed))
+    ]
+    prefix = "" if folder == root else f"{folder.name}/"
+    entries, feature, fields = _described(folder, shards, journal, prefix, previous, jobs, progress)
+    feature.setdefault("field", FEATURE_MEMBER if journal else None)
+    feature.setdefault("frame_shift_ms", 10.0)
+    if feature["field"] is None:
+        _LOG.warning(
+            "%s: the shards hold no feature field (.npy array) and no audio: frame counts and hours are unknown",
+            folder,
+        )
+    field_sets = _keep_field_sets(folder, previous, entries)
+    index = ShardIndex(
+        shards=[entries[s.name] for s in shards],
+        feature=feature,
+        fields=list(fields),
+        field_sets=field_sets,
+        escaped_keys=previous.escaped_keys if previous else bool((run or {}).get("escape_keys", False)),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        created_by=f"seqshard {__version__} index",
+        source={
+            **(previous.source if previous else {}),
+            "rebuilt_from": "pack journal and shards" if journal else "shards",
+            **({"pack": run} if run else {}),
+        },
+    )
+    written = index.save(folder)
+    if move_sidecars:  # the index names the new names only now
+        for path, _, _ in old_sidecars:
+            path.unlink(missing_ok=True)
     return written
+
+
+def _described(
+    folder: Path, shards: list[Path], journal: dict, prefix: str, previous: ShardIndex | None, jobs: int, progress: bool
+) -> tuple[dict[str, ShardEntry], dict, dict[str, None]]:
+    """Each shard's entry (the journal's record, else a scan of it), the feature and the
+    fields they hold (added to the previous index's)."""
+    entries: dict[str, ShardEntry] = {}
+    feature: dict = dict(previous.feature) if previous else {}
+    fields: dict[str, None] = dict.fromkeys(previous.fields if previous else [])
+    to_scan = []
+    for shard in shards:
+        record = journal.get(prefix + shard.name)
+        if record is not None:
+            _ensure_table(shard)
+            entries[shard.name] = ShardEntry.from_json(record)
+            feature.setdefault("dim", record.get("dim"))
+            feature.setdefault("dtype", record.get("dtype"))
+            fields.update(dict.fromkeys(PACKED_FIELDS))
+        else:
+            to_scan.append(shard)
+    for shard, scan in zip(to_scan, map_shards(scan_shard, to_scan, jobs, f"index {folder}", progress)):
+        if scan.problems:
+            raise ConfigError(f"{shard} is damaged, not indexing it: {'; '.join(scan.problems)}")
+        if scan.table is not None:
+            scan.table.save(shard)
+        entries[shard.name] = scan.entry
+        fields.update(dict.fromkeys(scan.fields))
+        if scan.audio:  # lengths are durations in 10 ms frames, as a pack of audio records
+            feature.setdefault("field", "audio")
+            feature.setdefault("kind", "audio")
+        elif scan.feature_field:
+            feature.setdefault("field", scan.feature_field)
+            feature.setdefault("dim", scan.dim)
+            feature.setdefault("dtype", scan.dtype)
+    return entries, feature, fields
 
 
 def _ensure_table(shard: Path) -> None:

@@ -285,14 +285,12 @@ class MatrixReader:
             stream.seek(offset - 1)
             before = stream.read(1)
             if before != b" ":
-                raise self._bad_offset(
-                    location, where, "it does not follow a key (`KEY ` precedes every value in an ark)"
-                )
+                raise _bad_offset(location, where, "it does not follow a key (`KEY ` precedes every value in an ark)")
         else:
             stream.seek(0)
         head = stream.read(8)
         if not head:
-            raise self._bad_offset(location, where, "it is at or past the end of the ark")
+            raise _bad_offset(location, where, "it is at or past the end of the ark")
         stream.seek(offset)
         if head.startswith(b"\0B"):
             token = head[2:].split(b" ", 1)[0]
@@ -305,7 +303,7 @@ class MatrixReader:
                     "the entry is a vector, not a feature matrix.",
                     "give the feats.scp of a feature matrix ark.",
                 )
-            raise self._bad_offset(location, where, f"unknown binary type {token!r}")
+            raise _bad_offset(location, where, f"unknown binary type {token!r}")
         for marker, what in (
             (b"PKL", "a pickled Python object (kaldiio extension); seqshard never unpickles data"),
             (b"NPY", "a kaldiio NPY entry"),
@@ -323,18 +321,8 @@ class MatrixReader:
         text = head.lstrip(b" ")
         if text.startswith(b"[") or (vectors and text[:1] in b"-0123456789" and text[:1]):
             return stream, head  # a text matrix, or a text vector (`copy-int-vector ark,t`)
-        raise self._bad_offset(
+        raise _bad_offset(
             location, where, f"it points at neither a binary nor a text {'value' if vectors else 'matrix'}"
-        )
-
-    @staticmethod
-    def _bad_offset(location: ArkLocation, where: Where, why: str) -> InputError:
-        return InputError(
-            where,
-            "bad_offset",
-            f"byte offset {location.offset} in {location.path!r} is not the start of a value: {why}.",
-            "the scp does not match the ark (damaged or re-written ark, or an offset off by a few bytes); "
-            f"regenerate the scp with the ark. If the ark went through git, {_GIT_HINT}.",
         )
 
     def read(
@@ -353,110 +341,19 @@ class MatrixReader:
         stream, head = self._seek_value(location, where, vectors)
         start = location.offset or 0
         if head.startswith(b"\0B"):
-            self._check_declared_size(stream, start, location, where)
+            _check_declared_size(stream, start, location, where)
         from kaldiio.matio import read_kaldi
 
         try:
             array = read_kaldi(stream)
         except Exception as error:  # kaldiio raises assorted types on damaged values
-            raise self._undecodable(stream, start, head, location, where, error) from None
-        self._check_end(stream, stream.tell(), location, where, successor, vectors)
+            raise _undecodable(stream, start, head, location, where, error) from None
+        _check_end(stream, stream.tell(), location, where, successor, vectors)
         if vectors and isinstance(array, np.ndarray) and array.ndim == 1 and location.rows is None:
             return array
         if not isinstance(array, np.ndarray) or array.ndim != 2:
             raise InputError(where, "not_a_matrix", "the entry is not a 2-D matrix.")
         return _apply_ranges(array, location, where)
-
-    def _check_declared_size(self, stream: BinaryIO, start: int, location: ArkLocation, where: Where) -> None:
-        """Refuse a binary value whose header declares more bytes than the ark holds after its
-        start, before anything is allocated for it (kaldiio reads the declared size at once)."""
-        declared = _value_size(stream, start)
-        size = os.fstat(stream.fileno()).st_size
-        stream.seek(start)
-        if declared is not None and start + declared > size:
-            raise self._damaged(
-                location,
-                where,
-                f"its header declares {declared} bytes, so it would end at byte {start + declared}, past the "
-                f"end of the ark (byte {size}): bytes were removed from it, the ark is truncated, or the header "
-                "is damaged",
-            )
-
-    def _undecodable(
-        self, stream: BinaryIO, start: int, head: bytes, location: ArkLocation, where: Where, error: Exception
-    ) -> InputError:
-        """The error for a value kaldiio cannot decode: ``damaged_value`` when it shows how a
-        text value was changed (CR bytes in it), else ``unreadable``."""
-        if not head.startswith(b"\0B"):
-            stopped = stream.tell()
-            stream.seek(start)
-            if b"\r" in stream.read(max(stopped - start, 0)):
-                return self._damaged(
-                    location, where, "the text matrix holds CR bytes (its line ends were converted to CR LF)"
-                )
-        return InputError(
-            where,
-            "unreadable",
-            f"the matrix at {location.path}:{location.offset} cannot be decoded ({type(error).__name__}: {error}).",
-            f"the ark is damaged; regenerate it. If it went through git, {_GIT_HINT}.",
-        )
-
-    def _check_end(
-        self,
-        stream: BinaryIO,
-        end: int,
-        location: ArkLocation,
-        where: Where,
-        successor: tuple[int, str] | None,
-        vectors: bool = False,
-    ) -> None:
-        """Refuse a value that does not end where the ark's next entry begins (see ``read``)."""
-        if successor is None:
-            size = os.fstat(stream.fileno()).st_size
-            if end == size or _entry_at(stream, end, vectors) is not None:
-                return
-            stream.seek(end)
-            raise self._damaged(
-                location,
-                where,
-                f"it ends at byte {end}, followed by {size - end} bytes that are neither the end of the ark nor "
-                f"a next entry (`KEY ` and a value), starting {stream.read(16)!r}",
-            )
-        next_offset, next_key = successor
-        key = next_key.encode("utf-8")
-        stream.seek(end)
-        if stream.read(len(key) + 1) == key + b" ":
-            return  # the next listed entry's key starts where this value ends (the common case)
-        position = end
-        while True:
-            value_start = _entry_at(stream, position, vectors)
-            if value_start == next_offset:
-                return  # the ark's key of the next listed entry differs from the scp's (renamed keys)
-            if value_start is None or value_start > next_offset:
-                break
-            # an entry in the ark that the scp does not list (a subset of the ark): step over it
-            skipped = _value_size(stream, value_start)
-            if skipped is None:
-                break
-            position = value_start + skipped
-        stream.seek(end)
-        found = stream.read(min(len(key) + 8, 40))
-        raise self._damaged(
-            location,
-            where,
-            f"it ends at byte {end}, where the ark should hold the key of the next entry that the scp lists "
-            f"({next_key!r}, expected at byte {next_offset - len(key) - 1} before its value at byte {next_offset}); "
-            f"the ark holds {found!r} there",
-        )
-
-    @staticmethod
-    def _damaged(location: ArkLocation, where: Where, why: str) -> InputError:
-        return InputError(
-            where,
-            "damaged_value",
-            f"the value at byte {location.offset or 0} of ark {location.path!r} was changed after it was written: {why}.",
-            f"regenerate the ark and its scp; {_GIT_HINT}.",
-        )
 
     def shape(self, location: ArkLocation, where: Where) -> tuple[int, int]:
         """Rows and columns of the matrix at ``location``, from its header when binary."""
@@ -465,21 +362,21 @@ class MatrixReader:
         stream, head = self._seek_value(location, where)
         if not head.startswith(b"\0B"):
             return self.read(location, where).shape  # type: ignore[return-value]
-        self._check_declared_size(stream, location.offset or 0, location, where)
+        _check_declared_size(stream, location.offset or 0, location, where)
         token = head[2:].split(b" ", 1)[0]
         stream.seek((location.offset or 0) + 3 + len(token))
         if token in (b"FM", b"DM"):
             raw = stream.read(10)
             if len(raw) < 10 or raw[0] != 4 or raw[5] != 4:
-                raise self._bad_offset(location, where, "the matrix header is damaged")
+                raise _bad_offset(location, where, "the matrix header is damaged")
             rows, cols = struct.unpack("<i", raw[1:5])[0], struct.unpack("<i", raw[6:10])[0]
         else:
             raw = stream.read(16)
             if len(raw) < 16:
-                raise self._bad_offset(location, where, "the matrix header is truncated")
+                raise _bad_offset(location, where, "the matrix header is truncated")
             rows, cols = struct.unpack("<ii", raw[8:16])
         if rows < 0 or cols < 0:
-            raise self._bad_offset(location, where, "the matrix header is damaged")
+            raise _bad_offset(location, where, "the matrix header is damaged")
         return _ranged_shape(rows, cols, location, where)
 
     def _read_pipe(self, location: ArkLocation, where: Where) -> np.ndarray:
@@ -497,6 +394,110 @@ class MatrixReader:
         except Exception as error:
             raise InputError(where, "unreadable", f"the command {location.path!r} failed ({error}).") from None
         return np.asarray(array)
+
+
+# -- a value against its ark: where it may start and end, and the errors saying it does not --------------
+
+
+def _bad_offset(location: ArkLocation, where: Where, why: str) -> InputError:
+    return InputError(
+        where,
+        "bad_offset",
+        f"byte offset {location.offset} in {location.path!r} is not the start of a value: {why}.",
+        "the scp does not match the ark (damaged or re-written ark, or an offset off by a few bytes); "
+        f"regenerate the scp with the ark. If the ark went through git, {_GIT_HINT}.",
+    )
+
+
+def _damaged(location: ArkLocation, where: Where, why: str) -> InputError:
+    return InputError(
+        where,
+        "damaged_value",
+        f"the value at byte {location.offset or 0} of ark {location.path!r} was changed after it was written: {why}.",
+        f"regenerate the ark and its scp; {_GIT_HINT}.",
+    )
+
+
+def _check_declared_size(stream: BinaryIO, start: int, location: ArkLocation, where: Where) -> None:
+    """Refuse a binary value whose header declares more bytes than the ark holds after its
+    start, before anything is allocated for it (kaldiio reads the declared size at once)."""
+    declared = _value_size(stream, start)
+    size = os.fstat(stream.fileno()).st_size
+    stream.seek(start)
+    if declared is not None and start + declared > size:
+        raise _damaged(
+            location,
+            where,
+            f"its header declares {declared} bytes, so it would end at byte {start + declared}, past the "
+            f"end of the ark (byte {size}): bytes were removed from it, the ark is truncated, or the header "
+            "is damaged",
+        )
+
+
+def _undecodable(
+    stream: BinaryIO, start: int, head: bytes, location: ArkLocation, where: Where, error: Exception
+) -> InputError:
+    """The error for a value kaldiio cannot decode: ``damaged_value`` when it shows how a
+    text value was changed (CR bytes in it), else ``unreadable``."""
+    if not head.startswith(b"\0B"):
+        stopped = stream.tell()
+        stream.seek(start)
+        if b"\r" in stream.read(max(stopped - start, 0)):
+            return _damaged(location, where, "the text matrix holds CR bytes (its line ends were converted to CR LF)")
+    return InputError(
+        where,
+        "unreadable",
+        f"the matrix at {location.path}:{location.offset} cannot be decoded ({type(error).__name__}: {error}).",
+        f"the ark is damaged; regenerate it. If it went through git, {_GIT_HINT}.",
+    )
+
+
+def _check_end(
+    stream: BinaryIO,
+    end: int,
+    location: ArkLocation,
+    where: Where,
+    successor: tuple[int, str] | None,
+    vectors: bool = False,
+) -> None:
+    """Refuse a value that does not end where the ark's next entry begins (see ``read``)."""
+    if successor is None:
+        size = os.fstat(stream.fileno()).st_size
+        if end == size or _entry_at(stream, end, vectors) is not None:
+            return
+        stream.seek(end)
+        raise _damaged(
+            location,
+            where,
+            f"it ends at byte {end}, followed by {size - end} bytes that are neither the end of the ark nor "
+            f"a next entry (`KEY ` and a value), starting {stream.read(16)!r}",
+        )
+    next_offset, next_key = successor
+    key = next_key.encode("utf-8")
+    stream.seek(end)
+    if stream.read(len(key) + 1) == key + b" ":
+        return  # the next listed entry's key starts where this value ends (the common case)
+    position = end
+    while True:
+        value_start = _entry_at(stream, position, vectors)
+        if value_start == next_offset:
+            return  # the ark's key of the next listed entry differs from the scp's (renamed keys)
+        if value_start is None or value_start > next_offset:
+            break
+        # an entry in the ark that the scp does not list (a subset of the ark): step over it
+        skipped = _value_size(stream, value_start)
+        if skipped is None:
+            break
+        position = value_start + skipped
+    stream.seek(end)
+    found = stream.read(min(len(key) + 8, 40))
+    raise _damaged(
+        location,
+        where,
+        f"it ends at byte {end}, where the ark should hold the key of the next entry that the scp lists "
+        f"({next_key!r}, expected at byte {next_offset - len(key) - 1} before its value at byte {next_offset}); "
+        f"the ark holds {found!r} there",
+    )
 
 
 class _Spelled(str):

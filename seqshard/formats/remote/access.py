@@ -156,6 +156,15 @@ class Failure:
     def retried(self) -> bool:
         return self.kind not in ("missing", "denied", "rejected", "redirects", "refused", "malformed")
 
+    def gave_up(self, url: str, what: str, attempts: int, access: RemoteAccess) -> ShardError:
+        """The error after the last of ``attempts``: what happened and what to do."""
+        return ShardError(
+            url,
+            None,
+            f"{what} failed after {counted(attempts, 'attempt')}: {_describe(self.error)}: "
+            f"{self.advice(access)}; {option('skip_bad')} skips such shards (counted).",
+        )
+
     def advice(self, access: RemoteAccess) -> str:
         """What happened and what to do, after the retries."""
         retries = option("remote_retries", max(8, 2 * access.retries))
@@ -272,46 +281,13 @@ class RemoteAccess:
 
     # -- file systems --------------------------------------------------------------------
     def filesystem(self, url: str) -> tuple[Any, str]:
-        """fsspec's file system for ``url`` (one per process, protocol and options) and the path in it."""
-        import fsspec
-
-        protocol = url.split("://", 1)[0]
-        options = dict(self.storage_options)
-        # async file systems are not fork-safe: one per process
-        key = (os.getpid(), protocol, repr(sorted(options.items())), self.timeout_s)
-        with _SYSTEMS_LOCK:
-            if key not in _SYSTEMS:
-                if protocol in ("http", "https"):
-                    options["client_kwargs"] = _client_options(options.get("client_kwargs"), self.timeout_s)
-                try:
-                    _SYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
-                    redact_libraries()  # the loggers its modules made on import
-                except TypeError as error:
-                    raise ConfigError(f"storage_options do not suit {protocol}:// ({error}).") from None
-                except (ImportError, ValueError) as error:
-                    raise ConfigError(
-                        f"cannot read {protocol}:// URLs: {error}. Fix: pip install 'seqshard[remote]' "
-                        "(aiohttp for http, s3fs for s3, gcsfs for gs)."
-                    ) from None
-            fs = _SYSTEMS[key]
-        return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
+        """fsspec's file system for ``url`` with this access's options, and the path in it."""
+        return _filesystem(url, self.storage_options, self.timeout_s)
 
     @property
     def rule(self) -> Rule:
         """The stall rule every request is held to (:mod:`.transfer`)."""
         return Rule(self.timeout_s, self.min_rate)
-
-    def _call(self, fs: Any, name: str, *args: Any, expected: int, **kwargs: Any) -> Any:
-        """``fs.NAME(*args, **kwargs)``; where ``fs`` is asynchronous (s3fs, gcsfs) its coroutine
-        ``_NAME`` under the stall rule, given ``expected`` bytes (it does not report them)."""
-        if getattr(fs, "async_impl", False):
-            return self.rule.run(fs.loop, getattr(fs, "_" + name)(*args, **kwargs), None, expected)
-        return getattr(fs, name)(*args, **kwargs)
-
-    def _http(self, fs: Any, request: Any, *args: Any) -> Any:
-        """The coroutine ``request(fs, *args, received)`` of :mod:`.transfer` under the stall rule."""
-        received = Received()
-        return self.rule.run(fs.loop, request(fs, *args, received), received)
 
     # -- requests with retries -----------------------------------------------------------
     def retrying(self, url: str, what: str, call: Any, abandoned: threading.Event | None = None) -> Any:
@@ -331,12 +307,7 @@ class RemoteAccess:
                 if failure.kind == "missing":
                     raise NotOnServer(url) from None
                 if attempt == self.retries or not failure.retried:
-                    raise ShardError(
-                        url,
-                        None,
-                        f"{what} failed after {counted(attempt + 1, 'attempt')}: {_describe(failure.error)}: "
-                        f"{failure.advice(self)}; {option('skip_bad')} skips such shards (counted).",
-                    ) from None
+                    raise failure.gave_up(url, what, attempt + 1, self) from None
                 abandoned = abandoned or threading.Event()
                 if abandoned.is_set():
                     raise _Closed(url) from None
@@ -362,30 +333,30 @@ class RemoteAccess:
         """The object's size as the store reports it now (NotOnServer when it has none)."""
         fs, path = self.filesystem(url)
         if _is_http(url):
-            size = self.retrying(url, "asking its size", lambda: self._http(fs, http_size, url), abandoned)
+            size = self.retrying(url, "asking its size", lambda: _http(self.rule, fs, http_size, url), abandoned)
         else:
-            size = self.retrying(url, "asking its size", lambda: self._call(fs, "size", path, expected=0), abandoned)
-        if size is None:
-            raise ShardError(
-                url,
-                None,
-                "the server does not say its size (no Content-Length). Fix: index the folder (run "
-                "`seqshard index` on a local copy and upload its index.json), which records every shard's size.",
+            size = self.retrying(
+                url, "asking its size", lambda: _call(self.rule, fs, "size", path, expected=0), abandoned
             )
+        if size is None:
+            raise _no_size(url)
         return int(size)
 
-    def fetch(self, url: str, start: int, end: int, abandoned: threading.Event | None = None) -> Chunk:
+    def fetch(self, url: str, start: int, end: int, abandoned: threading.Event | None = None) -> FetchedRange:
         """Bytes ``[start, end)`` of ``url``; a short body is a failure (retried, until
         ``abandoned`` is set). RangesIgnored when the server answers with the whole object (the
         server is noted: :meth:`ranges`)."""
         fs, path = self.filesystem(url)
 
-        def call() -> Chunk:
+        def call() -> FetchedRange:
             if _is_http(url):
-                pieces, ranged = self._http(fs, http_range, url, start, end)
+                pieces, ranged = _http(self.rule, fs, http_range, url, start, end)
             else:
-                pieces, ranged = [self._call(fs, "cat_file", path, start=start, end=end, expected=end - start)], True
-            chunk = Chunk(pieces)
+                pieces, ranged = (
+                    [_call(self.rule, fs, "cat_file", path, start=start, end=end, expected=end - start)],
+                    True,
+                )
+            chunk = FetchedRange(pieces)
             if chunk.size != end - start:
                 raise BodyError(f"short body: {chunk.size} of {end - start} bytes")
             if ranged:
@@ -435,25 +406,20 @@ class RemoteAccess:
 
         def call() -> bytes:
             if _is_http(url):
-                return self._http(fs, http_bytes, url, INDEX_BYTES)
-            return self._call(fs, "cat_file", path, start=0, end=INDEX_BYTES + 1, expected=INDEX_BYTES)
+                return _http(self.rule, fs, http_bytes, url, INDEX_BYTES)
+            return _call(self.rule, fs, "cat_file", path, start=0, end=INDEX_BYTES + 1, expected=INDEX_BYTES)
 
         try:
             data = self.retrying(url, "reading", call)
         except NotOnServer:
             return None
-        if len(data) > INDEX_BYTES:
-            raise ShardError(url, None, f"larger than the {INDEX_BYTES} bytes an index may hold: not an index.json")
-        try:
-            return data.decode("utf-8")
-        except UnicodeDecodeError as error:
-            raise ShardError(url, error.start, "not UTF-8 text: not an index.json written by seqshard") from None
+        return _index_text(url, data)
 
     def glob(self, pattern: str) -> list[str]:
         """URLs matching a glob, where the store can list (not plain http)."""
         fs, path = self.filesystem(pattern)
         protocol = pattern.split("://", 1)[0]
-        found = self.retrying(pattern, "listing", lambda: self._call(fs, "glob", path, expected=LISTING_BYTES))
+        found = self.retrying(pattern, "listing", lambda: _call(self.rule, fs, "glob", path, expected=LISTING_BYTES))
         return sorted(m if "://" in m else f"{protocol}://{m}" for m in found)
 
     # -- reading -------------------------------------------------------------------------
@@ -480,6 +446,69 @@ class RemoteAccess:
             _pool().submit(_quietly, lambda: self.cached_copy(url).close())
         else:
             _early_chunks(self, url)
+
+
+# -- a store's file system and its requests, under the stall rule ---------------------------------
+
+
+def _filesystem(url: str, storage_options: dict[str, Any], timeout_s: float) -> tuple[Any, str]:
+    """fsspec's file system for ``url`` (one per process, protocol and options) and the path in it."""
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    options = dict(storage_options)
+    # async file systems are not fork-safe: one per process
+    key = (os.getpid(), protocol, repr(sorted(options.items())), timeout_s)
+    with _SYSTEMS_LOCK:
+        if key not in _SYSTEMS:
+            if protocol in ("http", "https"):
+                options["client_kwargs"] = _client_options(options.get("client_kwargs"), timeout_s)
+            try:
+                _SYSTEMS[key] = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+                redact_libraries()  # the loggers its modules made on import
+            except TypeError as error:
+                raise ConfigError(f"storage_options do not suit {protocol}:// ({error}).") from None
+            except (ImportError, ValueError) as error:
+                raise ConfigError(
+                    f"cannot read {protocol}:// URLs: {error}. Fix: pip install 'seqshard[remote]' "
+                    "(aiohttp for http, s3fs for s3, gcsfs for gs)."
+                ) from None
+        fs = _SYSTEMS[key]
+    return fs, fs._strip_protocol(url) if protocol not in ("http", "https") else url
+
+
+def _call(rule: Rule, fs: Any, name: str, *args: Any, expected: int, **kwargs: Any) -> Any:
+    """``fs.NAME(*args, **kwargs)``; where ``fs`` is asynchronous (s3fs, gcsfs) its coroutine
+    ``_NAME`` under the stall ``rule``, given ``expected`` bytes (it does not report them)."""
+    if getattr(fs, "async_impl", False):
+        return rule.run(fs.loop, getattr(fs, "_" + name)(*args, **kwargs), None, expected)
+    return getattr(fs, name)(*args, **kwargs)
+
+
+def _http(rule: Rule, fs: Any, request: Any, *args: Any) -> Any:
+    """The coroutine ``request(fs, *args, received)`` of :mod:`.transfer` under the stall ``rule``."""
+    received = Received()
+    return rule.run(fs.loop, request(fs, *args, received), received)
+
+
+def _no_size(url: str) -> ShardError:
+    """The error for an object whose size the server does not say."""
+    return ShardError(
+        url,
+        None,
+        "the server does not say its size (no Content-Length). Fix: index the folder (run "
+        "`seqshard index` on a local copy and upload its index.json), which records every shard's size.",
+    )
+
+
+def _index_text(url: str, data: bytes) -> str:
+    """``data`` read from ``url`` as an index.json's text; ShardError when it cannot be one."""
+    if len(data) > INDEX_BYTES:
+        raise ShardError(url, None, f"larger than the {INDEX_BYTES} bytes an index may hold: not an index.json")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ShardError(url, error.start, "not UTF-8 text: not an index.json written by seqshard") from None
 
 
 def _quietly(function: Any, *args: Any) -> None:
@@ -563,7 +592,7 @@ def _early_chunks(access: RemoteAccess, url: str) -> None:
     )
 
 
-class Chunk:
+class FetchedRange:
     """A fetched range as the pieces the socket gave it in (most reads fall in one piece and
     are a view of it; one that spans two joins their parts)."""
 
@@ -593,7 +622,7 @@ class RemoteBytes:
         self._abandoned, self._chunks = _EARLY.pop(url, None) or (threading.Event(), {})  # set when closed
         self._stream: RemoteStream | None = None  # reads on a server that ignores ranges
         self._pos = 0
-        self._current: tuple[int, Chunk] = (-1, Chunk([]))  # the chunk read last
+        self._current: tuple[int, FetchedRange] = (-1, FetchedRange([]))  # the chunk read last
         self._base, self._view = 0, memoryview(b"")  # the piece read last: where it starts, a view
         # the index's size is used for planning reads; the server's is checked once, alongside
         # the first chunk, so that a shard replaced since it was indexed is not read as it
@@ -618,7 +647,7 @@ class RemoteBytes:
             self._chunks[number] = _pool().submit(self._access.fetch, self.path, start, end, self._abandoned)
         return self._chunks[number]
 
-    def _data(self, number: int) -> Chunk:
+    def _data(self, number: int) -> FetchedRange:
         if number == self._current[0]:
             return self._current[1]
         last = (self.size - 1) // self._chunk
@@ -682,7 +711,7 @@ class RemoteBytes:
         for future in self._chunks.values():
             future.cancel()
         self._chunks = {}
-        self._current, self._base, self._view = (-1, Chunk([])), 0, memoryview(b"")
+        self._current, self._base, self._view = (-1, FetchedRange([])), 0, memoryview(b"")
 
     def close(self) -> None:
         self._abandoned.set()

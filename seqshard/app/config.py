@@ -30,10 +30,10 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from .errors import ConfigError, InputError, counted
-from .mix import mux
-from .options import LoaderOptions
-from .scp_dataset import MapStyleLoader
+from ..errors import ConfigError, InputError, counted
+from ..mix import mux
+from ..options import LoaderOptions
+from ..scp_dataset import MapStyleLoader
 
 
 class Key(NamedTuple):
@@ -61,7 +61,7 @@ DATA_KEYS: dict[str, Key] = {
     "path_root": Key(None, ("str", "None"), "folder relative ark paths of Kaldi data dirs are taken from"),
     "path_map": Key(None, ("dict[str]", "list[str]", "None"), 'ark path prefixes rewritten: {"OLD": "NEW"}'),
 }
-#: the example trainer's keys (seqshard.trainer)
+#: the example trainer's keys (seqshard.app.trainer)
 TRAINER_KEYS: dict[str, Key] = {
     "epochs": Key(2, ("int",), "epochs to train", low=0, low_open=True),
     "lr": Key(1e-3, ("float",), "Adam learning rate (peak of the warm-up schedule)", low=0, low_open=True),
@@ -227,7 +227,7 @@ def build_loaders(
     config = load_config(source, name=name)
     data = config.data
     if data["large_dataset"]:
-        from .loader import make_loader
+        from ..loader import make_loader
 
         train = make_loader(
             _patterns(config.source, data["trset"]),
@@ -254,7 +254,7 @@ def build_loaders(
 def map_style_workers(num_workers: int | str) -> int:
     """``num_workers`` for a map-style loader, which measures nothing: ``"auto"`` is the cores
     this rank may use, one left for training."""
-    from .dist import spare_cores
+    from ..dist import spare_cores
 
     return spare_cores() if num_workers == "auto" else int(num_workers)
 
@@ -277,8 +277,8 @@ def check_shards(config: TrainConfig, key: str) -> None:
     """Every local pattern of the shard set ``key`` (each source of a mix) selects at least one
     shard, and none of the shards it selects is missing (unless ``skip_bad`` lets the train
     loader skip them). Only local shards are checked: URLs are left to the loader."""
-    from .formats.remote.selection import split_patterns
-    from .formats.selection import select_shards
+    from ..formats.remote.selection import split_patterns
+    from ..formats.selection import select_shards
 
     local, _ = split_patterns(_leaf_patterns(config.data[key]))
     if not local:
@@ -296,8 +296,8 @@ def check_shards(config: TrainConfig, key: str) -> None:
         )
     spec = config.loader.get("epoch_source")
     if key == "trset" and spec is not None and len(local) == len(_leaf_patterns(config.data[key])):
-        from .formats.remote.access import RemoteAccess
-        from .pipeline.sources import check_epoch_source, mixed_table
+        from ..formats.remote.access import RemoteAccess
+        from ..pipeline.sources import check_epoch_source, mixed_table
 
         try:  # the loader's own check, on the same tables
             _, mix = mixed_table(_patterns(config.source, config.data[key]), RemoteAccess(), skipped)
@@ -337,7 +337,7 @@ def _is_kaldi_set(config: TrainConfig, key: str) -> bool:
 def kaldi_dataset(config: TrainConfig, key: str) -> Any:
     """The :class:`~seqshard.scp_dataset.ScpDataset` of a Kaldi data dir of the config
     (``trset`` or ``devset``), with the config's tokenizer, label and ark path options."""
-    from .scp_dataset import ScpDataset
+    from ..scp_dataset import ScpDataset
 
     feats, text = _kaldi_dir(config.source, key, config.data[key])
     try:
@@ -357,7 +357,7 @@ def kaldi_dataset(config: TrainConfig, key: str) -> Any:
 def check_readable(config: TrainConfig, key: str, dataset: Any) -> None:
     """Read the first value of every ark ``dataset`` names, so that arks that cannot be found
     (a relative path taken from another folder) fail now, not after an epoch of training."""
-    from .formats.peers.kaldi import parse_location
+    from ..formats.peers.kaldi import parse_location
 
     first_rows: dict[str, int] = {}
     ark = ""
@@ -396,7 +396,7 @@ def _dev_loader(config: TrainConfig, rank: int | None, world_size: int | None) -
         )
     if config.data["devset"] is None:
         return None
-    from .loader import make_loader
+    from ..loader import make_loader
 
     shared = {k: v for k, v in config.loader.items() if k in ("split", "strip_spaces", "pad_label", "dtype", "device")}
     return make_loader(
@@ -475,7 +475,7 @@ def _kaldi_dir(where: str, key: str, value: Any) -> tuple[Any, Any]:
 
 
 def _path_map(config: TrainConfig) -> tuple[tuple[str, str], ...]:
-    from .prep.pack import parse_path_map
+    from ..prep.pack import parse_path_map
 
     try:
         return parse_path_map(config.data["path_map"])
@@ -675,7 +675,7 @@ def explain(source: str | Path | dict[str, Any]) -> str:
             value = MAP_STYLE_BATCH_SIZE
         note = "not used (shards only)" if not large and key not in MAP_STYLE_KEYS else ""
         row(key, value, note)
-    lines += ["", "trainer (seqshard.trainer)"]
+    lines += ["", "trainer (seqshard.app.trainer)"]
     for key, spec in TRAINER_KEYS.items():
         row(key, config.trainer[key], spec.meaning)
     return "\n".join(lines)

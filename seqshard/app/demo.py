@@ -8,7 +8,7 @@
    tokenization, and checks every utterance came exactly once;
 5. stops half way, saves the loader state, resumes in a new loader, and checks the batches
    are those of the uninterrupted run;
-6. writes a hyper-p.json and trains the example CTC model (seqshard.trainer) from the shards
+6. writes a hyper-p.json and trains the example CTC model (seqshard.app.trainer) from the shards
    with 2 processes (torchrun, gloo on CPU), printing loss, throughput and data-wait;
 7. says where everything is and what to run next.
 """
@@ -19,6 +19,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -96,9 +97,9 @@ TRAIN_OPTION = {  # learns the made-up corpus in about a minute on 2 CPU cores
 def run_demo(
     out: str | Path, num_utts: int = 1200, num_workers: int = 2, train_epochs: int = 6, train_ranks: int = 2
 ) -> None:
-    from . import make_loader, pack_data
-    from .tools.inspect import format_text, summarize, to_json
-    from .tools.verify import format_result, verify
+    from .. import make_loader, pack_data
+    from ..tools.inspect import format_text, summarize, to_json
+    from ..tools.verify import format_result, verify
 
     out = Path(out)
     shutil.rmtree(out, ignore_errors=True)
@@ -175,7 +176,7 @@ def run_demo(
 
 def where_next(out: Path, pattern: str, plot: Path | None, train_epochs: int) -> str:
     """The demo's last words: where its outputs are and the commands to run next, as they run
-    from an installed package (the trainer is the module ``seqshard.trainer``)."""
+    from an installed package (the trainer is the module ``seqshard.app.trainer``)."""
     lines = [
         "\n== 7. where things are",
         f"  {out}/kaldi           the Kaldi data dir (feats.scp, text, units.txt)",
@@ -190,7 +191,7 @@ def where_next(out: Path, pattern: str, plot: Path | None, train_epochs: int) ->
     if train_epochs > 0:
         lines += [
             f"  seqshard config --explain {out}/hyper-p.json",
-            f"  torchrun --nproc_per_node 2 -m seqshard.trainer --config {out}/hyper-p.json --out {out}/train "
+            f"  torchrun --nproc_per_node 2 -m seqshard.app.trainer --config {out}/hyper-p.json --out {out}/train "
             f"--set epochs={train_epochs + 4}   (goes on from the checkpoint; in a clone of the repository, "
             "examples/train_ddp.py runs the same trainer)",
         ]
@@ -202,7 +203,7 @@ def where_next(out: Path, pattern: str, plot: Path | None, train_epochs: int) ->
 
 def _plot(pattern: str, path: Path) -> Path | None:
     """The length histogram of the shards, when matplotlib is installed."""
-    from .tools.inspect import plot_lengths, summarize, to_json
+    from ..tools.inspect import plot_lengths, summarize, to_json
 
     try:
         import matplotlib  # noqa: F401
@@ -214,26 +215,26 @@ def _plot(pattern: str, path: Path) -> Path | None:
     return path
 
 
+def corpus_option(folder: Path, trset: str) -> dict[str, Any]:
+    """train.option's data keys for the shards ``trset`` of the made-up corpus in ``folder``
+    (its ``kaldi/`` and ``dev/`` data dirs)."""
+    dev, units = folder / "dev", folder / "kaldi/units.txt"
+    return {"large_dataset": True, "trset": trset, "devset": str(dev), "tokenizer": str(units)}
+
+
 def _train(out: Path, pattern: str, epochs: int, ranks: int) -> bool:
-    """Write hyper-p.json and run seqshard.trainer under torchrun; True when it finished."""
+    """Write hyper-p.json and run seqshard.app.trainer under torchrun; True when it finished."""
     import os
     import subprocess
     import sys
 
     make_corpus(out / "dev", 60, seed=1)
-    option = {
-        "large_dataset": True,
-        "trset": pattern,
-        "devset": str(out / "dev"),
-        "tokenizer": str(out / "kaldi/units.txt"),
-        "epochs": epochs,
-        **TRAIN_OPTION,
-    }
+    option = {**corpus_option(out, pattern), "epochs": epochs, **TRAIN_OPTION}
     config = out / "hyper-p.json"
-    config.write_text(json.dumps({"train": {"bin": "seqshard.trainer", "option": option}}, indent=2) + "\n")
+    config.write_text(json.dumps({"train": {"bin": "seqshard.app.trainer", "option": option}}, indent=2) + "\n")
     print(f"config: {config} (train.option: large_dataset, trset, devset, tokenizer, loader and trainer keys)")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
-    command += ["-m", "seqshard.trainer", "--config", str(config), "--out", str(out / "train")]
+    command += ["-m", "seqshard.app.trainer", "--config", str(config), "--out", str(out / "train")]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     started = time.perf_counter()
     finished = False
