@@ -3,7 +3,8 @@ GIL free, as while a GPU computes), fed by this checkout's loader and, in the sa
 another checkout's (``--baseline-code``).
 
     python bench/feed.py [--utts 12000] [--steps 5 10 20] [--workers 0 1 2] [--rounds 2]
-                         [--baseline-code DIR] [--audio-minutes 10] [--out bench/out] [--quick]
+                         [--baseline-code DIR] [--audio-minutes 10] [--kinds feats audio resumed]
+                         [--out bench/out] [--quick]
 
 Features: seqshard.app.demo.make_corpus (80-dim, about 310 frames an utterance) packed, batches of
 20,000 padded frames (about 200 steps an epoch for 12,000 utterances), labels as text
@@ -25,7 +26,9 @@ persistent workers (none with 0), the second timed; the step sleeps for STEP ms 
     reader        a reader's time per batch: the 0-worker run's CPU per batch (its process makes
                   the batches); the goals apply where that is below the step
     resumed       ms from iter() to the first batch of a new loader that loaded the state saved
-                  half way through the second epoch (it reads again the windows in flight)
+                  half way through the second epoch, and ms in load_state_dict (with workers it
+                  starts them there, on the loaded position); iter() at once, and 0.5 s later (a
+                  training script loads its model between the two)
 
 Goals (issue 24), where a reader's time per batch is below the step: wait <= 1% over the epoch
 including its start, first batch <= 20 ms, no later wait longer than one step, <= 0.05 ms of
@@ -69,8 +72,8 @@ def run_one(args: argparse.Namespace) -> dict:
     options = dict(num_workers=args.workers, persistent_workers=args.workers > 0, batch_frames=BATCH_FRAMES, seed=0)
     options |= json.loads(args.options)
     loader = make_loader(args.pattern, args.tokenizer, **options)
-    if args.resume:
-        return resumed(loader, make_loader(args.pattern, args.tokenizer, **options))
+    if args.resume is not None:
+        return resumed(loader, make_loader(args.pattern, args.tokenizer, **options), args.resume)
     pause = args.step / 1000
     found = {}
     for epoch in (0, 1):
@@ -122,7 +125,7 @@ def calls_per_batch(loader, pause: float) -> float:
     return calls / steps
 
 
-def resumed(loader, again) -> dict:
+def resumed(loader, again, pause: float) -> dict:
     """Milliseconds to the first batch after ``again`` loads the state ``loader`` saved half way
     through its second epoch."""
     steps = len(list(loader))
@@ -132,10 +135,13 @@ def resumed(loader, again) -> dict:
         next(batches)
     state = loader.state_dict()
     loader.close()
-    again.load_state_dict(state)
     started = time.perf_counter()
+    again.load_state_dict(state)  # with workers, it starts them on the loaded position
+    loaded = time.perf_counter()
+    time.sleep(pause)  # the rest of a training script's start (its model loaded)
+    asked = time.perf_counter()
     next(iter(again))
-    return {"resumed_ms": 1000 * (time.perf_counter() - started)}
+    return {"resumed_ms": 1000 * (time.perf_counter() - asked), "load_ms": 1000 * (loaded - started)}
 
 
 def bare_loop(step_ms: float, steps: int) -> dict:
@@ -151,7 +157,8 @@ def bare_loop(step_ms: float, steps: int) -> dict:
 
 def measure(code: str | None, pattern: str, tokenizer: str | None, step: float, workers: int, options: dict) -> dict:
     command = [sys.executable, __file__, "one", "--pattern", pattern, "--step", str(step), "--workers", str(workers)]
-    command += ["--resume"] if options.pop("resume", False) else []
+    pause = options.pop("resume", None)
+    command += ["--resume", str(pause)] if pause is not None else []
     command += ["--options", json.dumps(options)] + (["--tokenizer", tokenizer] if tokenizer else [])
     env = {**os.environ, "PYTHONPATH": code or str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -197,7 +204,7 @@ def main() -> None:
     one.add_argument("--workers", type=int, default=0)
     one.add_argument("--options", default="{}")
     one.add_argument("--bare", action="store_true")
-    one.add_argument("--resume", action="store_true")
+    one.add_argument("--resume", type=float, help="measure a resume, iter() this many seconds after load_state_dict")
     one.add_argument("--steps-hint", type=int, default=215)
     parser.add_argument("--utts", type=int, default=12_000)
     parser.add_argument("--steps", type=float, nargs="+", default=[5, 10, 20], help="ms a step sleeps")
@@ -206,6 +213,7 @@ def main() -> None:
     parser.add_argument("--tokenizer", action="store_true", help="labels tokenized with the corpus's units")
     parser.add_argument("--baseline-code", help="a folder whose seqshard is measured in the same rounds (main)")
     parser.add_argument("--audio-minutes", type=float, default=10.0, help="0: no audio rows")
+    parser.add_argument("--kinds", nargs="+", default=["feats", "audio", "resumed"], help="the rows measured")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "out")
     if sys.argv[1:2] == ["one"]:
         print(json.dumps(run_one(parser.parse_args())))
@@ -220,11 +228,13 @@ def main() -> None:
     codes = {"this": None} | ({"baseline": args.baseline_code} if args.baseline_code else {})
     units = units if args.tokenizer else None
     cases = [("feats", pattern, units, step, workers, {}) for step in args.steps for workers in args.workers]
-    if args.audio_minutes > 0:
+    if args.audio_minutes > 0 and "audio" in args.kinds:
         audio = audio_corpus(args.out, args.audio_minutes)
         cases += [(f"audio: {way}", audio, None, AUDIO_STEP_MS, workers, options)
                   for way, options in AUDIO_WAYS.items() for workers in args.workers]  # fmt: skip
-    cases += [("resumed", pattern, units, 0, workers, {"resume": True}) for workers in args.workers]
+    cases += [("resumed", pattern, units, 0, workers, {"resume": 0.0}) for workers in args.workers]
+    cases += [("resumed 0.5 s later", pattern, units, 0, workers, {"resume": 0.5}) for workers in args.workers]
+    cases = [case for case in cases if case[0].split(":")[0].split(" ")[0] in args.kinds]
     runs: dict[tuple, list[dict]] = {}
     order = [(code, case) for _ in range(args.rounds) for code in codes for case in cases]
     for number, (code, case) in enumerate(random.Random(0).sample(order, len(order))):
@@ -235,7 +245,9 @@ def main() -> None:
         )
         raw = [[list(key), found] for key, found in runs.items()]  # kept as it goes: a long run's figures
         (args.out / "feed-runs.json").write_text(json.dumps(raw))
-    floors = {step: bare(step, 215) for step in sorted({case[3] for case in cases if case[0] != "resumed"})}
+    floors = {
+        step: bare(step, 215) for step in sorted({case[3] for case in cases if not case[0].startswith("resumed")})
+    }
     results = report(runs, codes, floors)
     load_after = os.getloadavg()[0]
     print(f"load average (2 cores shared): {load:.1f} before, {load_after:.1f} after")
@@ -254,10 +266,11 @@ def report(runs: dict[tuple, list[dict]], codes: dict, floors: dict) -> list[dic
         runs.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][3], kv[0][0])
     ):
         median = {k: statistics.median(r[k] for r in found) for k in found[0]}
-        if kind == "resumed":
+        if kind.startswith("resumed"):
             rows.append({"code": code, "kind": kind, "workers": workers, **median})
             print(
                 f"{code:9s} {kind:22s} {'':5s} {workers:2d} first batch after load_state_dict {median['resumed_ms']:.1f} ms"
+                f" (load_state_dict itself {median.get('load_ms', float('nan')):.1f} ms)"
             )
             continue
         reader = runs.get((code, kind, step, 0))

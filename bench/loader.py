@@ -233,6 +233,11 @@ def run_raw(args):
 def run_one(args) -> dict:
     import torch  # noqa: F401  imported before timing: every method pays it once, outside the clock
 
+    if args.method.startswith("seqshard"):  # so is each method's own library: a process imports it once
+        import seqshard.pipeline.rank.loader  # noqa: F401
+    elif args.method == "webdataset":
+        import webdataset  # noqa: F401
+
     if args.seek_bound:
         install_seek_bound_disk()
     methods = {

@@ -172,7 +172,9 @@ class _Event:
 def _leased_batch(slots):
     arena = slots.acquire(0, 64, iteration=1)
     array = arena.allocate((4,), np.dtype(np.float32))
-    return arena.slot, slots.receive(arena.slot, {"x": arena.describe(array)}, pin=False)
+    arrays = {"x": arena.describe(array)}
+    slots.receive(arena.slot, arrays, pin=False)
+    return arena.slot, arrays
 
 
 def test_a_slot_goes_back_to_its_worker_only_when_the_copy_reading_it_is_done():
@@ -204,7 +206,8 @@ def test_a_pinned_slot_let_go_by_training_waits_for_its_fence():
     fence = _Event()
     arena = slots.acquire(0, 64, iteration=1)
     place = arena.describe(arena.allocate((4,), np.dtype(np.float32)))
-    tensors = slots.receive(arena.slot, {"x": place}, pin=True, fence=lambda: fence)
+    tensors = {"x": place}
+    slots.receive(arena.slot, tensors, pin=True, fence=lambda: fence)
     assert tensors["x"].data_ptr() == slots._buffer.data_ptr() + arena.slot * slots.slot_bytes
     del tensors
     slots.reclaim()

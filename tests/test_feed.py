@@ -31,7 +31,7 @@ from seqshard.options import Workers
 from seqshard.pipeline.rank.auto import choose_workers
 from seqshard.pipeline.rank.feed import FeedMeter
 from seqshard.pipeline.stages import base
-from seqshard.pipeline.stages.base import Map, Stage
+from seqshard.pipeline.stages.base import REPLAY_BATCH, Map, Stage
 from seqshard.pipeline.stages.batching import LengthBudget, SortBatch
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.pipeline.stages.shuffle import WindowShuffle
@@ -264,6 +264,7 @@ def test_a_persistent_worker_reads_the_next_epochs_first_window_in_its_spare_tim
     ahead = worker.ReaderRun(setup, runtime, 0, 1, {"state": None, "seq": 0}, True)
     first = ahead.make()
     assert counter.seen - before < 20  # its first window was read: a share of the next one at most
+    assert "held" in pickle.loads(first.state)  # and its windows are saved with their samples' places
     fresh = worker.ReaderRun(setup, WorkerRuntime(None), 0, 1, {"state": None, "seq": 0})
     made = [first] + [ahead.make() for _ in range(124)]
     keys = [[s.key for s in m.batch.samples] for m in made]
@@ -480,12 +481,12 @@ def test_a_stream_cut_into_epochs_goes_on_without_reading_its_windows_again(pack
 def test_a_batch_crosses_the_pipe_as_it_was(values):
     """Texts travel joined into one string (one to unpickle, not one per sample); anything a
     join would change (a NUL of their own, bytes, None) travels as it is."""
-    from seqshard.pipeline.workers.protocol import BatchItem, pack
+    from seqshard.pipeline.workers.protocol import BatchItem, from_wire, pack
 
     item = BatchItem(
         0, 1, {"texts": values, "feats": (64, (2, 3), "<f4")}, b"", b"", 2, 4, 6, slot=0, places=("feats",)
     )
-    again = BatchItem.from_wire(pickle.loads(pack(item.wire())))
+    again = from_wire(*pickle.loads(pack(item.wire())))
     assert again.batch == item.batch and again.slot == 0 and again.places == ("feats",)
 
 
@@ -513,3 +514,160 @@ def test_an_epochs_start_neither_walks_the_plan_nor_draws_orders_and_len_still_c
     sum(1 for _ in large)
     assert calls == ["_walked"]
     assert not large.planned_batches().exact and "_drawn_counts" in calls[1:]
+
+
+def test_a_batch_from_a_worker_costs_the_training_process_a_few_calls(five_hundred):
+    """Taking a worker's batch is one read of its pipe, one unpickling, one credit written back
+    and two calls per array of the slot (a numpy array over the slot's lease, its tensor), with
+    the merged stream's and the epoch's bookkeeping: a few Python calls, not a chain of takes
+    (issue 32, item 4: 55-58 calls a batch before, the loop's own included)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    for workers in (1, 2):
+        loader = make_loader(five_hundred.pattern, batch_size=4, num_workers=workers, **WINDOWS)
+        batches = iter(loader)
+        for _ in range(20):
+            next(batches)
+        calls = 0
+        sys.setprofile(count)
+        for _ in range(60):
+            next(batches)
+        sys.setprofile(None)
+        loader.close()
+        assert calls / 60 <= 32, (workers, calls / 60)
+
+
+def slower(sample):
+    time.sleep(0.05)
+    return sample
+
+
+def test_a_worker_that_sends_nothing_for_the_timeout_is_named(packed):
+    loader = make_loader(
+        packed.pattern, batch_size=2, num_workers=1, timeout=0.2, transforms=[slower], shuffle_window=12, sort_window=8
+    )
+    with pytest.raises(RuntimeError, match=r"worker 0 sent no batch for 0.2 s \(the loader's timeout option\)"):
+        next(iter(loader))
+    loader.close()
+
+
+@pytest.mark.parametrize(
+    ("stage", "bucket_sync"), [(False, False), (True, False), (False, True)], ids=["function", "stage", "bucket sync"]
+)
+def test_a_resume_reads_only_the_samples_of_the_batches_it_hands_out(five_hundred, stage, bucket_sync):
+    """Issue 32, item 5: a restore read the windows in flight again from their start (a shuffle
+    and a sort window of 320 here) before its first batch. Now each window's state holds its
+    outputs by their samples' origins and the source's state where it ended: the restored
+    windows read again only the samples of the batches they hand out, as they hand them out (at
+    least REPLAY_BATCH samples at once), and the batches, their counters and the state after each are those of the uninterrupted
+    run (with bucket_sync too: its windows' batches go out in the drawn order, which the record
+    keeps). Under a Stage of the user's (which may keep state) the windows are read again."""
+    options = dict(batch_size=4, num_workers=0, seed=3, bucket_sync=bucket_sync, **WINDOWS)
+    transforms = [CountBuilds] if stage else [Counted()]
+    full = make_loader(five_hundred.pattern, transforms=transforms, **options)
+    keys = [b["keys"] for b in full]
+    restored = 0
+    for k in (1, 39, 40, 41, 79, 80, 81, 97, len(keys) - 1):
+        loader = make_loader(five_hundred.pattern, transforms=transforms, **options)
+        batches = iter(loader)
+        for _ in range(k):
+            next(batches)
+        state = json.loads(json.dumps(loader.state_dict()))
+        loader.close()
+        counter = Counted()
+        again = make_loader(five_hundred.pattern, transforms=[CountBuilds] if stage else [counter], **options)
+        again.load_state_dict(state)
+        rest = iter(again)
+        first = next(rest)["keys"]
+        if not stage and inside(state):  # the first batch's samples (and a few next ones'), not its windows'
+            assert len(first) <= counter.seen <= REPLAY_BATCH, (k, counter.seen)
+            restored += 1
+        assert [first, *(b["keys"] for b in rest)] == keys[k:], k
+        assert again.stats()["utts"] == full.stats()["utts"] and again.stats()["steps"] == len(keys)
+    assert stage or restored >= 5
+
+
+def inside(state: dict) -> bool:
+    """Whether the sort window of a one-reader state has outputs left (else the next window is
+    read, as the uninterrupted run reads it)."""
+    from seqshard.pipeline.stages.held import Held
+
+    window = state["ranks"]["0"]["workers"][0]["state"]
+    return Held.of(window["held"]).outputs > window["emitted"]
+
+
+@pytest.mark.parametrize("bucket_sync", [False, True], ids=["plain", "bucket sync"])
+def test_a_version_4_state_without_window_records_resumes_by_reading_its_windows_again(five_hundred, bucket_sync):
+    """A state saved before version 5 holds no window records (``stages/held.py``): it is read,
+    its windows read again from their start, and the batches are those of the uninterrupted run;
+    a state of a version this seqshard does not know is refused by name."""
+    from seqshard.errors import StateMismatchError
+    from seqshard.pipeline.stages.held import without_held
+
+    counter = Counted()
+    options = dict(batch_size=4, num_workers=0, seed=3, bucket_sync=bucket_sync, transforms=[counter], **WINDOWS)
+    keys = [b["keys"] for b in make_loader(five_hundred.pattern, **options)]
+    loader = make_loader(five_hundred.pattern, **options)
+    batches = iter(loader)
+    for _ in range(50):
+        next(batches)
+    state = json.loads(json.dumps(loader.state_dict()))
+    loader.close()
+    assert state["seqshard_loader_state"] == 5 and "held" in state["ranks"]["0"]["workers"][0]["state"]
+    old = json.loads(json.dumps({**state, "seqshard_loader_state": 4}))
+    for spot in old["ranks"]["0"]["workers"]:
+        spot["state"] = without_held(spot["state"])  # as version 4 saved it
+    assert not any('"held"' in json.dumps(spot["state"]) for spot in old["ranks"]["0"]["workers"])
+    again = make_loader(five_hundred.pattern, **options)
+    again.load_state_dict(old)
+    counter.seen = 0
+    rest = iter(again)
+    first = next(rest)["keys"]
+    assert counter.seen > REPLAY_BATCH  # its window read again from its start, not its first batch's samples
+    assert [first, *(b["keys"] for b in rest)] == keys[50:]
+    with pytest.raises(StateMismatchError, match=r"it is version 6, this seqshard reads 2 and 3 and 4 and 5"):
+        make_loader(five_hundred.pattern, **options).load_state_dict({**state, "seqshard_loader_state": 6})
+
+
+def test_workers_start_restoring_at_load_state_dict_and_another_start_is_still_honoured(five_hundred):
+    """The workers of a loaded position start, and restore it, while the caller goes on (a
+    model loaded); an iteration that starts elsewhere (set_epoch) sends them there instead."""
+    options = dict(batch_size=4, num_workers=2, seed=3, **WINDOWS)
+    loader = make_loader(five_hundred.pattern, **options)
+    batches = iter(loader)
+    for _ in range(30):
+        next(batches)
+    state = json.loads(json.dumps(loader.state_dict()))
+    rest = [b["keys"] for b in batches]
+    loader.close()
+    before = len(multiprocessing.active_children())
+    again = make_loader(five_hundred.pattern, **options)
+    again.load_state_dict(state)
+    assert len(multiprocessing.active_children()) == before + 2  # started before any iteration
+    assert [b["keys"] for b in again] == rest
+    elsewhere = make_loader(five_hundred.pattern, **options)
+    elsewhere.load_state_dict(state)
+    assert epoch_keys(elsewhere, 4) == epoch_keys(make_loader(five_hundred.pattern, **options), 4)
+    for made in (again, elsewhere):
+        made.close()
+
+
+def test_a_sample_read_in_one_process_costs_fewer_calls(five_hundred):
+    """A one-process epoch's work per sample (reading, decoding, windows, batching, collating
+    and handing over, counted in Python calls): issue 32, item 8 (111 calls a sample before)."""
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    loader = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, **WINDOWS)
+    list(loader)  # the second epoch: nothing left to import or set up
+    sys.setprofile(count)
+    samples = sum(len(batch["keys"]) for batch in loader)
+    sys.setprofile(None)
+    assert samples == 500 and calls / samples <= 100, calls / samples

@@ -219,7 +219,10 @@ def test_slots_hand_batches_over_as_shared_memory_and_free_them_with_the_last_vi
     assert slots.acquire(0, 1 << 13, iteration=1) is None  # larger than a slot
     second = slots.acquire(0, 10, iteration=1)
     assert second is not None and slots.acquire(0, 10, iteration=1) is None  # both slots held
-    (tensor,) = slots.receive(arena.slot, {"x": place}, pin=False).values()
+    arrays = {"x": place}
+    slots.receive(arena.slot, arrays, pin=False)
+    (tensor,) = arrays.values()
+    del arrays
     assert tensor.numpy().tolist() == np.arange(40).reshape(10, 4).tolist()
     assert slots.acquire(0, 10, iteration=1) is None  # a slot leased to training is not reused
     del tensor

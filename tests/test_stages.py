@@ -170,6 +170,42 @@ def test_a_stage_that_forgets_super_init_gets_a_clear_error():
         next(Broken())
 
 
+@pytest.mark.parametrize("sets", [("",), ("", "ali")], ids=["one file", "a sidecar"])
+def test_a_windows_record_survives_its_text_and_leaves_out_what_it_handed_out(sets):
+    """A window's state holds its outputs by their samples' origins (issue 32, item 5): as
+    compact text, trimmed at a save of the outputs already handed out; damaged text is named."""
+    from seqshard.errors import SeqshardError
+    from seqshard.pipeline.stages.batching import Batch
+    from seqshard.pipeline.stages.held import Held
+
+    rng = np.random.default_rng(3)
+    samples = [
+        Sample(
+            f"u{i}",
+            {},
+            int(rng.integers(5)),
+            int(rng.integers(900)),
+            tuple((s, int(rng.integers(1 << 40))) for s in sets),
+        )
+        for i in range(300)
+    ]
+    batches = [Batch(samples[i : i + 7], list(range(i, i + len(samples[i : i + 7])))) for i in range(0, 300, 7)]
+    held = Held.describe(batches, lambda b: b.samples, lambda b: b.lengths, ended=False)
+    again = Held.decode(held.encode())
+    for number in range(len(batches)):
+        origins = [(s.shard, s.ordinal, s.offsets) for s in batches[number].samples]
+        assert [tuple(o) for o in again.origins(number)] == origins and again.extra_of(number) == batches[
+            number
+        ].lengths
+    rest = Held.decode(again.trimmed(30).encode())
+    assert (rest.first, rest.outputs, rest.total) == (30, len(batches), 300)
+    assert rest.origins(35) == again.origins(35) and len(rest.encode()) < len(again.encode()) / 2
+    for damaged in ("", held.encode()[:-40], held.encode().replace('"v": 1', '"v": 9')):
+        with pytest.raises(SeqshardError, match="window record cannot be read"):
+            Held.decode(damaged)
+    assert Held.describe([1, 2], None, None, ended=True) is None  # not samples read from shards
+
+
 def test_bucket_sorted_batches_follow_the_shared_draws_and_resume_everywhere():
     """With bucket_sync each reader's k-th batch is of the bucket drawn for k (where its window
     has one): the same draws on every rank, whatever its samples; batches and states are the

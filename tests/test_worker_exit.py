@@ -64,6 +64,8 @@ for slots in (True, False):
             pass
     except SeqshardError as error:
         print("caught:", type(error).__name__, error)
+batches = sum(1 for _ in make_loader(sys.argv[1], batch_size=48, num_workers=0, shuffle=False))
+print("without workers:", batches, "batches")
 """
 
 
@@ -79,7 +81,8 @@ def test_shared_memory_that_cannot_be_allocated_is_said_with_the_options_that_ne
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    caught = done.stdout.splitlines()
+    *caught, alone = done.stdout.splitlines()
+    assert alone == "without workers: 1 batches", (done.stdout, done.stderr)  # its batch slots are its own memory
     assert [line.split(" (")[0] for line in caught] == [
         "caught: SharedMemoryError the batch slots of 1 reader(s)",
         "caught: SharedMemoryError a batch too large for its slot",

@@ -126,7 +126,9 @@ class MemberTable:
         counts = np.diff(self.first_member[low : high + 1]).tolist()
         keys = [key for key, count in zip(self.keys[low:high], counts) for _ in range(count)]
         suffixes = [self.suffixes[i] for i in self.suffix_ids[first:last].tolist()]
-        names = [f"{key}.{suffix}".encode("utf-8", "surrogateescape") for key, suffix in zip(keys, suffixes)]
+        # one encoding for the block (tar names hold no NUL), not one a member
+        joined = "\0".join([f"{key}.{suffix}" for key, suffix in zip(keys, suffixes)])
+        names = joined.encode("utf-8", "surrogateescape").split(b"\0")
         if max(map(len, names)) > _NAME_BYTES:
             return False
         expected = np.array(names, dtype=f"S{_NAME_BYTES}").view(np.uint8).reshape(-1, _NAME_BYTES)  # NUL-padded

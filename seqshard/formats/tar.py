@@ -348,6 +348,12 @@ class TarStream:
     def close(self) -> None:
         self._source.close()
 
+    def seek(self, position: int) -> None:
+        """Go on from the header at ``position`` (for reading out of order)."""
+        self._source.seek(position)
+        self.position = position
+        self.ended_cleanly = False
+
     def __enter__(self) -> TarStream:
         return self
 
@@ -578,6 +584,13 @@ class SampleStream:
 
     def close(self) -> None:
         self._tar.close()
+
+    def seek(self, offset: int, ordinal: int) -> None:
+        """Go on from the sample whose first member's header is at ``offset`` (number
+        ``ordinal`` of the shard): samples read out of order, each by its headers."""
+        self._pending = None
+        self._tar.seek(offset)
+        self.ordinal = ordinal
 
     def __enter__(self) -> SampleStream:
         return self

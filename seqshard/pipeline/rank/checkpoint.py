@@ -20,9 +20,12 @@ from ..workers.setup import WorkerSetup
 from .elastic import elastic_position
 from .merge import RankPosition
 
-STATE_VERSION = 4  # 2: units hold one byte offset per field file; sample fields; 3: windows grow;
-# 4: the ranks agree on an epoch's end now and then (epochs.py), bucket sync is the readers' (stages/buckets.py)
-READABLE_VERSIONS = (2, 3, 4)  # a version 2 state goes on with full windows until its epoch ends
+STATE_VERSION = 5  # 2: units hold one byte offset per field file; sample fields; 3: windows grow;
+# 4: the ranks agree on an epoch's end now and then (epochs.py), bucket sync is the readers' (stages/buckets.py);
+# 5: a window's state holds its outputs by their samples' origins (stages/held.py)
+# a version 2 state goes on with full windows until its epoch ends; one before 5 restores its
+# windows by reading them again (it holds no origins)
+READABLE_VERSIONS = (2, 3, 4, 5)
 MIXING = "source stage"  # how a mix is composed: since its sources became one stage under the windows
 
 

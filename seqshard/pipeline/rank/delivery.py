@@ -51,7 +51,7 @@ class Delivery:
 
     def _with_features(self, item: Item) -> Item:
         if isinstance(item, BatchItem):
-            item.batch = self.features(item.batch, item.batch)  # type: ignore[misc]
+            return item._replace(batch=self.features(item.batch, item.batch))  # type: ignore[misc]
         return item
 
 
@@ -89,13 +89,12 @@ class CopiesAhead:
         if not isinstance(item, BatchItem):
             return "item", item
         started = self._copier.start(item.batch)
-        item.batch = {}  # the host batch is the copier's until its copy has completed
-        return "copy", (item, started)
+        # the host batch is the copier's until its copy has completed
+        return "copy", (item._replace(batch={}), started)
 
     def _finished(self, value: tuple[BatchItem, Any]) -> BatchItem:
         item, started = value
-        item.batch = self._copier.finish(started)
-        return item
+        return item._replace(batch=self._copier.finish(started))
 
     def _start_next(self, worker: int) -> None:
         turns = ((worker + step) % self._workers for step in range(1, self._workers + 1))

@@ -26,6 +26,7 @@ from ...text.labels import LabelOverride
 from ...text.tokenizers import Tokenizer
 from ..sources import MixSetup
 from ..workers.pool import WorkerPool
+from ..workers.protocol import Take
 from ..workers.setup import make_setup
 from . import batch_plan, checkpoint
 from .accounts import EpochAccounts
@@ -92,6 +93,7 @@ class ShardLoader:
         self._cursor = EpochCursor(lambda e: RankPosition.fresh(e, readers), self._rules.end.continues_stream)
         self._accounts = EpochAccounts(self._setup, self._rules.end, self.collectives, access)
         self._meter = FeedMeter(options.workers, context.rank)
+        self._primed: tuple[RankPosition, Take] | None = None  # workers started on a loaded position
 
     # -- epochs and their size -----------------------------------------------------------
     @property
@@ -157,8 +159,10 @@ class ShardLoader:
         damaged = [0] * len(position.workers)  # damaged shards each reader reported
         clock = time.perf_counter
         try:
+            primed, self._primed = self._primed, None
+            started = primed[1] if primed is not None and primed[0] is position else None
             take = self._delivery.take(
-                self._pool.start(position.epoch, position.worker_request()), len(position.workers)
+                started or self._pool.start(position.epoch, position.worker_request()), len(position.workers)
             )
             # A consumer may stop after len() batches: the epoch's summary is then made at the
             # last one, where every rank knows it without walking the plan or drawing orders of
@@ -170,31 +174,32 @@ class ShardLoader:
             rules.start(position, exact if rules.talks and setup.options.epochs.epoch_steps is None else None)
             last = exact if not rules.talks else None  # the ranks that talk know it from the agreement
             stream, left, batch = MergedStream(take, position), self._surely_left(position), None
+            due, over, next_item, emit = rules.due, rules.over, stream.next, stream.emit
             while True:
                 asked = clock()
-                if rules.due(position):
+                if due(position):
                     judge = lambda summed: accounts.judge_together(position, summed)  # noqa: E731
                     rules.agree(position, stream, left, accounts.damaged_count(position) if rules.talks else 0, judge)
-                if rules.over(position):
+                if over(position):
                     break
-                item = stream.next()
+                item = next_item()
                 if item is None:
                     if rules.ran_out(position, batch, self.context.rank):
                         break
                     stream.emit_again()
                     batch = dict(batch)  # type: ignore[arg-type]
                 else:
-                    stream.emit(item)
+                    emit(item)
                     batch = item.batch
                     meter.busy += item.busy
                     if item.damaged != damaged[item.worker] or meter.steps == 0:  # a newly damaged shard
                         damaged[item.worker] = item.damaged
                         accounts.check_bad_shards(position)
                 meter.waited += clock() - asked
-                meter.steps += 1
-                if meter.steps == 1:
+                steps = meter.steps = meter.steps + 1
+                if steps == 1:
                     meter.first = meter.waited
-                elif meter.steps % WAIT_WARN_AFTER == 0:
+                elif steps % WAIT_WARN_AFTER == 0:
                     meter.judge()
                     accounts.judge_unknown_tokens(position)
                 if position.step == last or (position.ends and position.step == position.agreed):
@@ -247,6 +252,7 @@ class ShardLoader:
     def close(self) -> None:
         """Stop worker processes (an iteration after this starts them again)."""
         self._close_active()
+        self._primed = None
         self._pool.close()
 
     def _close_active(self, warn: bool = False) -> None:
@@ -325,3 +331,13 @@ class ShardLoader:
         self._cursor.load(
             checkpoint.restore(state, self._identity(), self._setup, self._access, self.collectives, strict)
         )
+        self._start_early()
+
+    def _start_early(self) -> None:
+        """With workers, start them on the loaded position now: they restore it while the caller
+        goes on (loading a model, ...), and the next iteration takes their batches if it starts
+        there (else it sends them where it starts instead)."""
+        self._primed = None
+        if self.options.workers.num_workers:
+            position = self._cursor.peek()
+            self._primed = position, self._pool.start(position.epoch, position.worker_request())

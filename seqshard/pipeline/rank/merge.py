@@ -13,19 +13,21 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ...errors import SeqshardError
 from ..plan import Unit
 from ..stages.base import merge_counts
+from ..stages.held import trimmed
 from ..workers.protocol import BatchItem, EndItem, Take, unpack
 
 
 @dataclass
 class WorkerPosition:
     """One reader's place in the stream; its state and counters may be the bytes a worker
-    process sent (read when asked for, not at every batch)."""
+    process sent (read when asked for, not at every batch; a state in a batch's slot keeps
+    that slot until it is read or replaced)."""
 
     state: dict[str, Any] | bytes | None = None
     low: int = 0
@@ -35,14 +37,12 @@ class WorkerPosition:
 
     def saved_state(self) -> dict[str, Any] | None:
         """The reader's state after its last batch handed out (with every earlier one)."""
-        if isinstance(self.state, bytes):
-            self.state = unpack(self.state)
+        self.state = unpack(self.state)  # bytes, or a view of them in the batch's slot, read once
         return self.state  # type: ignore[return-value]
 
     def counts(self) -> dict[str, int]:
         """The reader's counters."""
-        if isinstance(self.stats, bytes):
-            self.stats = unpack(self.stats)
+        self.stats = unpack(self.stats)
         return self.stats
 
 
@@ -114,10 +114,14 @@ class RankPosition:
         """The units replacing every worker's planned ones this epoch (elastic resume), if any."""
         return None if self.plan is None else [[Unit.from_json(u) for u in units] for units in self.plan]
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, trim: bool = True) -> dict[str, Any]:
+        """JSON-safe; ``trim``: each window's record without what it handed out (a saved state)."""
         for worker in self.workers:
             worker.saved_state(), worker.counts()
-        return copy.deepcopy(asdict(self))
+        if not trim:
+            return copy.deepcopy(asdict(self))
+        workers = [replace(worker, state=trimmed(worker.state)) for worker in self.workers]
+        return copy.deepcopy(asdict(replace(self, workers=workers)))
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankPosition:
@@ -130,7 +134,7 @@ class RankPosition:
 
     def continuing(self, epoch: int) -> RankPosition:
         """This position relabelled as the start of ``epoch`` (repeat mode: streams go on)."""
-        moved = RankPosition.from_json(self.to_json())
+        moved = RankPosition.from_json(self.to_json(trim=False))  # its readers may go on as they stand
         moved.epoch, moved.step, moved.utts, moved.frames, moved.padded_frames, moved.completed = (
             epoch,
             0,
@@ -165,6 +169,7 @@ class MergedStream:
         self.position = position
         self._held: deque[BatchItem] = deque()
         self._done = sum(w.done for w in position.workers)  # workers that sent their end
+        self._count = len(position.workers)
         self._replay()
 
     def _replay(self) -> None:
@@ -188,7 +193,7 @@ class MergedStream:
     @property
     def exhausted(self) -> bool:
         """Whether every worker has sent its end (batches may still be held)."""
-        return self._done == len(self.position.workers)
+        return self._done == self._count
 
     @property
     def held(self) -> list[BatchItem]:
@@ -214,22 +219,23 @@ class MergedStream:
 
     def pull(self) -> BatchItem | None:
         """The next batch in turn, or None when every worker is finished."""
-        workers = self.position.workers
-        while not self.exhausted:
-            turn = self.position.turn % len(workers)
-            self.position.turn = turn + 1
+        position = self.position
+        workers, count = position.workers, self._count
+        while self._done < count:
+            turn = position.turn % count
+            position.turn = turn + 1
             spot = workers[turn]
             if spot.done:
                 continue
             item = self._take(turn)
             spot.stats = item.stats  # type: ignore[union-attr]
-            if isinstance(item, EndItem):
+            if type(item) is not BatchItem:
+                assert isinstance(item, EndItem)
                 spot.done = True
                 self._done += 1
                 if spot.low == spot.pulled:
                     spot.state = item.state
                 continue
-            assert isinstance(item, BatchItem)
             spot.pulled = item.seq
             return item
         return None
@@ -237,22 +243,26 @@ class MergedStream:
     # -- handing items out -----------------------------------------------------------------
     def emit(self, item: BatchItem) -> None:
         """Record that ``item`` was handed to training (items go out in the order taken)."""
-        spot = self.position.workers[item.worker]
+        position = self.position
+        spot = position.workers[item.worker]
         spot.low, spot.state = item.seq, item.state
-        self.position.step += 1
-        self.position.utts += item.size
-        self.position.frames += item.length
-        self.position.padded_frames += item.padded
+        position.step += 1
+        position.utts += item.size
+        position.frames += item.length
+        position.padded_frames += item.padded
         if item.by_source is not None:
-            position = self.position
-            if not position.sources:
-                position.sources = [[0, 0] for _ in item.by_source]
-                position.sources_all = position.sources_all or [[0, 0] for _ in item.by_source]
-            for counts, total, (utts, length) in zip(position.sources, position.sources_all, item.by_source):
-                counts[0] += utts
-                counts[1] += length
-                total[0] += utts
-                total[1] += length
+            self._count_sources(item.by_source)
+
+    def _count_sources(self, by_source: list[list[int]]) -> None:
+        position = self.position
+        if not position.sources:
+            position.sources = [[0, 0] for _ in by_source]
+            position.sources_all = position.sources_all or [[0, 0] for _ in by_source]
+        for counts, total, (utts, length) in zip(position.sources, position.sources_all, by_source):
+            counts[0] += utts
+            counts[1] += length
+            total[0] += utts
+            total[1] += length
 
     def emit_again(self) -> None:
         """Record that the last batch was handed out once more (see ``RankPosition.repeated``)."""

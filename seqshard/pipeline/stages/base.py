@@ -16,13 +16,15 @@ seed gives the same items on any machine and a restored stage needs no RNG state
 
 from __future__ import annotations
 
+import copy
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from ...errors import ConfigError, InputError, SkipCounter, StateMismatchError
+from .held import Held, Origin, without_held
 
 T = TypeVar("T")
 U = TypeVar("U")
@@ -63,7 +65,8 @@ class Stage(Generic[T]):
         return self.next()
 
     def state_dict(self) -> State:
-        return self.get_state()
+        """The state, JSON-safe (a window's record as its text: ``held.py``)."""
+        return copy.deepcopy(self.get_state())
 
     def load_state_dict(self, state: State) -> None:
         self.reset(state)
@@ -199,6 +202,10 @@ class Growth:
         return min(full, max(self.floor, math.ceil(full * share)))
 
 
+_UNREAD = object()  # an output of a window restored from its record, not read again yet
+REPLAY_BATCH = 64  # items read again at once, at least one output's
+
+
 class Window:
     """A window being read: its number, the source's state where it began, its items (as
     :meth:`WindowStage.add` stores them) and what a subclass sums while it reads."""
@@ -237,13 +244,20 @@ class WindowStage(Stage[U]):
 
     State: the source's state where the current window began, the window's number and how
     many of its outputs were emitted (and, while windows grow, the share of a full window the
-    first one held and the factor between windows); a restore re-reads that one window (what was in flight) and skips the
-    emitted outputs, its windows growing as they grew when the state was saved. A state saved
-    without growth (before windows grew) goes on with full windows; one that says only that
-    they grew (before the share was kept) with ``legacy_growth``, or else ``grow``.
+    first one held and the factor between windows); a restore re-reads that one window (what was
+    in flight) and skips the emitted outputs, its windows growing as they grew when the state was
+    saved. A state saved without growth (before windows grew) goes on with full windows; one that
+    says only that they grew (before the share was kept) with ``legacy_growth``, or else ``grow``.
+
+    Restoring without reading again (``held.py``): when ``replay`` is set (a function that
+    reads samples again from their origins, made by the reader that built the pipeline), the
+    state also holds the window's outputs as the origins of their samples (``held``) and the
+    source's state where the window ended (``end``); a restore then reads only the samples of
+    each output it hands out, as it hands it out, and the source goes on from ``end``.
     """
 
     legacy_growth: Growth | None = None
+    replay: Callable[[list[Origin]], list[Any]] | None = None
 
     def __init__(self, source: Stage, window: int, what: str, grow: Growth | None = None):
         super().__init__(source)
@@ -261,6 +275,8 @@ class WindowStage(Stage[U]):
         self._prepared = 0  # outputs of the current window whose share of the next one was read
         self._primed = False  # prepare() was called since the stream started or was restored
         self._source_stats: dict[str, int] | None = None  # the source's counters where the current window ended
+        self._held: Held | None = None  # the current window's outputs by origin (with replay)
+        self._window_end: State | None = None  # and the source's state where it ended
 
     # -- what a subclass defines ----------------------------------------------------------
     def arrange(self, items: list[Any], number: int, fresh: bool) -> list[U]:
@@ -290,6 +306,15 @@ class WindowStage(Stage[U]):
         """The source item of an item as :meth:`add` stored it (for :meth:`pending`)."""
         return item
 
+    def numbers(self, output: U) -> Sequence[int]:
+        """Numbers of an output's items its record keeps (a sort window's lengths); a stage
+        that keeps none does not define it."""
+        raise NotImplementedError
+
+    def rebuild(self, items: list[Any], numbers: list[int] | None) -> U:
+        """The output that held ``items`` (read again from their origins) and their ``numbers``."""
+        return items[0]
+
     # -- provided ---------------------------------------------------------------------------
     def scale(self, number: int) -> float:
         """The share of a full window that window ``number`` holds (1 unless windows grow)."""
@@ -300,11 +325,43 @@ class WindowStage(Stage[U]):
         self._outputs, self._emitted, self._count = [], 0, 0
         self._window_number, self._window_start = -1, None
         self._ahead, self._prepared, self._primed, self._source_stats = None, 0, False, None
+        self._held = self._window_end = None
         self.growth = self.grow if state is None else self._saved_growth(state.get("grow", False))
+        if state is not None and "held" in state and self.replay is not None:
+            self._restore_held(state)
+            return
         self.source.reset(None if state is None else state.get("source"))
         if state is not None and state.get("window", -1) >= 0:
             self._arrange(self._read(Window(int(state["window"]), self.source.get_state())), fresh=False)
             self._emitted = self._prepared = int(state["emitted"])
+
+    def _restore_held(self, state: State) -> None:
+        """Restore the window from its record: the source where the window ended, the outputs
+        not handed out read again as they are handed out (:meth:`_unread`)."""
+        held = self._held = Held.of(state["held"])
+        self.source.reset(state["end"])
+        self._window_end, self._window_start = state["end"], state["source"]
+        self._window_number, self._count = int(state["window"]), held.total
+        self._emitted = self._prepared = int(state["emitted"])
+        self._outputs = [None] * self._emitted + [_UNREAD] * (held.outputs - self._emitted)
+        self._source_stats = self.source.stats()
+        if held.ended:  # nothing follows
+            self._ahead = Window(self._window_number + 1, self._window_end)
+            self._ahead.ended = True
+
+    def _unread(self, index: int) -> None:
+        """Read again the outputs not handed out from ``index`` on (a batch of items at a time)."""
+        held, outputs, replay = self._held, self._outputs, self.replay
+        assert held is not None and replay is not None
+        stop, origins = index, []
+        while stop < len(outputs) and outputs[stop] is _UNREAD and (stop == index or len(origins) < REPLAY_BATCH):
+            origins.extend(held.origins(stop))
+            stop += 1
+        items = replay(origins)
+        for number in range(index, stop):
+            count = held.count_of(number)
+            numbers = held.extra_of(number) if held.extra is not None else None
+            outputs[number], items = self.rebuild(items[:count], numbers), items[count:]
 
     def _saved_growth(self, saved: Any) -> Growth | None:
         """The growth a saved state's windows had (its "grow": the first window's share of a full
@@ -346,6 +403,12 @@ class WindowStage(Stage[U]):
         self._count = len(window.items)
         self._outputs = list(self.arrange(window.items, window.number, fresh))
         self._emitted = self._prepared = 0
+        if self.replay is not None:
+            self._window_start = without_held(window.start)
+            self._window_end = self.source.get_state()
+            items_of = self.held if type(self).held is not WindowStage.held else None  # None: an output is an item
+            numbers_of = self.numbers if type(self).numbers is not WindowStage.numbers else None
+            self._held = Held.describe(self._outputs, items_of, numbers_of, window.ended)
         if window.ended:  # nothing follows: an empty window ends the stream
             self._ahead = Window(window.number + 1, self.source.get_state())
             self._ahead.ended = True
@@ -358,6 +421,9 @@ class WindowStage(Stage[U]):
             if not self._outputs:
                 raise StopIteration
         output = self._outputs[self._emitted]
+        if output is _UNREAD:
+            self._unread(self._emitted)
+            output = self._outputs[self._emitted]
         self._outputs[self._emitted] = None  # the consumer holds it now
         self._emitted += 1
         return output  # type: ignore[return-value]
@@ -413,6 +479,10 @@ class WindowStage(Stage[U]):
         return min(capacity, math.ceil(self._count * ratio * 1.05) + 1)
 
     def pending(self) -> list[Any]:
+        unread = next((i for i in range(self._emitted, len(self._outputs)) if self._outputs[i] is _UNREAD), None)
+        if unread is not None:
+            self._unread(unread)
+            return self.pending()
         waiting = [item for output in self._outputs[self._emitted :] for item in self.held(output)]  # type: ignore[arg-type]
         ahead = [self.unwrap(item) for item in self._ahead.items] if self._ahead is not None else []
         return waiting + ahead + self.source.pending()
@@ -422,4 +492,6 @@ class WindowStage(Stage[U]):
         state = {"source": start, "window": self._window_number, "emitted": self._emitted}
         if self.growth is not None:
             state["grow"] = [self.growth.first, self.growth.factor]
+        if self._held is not None:
+            state["end"], state["held"] = self._window_end, self._held
         return state

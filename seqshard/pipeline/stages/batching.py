@@ -420,6 +420,12 @@ class SortBatch(WindowStage[Batch]):
     def held(self, output: Batch) -> list[Sample]:
         return output.samples
 
+    def numbers(self, output: Batch) -> list[int]:
+        return output.lengths
+
+    def rebuild(self, items: list[Sample], numbers: list[int] | None) -> Batch:
+        return Batch(items, numbers or [])
+
     def next(self) -> Batch:
         batch = super().next()
         for name, value in (

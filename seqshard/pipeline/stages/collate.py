@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -75,15 +76,15 @@ class Collator:
     def layout(self, batch: Batch) -> list[_Column]:
         """How each field of ``batch`` is collated, and the arrays it needs."""
         samples = batch.samples
-        names = dict.fromkeys(name for sample in samples for name in sample.fields)
+        names = dict.fromkeys(chain.from_iterable([sample.fields for sample in samples]))
         columns = []
         for name in names:
             rule = self.rules.get(name) or FieldRule(name, name)
             values = [sample.fields.get(name) for sample in samples]
-            present = next(v for v in values if v is not None)
+            present = values[0] if values[0] is not None else next(v for v in values if v is not None)
             if isinstance(present, np.ndarray) and present.ndim >= 1:
                 column = _padded(rule, values, samples)
-                self._seen[name] = (str(column.dtype), column.shape[2:])
+                self._seen[name] = (column.dtype.str, column.shape[2:])  # type: ignore[union-attr]
                 columns.append(column)
             elif isinstance(present, (bool, int, float, np.generic, np.ndarray)) and None not in values:
                 dtype = np.dtype(rule.dtype) if rule.dtype else np.asarray(values).dtype
@@ -155,7 +156,7 @@ def _padded(rule: FieldRule, values: list[Any], samples: Sequence[Sample]) -> _C
                 "pack or select samples of one kind together.",
             )
     dtype = np.dtype(rule.dtype) if rule.dtype else present[0].dtype
-    longest = max(len(v) for v in present)
+    longest = max(map(len, present))
     return _Column(rule, "padded", values, (len(values), longest, *trailing), dtype)
 
 

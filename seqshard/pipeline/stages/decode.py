@@ -6,10 +6,12 @@ the ones it needs (the feature field, when it batches by frames) must be there.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import functools
+from collections.abc import Callable, Collection
+from typing import Any
 
 from ...errors import InputError, Where
-from ...formats.fields import ABSENT, InflationError, decode_field, field_name, split_suffix
+from ...formats.fields import ABSENT, DECODERS, InflationError, decode_field, field_name, split_suffix
 from ...formats.keys import unescape_key
 from ...formats.peers.lists import READ_ERROR_FIELD
 from ...formats.table import ShardTable
@@ -32,6 +34,7 @@ class Decoder:
         self.table = table
         self.wanted = None if wanted is None else frozenset(wanted)
         self.features = features
+        self._plans: dict[str, tuple[str, Callable[[Any], Any] | None]] = {}  # by member suffix
 
     def _where(self, sample: Sample) -> Where:
         shard = self.table.shards[sample.shard]
@@ -44,25 +47,20 @@ class Decoder:
             reason, text, fix = str(problem, "utf-8").split("\t", 2)
             raise InputError(sample.where(), reason, text, fix or None)
         fields = {}
+        plans = self._plans
         for suffix, data in sample.fields.items():
-            name = field_name(suffix)
-            if self.wanted is not None and name not in self.wanted:
+            plan = plans.get(suffix)
+            if plan is None:
+                plan = plans[suffix] = self._plan(suffix)
+            name, decode = plan
+            if decode is None:  # a field not asked for
                 continue
             if name in fields:
                 raise InputError(self._where(sample), "bad_field", f"two members hold field {name!r}.")
             try:
-                value = decode_field(suffix, data)
-            except InflationError as error:
-                raise InputError(
-                    self._where(sample),
-                    "decompression_limit",
-                    f"member .{suffix} is not decoded: {error}.",
-                    f"if such members are real, read only the fields you need (fields= without {name!r}).",
-                ) from None
-            except ValueError as error:
-                raise InputError(
-                    self._where(sample), self._reason(name, suffix), f"member .{suffix} cannot be read: {error}."
-                ) from None
+                value = decode(data)
+            except Exception:  # decode_field says how (its messages), or it was a fast decoder's slip
+                value = self._decoded(sample, suffix, name, data)
             if value is not ABSENT:
                 fields[name] = value  # text as stored (the label stage strips what it tokenizes)
         if self.features is not None:
@@ -71,6 +69,32 @@ class Decoder:
             sample.key = unescape_key(sample.key)
         sample.fields = fields
         return sample
+
+    def _plan(self, suffix: str) -> tuple[str, Callable[[Any], Any] | None]:
+        """A member suffix's field name and how it is decoded (None: not asked for): its
+        extension's decoder itself where ``decode_field`` would only call it."""
+        name = field_name(suffix)
+        if self.wanted is not None and name not in self.wanted:
+            return name, None
+        _, extension, gzipped = split_suffix(suffix)
+        decoder = DECODERS.get(extension)
+        return name, decoder if decoder is not None and not gzipped else functools.partial(decode_field, suffix)
+
+    def _decoded(self, sample: Sample, suffix: str, name: str, data: bytes | memoryview) -> Any:
+        """``decode_field``'s value, or the InputError its error makes."""
+        try:
+            return decode_field(suffix, data)
+        except InflationError as error:
+            raise InputError(
+                self._where(sample),
+                "decompression_limit",
+                f"member .{suffix} is not decoded: {error}.",
+                f"if such members are real, read only the fields you need (fields= without {name!r}).",
+            ) from None
+        except ValueError as error:
+            raise InputError(
+                self._where(sample), self._reason(name, suffix), f"member .{suffix} cannot be read: {error}."
+            ) from None
 
     def _reason(self, name: str, suffix: str) -> str:
         if name == self.features:

@@ -19,8 +19,10 @@ with those read after it.
 
 from __future__ import annotations
 
+import functools
 import logging
 from array import array
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -30,9 +32,10 @@ from ...errors import ShardError, SkipCounter
 from ...formats.remote.access import RemoteAccess, is_remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
 from ...formats.table import MAIN, ShardInfo, ShardTable, size_problem
-from ...formats.tar import TarRecord
+from ...formats.tar import SampleStream, TarRecord
 from ..plan import Unit
 from .base import Stage, State
+from .held import Origin
 from .sample import Sample
 
 _LOG = logging.getLogger("seqshard")
@@ -127,6 +130,8 @@ class _OpenUnit:
         except BaseException:
             self.close()
             raise
+        if len(self.streams) == 1:  # the common case: one call a sample, not two
+            self.next_sample = functools.partial(self._next_of_one, unit, self.streams[0])  # type: ignore[method-assign]
 
     def close(self) -> None:
         for stream in self.streams:
@@ -180,7 +185,9 @@ class _OpenUnit:
             if part is None:
                 self._check_end([None])
                 return None
-            self._check_key(0, part)
+            self.last_keys[0] = part.key
+            if part.ordinal == 0 or (self.expected is not None and part.ordinal >= self.expected):
+                self._check_key(0, part)
             if part.ordinal >= unit.start and (part.ordinal - unit.start) % unit.step == 0:
                 return Sample(
                     part.key, part.fields, unit.shard, part.ordinal, ((self.sets[0], part.offset),), stream.path
@@ -286,6 +293,8 @@ class ShardReader(Stage[Sample]):
         self._turn = 0
         self._counts = {"utts_read": 0, "units_done": 0, "dropped.damaged": 0, DUPLICATE_KEYS: 0}
         self._keys_read = KeyRepeats()
+        self._restored: list = []  # positions of the units open in the state restored, until they are opened
+        self._filled = False  # as many units open as may be (until one ends)
 
     def reset(self, state: State | None = None) -> None:
         super().reset(state)
@@ -295,7 +304,12 @@ class ShardReader(Stage[Sample]):
         self._next_unit = int(state.get("next", 0))
         self._turn = int(state.get("turn", 0))
         self._counts = {**{k: 0 for k in self._counts}, **state.get("counts", {})}
-        for index, offsets, ordinal in state.get("open", []):
+        self._restored = list(state.get("open", []))  # opened at the first read: a restore may read nothing here
+        self._filled = False
+
+    def _open_restored(self) -> None:
+        restored, self._restored = self._restored, []
+        for index, offsets, ordinal in restored:
             self._slots.append(self._open(index, self._units[index], offsets, ordinal))
 
     def _files(self, unit: Unit) -> list[tuple[str, str]]:
@@ -361,6 +375,9 @@ class ShardReader(Stage[Sample]):
         self._counts["dropped.damaged"] += lost or 0
 
     def _fill_slots(self) -> None:
+        """Open units until ``interleave`` are open or none is left."""
+        if self._restored:
+            self._open_restored()
         while len(self._slots) < self.interleave:
             try:
                 slot = self._open_next()
@@ -369,12 +386,14 @@ class ShardReader(Stage[Sample]):
                 self._damaged(error, unit, unit.first())
                 continue
             if slot is None:
-                return
+                break
             self._slots.append(slot)
+        self._filled = True  # until a unit ends (or a reset)
 
     def next(self) -> Sample:
         while True:
-            self._fill_slots()
+            if not self._filled:
+                self._fill_slots()
             if not self._slots:
                 self._count_repeats(self._keys_read.merge())
                 raise StopIteration
@@ -391,10 +410,13 @@ class ShardReader(Stage[Sample]):
                 slot.close()
                 del self._slots[self._turn]
                 self._counts["units_done"] += 1
+                self._filled = False
                 continue
             self._turn += 1
             self._counts["utts_read"] += 1
-            self._count_repeats(self._keys_read.add(sample.key, sample.file))
+            repeats = self._keys_read.add(sample.key, sample.file)
+            if repeats:
+                self._count_repeats(repeats)
             return sample
 
     def _count_repeats(self, repeats: list[tuple[str, str]]) -> None:
@@ -421,7 +443,7 @@ class ShardReader(Stage[Sample]):
         return {
             "next": self._next_unit,
             "turn": self._turn,
-            "open": [slot.position() for slot in self._slots],
+            "open": [slot.position() for slot in self._slots] or list(self._restored),
             "counts": dict(self._counts),
         }
 
@@ -430,6 +452,89 @@ class ShardReader(Stage[Sample]):
             self._count_table(slot)
         return dict(self._counts)
 
+    def fetcher(self) -> SampleFetcher:
+        """A stage that reads this reader's samples again one by one, from their origins."""
+        return SampleFetcher(self.table, self.field_sets, self.access, self.path_root)
+
     def remaining_units(self) -> list[Unit]:
         """Everything this reader has not yet read, as units."""
+        self._open_restored()
         return [slot.rest() for slot in self._slots] + self._units[self._next_unit :]
+
+
+class SampleFetcher(Stage[Sample]):
+    """Samples read again one by one at their origins (``held.Origin``), in the order they are
+    queued (:meth:`queue`): the source of a window's replay (``workers/replay.py``). Each field
+    file is read by its tar headers from the origin's byte offset, as a shard without a member
+    table is read (a few files kept open: the samples of a window come from a few shards)."""
+
+    KEEP_OPEN = 16
+
+    def __init__(
+        self,
+        table: ShardTable,
+        field_sets: Sequence[str],
+        access: RemoteAccess | None = None,
+        path_root: str | None = None,
+    ):
+        super().__init__(None)
+        self.table, self.field_sets, self.access, self.path_root = table, tuple(field_sets), access, path_root
+        self._queue: deque[Origin] = deque()
+        self._streams: dict[str, AnyStream] = {}  # oldest first
+        self._checked: set[int] = set()  # shards whose size was checked against their index
+
+    def queue(self, origins: Sequence[Origin]) -> None:
+        self._queue.extend(origins)
+
+    def reset(self, state: State | None = None) -> None:
+        super().reset(state)
+        self._queue.clear()
+
+    def next(self) -> Sample:
+        if not self._queue:
+            raise StopIteration
+        origin = self._queue.popleft()
+        shard = self.table.shards[origin.shard]
+        if origin.shard not in self._checked and MAIN in self.field_sets:
+            _check_local_size(shard)
+            self._checked.add(origin.shard)
+        fields: dict = {}
+        first = None
+        for name, offset in origin.offsets:
+            path = shard.file_of(name)
+            record = self._read(path, offset, origin.ordinal)
+            if record is None or (first is not None and record.key != first.key):
+                found = "the end of the shard" if record is None else f"{record.key!r}"
+                raise ShardError(
+                    path, offset, f"sample {origin.ordinal + 1} was read here before, now {found} (changed since?)"
+                )
+            first = first or record
+            fields.update(record.fields)
+        assert first is not None
+        return Sample(
+            first.key, fields, origin.shard, origin.ordinal, origin.offsets, shard.file_of(origin.offsets[0][0])
+        )
+
+    def _read(self, path: str, offset: int, ordinal: int) -> TarRecord | None:
+        """The sample at ``offset`` of ``path`` (a stream kept open when it can go there)."""
+        stream = self._streams.pop(path, None)
+        if stream is not None and stream.resume_offset != offset:
+            if isinstance(stream, SampleStream):
+                stream.seek(offset, ordinal)
+            else:  # lists, manifests, Shar and NeMo streams: opened again at the offset
+                stream.close()
+                stream = None
+        if stream is None:
+            stream = open_samples(
+                path, offset, ordinal, read_ahead=False, access=self.access, use_table=False, path_root=self.path_root
+            )
+        self._streams[path] = stream
+        if len(self._streams) > self.KEEP_OPEN:
+            oldest = next(iter(self._streams))
+            self._streams.pop(oldest).close()
+        return stream.next_sample()
+
+    def close(self) -> None:
+        for stream in self._streams.values():
+            stream.close()
+        self._streams = {}

@@ -16,7 +16,7 @@ from ...device import is_cuda
 from ...formats.remote.access import RemoteAccess
 from ..stages.collate import to_tensors
 from .process import WorkerLink
-from .protocol import BatchItem, ErrorItem, Item, Take
+from .protocol import BATCH, PLACES, SLOT, STATE, BatchItem, ErrorItem, Item, Take, from_wire
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import BatchSlots, current_stream_event
@@ -57,25 +57,37 @@ class WorkerPool:
             ]
         for link, spec in zip(self._links, requests):
             link.run(iteration, epoch, spec)
-        links, timeout = self._links, self.options.timeout
-
-        def take(worker: int) -> Item:
-            link = links[worker]
-            while True:
-                sent, item = link.take(timeout)
-                if sent == iteration:  # items of an abandoned iteration still in the pipe are dropped
-                    link.credit()
-                    return self.receive(item)
-
-        return take
+        return self._taker(iteration)
 
     def finish(self) -> None:
         """An iteration ended (or was abandoned): workers that do not persist are stopped."""
         if not self.options.persistent_workers:
             self.close()
 
+    def _taker(self, iteration: int) -> Take:
+        """The take of ``iteration``: a worker's next message (``WorkerLink.take``) made an
+        item, a batch's arrays tensors (those in a shared slot are that memory, not a copy); an
+        error a worker reported is raised. The work of each batch, kept to a few calls."""
+        links, timeout, slots, pin = self._links, self.options.timeout, self.runtime.slots, self._pins()
+        fence = None if self._on_device else current_stream_event
+        other = self.receive
+
+        def take(worker: int) -> Item:
+            fields, joined = links[worker].take(iteration, timeout)
+            if joined is None:  # not a batch
+                return other(fields)
+            slot = fields[SLOT]
+            if slot is None:
+                item = from_wire(fields, joined)
+                self._tensors(item.batch, pin)
+                return item
+            state = slots.receive(slot, fields[BATCH], pin, fence, fields[PLACES], fields[STATE])  # type: ignore[union-attr]
+            return from_wire((*fields[:STATE], state, *fields[STATE + 1 :]), joined)
+
+        return take
+
     def receive(self, item: Item) -> Item:
-        """Turn a worker's arrays into tensors (those in a shared slot are that memory, not a
+        """Turn an item's arrays into tensors (those in a shared slot are that memory, not a
         copy); raise the error a worker reported."""
         if isinstance(item, ErrorItem):
             # Raised without a reference cycle (error -> traceback -> this frame -> item -> error),
@@ -89,21 +101,25 @@ class WorkerPool:
                 del error
         if not isinstance(item, BatchItem):
             return item
-        on_device = self._on_device
+        pin = self._pins()
+        if item.slot is None:
+            self._tensors(item.batch, pin)
+            return item
+        fence = None if self._on_device else current_stream_event
+        state = self.runtime.slots.receive(item.slot, item.batch, pin, fence, item.places, item.state)  # type: ignore[union-attr]
+        return item if state is item.state else item._replace(state=state)
+
+    def _pins(self) -> bool:
+        """Whether batches are handed over in pinned memory (decided at the first batch: CUDA
+        is asked for once workers exist)."""
         if self._pin is None:
-            self._pin = (self.options.pin_memory or on_device) and _cuda_available()
-        pin = self._pin
-        batch = item.batch
-        if item.slot is not None:
-            places = {name: batch[name] for name in item.places}
-            fence = None if on_device else current_stream_event
-            batch.update(self.runtime.slots.receive(item.slot, places, pin, fence))  # type: ignore[union-attr]
-        else:
-            batch = to_tensors(batch)
-            if pin and not on_device:
-                batch = {k: v.pin_memory() if hasattr(v, "pin_memory") else v for k, v in batch.items()}
-        item.batch = batch
-        return item
+            self._pin = (self.options.pin_memory or self._on_device) and _cuda_available()
+        return self._pin
+
+    def _tensors(self, batch: dict[str, Any], pin: bool) -> None:
+        """A batch that came without a slot: its arrays as tensors (pinned with ``pin``), in place."""
+        for name, value in to_tensors(batch).items():
+            batch[name] = value.pin_memory() if pin and not self._on_device and hasattr(value, "pin_memory") else value
 
     def close(self) -> None:
         """Stop the worker processes (the next iteration starts them anew; a copy of the pool
@@ -139,7 +155,7 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
         feature_bytes = frames * int(setup.audio.fbank.sample_rate) // 100 * 4  # float32 samples, 10 ms a frame
     slot_bytes = min(MAX_SLOT_BYTES, int(feature_bytes * 1.25) + (1 << 20))
     if workers.num_workers == 0:  # batches made in this process: a ring for what training still holds
-        return BatchSlots(1, 4, slot_bytes, context)
+        return BatchSlots(1, 4, slot_bytes, context, shared=False)
     # beyond the batches prefetched: those training holds, and pinned ones still being copied
     spare = 5 if workers.pin_memory or is_cuda(workers.device) else 3
     return BatchSlots(workers.num_workers, workers.prefetch_factor + spare, slot_bytes, context)

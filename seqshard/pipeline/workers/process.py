@@ -38,9 +38,11 @@ import pickle
 import random
 import select
 import signal
+import struct
 import traceback
 import weakref
 from collections import deque
+from pickle import loads
 from typing import Any
 
 from ...errors import SeqshardError
@@ -53,6 +55,7 @@ from .worker import Made, ReaderRun
 WATCH_S = 5.0  # how often a waiting worker checks that its parent is alive
 AHEAD_OF_EPOCH = 16  # batches of the next epoch a persistent worker makes before it is asked
 FRESH = {"state": None, "seq": 0, "units": None, "carry": None}  # an epoch from its beginning
+_LENGTH = struct.Struct(">i").unpack_from  # a message's length, before it (Connection.send_bytes)
 _LIVE: weakref.WeakSet[WorkerLink] = weakref.WeakSet()  # links not stopped yet (of this process or a parent)
 
 
@@ -75,17 +78,57 @@ class WorkerLink:
             end.close()
         self._credit_fd = self._credits.fileno()
         os.set_blocking(self._credit_fd, False)
-        self._read = _Messages(self._items.fileno())
+        self._items_fd = self._items.fileno()
+        self._buffer = bytearray()  # what came on the items pipe and was not taken yet
         _LIVE.add(self)
 
     def run(self, iteration: int, epoch: int, spec: dict[str, Any]) -> None:
         """Start an iteration (the worker abandons one it is running)."""
         self._commands.send(("run", iteration, epoch, spec))
 
-    def take(self, timeout: float) -> tuple[int, Item]:
-        """The worker's next (iteration, item), waiting at most ``timeout`` seconds (0: no limit)."""
+    def take(self, iteration: int, timeout: float) -> tuple[Any, tuple[str, ...] | None]:
+        """The worker's next message of ``iteration`` (those of an abandoned iteration still in
+        the pipe are dropped), waiting at most ``timeout`` seconds (0: no limit), and one
+        credit back: ``(fields, joined)`` of a batch (``BatchItem.wire``), or ``(item, None)``.
+
+        Messages are ``Connection.send_bytes``'s (a 4-byte length, then the bytes), read from the
+        pipe's descriptor: one read brings what has come, often more than one message, kept for
+        the next calls (``Connection.recv_bytes`` reads each length and each message apart)."""
+        buffer = self._buffer
+        while True:
+            size = len(buffer)
+            if size >= 4:
+                end = 4 + _LENGTH(buffer)[0]
+                if size >= end:
+                    sent, fields, joined = loads(buffer[4:end])
+                    del buffer[:end]
+                    if sent == iteration:
+                        break
+                    continue
+            if timeout:
+                buffer += self._more(timeout)
+                continue
+            try:
+                data = os.read(self._items_fd, 1 << 16)  # blocks until the worker sends
+            except OSError:
+                data = b""
+            if not data:
+                raise RuntimeError(self._gone())
+            buffer += data
+        try:  # noqa: SIM105 (contextlib.suppress costs three calls a batch)
+            os.write(self._credit_fd, b"\1")
+        except BlockingIOError:  # the pipe is full of credits the worker has not needed yet
+            pass
+        return fields, joined
+
+    def _more(self, timeout: float) -> bytes:
+        """What has come on the items pipe, waiting for it at most ``timeout`` seconds."""
         try:
-            data = self._read(timeout)
+            if not select.select([self._items_fd], [], [], timeout)[0]:
+                raise TimeoutError
+            data = os.read(self._items_fd, 1 << 16)
+            if not data:
+                raise EOFError("the worker's pipe closed")
         except TimeoutError:
             raise RuntimeError(
                 f"seqshard worker {self.worker} sent no batch for {timeout} s (the loader's timeout option): "
@@ -93,15 +136,7 @@ class WorkerLink:
             ) from None
         except (EOFError, OSError):
             raise RuntimeError(self._gone()) from None
-        iteration, item = pickle.loads(data)
-        return iteration, BatchItem.from_wire(item) if isinstance(item, tuple) else item
-
-    def credit(self) -> None:
-        """Tell the worker one of its items was taken (it may make one more)."""
-        try:  # noqa: SIM105 (contextlib.suppress costs three calls a batch)
-            os.write(self._credit_fd, b"\1")
-        except BlockingIOError:  # the pipe is full of credits the worker has not needed yet
-            pass
+        return data
 
     @property
     def alive(self) -> bool:
@@ -131,33 +166,6 @@ class WorkerLink:
         if code == -signal.SIGBUS:  # what touching shared memory that /dev/shm has no room for does
             return f"{gone}: a bus error, most often a full /dev/shm. " + shm_problem("its batches", "SIGBUS")
         return f"{gone}; if it was killed for memory (signal 9), try fewer num_workers or smaller windows."
-
-
-class _Messages:
-    """The messages a worker sends (``Connection.send_bytes``: a 4-byte length, then the bytes)
-    read from its pipe's descriptor: one read brings what has come, often more than one message,
-    kept for the next calls (``Connection.recv_bytes`` reads each length and each message apart)."""
-
-    def __init__(self, fd: int):
-        self._fd = fd
-        self._buffer = bytearray()
-
-    def __call__(self, timeout: float = 0) -> bytearray:
-        buffer = self._buffer
-        while True:
-            if len(buffer) >= 4:
-                end = 4 + int.from_bytes(buffer[:4], "big", signed=True)
-                if len(buffer) >= end:
-                    break
-            if timeout and not select.select([self._fd], [], [], timeout)[0]:
-                raise TimeoutError
-            data = os.read(self._fd, 1 << 16)
-            if not data:
-                raise EOFError("the worker's pipe closed")
-            buffer += data
-        message = buffer[4:end]
-        del buffer[:end]
-        return message
 
 
 @atexit.register  # after multiprocessing's own exit function was registered: runs before it
@@ -282,7 +290,7 @@ class WorkerLoop:
             if not isinstance(made, Made):
                 self._send(iteration, made)
                 return self._idle(run)
-            self._send(iteration, run.item(made, iteration))
+            self._send(iteration, run.item(made, iteration), made.state)
             if not early:
                 run.prepare()
             command = self._wait_for_credit(run)
@@ -332,7 +340,7 @@ class WorkerLoop:
         for slot in held:
             slots.claim(slot, iteration)
         last_seq, last_state, _, _ = later[-1]
-        messages = [pack((iteration, wire)) for _, _, wire, _ in later]
+        messages = [pack((iteration, *wire)) for _, _, wire, _ in later]
         self._sent.extend(later)
         return messages, {**spec, "seq": last_seq, "state": pickle.loads(last_state)}
 
@@ -348,14 +356,15 @@ class WorkerLoop:
         self._next.step()
 
     # -- pipes -------------------------------------------------------------------------------
-    def _send(self, iteration: int, item: Item) -> None:
-        message = (iteration, item.wire() if isinstance(item, BatchItem) else item)
-        if self._resends and isinstance(item, BatchItem) and isinstance(item.state, bytes):
-            self._sent.append((item.seq, item.state, message[1], item.slot))
+    def _send(self, iteration: int, item: Item, state: Any = None) -> None:
+        """Send ``item`` (``state``: a batch's packed state, which may travel in its slot)."""
+        message = (iteration, *item.wire()) if isinstance(item, BatchItem) else (iteration, item, None)
+        if self._resends and isinstance(item, BatchItem) and isinstance(state, bytes):
+            self._sent.append((item.seq, state, message[1:], item.slot))
         try:
             data = pack(message) if not _holds_tensors(item) else _forking_dumps(message)
         except Exception as error:  # an item that does not pickle (an exotic error)
-            data = pack((iteration, ErrorItem(self.worker, item.seq, _portable(error, self.worker))))
+            data = pack((iteration, ErrorItem(self.worker, item.seq, _portable(error, self.worker)), None))
         self._items.send_bytes(data)
         self._credits -= 1
 

@@ -9,15 +9,18 @@ training process raises the error itself (with its type).
 From a worker process, states and counters travel as pickled bytes (:func:`pack`) and stay so
 in the training process until something reads them (:func:`unpack`): a state is read when a
 position is saved or an iteration starts, counters when stats are asked for, not at every
-batch.
+batch. A state holds what its windows hold (tens of kB: ``stages/held.py``), so a batch's state
+travels in the batch's shared slot, as its place there, and the training process keeps a view of
+those bytes, not a copy (``transfer.py``); the pipe carries a few hundred bytes a batch.
 """
 
 from __future__ import annotations
 
+import functools
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 State = dict[str, Any]
 
@@ -28,17 +31,17 @@ def pack(value: Any) -> bytes:
 
 
 def unpack(value: Any) -> Any:
-    """A state or counters as sent: bytes from a worker process are unpickled, the rest is
-    returned as it is (made in this process)."""
-    return pickle.loads(value) if isinstance(value, bytes) else value
+    """A state or counters as sent: bytes from a worker process (or a view of them in a batch's
+    slot) are unpickled, the rest is returned as it is (made in this process)."""
+    return value if value is None or isinstance(value, dict) else pickle.loads(value)
 
 
-@dataclass
-class BatchItem:
+class BatchItem(NamedTuple):
     """One collated batch. Arrays in ``batch`` are numpy arrays, torch tensors, or (when
     ``slot`` is set) :class:`~.transfer.SlotArray` places in that shared slot, under the names
     ``places`` lists. ``state`` and ``stats`` are dicts, or their :func:`pack`ed bytes from a
-    worker process."""
+    worker process. A tuple: the training process makes one from what the pipe brings without
+    a call of Python's (:meth:`wire`); the ``batch`` dict is changed in place."""
 
     worker: int
     seq: int
@@ -54,40 +57,30 @@ class BatchItem:
     busy: float = 0.0  # seconds the reader spent making the batch
     damaged: int = 0  # damaged shards the reader has met (its counters say which)
 
-    def wire(self) -> tuple:
-        """The fields as a tuple, cheaper to unpickle than the object (:meth:`from_wire` makes
-        the item again), then the names of the lists of texts (keys, labels) sent as one text
-        joined with NUL (one string to unpickle, not one per sample); slot places as plain tuples."""
+    def wire(self) -> tuple[tuple, tuple[str, ...]]:
+        """What crosses the pipe: the fields as a plain tuple (:func:`from_wire` makes
+        the item again), and the names of the lists of texts
+        (keys, labels) sent as one text joined with NUL (one string to unpickle, not one per
+        sample); slot places as plain tuples."""
         batch, joined = {}, []
         for name, value in self.batch.items():
             batch[name] = _wired(value)
             if type(batch[name]) is str:
                 joined.append(name)
-        return (
-            self.worker,
-            self.seq,
-            batch,
-            self.state,
-            self.stats,
-            self.size,
-            self.length,
-            self.padded,
-            self.slot,
-            self.places,
-            self.by_source,
-            self.busy,
-            self.damaged,
-            tuple(joined),
-        )
+        return (*self[:2], batch, *self[3:]), tuple(joined)
 
-    @classmethod
-    def from_wire(cls, wire: tuple) -> BatchItem:
-        *fields, joined = wire
-        item = cls(*fields)
-        batch = item.batch
-        for name in joined:
-            batch[name] = batch[name].split("\0")
-        return item
+
+def from_wire(fields: tuple, joined: tuple[str, ...]) -> BatchItem:
+    """The item :meth:`BatchItem.wire` sent (made in C from its fields; its joined texts split)."""
+    item = _new_item(fields)
+    batch = item.batch
+    for name in joined:
+        batch[name] = batch[name].split("\0")
+    return item
+
+
+_new_item = functools.partial(tuple.__new__, BatchItem)
+BATCH, STATE, SLOT, PLACES = (BatchItem._fields.index(name) for name in ("batch", "state", "slot", "places"))
 
 
 def _wired(value: Any) -> Any:

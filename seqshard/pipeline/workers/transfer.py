@@ -7,8 +7,10 @@ segment). So each worker gets a ring of shared slots, allocated once, and collat
 arrays straight into a free slot. The training process receives tensors that *are* that
 shared memory (no copy) and the slot is given back when the last of those tensors, or any
 view of them, is gone: the tensors hold a reference to a lease object whose finalizer frees
-the slot. With ``pin_memory`` (or ``device="cuda"``) on a CUDA machine the whole ring is
-registered once as pinned host memory (``cudaHostRegister``), so batches are pinned where the
+the slot (a ctypes array over the slot, one per batch; the arrays are numpy arrays over it under
+each tensor). The batch's pipeline state travels in its slot too, kept there as a view until
+the training process reads or replaces it. With ``pin_memory`` (or ``device="cuda"``) on a
+CUDA machine the whole ring is registered once as pinned host memory (``cudaHostRegister``), so batches are pinned where the
 workers wrote them, without a copy; a copy to the GPU with ``non_blocking=True`` may then still
 be reading a slot after the training loop let go of its tensors, so such a slot is freed only
 once an event recorded on the current CUDA stream at that moment has completed (its
@@ -28,11 +30,12 @@ need less (:func:`shm_problem`).
 
 from __future__ import annotations
 
+import ctypes
 import logging
-import math
 import os
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -74,10 +77,6 @@ class SlotArray(NamedTuple):
     dtype: str
 
 
-class _Lease(np.ndarray):
-    """A slot's bytes in the training process; the slot is freed when this array is collected."""
-
-
 class SlotArena:
     """Bump allocation of arrays inside one slot (worker side)."""
 
@@ -93,6 +92,12 @@ class SlotArena:
             raise MemoryError("batch larger than its slot")  # callers size the batch first
         return self._memory[start : start + size].view(dtype).reshape(shape)
 
+    def put(self, data: bytes) -> tuple[int, int]:
+        """Copy ``data`` here; its place (offset, length)."""
+        array = self.allocate((len(data),), np.dtype(np.uint8))
+        array[:] = np.frombuffer(data, dtype=np.uint8)
+        return self.describe(array).offset, len(data)
+
     def describe(self, array: np.ndarray) -> SlotArray:
         """The place of an array allocated here."""
         offset = array.__array_interface__["data"][0] - self._memory.__array_interface__["data"][0]
@@ -102,32 +107,42 @@ class SlotArena:
 class BatchSlots:
     """``workers`` rings of ``per_worker`` slots of ``slot_bytes`` bytes of shared memory."""
 
-    def __init__(self, workers: int, per_worker: int, slot_bytes: int, context: Any):
+    def __init__(self, workers: int, per_worker: int, slot_bytes: int, context: Any, shared: bool = True):
         import torch
 
         self.workers = workers
         self.per_worker = per_worker
         self.slot_bytes = aligned(slot_bytes, ALIGN)
         try:
-            self._buffer = torch.empty(workers * per_worker * self.slot_bytes, dtype=torch.uint8).share_memory_()
+            self._buffer = torch.empty(workers * per_worker * self.slot_bytes, dtype=torch.uint8)
+            if shared:  # without worker processes the ring is this process's own memory
+                self._buffer.share_memory_()
             self._marks = context.Array("i", workers * per_worker, lock=False)
         except (RuntimeError, OSError) as error:
             what = f"the batch slots of {workers} reader(s) ({per_worker} of {self.slot_bytes >> 20} MB each)"
             raise SharedMemoryError(shm_problem(what, error)) from None
         self._memory: np.ndarray | None = None
+        self._leases: list[type] | None = None  # per slot, the class of its leases (made where batches are received)
+        self._from_numpy: Any = None  # torch.from_numpy, there
         self.registrations = 0  # times the ring was registered as pinned memory (once at most)
         self._pinned: bool | None = None  # None: not tried yet
         # (slot, event): slots training let go, freed once the event has completed
         self._fenced: deque[tuple[int, Any]] = deque()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_memory": None, "_pinned": None, "_fenced": deque(), "registrations": 0}
+        return {
+            **self.__dict__,
+            "_memory": None,
+            "_leases": None,
+            "_from_numpy": None,
+            "_pinned": None,
+            "_fenced": deque(),
+            "registrations": 0,
+        }
 
     def _slot_memory(self, slot: int) -> np.ndarray:
-        if self._memory is None:
-            self._memory = self._buffer.numpy()
         start = slot * self.slot_bytes
-        return self._memory[start : start + self.slot_bytes]
+        return self._ring()[start : start + self.slot_bytes]
 
     # -- worker side ---------------------------------------------------------------------
     def acquire(self, worker: int, nbytes: int, iteration: int) -> SlotArena | None:
@@ -151,26 +166,45 @@ class BatchSlots:
         self._marks[slot] = iteration
 
     # -- training-process side --------------------------------------------------------------
-    def receive(self, slot: int, arrays: dict[str, SlotArray | tuple], pin: bool, fence: Any = None) -> dict[str, Any]:
-        """Tensors over the batch's arrays in ``slot`` (places as :class:`SlotArray` or plain
-        ``(offset, shape, dtype)`` tuples): the shared memory itself, freed with the last tensor
-        (or view) that uses it. With ``pin`` that memory is pinned (the ring registered once;
-        where that fails, copies in pinned memory). ``fence()``, when given, makes the event a
-        freed slot waits for (see the module's text)."""
-        import torch
-
-        self.reclaim()
+    def receive(
+        self,
+        slot: int,
+        arrays: dict[str, Any],
+        pin: bool,
+        fence: Any = None,
+        names: Sequence[str] | None = None,
+        packed: Any = None,
+    ) -> Any:
+        """Replace the places in ``arrays`` (all its values, or those ``names`` lists: each a
+        :class:`SlotArray` or a plain ``(offset, shape, dtype)`` tuple) by tensors over
+        ``slot``: the shared memory itself, freed with the last tensor (or view) that uses it.
+        Returns ``packed`` (a state as sent), as the bytes it names there (a numpy array over
+        the slot, which it keeps, like a tensor) when it is a place ``(offset, length)``. With
+        ``pin`` that memory is pinned (the ring registered once; where that fails, copies in
+        pinned memory). ``fence()``, when given, makes the event a freed slot waits for (see
+        the module's text)."""
+        if self._fenced:
+            self.reclaim()
         pinned = pin and self.pin()
         self._marks[slot] = LEASED
-        lease = self._slot_memory(slot).view(_Lease)
-        weakref.finalize(lease, self._let_go, slot, fence if pinned else None)
-        tensors = {}
-        for name, (offset, shape, kind) in arrays.items():
-            dtype = np.dtype(kind)
-            view = lease[offset : offset + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape)
-            tensor = torch.from_numpy(view)
-            tensors[name] = tensor.pin_memory() if pin and not pinned else tensor
-        return tensors
+        if self._leases is None:
+            self._leases = _lease_classes(self)
+        lease = self._leases[slot].from_buffer(self._memory, slot * self.slot_bytes)  # one per batch: see _Lease
+        if pinned and fence is not None:
+            lease.fence = fence
+        for name in arrays if names is None else names:
+            offset, shape, kind = arrays[name]
+            tensor = self._from_numpy(np.ndarray(shape, kind, lease, offset))
+            arrays[name] = tensor.pin_memory() if pin and not pinned else tensor
+        if type(packed) is tuple:
+            offset, length = packed
+            return np.ndarray((length,), np.uint8, lease, offset)
+        return packed
+
+    def _ring(self) -> np.ndarray:
+        if self._memory is None:
+            self._memory = self._buffer.numpy()
+        return self._memory
 
     def pin(self) -> bool:
         """Register the whole ring as pinned host memory, once; whether it is pinned."""
@@ -190,11 +224,37 @@ class BatchSlots:
             else:
                 self._fenced.append((slot, event))
 
-    def _let_go(self, slot: int, fence: Any) -> None:
-        if fence is None:
-            self._marks[slot] = FREE
+
+def _lease_classes(slots: BatchSlots) -> list[type]:
+    """Per slot of ``slots``, the class of its leases: a ctypes array the size of a slot, made
+    over the slot's memory, that frees the slot when it is collected (:class:`_Lease`). Made
+    where batches are received, with what receiving needs at hand."""
+    import torch
+
+    slots._ring()
+    slots._from_numpy = torch.from_numpy
+    over = ctypes.c_ubyte * slots.slot_bytes
+    kind = type("_SlotLease", (_Lease, over), {})
+    return [type("_SlotLease", (kind,), {"slot": slot, "slots": slots}) for slot in range(len(slots._marks))]
+
+
+class _Lease:
+    """A slot's bytes in the training process, as a ctypes array over them (subclassed per slot:
+    ``slot`` and ``slots`` are class attributes, so making one costs one call). The arrays of a
+    batch are numpy arrays over it (their ``base``), each under a tensor, so it lives exactly as
+    long as the last tensor or view of the batch; then the slot is free (or, with a ``fence``,
+    waits for it: see the module's text)."""
+
+    slot: int
+    slots: BatchSlots
+    fence: Any = None
+    free = FREE  # (a class attribute: module globals may be gone when a lease is collected at exit)
+
+    def __del__(self) -> None:
+        if self.fence is None:
+            self.slots._marks[self.slot] = self.free
         else:
-            self._fenced.append((slot, fence()))
+            self.slots._fenced.append((self.slot, self.fence()))
 
 
 def current_stream_event() -> Any:

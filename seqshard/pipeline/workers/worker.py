@@ -33,12 +33,13 @@ from ...formats.remote.access import RemoteAccess
 from ..plan import Unit
 from ..stages.base import Stage, State
 from ..stages.batching import Batch
-from ..stages.collate import Collator, array_bytes
+from ..stages.collate import Collator, aligned, array_bytes
 from ..stages.mixing import per_source_counts
 from ..stages.passes import Passes
 from ..stages.reader import DAMAGED
 from .protocol import BatchItem, EndItem, ErrorItem, Item, pack
 from .recipe import Carry, Reader, default_recipe
+from .replay import attach as attach_replay
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import ALIGN
@@ -55,6 +56,7 @@ def build_pipeline(
     carry: Carry | None = None,
     read_ahead: bool = True,
     reader: type[Reader] = Reader,
+    replay: bool = False,
 ) -> Stage:
     """The pipeline of one reader for ``epoch``: the loader's recipe over its source (its units
     of the epoch, or a mix; see ``recipe.Reader.read``). With ``uneven="repeat"`` and one source,
@@ -62,21 +64,30 @@ def build_pipeline(
     window, hence no batch, spans two passes (a reader holding less than a window still never
     batches an utterance twice). ``units`` and ``carry`` replace what the reader reads (an
     elastic resume); ``read_ahead=False`` reads only what the stages ask for; ``reader`` is the
-    :class:`Reader` class the recipe gets (``planned.PlannedReader`` plans without reading)."""
+    :class:`Reader` class the recipe gets (``planned.PlannedReader`` plans without reading);
+    ``replay``: its windows are saved with what they hold and restored without reading them
+    again, where they can be (``replay.py``)."""
     recipe = setup.options.pipeline.recipe or default_recipe
+
+    def made(number: int, planned: list[Unit] | None, carried: Carry | None, before: int = 0) -> Stage:
+        pipeline = recipe(reader(setup, worker, number, access, planned, carried, read_ahead, before))
+        if replay:
+            attach_replay(pipeline, lambda: recipe(reader(setup, worker, number, access, [], None, False, before)))
+        return pipeline
+
     if setup.options.epochs.continues_stream:  # endless streams: seeds come from passes, not epoch labels
         if setup.mix is not None:
-            return recipe(reader(setup, worker, 0, access, None, carry, read_ahead))
+            return made(0, None, carry)
         first, carried = (carry or {}).get(0, (0, None))
 
         def one_pass(number: int) -> Stage:
             planned = carried if carried is not None and number == first else None
             before = passes.finished.get("batches", 0)  # bucket_sync's draws go on across passes
-            return recipe(reader(setup, worker, number, access, planned, None, read_ahead, before))
+            return made(number, planned, None, before)
 
         passes = Passes(one_pass, first)
         return passes
-    return recipe(reader(setup, worker, epoch, access, units, None, read_ahead))
+    return made(epoch, units, None)
 
 
 @dataclass
@@ -135,7 +146,7 @@ class ReaderRun:
                 pipeline = read
             if pipeline is None:
                 pipeline = build_pipeline(
-                    setup, worker, epoch, runtime.access, units, carry_from_json(spec.get("carry"))
+                    setup, worker, epoch, runtime.access, units, carry_from_json(spec.get("carry")), replay=True
                 )
                 pipeline.reset(spec["state"])
             self.pipeline = pipeline
@@ -169,8 +180,8 @@ class ReaderRun:
         """``made`` collated (into a slot when one is free) as the next item of this run."""
         started = time.perf_counter()
         batch = made.batch
-        arrays, slot, places = _collate(
-            batch, self.collator, self.runtime, self.worker, iteration, self.in_worker_process
+        arrays, slot, places, state = _collate(
+            batch, self.collator, self.runtime, self.worker, iteration, self.in_worker_process, made.state
         )
         self.seq += 1
         mix = self.setup.mix
@@ -178,7 +189,7 @@ class ReaderRun:
             self.worker,
             self.seq,
             arrays,
-            made.state,
+            state,
             made.stats,
             len(batch),
             sum(batch.lengths),
@@ -216,7 +227,7 @@ class ReaderRun:
         try:
             pipeline = live.take_next(self.worker, self.epoch + 1)
             if pipeline is None:
-                pipeline = build_pipeline(self.setup, self.worker, self.epoch + 1, self.runtime.access)
+                pipeline = build_pipeline(self.setup, self.worker, self.epoch + 1, self.runtime.access, replay=True)
                 pipeline.reset(None)
             read = pipeline.read_further(until)
         except Exception:  # bad data or a user's transform, met again by the next epoch's own run
@@ -290,21 +301,32 @@ def carry_from_json(data: list | None) -> Carry | None:
 
 
 def _collate(
-    batch: Batch, collator: Collator, runtime: WorkerRuntime, worker: int, iteration: int, in_worker_process: bool
-) -> tuple[dict[str, Any], int | None, tuple[str, ...]]:
-    """The batch's arrays, the slot holding them and their names there: they are collated into
-    a slot when one is free and large enough (sent as places in it), else into new arrays (in a
-    worker process torch tensors, which travel through shared memory of their own). Without
-    worker processes slots still pay: their pages are reused, not faulted in anew."""
+    batch: Batch,
+    collator: Collator,
+    runtime: WorkerRuntime,
+    worker: int,
+    iteration: int,
+    in_worker_process: bool,
+    state: State | bytes,
+) -> tuple[dict[str, Any], int | None, tuple[str, ...], State | bytes | tuple[int, int]]:
+    """The batch's arrays, the slot holding them, their names there and the state: they are
+    collated into a slot when one is free and large enough (sent as places in it; a packed
+    state goes there too, as its place: it holds what the windows hold, tens of kB), else into
+    new arrays (in a worker process torch tensors, which travel through shared memory of their
+    own). Without worker processes slots still pay: their pages are reused, not faulted in anew."""
     columns = collator.layout(batch)
-    arena = runtime.slots.acquire(worker, array_bytes(columns, ALIGN), iteration) if runtime.slots else None
+    packed = len(state) if isinstance(state, bytes) else 0
+    needed = array_bytes(columns, ALIGN) + aligned(packed, ALIGN)
+    arena = runtime.slots.acquire(worker, needed, iteration) if runtime.slots else None
     if arena is None:
         arrays = collator.fill(batch, columns)
         if not in_worker_process:
-            return arrays, None, ()
+            return arrays, None, (), state
         import torch
 
-        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, None, ()
+        tensors = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
+        return tensors, None, (), state
     arrays = collator.fill(batch, columns, arena.allocate)
     places = tuple(k for k, v in arrays.items() if isinstance(v, np.ndarray))
-    return {k: arena.describe(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}, arena.slot, places
+    described = {k: arena.describe(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
+    return described, arena.slot, places, arena.put(state) if packed else state
