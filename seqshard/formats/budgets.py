@@ -16,7 +16,6 @@ A batch belongs to the bucket of its longest sample: bucket ``b`` holds longest 
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any
 
 from ..checks import read_number
 from ..errors import ConfigError
-from .files import write_json_atomic
+from .files import read_json, write_json_atomic
 from .index import MAX_COUNT, MAX_LENGTH
 
 FORMAT = "seqshard-budgets"
@@ -109,21 +108,8 @@ def _number(field: str, value: Any, at_most: int) -> int:
 def _read_file(path: Path) -> Any:
     """A budgets file's JSON: ConfigError naming it when it is missing, not a regular file,
     larger than any budgets file, or not JSON (nested too deeply included)."""
-    try:
-        if not path.is_file():  # a folder, a device or a pipe is no budgets file (a pipe would block)
-            problem = "does not exist" if not path.exists() else "is not a regular file"
-        elif path.stat().st_size > MAX_FILE_BYTES:
-            problem = f"holds {path.stat().st_size:,} bytes, more than any budgets file ({MAX_FILE_BYTES:,})"
-        else:
-            return json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:
-        problem = "nests lists or objects deeper than any budgets file"
-    except (OSError, ValueError) as error:  # not UTF-8, not JSON, a number of more digits than Python reads
-        problem = f"cannot be read as JSON ({str(error)[:200]})"
-    raise ConfigError(
-        f"budgets: {path} {problem}: give a budgets file (`seqshard calibrate SHARDS --step MODULE:FUNCTION --out "
-        f"{path}` writes one)."
-    )
+    fix = f"give a budgets file (`seqshard calibrate SHARDS --step MODULE:FUNCTION --out {path}` writes one)."
+    return read_json(path, fix, limit=MAX_FILE_BYTES)
 
 
 def save_budgets(path: str | Path, budgets: Budgets, rows: list[dict[str, Any]], about: dict[str, Any]) -> Path:

@@ -22,7 +22,7 @@ from typing import Any
 
 from .. import __version__
 from ..errors import ConfigError, InputError, SeqshardError, Where, counted, option
-from ..formats.files import inside, remove_stale_temporaries, write_json_atomic, writing
+from ..formats.files import inside, read_json, remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import ShardEntry, ShardIndex
 from ..formats.lock import FolderLock
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
@@ -445,7 +445,7 @@ def _claim_output(d_out: Path, described: dict[str, Any], alone: bool) -> dict[s
     other parts are packing into it (not ``alone``). Returns the run record."""
     run_file = d_out / STATE_DIR / RUN_FILE
     if run_file.exists():
-        previous = json.loads(run_file.read_text(encoding="utf-8"))
+        previous = read_json(run_file, "delete it (or pack into a new folder); it was altered.", kind=dict)
         if previous.get("fingerprint") == described["fingerprint"]:
             return previous
         differences = "; ".join(_run_differences(previous, described))

@@ -15,14 +15,13 @@ it again to finish).
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
 from pathlib import Path
 
 from .. import __version__
 from ..errors import ConfigError, SeqshardError, ShardError, counted
-from ..formats.files import inside, remove_stale_temporaries, writing
+from ..formats.files import inside, read_json, remove_stale_temporaries, writing
 from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, sidecar_name
 from ..formats.lock import FolderLocks
 from ..formats.members import load_table
@@ -302,7 +301,7 @@ def _pack_run(root: Path) -> dict | None:
     if not run_file.is_file():
         return None
     try:
-        options = json.loads(run_file.read_text(encoding="utf-8")).get("options")
+        options = read_json(run_file, "restore it, or pack again into a new folder.", kind=dict).get("options")
         if not isinstance(options, dict) or not isinstance(options.get("escape_keys", False), bool):
             raise ValueError("its options are not the pack's")
     except (OSError, ValueError, RecursionError, AttributeError) as error:
