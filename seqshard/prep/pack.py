@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import ConfigError, InputError, SeqshardError, Where, counted, option
+from ..errors import ConfigError, InputError, SeqshardError, Where, counted, listed, option
 from ..formats.files import inside, read_json, remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import ShardEntry, ShardIndex
 from ..formats.lock import FolderLock
@@ -430,7 +430,7 @@ def _refuse_foreign_files(d_out: Path, folders: list[Path], fmt: str) -> None:
     with this pack's shards (another corpus copied into the folder)."""
     blocking = in_the_way(recorded(d_out), [f for f in folders if f.is_dir()], fmt)
     if blocking:
-        shown = ", ".join(map(str, blocking[:5])) + (f" and {len(blocking) - 5} more" if len(blocking) > 5 else "")
+        shown = listed(blocking)
         raise ConfigError(
             f"{d_out} holds files that this pack would write over or mix its shards with, and that no pack here "
             f"wrote: {shown}. Fix: move them elsewhere (another corpus copied here?), or pack into a new output "

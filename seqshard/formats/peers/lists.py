@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import ConfigError, InputError, Where
+from ...errors import ConfigError, InputError, Where, listed
 from ..audio import WavLocation, parse_wav_location, read_location
 from ..files import NotAFileError
 from ..inflation import BoundedLines, LineTooLong, numbered_lines
@@ -258,7 +258,7 @@ class ListSampleStream:
             or not isinstance(record.get("wav"), str)
         ):
             if isinstance(record, dict):
-                held = f"keys {', '.join(json.dumps(k) for k in list(record)[:8])}" if record else "no keys"
+                held = f"keys {listed([json.dumps(k) for k in record], shown=8)}" if record else "no keys"
             else:
                 held = f"a JSON {type(record).__name__}, not an object"
             raise InputError(

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ConfigError, SeqshardError, counted
+from ...errors import ConfigError, SeqshardError, counted, listed
 from ...features.audio import AudioOptions
 from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
 from ...formats.fields import field_name
@@ -269,7 +269,7 @@ def _noise_table(patterns: Any, access: RemoteAccess | None) -> ShardTable:
     """The noise set's shards; all of them must be there (a noise set is not skipped in part)."""
     table = ShardTable.from_patterns(patterns, access)
     if table.missing:
-        shown = "; ".join(f"{m.path} ({m.why})" for m in table.missing[:5])
+        shown = listed([f"{m.path} ({m.why})" for m in table.missing], "; ")
         raise ConfigError(f"noise: {counted(len(table.missing), 'file')} of the noise set missing: {shown}.")
     return table
 
