@@ -78,6 +78,11 @@ def bin_bounds(index: int) -> tuple[float, float]:
     return 2 ** (index / BINS_PER_OCTAVE), 2 ** ((index + 1) / BINS_PER_OCTAVE)
 
 
+def bin_middle(index: int) -> float:
+    """The geometric middle of a bin (a length that stands for its utterances)."""
+    return 2 ** ((index + 0.5) / BINS_PER_OCTAVE)
+
+
 def merge_histograms(histograms: Iterable[dict[int, int]]) -> dict[int, int]:
     total: dict[int, int] = {}
     for histogram in histograms:

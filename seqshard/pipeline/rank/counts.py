@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...errors import SeqshardError
-from ...formats.index import BINS_PER_OCTAVE, MAX_LENGTH, bin_bounds
+from ...formats.index import BINS_PER_OCTAVE, MAX_LENGTH, bin_middle
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
@@ -385,9 +385,7 @@ def _stream_estimate(setup: WorkerSetup, done_steps: int) -> PlannedBatches:
     histogram = dict(table.length_hist)
     if math.isnan(low) or not histogram:
         return _unknown("the shards' index.json has no length histogram")
-    mean = sum(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1]) * n for b, n in histogram.items()) / sum(
-        histogram.values()
-    )
+    mean = sum(bin_middle(b) * n for b, n in histogram.items()) / sum(histogram.values())
     if options.epochs.epoch_hours is not None:
         samples = options.epochs.epoch_hours * 3.6e6 / table.frame_shift_ms / mean
     else:

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...formats.index import bin_middle
 from ...seeds import Seed, stage_rng
 from .base import State
 from .batching import Batch, BatchCost, SortBatch, bucket_of
@@ -62,10 +63,10 @@ class BucketDraws:
 
 def bucket_weights(histogram: Iterable[tuple[int, int]], bounds: Sequence[int], cost: BatchCost) -> tuple[float, ...]:
     """Each bucket's expected share of the batches: the unpadded shares of a batch of the
-    index's lengths (``histogram``: (bin, count) pairs, 8 bins an octave) that fall in it."""
+    index's lengths (``histogram``: (bin, count) pairs of ``formats/index.py``) that fall in it."""
     weights = [0.0] * (len(bounds) + 1)
     for key, count in histogram:
-        length = max(1, math.floor(2 ** ((key + 0.5) / 8)))
+        length = max(1, math.floor(bin_middle(key)))
         weights[bisect.bisect_right(bounds, length)] += cost.share(length) * count
     total = sum(weights)
     return tuple(w / total for w in weights) if total > 0 else tuple(1.0 for _ in weights)
