@@ -23,7 +23,6 @@ planned utterances without walking the epoch's plan.
 from __future__ import annotations
 
 import argparse
-import bisect
 import contextlib
 import hashlib
 import json
@@ -46,6 +45,7 @@ from torch import nn
 from .checks import NumberError, check_number, read_number
 from .config import apply_overrides, build_loaders, load_config, read_json
 from .errors import ConfigError, SeqshardError, StateMismatchError, counted
+from .formats.budgets import LengthBuckets
 from .pipeline.stages.split import split_batch
 from .pipeline.workers.setup import bucket_bounds
 from .progress import Progress
@@ -463,12 +463,10 @@ class MemoryGuard:
 
     def __init__(self, bounds: Sequence[int] = ()):
         self.bounds = tuple(int(bound) for bound in bounds)
+        self.bucket_of = LengthBuckets(self.bounds).bucket_of  # a batch's bucket by its longest length
         self.limits: dict[int, int] = {}
         self.largest: dict[int, tuple[int, int]] = {}  # bucket -> (samples, longest) of its largest batch
         self.out_of_memory = 0
-
-    def bucket_of(self, longest: int) -> int:
-        return bisect.bisect_right(self.bounds, longest)
 
     def parts_for(self, lengths: torch.Tensor, longest: int) -> int:
         """How many parts a batch of utterances of ``lengths``, the longest of ``longest`` frames,

@@ -34,11 +34,21 @@ MAX_FILE_BYTES = 1 << 20  # a budgets file of MAX_BUCKETS buckets takes under 20
 
 
 @dataclass(frozen=True)
-class Budgets:
+class LengthBuckets:
+    """Length buckets cut at the ascending ``bounds``: ``len(bounds) + 1`` of them."""
+
+    bounds: tuple[int, ...]
+
+    def bucket_of(self, longest: int) -> int:
+        """The bucket of a length (a batch's by its longest sample's): how many bounds it reaches."""
+        return bisect.bisect_right(self.bounds, longest)
+
+
+@dataclass(frozen=True)
+class Budgets(LengthBuckets):
     """Each length bucket's budget of padded frames (see the module docstring): ``bounds``
     ascending, ``budgets`` and ``longest`` one per bucket (``len(bounds) + 1``)."""
 
-    bounds: tuple[int, ...]
     budgets: tuple[int, ...]
     longest: tuple[int, ...]
     device: str | None = field(default=None, compare=False)  # what they were calibrated on, as the file says
@@ -50,10 +60,6 @@ class Budgets:
             raise ValueError("bounds, budgets and lengths must be whole numbers >= 1")
         if any(low >= high for low, high in zip(self.bounds, self.bounds[1:])):
             raise ValueError(f"bounds must ascend, got {list(self.bounds)}")
-
-    def bucket_of(self, longest: int) -> int:
-        """The bucket of a batch whose longest sample has ``longest`` frames."""
-        return bisect.bisect_right(self.bounds, longest)
 
     def budget_of(self, longest: int) -> int:
         """The budget of padded frames of a batch whose longest sample has ``longest`` frames."""

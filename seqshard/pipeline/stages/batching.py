@@ -171,11 +171,6 @@ def window_size(shares: np.ndarray, limits: tuple[int, int, float]) -> int:
     return int(closed[0]) + 1 if len(closed) else len(filled)
 
 
-def bucket_of(batch: Batch, bounds: Sequence[int]) -> int:
-    """Length bucket of a batch: how many of the ascending ``bounds`` its longest sample reaches."""
-    return bisect.bisect_right(bounds, batch.longest)
-
-
 def cut_batches(
     lengths: Sequence[int], cost: BatchCost, keys: Sequence[str] | None = None, ascending: bool = False
 ) -> tuple[list[list[int]], list[int]]:

@@ -244,10 +244,9 @@ class Reader:
         )
         if not batching.bucket_sync:
             return SortBatch(*made, **options)
-        bounds = self.setup.bucket_bounds
-        weights = bucket_weights(self.table.length_hist, bounds, cost)
+        weights = bucket_weights(self.table.length_hist, self.setup.buckets, cost)
         shared = (self.worker,) if self.options.epochs.continues_stream else (self.epoch, self.worker)  # no rank
-        draws = BucketDraws(bounds, weights, self.seed, shared)
+        draws = BucketDraws(self.setup.buckets, weights, self.seed, shared)
         return BucketSortBatch(*made, draws=draws, before=self.batches_before, **options)
 
     def planned_samples(self) -> int | None:

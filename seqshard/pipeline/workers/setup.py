@@ -17,6 +17,7 @@ import numpy as np
 from ...errors import ConfigError, SeqshardError, counted, listed
 from ...features.audio import AudioOptions
 from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
+from ...formats.budgets import LengthBuckets
 from ...formats.fields import field_name
 from ...formats.index import bin_bounds, histogram_percentile
 from ...formats.remote.access import RemoteAccess
@@ -49,7 +50,7 @@ class WorkerSetup:
     fields: FieldPlan
     length: Measure
     audio: AudioOptions
-    bucket_bounds: tuple[int, ...] = ()
+    buckets: LengthBuckets  # of bucket_sync (no bounds without it)
     noise_table: ShardTable | None = None  # noise shards mixed into the audio
     mix: MixSetup | None = None  # the sources of a seqshard.mux, when the loader mixes
 
@@ -201,7 +202,7 @@ def make_setup(
         )
     if options.bad_data.check_finite and features is None and not (fields.audio and fields.features is None):
         raise ConfigError("check_finite checks features or audio, which these shards or fields= do not include.")
-    bounds = bucket_bounds(table, batching.num_buckets) if batching.bucket_sync else ()
+    bounds = LengthBuckets(bucket_bounds(table, batching.num_buckets) if batching.bucket_sync else ())
     noise = _noise_table(audio.noise, access) if audio.noise is not None else None
     setup = WorkerSetup(
         table, options, rank, world_size, tokenizer, override, fields, length, audio, bounds, noise_table=noise, mix=mix
