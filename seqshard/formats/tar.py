@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ShardError
+from ..protocol import Closing
 from .files import fsync_directory, inside, open_input, open_output, writing
 from .keys import split_member_name
 from .members import MemberTable, TableBuilder, has_table_format, table_path
@@ -326,7 +327,7 @@ class _StreamedBytes:
         self._stream.close()
 
 
-class TarStream:
+class TarStream(Closing):
     """Reads a tar file front to back from ``start`` (a header offset), member by member.
 
     ``position`` is always the offset of the next header to be read, so a reader can save
@@ -347,12 +348,6 @@ class TarStream:
 
     def close(self) -> None:
         self._source.close()
-
-    def __enter__(self) -> TarStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __iter__(self) -> Iterator[Member]:
         while (member := self.next_member()) is not None:
@@ -537,7 +532,7 @@ class TarRecord:
     members: list[tuple[str, int, int, int]] | None = None  # (suffix, header at, data at, size), when asked
 
 
-class SampleStream:
+class SampleStream(Closing):
     """Groups a :class:`TarStream`'s members into samples by key.
 
     ``resume_offset`` is where the next sample's first member starts and ``ordinal`` its
@@ -578,12 +573,6 @@ class SampleStream:
 
     def close(self) -> None:
         self._tar.close()
-
-    def __enter__(self) -> SampleStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __iter__(self) -> Iterator[TarRecord]:
         while (sample := self.next_sample()) is not None:
