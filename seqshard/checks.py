@@ -20,6 +20,13 @@ from typing import Any
 from .errors import ConfigError, InputError, Where
 
 MAX_WORKERS = 1024  # worker processes per rank: more is a mistake, not a machine
+# The rules (check_number's) of numeric options that pack or the token loader take too: said once.
+SHARED_NUMBERS: dict[str, dict[str, Any]] = {
+    "resample_to": dict(whole=True, at_least=1000, what="a sample rate in Hz (a whole number >= 1000)"),
+    "channel": dict(whole=True, at_least=0),
+    "num_mel_bins": dict(whole=True, at_least=3),  # as Kaldi (upper bound: FbankOptions)
+    "num_workers": dict(whole=True, at_least=0, at_most=MAX_WORKERS),
+}
 
 
 def number_problem(
