@@ -112,8 +112,7 @@ def _number(field: str, value: Any, at_most: int) -> int:
 
 
 def _read_file(path: Path) -> Any:
-    """A budgets file's JSON: ConfigError naming it when it is missing, not a regular file,
-    larger than any budgets file, or not JSON (nested too deeply included)."""
+    """A budgets file's JSON (:func:`~seqshard.formats.files.read_json`, at most MAX_FILE_BYTES)."""
     fix = f"give a budgets file (`seqshard calibrate SHARDS --step MODULE:FUNCTION --out {path}` writes one)."
     return read_json(path, fix, limit=MAX_FILE_BYTES)
 

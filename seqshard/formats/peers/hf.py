@@ -147,8 +147,8 @@ def _saved_split(folder: Path) -> tuple[Path, ...]:
 
 def _names(path: Path, field: str, name_of: Callable[[Any], Any]) -> list[str]:
     """The names ``field`` of a ``save_to_disk`` JSON file lists (``name_of`` each item's),
-    each a file or folder beside it: ConfigError naming the file when it is not JSON, lacks
-    the list, or names something elsewhere (``..``, a path)."""
+    each a file or folder beside it: InputError naming the file when it is not JSON, ConfigError
+    when it lacks the list or names something elsewhere (``..``, a path)."""
     fix = "save the dataset again with datasets' save_to_disk."
     items = read_json(path, fix, kind=dict).get(field)
     if not isinstance(items, list) or not items:

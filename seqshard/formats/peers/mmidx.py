@@ -166,8 +166,8 @@ class TokenMeta:
 
     @classmethod
     def read(cls, path: Path) -> TokenMeta:
-        """``PREFIX.json`` with every value checked (:meth:`check`); ShardError naming the
-        file, the field and the fix."""
+        """``PREFIX.json`` with every value checked (:meth:`check`); InputError (not JSON) or
+        ShardError naming the file, the field and the fix."""
         data = read_json(path, "binarize again (it was altered).")
         if not isinstance(data, dict) or data.pop("seqshard_token_meta", None) != META_VERSION:
             raise ShardError(
