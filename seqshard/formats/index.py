@@ -75,12 +75,13 @@ def length_bin(frames: int) -> int:
 
 def bin_bounds(index: int) -> tuple[float, float]:
     """Lengths covered by a bin: ``[low, high)``."""
-    return 2 ** (index / BINS_PER_OCTAVE), 2 ** ((index + 1) / BINS_PER_OCTAVE)
+    return bin_length(index), bin_length(index + 1)
 
 
-def bin_middle(index: int) -> float:
-    """The geometric middle of a bin (a length that stands for its utterances)."""
-    return 2 ** ((index + 0.5) / BINS_PER_OCTAVE)
+def bin_length(position: Any) -> Any:
+    """The length ``position`` bins up (a bin's low end at its index, its geometric middle,
+    which stands for its utterances, at index + 0.5); elementwise over numpy arrays."""
+    return 2 ** (position / BINS_PER_OCTAVE)
 
 
 def merge_histograms(histograms: Iterable[dict[int, int]]) -> dict[int, int]:
@@ -101,9 +102,7 @@ def histogram_percentile(histogram: dict[int, int], q: float) -> float:
     for index in sorted(histogram):
         count = histogram[index]
         if seen + count >= target:
-            low, high = bin_bounds(index)
-            fraction = (target - seen) / count if count else 0.0
-            return low * (high / low) ** fraction
+            return bin_length(index + ((target - seen) / count if count else 0.0))
         seen += count
     return bin_bounds(max(histogram))[1]
 

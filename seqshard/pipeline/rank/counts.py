@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...errors import SeqshardError
-from ...formats.index import BINS_PER_OCTAVE, MAX_LENGTH, bin_middle
+from ...formats.index import MAX_LENGTH, bin_length
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
@@ -372,7 +372,7 @@ def _stream_estimate(setup: WorkerSetup, done_steps: int) -> PlannedBatches:
     histogram = dict(table.length_hist)
     if math.isnan(low) or not histogram:
         return _unknown("the shards' index.json has no length histogram")
-    mean = sum(bin_middle(b) * n for b, n in histogram.items()) / sum(histogram.values())
+    mean = sum(bin_length(b + 0.5) * n for b, n in histogram.items()) / sum(histogram.values())
     if options.epochs.epoch_hours is not None:
         samples = options.epochs.epoch_hours * 3.6e6 / table.frame_shift_ms / mean
     else:
@@ -401,7 +401,7 @@ def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
     )
     found = []
     for end in (0, 1):
-        lengths = np.maximum(1, np.floor(2.0 ** ((drawn + end) / BINS_PER_OCTAVE))).astype(np.int64)  # bin_bounds
+        lengths = np.maximum(1, np.floor(bin_length(drawn + end))).astype(np.int64)  # low or high ends
         found.append(sum(_count(np.sort(part), cost) for part in np.split(lengths, windows)) / len(drawn))
     return found[0], found[1]
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...formats.budgets import LengthBuckets
-from ...formats.index import bin_middle
+from ...formats.index import bin_length
 from ...seeds import Seed, stage_rng
 from .base import State
 from .batching import Batch, BatchCost, SortBatch
@@ -66,7 +66,7 @@ def bucket_weights(histogram: Iterable[tuple[int, int]], buckets: LengthBuckets,
     index's lengths (``histogram``: (bin, count) pairs of ``formats/index.py``) that fall in it."""
     weights = [0.0] * (len(buckets.bounds) + 1)
     for key, count in histogram:
-        length = max(1, math.floor(bin_middle(key)))
+        length = max(1, math.floor(bin_length(key + 0.5)))
         weights[buckets.bucket_of(length)] += cost.share(length) * count
     total = sum(weights)
     return tuple(w / total for w in weights) if total > 0 else tuple(1.0 for _ in weights)

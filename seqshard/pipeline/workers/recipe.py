@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, SkipCounter
-from ...formats.index import bin_middle
+from ...formats.index import bin_length
 from ...formats.keys import key_hash
 from ...formats.remote.access import RemoteAccess
 from ...options import Batching, BudgetWindow
@@ -287,7 +287,7 @@ def window_samples(batching: Batching, histogram: Histogram) -> int | None:
     if not sum(histogram.values()):
         return None
     cost = batch_cost(batching)
-    shares = sum(cost.share(max(1, math.floor(bin_middle(b)))) * n for b, n in histogram.items())
+    shares = sum(cost.share(max(1, math.floor(bin_length(b + 0.5)))) * n for b, n in histogram.items())
     return BudgetWindow().samples(shares / sum(histogram.values()))
 
 
