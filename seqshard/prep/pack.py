@@ -445,7 +445,7 @@ def _claim_output(d_out: Path, described: dict[str, Any], alone: bool) -> dict[s
     other parts are packing into it (not ``alone``). Returns the run record."""
     run_file = d_out / STATE_DIR / RUN_FILE
     if run_file.exists():
-        previous = read_json(run_file, "delete it (or pack into a new folder); it was altered.", kind=dict)
+        previous = read_json(run_file, "restore it, or pack into a new folder.", kind=dict)
         if previous.get("fingerprint") == described["fingerprint"]:
             return previous
         differences = "; ".join(_run_differences(previous, described))
