@@ -11,13 +11,22 @@ torch fail further on with an error that names neither.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
+from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, InputError, Where
 
 MAX_WORKERS = 1024  # worker processes per rank: more is a mistake, not a machine
+# The rules (check_number's) of numeric options that pack or the token loader take too: said once.
+SHARED_NUMBERS: dict[str, dict[str, Any]] = {
+    "resample_to": dict(whole=True, at_least=1000, what="a sample rate in Hz (a whole number >= 1000)"),
+    "channel": dict(whole=True, at_least=0),
+    "num_mel_bins": dict(whole=True, at_least=3),  # as Kaldi (upper bound: FbankOptions)
+    "num_workers": dict(whole=True, at_least=0, at_most=MAX_WORKERS),
+}
 
 
 def number_problem(
@@ -96,3 +105,24 @@ def check_flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"{name} must be True or False, got {value!r}.")
     return value
+
+
+def parse_json(data: bytes | str, where: str | Path, fix: str, kind: type = object) -> Any:
+    """``data`` (a file's bytes or text) as JSON of ``kind`` (``dict``: an object); InputError
+    naming ``where``, the line where it breaks and ``fix`` when it is not UTF-8, not JSON,
+    nested too deeply or not of ``kind``."""
+    line = None
+    try:
+        document = json.loads(data)
+        if isinstance(document, kind):
+            return document
+        problem = f"holds {shown(document)}, not a JSON {'object' if kind is dict else kind.__name__}."
+    except json.JSONDecodeError as error:
+        line, problem = error.lineno, f"not JSON ({error.msg}, column {error.colno})."
+    except UnicodeDecodeError as error:
+        problem = f"not UTF-8 text (byte {error.start})."
+    except RecursionError:
+        problem = "its lists or objects nest deeper than Python reads."
+    except ValueError as error:  # a number of more digits than Python reads
+        problem = f"cannot be read as JSON ({str(error)[:200]})."
+    raise InputError(Where(where, line), "bad_json", problem, fix, skippable=False)

@@ -6,7 +6,7 @@ import contextlib
 import contextvars
 import logging
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -87,6 +87,11 @@ def counted(count: int, noun: str, verb: str = "") -> str:
         return f"{count} {noun}" + (f" {verb}" if verb else "")
     plural = noun[:-1] + "ies" if noun.endswith("y") and noun[-2:-1] not in "aeiou" else noun + "s"
     return f"{count} {plural}" + (f" {_VERBS.get(verb, verb)}" if verb else "")
+
+
+def listed(items: Sequence[object], sep: str = ", ", shown: int = 5) -> str:
+    """The first ``shown`` of ``items`` joined by ``sep``, and how many more: "a, b and 3 more"."""
+    return sep.join(map(str, items[:shown])) + (f" and {len(items) - shown} more" if len(items) > shown else "")
 
 
 # How options are spelled in messages: ``None`` from Python (``skip_bad=True``), else the

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, ClassVar
 
-from .checks import MAX_WORKERS, check_flag, check_number
+from .checks import SHARED_NUMBERS, check_flag, check_number
 from .device import check_device, same_device
 from .errors import ConfigError, counted, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
@@ -53,23 +53,20 @@ NUMBERS: dict[str, dict[str, Any]] = {
     "min_frames_per_token": dict(above=0),
     "max_frames_per_token": dict(above=0),
     "pad_label": dict(whole=True),
-    "num_mel_bins": dict(whole=True),  # ranges: FbankOptions
     "frame_length_ms": dict(),
     "frame_shift_ms": dict(),
     "dither": dict(),
-    "resample_to": dict(whole=True, at_least=1000, what="a sample rate in Hz (a whole number >= 1000)"),
     "noise_prob": dict(at_least=0, at_most=1),
-    "channel": dict(whole=True, at_least=0),
     "max_bad_shards": dict(at_least=0, what="a fraction of the shards (< 1) or a count (>= 1)"),
     "remote_retries": dict(whole=True, at_least=0, what="a whole number >= 0"),
     "remote_timeout": dict(above=0, what="a number of seconds > 0"),
     "remote_min_rate": dict(above=0, what="a number of bytes per second > 0"),
-    "num_workers": dict(whole=True, at_least=0, at_most=MAX_WORKERS),
     "prefetch_factor": dict(whole=True, at_least=1, at_most=MAX_PREFETCH),
     "timeout": dict(at_least=0, what="a number of seconds >= 0 (0: no limit)"),
     "epoch_steps": dict(whole=True, at_least=1),
     "epoch_hours": dict(above=0),
     "num_buckets": dict(whole=True, at_least=1, at_most=MAX_BUCKETS),
+    **SHARED_NUMBERS,
 }
 
 

@@ -19,7 +19,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
+
+_Closing = TypeVar("_Closing", bound="Closing")
+
+
+class Closing:
+    """A ``with`` block for what has ``close()`` (sample streams, readers): its end closes it."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Closing) -> _Closing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass(frozen=True)

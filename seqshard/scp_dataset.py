@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .checks import MAX_WORKERS, check_flag, check_number
+from .checks import SHARED_NUMBERS, check_flag, check_number
 from .dist import discover
 from .errors import InputError, SeqshardError, SkipCounter, StateMismatchError
 from .formats.peers.kaldi import MatrixReader, parse_location
@@ -86,7 +86,7 @@ def make_scp_loader(
     import torch.utils.data
 
     check_number("batch_size", batch_size, whole=True, at_least=1)
-    check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+    check_number("num_workers", num_workers, **SHARED_NUMBERS["num_workers"])
     check_number("pad_label", pad_label, whole=True)
 
     dataset = ScpDataset(feats_scp, text, tokenizer, **dataset_options)
@@ -124,7 +124,7 @@ class MapStyleLoader:
         self.dataset = dataset
         self.tokenizer = dataset.labeler.tokenizer
         self.batch_size = check_number("batch_size", batch_size, whole=True, at_least=1)
-        self.num_workers = check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+        self.num_workers = check_number("num_workers", num_workers, **SHARED_NUMBERS["num_workers"])
         self.sampler = torch.utils.data.DistributedSampler(
             dataset, context.world_size, context.rank, shuffle=check_flag("shuffle", shuffle), seed=seed
         )

@@ -21,6 +21,8 @@ from seqshard.pipeline.stages.batching import (
     SortBatch,
     count_sorted_batches,
     cut_batches,
+    window_limits,
+    window_size,
 )
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.pipeline.stages.shuffle import WindowShuffle
@@ -90,6 +92,27 @@ def test_every_full_window_makes_at_least_its_batches(lengths, cost, batches):
         per_window[number] = per_window.get(number, 0) + 1
     assert sum(per_window.values()) >= 1
     assert all(count >= batches for number, count in per_window.items() if number < max(per_window))
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=200),
+    st.sampled_from([FixedSize(3), LengthBudget(400), LengthBudget(400, quadratic=100.0)]),
+    st.sampled_from([BudgetWindow(2, min_samples=1), BudgetWindow(3, min_samples=5, max_samples=40), 7]),
+    st.sampled_from([None, Growth(1 / 8)]),
+)
+def test_the_counts_cut_windows_where_the_batcher_does(lengths, cost, window, grow):
+    """The epoch's counts find each window's end by ``window_size`` (pipeline/rank/counts.py):
+    the same samples, window by window, as the batching stage reads."""
+    stage = SortBatch(ListSource(samples(lengths)), window, cost, 0, grow=grow)
+    read: Counter = Counter()
+    for batch in stage:
+        read[stage.get_state()["window"]] += len(batch)
+    shares, sizes = np.array([cost.share(n) for n in lengths]), []
+    while sum(sizes) < len(lengths):
+        limits = window_limits(window, cost, grow if grow and grow.scale(len(sizes)) < 1 else None, len(sizes))
+        sizes.append(window_size(shares[sum(sizes) :], limits))
+    assert [read[number] for number in range(len(sizes))] == sizes and sum(read.values()) == len(lengths)
 
 
 def padding(stage):

@@ -7,25 +7,33 @@ import gzip
 import json
 import shutil
 import tracemalloc
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from conftest import pack_small
-from seqshard import make_loader
-from seqshard.errors import SeqshardError, ShardError
+from seqshard import make_loader, pack_data
+from seqshard.errors import InputError, SeqshardError, ShardError
+from seqshard.features.audio import Cmvn
 from seqshard.formats.index import ShardIndex
 from seqshard.formats.peers.mmidx import TokenDataset, TokenDatasetWriter, TokenMeta, data_fingerprint
 from seqshard.formats.peers.shar import shar_index
+from seqshard.tools.index import rebuild_index
 
 TEN = 10  # utterances in the shard of the index tests
 
 
 @pytest.fixture(scope="module")
-def one_shard(tmp_path_factory):
+def one_pack(tmp_path_factory):
     """One shard of 10 utterances with its index.json (left read-only by the tests)."""
     root = tmp_path_factory.mktemp("one")
-    return pack_small(root, utts_per_file=TEN, speakers=2, per_speaker=5, dim=3, frames=(2, 5)).out
+    return pack_small(root, utts_per_file=TEN, speakers=2, per_speaker=5, dim=3, frames=(2, 5))
+
+
+@pytest.fixture(scope="module")
+def one_shard(one_pack):
+    return one_pack.out
 
 
 def edited_copy(folder, tmp_path, edit):
@@ -233,8 +241,8 @@ def test_a_line_longer_than_the_line_bound_is_refused(tmp_path, monkeypatch):
             r"the utterances of data-00009\.tar is 1e\+300, not a whole number",
         ),
         (b'{"groups": {"": [["data-00009.tar", 10, 3]]}}', r"a planned shard is \['data-00009.tar', 10, 3\]"),
-        (b"\xff", r"unreadable \('utf-8' codec"),
-        (b"[" * 100000, r"unreadable \(maximum recursion depth"),
+        (b"\xff", r"not UTF-8 text \(byte 0\)"),
+        (b"[" * 100000, r"its lists or objects nest deeper"),
     ],
 )
 def test_a_hostile_plan_of_an_unfinished_pack_is_named(one_shard, tmp_path, content, message):
@@ -256,7 +264,9 @@ def test_a_hostile_index_list_units_or_run_file_is_named(one_shard, tmp_path):
     shutil.copytree(one_shard, copy)
     for content in (b"\xff{", b"[" * 100000):
         (copy / "index.json").write_bytes(content)
-        with pytest.raises(SeqshardError, match=r"index\.json: unreadable index"):
+        with pytest.raises(
+            InputError, match=r"index\.json: (not UTF-8|its lists).* Fix: rebuild it with `seqshard index"
+        ):
             ShardIndex.load(copy)
     (tmp_path / "a.list").write_bytes(b"\xff\xfeshard.tar\n")
     with pytest.raises(ConfigError, match=r"a\.list: not UTF-8 text"):
@@ -266,7 +276,7 @@ def test_a_hostile_index_list_units_or_run_file_is_named(one_shard, tmp_path):
         with pytest.raises(ConfigError, match=r"units\.txt:2: expected 'TOKEN ID' with an ID from 0 to 2147483647"):
             UnitsTokenizer(tmp_path / "units.txt")
     (copy / ".seqshard-pack" / "run.json").write_text('["not", "a", "run"]')
-    with pytest.raises(ConfigError, match=r"run\.json: unreadable .*how the pack stored keys"):
+    with pytest.raises(InputError, match=r"run\.json: holds \['not', 'a', 'run'\], not a JSON object"):
         rebuild_index(copy, progress=False)
 
 
@@ -313,3 +323,54 @@ def test_a_hostile_entry_deep_in_a_large_index_is_named_as_in_a_small_one(one_sh
         return
     with pytest.raises(SeqshardError, match=rf"large/index\.json: shard entry 1234( \(data-01234\.tar\))?:? {message}"):
         ShardIndex.load(folder)
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged JSON files: one reader, one error (the file, the line, the fix) on every route
+
+
+def _pack_again(copy, packed, tokens):
+    pack_data(packed.data.scp, packed.data.text, copy, utts_per_file=TEN, progress=False)
+
+
+def _unfinished(copy, packed, tokens):
+    for name in ("index.json", "index.npz"):
+        (copy / name).unlink(missing_ok=True)
+    make_loader(copy, batch_size=2, num_workers=0)
+
+
+def _remote_groups(copy, packed, tokens):
+    from http_server import ShardServer
+
+    for name in ("index.json", "index.npz"):
+        (copy / name).unlink(missing_ok=True)
+    with ShardServer(copy.parent) as server:
+        make_loader(f"{server.url}/copy/", batch_size=2, num_workers=0)
+
+
+def _token_meta(copy, packed, tokens):
+    for suffix in (".bin", ".idx"):
+        shutil.copy(tokens.with_suffix(suffix), copy / f"PREFIX{suffix}")
+    TokenDataset(copy / "PREFIX").meta  # noqa: B018
+
+
+@pytest.mark.parametrize(
+    ("name", "route"),
+    [
+        (".seqshard-pack/run.json", _pack_again),  # a raw JSONDecodeError before
+        ("pack_report.json", _remote_groups),  # before: no shards found, the damage unsaid
+        (".seqshard-pack/run.json", lambda copy, *_: rebuild_index(copy, progress=False)),
+        (".seqshard-pack/planned.json", _unfinished),
+        ("index.json", lambda copy, *_: ShardIndex.load(copy)),
+        ("b.json", lambda copy, *_: make_loader(str(copy), budgets=str(copy / "b.json"))),
+        ("cmvn.json", lambda copy, *_: Cmvn.load(copy / "cmvn.json")),
+        ("PREFIX.json", _token_meta),
+    ],
+)
+def test_a_damaged_json_file_is_named_with_its_line_and_the_fix(one_pack, tokens, tmp_path, name, route):
+    copy = tmp_path / "copy"
+    shutil.copytree(one_pack.out, copy)
+    (copy / name).write_bytes(b'{"format": 1,\n oops')
+    with pytest.raises(InputError, match=rf"{Path(name).name}:2: not JSON \(.*, column 2\)\. Fix: \w") as error:
+        route(copy, one_pack, tokens)
+    assert error.value.reason == "bad_json" and not error.value.skippable

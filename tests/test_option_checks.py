@@ -89,6 +89,29 @@ def test_a_bad_number_for_a_loader_option_is_named(name, value):
 
 
 @pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("resample_to", 500, r"resample_to must be a sample rate in Hz \(a whole number >= 1000\), got 500\."),
+        ("channel", -1, r"channel must be >= 0, got -1\."),
+        ("num_mel_bins", 2, r"num_mel_bins must be >= 3, got 2\."),
+    ],
+)
+def test_an_option_of_pack_and_loader_has_one_rule_and_one_message(tmp_path, name, value, message):
+    """Pack took a sample rate of 500 Hz (its own rule: at least 1 Hz) that the loader refuses."""
+    from seqshard import pack_data
+
+    with pytest.raises(ConfigError, match=message):
+        make_loader("no/such/*.tar", batch_size=4, **{name: value})
+    (tmp_path / "text").write_text("a hello\n")
+    (tmp_path / "wav.scp").write_text(f"a {tmp_path / 'a.wav'}\n")
+    with pytest.raises(ConfigError, match=message):
+        pack_data(
+            None, tmp_path / "text", tmp_path / "out", wav_scp=tmp_path / "wav.scp", progress=False, **{name: value}
+        )
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
     ("options", "message"),
     [
         (dict(speed_perturb=1.1), "speed_perturb must be a list of factors"),

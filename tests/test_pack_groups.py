@@ -17,10 +17,13 @@ def test_bounds_that_are_not_finite_are_refused(spec):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"resample_to": 0}, "resample_to=0: a sample rate is at least 1 Hz"),  # was ignored
-        ({"resample_to": -5}, "resample_to=-5: a sample rate"),  # was soxr's ValueError
-        ({"channel": -1}, "channel=-1: channels are numbered from 0"),  # was a bad_channel per utterance
-        ({"features": "fbank", "num_mel_bins": 0}, "num_mel_bins=0: fbank takes at least 3"),
+        (
+            {"resample_to": 0},
+            r"resample_to must be a sample rate in Hz \(a whole number >= 1000\), got 0",
+        ),  # was ignored
+        ({"resample_to": -5}, "resample_to must be a sample rate"),  # was soxr's ValueError
+        ({"channel": -1}, "channel must be >= 0, got -1"),  # was a bad_channel per utterance
+        ({"features": "fbank", "num_mel_bins": 0}, "num_mel_bins must be >= 3, got 0"),
     ],
 )
 def test_audio_options_out_of_range_are_refused_before_packing(tmp_path, options, message):

@@ -143,6 +143,10 @@ def test_index_refuses_a_folder_with_a_dangling_link_named_like_a_shard(tmp_path
     with pytest.raises(ConfigError, match=r"part-1.tar -> .*unmounted/part-1.tar\): mount or restore"):
         rebuild_index(folder, progress=False)
     assert not (folder / "index.json").exists()
+    for number in range(2, 9):  # a long list: its first five named, and how many more (was 3 and "...")
+        (folder / f"part-{number}.tar").symlink_to(tmp_path / f"unmounted/part-{number}.tar")
+    with pytest.raises(ConfigError, match=r"\(part-\d\.tar -> [^,]*(, part-\d\.tar -> [^,]*){4} and 3 more\): mount"):
+        rebuild_index(folder, progress=False)
 
 
 BRACES = [

@@ -210,13 +210,13 @@ def test_bucket_sorted_batches_follow_the_shared_draws_and_resume_everywhere():
     """With bucket_sync each reader's k-th batch is of the bucket drawn for k (where its window
     has one): the same draws on every rank, whatever its samples; batches and states are the
     window's own, so a restore anywhere gives the rest."""
-    from seqshard.pipeline.stages.batching import bucket_of
+    from seqshard.formats.budgets import LengthBuckets
     from seqshard.pipeline.stages.buckets import BucketDraws, BucketSortBatch, bucket_weights
 
-    bounds = (12, 25, 38)
+    buckets = LengthBuckets((12, 25, 38))
     cost = FixedSize(3)
-    weights = bucket_weights([(k, 10) for k in range(20, 43)], bounds, cost)
-    draws = BucketDraws(bounds, weights, 5, (0, 1))
+    weights = bucket_weights([(k, 10) for k in range(20, 43)], buckets, cost)
+    draws = BucketDraws(buckets, weights, 5, (0, 1))
     assert draws.draws(7, 9) == draws.draws(0, 20)[7:16]  # any run of outputs, the same draws
 
     def make(seed=0, before=0):
@@ -225,7 +225,8 @@ def test_bucket_sorted_batches_follow_the_shared_draws_and_resume_everywhere():
         )
 
     def met(batches: list) -> float:
-        return float(np.mean(np.array([bucket_of(b, bounds) for b in batches]) == draws.draws(0, len(batches))))
+        found = [buckets.bucket_of(b.longest) for b in batches]
+        return float(np.mean(np.array(found) == draws.draws(0, len(batches))))
 
     for seed in (0, 1):  # two ranks: other samples, the same draws
         assert_resumes_everywhere(lambda seed=seed: make(seed))
@@ -234,7 +235,7 @@ def test_bucket_sorted_batches_follow_the_shared_draws_and_resume_everywhere():
         assert met(batches) >= 0.5 > 0.3 >= met(unsynced), (met(batches), met(unsynced))  # windows of 8 batches
         assert sorted(s.key for b in batches for s in b.samples) == sorted(s.key for b in unsynced for s in b.samples)
     later = list(make(before=40))  # an endless stream's later pass: draws from output 40 on
-    assert [bucket_of(b, bounds) for b in later] != [bucket_of(b, bounds) for b in list(make())]
+    assert [buckets.bucket_of(b.longest) for b in later] != [buckets.bucket_of(b.longest) for b in list(make())]
 
 
 def test_batches_go_out_in_the_draws_order_as_far_as_their_buckets_allow():

@@ -3,7 +3,6 @@ the epoch's heaviest batches tried before training (the preflight)."""
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import ConfigError
+from ..formats.budgets import LengthBuckets
 from ..pipeline.stages.split import split_batch
 from ..pipeline.workers.setup import bucket_bounds
 from ..tools.calibrate import free_memory, peak_memory, reset_peak, synthetic_batch, within_memory
@@ -35,12 +35,10 @@ class MemoryGuard:
 
     def __init__(self, bounds: Sequence[int] = ()):
         self.bounds = tuple(int(bound) for bound in bounds)
+        self.bucket_of = LengthBuckets(self.bounds).bucket_of  # a batch's bucket by its longest length
         self.limits: dict[int, int] = {}
         self.largest: dict[int, tuple[int, int]] = {}  # bucket -> (samples, longest) of its largest batch
         self.out_of_memory = 0
-
-    def bucket_of(self, longest: int) -> int:
-        return bisect.bisect_right(self.bounds, longest)
 
     def parts_for(self, lengths: torch.Tensor, longest: int) -> int:
         """How many parts a batch of utterances of ``lengths``, the longest of ``longest`` frames,

@@ -5,13 +5,13 @@ samples, CMVN, SpecAugment masks), shared by pack-time and on-the-fly features.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from ..checks import parse_json
 from ..errors import ConfigError, InputError, Where, option
 from .fbank import FbankOptions, fbank
 from .speaker_cmvn import SpeakerCmvn
@@ -65,7 +65,7 @@ class Cmvn:
     @classmethod
     def load(cls, path: str | Path) -> Cmvn:
         try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
+            data = parse_json(Path(path).read_bytes(), path, "make it again with `seqshard cmvn`.", kind=dict)
             mean = np.asarray(data["mean"], dtype=np.float32)
             std = np.asarray(data["std"], dtype=np.float32)
         except (OSError, ValueError, KeyError) as error:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..errors import listed
+
 _LOG = logging.getLogger("seqshard")
 
 STATS_FIELD = "cmvn"  # the sample field holding its speaker's statistics (``KEY.cmvn.npy``)
@@ -122,7 +124,7 @@ class FlooredVariances:
             "Check the statistics (compute-cmvn-stats), or leave cmvn_norm_vars off",
             where,
             speaker,
-            ", ".join(map(str, floored[:10])) + (" ..." if len(floored) > 10 else ""),
+            listed(floored, shown=10),
             VARIANCE_FLOOR,
             VARIANCE_FLOOR,
             VARIANCE_FLOOR**-0.5,

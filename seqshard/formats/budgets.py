@@ -16,7 +16,6 @@ A batch belongs to the bucket of its longest sample: bucket ``b`` holds longest 
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import os
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from typing import Any
 
 from ..checks import read_number
 from ..errors import ConfigError
-from .files import write_json_atomic
+from .files import read_json, write_json_atomic
 from .index import MAX_COUNT, MAX_LENGTH
 
 FORMAT = "seqshard-budgets"
@@ -35,11 +34,21 @@ MAX_FILE_BYTES = 1 << 20  # a budgets file of MAX_BUCKETS buckets takes under 20
 
 
 @dataclass(frozen=True)
-class Budgets:
+class LengthBuckets:
+    """Length buckets cut at the ascending ``bounds``: ``len(bounds) + 1`` of them."""
+
+    bounds: tuple[int, ...]
+
+    def bucket_of(self, longest: int) -> int:
+        """The bucket of a length (a batch's by its longest sample's): how many bounds it reaches."""
+        return bisect.bisect_right(self.bounds, longest)
+
+
+@dataclass(frozen=True)
+class Budgets(LengthBuckets):
     """Each length bucket's budget of padded frames (see the module docstring): ``bounds``
     ascending, ``budgets`` and ``longest`` one per bucket (``len(bounds) + 1``)."""
 
-    bounds: tuple[int, ...]
     budgets: tuple[int, ...]
     longest: tuple[int, ...]
     device: str | None = field(default=None, compare=False)  # what they were calibrated on, as the file says
@@ -51,10 +60,6 @@ class Budgets:
             raise ValueError("bounds, budgets and lengths must be whole numbers >= 1")
         if any(low >= high for low, high in zip(self.bounds, self.bounds[1:])):
             raise ValueError(f"bounds must ascend, got {list(self.bounds)}")
-
-    def bucket_of(self, longest: int) -> int:
-        """The bucket of a batch whose longest sample has ``longest`` frames."""
-        return bisect.bisect_right(self.bounds, longest)
 
     def budget_of(self, longest: int) -> int:
         """The budget of padded frames of a batch whose longest sample has ``longest`` frames."""
@@ -107,23 +112,9 @@ def _number(field: str, value: Any, at_most: int) -> int:
 
 
 def _read_file(path: Path) -> Any:
-    """A budgets file's JSON: ConfigError naming it when it is missing, not a regular file,
-    larger than any budgets file, or not JSON (nested too deeply included)."""
-    try:
-        if not path.is_file():  # a folder, a device or a pipe is no budgets file (a pipe would block)
-            problem = "does not exist" if not path.exists() else "is not a regular file"
-        elif path.stat().st_size > MAX_FILE_BYTES:
-            problem = f"holds {path.stat().st_size:,} bytes, more than any budgets file ({MAX_FILE_BYTES:,})"
-        else:
-            return json.loads(path.read_text(encoding="utf-8"))
-    except RecursionError:
-        problem = "nests lists or objects deeper than any budgets file"
-    except (OSError, ValueError) as error:  # not UTF-8, not JSON, a number of more digits than Python reads
-        problem = f"cannot be read as JSON ({str(error)[:200]})"
-    raise ConfigError(
-        f"budgets: {path} {problem}: give a budgets file (`seqshard calibrate SHARDS --step MODULE:FUNCTION --out "
-        f"{path}` writes one)."
-    )
+    """A budgets file's JSON (:func:`~seqshard.formats.files.read_json`, at most MAX_FILE_BYTES)."""
+    fix = f"give a budgets file (`seqshard calibrate SHARDS --step MODULE:FUNCTION --out {path}` writes one)."
+    return read_json(path, fix, limit=MAX_FILE_BYTES)
 
 
 def save_budgets(path: str | Path, budgets: Budgets, rows: list[dict[str, Any]], about: dict[str, Any]) -> Path:

@@ -24,7 +24,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import OutputError
+from ..checks import parse_json
+from ..errors import InputError, OutputError, Where
 
 TEMPORARY_SUFFIX = ".partial"
 STALE_SECONDS = 600.0  # a JSON temporary this old belongs to a killed run (writes take milliseconds)
@@ -203,6 +204,29 @@ def read_input(path: str | Path, limit: int, pipes: bool = False, what: str = "a
     if len(data) > limit or found.st_size > limit:
         raise NotAFileError(errno.EFBIG, f"it holds more than the {limit} bytes seqshard reads as {what}", str(path))
     return data
+
+
+_REQUIRED: Any = object()
+
+
+def read_json(
+    path: str | Path, fix: str, missing: Any = _REQUIRED, limit: int | None = None, kind: type = object
+) -> Any:
+    """The JSON file ``path`` (a regular file of at most ``limit`` bytes, by default
+    ``inflation.MAX_INFLATED_BYTES``): InputError naming it, the line and ``fix`` when it is
+    damaged, unreadable or not of ``kind`` (:func:`~seqshard.checks.parse_json`), or missing
+    unless ``missing`` is given (then returned instead)."""
+    from .inflation import MAX_INFLATED_BYTES
+
+    try:
+        return parse_json(read_input(path, limit or MAX_INFLATED_BYTES, what="JSON"), path, fix, kind)
+    except FileNotFoundError:
+        if missing is not _REQUIRED:
+            return missing
+        problem = "no such file."
+    except OSError as error:
+        problem = f"cannot be read ({error.strerror or error})."
+    raise InputError(Where(path), "bad_json", problem, fix, skippable=False)
 
 
 def read_bounded(stream: BinaryIO, limit: int) -> bytes:

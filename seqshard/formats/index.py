@@ -24,7 +24,6 @@ that is not a plain file name and a sidecar name other than the two layouts abov
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -35,7 +34,7 @@ import numpy as np
 
 from ..checks import number_problem, read_number, shown
 from ..errors import SeqshardError
-from .files import json_bytes, write_atomic, writing
+from .files import json_bytes, read_json, write_atomic, writing
 from .inflation import inflation_limit
 from .patterns import FIELD_SET_NAME, FIELDS_DIR, INDEX_NAME, INDEX_TABLE_NAME, shard_stem
 
@@ -76,7 +75,13 @@ def length_bin(frames: int) -> int:
 
 def bin_bounds(index: int) -> tuple[float, float]:
     """Lengths covered by a bin: ``[low, high)``."""
-    return 2 ** (index / BINS_PER_OCTAVE), 2 ** ((index + 1) / BINS_PER_OCTAVE)
+    return bin_length(index), bin_length(index + 1)
+
+
+def bin_length(position: Any) -> Any:
+    """The length ``position`` bins up (a bin's low end at its index, its geometric middle,
+    which stands for its utterances, at index + 0.5); elementwise over numpy arrays."""
+    return 2 ** (position / BINS_PER_OCTAVE)
 
 
 def merge_histograms(histograms: Iterable[dict[int, int]]) -> dict[int, int]:
@@ -97,9 +102,7 @@ def histogram_percentile(histogram: dict[int, int], q: float) -> float:
     for index in sorted(histogram):
         count = histogram[index]
         if seen + count >= target:
-            low, high = bin_bounds(index)
-            fraction = (target - seen) / count if count else 0.0
-            return low * (high / low) ** fraction
+            return bin_length(index + ((target - seen) / count if count else 0.0))
         seen += count
     return bin_bounds(max(histogram))[1]
 
@@ -420,16 +423,8 @@ class ShardIndex:
             if found is not None:
                 header, columns = found
                 return cls.from_json({**header, "shards": []}, path, rebuild)._as(columns)
-        try:
-            with open(path, encoding="utf-8") as stream:
-                data = json.load(stream)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
-            raise SeqshardError(
-                f"{path}: unreadable index ({str(error)[:200]}). Rebuild it with `{rebuild}`."
-            ) from None
-        return cls.from_json(data, path, rebuild)
+        data = read_json(path, f"rebuild it with `{rebuild}`.", None)
+        return None if data is None else cls.from_json(data, path, rebuild)
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str | Path, rebuild: str) -> ShardIndex:

@@ -8,11 +8,11 @@ planned shards missing from it are known by name.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from ..checks import NumberError, read_number, shown
 from ..errors import SeqshardError
+from .files import read_json
 from .index import MAX_COUNT, check_name
 
 STATE_DIR = ".seqshard-pack"
@@ -36,13 +36,9 @@ def planned_shards(root: Path) -> dict[str, dict[str, int]] | None:
     numbers from 0 are refused (SeqshardError naming the file)."""
     path = root / STATE_DIR / PLANNED_NAME
     fix = "It was not written by seqshard, or was altered: pack again into a new folder."
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if (data := read_json(path, "pack again into a new folder (it was altered).", None, kind=dict)) is None:
         return None
-    except (OSError, ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
-        raise SeqshardError(f"{path}: unreadable ({str(error)[:200]}). {fix}") from None
-    groups = data.get("groups") if isinstance(data, dict) else None
+    groups = data.get("groups")
     if not isinstance(groups, dict) or not all(isinstance(shards, list) for shards in groups.values()):
         raise SeqshardError(f'{path}: not a pack\'s plan ({{"groups": {{GROUP: [[SHARD, UTTERANCES], ...]}}}}). {fix}')
     planned: dict[str, dict[str, int]] = {}

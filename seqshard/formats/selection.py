@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError, ShardError, counted, option
+from ..errors import ConfigError, ShardError, counted, listed, option
 from .index import ShardIndex
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
 from .patterns import (
@@ -39,7 +39,6 @@ from .peers.shar import shar_index
 from .streams import same_keys
 
 _LOG = logging.getLogger("seqshard")
-SHOWN = 5
 
 
 @dataclass(frozen=True)
@@ -81,12 +80,11 @@ class ShardSelection:
 def missing_error(missing: Sequence[MissingShard]) -> ShardError:
     """The error that names missing shards (the first few) and what to do."""
     folders = {m.place[0] for m in missing}
-    shown = "; ".join(f"{m.place[1] if len(folders) == 1 else m.path} ({m.why})" for m in missing[:SHOWN])
-    more = f" and {len(missing) - SHOWN} more" if len(missing) > SHOWN else ""
+    shown = listed([f"{m.place[1] if len(folders) == 1 else m.path} ({m.why})" for m in missing], "; ")
     return ShardError(
         missing[0].place[0] if len(folders) == 1 else "the selected shards",
         None,
-        f"{counted(len(missing), 'selected shard', 'is')} missing: {shown}{more}. Fix: restore them or finish the pack that "
+        f"{counted(len(missing), 'selected shard', 'is')} missing: {shown}. Fix: restore them or finish the pack that "
         f"writes them; or pass {option('skip_bad')} to read the others (the missing ones are counted).",
     )
 

@@ -20,6 +20,7 @@ import logging
 import numpy as np
 
 from ..errors import ShardError
+from ..protocol import Closing
 from . import tar
 from .members import CHECK_EVERY, REBUILD, MemberTable, table_path
 from .remote.access import RemoteAccess
@@ -30,7 +31,7 @@ _ZERO_BLOCK = bytes(BLOCK)
 _WARNED: set[str] = set()  # shards whose damaged table this process has warned about
 
 
-class SlicedSampleStream:
+class SlicedSampleStream(Closing):
     """The samples of a local tar ``path`` from byte ``start`` (sample ``ordinal``), sliced by
     ``table``; the interface of :class:`seqshard.formats.tar.SampleStream` (``access`` reads
     the file ahead, with ``read_ahead`` and ``read_data``)."""
@@ -88,12 +89,6 @@ class SlicedSampleStream:
         if self._headers is not None:
             self._headers.close()
         self._file.close()
-
-    def __enter__(self) -> SlicedSampleStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def next_sample(self) -> TarRecord | None:
         """The next sample, or None at the end of the shard."""

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import ShardError
+from ..protocol import Closing
 from .files import fsync_directory, inside, open_input, open_output, writing
 from .keys import split_member_name
 from .members import MemberTable, TableBuilder, has_table_format, table_path
@@ -326,7 +327,7 @@ class _StreamedBytes:
         self._stream.close()
 
 
-class TarStream:
+class TarStream(Closing):
     """Reads a tar file front to back from ``start`` (a header offset), member by member.
 
     ``position`` is always the offset of the next header to be read, so a reader can save
@@ -353,12 +354,6 @@ class TarStream:
         self._source.seek(position)
         self.position = position
         self.ended_cleanly = False
-
-    def __enter__(self) -> TarStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __iter__(self) -> Iterator[Member]:
         while (member := self.next_member()) is not None:
@@ -543,7 +538,7 @@ class TarRecord:
     members: list[tuple[str, int, int, int]] | None = None  # (suffix, header at, data at, size), when asked
 
 
-class SampleStream:
+class SampleStream(Closing):
     """Groups a :class:`TarStream`'s members into samples by key.
 
     ``resume_offset`` is where the next sample's first member starts and ``ordinal`` its
@@ -591,12 +586,6 @@ class SampleStream:
         self._pending = None
         self._tar.seek(offset)
         self.ordinal = ordinal
-
-    def __enter__(self) -> SampleStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __iter__(self) -> Iterator[TarRecord]:
         while (sample := self.next_sample()) is not None:

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError, ShardError, counted
+from ..errors import ConfigError, ShardError, counted, listed
 from ..formats.patterns import Patterns
 from ..formats.remote.access import RemoteAccess
 from ..formats.selection import missing_error
@@ -94,17 +94,17 @@ def check_missing(table: ShardTable, bad_data: BadData) -> None:
             raise missing_error(table.missing)
         total = len(table.shards) + len(table.missing)
         budget = bad_data.shard_budget(total)
-        shown = [str(m.path) for m in table.missing[:5]]
+        shown = listed([f"{m.path} ({m.why})" for m in table.missing], "; ")
         if len(table.missing) > budget:
             raise ShardError(
                 "the selected shards",
                 None,
-                f"{bad_data.over_budget(0, len(table.missing), total)} Missing: {'; '.join(shown)}.",
+                f"{bad_data.over_budget(0, len(table.missing), total)} Missing: {shown}.",
             )
         _LOG.warning(
             "%s missing and not read (skip_bad): %s",
             counted(len(table.missing), "selected shard", "is"),
-            "; ".join(f"{path} ({m.why})" for path, m in zip(shown, table.missing)),
+            shown,
         )
     if not table.shards:
         raise ConfigError("none of the selected shards exists (all are missing).")

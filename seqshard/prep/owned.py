@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import SeqshardError, counted
+from ..errors import SeqshardError, counted, listed
 from ..formats.files import TEMPORARY_SUFFIX, leads_out
 from ..formats.index import INDEX_NAME, ShardIndex, check_name, old_sidecar_name
 from ..formats.lock import LOCK_NAME
@@ -32,7 +32,6 @@ from ..formats.tar import temporary_path
 from .journal import journal_records
 
 _LOG = logging.getLogger("seqshard")
-SHOWN = 5
 
 
 @dataclass
@@ -177,8 +176,7 @@ def describe_foreign(entries: list[str]) -> str:
     """A sentence naming what is not the pack's, for the end of a message ('' for nothing)."""
     if not entries:
         return ""
-    shown = "; ".join(entries[:SHOWN]) + (f"; and {len(entries) - SHOWN} more" if len(entries) > SHOWN else "")
-    return f" The folder also holds what no pack here wrote, which seqshard leaves alone: {shown}."
+    return f" The folder also holds what no pack here wrote, which seqshard leaves alone: {listed(entries, '; ')}."
 
 
 def _describe_folder(folder: Path) -> str:

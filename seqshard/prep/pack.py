@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
-from ..errors import ConfigError, InputError, SeqshardError, Where, counted, option
-from ..formats.files import inside, remove_stale_temporaries, write_json_atomic, writing
+from ..errors import ConfigError, InputError, SeqshardError, Where, counted, listed, option
+from ..formats.files import inside, read_json, remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import ShardEntry, ShardIndex
 from ..formats.lock import FolderLock
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
@@ -465,7 +465,7 @@ def _refuse_foreign_files(d_out: Path, folders: list[Path], fmt: str) -> None:
     with this pack's shards (another corpus copied into the folder)."""
     blocking = in_the_way(recorded(d_out), [f for f in folders if f.is_dir()], fmt)
     if blocking:
-        shown = ", ".join(map(str, blocking[:5])) + (f" and {len(blocking) - 5} more" if len(blocking) > 5 else "")
+        shown = listed(blocking)
         raise ConfigError(
             f"{d_out} holds files that this pack would write over or mix its shards with, and that no pack here "
             f"wrote: {shown}. Fix: move them elsewhere (another corpus copied here?), or pack into a new output "
@@ -480,7 +480,7 @@ def _claim_output(d_out: Path, described: dict[str, Any], alone: bool) -> dict[s
     other parts are packing into it (not ``alone``). Returns the run record."""
     run_file = d_out / STATE_DIR / RUN_FILE
     if run_file.exists():
-        previous = json.loads(run_file.read_text(encoding="utf-8"))
+        previous = read_json(run_file, "restore it, or pack into a new folder.", kind=dict)
         if previous.get("fingerprint") == described["fingerprint"]:
             return previous
         differences = "; ".join(_run_differences(previous, described))

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from ..checks import SHARED_NUMBERS, check_number
 from ..errors import ConfigError, Where, option
 from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.keys import escape_key
@@ -153,14 +154,8 @@ class PackOptions:
             raise ConfigError(f"{option('features', self.features)}: the features pack computes are 'fbank'.")
         if self.utts_per_file < 1:
             raise ConfigError(f"{option('utts_per_file', self.utts_per_file)}: a shard holds at least 1 utterance.")
-        if self.resample_to is not None and self.resample_to < 1:
-            raise ConfigError(f"{option('resample_to', self.resample_to)}: a sample rate is at least 1 Hz.")
-        if self.channel is not None and self.channel < 0:
-            raise ConfigError(f"{option('channel', self.channel)}: channels are numbered from 0.")
-        if self.num_mel_bins < 3:
-            raise ConfigError(
-                f"{option('num_mel_bins', self.num_mel_bins)}: fbank takes at least 3 mel bins (as Kaldi)."
-            )
+        for name in ("resample_to", "channel", "num_mel_bins"):
+            check_number(name, getattr(self, name), optional=name != "num_mel_bins", **SHARED_NUMBERS[name])
         for name in self.fields:
             if not FIELD_SET_NAME.fullmatch(name) or name in RESERVED_FIELDS:
                 raise ConfigError(

@@ -15,7 +15,6 @@ skips a task whose record is there, and reads the rows by memory map.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +24,7 @@ import numpy as np
 
 from ..checks import NumberError, read_number
 from ..errors import SeqshardError, Where
-from ..formats.files import inside, open_input, write_atomic, write_json_atomic, writing
+from ..formats.files import inside, open_input, read_json, write_atomic, write_json_atomic, writing
 from ..formats.pack_state import STATE_DIR
 from ..formats.peers.kaldi import parse_line, parse_location
 from ..formats.peers.keytable import line_at
@@ -94,18 +93,7 @@ class WaveFiles:
     def done(self, wave: str, name: str) -> dict[str, Any] | None:
         """The record of a finished task, or None (never run, or killed before its end)."""
         path = self.path(wave, name, ".done.json")
-        try:
-            record = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, RecursionError) as error:
-            raise SeqshardError(
-                f"{path}: unreadable ({str(error)[:200]}): it was not written by seqshard, or was altered. Fix: "
-                "delete it; the task is run again."
-            ) from None
-        if not isinstance(record, dict):
-            raise SeqshardError(f"{path}: not a task's record. Fix: delete it; the task is run again.")
-        return record
+        return read_json(path, "delete it (seqshard did not write it so); the task is run again.", None, kind=dict)
 
     def finish(self, wave: str, name: str, record: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
         """Keep a task's ``arrays`` (``NAME.KEY.npy``; ``NAME.npy`` for key "") and then its

@@ -42,6 +42,7 @@ from ..formats.keys import key_problem
 from ..formats.npy import npy_parts
 from ..formats.peers.kaldi import MatrixReader, parse_line
 from ..formats.peers.keytable import KeyTable
+from ..protocol import Closing
 
 if TYPE_CHECKING:
     from .plan import PackOptions
@@ -150,7 +151,7 @@ class FeatureSource:
         return facts, [FEATURE_MEMBER, LABEL_MEMBER]
 
 
-class _FeatureReader:
+class _FeatureReader(Closing):
     """Reads planned matrices and checks them (a context manager: arks stay open)."""
 
     def __init__(self, source: FeatureSource, dim: int):
@@ -158,10 +159,7 @@ class _FeatureReader:
         self.options = source.options
         self.matrices = MatrixReader(allow_pipes=self.options.allow_pipes)
 
-    def __enter__(self) -> _FeatureReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self.matrices.close()
 
     def read(self, utterance: Utterance) -> tuple[Members, int, None]:
@@ -391,7 +389,7 @@ def _parse_segment(value: str, where: Where) -> _Segment:
     return _Segment(recording, start, end)
 
 
-class _AudioReader:
+class _AudioReader(Closing):
     """Reads planned utterances' audio: decodes (the last recording is kept for its next
     segments), cuts, and encodes or computes fbank."""
 
@@ -400,10 +398,7 @@ class _AudioReader:
         self.options = source.options
         self._last: tuple[str, Audio] | None = None
 
-    def __enter__(self) -> _AudioReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
+    def close(self) -> None:
         self._last = None
 
     def _recording(self, key: str, value: str, where: Where) -> tuple[bytes, Audio]:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..checks import MAX_WORKERS, check_flag, check_number
+from ..checks import SHARED_NUMBERS, check_flag, check_number
 from ..device import CudaCopier, check_device, is_cuda, one_ahead, require_device
 from ..dist import Collectives, DistContext, discover
 from ..errors import ConfigError, StateMismatchError
@@ -94,7 +94,7 @@ def make_token_loader(
     """
     check_number("pad_id", pad_id, whole=True, at_least=0, optional=True)
     check_number("eos_id", eos_id, whole=True, at_least=0, optional=True)
-    check_number("num_workers", num_workers, whole=True, at_least=0, at_most=MAX_WORKERS)
+    check_number("num_workers", num_workers, **SHARED_NUMBERS["num_workers"])
     device = check_device("device", device)
     require_device(device)
     check_number("rank", rank, whole=True, at_least=0, optional=True)

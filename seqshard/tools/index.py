@@ -15,14 +15,13 @@ it again to finish).
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
 from pathlib import Path
 
 from .. import __version__
-from ..errors import ConfigError, SeqshardError, ShardError, counted
-from ..formats.files import inside, remove_stale_temporaries, writing
+from ..errors import ConfigError, SeqshardError, ShardError, counted, listed
+from ..formats.files import inside, read_json, remove_stale_temporaries, writing
 from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, sidecar_name
 from ..formats.lock import FolderLocks
 from ..formats.members import load_table
@@ -44,7 +43,6 @@ from .parallel import map_shards
 from .scan import scan_shard
 
 _LOG = logging.getLogger("seqshard")
-SHOWN = 5
 PACKED_FIELDS = (FEATURE_MEMBER, LABEL_MEMBER)  # the members `seqshard pack` writes
 
 
@@ -75,7 +73,7 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
         if missing:
             raise ConfigError(
                 f"{root}: the NeMo manifest has entries of {counted(len(missing), 'tar')} the folder lacks "
-                f"({', '.join(missing[:3])}{' ...' if len(missing) > 3 else ''}): restore them, or remove their entries "
+                f"({listed(missing)}): restore them, or remove their entries "
                 "from the manifest."
             )
         nemo.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -91,9 +89,8 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
         if dangling:  # an index without them would hide those shards for good
             raise ConfigError(
                 f"{folder}: {counted(len(dangling), 'link')} named like a shard point at nothing "
-                f"({', '.join(f'{p.name} -> {os.readlink(p)}' for p in dangling[:3])}"
-                f"{' ...' if len(dangling) > 3 else ''}): mount or restore what they point at, or remove the links, "
-                "then index again."
+                f"({listed([f'{p.name} -> {os.readlink(p)}' for p in dangling])}): mount or restore what they point "
+                "at, or remove the links, then index again."
             )
     with FolderLocks([root, *folders, *filter(None, [pack_root(root)])], "seqshard index"):
         return _rebuild(root, folders, jobs, progress, move_sidecars)
@@ -292,9 +289,7 @@ def _refuse_unfinished_pack(root: Path, journal: dict[str, dict]) -> None:
     ]
     if absent:
         total = sum(len(shards) for shards in planned.values())
-        shown = ", ".join(str(p) for p in absent[:SHOWN]) + (
-            f" and {len(absent) - SHOWN} more" if len(absent) > SHOWN else ""
-        )
+        shown = listed(absent)
         raise ConfigError(
             f"the pack in {root} is unfinished: {len(absent)} of its {total} planned shards are not written yet ({shown}). "
             "Fix: run the pack command of the missing part(s) again (with the same --num-parts and --part); the last "
@@ -317,7 +312,7 @@ def _pack_run(root: Path) -> dict | None:
     if not run_file.is_file():
         return None
     try:
-        options = json.loads(run_file.read_text(encoding="utf-8")).get("options")
+        options = read_json(run_file, "restore it, or pack again into a new folder.", kind=dict).get("options")
         if not isinstance(options, dict) or not isinstance(options.get("escape_keys", False), bool):
             raise ValueError("its options are not the pack's")
     except (OSError, ValueError, RecursionError, AttributeError) as error:

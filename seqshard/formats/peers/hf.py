@@ -34,6 +34,7 @@ import numpy as np
 from ...checks import NumberError, read_number, shown
 from ...errors import ConfigError, InputError, Where, option
 from ..audio import Audio, decode_audio, read_audio_file
+from ..files import read_json
 from ..inflation import MAX_INFLATION, MIN_INFLATION_LIMIT, inflation_limit
 from .arrow_ipc import DamagedMessage, batch_sizes
 
@@ -146,20 +147,16 @@ def _saved_split(folder: Path) -> tuple[Path, ...]:
 
 def _names(path: Path, field: str, name_of: Callable[[Any], Any]) -> list[str]:
     """The names ``field`` of a ``save_to_disk`` JSON file lists (``name_of`` each item's),
-    each a file or folder beside it: ConfigError naming the file when it is not JSON, lacks
-    the list, or names something elsewhere (``..``, a path)."""
-    fix = "Fix: save the dataset again with datasets' save_to_disk."
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError, RecursionError) as error:  # not UTF-8, not JSON, nested too deeply
-        raise ConfigError(f"{path} cannot be read as JSON ({str(error)[:200]}). {fix}") from None
-    items = document.get(field) if isinstance(document, dict) else None
+    each a file or folder beside it: InputError naming the file when it is not JSON, ConfigError
+    when it lacks the list or names something elsewhere (``..``, a path)."""
+    fix = "save the dataset again with datasets' save_to_disk."
+    items = read_json(path, fix, kind=dict).get(field)
     if not isinstance(items, list) or not items:
-        raise ConfigError(f"{path} has no list {field!r} (found {shown(items)}). {fix}")
+        raise ConfigError(f"{path} has no list {field!r} (found {shown(items)}). Fix: {fix}")
     names = [name_of(item) for item in items]
     for name in names:
         if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
-            raise ConfigError(f"{path}: {field} names {shown(name)}, not a file or folder beside it. {fix}")
+            raise ConfigError(f"{path}: {field} names {shown(name)}, not a file or folder beside it. Fix: {fix}")
     return names
 
 

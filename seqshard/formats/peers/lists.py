@@ -21,7 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import ConfigError, InputError, Where
+from ...errors import ConfigError, InputError, Where, listed
+from ...protocol import Closing
 from ..audio import WavLocation, parse_wav_location, read_location
 from ..files import NotAFileError
 from ..inflation import BoundedLines, LineTooLong, numbered_lines
@@ -142,7 +143,7 @@ def _key_of(line: bytes) -> str:
     return line.removeprefix(BOM).split(None, 1)[0].decode("utf-8", "replace")
 
 
-class ListSampleStream:
+class ListSampleStream(Closing):
     """The samples of a raw list, from byte ``start`` (sample ``ordinal``): the interface of
     :class:`~.tar.SampleStream`. A sample's fields are its audio file's bytes under the
     file's extension, its ``txt`` and, when cut, ``segment.json``."""
@@ -169,12 +170,6 @@ class ListSampleStream:
 
     def close(self) -> None:
         self._lines.close()
-
-    def __enter__(self) -> ListSampleStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def next_sample(self) -> TarRecord | None:
         while True:
@@ -258,7 +253,7 @@ class ListSampleStream:
             or not isinstance(record.get("wav"), str)
         ):
             if isinstance(record, dict):
-                held = f"keys {', '.join(json.dumps(k) for k in list(record)[:8])}" if record else "no keys"
+                held = f"keys {listed([json.dumps(k) for k in record], shown=8)}" if record else "no keys"
             else:
                 held = f"a JSON {type(record).__name__}, not an object"
             raise InputError(

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import struct
 from dataclasses import asdict, dataclass
@@ -37,7 +36,7 @@ import numpy as np
 
 from ...checks import read_number, shown
 from ...errors import ConfigError, ShardError
-from ..files import fsync_directory, inside, open_output, write_json_atomic, writing
+from ..files import fsync_directory, inside, open_output, read_json, write_json_atomic, writing
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -167,12 +166,9 @@ class TokenMeta:
 
     @classmethod
     def read(cls, path: Path) -> TokenMeta:
-        """``PREFIX.json`` with every value checked (:meth:`check`); ShardError naming the
-        file, the field and the fix."""
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as error:
-            raise ShardError(path, None, f"not the JSON seqshard binarize writes ({error}).") from None
+        """``PREFIX.json`` with every value checked (:meth:`check`); InputError (not JSON) or
+        ShardError naming the file, the field and the fix."""
+        data = read_json(path, "binarize again (it was altered).")
         if not isinstance(data, dict) or data.pop("seqshard_token_meta", None) != META_VERSION:
             raise ShardError(
                 path, None, f"not a seqshard token metadata file of version {META_VERSION} (seqshard_token_meta)."

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InputError, ShardError, Where, counted
+from ...protocol import Closing
 from ..index import ShardEntry, ShardIndex, length_bin
 from ..inflation import MAX_LINE_BYTES, numbered_lines
 from ..patterns import shards_in_folder
@@ -218,7 +219,7 @@ def _line_at(manifest: Path, offset: int) -> bytes:
 MANIFESTS = _Manifests()
 
 
-class NemoTarStream:
+class NemoTarStream(Closing):
     """The samples of one tar of a NeMo tarred set (see the module docstring), from
     ``start`` (sample ``ordinal``): the interface of :class:`~.tar.SampleStream`."""
 
@@ -278,12 +279,6 @@ class NemoTarStream:
                 self.manifest,
             )
             self._unlisted = 0
-
-    def __enter__(self) -> NemoTarStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def _advance(self) -> bool:
         """Read on to the next member some entry names; False at the end of the tar."""

@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from ...checks import NumberError, read_number
 from ...errors import ConfigError, InputError, ShardError, Where, redact
+from ...protocol import Closing
 from ..fields import NODATA
 from ..index import MAX_LENGTH, FieldSet, ShardEntry, ShardIndex, SidecarEntry, length_bin
 from ..inflation import BoundedLines, InflationError
@@ -103,7 +104,7 @@ class _Line(NamedTuple):
     text: bytes
 
 
-class _JsonLines:
+class _JsonLines(Closing):
     """The JSON objects of a (gzip'd) JSON-lines file, one sample each, from byte ``start`` of
     its text: the interface of :class:`~.tar.SampleStream`. Offsets count decompressed bytes
     (resuming inside a gzip'd file re-reads its prefix, as for ``.tar.gz`` shards)."""
@@ -128,12 +129,6 @@ class _JsonLines:
 
     def close(self) -> None:
         self._lines.close()
-
-    def __enter__(self) -> _JsonLines:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def next_line(self) -> _Line | None:
         """The next line's object with its key, or None at the end; ShardError for a line that
@@ -215,7 +210,7 @@ class JsonlFieldStream(_JsonLines):
         return {f"{self.field}.json": json.dumps(line.record[self.field]).encode("utf-8")}
 
 
-class FieldTarStream:
+class FieldTarStream(Closing):
     """A Shar field file ``NAME.K.tar``: per cut its data member ``CUTID.EXT`` then its
     manifest ``CUTID.json`` (or ``.nodata`` then ``.nometa``), as one sample ``CUTID`` with
     fields ``NAME.EXT`` and ``NAME_meta.json`` (``.nodata`` for absent ones). The interface of
@@ -251,12 +246,6 @@ class FieldTarStream:
 
     def close(self) -> None:
         self._tar.close()
-
-    def __enter__(self) -> FieldTarStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def next_sample(self) -> TarRecord | None:
         data = self._tar.next_member(self._read_data)

@@ -36,7 +36,6 @@ import asyncio
 import bisect
 import contextlib
 import itertools
-import json
 import logging
 import os
 import random
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
 from urllib.parse import urlsplit
 
+from ...checks import parse_json
 from ...errors import ConfigError, ShardError, counted, option, redact, redact_libraries
 from ..prefetch import ReadAhead
 from .transfer import (
@@ -881,8 +881,6 @@ def load_remote_index(folder_url: str, access: RemoteAccess) -> ShardIndex | Non
     text = access.read_text(url)
     if text is None:
         return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ShardError(url, None, f"not valid JSON: {error}") from None
-    return ShardIndex.from_json(data, url, "seqshard index on a local copy, then upload its index.json")
+    fix = "seqshard index on a local copy, then upload its index.json"
+    data = parse_json(text, url, "run `seqshard index` on a local copy, then upload its index.json.")
+    return ShardIndex.from_json(data, url, fix)

@@ -14,10 +14,10 @@ an index: no ``index.json`` is looked up beside it.
 from __future__ import annotations
 
 import glob
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...checks import parse_json
 from ...errors import ConfigError
 from ..index import ShardEntry, ShardIndex
 from ..patterns import expand_braces, is_list_name, is_shard_name, pattern_list
@@ -130,9 +130,8 @@ class RemoteSelection:
 
     def _pack_groups(self, folder: str) -> list[str]:
         """The length groups' folders that ``folder``'s pack_report.json names (none without one)."""
-        text = self.access.read_text(f"{folder}/pack_report.json")
-        try:
-            groups = json.loads(text)["groups"] if text else {}
-        except (ValueError, KeyError, TypeError):
-            return []
+        url = f"{folder}/pack_report.json"
+        text = self.access.read_text(url)
+        fix = "upload the pack's pack_report.json again (or name the groups' folders)."
+        groups = parse_json(text, url, fix, kind=dict).get("groups", {}) if text else {}
         return [name for name in groups if isinstance(name, str) and name and "/" not in name and name != ".."]

@@ -39,13 +39,13 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...errors import SeqshardError
-from ...formats.index import BINS_PER_OCTAVE, MAX_LENGTH, bin_bounds
+from ...formats.index import MAX_LENGTH, bin_length
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
 from ..plan import Unit, plan_epoch, planned_utts, unit_counts
 from ..stages.base import Growth
-from ..stages.batching import BatchCost, BucketBudgets, count_sorted_batches, window_limits
+from ..stages.batching import BatchCost, BucketBudgets, count_sorted_batches, window_closes, window_limits, window_size
 from ..workers.recipe import batch_cost, sort_growth, window_samples
 from ..workers.setup import WorkerSetup
 from .batch_plan import rest_of_epoch
@@ -165,7 +165,8 @@ def _reader_batches(
         return None
     low, high = bracket
     cost = batch_cost(options.batching)
-    if _one_window(setup, high, cost, grow):
+    shares = sum(cost.share(int(v)) * int(n) for v, n in zip(*high))  # at most those of all but the last sample
+    if not window_closes(int(high[1].sum()) - 1, shares, window_limits(_sort_window(setup), cost, grow, 0)):
         return _count(_expand(low), cost), _count(_expand(high), cost), False
     if not estimate:
         return None
@@ -228,9 +229,11 @@ def _fixed_size_windows(setup: WorkerSetup, count: int, size: int, grow: Growth 
     window, cost = _sort_window(setup), batch_cost(setup.options.batching)
     sizes: list[int] = []
     while count > 0:
-        most, least, enough = window_limits(window, cost, grow, len(sizes))
-        sizes.append(min(count, most, max(least, math.ceil(enough * size))))
-        count -= sizes[-1]
+        limits = window_limits(window, cost, grow, len(sizes))
+        taken = window_size(np.full(min(count, limits[0]), 1 / size), limits)
+        repeat = 1 if grow is not None and grow.scale(len(sizes)) < 1 else max(1, count // taken)  # grown: alike
+        sizes += [taken] * repeat
+        count -= taken * repeat
     return sizes
 
 
@@ -321,17 +324,6 @@ def _count(sorted_lengths: np.ndarray, cost: BatchCost) -> int:
     return count_sorted_batches(sorted_lengths.tolist(), cost)  # oversize ones alone (or dropped: not there)
 
 
-def _one_window(setup: WorkerSetup, lengths: Lengths, cost: BatchCost, grow: Growth | None) -> bool:
-    """Whether a reader whose samples are at most ``lengths`` reads them in one sort window
-    (its first: they never fill its batches before their end)."""
-    samples = int(lengths[1].sum())
-    most, least, enough = window_limits(_sort_window(setup), cost, grow, 0)
-    if samples <= least:
-        return True
-    shares = sum(cost.share(int(v)) * int(n) for v, n in zip(*lengths))
-    return samples <= most and shares < enough
-
-
 def _drawn_counts(
     setup: WorkerSetup, low: Lengths, high: Lengths, cost: BatchCost, position: tuple[int, ...], grow: Growth | None
 ) -> tuple[int, int]:
@@ -363,15 +355,10 @@ def _windows_batches(
     stream: np.ndarray, shares: np.ndarray, setup: WorkerSetup, cost: BatchCost, grow: Growth | None
 ) -> int:
     """Batches of the lengths ``stream`` (each taking ``shares`` of a batch) cut into sort
-    windows as the batching stage cuts them (``window_limits``)."""
-    window = _sort_window(setup)
-    filled = np.cumsum(shares)
+    windows as the batching stage cuts them (``window_size``)."""
     batches, at, number = 0, 0, 0
     while at < len(stream):
-        most, least, enough = window_limits(window, cost, grow, number)
-        before = filled[at - 1] if at else 0.0
-        full = np.flatnonzero(filled[at + least - 1 :] - before >= enough)  # closed once its batches are filled
-        end = min(len(stream), at + most, at + least + (int(full[0]) if len(full) else len(stream)))
+        end = at + window_size(shares[at:], window_limits(_sort_window(setup), cost, grow, number))
         batches += _count(np.sort(stream[at:end]), cost)
         at, number = end, number + 1
     return batches
@@ -385,9 +372,7 @@ def _stream_estimate(setup: WorkerSetup, done_steps: int) -> PlannedBatches:
     histogram = dict(table.length_hist)
     if math.isnan(low) or not histogram:
         return _unknown("the shards' index.json has no length histogram")
-    mean = sum(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1]) * n for b, n in histogram.items()) / sum(
-        histogram.values()
-    )
+    mean = sum(bin_length(b + 0.5) * n for b, n in histogram.items()) / sum(histogram.values())
     if options.epochs.epoch_hours is not None:
         samples = options.epochs.epoch_hours * 3.6e6 / table.frame_shift_ms / mean
     else:
@@ -416,7 +401,7 @@ def _per_sample_batches(setup: WorkerSetup) -> tuple[float, float]:
     )
     found = []
     for end in (0, 1):
-        lengths = np.maximum(1, np.floor(2.0 ** ((drawn + end) / BINS_PER_OCTAVE))).astype(np.int64)  # bin_bounds
+        lengths = np.maximum(1, np.floor(bin_length(drawn + end))).astype(np.int64)  # low or high ends
         found.append(sum(_count(np.sort(part), cost) for part in np.split(lengths, windows)) / len(drawn))
     return found[0], found[1]
 

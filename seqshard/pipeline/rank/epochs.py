@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 from ...dist import Collectives
 from ...errors import ConfigError, SeqshardError
-from ...formats.index import bin_bounds
+from ...formats.index import bin_length
 from ...options import Epochs
 from ..stages.batching import BucketBudgets, FixedSize
 from ..workers.recipe import batch_cost
@@ -320,7 +320,7 @@ def per_batch(setup: WorkerSetup, samples: bool) -> float:
     count = sum(n for _, n in histogram)
     if not count:
         return math.inf
-    mean = sum(math.sqrt(bin_bounds(key)[0] * bin_bounds(key)[1]) * n for key, n in histogram) / count
+    mean = sum(bin_length(key + 0.5) * n for key, n in histogram) / count
     cost = batch_cost(setup.options.batching)
     if isinstance(cost, FixedSize):
         return cost.size if samples else cost.size * mean

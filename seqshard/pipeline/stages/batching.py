@@ -24,6 +24,9 @@ import math
 from collections import Counter, deque
 from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from ...checks import check_number
 from ...errors import ConfigError
@@ -155,9 +158,17 @@ def window_limits(
     return most, least, scaled.batches * (1 - 1e-9)  # shares summed in floating point
 
 
-def bucket_of(batch: Batch, bounds: Sequence[int]) -> int:
-    """Length bucket of a batch: how many of the ascending ``bounds`` its longest sample reaches."""
-    return bisect.bisect_right(bounds, batch.longest)
+def window_closes(count: Any, weight: Any, limits: tuple[int, int, float]) -> Any:
+    """Whether a sort window of ``limits`` closes at ``count`` samples whose shares sum to ``weight`` (or arrays)."""
+    most, least, enough = limits
+    return (count >= most) | ((count >= least) & (weight >= enough))
+
+
+def window_size(shares: np.ndarray, limits: tuple[int, int, float]) -> int:
+    """How many samples of a stream (``shares``: each one's share of a batch) a window of ``limits`` takes."""
+    filled = np.cumsum(shares[: limits[0]])
+    closed = np.flatnonzero(window_closes(np.arange(1, len(filled) + 1), filled, limits))
+    return int(closed[0]) + 1 if len(closed) else len(filled)
 
 
 def cut_batches(
@@ -382,16 +393,12 @@ class SortBatch(WindowStage[Batch]):
     def add(self, window: Window, sample: Sample) -> bool:
         if window.limit is None:
             window.limit = self.limits(window.number)
-        most, least, enough = window.limit
         length = self.length(sample)
-        share = self._shares.get(length)
-        if share is None:
+        if (share := self._shares.get(length)) is None:
             share = self._shares[length] = self.cost.share(length)
-        items = window.items
-        items.append((length, sample))
+        window.items.append((length, sample))
         window.weight += share
-        count = len(items)
-        window.full = count >= most or (count >= least and window.weight >= enough)
+        window.full = window_closes(len(window.items), window.weight, window.limit)
         return window.full
 
     def unwrap(self, item: tuple[int, Sample]) -> Sample:

@@ -17,7 +17,6 @@ before the others', the ranks' turns differ and so do their buckets.
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
@@ -25,9 +24,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ...formats.budgets import LengthBuckets
+from ...formats.index import bin_length
 from ...seeds import Seed, stage_rng
 from .base import State
-from .batching import Batch, BatchCost, SortBatch, bucket_of
+from .batching import Batch, BatchCost, SortBatch
 
 BLOCK_PER_BUCKET = 4  # draws are stratified in blocks of this many per bucket
 GOLDEN = (math.sqrt(5) - 1) / 2  # spreads the draws' quantiles evenly over any run of outputs
@@ -35,10 +36,10 @@ GOLDEN = (math.sqrt(5) - 1) / 2  # spreads the draws' quantiles evenly over any 
 
 @dataclass(frozen=True)
 class BucketDraws:
-    """The bucket every rank's reader ``position`` hands out at each of its outputs: ``bounds``
-    cut lengths into buckets, ``weights`` are their expected shares of the batches."""
+    """The bucket every rank's reader ``position`` hands out at each of its outputs: ``buckets``
+    of lengths, ``weights`` their expected shares of the batches."""
 
-    bounds: tuple[int, ...]
+    buckets: LengthBuckets
     weights: tuple[float, ...]
     seed: int
     position: tuple[int, ...]
@@ -60,13 +61,13 @@ class BucketDraws:
         return rng.permutation(np.searchsorted(cumulative, points, side="right"))
 
 
-def bucket_weights(histogram: Iterable[tuple[int, int]], bounds: Sequence[int], cost: BatchCost) -> tuple[float, ...]:
+def bucket_weights(histogram: Iterable[tuple[int, int]], buckets: LengthBuckets, cost: BatchCost) -> tuple[float, ...]:
     """Each bucket's expected share of the batches: the unpadded shares of a batch of the
-    index's lengths (``histogram``: (bin, count) pairs, 8 bins an octave) that fall in it."""
-    weights = [0.0] * (len(bounds) + 1)
+    index's lengths (``histogram``: (bin, count) pairs of ``formats/index.py``) that fall in it."""
+    weights = [0.0] * (len(buckets.bounds) + 1)
     for key, count in histogram:
-        length = max(1, math.floor(2 ** ((key + 0.5) / 8)))
-        weights[bisect.bisect_right(bounds, length)] += cost.share(length) * count
+        length = max(1, math.floor(bin_length(key + 0.5)))
+        weights[buckets.bucket_of(length)] += cost.share(length) * count
     total = sum(weights)
     return tuple(w / total for w in weights) if total > 0 else tuple(1.0 for _ in weights)
 
@@ -110,5 +111,5 @@ class BucketSortBatch(SortBatch):
     def arrange(self, items: list, number: int, fresh: bool) -> list[Batch]:
         batches = super().arrange(items, number, fresh)
         start = self.before + self._counts.get("batches", 0) - self._restored  # this window's first output
-        bounds = self.draws.bounds
-        return in_draw_order(batches, [bucket_of(b, bounds) for b in batches], self.draws.draws(start, len(batches)))
+        found = [self.draws.buckets.bucket_of(b.longest) for b in batches]
+        return in_draw_order(batches, found, self.draws.draws(start, len(batches)))

@@ -13,6 +13,7 @@ import multiprocessing
 from typing import Any
 
 from ...device import is_cuda
+from ...formats.index import bin_bounds
 from ...formats.remote.access import RemoteAccess
 from ..stages.collate import to_tensors
 from .process import WorkerLink
@@ -148,7 +149,7 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
     elif batching.budgets is not None:
         frames = max(batching.budgets.budgets)
     else:
-        longest = max((2 ** ((k + 1) / 8) for k, _ in table.length_hist), default=2000)
+        longest = max((bin_bounds(k)[1] for k, _ in table.length_hist), default=2000)
         frames = int(batching.batch_size * longest) + 1  # type: ignore[operator]
     feature_bytes = frames * (setup.dim or 80) * itemsize
     if setup.decodes_audio and (setup.audio.features is None or options.audio.feature_device is not None):

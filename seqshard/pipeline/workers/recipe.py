@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, SkipCounter
-from ...formats.index import bin_bounds
+from ...formats.index import bin_length
 from ...formats.keys import key_hash
 from ...formats.remote.access import RemoteAccess
 from ...options import Batching, BudgetWindow
@@ -244,10 +244,9 @@ class Reader:
         )
         if not batching.bucket_sync:
             return SortBatch(*made, **options)
-        bounds = self.setup.bucket_bounds
-        weights = bucket_weights(self.table.length_hist, bounds, cost)
+        weights = bucket_weights(self.table.length_hist, self.setup.buckets, cost)
         shared = (self.worker,) if self.options.epochs.continues_stream else (self.epoch, self.worker)  # no rank
-        draws = BucketDraws(bounds, weights, self.seed, shared)
+        draws = BucketDraws(self.setup.buckets, weights, self.seed, shared)
         return BucketSortBatch(*made, draws=draws, before=self.batches_before, **options)
 
     def planned_samples(self) -> int | None:
@@ -288,9 +287,7 @@ def window_samples(batching: Batching, histogram: Histogram) -> int | None:
     if not sum(histogram.values()):
         return None
     cost = batch_cost(batching)
-    shares = sum(
-        cost.share(max(1, math.floor(math.sqrt(bin_bounds(b)[0] * bin_bounds(b)[1])))) * n for b, n in histogram.items()
-    )
+    shares = sum(cost.share(max(1, math.floor(bin_length(b + 0.5)))) * n for b, n in histogram.items())
     return BudgetWindow().samples(shares / sum(histogram.values()))
 
 

@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ConfigError, SeqshardError, counted
+from ...errors import ConfigError, SeqshardError, counted, listed
 from ...features.audio import AudioOptions
 from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
+from ...formats.budgets import LengthBuckets
 from ...formats.fields import field_name
 from ...formats.index import bin_bounds, histogram_percentile
 from ...formats.remote.access import RemoteAccess
@@ -49,7 +50,7 @@ class WorkerSetup:
     fields: FieldPlan
     length: Measure
     audio: AudioOptions
-    bucket_bounds: tuple[int, ...] = ()
+    buckets: LengthBuckets  # of bucket_sync (no bounds without it)
     noise_table: ShardTable | None = None  # noise shards mixed into the audio
     mix: MixSetup | None = None  # the sources of a seqshard.mux, when the loader mixes
 
@@ -201,7 +202,7 @@ def make_setup(
         )
     if options.bad_data.check_finite and features is None and not (fields.audio and fields.features is None):
         raise ConfigError("check_finite checks features or audio, which these shards or fields= do not include.")
-    bounds = bucket_bounds(table, batching.num_buckets) if batching.bucket_sync else ()
+    bounds = LengthBuckets(bucket_bounds(table, batching.num_buckets) if batching.bucket_sync else ())
     noise = _noise_table(audio.noise, access) if audio.noise is not None else None
     setup = WorkerSetup(
         table, options, rank, world_size, tokenizer, override, fields, length, audio, bounds, noise_table=noise, mix=mix
@@ -269,7 +270,7 @@ def _noise_table(patterns: Any, access: RemoteAccess | None) -> ShardTable:
     """The noise set's shards; all of them must be there (a noise set is not skipped in part)."""
     table = ShardTable.from_patterns(patterns, access)
     if table.missing:
-        shown = "; ".join(f"{m.path} ({m.why})" for m in table.missing[:5])
+        shown = listed([f"{m.path} ({m.why})" for m in table.missing], "; ")
         raise ConfigError(f"noise: {counted(len(table.missing), 'file')} of the noise set missing: {shown}.")
     return table
 
