@@ -265,9 +265,10 @@ class EpochRunner:
         if position.completed:  # a state saved at the end of the epoch set_epoch chose: nothing is left
             return
         rules, accounts, meter, setup = self.rules, self.accounts, self.meter, self.setup
+        bad_shards = accounts.bad_shards
         if not self._ranks_agree and self.collectives.context.distributed and rules.end.gathers_summary:
             self._ranks_agree = checkpoint.check_ranks_agree(self.identity(), self.collectives)
-        accounts.start_bad_shard_count(position)
+        bad_shards.start(position)
         meter.begin()
         damaged = [0] * len(position.workers)  # damaged shards each reader reported
         clock = time.perf_counter
@@ -291,8 +292,8 @@ class EpochRunner:
             while True:
                 asked = clock()
                 if due(position):
-                    judge = lambda summed: accounts.judge_together(position, summed)  # noqa: E731
-                    rules.agree(position, stream, left, accounts.damaged_count(position) if rules.talks else 0, judge)
+                    judge = lambda summed: bad_shards.judge_together(position, summed)  # noqa: E731
+                    rules.agree(position, stream, left, bad_shards.damaged_count(position) if rules.talks else 0, judge)
                 if over(position):
                     break
                 item = next_item()
@@ -307,7 +308,7 @@ class EpochRunner:
                     meter.busy += item.busy
                     if item.damaged != damaged[item.worker] or meter.steps == 0:  # a newly damaged shard
                         damaged[item.worker] = item.damaged
-                        accounts.check_bad_shards(position)
+                        bad_shards.check(position)
                 meter.waited += clock() - asked
                 steps = meter.steps = meter.steps + 1
                 if steps == 1:
