@@ -46,14 +46,11 @@ class EpochAccounts:
         self.collectives = collectives
         self._counted: dict[int, int] = {}  # samples counted in unindexed shards
         self._tokens_judged = setup.tokenizer is None
-        self._bad_before: set[int] = set()  # damaged shards a stream had counted when this epoch began
-        self._mine: set[int] | None = None  # this rank's damaged shards at the last count
-        self.talks = False  # the ranks talk, and judge their bad shards together
-        self._summed = self._distinct = 0  # damaged shards summed over ranks, and how many distinct
+        self.bad_shards = BadShardBudget(setup, end, collectives)
 
     def stats(self, position: RankPosition, seconds: float) -> dict[str, Any]:
         counters = position.counters()
-        dropped = {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("dropped.") and v}
+        dropped = by_reason(counters, "dropped.")
         if self._missing_utts():
             dropped["missing"] = self._missing_utts()
         found = {
@@ -63,11 +60,11 @@ class EpochAccounts:
             "utts_per_second": position.utts / seconds if seconds > 0 else 0.0,
             "units_done": counters.get("units_done", 0),
             "dropped": dropped,
-            "filtered": {k.split(".", 1)[1]: v for k, v in counters.items() if k.startswith("filtered.") and v},
+            "filtered": by_reason(counters, "filtered."),
             "padding_fraction": 1 - position.frames / position.padded_frames if position.padded_frames else 0.0,
             "tokens": counters.get("tokens", 0),
             "unknown_tokens": counters.get("unknown_tokens", 0),
-            "damaged_shards": damaged_shards(counters),
+            "damaged_shards": len(shard_numbers(counters, DAMAGED)),
             "damaged_tables": len(shard_numbers(counters, DAMAGED_TABLE)),
             "duplicate_keys": counters.get("duplicate_keys", 0),
             "missing_shards": len(self.table.missing),
@@ -104,60 +101,6 @@ class EpochAccounts:
             return 0
         return sum(m.num_utts or 0 for m in self.table.missing)
 
-    def start_bad_shard_count(self, position: RankPosition) -> None:
-        """Bad shards are budgeted per epoch: remember what a stream that goes on across epochs
-        had counted before this one (an epoch's readers count afresh), and whether the ranks
-        judge theirs together (they talk; not with ``uneven="join"``)."""
-        continuing = self.end.continues_stream
-        self._bad_before = damaged_shard_numbers(position.counters()) if continuing else set()
-        self._mine = None  # this rank's damaged shards at the last count
-        context = self.collectives.context
-        self.talks = context.distributed and self.end.gathers_summary and self.collectives.ready()
-        self._summed = self._distinct = 0
-
-    def check_bad_shards(self, position: RankPosition, recount: bool = True) -> None:
-        """Stop the run when more shards were bad this epoch (damaged, or missing) than
-        ``max_bad_shards`` allows of all the selected shards, whatever the world size: here a
-        rank that does not talk to the others (one rank, ``uneven="join"``) judges its own, when
-        a reader met a newly damaged shard; ranks that talk judge theirs together where they
-        agree (:meth:`judge_together`) and at the epoch's end (:meth:`finish`). ``recount=False``:
-        no reader met a new one since the last count (its counters are not read again)."""
-        if self.setup.options.bad_data.skip_bad and not self.talks:
-            self._judge(len(self._damaged(position, recount)))
-
-    def damaged_count(self, position: RankPosition) -> int:
-        """This rank's damaged shards this epoch (what it tells the other ranks)."""
-        return len(self._damaged(position)) if self.setup.options.bad_data.skip_bad else 0
-
-    def judge_together(self, position: RankPosition, summed: int) -> None:
-        """The budget where the ranks agree (on every rank at the same step): ``summed``, every
-        rank's damaged shards added up, while that fits; else how many distinct ones (a shard
-        split between ranks may be met on both: a collective)."""
-        if not (self.setup.options.bad_data.skip_bad and self.talks):
-            return
-        room = self._budget() - len(self.table.missing)
-        if summed > room and summed != self._summed:
-            self._summed = summed
-            gathered = self.collectives.all_gather(sorted(self._damaged(position)))
-            self._distinct = len(set().union(*(set(s) for s in gathered)))
-        self._judge(summed if summed <= room else self._distinct)
-
-    def _damaged(self, position: RankPosition, recount: bool = True) -> set[int]:
-        if recount or self._mine is None:
-            self._mine = damaged_shard_numbers(position.counters()) - self._bad_before
-        return self._mine
-
-    def _budget(self) -> int:
-        return self.setup.options.bad_data.shard_budget(len(self.table.shards) + len(self.table.missing))
-
-    def _judge(self, damaged: int) -> None:
-        missing = len(self.table.missing)
-        if damaged + missing > self._budget():
-            shards = len(self.table.shards) + missing
-            raise ShardError(
-                "the selected shards", None, self.setup.options.bad_data.over_budget(damaged, missing, shards)
-            )
-
     def judge_unknown_tokens(self, position: RankPosition, final: bool = False) -> None:
         """Warn once when many label tokens are unknown to the tokenizer (a units file of
         words split into characters, labels in another case than a BPE model's, ...)."""
@@ -177,15 +120,14 @@ class EpochAccounts:
         with a warning when much was left unread (unless ``cut``: the epoch's length, not the
         data, ended it)."""
         self.judge_unknown_tokens(position, final=True)
-        self.check_bad_shards(position)
+        self.bad_shards.check(position)
         rank = self.setup.rank
         local = self._rank_summary(position, seconds)
         gathered = self.end.gathers_summary
         if gathered:
-            both = self.collectives.all_gather([local, sorted(self._damaged(position))])
+            both = self.collectives.all_gather([local, sorted(self.bad_shards.damaged(position))])
             ranks = [pair[0] for pair in both]
-            if self.setup.options.bad_data.skip_bad and self.talks:  # every rank judges the same, at once
-                self._judge(len(set().union(*(set(pair[1]) for pair in both))))
+            self.bad_shards.judge_gathered([pair[1] for pair in both])
         else:
             ranks = [local]
         summary: dict[str, Any] = {"epoch": position.epoch, "ranks": ranks}
@@ -304,17 +246,81 @@ def unread_warning(epoch: int, ranks: list[dict[str, Any]], options: LoaderOptio
     )
 
 
-def damaged_shards(counters: dict[str, int]) -> int:
-    """How many distinct shards the readers found damaged (a shard split between readers, or
-    met again in a later pass, counts once)."""
-    return len(damaged_shard_numbers(counters))
-
-
-def damaged_shard_numbers(counters: dict[str, int]) -> set[int]:
-    """The table numbers of the shards the readers found damaged."""
-    return shard_numbers(counters, DAMAGED)
+def by_reason(counters: dict[str, int], prefix: str) -> dict[str, int]:
+    """The counters under ``prefix`` (``dropped.``, ``filtered.``) that are not 0, by reason."""
+    return {name[len(prefix) :]: count for name, count in counters.items() if name.startswith(prefix) and count}
 
 
 def shard_numbers(counters: dict[str, int], prefix: str) -> set[int]:
     """The table numbers of the shards counted under ``prefix`` (``damaged.``, ``damaged_table.``)."""
     return {int(name[len(prefix) :]) for name, count in counters.items() if name.startswith(prefix) and count}
+
+
+class BadShardBudget:
+    """``max_bad_shards`` over one rank's epoch: the shards found damaged this epoch and the
+    missing ones, judged against the budget of all the selected shards, whatever the world
+    size; by this rank alone when it does not talk to the others (one rank, ``uneven="join"``),
+    else by all ranks together where they agree (:meth:`judge_together`) and at the epoch's end
+    (:meth:`judge_gathered`)."""
+
+    def __init__(self, setup: WorkerSetup, end: EpochEnd, collectives: Collectives):
+        self.options, self.table, self.end, self.collectives = setup.options.bad_data, setup.table, end, collectives
+        self._before: set[int] = set()  # damaged shards a stream had counted when this epoch began
+        self.talks = False  # the ranks talk, and judge their bad shards together
+        self._summed = self._distinct = 0  # damaged shards summed over ranks, and how many distinct
+
+    def start(self, position: RankPosition) -> None:
+        """Bad shards are budgeted per epoch: remember what a stream that goes on across epochs
+        had counted before this one (an epoch's readers count afresh), and whether the ranks
+        judge theirs together (they talk; not with ``uneven="join"``)."""
+        continuing = self.end.continues_stream
+        self._before = shard_numbers(position.counters(), DAMAGED) if continuing else set()
+        context = self.collectives.context
+        self.talks = context.distributed and self.end.gathers_summary and self.collectives.ready()
+        self._summed = self._distinct = 0
+
+    def check(self, position: RankPosition) -> None:
+        """Stop the run when too many shards were bad, where this rank judges its own (when a
+        reader met a newly damaged shard, and at the epoch's end)."""
+        if self.options.skip_bad and not self.talks:
+            self._judge(len(self.damaged(position)))
+
+    def damaged_count(self, position: RankPosition) -> int:
+        """This rank's damaged shards this epoch (what it tells the other ranks)."""
+        return len(self.damaged(position)) if self.options.skip_bad else 0
+
+    def judge_together(self, position: RankPosition, summed: int) -> None:
+        """The budget where the ranks agree (on every rank at the same step): ``summed``, every
+        rank's damaged shards added up, while that fits; else how many distinct ones (a shard
+        split between ranks may be met on both: a collective)."""
+        if not (self.options.skip_bad and self.talks):
+            return
+        room = self._budget() - len(self.table.missing)
+        if summed > room and summed != self._summed:
+            self._summed = summed
+            self._distinct = _distinct(self.collectives.all_gather(sorted(self.damaged(position))))
+        self._judge(summed if summed <= room else self._distinct)
+
+    def judge_gathered(self, damaged: list[list[int]]) -> None:
+        """The budget at the epoch's end over every rank's ``damaged`` shards (every rank
+        judges the same, at once)."""
+        if self.options.skip_bad and self.talks:
+            self._judge(_distinct(damaged))
+
+    def damaged(self, position: RankPosition) -> set[int]:
+        """This rank's damaged shards this epoch."""
+        return shard_numbers(position.counters(), DAMAGED) - self._before
+
+    def _budget(self) -> int:
+        return self.options.shard_budget(len(self.table.shards) + len(self.table.missing))
+
+    def _judge(self, damaged: int) -> None:
+        missing = len(self.table.missing)
+        if damaged + missing > self._budget():
+            shards = len(self.table.shards) + missing
+            raise ShardError("the selected shards", None, self.options.over_budget(damaged, missing, shards))
+
+
+def _distinct(shards: list[list[int]]) -> int:
+    """How many distinct shards the ranks' lists name."""
+    return len(set().union(*(set(s) for s in shards)))

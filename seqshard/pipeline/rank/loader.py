@@ -27,7 +27,7 @@ from ...text.tokenizers import Tokenizer
 from ..sources import MixSetup
 from ..workers.pool import WorkerPool
 from ..workers.protocol import Take
-from ..workers.setup import make_setup
+from ..workers.setup import WorkerSetup, make_setup
 from . import batch_plan, checkpoint
 from .accounts import EpochAccounts
 from .auto import auto_workers
@@ -35,7 +35,7 @@ from .batch_plan import PlannedBatch
 from .counts import certain_lengths, planned_batches, surely_left
 from .cursor import EpochCursor
 from .delivery import Delivery
-from .epochs import epoch_rules
+from .epochs import EpochRules, epoch_rules
 from .feed import WAIT_WARN_AFTER, FeedMeter
 from .merge import MergedStream, RankPosition
 
@@ -71,10 +71,6 @@ class ShardLoader:
             options = options.replace(
                 num_workers=auto_workers(table, options, self.collectives, tokenizer, override, mix, access)
             )
-        self._active: weakref.ref | None = None
-        self._warned_overlap = False
-        self._ranks_agree = False
-        self.last_summary: dict[str, Any] | None = None
         self._build(options)
 
     def _build(self, options: LoaderOptions) -> None:
@@ -84,7 +80,7 @@ class ShardLoader:
         self._planned: tuple[str, PlannedBatches] | None = None  # the last count and the start it is of
         self._setup = make_setup(table, options, context.rank, context.world_size, *self._made_from, mix, access)
         self._pool = WorkerPool(self._setup, access)
-        self._delivery = Delivery(options, self._setup.audio)
+        delivery = Delivery(options, self._setup.audio)
         source = (
             mix.epoch_source(options.epochs.epoch_source) if mix and options.epochs.epoch_source is not None else None
         )
@@ -92,8 +88,7 @@ class ShardLoader:
         readers = self._setup.readers_per_rank
         self._cursor = EpochCursor(lambda e: RankPosition.fresh(e, readers), self._rules.end.continues_stream)
         self._accounts = EpochAccounts(self._setup, self._rules.end, self.collectives, access)
-        self._meter = FeedMeter(options.workers, context.rank)
-        self._primed: tuple[RankPosition, Take] | None = None  # workers started on a loaded position
+        self._runner = EpochRunner(self._setup, self._pool, delivery, self._rules, self._accounts, self._identity)
 
     # -- epochs and their size -----------------------------------------------------------
     @property
@@ -143,132 +138,25 @@ class ShardLoader:
 
     # -- iteration -------------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, Any]]:
-        self._close_active(warn=True)  # an abandoned iteration: stop its workers before slots are reused
-        iteration = self._iterate(self._cursor.start())
-        self._active = weakref.ref(iteration)
-        return iteration
+        return self._runner.start(self._cursor.start())
 
-    def _iterate(self, position: RankPosition) -> Iterator[dict[str, Any]]:
-        if position.completed:  # a state saved at the end of the epoch set_epoch chose: nothing is left
-            return
-        if not self._ranks_agree and self.context.distributed and self._rules.end.gathers_summary:
-            self._ranks_agree = checkpoint.check_ranks_agree(self._identity(), self.collectives)
-        accounts, rules, meter, setup = self._accounts, self._rules, self._meter, self._setup
-        accounts.start_bad_shard_count(position)
-        meter.begin()
-        damaged = [0] * len(position.workers)  # damaged shards each reader reported
-        clock = time.perf_counter
-        try:
-            primed, self._primed = self._primed, None
-            started = primed[1] if primed is not None and primed[0] is position else None
-            take = self._delivery.take(
-                started or self._pool.start(position.epoch, position.worker_request()), len(position.workers)
-            )
-            # A consumer may stop after len() batches: the epoch's summary is then made at the
-            # last one, where every rank knows it without walking the plan or drawing orders of
-            # lengths (which would delay each epoch's first batch: 50-500 ms at 12,000
-            # utterances); otherwise the summary comes when the consumer asks for one more batch.
-            planned = planned_batches(setup, self.epoch, position, estimate=False)
-            exact = planned.total if planned.exact else None
-            # the data's own count (epoch_steps caps an epoch, it does not make the data last)
-            rules.start(position, exact if rules.talks and setup.options.epochs.epoch_steps is None else None)
-            last = exact if not rules.talks else None  # the ranks that talk know it from the agreement
-            stream, left, batch = MergedStream(take, position), self._surely_left(position), None
-            due, over, next_item, emit = rules.due, rules.over, stream.next, stream.emit
-            while True:
-                asked = clock()
-                if due(position):
-                    judge = lambda summed: accounts.judge_together(position, summed)  # noqa: E731
-                    rules.agree(position, stream, left, accounts.damaged_count(position) if rules.talks else 0, judge)
-                if over(position):
-                    break
-                item = next_item()
-                if item is None:
-                    if rules.ran_out(position, batch, self.context.rank):
-                        break
-                    stream.emit_again()
-                    batch = dict(batch)  # type: ignore[arg-type]
-                else:
-                    emit(item)
-                    batch = item.batch
-                    meter.busy += item.busy
-                    if item.damaged != damaged[item.worker] or meter.steps == 0:  # a newly damaged shard
-                        damaged[item.worker] = item.damaged
-                        accounts.check_bad_shards(position)
-                meter.waited += clock() - asked
-                steps = meter.steps = meter.steps + 1
-                if steps == 1:
-                    meter.first = meter.waited
-                elif steps % WAIT_WARN_AFTER == 0:
-                    meter.judge()
-                    accounts.judge_unknown_tokens(position)
-                if position.step == last or (position.ends and position.step == position.agreed):
-                    self._finish(position, position.ends == "length")
-                yield batch
-            del stream
-            if not position.completed:
-                self._finish(position, rules.over(position) and position.ends == "length")
-        finally:
-            self._delivery.finish()  # batches copied ahead are dropped (the position never counted them)
-            self._pool.finish()  # stops workers that do not persist now, not at garbage collection
-
-    def _surely_left(self, position: RankPosition) -> Callable[[int], int | None]:
-        """What this rank's samples not yet taken, less ``held`` ones, surely still make in
-        batches (``counts.surely_left``; None when its shards' index does not say); where samples
-        may be dropped as they are read, at the share of those taken so far that were kept (the
-        rest of a damaged shard aside: it does not make the next shards worse)."""
-        setup, accounts, cautious = self._setup, self._accounts, self._rules.cautious
-        certain: list = []  # found at the first agreement that needs it
-
-        def left(held: int) -> int | None:
-            if not certain:
-                workers = range(len(position.workers))
-                certain.append(certain_lengths(setup, [u for w in workers for u in accounts.units_of(position, w)]))
-            remaining = accounts.planned_utts(position)
-            if certain[0] is None or remaining is None:
-                return None
-            found = surely_left(setup, certain[0], remaining - held)
-            taken = position.taken() - position.counters().get("dropped.damaged", 0)  # a damaged shard: once
-            if not cautious or taken <= 0:
-                return found
-            return math.floor(found * min(1.0, (position.utts + position.skipped_utts) / taken))
-
-        return left
-
-    def _finish(self, position: RankPosition, cut: bool) -> None:
-        """The epoch is complete (on every rank at the same step: the summary is a collective)."""
-        self._meter.end()
-        position.completed = True
-        self.last_summary = self._accounts.finish(position, self._meter.seconds, cut)
+    @property
+    def last_summary(self) -> dict[str, Any] | None:
+        """The last epoch's summary (``accounts.py``): every rank's, once the epoch ended."""
+        return self._runner.summary
 
     def stats(self, position: RankPosition | None = None) -> dict[str, Any]:
         """This rank's progress in the epoch: utterances (and per second), steps, units done,
         dropped and filtered by reason, padding, label tokens (unknown ones), missing shards,
         and the share of the epoch's time the consumer waited for batches (``data_wait``)."""
-        found = self._accounts.stats(position or self._cursor.position, self._meter.seconds)
-        found["data_wait"] = self._meter.share()
+        meter = self._runner.meter
+        found = self._accounts.stats(position or self._cursor.position, meter.seconds)
+        found["data_wait"] = meter.share()
         return found
 
     def close(self) -> None:
         """Stop worker processes (an iteration after this starts them again)."""
-        self._close_active()
-        self._primed = None
-        self._pool.close()
-
-    def _close_active(self, warn: bool = False) -> None:
-        """End the iteration still running, if any (``warn``: say so when its loop was still
-        reading, once per loader: its loop stops as if the epoch were over)."""
-        previous = self._active() if self._active is not None else None
-        if previous is None:
-            return
-        if warn and not self._warned_overlap and inspect.getgeneratorstate(previous) == inspect.GEN_SUSPENDED:
-            self._warned_overlap = True
-            _LOG.warning(
-                "a new iteration of this loader began while an earlier one was still being read: the earlier "
-                "one ends here, its loop stops as if the epoch were over. A loader reads one iteration at a "
-                "time: finish or drop the first loop, or make a second loader to read both at once."
-            )
-        previous.close()
+        self._runner.close()
 
     # -- the plan: batches known before reading ---------------------------------------------
     def heaviest_batches(self, k: int = 1, by: str | Callable[[PlannedBatch], float] = "cost") -> list[PlannedBatch]:
@@ -293,7 +181,7 @@ class ShardLoader:
         and their utterances (kept in the state). Returns how many it skipped. Raises
         NotPlannable as :meth:`heaviest_batches` does."""
         check_number("n", n, whole=True, at_least=0)
-        self._close_active()
+        self._runner.close_active()
         start = self._cursor.peek()
         moved = batch_plan.skip(self._setup, start, n)
         self._cursor.load(moved)
@@ -327,17 +215,163 @@ class ShardLoader:
         saved = state.get("identity", {}).get("options", {}).get("num_workers") if isinstance(state, dict) else None
         if self._auto and isinstance(saved, int) and saved != self.options.workers.num_workers:
             self.close()
+            before = self._runner
             self._build(self.options.replace(num_workers=saved))
+            self._runner.summary, self._runner.warned_overlap = before.summary, before.warned_overlap
         self._cursor.load(
             checkpoint.restore(state, self._identity(), self._setup, self._access, self.collectives, strict)
         )
-        self._start_early()
+        if self.options.workers.num_workers:  # they restore it while the caller goes on (loading a model, ...)
+            self._runner.start_early(self._cursor.peek())
 
-    def _start_early(self) -> None:
-        """With workers, start them on the loaded position now: they restore it while the caller
-        goes on (loading a model, ...), and the next iteration takes their batches if it starts
-        there (else it sends them where it starts instead)."""
+
+class EpochRunner:
+    """This rank's iterations, one at a time: the workers' batches merged in a fixed turn, the
+    epoch rules asked where the epoch ends, the consumer's waits timed, the accounts kept."""
+
+    def __init__(
+        self,
+        setup: WorkerSetup,
+        pool: WorkerPool,
+        delivery: Delivery,
+        rules: EpochRules,
+        accounts: EpochAccounts,
+        identity: Callable[[], dict[str, Any]],
+    ):
+        self.setup, self.pool, self.delivery, self.rules, self.accounts = setup, pool, delivery, rules, accounts
+        self.identity = identity  # the loader's, which the ranks check they share
+        self.collectives = accounts.collectives
+        self.meter = FeedMeter(setup.options.workers, setup.rank)
+        self.summary: dict[str, Any] | None = None  # the last epoch's
+        self.warned_overlap = False
+        self._ranks_agree = False
+        self._active: weakref.ref | None = None
+        self._primed: tuple[RankPosition, Take] | None = None  # workers started on a loaded position
+
+    def start(self, position: RankPosition) -> Iterator[dict[str, Any]]:
+        """An iteration from ``position`` (ending one still running: its slots are reused)."""
+        self.close_active(warn=True)
+        iteration = self._iterate(position)
+        self._active = weakref.ref(iteration)
+        return iteration
+
+    def start_early(self, position: RankPosition) -> None:
+        """Start the workers on a loaded ``position`` now: the next iteration takes their
+        batches if it starts there (else it sends them where it starts instead)."""
         self._primed = None
-        if self.options.workers.num_workers:
-            position = self._cursor.peek()
-            self._primed = position, self._pool.start(position.epoch, position.worker_request())
+        self._primed = position, self.pool.start(position.epoch, position.worker_request())
+
+    def _iterate(self, position: RankPosition) -> Iterator[dict[str, Any]]:
+        if position.completed:  # a state saved at the end of the epoch set_epoch chose: nothing is left
+            return
+        rules, accounts, meter, setup = self.rules, self.accounts, self.meter, self.setup
+        bad_shards = accounts.bad_shards
+        if not self._ranks_agree and self.collectives.context.distributed and rules.end.gathers_summary:
+            self._ranks_agree = checkpoint.check_ranks_agree(self.identity(), self.collectives)
+        bad_shards.start(position)
+        meter.begin()
+        damaged = [0] * len(position.workers)  # damaged shards each reader reported
+        clock = time.perf_counter
+        try:
+            primed, self._primed = self._primed, None
+            started = primed[1] if primed is not None and primed[0] is position else None
+            take = self.delivery.take(
+                started or self.pool.start(position.epoch, position.worker_request()), len(position.workers)
+            )
+            # A consumer may stop after len() batches: the epoch's summary is then made at the
+            # last one, where every rank knows it without walking the plan or drawing orders of
+            # lengths (which would delay each epoch's first batch: 50-500 ms at 12,000
+            # utterances); otherwise the summary comes when the consumer asks for one more batch.
+            planned = planned_batches(setup, position.epoch, position, estimate=False)
+            exact = planned.total if planned.exact else None
+            # the data's own count (epoch_steps caps an epoch, it does not make the data last)
+            rules.start(position, exact if rules.talks and setup.options.epochs.epoch_steps is None else None)
+            last = exact if not rules.talks else None  # the ranks that talk know it from the agreement
+            stream, left, batch = MergedStream(take, position), self._surely_left(position), None
+            due, over, next_item, emit = rules.due, rules.over, stream.next, stream.emit
+            while True:
+                asked = clock()
+                if due(position):
+                    judge = lambda summed: bad_shards.judge_together(position, summed)  # noqa: E731
+                    rules.agree(position, stream, left, bad_shards.damaged_count(position) if rules.talks else 0, judge)
+                if over(position):
+                    break
+                item = next_item()
+                if item is None:
+                    if rules.ran_out(position, batch, setup.rank):
+                        break
+                    stream.emit_again()
+                    batch = dict(batch)  # type: ignore[arg-type]
+                else:
+                    emit(item)
+                    batch = item.batch
+                    meter.busy += item.busy
+                    if item.damaged != damaged[item.worker] or meter.steps == 0:  # a newly damaged shard
+                        damaged[item.worker] = item.damaged
+                        bad_shards.check(position)
+                meter.waited += clock() - asked
+                steps = meter.steps = meter.steps + 1
+                if steps == 1:
+                    meter.first = meter.waited
+                elif steps % WAIT_WARN_AFTER == 0:
+                    meter.judge()
+                    accounts.judge_unknown_tokens(position)
+                if position.step == last or (position.ends and position.step == position.agreed):
+                    self._finish(position, position.ends == "length")
+                yield batch
+            del stream
+            if not position.completed:
+                self._finish(position, rules.over(position) and position.ends == "length")
+        finally:
+            self.delivery.finish()  # batches copied ahead are dropped (the position never counted them)
+            self.pool.finish()  # stops workers that do not persist now, not at garbage collection
+
+    def _surely_left(self, position: RankPosition) -> Callable[[int], int | None]:
+        """What this rank's samples not yet taken, less ``held`` ones, surely still make in
+        batches (``counts.surely_left``; None when its shards' index does not say); where samples
+        may be dropped as they are read, at the share of those taken so far that were kept (the
+        rest of a damaged shard aside: it does not make the next shards worse)."""
+        setup, accounts, cautious = self.setup, self.accounts, self.rules.cautious
+        certain: list = []  # found at the first agreement that needs it
+
+        def left(held: int) -> int | None:
+            if not certain:
+                workers = range(len(position.workers))
+                certain.append(certain_lengths(setup, [u for w in workers for u in accounts.units_of(position, w)]))
+            remaining = accounts.planned_utts(position)
+            if certain[0] is None or remaining is None:
+                return None
+            found = surely_left(setup, certain[0], remaining - held)
+            taken = position.taken() - position.counters().get("dropped.damaged", 0)  # a damaged shard: once
+            if not cautious or taken <= 0:
+                return found
+            return math.floor(found * min(1.0, (position.utts + position.skipped_utts) / taken))
+
+        return left
+
+    def _finish(self, position: RankPosition, cut: bool) -> None:
+        """The epoch is complete (on every rank at the same step: the summary is a collective)."""
+        self.meter.end()
+        position.completed = True
+        self.summary = self.accounts.finish(position, self.meter.seconds, cut)
+
+    def close(self) -> None:
+        """End the running iteration and stop worker processes."""
+        self.close_active()
+        self._primed = None
+        self.pool.close()
+
+    def close_active(self, warn: bool = False) -> None:
+        """End the iteration still running, if any (``warn``: say so when its loop was still
+        reading, once per loader: its loop stops as if the epoch were over)."""
+        previous = self._active() if self._active is not None else None
+        if previous is None:
+            return
+        if warn and not self.warned_overlap and inspect.getgeneratorstate(previous) == inspect.GEN_SUSPENDED:
+            self.warned_overlap = True
+            _LOG.warning(
+                "a new iteration of this loader began while an earlier one was still being read: the earlier "
+                "one ends here, its loop stops as if the epoch were over. A loader reads one iteration at a "
+                "time: finish or drop the first loop, or make a second loader to read both at once."
+            )
+        previous.close()

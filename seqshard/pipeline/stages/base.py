@@ -201,6 +201,24 @@ class Growth:
             return full
         return min(full, max(self.floor, math.ceil(full * share)))
 
+    @staticmethod
+    def saved(saved: Any, legacy: Growth | None, grow: Growth | None, stage: str) -> Growth | None:
+        """The growth a saved state of a ``stage`` says its windows had (its "grow": the first
+        window's share of a full one and the factor between windows; True before the share was
+        kept: ``legacy``, else ``grow``)."""
+        if saved is False:
+            return None
+        if saved is True:
+            return legacy or grow
+        try:
+            first, factor = (float(number) for number in saved)
+            return Growth(first, factor, (grow or Growth(1.0)).floor)
+        except (TypeError, ValueError, ConfigError):
+            raise StateMismatchError(
+                f"a saved {stage} state says its windows grew as {saved!r}, not as [share of a full "
+                "window in (0, 1], factor above 1]: the state is damaged; start the epoch afresh."
+            ) from None
+
 
 _UNREAD = object()  # an output of a window restored from its record, not read again yet
 REPLAY_BATCH = 64  # items read again at once, at least one output's
@@ -212,32 +230,95 @@ class Window:
 
     __slots__ = ("ended", "full", "items", "limit", "number", "start", "weight")
 
-    def __init__(self, number: int, start: State):
+    def __init__(self, number: int, start: State, ended: bool = False):
         self.number = number
         self.start = start
         self.items: list[Any] = []
         self.weight = 0.0
         self.limit: Any = None  # what closes it, as the stage's add() keeps it
         self.full = False  # the items close the window
-        self.ended = False  # the source ended in it
+        self.ended = ended  # the source ended in it
 
     @property
     def closed(self) -> bool:
         return self.full or self.ended
+
+    def read_from(self, source: Stage, add: Callable[[Window, Any], bool], until: int | None = None) -> Window:
+        """Read items of ``source`` into this window with ``add`` until it closes (or holds ``until`` items)."""
+        if self.closed:
+            return self
+        items, stop = self.items, math.inf if until is None else until
+        while len(items) < stop:
+            try:
+                item = source.next()
+            except StopIteration:
+                self.ended = True
+                break
+            if add(self, item):
+                break
+        return self
+
+
+class ReadAhead:
+    """The window after a window stage's current one, read before it is needed: :meth:`prepare`
+    (called after an output was handed out) reads the share of it that the outputs handed out
+    since the last call stand for, so it is read by the time the current window runs out and a
+    window's boundary costs no more than any other output; :meth:`further` reads more of it
+    while time allows, so that it is read long before. Without either it is read when the
+    current window runs out (:meth:`take`). Its items are the same either way: what ends a
+    window depends on its items alone."""
+
+    def __init__(self, source: Stage, add: Callable[[Window, Any], bool]):
+        self.source, self.add = source, add
+        self.window: Window | None = None
+        self.prepared = 0  # outputs of the current window whose share of this one was read
+        self.primed = False  # prepare() was called since the stream started or was restored
+
+    def after(self, number: int) -> Window:
+        """Window ``number + 1``, begun where the source stands unless it was already."""
+        if self.window is None:
+            self.window = Window(number + 1, self.source.get_state())
+        return self.window
+
+    def take(self, number: int) -> Window:
+        """Window ``number + 1`` read to its end, no longer ahead."""
+        window, self.window = self.after(number), None
+        return window.read_from(self.source, self.add)
+
+    def prepare(self, number: int, emitted: int, outputs: int, expected: Callable[[int], int]) -> None:
+        """Read the share of the window after window ``number`` for the outputs handed out
+        since the last call (``emitted`` of its ``outputs`` so far; ``expected``: about how
+        many items a window of a number holds)."""
+        if emitted <= self.prepared or number < 0:
+            return
+        ahead = self.after(number)
+        if not ahead.closed:
+            # the reading left, spread over the outputs left (those handed out since the last
+            # call included; before the first call, outputs went out with nothing read ahead)
+            handed = emitted - self.prepared if self.primed else 1
+            left = expected(ahead.number) - len(ahead.items)
+            ahead.read_from(
+                self.source, self.add, len(ahead.items) + math.ceil(left * handed / (handed + outputs - emitted))
+            )
+        self.prepared, self.primed = emitted, True
+
+    def further(self, number: int, until: float) -> bool:
+        """Read the window after window ``number`` an item at a time, the source reading its share
+        ahead for each, until it closes or ``until`` comes (``Stage.read_further``)."""
+        ahead = self.after(number)
+        while not ahead.closed and time.perf_counter() < until:
+            ahead.read_from(self.source, self.add, len(ahead.items) + 1)
+            self.source.prepare()
+        self.source.read_further(until)
+        return ahead.closed
 
 
 class WindowStage(Stage[U]):
     """Reads its source in windows of ``window`` items and emits what :meth:`arrange` makes
     of each window (the items shuffled, or cut into batches).
 
-    Reading ahead: :meth:`prepare` (called after an output was handed out) reads the share of
-    the next window that the outputs handed out since the last call stand for, so the next
-    window is read by the time the current one runs out and a window's boundary costs no more
-    than any other output; :meth:`read_further` reads more of it while time allows, so that it is
-    read long before. Without either the next window is read when the current one runs out.
-    The items of a window are the same either way: what ends a window depends on its items
-    alone. Counters are reported as they stood where the current window
-    ended (:meth:`stats`), whatever was read ahead.
+    The next window is read ahead (:class:`ReadAhead`); counters are reported as they stood
+    where the current window ended (:meth:`stats`), whatever was read ahead.
 
     ``grow``: a stream's first windows are small and double (:class:`Growth`), so its first
     output comes after a small part of a window's reading.
@@ -246,14 +327,10 @@ class WindowStage(Stage[U]):
     many of its outputs were emitted (and, while windows grow, the share of a full window the
     first one held and the factor between windows); a restore re-reads that one window (what was
     in flight) and skips the emitted outputs, its windows growing as they grew when the state was
-    saved. A state saved without growth (before windows grew) goes on with full windows; one that
-    says only that they grew (before the share was kept) with ``legacy_growth``, or else ``grow``.
-
-    Restoring without reading again (``held.py``): when ``replay`` is set (a function that
-    reads samples again from their origins, made by the reader that built the pipeline), the
-    state also holds the window's outputs as the origins of their samples (``held``) and the
-    source's state where the window ended (``end``); a restore then reads only the samples of
-    each output it hands out, as it hands it out, and the source goes on from ``end``.
+    saved (:meth:`Growth.saved`). With ``replay`` set (by the reader that built the pipeline),
+    the state also holds the window's outputs by their samples' origins (``held``) and the
+    source's state where the window ended (``end``): a restore reads only the samples of each
+    output it hands out, as it hands it out, and the source goes on from ``end`` (``held.py``).
     """
 
     legacy_growth: Growth | None = None
@@ -265,18 +342,7 @@ class WindowStage(Stage[U]):
             raise ConfigError(f"{what} must be >= 1, got {window}.")
         self.window = window
         self.grow = grow
-        self.growth = grow  # the growth of the stream being read: ``grow``, or a restored state's
-        self._outputs: list[U | None] = []
-        self._window_start: State | None = None
-        self._window_number = -1
-        self._emitted = 0
-        self._count = 0  # items of the current window
-        self._ahead: Window | None = None  # the next window, being read ahead
-        self._prepared = 0  # outputs of the current window whose share of the next one was read
-        self._primed = False  # prepare() was called since the stream started or was restored
-        self._source_stats: dict[str, int] | None = None  # the source's counters where the current window ended
-        self._held: Held | None = None  # the current window's outputs by origin (with replay)
-        self._window_end: State | None = None  # and the source's state where it ended
+        self._clear()
 
     # -- what a subclass defines ----------------------------------------------------------
     def arrange(self, items: list[Any], number: int, fresh: bool) -> list[U]:
@@ -320,20 +386,33 @@ class WindowStage(Stage[U]):
         """The share of a full window that window ``number`` holds (1 unless windows grow)."""
         return 1.0 if self.growth is None else self.growth.scale(number)
 
+    def _clear(self) -> None:
+        """No window read yet (a new stream)."""
+        self.growth = self.grow  # the growth of the stream being read: ``grow``, or a restored state's
+        self._outputs: list[U | None] = []
+        self._window_start: State | None = None
+        self._window_number = -1
+        self._emitted = 0
+        self._count = 0  # items of the current window
+        self._ahead = ReadAhead(self.source, self.add)  # the next window
+        self._source_stats: dict[str, int] | None = None  # the source's counters where the current window ended
+        self._held: Held | None = None  # the current window's outputs by origin (with replay)
+        self._window_end: State | None = None  # and the source's state where it ended
+
     def reset(self, state: State | None = None) -> None:
         self._started = True
-        self._outputs, self._emitted, self._count = [], 0, 0
-        self._window_number, self._window_start = -1, None
-        self._ahead, self._prepared, self._primed, self._source_stats = None, 0, False, None
-        self._held = self._window_end = None
-        self.growth = self.grow if state is None else self._saved_growth(state.get("grow", False))
+        self._clear()
+        if state is not None:
+            self.growth = Growth.saved(state.get("grow", False), self.legacy_growth, self.grow, type(self).__name__)
         if state is not None and "held" in state and self.replay is not None:
             self._restore_held(state)
             return
         self.source.reset(None if state is None else state.get("source"))
         if state is not None and state.get("window", -1) >= 0:
-            self._arrange(self._read(Window(int(state["window"]), self.source.get_state())), fresh=False)
-            self._emitted = self._prepared = int(state["emitted"])
+            self._arrange(
+                Window(int(state["window"]), self.source.get_state()).read_from(self.source, self.add), fresh=False
+            )
+            self._emitted = self._ahead.prepared = int(state["emitted"])
 
     def _restore_held(self, state: State) -> None:
         """Restore the window from its record: the source where the window ended, the outputs
@@ -342,59 +421,15 @@ class WindowStage(Stage[U]):
         self.source.reset(state["end"])
         self._window_end, self._window_start = state["end"], state["source"]
         self._window_number, self._count = int(state["window"]), held.total
-        self._emitted = self._prepared = int(state["emitted"])
+        self._emitted = self._ahead.prepared = int(state["emitted"])
         self._outputs = [None] * self._emitted + [_UNREAD] * (held.outputs - self._emitted)
         self._source_stats = self.source.stats()
         if held.ended:  # nothing follows
-            self._ahead = Window(self._window_number + 1, self._window_end)
-            self._ahead.ended = True
+            self._ahead.window = Window(self._window_number + 1, self._window_end, ended=True)
 
     def _unread(self, index: int) -> None:
-        """Read again the outputs not handed out from ``index`` on (a batch of items at a time)."""
-        held, outputs, replay = self._held, self._outputs, self.replay
-        assert held is not None and replay is not None
-        stop, origins = index, []
-        while stop < len(outputs) and outputs[stop] is _UNREAD and (stop == index or len(origins) < REPLAY_BATCH):
-            origins.extend(held.origins(stop))
-            stop += 1
-        items = replay(origins)
-        for number in range(index, stop):
-            count = held.count_of(number)
-            numbers = held.extra_of(number) if held.extra is not None else None
-            outputs[number], items = self.rebuild(items[:count], numbers), items[count:]
-
-    def _saved_growth(self, saved: Any) -> Growth | None:
-        """The growth a saved state's windows had (its "grow": the first window's share of a full
-        one and the factor between windows)."""
-        if saved is False:
-            return None
-        if saved is True:
-            return self.legacy_growth or self.grow
-        try:
-            first, factor = (float(number) for number in saved)
-            floor = (self.grow or Growth(1.0)).floor
-            return Growth(first, factor, floor)
-        except (TypeError, ValueError, ConfigError):
-            raise StateMismatchError(
-                f"a saved {type(self).__name__} state says its windows grew as {saved!r}, not as [share of a full "
-                "window in (0, 1], factor above 1]: the state is damaged; start the epoch afresh."
-            ) from None
-
-    def _read(self, window: Window, until: int | None = None) -> Window:
-        """Read items into ``window`` until it closes (or holds ``until`` items)."""
-        if window.full or window.ended:
-            return window
-        source, add, items = self.source, self.add, window.items
-        stop = math.inf if until is None else until
-        while len(items) < stop:
-            try:
-                item = source.next()
-            except StopIteration:
-                window.ended = True
-                break
-            if add(window, item):
-                break
-        return window
+        assert self._held is not None and self.replay is not None
+        read_again(self._held, self._outputs, index, self.replay, self.rebuild)
 
     def _arrange(self, window: Window, fresh: bool) -> None:
         self._source_stats = self.source.stats()
@@ -402,7 +437,7 @@ class WindowStage(Stage[U]):
         self._window_number = window.number
         self._count = len(window.items)
         self._outputs = list(self.arrange(window.items, window.number, fresh))
-        self._emitted = self._prepared = 0
+        self._emitted = self._ahead.prepared = 0
         if self.replay is not None:
             self._window_start = without_held(window.start)
             self._window_end = self.source.get_state()
@@ -410,14 +445,11 @@ class WindowStage(Stage[U]):
             numbers_of = self.numbers if type(self).numbers is not WindowStage.numbers else None
             self._held = Held.describe(self._outputs, items_of, numbers_of, window.ended)
         if window.ended:  # nothing follows: an empty window ends the stream
-            self._ahead = Window(window.number + 1, self.source.get_state())
-            self._ahead.ended = True
+            self._ahead.window = Window(window.number + 1, self.source.get_state(), ended=True)
 
     def next(self) -> U:
         if self._emitted >= len(self._outputs):
-            following = self._ahead or Window(self._window_number + 1, self.source.get_state())
-            self._ahead = None
-            self._arrange(self._read(following), fresh=True)
+            self._arrange(self._ahead.take(self._window_number), fresh=True)
             if not self._outputs:
                 raise StopIteration
         output = self._outputs[self._emitted]
@@ -431,38 +463,14 @@ class WindowStage(Stage[U]):
     def prepare(self) -> None:
         """Read the next window's share for the outputs handed out since the last call, then
         let the source read ahead for what this stage took from it."""
-        if self._emitted > self._prepared and self._window_number >= 0:
-            ahead = self._ahead
-            if ahead is None:
-                ahead = self._ahead = Window(self._window_number + 1, self.source.get_state())
-            if not ahead.closed:
-                # the reading left, spread over the outputs left (those handed out since the last
-                # call included; before the first call, outputs went out with nothing read ahead)
-                handed = self._emitted - self._prepared if self._primed else 1
-                left = self._expected(ahead.number) - len(ahead.items)
-                self._read(
-                    ahead, len(ahead.items) + math.ceil(left * handed / (handed + len(self._outputs) - self._emitted))
-                )
-            self._prepared = self._emitted
-            self._primed = True
+        self._ahead.prepare(self._window_number, self._emitted, len(self._outputs), self._expected)
         self.source.prepare()
 
     def read_further(self, until: float) -> bool:
-        """Read the next window (the first, before any output), an item at a time (the source
-        reading its share ahead for each, so that no item it hands out waits for its next
-        window), until the window closes or ``until`` comes; then let the source read further
-        in the time left. True once the window is read."""
-        ahead = self._ahead
-        if ahead is None:
-            ahead = self._ahead = Window(self._window_number + 1, self.source.get_state())
-        while not ahead.closed and time.perf_counter() < until:
-            self._read(ahead, len(ahead.items) + 1)
-            self.source.prepare()
-        self.source.read_further(until)
-        return ahead.closed
+        return self._ahead.further(self._window_number, until)
 
     def reading_done(self) -> bool:
-        return self._ahead is not None and self._ahead.ended
+        return self._ahead.window is not None and self._ahead.window.ended
 
     def stats(self) -> dict[str, int]:
         """The source's counters where the current window ended (what the next window read
@@ -484,7 +492,7 @@ class WindowStage(Stage[U]):
             self._unread(unread)
             return self.pending()
         waiting = [item for output in self._outputs[self._emitted :] for item in self.held(output)]  # type: ignore[arg-type]
-        ahead = [self.unwrap(item) for item in self._ahead.items] if self._ahead is not None else []
+        ahead = [self.unwrap(item) for item in self._ahead.window.items] if self._ahead.window is not None else []
         return waiting + ahead + self.source.pending()
 
     def get_state(self) -> State:
@@ -495,3 +503,19 @@ class WindowStage(Stage[U]):
         if self._held is not None:
             state["end"], state["held"] = self._window_end, self._held
         return state
+
+
+def read_again(
+    held: Held, outputs: list, index: int, replay: Callable[[list[Origin]], list[Any]], rebuild: Callable
+) -> None:
+    """Read again the ``outputs`` not handed out from ``index`` on, from their origins in
+    ``held``, up to REPLAY_BATCH items at a time (the first output whatever its size)."""
+    stop, origins = index, []
+    while stop < len(outputs) and outputs[stop] is _UNREAD and (stop == index or len(origins) < REPLAY_BATCH):
+        origins.extend(held.origins(stop))
+        stop += 1
+    items = replay(origins)
+    for number in range(index, stop):
+        count = held.count_of(number)
+        numbers = held.extra_of(number) if held.extra is not None else None
+        outputs[number], items = rebuild(items[:count], numbers), items[count:]

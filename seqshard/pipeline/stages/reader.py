@@ -100,30 +100,31 @@ def _check_local_size(shard: ShardInfo) -> None:
 
 
 class _OpenUnit:
-    """One unit being read: a stream per field file, advanced together."""
+    """One unit being read: a stream per field file of ``field_sets`` of ``shard``, advanced
+    together, from ``offsets`` (where sample ``ordinal`` begins in each)."""
 
     def __init__(
         self,
         index: int,
         unit: Unit,
-        files: Sequence[tuple[str, str]],
+        shard: ShardInfo,
+        field_sets: Sequence[str],
         offsets: Sequence[int],
         ordinal: int,
-        expected: int | None,
         read_ahead: bool,
-        key_ranges: Sequence[tuple[str, str] | None],
         access: RemoteAccess | None,
         path_root: str | None = None,
     ):
         self.index = index
         self.unit = unit
-        self.sets = [name for name, _ in files]
-        self.expected = expected  # samples the shard's index promises, when indexed
-        self.key_ranges = list(key_ranges)  # each file's (first key, last key), when its index records them
-        self.last_keys: list[str | None] = [None] * len(files)  # the last key read from each file
+        self.sets = list(field_sets)
+        self.expected = shard.num_utts  # samples the shard's index promises, when indexed
+        self.key_ranges = [shard.key_range(name) for name in field_sets]  # (first key, last key), when recorded
+        self.last_keys: list[str | None] = [None] * len(field_sets)  # the last key read from each file
         self.streams: list[AnyStream] = []
         try:
-            for (_, path), offset in zip(files, offsets):
+            for name, offset in zip(field_sets, offsets):
+                path = shard.file_of(name)
                 self.streams.append(
                     open_samples(path, offset, ordinal, read_ahead=read_ahead, access=access, path_root=path_root)
                 )
@@ -320,18 +321,8 @@ class ShardReader(Stage[Sample]):
         shard = self.table.shards[unit.shard]
         if self.skip is None and MAIN in self.field_sets:  # skipping, the intact samples are read, the rest counted
             _check_local_size(shard)
-        ranges = [shard.key_range(name) for name in self.field_sets]
         return _OpenUnit(
-            index,
-            unit,
-            self._files(unit),
-            offsets,
-            ordinal,
-            shard.num_utts,
-            self.read_ahead,
-            ranges,
-            self.access,
-            self.path_root,
+            index, unit, shard, self.field_sets, offsets, ordinal, self.read_ahead, self.access, self.path_root
         )
 
     def _close_all(self) -> None:
@@ -433,24 +424,23 @@ class ShardReader(Stage[Sample]):
             )
         self._counts[DUPLICATE_KEYS] += len(repeats)
 
-    def _count_table(self, slot: _OpenUnit) -> None:
-        if slot.damaged_table():
-            self._counts[f"{DAMAGED_TABLE}{slot.unit.shard}"] = 1  # by shard, as damaged shards are
+    def _count_table(self, *slots: _OpenUnit) -> dict[str, int]:
+        """Count the shards of ``slots`` whose member table disagreed; the counters."""
+        for slot in slots:
+            if slot.damaged_table():
+                self._counts[f"{DAMAGED_TABLE}{slot.unit.shard}"] = 1  # by shard, as damaged shards are
+        return self._counts
 
     def get_state(self) -> State:
-        for slot in self._slots:
-            self._count_table(slot)
         return {
             "next": self._next_unit,
             "turn": self._turn,
             "open": [slot.position() for slot in self._slots] or list(self._restored),
-            "counts": dict(self._counts),
+            "counts": dict(self._count_table(*self._slots)),
         }
 
     def stats(self) -> dict[str, int]:
-        for slot in self._slots:
-            self._count_table(slot)
-        return dict(self._counts)
+        return dict(self._count_table(*self._slots))
 
     def fetcher(self) -> SampleFetcher:
         """A stage that reads this reader's samples again one by one, from their origins."""
