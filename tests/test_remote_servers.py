@@ -344,27 +344,34 @@ def _stopped_within(url, bound=BOUND, **options):
     return str(raised.value)
 
 
-def test_a_trickled_index_json_stalls_within_a_few_timeouts(packed):
+@pytest.mark.parametrize(
+    ("trickled", "url", "said"),
+    [
+        (
+            "index.json",
+            "",
+            r"/shards/index\.json: reading failed after 2 attempts: stalled: \d+ bytes received in [\d.]+ s, "
+            r"\d+ of them in the last 0\.5 s.*lower remote_min_rate=65536",
+        ),
+        (
+            "data-00000.tar headers",
+            "data-00000.tar?sig=1",
+            r"data-00000\.tar\?sig=\*\*\*: asking its size failed after 2 attempts: stalled: nothing of the answer's body came",
+        ),
+    ],
+    ids=["index.json", "size request"],
+)
+def test_a_trickled_answer_stalls_within_a_few_timeouts(packed, trickled, url, said):
     """Issue 30 item 11: a folder's index.json a byte every 0.2 s hung the loader (its deadline
-    was its largest size, 64 MB, at remote_min_rate: 257 s), as did every request but a shard's."""
-    with ShardServer(packed.parent) as server:
-        server.faults["index.json"] = ["trickle:0.2"] * 2
-        text = _stopped_within(f"{server.url}/shards/", **QUICK)
-    assert "/shards/index.json: reading failed after 2 attempts: stalled: " in text
-    assert re.search(r"stalled: \d+ bytes received in [\d.]+ s, \d+ of them in the last 0.5 s", text)
-    assert "lower remote_min_rate=65536" in text
-
-
-def test_a_trickled_size_request_stalls(packed):
-    """A shard without an index entry (a signed URL) has its size asked: a HEAD whose headers
+    was its largest size, 64 MB, at remote_min_rate: 257 s), as did every request but a shard's;
+    a shard without an index entry (a signed URL) has its size asked: a HEAD whose headers
     trickle (each byte within remote_timeout of the last) went on for as long as they lasted."""
-    name = shard_names(packed)[0]
     with ShardServer(packed.parent) as server:
-        server.head_faults[name] = ["trickle-headers:0.2"] * 2
-        text = _stopped_within(f"{server.url}/shards/{name}?sig=1", **QUICK)
-    assert (
-        f"{name}?sig=***: asking its size failed after 2 attempts: stalled: nothing of the answer's body came" in text
-    )
+        name, headers = trickled.removesuffix(" headers"), trickled.endswith(" headers")
+        faults = server.head_faults if headers else server.faults
+        faults[name] = ["trickle-headers:0.2" if headers else "trickle:0.2"] * 2
+        text = _stopped_within(f"{server.url}/shards/{url}", **QUICK)
+    assert re.search(said, text, re.S), text
 
 
 @pytest.mark.parametrize("how", ["ranges", "stream", "cache"])
