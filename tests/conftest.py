@@ -24,6 +24,7 @@ from seqshard.testing import assert_resumes_everywhere  # noqa: F401 (shared wit
 REALDATA = Path(__file__).parent / "realdata"
 
 _RECORDERS: list[list[str]] = []  # the lists of files_opened() now recording
+_HOOKED: list[bool] = []  # whether the audit hook is installed in this process
 
 
 def _record_open(event: str, args: tuple) -> None:
@@ -32,13 +33,13 @@ def _record_open(event: str, args: tuple) -> None:
             opened.append(os.fsdecode(args[0]))
 
 
-sys.addaudithook(_record_open)  # (an audit hook stays for the process's life: it records only when asked)
-
-
 @contextlib.contextmanager
 def files_opened() -> Iterator[list[str]]:
     """The paths this process opens in the ``with`` block (Python's audit event ``open``: every
     ``open()``, ``os.open()``, ``io.open_code()``), in order."""
+    if not _HOOKED:  # once, in a test process that needs it: a hook stays for the process's life
+        sys.addaudithook(_record_open)
+        _HOOKED.append(True)
     opened: list[str] = []
     _RECORDERS.append(opened)
     try:
