@@ -5,7 +5,8 @@ stage restored from the state saved there (through JSON) yields exactly the rest
 uninterrupted run, also when its windows are restored from what they held, without reading them
 again (``pipeline/workers/replay.py``). :class:`ListSource` is a resumable source of given items
 to test with. :func:`collectives_made` counts the collectives a shard loader's ranks made (the
-multi-rank tests hold them to a few an epoch).
+multi-rank tests hold them to a few an epoch). :func:`worker_setup` and :func:`batch_slots` give
+what a shard loader's readers are built from and the shared memory their batches travel in.
 """
 
 from __future__ import annotations
@@ -113,3 +114,16 @@ def collectives_made(loader: Any) -> int:
     """How many collectives this process's rank has taken part in for ``loader`` (a shard
     loader: its epoch agreements, summaries, state gathers); 0 with one rank."""
     return loader.collectives.calls
+
+
+def worker_setup(loader: Any) -> Any:
+    """What a shard loader's readers are built from (``pipeline/workers/setup.py``: its table,
+    options and fields): ``Reader(worker_setup(loader), rank, worker)`` is the reader a recipe
+    gets, to test a recipe or stage of your own over real shards."""
+    return loader._setup
+
+
+def batch_slots(loader: Any) -> Any:
+    """The shared memory a shard loader's workers write batches into
+    (``pipeline/workers/transfer.py``'s ``BatchSlots``); None without shared slots."""
+    return loader._pool.runtime.slots

@@ -9,6 +9,9 @@ import os
 # them take turns (set before anything imports torch, so that subprocesses inherit it too).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import contextlib
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,6 +22,30 @@ import pytest
 from seqshard.testing import assert_resumes_everywhere  # noqa: F401 (shared with the tests)
 
 REALDATA = Path(__file__).parent / "realdata"
+
+_RECORDERS: list[list[str]] = []  # the lists of files_opened() now recording
+_HOOKED: list[bool] = []  # whether the audit hook is installed in this process
+
+
+def _record_open(event: str, args: tuple) -> None:
+    if event == "open" and _RECORDERS and isinstance(args[0], (str, bytes, os.PathLike)):
+        for opened in _RECORDERS:
+            opened.append(os.fsdecode(args[0]))
+
+
+@contextlib.contextmanager
+def files_opened() -> Iterator[list[str]]:
+    """The paths this process opens in the ``with`` block (Python's audit event ``open``: every
+    ``open()``, ``os.open()``, ``io.open_code()``), in order."""
+    if not _HOOKED:  # once, in a test process that needs it: a hook stays for the process's life
+        sys.addaudithook(_record_open)
+        _HOOKED.append(True)
+    opened: list[str] = []
+    _RECORDERS.append(opened)
+    try:
+        yield opened
+    finally:
+        _RECORDERS.remove(opened)
 
 
 @dataclass

@@ -121,8 +121,8 @@ def imports_of(source: str, package: str) -> set[Path]:
             for alias in node.names:
                 if module_file(f"{module}.{alias.name}") is not None:
                     found.add(module_file(f"{module}.{alias.name}"))
-                elif module == "seqshard" and alias.name in seqshard._EXPORTS:
-                    found.add(module_file(seqshard._EXPORTS[alias.name]))
+                elif module == "seqshard" and alias.name in seqshard.__all__:  # where the object is defined
+                    found.add(module_file(getattr(getattr(seqshard, alias.name), "__module__", "seqshard")))
                 else:
                     found.add(module_file(module))
     found.discard(None)

@@ -186,35 +186,35 @@ def test_a_slot_goes_back_to_its_worker_only_when_the_copy_reading_it_is_done():
     held.hold(events[1], host)
     del host
     held.release_done()
-    assert slots._marks[first] == slots._marks[second] == LEASED  # both copies still running
+    assert slots.mark(first) == slots.mark(second) == LEASED  # both copies still running
     events[1].done = True
     held.release_done()  # the later copy is done, but copies complete in order: nothing is let go
-    assert len(held) == 2 and slots._marks[first] == LEASED
+    assert len(held) == 2 and slots.mark(first) == LEASED
     events[0].done = True
     held.release_done()  # (a slot is freed as its last tensor goes: no garbage collection needed)
-    assert len(held) == 0 and slots._marks[first] == slots._marks[second] == FREE
+    assert len(held) == 0 and slots.mark(first) == slots.mark(second) == FREE
     third, host = _leased_batch(slots)
     held.hold(_Event(), host)
     del host
     held.release_all()  # the end of an iteration waits for the copies still running
-    assert slots._marks[third] == FREE
+    assert slots.mark(third) == FREE
 
 
 def test_a_pinned_slot_let_go_by_training_waits_for_its_fence():
     slots = BatchSlots(1, 2, 1 << 10, multiprocessing.get_context())
-    slots._pinned = True  # as after cudaHostRegister: the user's own non_blocking copy may still read the slot
+    slots.pinned = True  # as after cudaHostRegister: the user's own non_blocking copy may still read the slot
     fence = _Event()
     arena = slots.acquire(0, 64, iteration=1)
     place = arena.describe(arena.allocate((4,), np.dtype(np.float32)))
     tensors = {"x": place}
     slots.receive(arena.slot, tensors, pin=True, fence=lambda: fence)
-    assert tensors["x"].data_ptr() == slots._buffer.data_ptr() + arena.slot * slots.slot_bytes
+    assert tensors["x"].data_ptr() == slots.address(arena.slot)
     del tensors
     slots.reclaim()
-    assert slots._marks[arena.slot] == LEASED
+    assert slots.mark(arena.slot) == LEASED
     fence.done = True
     slots.reclaim()
-    assert slots._marks[arena.slot] == FREE
+    assert slots.mark(arena.slot) == FREE
 
 
 def test_the_next_copy_starts_before_a_batch_is_handed_over_and_the_first_at_once():

@@ -38,7 +38,7 @@ from seqshard.pipeline.stages.shuffle import WindowShuffle
 from seqshard.pipeline.workers import worker
 from seqshard.pipeline.workers.recipe import SHUFFLE_GROWTH, SORT_GROWTH
 from seqshard.pipeline.workers.runtime import WorkerRuntime
-from seqshard.testing import ListSource
+from seqshard.testing import ListSource, worker_setup
 
 STATE_V2 = Path(__file__).parent / "data" / "state-v2"
 WINDOWS = dict(sort_window=320, shuffle_window=320)  # large enough for the first ones to be smaller
@@ -112,13 +112,6 @@ class Preparing(Stage):
             self.source.read_further(math.inf)
         return output
 
-    def get_state(self):
-        return self.source.get_state()
-
-    def reset(self, state=None):
-        self._started = True
-        self.source.reset(state)
-
 
 def growing(samples, prepare=True, further=False):
     stage = SortBatch(
@@ -143,7 +136,10 @@ def test_reading_ahead_changes_no_batch_and_resumes_everywhere(further):
         next(stage)
     sort = stage.source
     held = [s.key for s in sort.pending()]  # taken from the source, not handed out: an elastic resume's
-    waiting = sum(len(b.samples) for b in sort._outputs[sort._emitted :])
+    unprepared = growing(samples, prepare=False)  # the same batches, each window read as the last one runs out
+    for _ in range(40):
+        next(unprepared)
+    waiting = len(unprepared.pending())
     rest = [s.key for b in stage for s in b.samples]
     assert len(set(held)) == len(held) > waiting and set(held) <= set(rest)  # the next window read ahead too
 
@@ -213,13 +209,12 @@ def test_reading_further_keeps_the_sources_next_window_read_in_step(monkeypatch)
     assert most <= 5, most  # was 298
 
 
-def read_while_waiting(pattern, in_worker_process, monkeypatch):
+def read_while_waiting(pattern, in_worker_process):
     """Samples a reader has read by its 10th batch, whose consumer takes one every 20 ms (windows
     of 25 batches, the first of them full)."""
-    monkeypatch.setattr(worker, "_SETTLED", True, raising=False)  # no gc.freeze in the test's own process
     counter = Counted()
     options = dict(batch_size=4, sort_window=100, shuffle_window=100, grow_windows=False, transforms=[counter])
-    setup = make_loader(pattern, num_workers=0, **options)._setup
+    setup = worker_setup(make_loader(pattern, num_workers=0, **options))
     run = worker.ReaderRun(setup, WorkerRuntime(None), 0, 0, {"state": None, "seq": 0}, in_worker_process)
     for _ in range(10):
         run.item(run.make(), 0)
@@ -228,27 +223,26 @@ def read_while_waiting(pattern, in_worker_process, monkeypatch):
     return counter.seen
 
 
-def test_a_worker_reads_the_next_window_while_its_consumer_computes(five_hundred, monkeypatch):
+def test_a_worker_reads_the_next_window_while_its_consumer_computes(five_hundred):
     """A reader read the next window a share per batch, so it was read only as the current one
     ran out: any batch slower than the rest at a window's end (a collection, a slow shard)
     left the queue empty. A worker now reads on for half of what it waited between its last
     batches: the next window is read after a few batches of the current one."""
     # shuffle windows of 100 read ahead as the sort windows take them: the first two for the first
     # sort window, then 10 shares of the next ones; waiting, the next sort and shuffle windows whole
-    assert read_while_waiting(five_hundred.pattern, False, monkeypatch) == 240
-    assert read_while_waiting(five_hundred.pattern, True, monkeypatch) == 300
+    assert read_while_waiting(five_hundred.pattern, False) == 240
+    assert read_while_waiting(five_hundred.pattern, True) == 300
 
 
-def test_a_persistent_worker_reads_the_next_epochs_first_window_in_its_spare_time(five_hundred, monkeypatch):
+def test_a_persistent_worker_reads_the_next_epochs_first_window_in_its_spare_time(five_hundred):
     """A persistent worker made the next epoch's first batches in the time it would wait, one
     batch at a time: the first read the epoch's first windows whole, in one go (a small epoch's
     first window holds a quarter of a full one now). It now reads that window on in spare time,
     a little after each batch once its own reading is done, before it makes those batches; the
     batches are the epoch's as a fresh run makes them."""
-    monkeypatch.setattr(worker, "_SETTLED", True, raising=False)  # no gc.freeze in the test's own process
     counter = Counted()
     options = dict(batch_size=4, sort_window=400, shuffle_window=100, transforms=[counter], persistent_workers=True)
-    setup = make_loader(five_hundred.pattern, num_workers=1, **options)._setup
+    setup = worker_setup(make_loader(five_hundred.pattern, num_workers=1, **options))
     runtime = WorkerRuntime(None)
     run = worker.ReaderRun(setup, runtime, 0, 0, {"state": None, "seq": 0}, True)
     batches = 0
@@ -502,18 +496,18 @@ def test_an_epochs_start_neither_walks_the_plan_nor_draws_orders_and_len_still_c
         function = getattr(counts, name)
         return lambda *args: calls.append(name) or function(*args)
 
-    for name in ("_walked", "_drawn_counts"):
+    for name in ("walked_count", "drawn_counts"):
         monkeypatch.setattr(counts, name, counted(name))
     loader = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, **WINDOWS)
     batches = sum(1 for _ in loader)
     assert not calls
     loader.set_epoch(0)  # len() after an epoch counts the next one's
-    assert len(loader) == batches and calls == ["_walked"]
+    assert len(loader) == batches and calls == ["walked_count"]
     large = make_loader(five_hundred.pattern, batch_frames=60, num_workers=0, sort_window=64, shuffle_window=64)
     monkeypatch.setattr(counts, "EXACT_UTTS", 100)  # too many to walk: bounds drawn over orders of lengths
     sum(1 for _ in large)
-    assert calls == ["_walked"]
-    assert not large.planned_batches().exact and "_drawn_counts" in calls[1:]
+    assert calls == ["walked_count"]
+    assert not large.planned_batches().exact and "drawn_counts" in calls[1:]
 
 
 def test_a_batch_from_a_worker_costs_the_training_process_a_few_calls(five_hundred):

@@ -174,25 +174,36 @@ def test_a_hostile_cell_is_a_counted_skip_never_garbage_or_a_traceback(tmp_path,
     assert list(packed(tmp_path / "out")) == ["b"]
 
 
-def test_ids_texts_and_fields_that_are_lists_or_bytes_are_refused_not_their_str():
+@pytest.mark.parametrize(
+    ("column", "cells", "message", "reason"),
+    [
+        ("id", [[1], [2]], r"its id \(column id\) is \[1\], not a string", "bad_key"),
+        ("id", [{"a": 1}, {"a": 2}], r"its id \(column id\) is .*'a': 1.*, not a string", "bad_key"),
+        ("id", [1.5, 2.5], r"its id \(column id\) is 1\.5, not a string", "bad_key"),
+        ("id", [True, False], r"its id \(column id\) is True, not a string", "bad_key"),
+        ("text", [["x", "y"], ["z"]], r"its text \(column text\) is \['x', 'y'\], not a string", "bad_label"),
+    ],
+    ids=["list id", "struct id", "float id", "bool id", "list text"],
+)
+def test_ids_and_texts_that_are_lists_or_bytes_are_refused_not_their_str(tmp_path, column, cells, message, reason):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = {"id": ["a", "b"], "audio": [{"bytes": _wav(1600), "path": "a.wav"}] * 2, "text": ["ok", "ok"]}
+    pq.write_table(pa.table({**rows, column: cells}), tmp_path / "x.parquet")
+    with pytest.raises(InputError, match=r"x\.parquet, batch 0, row 0: " + message) as error:
+        pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "x.parquet"), progress=False)
+    assert error.value.reason == reason
+
+
+def test_number_ids_and_texts_pack_as_their_strings_and_fields_refuse_what_json_cannot_hold(tmp_path):
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     from seqshard.errors import Where
-    from seqshard.prep.hf_source import _check_row, _parse_row, _parse_text, _row
     from seqshard.prep.sources import field_members
 
-    def line(key, text):
-        return json.dumps(_row(key, text, ("id", "text"), [0, 0, 3], Path("x.parquet"))).encode()
-
+    audio = [{"bytes": _wav(1600), "path": "a.wav"}] * 2
+    pq.write_table(pa.table({"id": [7, 8], "audio": audio, "text": [12, 13]}), tmp_path / "x.parquet")
+    pack_data(None, None, tmp_path / "out", hf=str(tmp_path / "x.parquet"), progress=False)
+    assert {key: text for key, (_, text) in packed(tmp_path / "out").items()} == {"7": "12", "8": "13"}
     where = Where("rows.jsonl", 4)
-    assert _parse_row(line(7, 12), where, True)[0] == "7" and _parse_text(line(7, 12), where, False) == ("7", "12")
-    for bad in ([1], {"a": 1}, 1.5, True):
-        with pytest.raises(
-            InputError, match=r"x\.parquet, batch 0, row 3: its id \(column id\) is .*, not a string"
-        ) as error:
-            _check_row(_parse_row(line(bad, "t"), where, True)[1], where)
-        assert error.value.reason == "bad_key"
-    with pytest.raises(InputError, match=r"its text \(column text\) is \['x', 'y'\], not a string") as error:
-        _parse_text(line("a", ["x", "y"]), where, False)
-    assert error.value.reason == "bad_label"
     assert field_members({"s": [1, "x"]}, ["s", "t"], where) == [("s.json", [b'[1, "x"]']), ("t.nodata", [b""])]
     for bad in (b"\xff", float("inf"), {"x": float("nan")}):
         with pytest.raises(InputError, match=r"field 's' is .*, which JSON cannot hold") as error:

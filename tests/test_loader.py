@@ -180,7 +180,10 @@ def test_fewer_shards_than_readers_leaves_no_reader_idle(tmp_path):
     loader = make_loader(packed.pattern, batch_size=2, num_workers=3, **SMALL)
     keys = [k for b in loader for k in b["keys"]]
     assert sorted(keys) == sorted(packed.data.keys)
-    assert all(w.pulled > 0 for w in loader._cursor.position.workers)  # each worker read a third
+    workers = loader.state_dict()["ranks"]["0"]["workers"]
+    assert [w["stats"]["utts_read"] for w in workers] == [6, 6, 6] and all(
+        w["pulled"] > 0 for w in workers
+    )  # a third each
     (packed.out / "index.json").unlink()  # unindexed: readers take every 3rd utterance
     keys = [k for b in make_loader(packed.pattern, batch_size=2, num_workers=3, **SMALL) for k in b["keys"]]
     assert sorted(keys) == sorted(packed.data.keys)

@@ -17,6 +17,7 @@ from seqshard import keep_if, make_loader, make_token_loader
 from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.protocol import Loader
 from seqshard.scp_dataset import MapStyleLoader, ScpDataset
+from seqshard.testing import worker_setup
 
 
 @pytest.fixture(scope="module")
@@ -180,10 +181,10 @@ def test_the_bounds_of_budget_batches_read_every_shard_s_lengths_at_once_as_one_
     from seqshard.pipeline.rank import counts
 
     loader = make_loader(sixty["bare"], batch_frames=400, num_workers=2, **limits)
-    setup, lengths = loader._setup, loader.table.lengths
+    setup, lengths = worker_setup(loader), loader.table.lengths
     shortest, longest = loader.options.limits.min_frames or 1, loader.options.limits.max_frames or np.inf
     if loader.options.batching.oversize == "drop":
-        longest = min(longest, counts._longest_fitting(counts.batch_cost(loader.options.batching)))
+        longest = min(longest, counts.longest_fitting(counts.batch_cost(loader.options.batching)))
     units = [*setup.units(0, 1), Unit(2, 3, 9, 2), Unit(4, 0, 1), Unit(5, 7), Unit(0, 10)]
 
     def one_by_one():
@@ -203,7 +204,7 @@ def test_the_bounds_of_budget_batches_read_every_shard_s_lengths_at_once_as_one_
             high.update(possible[::-1][:taken])
         return low, high
 
-    found = counts._bracket(setup, units)
+    found = counts.length_bounds(setup, units)
     assert [Counter(dict(zip(*(side.tolist() for side in bound)))) for bound in found] == list(one_by_one())
 
 

@@ -20,6 +20,7 @@ from conftest import write_kaldi_dir
 from seqshard import make_loader, pack_data
 from seqshard.errors import InputError, ShardError
 from seqshard.formats.remote import access as remote
+from seqshard.options import Remote
 from seqshard.tools.verify import verify
 
 OPTIONS = dict(batch_size=4, shuffle_window=16, sort_window=8, seed=1)
@@ -36,18 +37,26 @@ def packed(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def medium(tmp_path_factory):
-    """3 shards of about 250 KB, read in requests of 64 KB (:func:`in_small_requests`)."""
+    """3 shards of about 250 KB, read in requests of 64 KB (:func:`small_requests`)."""
     root = tmp_path_factory.mktemp("medium")
     data = write_kaldi_dir(root / "kaldi", speakers=3, per_speaker=30, dim=80, frames=(20, 30))
     pack_data(data.scp, data.text, root / "shards", utts_per_file=30, progress=False)
     return root / "shards"
 
 
-def in_small_requests(loader):
-    """The loader, reading remote shards in requests of 64 KB (8 MB by default), so that each
-    shard takes several."""
-    loader._access.chunk_bytes = 64 << 10  # the access object its readers (and worker processes) get
-    return loader
+@pytest.fixture
+def small_requests(monkeypatch):
+    """Loaders made in the test read remote shards in requests of 64 KB (8 MB by default), so
+    that each shard takes several (set on the access object a loader's readers, and its worker
+    processes, get)."""
+    make = Remote.access
+
+    def access(self):
+        made = make(self)
+        made.chunk_bytes = 64 << 10
+        return made
+
+    monkeypatch.setattr(Remote, "access", access)
 
 
 def python_http_server(folder):
@@ -97,16 +106,18 @@ def shard_names(folder):
 
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize("cached", [False, True])
-def test_a_plain_web_server_gives_the_local_batches(medium, plain_server, tmp_path, num_workers, cached):
+def test_a_plain_web_server_gives_the_local_batches(
+    medium, plain_server, tmp_path, num_workers, cached, small_requests
+):
     """A server that answers every request with the whole file: with two workers the middle
     shard is split, so a reader starts inside it."""
     options = dict(OPTIONS, num_workers=num_workers, batch_size=8)
     if cached:
         options["cache_dir"] = str(tmp_path / "cache")
     local = batches_of(make_loader(str(medium), **options))
-    by_folder = in_small_requests(make_loader(f"{plain_server}/shards/", **options))
+    by_folder = make_loader(f"{plain_server}/shards/", **options)
     assert_same_batches(batches_of(by_folder), local)
-    braces = in_small_requests(make_loader(f"{plain_server}/shards/data-{{00000..00002}}.tar", **options))
+    braces = make_loader(f"{plain_server}/shards/data-{{00000..00002}}.tar", **options)
     assert_same_batches(batches_of(braces), local)
 
 
@@ -142,13 +153,13 @@ def test_the_top_folder_of_a_pack_with_length_groups_selects_its_groups(tmp_path
         )
 
 
-def test_a_resume_inside_a_shard_on_a_plain_web_server(medium, plain_server, caplog):
+def test_a_resume_inside_a_shard_on_a_plain_web_server(medium, plain_server, caplog, small_requests):
     options = dict(OPTIONS, num_workers=0, batch_size=8)
     local = batches_of(make_loader(str(medium), **options))
-    first = in_small_requests(make_loader(f"{plain_server}/shards/", **options))
+    first = make_loader(f"{plain_server}/shards/", **options)
     done = batches_of(first, steps=5)  # 40 of 90 utterances: inside the second shard
     state = first.state_dict()
-    again = in_small_requests(make_loader(f"{plain_server}/shards/", **options))
+    again = make_loader(f"{plain_server}/shards/", **options)
     again.load_state_dict(state)
     with caplog.at_level(logging.WARNING, "seqshard"):
         rest = batches_of(again)
@@ -157,12 +168,12 @@ def test_a_resume_inside_a_shard_on_a_plain_web_server(medium, plain_server, cap
     assert len(restarts) == 1 and "downloads the shard's first bytes again" in restarts[0]
 
 
-def test_range_support_is_learnt_once_per_server(medium, caplog):
+def test_range_support_is_learnt_once_per_server(medium, caplog, small_requests):
     """One ranged request learns that the server ignores ranges (its body is not read); then
     every shard is read as a stream: one GET each, no retries."""
     names = shard_names(medium)
     with ShardServer(medium.parent, ranges=False) as server, caplog.at_level(logging.INFO, "seqshard"):
-        loader = in_small_requests(make_loader(f"{server.url}/shards/", num_workers=0, **OPTIONS))
+        loader = make_loader(f"{server.url}/shards/", num_workers=0, **OPTIONS)
         assert len(keys_of(loader)) == 90
         gets = [server.gets(name) for name in names]
     assert not [r for r in caplog.records if "retrying" in r.getMessage() and server.url in r.getMessage()]
@@ -323,41 +334,48 @@ QUICK = dict(remote_timeout=0.5, remote_retries=1)  # a stall is met 0.5-0.6 s i
 BOUND = 5.0  # seconds: ten remote_timeouts, for a loaded machine
 
 
-def _stopped_within(url, bound=BOUND, loader=lambda loader: loader, **options):
+def _stopped_within(url, bound=BOUND, **options):
     """The ShardError an epoch from ``url`` ends in, which must come within ``bound`` seconds."""
     started = time.monotonic()
     with pytest.raises((ShardError, InputError)) as raised:
-        keys_of(loader(make_loader(url, num_workers=0, shuffle=False, **OPTIONS, **options)))
+        keys_of(make_loader(url, num_workers=0, shuffle=False, **OPTIONS, **options))
     took = time.monotonic() - started
     assert took < bound, f"{took:.1f} s: {raised.value}"
     return str(raised.value)
 
 
-def test_a_trickled_index_json_stalls_within_a_few_timeouts(packed):
+@pytest.mark.parametrize(
+    ("trickled", "url", "said"),
+    [
+        (
+            "index.json",
+            "",
+            r"/shards/index\.json: reading failed after 2 attempts: stalled: \d+ bytes received in [\d.]+ s, "
+            r"\d+ of them in the last 0\.5 s.*lower remote_min_rate=65536",
+        ),
+        (
+            "data-00000.tar headers",
+            "data-00000.tar?sig=1",
+            r"data-00000\.tar\?sig=\*\*\*: asking its size failed after 2 attempts: stalled: nothing of the answer's body came",
+        ),
+    ],
+    ids=["index.json", "size request"],
+)
+def test_a_trickled_answer_stalls_within_a_few_timeouts(packed, trickled, url, said):
     """Issue 30 item 11: a folder's index.json a byte every 0.2 s hung the loader (its deadline
-    was its largest size, 64 MB, at remote_min_rate: 257 s), as did every request but a shard's."""
-    with ShardServer(packed.parent) as server:
-        server.faults["index.json"] = ["trickle:0.2"] * 2
-        text = _stopped_within(f"{server.url}/shards/", **QUICK)
-    assert "/shards/index.json: reading failed after 2 attempts: stalled: " in text
-    assert re.search(r"stalled: \d+ bytes received in [\d.]+ s, \d+ of them in the last 0.5 s", text)
-    assert "lower remote_min_rate=65536" in text
-
-
-def test_a_trickled_size_request_stalls(packed):
-    """A shard without an index entry (a signed URL) has its size asked: a HEAD whose headers
+    was its largest size, 64 MB, at remote_min_rate: 257 s), as did every request but a shard's;
+    a shard without an index entry (a signed URL) has its size asked: a HEAD whose headers
     trickle (each byte within remote_timeout of the last) went on for as long as they lasted."""
-    name = shard_names(packed)[0]
     with ShardServer(packed.parent) as server:
-        server.head_faults[name] = ["trickle-headers:0.2"] * 2
-        text = _stopped_within(f"{server.url}/shards/{name}?sig=1", **QUICK)
-    assert (
-        f"{name}?sig=***: asking its size failed after 2 attempts: stalled: nothing of the answer's body came" in text
-    )
+        name, headers = trickled.removesuffix(" headers"), trickled.endswith(" headers")
+        faults = server.head_faults if headers else server.faults
+        faults[name] = ["trickle-headers:0.2" if headers else "trickle:0.2"] * 2
+        text = _stopped_within(f"{server.url}/shards/{url}", **QUICK)
+    assert re.search(said, text, re.S), text
 
 
 @pytest.mark.parametrize("how", ["ranges", "stream", "cache"])
-def test_a_body_below_the_rate_stalls_whatever_its_size(medium, tmp_path, how):
+def test_a_body_below_the_rate_stalls_whatever_its_size(medium, tmp_path, how, small_requests):
     """A 250 KB shard at 2 KB/s, below remote_min_rate=20000: its deadline grew with its size
     (2 x 0.5 s + 250 KB at 20 KB/s: 13.5 s a try); now a window of remote_timeout ends it, read
     by ranges, as a stream (a server that ignores ranges) or fetched whole into the cache."""
@@ -367,7 +385,7 @@ def test_a_body_below_the_rate_stalls_whatever_its_size(medium, tmp_path, how):
         options["cache_dir"] = str(tmp_path / "cache")
     with ShardServer(medium.parent, ranges=how != "stream") as server:
         server.faults[name] = ["rate:2000"] * 3  # a stream's first answer is a whole file to a range: not read
-        text = _stopped_within(f"{server.url}/shards/{name}", loader=in_small_requests, **options)
+        text = _stopped_within(f"{server.url}/shards/{name}", **options)
     assert f"/shards/{name}: reading bytes 0-65536 failed after 2 attempts: stalled: " in text
     assert "slower than remote_min_rate (20000 bytes/s) over remote_timeout (0.5 s)" in text
     assert not list((tmp_path / "cache").rglob("*.part-*"))

@@ -16,7 +16,7 @@ from seqshard.formats.fields import ABSENT, AudioBytes, decode_field, split_suff
 from seqshard.pipeline.stages.batching import Batch, LengthBudget, SortBatch
 from seqshard.pipeline.stages.collate import Collator, FieldRule, speech_rules
 from seqshard.pipeline.stages.lengths import Length, TotalLength
-from seqshard.testing import ListSource, assert_resumes_everywhere
+from seqshard.testing import ListSource, assert_resumes_everywhere, batch_slots, worker_setup
 
 SMALL = dict(shuffle_window=12, sort_window=8, interleave=2)
 
@@ -191,7 +191,7 @@ def test_transforms_functions_filters_and_user_stages_with_exact_resume(corpus):
 
 def test_a_custom_recipe_and_a_user_stage_resume_everywhere(corpus):
     loader = make_loader(corpus.pattern, batch_size=5, recipe=my_recipe, num_workers=0, **SMALL)
-    setup = loader._setup
+    setup = worker_setup(loader)
     units = setup.units(0, 0)
     assert_resumes_everywhere(lambda: my_recipe(Reader(setup, 0, 0, units=units)))
     assert_resumes_everywhere(lambda: default_recipe(Reader(setup, 0, 0, units=units)))
@@ -250,8 +250,8 @@ def test_epoch_steps_and_hours_cut_epochs_in_any_mode_where_they_make_sense(corp
 
 def test_batches_are_the_shared_memory_the_worker_wrote_and_views_outlive_slot_reuse(corpus):
     loader = make_loader(corpus.pattern, batch_size=3, num_workers=2, prefetch_factor=1, **SMALL)
-    slots = loader._pool.runtime.slots
-    start, end = slots._buffer.data_ptr(), slots._buffer.data_ptr() + slots._buffer.numel()
+    slots = batch_slots(loader)
+    start, end = slots.address(0), slots.address(slots.workers * slots.per_worker)  # the whole ring
     reference = []
     for batch in loader:
         # no copy: the tensors are the slot the worker wrote (feats and labels alike)

@@ -80,7 +80,7 @@ def planned_batches(
         return _stream_estimate(setup, done_steps) if estimate else _unknown("not estimated")
     if resumed is not None:
         return _elastic_rest(setup, resumed, done_steps, epoch, grows, estimate)
-    exact = _walked(setup, epoch, start) if estimate else None
+    exact = walked_count(setup, epoch, start) if estimate else None
     if exact is not None:
         return exact
     plan = plan_epoch(
@@ -104,7 +104,7 @@ def planned_batches(
     return _planned(low, high, done_steps, *_why_not_exact(setup, estimated))
 
 
-def _walked(setup: WorkerSetup, epoch: int, start: RankPosition | None) -> PlannedBatches | None:
+def walked_count(setup: WorkerSetup, epoch: int, start: RankPosition | None) -> PlannedBatches | None:
     """The exact count of a small epoch whose batches the plan knows (member tables with
     lengths, nothing the plan cannot see: ``batch_plan.py``), by walking them; else None."""
     if (setup.table.num_utts or math.inf) > EXACT_UTTS:
@@ -160,7 +160,7 @@ def _reader_batches(
         size = int(options.batching.batch_size)  # type: ignore[arg-type]
         batches = sum(math.ceil(n / size) for n in _fixed_size_windows(setup, count, size, grow))
         return batches, batches, False
-    bracket = _bracket(setup, units)
+    bracket = length_bounds(setup, units)
     if bracket is None:
         return None
     low, high = bracket
@@ -170,7 +170,7 @@ def _reader_batches(
         return _count(_expand(low), cost), _count(_expand(high), cost), False
     if not estimate:
         return None
-    return (*_drawn_counts(setup, low, high, cost, position, grow), True)
+    return (*drawn_counts(setup, low, high, cost, position, grow), True)
 
 
 Certain = tuple[Lengths, int]  # the samples certainly kept (at their bins' low ends), and all the units hold
@@ -180,7 +180,7 @@ def certain_lengths(setup: WorkerSetup, units: Sequence[Unit]) -> Certain | None
     """The samples of ``units`` that are certainly kept (length filters, ``oversize="drop"``),
     each at its bin's low end, and how many samples the units hold; None when their shards'
     index does not say."""
-    bracket = _bracket(setup, units, high=False)
+    bracket = length_bounds(setup, units, high=False)
     count = planned_utts(setup.table, units)
     return None if bracket is None or count is None else (bracket[0], count)
 
@@ -241,7 +241,7 @@ def _sort_window(setup: WorkerSetup) -> BudgetWindow | int:
     return setup.options.batching.sort_window or BudgetWindow()
 
 
-def _bracket(setup: WorkerSetup, units: Sequence[Unit], high: bool = True) -> tuple[Lengths, Lengths] | None:
+def length_bounds(setup: WorkerSetup, units: Sequence[Unit], high: bool = True) -> tuple[Lengths, Lengths] | None:
     """The reader's lengths for each bound: those certainly kept at their lowest, and those
     possibly kept at their highest (see the module docstring; ``high=False``: the first
     alone, the second empty)."""
@@ -249,7 +249,7 @@ def _bracket(setup: WorkerSetup, units: Sequence[Unit], high: bool = True) -> tu
     shortest, longest = options.limits.min_frames or 1, options.limits.max_frames or math.inf
     cost = batch_cost(options.batching)
     if options.batching.oversize == "drop":  # kept only when it fits a batch alone
-        longest = min(longest, _longest_fitting(cost))
+        longest = min(longest, longest_fitting(cost))
     sizes = table.sizes()
     shards, taken = unit_counts(table, units)
     read = taken > 0
@@ -293,7 +293,7 @@ def _measured(setup: WorkerSetup, low: np.ndarray, high: np.ndarray, counts: np.
     return low, high, counts
 
 
-def _longest_fitting(cost: BatchCost) -> float:
+def longest_fitting(cost: BatchCost) -> float:
     """The longest length that fits a batch alone (infinite for a fixed batch size)."""
     low, high = 0, 1
     while cost.fits(1, high):
@@ -324,7 +324,7 @@ def _count(sorted_lengths: np.ndarray, cost: BatchCost) -> int:
     return count_sorted_batches(sorted_lengths.tolist(), cost)  # oversize ones alone (or dropped: not there)
 
 
-def _drawn_counts(
+def drawn_counts(
     setup: WorkerSetup, low: Lengths, high: Lengths, cost: BatchCost, position: tuple[int, ...], grow: Growth | None
 ) -> tuple[int, int]:
     """Bounds for a reader of several windows, from ``DRAWS`` random orders of its lengths at

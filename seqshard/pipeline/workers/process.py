@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import multiprocessing.connection
 import os
 import pickle
@@ -190,7 +191,12 @@ def _settle(setup: WorkerSetup, worker: int) -> None:
     global generators seeded per worker (for transforms that use them). A worker ignores the
     signals a scheduler sends a whole job before it stops it (SIGTERM, SIGUSR1; torchrun and
     Slurm signal every process): its rank decides when to stop (a trainer finishes its step and
-    saves a checkpoint first), and a worker leaves when its rank does."""
+    saves a checkpoint first), and a worker leaves when its rank does.
+
+    The objects alive then (modules, torch's ~170,000, the setup) leave the view of the cyclic
+    garbage collector (``gc.freeze``): its full collections come every few windows of samples;
+    scanning those objects took 60-180 ms each here (7-18 steps of 10 ms, the queue of batches
+    emptied), the reader's own objects take about a millisecond."""
     import torch
 
     for number in (signal.SIGTERM, signal.SIGUSR1):
@@ -200,6 +206,7 @@ def _settle(setup: WorkerSetup, worker: int) -> None:
     seed = (setup.options.shuffling.seed * 1_000_003 + setup.rank * 1_009 + worker) % 2**63
     torch.manual_seed(seed)
     random.seed(seed)
+    gc.freeze()
 
 
 class _NextEpoch:

@@ -125,7 +125,7 @@ class BatchSlots:
         self._leases: list[type] | None = None  # per slot, the class of its leases (made where batches are received)
         self._from_numpy: Any = None  # torch.from_numpy, there
         self.registrations = 0  # times the ring was registered as pinned memory (once at most)
-        self._pinned: bool | None = None  # None: not tried yet
+        self.pinned: bool | None = None  # whether the ring is registered as pinned memory (None: not tried yet)
         # (slot, event): slots training let go, freed once the event has completed
         self._fenced: deque[tuple[int, Any]] = deque()
 
@@ -135,7 +135,7 @@ class BatchSlots:
             "_memory": None,
             "_leases": None,
             "_from_numpy": None,
-            "_pinned": None,
+            "pinned": None,
             "_fenced": deque(),
             "registrations": 0,
         }
@@ -156,6 +156,16 @@ class BatchSlots:
                 self._marks[slot] = iteration
                 return SlotArena(slot, self._slot_memory(slot))
         return None
+
+    def mark(self, slot: int) -> int:
+        """Who holds ``slot``: ``FREE``, ``LEASED`` (the training process, until the last tensor
+        over it goes, or its fence completes), or the iteration its worker collates into it."""
+        return self._marks[slot]
+
+    def address(self, slot: int) -> int:
+        """The address of ``slot``'s first byte (its batches' tensors lie in the slot's
+        ``slot_bytes`` from there: ``tensor.data_ptr()``)."""
+        return self._buffer.data_ptr() + slot * self.slot_bytes
 
     def held_unread(self, slot: int, iteration: int) -> bool:
         """Whether ``slot`` still holds what its worker wrote in ``iteration``, never received."""
@@ -208,12 +218,12 @@ class BatchSlots:
 
     def pin(self) -> bool:
         """Register the whole ring as pinned host memory, once; whether it is pinned."""
-        if self._pinned is None:
-            self._pinned = _register(self._buffer)
-            if self._pinned:
+        if self.pinned is None:
+            self.pinned = _register(self._buffer)
+            if self.pinned:
                 self.registrations += 1
                 weakref.finalize(self, _unregister, self._buffer)
-        return self._pinned
+        return self.pinned
 
     def reclaim(self) -> None:
         """Free the slots whose fence has completed (a slot let go meanwhile waits its turn)."""

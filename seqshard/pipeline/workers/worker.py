@@ -10,8 +10,8 @@ pipeline read ahead (``Stage.prepare``), so that no batch waits for a whole wind
 process it also reads further ahead for half the time it last waited for the consumer
 (``Stage.read_further``), so that the next window is read long before the current one runs out,
 and once its reading is done, a persistent worker reads the next epoch's first window so (its
-pipeline kept in ``runtime.live`` for that epoch's run). The objects alive when a worker's first
-run began are frozen out of the garbage collector's scans (:func:`settle_collector`).
+pipeline kept in ``runtime.live`` for that epoch's run). The objects alive when a worker
+process starts serving are frozen out of the garbage collector's scans (``process._settle``).
 
 Without worker processes, :func:`iterate_worker` runs reader 0 in the training process; with
 them, each worker process runs its reader's runs (``process.py``).
@@ -19,7 +19,6 @@ them, each worker process runs its reader's runs (``process.py``).
 
 from __future__ import annotations
 
-import gc
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -137,8 +136,6 @@ class ReaderRun:
         options = setup.options
         # whether the next epoch's first window is read (a persistent worker reads it in spare time)
         self._next_read = not (in_worker_process and options.workers.persistent_workers) or self.continuing
-        if in_worker_process:
-            settle_collector()
         try:
             pipeline = runtime.live.take(worker, spec["state"]) if self.continuing else None
             read = runtime.live.take_next(worker, epoch) if in_worker_process else None
@@ -256,20 +253,6 @@ class ReaderRun:
         if self.in_worker_process:
             state, stats = pack(state), pack(stats)
         return EndItem(self.worker, self.seq, state, stats)
-
-
-_SETTLED = False
-
-
-def settle_collector() -> None:
-    """Once per worker process: the objects alive now (modules, torch's ~170,000, the setup)
-    leave the view of the cyclic garbage collector (``gc.freeze``). Its full collections come
-    every few windows of samples; scanning those objects took 60-180 ms each here (7-18 steps of
-    10 ms, the queue of batches emptied), the reader's own objects take about a millisecond."""
-    global _SETTLED
-    if not _SETTLED:
-        _SETTLED = True
-        gc.freeze()
 
 
 def iterate_worker(
