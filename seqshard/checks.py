@@ -24,52 +24,29 @@ from .errors import ConfigError, InputError, Where
 MAX_WORKERS = 1024  # worker processes per rank: more is a mistake, not a machine
 MAX_PREFETCH = 256  # batches each worker prepares ahead (each takes a slot of shared memory)
 MAX_BUCKETS = 1024  # length buckets (of calibrate, of bucket_sync): more is a mistake, and each costs a search
+COUNT, INDEX, POSITIVE = dict(whole=True, at_least=1), dict(whole=True, at_least=0), dict(above=0)
 # The rule (check_number's arguments) of every numeric option of pack, the loaders and the token
 # loader, by its name: said once, so a name means one thing with one message everywhere. Whether
 # None is allowed is the caller's (an option whose default is None).
 RULES: dict[str, dict[str, Any]] = {
-    "batch_size": dict(whole=True, at_least=1),
-    "batch_frames": dict(whole=True, at_least=1),
-    "quadratic_frames": dict(above=0),
-    "seed": dict(whole=True, at_least=0),
-    "shuffle_window": dict(whole=True, at_least=1),
-    "sort_window": dict(whole=True, at_least=1),
-    "interleave": dict(whole=True, at_least=1),
-    "min_frames": dict(whole=True, at_least=0),
-    "max_frames": dict(whole=True, above=0),
-    "max_tokens": dict(whole=True, at_least=1),
-    "min_frames_per_token": dict(above=0),
-    "max_frames_per_token": dict(above=0),
+    **dict.fromkeys(("batch_size", "batch_frames", "shuffle_window", "sort_window", "interleave"), COUNT),
+    **dict.fromkeys(("max_frames", "max_tokens", "epoch_steps", "world_size", "utts_per_file"), COUNT),
+    **dict.fromkeys(("max_sentences", "max_positions", "virtual_size", "block_size"), COUNT),  # token loader's
+    **dict.fromkeys(("seed", "min_frames", "channel", "rank", "pad_id", "eos_id", "src_lang_id", "tgt_lang_id"), INDEX),
+    **dict.fromkeys(("quadratic_frames", "min_frames_per_token", "max_frames_per_token", "epoch_hours"), POSITIVE),
+    **{name: {} for name in ("frame_length_ms", "frame_shift_ms", "dither")},  # bounded by FbankOptions
     "pad_label": dict(whole=True),
-    "frame_length_ms": dict(),
-    "frame_shift_ms": dict(),
-    "dither": dict(),
     "noise_prob": dict(at_least=0, at_most=1),
     "max_bad_shards": dict(at_least=0, what="a fraction of the shards (< 1) or a count (>= 1)"),
-    "remote_retries": dict(whole=True, at_least=0, what="a whole number >= 0"),
-    "remote_timeout": dict(above=0, what="a number of seconds > 0"),
-    "remote_min_rate": dict(above=0, what="a number of bytes per second > 0"),
-    "prefetch_factor": dict(whole=True, at_least=1, at_most=MAX_PREFETCH),
+    "remote_retries": dict(INDEX, what="a whole number >= 0"),
+    "remote_timeout": dict(POSITIVE, what="a number of seconds > 0"),
+    "remote_min_rate": dict(POSITIVE, what="a number of bytes per second > 0"),
+    "prefetch_factor": dict(COUNT, at_most=MAX_PREFETCH),
     "timeout": dict(at_least=0, what="a number of seconds >= 0 (0: no limit)"),
-    "epoch_steps": dict(whole=True, at_least=1),
-    "epoch_hours": dict(above=0),
-    "num_buckets": dict(whole=True, at_least=1, at_most=MAX_BUCKETS),
+    "num_buckets": dict(COUNT, at_most=MAX_BUCKETS),
     "resample_to": dict(whole=True, at_least=1000, what="a sample rate in Hz (a whole number >= 1000)"),
-    "channel": dict(whole=True, at_least=0),
     "num_mel_bins": dict(whole=True, at_least=3),  # as Kaldi (upper bound: FbankOptions)
-    "num_workers": dict(whole=True, at_least=0, at_most=MAX_WORKERS),
-    "rank": dict(whole=True, at_least=0),
-    "world_size": dict(whole=True, at_least=1),
-    "utts_per_file": dict(whole=True, at_least=1),  # pack: utterances a shard
-    # the token loader's
-    "max_sentences": dict(whole=True, at_least=1),
-    "max_positions": dict(whole=True, at_least=1),
-    "virtual_size": dict(whole=True, at_least=1),
-    "block_size": dict(whole=True, at_least=1),
-    "pad_id": dict(whole=True, at_least=0),
-    "eos_id": dict(whole=True, at_least=0),
-    "src_lang_id": dict(whole=True, at_least=0),
-    "tgt_lang_id": dict(whole=True, at_least=0),
+    "num_workers": dict(INDEX, at_most=MAX_WORKERS),
 }
 
 
@@ -122,7 +99,7 @@ def check_number(name: str, value: Any, *, what: str | None = None, **rule: Any)
     return _plain(value)
 
 
-def check_option(name: str, value: Any, optional: bool = False) -> int | float | None:
+def check_rule(name: str, value: Any, optional: bool = False) -> int | float | None:
     """``value`` of the numeric option ``name`` checked by its rule in :data:`RULES` (None
     allowed when ``optional``), as :func:`check_number` returns it."""
     return check_number(name, value, optional=optional, **RULES[name])
@@ -137,7 +114,7 @@ def check_fields(options: Any, skip: Collection[str] = ()) -> None:
         if entry.name in skip:
             continue
         if entry.name in RULES:
-            object.__setattr__(options, entry.name, check_option(entry.name, value, entry.default is None))
+            object.__setattr__(options, entry.name, check_rule(entry.name, value, entry.default is None))
         elif entry.type in ("bool", bool):
             check_flag(entry.name, value)
 

@@ -27,16 +27,5 @@ from .pipeline.stages.split import split_batch
 from .pipeline.workers.recipe import Reader, default_recipe, keep_if
 from .seeds import USER_IDS, Seed, stage_rng
 
-__all__ = [
-    "USER_IDS",
-    "Reader",
-    "Sample",
-    "Seed",
-    "ShardTable",
-    "Stage",
-    "default_recipe",
-    "keep_if",
-    "plan_epoch",
-    "split_batch",
-    "stage_rng",
-]
+__all__ = ["USER_IDS", "Reader", "Sample", "Seed", "ShardTable", "Stage", "default_recipe", "keep_if", "plan_epoch"]
+__all__ += ["split_batch", "stage_rng"]

@@ -13,26 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import options
 from .dist import discover
 from .formats.patterns import Patterns
 from .mix import Mux
-from .options import (
-    GROUP_OF,
-    GROUPS,
-    Audio,
-    BadData,
-    Batching,
-    Collation,
-    Epochs,
-    Limits,
-    LoaderOptions,
-    Pipeline,
-    Reading,
-    Remote,
-    Shuffling,
-    Text,
-    Workers,
-)
+from .options import GROUP_OF, GROUPS, LoaderOptions
 from .pipeline.rank.loader import ShardLoader
 from .pipeline.sources import open_sources
 from .protocol import Loader, PlannedBatches
@@ -42,11 +27,12 @@ from .text.tokenizers import Tokenizer, make_tokenizer
 __all__ = ["Loader", "PlannedBatches", "ShardLoader", "make_loader"]
 
 
-class _GroupDefault:
-    """A flat keyword of make_loader not given: its group's default (or the group's given value)."""
+Group = dict[str, Any] | None  # a group's options by name (or the group's class)
 
+
+class _GroupDefault:
     def __repr__(self) -> str:
-        return "<its group's default>"
+        return "<its group's default>"  # a flat keyword not given
 
 
 GROUP_DEFAULT: Any = _GroupDefault()
@@ -65,18 +51,18 @@ def make_loader(
     seed: int = GROUP_DEFAULT,
     num_workers: int | str = GROUP_DEFAULT,
     device: str | None = GROUP_DEFAULT,
-    batching: Batching | dict[str, Any] | None = None,
-    shuffling: Shuffling | dict[str, Any] | None = None,
-    limits: Limits | dict[str, Any] | None = None,
-    text: Text | dict[str, Any] | None = None,
-    reading: Reading | dict[str, Any] | None = None,
-    collation: Collation | dict[str, Any] | None = None,
-    audio: Audio | dict[str, Any] | None = None,
-    pipeline: Pipeline | dict[str, Any] | None = None,
-    bad_data: BadData | dict[str, Any] | None = None,
-    remote: Remote | dict[str, Any] | None = None,
-    workers: Workers | dict[str, Any] | None = None,
-    epochs: Epochs | dict[str, Any] | None = None,
+    batching: options.Batching | Group = None,
+    shuffling: options.Shuffling | Group = None,
+    limits: options.Limits | Group = None,
+    text: options.Text | Group = None,
+    reading: options.Reading | Group = None,
+    collation: options.Collation | Group = None,
+    audio: options.Audio | Group = None,
+    pipeline: options.Pipeline | Group = None,
+    bad_data: options.BadData | Group = None,
+    remote: options.Remote | Group = None,
+    workers: options.Workers | Group = None,
+    epochs: options.Epochs | Group = None,
     **flat: Any,
 ) -> ShardLoader:
     """A loader over the shards named by ``patterns`` (brace + glob, str or list).

@@ -1,13 +1,13 @@
 """The options of :func:`seqshard.make_loader`, in groups, each default in one place, every value
 checked once, when the options are made.
 
-The friendly spelling is flat (``make_loader(..., batch_frames=20000, num_workers=2)``);
-:class:`LoaderOptions` sorts flat keywords into their groups (``options.batching``,
-``options.workers``, ...), and a group may also be given whole
-(``LoaderOptions(workers=Workers(num_workers=4))``). Each group checks its own values (kind,
-finite, range, choices); :class:`LoaderOptions` checks what involves several groups. What
-involves the data (the shards' fields, a tokenizer) is checked once more, when the loader's
-readers are set up (``pipeline/workers/setup.py``).
+A group is given whole, as a dict of its options or as its class
+(``make_loader(..., audio={"features": "fbank"}, workers=Workers(num_workers=4))``); an option
+given alone by its name (``features="fbank"``, as ``hyper-p.json`` gives them) is sorted into its
+group by :data:`GROUP_OF`. Each group checks its own values (numbers by their rule in
+``checks.RULES``, flags, choices); :class:`LoaderOptions` checks what involves several groups.
+What involves the data (the shards' fields, a tokenizer) is checked once more, when the
+loader's readers are set up (``pipeline/workers/setup.py``).
 """
 
 from __future__ import annotations
@@ -581,8 +581,8 @@ SEQUENCES = ("fields", "transforms", "speed_perturb", "noise_snr")  # lists are 
 
 @dataclass(frozen=True, init=False)
 class LoaderOptions:
-    """Every option of a shard loader, by group; made from flat keywords
-    (``LoaderOptions(batch_size=8, num_workers=0)``) or whole groups. ``mixed=True`` for the
+    """Every option of a shard loader, by group; made from whole groups (``workers={"num_workers":
+    0}``, ``workers=Workers(num_workers=0)``) or flat names (``num_workers=0``). ``mixed=True`` for the
     options of a mix (``seqshard.mux``): its stream never runs out, so ``uneven`` is
     ``"repeat"`` and an epoch length is needed."""
 

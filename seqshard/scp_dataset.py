@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .checks import check_flag, check_option
+from .checks import check_flag, check_rule
 from .dist import discover
 from .errors import InputError, SeqshardError, SkipCounter, StateMismatchError
 from .formats.peers.kaldi import MatrixReader, parse_location
@@ -86,7 +86,7 @@ def make_scp_loader(
     import torch.utils.data
 
     for name, value in (("batch_size", batch_size), ("num_workers", num_workers), ("pad_label", pad_label)):
-        check_option(name, value)
+        check_rule(name, value)
 
     dataset = ScpDataset(feats_scp, text, tokenizer, **dataset_options)
     return torch.utils.data.DataLoader(
@@ -122,8 +122,8 @@ class MapStyleLoader:
         context = discover(rank, world_size)
         self.dataset = dataset
         self.tokenizer = dataset.labeler.tokenizer
-        self.batch_size = check_option("batch_size", batch_size)
-        self.num_workers = check_option("num_workers", num_workers)
+        self.batch_size = check_rule("batch_size", batch_size)
+        self.num_workers = check_rule("num_workers", num_workers)
         self.sampler = torch.utils.data.DistributedSampler(
             dataset, context.world_size, context.rank, shuffle=check_flag("shuffle", shuffle), seed=seed
         )

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_fields, check_option
+from ..checks import check_fields, check_rule
 from ..errors import ConfigError
 from ..formats.peers.mmidx import TokenDataset
 from ..seeds import Seed, stage_rng
@@ -76,10 +76,10 @@ def block_rules(
 ) -> BlockRules:
     """The rules of ``make_token_loader(..., block_size=N)``: ``max_tokens // N`` blocks per
     batch (at most ``max_sentences``); ``max_positions``, when given, at least ``N``."""
-    block_size = check_option("block_size", block_size)
-    max_tokens = check_option("max_tokens", max_tokens)
-    max_sentences = check_option("max_sentences", max_sentences, optional=True)
-    max_positions = check_option("max_positions", max_positions, optional=True)
+    block_size = check_rule("block_size", block_size)
+    max_tokens = check_rule("max_tokens", max_tokens)
+    max_sentences = check_rule("max_sentences", max_sentences, optional=True)
+    max_positions = check_rule("max_positions", max_positions, optional=True)
     if max_positions is not None and block_size > max_positions:
         raise ConfigError(f"block_size {block_size} is longer than max_positions {max_positions} (the model's).")
     if max_tokens < block_size:

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..checks import check_flag, check_number, check_option
+from ..checks import check_flag, check_number, check_rule
 from ..device import CudaCopier, check_device, is_cuda, one_ahead, require_device
 from ..dist import Collectives, DistContext, discover
 from ..errors import ConfigError, StateMismatchError
@@ -92,9 +92,9 @@ def make_token_loader(
     ``device="cuda"``: batches come on the GPU, each copied on a side stream while the step
     before it runs (``seqshard/device.py``).
     """
-    check_option("pad_id", pad_id, optional=True)
-    check_option("eos_id", eos_id, optional=True)
-    check_option("num_workers", num_workers)
+    check_rule("pad_id", pad_id, optional=True)
+    check_rule("eos_id", eos_id, optional=True)
+    check_rule("num_workers", num_workers)
     device = check_device("device", device)
     require_device(device)
     context = discover(rank, world_size)
@@ -156,8 +156,8 @@ def _leaves_of(
         leaves, mixed = [pair], None
     for leaf in leaves:
         for pair in _pairs_of(leaf):
-            check_option("src_lang_id", pair.src_lang_id, optional=True)
-            check_option("tgt_lang_id", pair.tgt_lang_id, optional=True)
+            check_rule("src_lang_id", pair.src_lang_id, optional=True)
+            check_rule("tgt_lang_id", pair.tgt_lang_id, optional=True)
     return leaves, mixed
 
 
