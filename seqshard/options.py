@@ -608,7 +608,9 @@ class LoaderOptions:
             if isinstance(given.get(group), dict):  # a group spelled as a dict: its options by name
                 options = given.pop(group)
                 _refuse_unknown(options, GROUPS[group].__dataclass_fields__, f"option(s) of {group}=")  # type: ignore[attr-defined]
-                _refuse_both(group, flat, options)
+                twice = sorted(set(flat) & set(options))
+                if twice:
+                    raise ConfigError(f"give {', '.join(twice)} once: alone, or inside {group}=.")
                 flat.update(options)
         if callable(flat.get("transforms")):
             flat["transforms"] = (flat["transforms"],)  # one transform given alone
@@ -625,7 +627,8 @@ class LoaderOptions:
             made = given.get(group)
             if made is not None and not isinstance(made, kind):
                 raise ConfigError(f"{group}= takes {kind.__name__}(...) or a dict of its options, got {made!r}.")
-            _refuse_both(group, flat, made)
+            if made is not None and mine:  # a group's class holds all its options (each default too)
+                raise ConfigError(f"give {', '.join(sorted(mine))} inside {group}=, or {group}= not at all.")
             object.__setattr__(self, group, made if made is not None else kind(**mine))
         self._check_across()
 
@@ -686,13 +689,6 @@ def _refuse_unknown(given: dict[str, Any], known: Iterable[str], what: str) -> N
         close = [m for name in unknown for m in difflib.get_close_matches(name, list(known), n=1)]
         hint = f" Did you mean {', '.join(close)}?" if close else ""
         raise ConfigError(f"unknown {what}: {', '.join(unknown)}.{hint}")
-
-
-def _refuse_both(group: str, flat: dict[str, Any], made: Any) -> None:
-    """A group given whole and some of its options beside it: which one is meant is unclear."""
-    mine = sorted(name for name in flat if GROUP_OF[name] == group)
-    if made is not None and mine:
-        raise ConfigError(f"give {', '.join(mine)} inside {group}=, or {group}= not at all.")
 
 
 def _check_mixed(flat: dict[str, Any]) -> None:

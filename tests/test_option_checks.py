@@ -16,7 +16,7 @@ from seqshard.errors import ConfigError
 from seqshard.features.fbank import FbankOptions
 from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.formats.tar import ShardWriter
-from seqshard.options import NUMBERS, LoaderOptions
+from seqshard.options import NUMBERS, Batching, LoaderOptions, Workers
 from seqshard.tools.index import rebuild_index
 
 NAN, INF = float("nan"), float("inf")
@@ -332,8 +332,9 @@ def test_a_flat_option_and_its_group_give_the_same_options():
     [
         (dict(featurs="fbank"), r"unknown loader option\(s\): featurs\. Did you mean features\?"),
         (dict(audio={"featurs": "fbank"}), r"unknown option\(s\) of audio=: featurs\. Did you mean features\?"),
-        (dict(audio={"features": "fbank"}, dither=0.1), r"give dither inside audio=, or audio= not at all"),
-        (dict(workers=dict(num_workers=0), num_workers=1), r"give num_workers inside workers=, or workers="),
+        (dict(audio={"features": "fbank"}, features="fbank"), r"give features once: alone, or inside audio="),
+        (dict(workers=dict(num_workers=0), num_workers=1), r"give num_workers once: alone, or inside workers="),
+        (dict(workers=Workers(), num_workers=1), r"give num_workers inside workers=, or workers= not at all"),
         (dict(audio=5), r"audio= takes Audio\(\.\.\.\) or a dict of its options, got 5"),
     ],
 )
@@ -349,3 +350,19 @@ def test_make_loader_takes_the_groups_and_the_options_most_runs_set():
 
     parameters = inspect.signature(make_loader).parameters
     assert len(parameters) <= 24 and set(GROUPS) <= set(parameters)
+
+
+def test_make_loader_takes_a_flat_name_and_its_group_alike(sources):
+    flat = make_loader(sources[0], batch_size=2, num_workers=0, sort_window=4, min_frames=1, skip_bad=True)
+    grouped = make_loader(
+        sources[0],
+        batch_size=2,
+        workers={"num_workers": 0},
+        batching={"sort_window": 4},
+        limits={"min_frames": 1},
+        bad_data={"skip_bad": True},
+    )
+    assert flat.options == grouped.options and flat.options.batching.batch_size == 2
+    assert [b["keys"] for b in flat] == [b["keys"] for b in grouped]
+    with pytest.raises(ConfigError, match=r"give batch_size inside batching=, or batching= not at all"):
+        make_loader(sources[0], batch_size=2, batching=Batching(sort_window=4))
