@@ -55,7 +55,7 @@ cpu = time.process_time()
 started = clock()
 ranked = seqshard.make_loader(folder, num_workers=1, rank=rank, world_size=world)
 made = clock()
-units = seqshard.plan_epoch(ranked.table, 0, 0, world, 1)[rank][0]
+units = seqshard.extend.plan_epoch(ranked.table, 0, 0, world, 1)[rank][0]
 planned = clock()
 counts.planned_batches(ranked._setup, 0, None, estimate=False)  # what an iteration's start counts
 fingerprint = ranked.table.fingerprint()  # what the ranks compare

@@ -14,18 +14,39 @@ from __future__ import annotations
 import json
 import math
 import numbers
+from collections.abc import Collection
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from .errors import ConfigError, InputError, Where
 
 MAX_WORKERS = 1024  # worker processes per rank: more is a mistake, not a machine
-# The rules (check_number's) of numeric options that pack or the token loader take too: said once.
-SHARED_NUMBERS: dict[str, dict[str, Any]] = {
+MAX_PREFETCH = 256  # batches each worker prepares ahead (each takes a slot of shared memory)
+MAX_BUCKETS = 1024  # length buckets (of calibrate, of bucket_sync): more is a mistake, and each costs a search
+COUNT, INDEX, POSITIVE = dict(whole=True, at_least=1), dict(whole=True, at_least=0), dict(above=0)
+# The rule (check_number's arguments) of every numeric option of pack, the loaders and the token
+# loader, by its name: said once, so a name means one thing with one message everywhere. Whether
+# None is allowed is the caller's (an option whose default is None).
+RULES: dict[str, dict[str, Any]] = {
+    **dict.fromkeys(("batch_size", "batch_frames", "shuffle_window", "sort_window", "interleave"), COUNT),
+    **dict.fromkeys(("max_frames", "max_tokens", "epoch_steps", "world_size", "utts_per_file"), COUNT),
+    **dict.fromkeys(("max_sentences", "max_positions", "virtual_size", "block_size"), COUNT),  # token loader's
+    **dict.fromkeys(("seed", "min_frames", "channel", "rank", "pad_id", "eos_id", "src_lang_id", "tgt_lang_id"), INDEX),
+    **dict.fromkeys(("quadratic_frames", "min_frames_per_token", "max_frames_per_token", "epoch_hours"), POSITIVE),
+    **{name: {} for name in ("frame_length_ms", "frame_shift_ms", "dither")},  # bounded by FbankOptions
+    "pad_label": dict(whole=True),
+    "noise_prob": dict(at_least=0, at_most=1),
+    "max_bad_shards": dict(at_least=0, what="a fraction of the shards (< 1) or a count (>= 1)"),
+    "remote_retries": dict(INDEX, what="a whole number >= 0"),
+    "remote_timeout": dict(POSITIVE, what="a number of seconds > 0"),
+    "remote_min_rate": dict(POSITIVE, what="a number of bytes per second > 0"),
+    "prefetch_factor": dict(COUNT, at_most=MAX_PREFETCH),
+    "timeout": dict(at_least=0, what="a number of seconds >= 0 (0: no limit)"),
+    "num_buckets": dict(COUNT, at_most=MAX_BUCKETS),
     "resample_to": dict(whole=True, at_least=1000, what="a sample rate in Hz (a whole number >= 1000)"),
-    "channel": dict(whole=True, at_least=0),
     "num_mel_bins": dict(whole=True, at_least=3),  # as Kaldi (upper bound: FbankOptions)
-    "num_workers": dict(whole=True, at_least=0, at_most=MAX_WORKERS),
+    "num_workers": dict(INDEX, at_most=MAX_WORKERS),
 }
 
 
@@ -76,6 +97,26 @@ def check_number(name: str, value: Any, *, what: str | None = None, **rule: Any)
     if problem is not None:
         raise ConfigError(f"{name} must be {what or problem}, got {value!r}.")
     return _plain(value)
+
+
+def check_rule(name: str, value: Any, optional: bool = False) -> int | float | None:
+    """``value`` of the numeric option ``name`` checked by its rule in :data:`RULES` (None
+    allowed when ``optional``), as :func:`check_number` returns it."""
+    return check_number(name, value, optional=optional, **RULES[name])
+
+
+def check_fields(options: Any, skip: Collection[str] = ()) -> None:
+    """Each field of the frozen dataclass ``options`` (but ``skip``) that is a numeric option
+    checked by its rule (None allowed where the default is None) and kept as a Python number
+    (numpy's too, so states stay JSON); each bool field checked as a flag."""
+    for entry in fields(options):
+        value = getattr(options, entry.name)
+        if entry.name in skip:
+            continue
+        if entry.name in RULES:
+            object.__setattr__(options, entry.name, check_rule(entry.name, value, entry.default is None))
+        elif entry.type in ("bool", bool):
+            check_flag(entry.name, value)
 
 
 class NumberError(ValueError):

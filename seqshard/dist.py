@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from .checks import check_number
+from .checks import check_number, check_rule
 from .errors import ConfigError
 
 
@@ -58,8 +58,8 @@ def spare_cores() -> int:
 def discover(rank: int | None = None, world_size: int | None = None) -> DistContext:
     """Rank and world size: explicit arguments win, then torch.distributed, then torchrun's
     environment, then a single process."""
-    check_number("rank", rank, whole=True, at_least=0, optional=True)
-    check_number("world_size", world_size, whole=True, at_least=1, optional=True)
+    check_rule("rank", rank, optional=True)
+    check_rule("world_size", world_size, optional=True)
     found = DistContext()
     try:
         import torch.distributed as dist

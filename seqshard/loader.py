@@ -13,10 +13,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from . import options
 from .dist import discover
 from .formats.patterns import Patterns
 from .mix import Mux
-from .options import LoaderOptions
+from .options import GROUP_OF, GROUPS, LoaderOptions
 from .pipeline.rank.loader import ShardLoader
 from .pipeline.sources import open_sources
 from .protocol import Loader, PlannedBatches
@@ -26,6 +27,17 @@ from .text.tokenizers import Tokenizer, make_tokenizer
 __all__ = ["Loader", "PlannedBatches", "ShardLoader", "make_loader"]
 
 
+Group = dict[str, Any] | None  # a group's options by name (or the group's class)
+
+
+class _GroupDefault:
+    def __repr__(self) -> str:
+        return "<its group's default>"  # a flat keyword not given
+
+
+GROUP_DEFAULT: Any = _GroupDefault()
+
+
 def make_loader(
     patterns: Patterns | Mux,
     tokenizer: str | Path | Tokenizer | None = None,
@@ -33,7 +45,25 @@ def make_loader(
     labels: str | Path | Sequence[str | Path] | None = None,
     rank: int | None = None,
     world_size: int | None = None,
-    **options: Any,
+    batch_size: int | None = GROUP_DEFAULT,
+    batch_frames: int | None = GROUP_DEFAULT,
+    shuffle: bool = GROUP_DEFAULT,
+    seed: int = GROUP_DEFAULT,
+    num_workers: int | str = GROUP_DEFAULT,
+    device: str | None = GROUP_DEFAULT,
+    batching: options.Batching | Group = None,
+    shuffling: options.Shuffling | Group = None,
+    limits: options.Limits | Group = None,
+    text: options.Text | Group = None,
+    reading: options.Reading | Group = None,
+    collation: options.Collation | Group = None,
+    audio: options.Audio | Group = None,
+    pipeline: options.Pipeline | Group = None,
+    bad_data: options.BadData | Group = None,
+    remote: options.Remote | Group = None,
+    workers: options.Workers | Group = None,
+    epochs: options.Epochs | Group = None,
+    **flat: Any,
 ) -> ShardLoader:
     """A loader over the shards named by ``patterns`` (brace + glob, str or list).
 
@@ -43,30 +73,33 @@ def make_loader(
     ``NAME`` + ``NAME_lens``, numbers stacked, other values listed).
 
     ``tokenizer``: a SentencePiece ``.model`` or a units file (``token id`` per line,
-    ``split="char"`` or ``"word"``, chosen from the units when not given). ``labels``: Kaldi
-    ``text`` file(s) whose labels replace the shards' by key. ``rank``/``world_size``
-    override what ``torch.distributed`` or torchrun's environment say. Other options
-    (groups and defaults in :mod:`seqshard.options`): batching (``batch_size`` or ``batch_frames``,
-    ``quadratic_frames``, ``sort_window``, ``oversize``), randomness (``shuffle``, ``seed``,
-    ``shuffle_window``, ``interleave``), fields (``fields``, ``feature_field``), the
-    pipeline (``transforms``, ``recipe``), filters (``min_frames``, ``max_frames``,
-    ``max_tokens``, ``min_frames_per_token``, ``max_frames_per_token``), labels (``split``,
-    ``strip_spaces``, ``pad_label``), workers (``num_workers``, ``prefetch_factor``,
-    ``persistent_workers``, ``pin_memory``; ``device="cuda"`` hands batches over on the GPU, each
-    copied while the step before runs), bad data (``skip_bad``), and epochs across
-    ranks (``uneven`` = ``"stop"``, ``"repeat"`` or ``"join"``; ``epoch_steps`` or
-    ``epoch_hours``; ``bucket_sync``), audio (``features``, ``feature_device``, ``resample_to``,
-    ...: README).
+    ``text={"split": "char"}`` or ``"word"``, chosen from the units when not given). ``labels``:
+    Kaldi ``text`` file(s) whose labels replace the shards' by key. ``rank``/``world_size``
+    override what ``torch.distributed`` or torchrun's environment say.
+
+    The options most runs set are keywords of their own (``batch_size`` or ``batch_frames``,
+    ``shuffle``, ``seed``, ``num_workers``, ``device="cuda"``: batches handed over on the
+    GPU); every other option belongs to a group, given as a dict of its options or as the
+    group's class from :mod:`seqshard.options` (each field's default and meaning there):
+    ``batching`` (budgets, sort windows, buckets), ``shuffling``, ``limits`` (length and token
+    filters), ``text`` (how label text becomes tokens), ``reading`` (fields), ``collation``,
+    ``audio`` (fbank, resampling, augmentation), ``pipeline`` (``transforms``, ``recipe``),
+    ``bad_data`` (``skip_bad``), ``remote``, ``workers`` and ``epochs`` (``uneven``, epoch
+    length). E.g. ``make_loader(p, batch_frames=20000, audio={"features": "fbank"},
+    epochs={"uneven": "repeat", "epoch_steps": 1000})``. Each option may also be given flat
+    by its name (``features="fbank"``), as ``hyper-p.json`` does.
 
     ``patterns`` may be a :func:`seqshard.mux` of patterns (nested muxes too): each source is
     an endless stream of its own shards, mixed by weights or temperature; the stream goes on
     across epochs, an epoch being ``epoch_steps``, ``epoch_hours`` or ``epoch_source`` (one
     pass's worth of that source's utterances).
     """
-    loader_options = LoaderOptions(mixed=isinstance(patterns, Mux), **options)
+    keywords = locals()  # the flat keywords and groups given, by name
+    given = {n: v for n, v in keywords.items() if (n in GROUP_OF and v is not GROUP_DEFAULT) or (n in GROUPS and v)}
+    loader_options = LoaderOptions(mixed=isinstance(patterns, Mux), **given, **flat)
     context = discover(rank, world_size)
     override = LabelOverride(labels) if labels is not None else None
-    tokenizer = make_tokenizer(tokenizer, loader_options.labels.split)
+    tokenizer = make_tokenizer(tokenizer, loader_options.text.split)
     access = loader_options.remote.access()
     table, mix = open_sources(patterns, loader_options, access)
     return ShardLoader(table, loader_options, context, tokenizer, override, mix, access)

@@ -1,13 +1,13 @@
 """The options of :func:`seqshard.make_loader`, in groups, each default in one place, every value
 checked once, when the options are made.
 
-The friendly spelling is flat (``make_loader(..., batch_frames=20000, num_workers=2)``);
-:class:`LoaderOptions` sorts flat keywords into their groups (``options.batching``,
-``options.workers``, ...), and a group may also be given whole
-(``LoaderOptions(workers=Workers(num_workers=4))``). Each group checks its own values (kind,
-finite, range, choices); :class:`LoaderOptions` checks what involves several groups. What
-involves the data (the shards' fields, a tokenizer) is checked once more, when the loader's
-readers are set up (``pipeline/workers/setup.py``).
+A group is given whole, as a dict of its options or as its class
+(``make_loader(..., audio={"features": "fbank"}, workers=Workers(num_workers=4))``); an option
+given alone by its name (``features="fbank"``, as ``hyper-p.json`` gives them) is sorted into its
+group by :data:`GROUP_OF`. Each group checks its own values (numbers by their rule in
+``checks.RULES``, flags, choices); :class:`LoaderOptions` checks what involves several groups.
+What involves the data (the shards' fields, a tokenizer) is checked once more, when the
+loader's readers are set up (``pipeline/workers/setup.py``).
 """
 
 from __future__ import annotations
@@ -16,58 +16,26 @@ import difflib
 import math
 import multiprocessing
 import os
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import MISSING, Field, dataclass, fields
 from typing import Any, ClassVar
 
-from .checks import SHARED_NUMBERS, check_flag, check_number
+from .checks import RULES, check_fields, check_number
 from .device import check_device, same_device
 from .errors import ConfigError, counted, option
 from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
 from .features.speaker_cmvn import SpeakerCmvn
-from .formats.budgets import MAX_BUCKETS, budgets_from
+from .formats.budgets import budgets_from
 from .formats.remote.access import RemoteAccess
 from .formats.remote.cache import parse_bytes
 
 UNEVEN_MODES = ("stop", "repeat", "join")
 START_METHODS = tuple(multiprocessing.get_all_start_methods())
-MAX_PREFETCH = 256  # batches each worker prepares ahead (each takes a slot of shared memory)
 DEFAULT_BATCH_FRAMES = 20000  # when neither batch_size nor batch_frames is given
 CACHE_LIMIT = "a size such as '200GB' or '500MiB', or a number of bytes > 0"
 SPEAKER = "speaker"  # cmvn="speaker": each sample's speaker statistics (pack --cmvn-scp)
-
-# The numeric options: what kind of number, and its bounds (check_number's arguments). An option
-# whose default is None may also be None.
-NUMBERS: dict[str, dict[str, Any]] = {
-    "batch_size": dict(whole=True, at_least=1),
-    "batch_frames": dict(whole=True, at_least=1),
-    "quadratic_frames": dict(above=0),
-    "seed": dict(whole=True, at_least=0),
-    "shuffle_window": dict(whole=True, at_least=1),
-    "sort_window": dict(whole=True, at_least=1),
-    "interleave": dict(whole=True, at_least=1),
-    "min_frames": dict(whole=True, at_least=0),
-    "max_frames": dict(whole=True, above=0),
-    "max_tokens": dict(whole=True, above=0),
-    "min_frames_per_token": dict(above=0),
-    "max_frames_per_token": dict(above=0),
-    "pad_label": dict(whole=True),
-    "frame_length_ms": dict(),
-    "frame_shift_ms": dict(),
-    "dither": dict(),
-    "noise_prob": dict(at_least=0, at_most=1),
-    "max_bad_shards": dict(at_least=0, what="a fraction of the shards (< 1) or a count (>= 1)"),
-    "remote_retries": dict(whole=True, at_least=0, what="a whole number >= 0"),
-    "remote_timeout": dict(above=0, what="a number of seconds > 0"),
-    "remote_min_rate": dict(above=0, what="a number of bytes per second > 0"),
-    "prefetch_factor": dict(whole=True, at_least=1, at_most=MAX_PREFETCH),
-    "timeout": dict(at_least=0, what="a number of seconds >= 0 (0: no limit)"),
-    "epoch_steps": dict(whole=True, at_least=1),
-    "epoch_hours": dict(above=0),
-    "num_buckets": dict(whole=True, at_least=1, at_most=MAX_BUCKETS),
-    **SHARED_NUMBERS,
-}
 
 
 class OptionGroup:
@@ -80,18 +48,12 @@ class OptionGroup:
     words: ClassVar[dict[str, tuple[str, ...]]] = {}
 
     def __post_init__(self) -> None:
-        for entry in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, entry.name)
-            if isinstance(value, str) and entry.name in self.words:
-                if value in self.words[entry.name]:
-                    continue
-                named = " or ".join(repr(word) for word in self.words[entry.name])
-                raise ConfigError(f"{entry.name} must be a whole number or {named}, got {value!r}.")
-            if entry.name in NUMBERS:
-                checked = check_number(entry.name, value, optional=entry.default is None, **NUMBERS[entry.name])
-                object.__setattr__(self, entry.name, checked)
-            elif entry.type == "bool":
-                check_flag(entry.name, value)
+        for name, allowed in self.words.items():
+            value = getattr(self, name)
+            if isinstance(value, str) and value not in allowed:
+                named = " or ".join(repr(word) for word in allowed)
+                raise ConfigError(f"{name} must be a whole number or {named}, got {value!r}.")
+        check_fields(self, skip=[name for name in self.words if isinstance(getattr(self, name), str)])
         self.check()
 
     def check(self) -> None:
@@ -245,8 +207,8 @@ class Limits(OptionGroup):
 
 
 @dataclass(frozen=True)
-class Labels(OptionGroup):
-    """How labels become tokens: a units file's ``split`` (``"char"``/``"word"``, else chosen
+class Text(OptionGroup):
+    """How label text becomes tokens (``text=``): a units file's ``split`` (``"char"``/``"word"``, else chosen
     from the units), ``strip_spaces`` before tokenizing."""
 
     split: str | None = None
@@ -600,7 +562,7 @@ GROUPS: dict[str, type[OptionGroup]] = {
     "batching": Batching,
     "shuffling": Shuffling,
     "limits": Limits,
-    "labels": Labels,
+    "text": Text,
     "reading": Reading,
     "collation": Collation,
     "audio": Audio,
@@ -610,14 +572,17 @@ GROUPS: dict[str, type[OptionGroup]] = {
     "workers": Workers,
     "epochs": Epochs,
 }
+RENAMED_GROUPS = {"labels": "text"}  # old group keywords (make_loader's labels= is Kaldi text files)
 GROUP_OF: dict[str, str] = {option.name: group for group, kind in GROUPS.items() for option in fields(kind)}  # type: ignore[arg-type]
+# The numeric loader options (their rules: checks.RULES, one table for pack and every loader).
+NUMBERS: dict[str, dict[str, Any]] = {name: RULES[name] for name in GROUP_OF if name in RULES}
 SEQUENCES = ("fields", "transforms", "speed_perturb", "noise_snr")  # lists are taken as tuples
 
 
 @dataclass(frozen=True, init=False)
 class LoaderOptions:
-    """Every option of a shard loader, by group; made from flat keywords
-    (``LoaderOptions(batch_size=8, num_workers=0)``) or whole groups. ``mixed=True`` for the
+    """Every option of a shard loader, by group; made from whole groups (``workers={"num_workers":
+    0}``, ``workers=Workers(num_workers=0)``) or flat names (``num_workers=0``). ``mixed=True`` for the
     options of a mix (``seqshard.mux``): its stream never runs out, so ``uneven`` is
     ``"repeat"`` and an epoch length is needed."""
 
@@ -625,7 +590,7 @@ class LoaderOptions:
     batching: Batching
     shuffling: Shuffling
     limits: Limits
-    labels: Labels
+    text: Text
     reading: Reading
     collation: Collation
     audio: Audio
@@ -636,12 +601,17 @@ class LoaderOptions:
     epochs: Epochs
 
     def __init__(self, *, mixed: bool = False, **given: Any) -> None:
+        given = {RENAMED_GROUPS.get(name, name): value for name, value in given.items()}
         flat = {name: value for name, value in given.items() if name not in GROUPS}
-        unknown = sorted(set(flat) - set(GROUP_OF))
-        if unknown:
-            close = [m for name in unknown for m in difflib.get_close_matches(name, GROUP_OF, n=1)]
-            hint = f" Did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(f"unknown loader option(s): {', '.join(unknown)}.{hint}")
+        _refuse_unknown(flat, GROUP_OF, "loader option(s)")
+        for group in GROUPS:
+            if isinstance(given.get(group), dict):  # a group spelled as a dict: its options by name
+                options = given.pop(group)
+                _refuse_unknown(options, GROUPS[group].__dataclass_fields__, f"option(s) of {group}=")  # type: ignore[attr-defined]
+                twice = sorted(set(flat) & set(options))
+                if twice:
+                    raise ConfigError(f"give {', '.join(twice)} once: alone, or inside {group}=.")
+                flat.update(options)
         if callable(flat.get("transforms")):
             flat["transforms"] = (flat["transforms"],)  # one transform given alone
         for name in SEQUENCES:
@@ -655,7 +625,9 @@ class LoaderOptions:
         for group, kind in GROUPS.items():
             mine = {name: value for name, value in flat.items() if GROUP_OF[name] == group}
             made = given.get(group)
-            if made is not None and mine:
+            if made is not None and not isinstance(made, kind):
+                raise ConfigError(f"{group}= takes {kind.__name__}(...) or a dict of its options, got {made!r}.")
+            if made is not None and mine:  # a group's class holds all its options (each default too)
                 raise ConfigError(f"give {', '.join(sorted(mine))} inside {group}=, or {group}= not at all.")
             object.__setattr__(self, group, made if made is not None else kind(**mine))
         self._check_across()
@@ -709,6 +681,16 @@ class LoaderOptions:
         return option.default if option.default is not MISSING else MISSING
 
 
+def _refuse_unknown(given: dict[str, Any], known: Iterable[str], what: str) -> None:
+    """ConfigError naming the names of ``given`` not ``known`` (``what`` they should be), with
+    the closest known name of each."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        close = [m for name in unknown for m in difflib.get_close_matches(name, list(known), n=1)]
+        hint = f" Did you mean {', '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown {what}: {', '.join(unknown)}.{hint}")
+
+
 def _check_mixed(flat: dict[str, Any]) -> None:
     """A mix is an endless stream of its sources: its epochs are cut by a length."""
     if flat.get("uneven", "repeat") != "repeat":
@@ -728,3 +710,10 @@ def qualified_name(item: Any) -> str:
     target = getattr(item, "predicate", item)
     name = f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', type(target).__name__)}"
     return f"keep_if({name})" if target is not item else name
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Labels":  # the text group's old name
+        warnings.warn("seqshard.options.Labels is now seqshard.options.Text (text=)", DeprecationWarning, stacklevel=2)
+        return Text
+    raise AttributeError(f"module 'seqshard.options' has no attribute {name!r}")

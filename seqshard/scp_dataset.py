@@ -12,7 +12,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from .checks import SHARED_NUMBERS, check_flag, check_number
+from .checks import check_flag, check_rule
 from .dist import discover
 from .errors import InputError, SeqshardError, SkipCounter, StateMismatchError
 from .formats.peers.kaldi import MatrixReader, parse_location
@@ -85,9 +85,8 @@ def make_scp_loader(
     """A torch DataLoader over :class:`ScpDataset` in file order, batches as ``make_loader``'s."""
     import torch.utils.data
 
-    check_number("batch_size", batch_size, whole=True, at_least=1)
-    check_number("num_workers", num_workers, **SHARED_NUMBERS["num_workers"])
-    check_number("pad_label", pad_label, whole=True)
+    for name, value in (("batch_size", batch_size), ("num_workers", num_workers), ("pad_label", pad_label)):
+        check_rule(name, value)
 
     dataset = ScpDataset(feats_scp, text, tokenizer, **dataset_options)
     return torch.utils.data.DataLoader(
@@ -123,8 +122,8 @@ class MapStyleLoader:
         context = discover(rank, world_size)
         self.dataset = dataset
         self.tokenizer = dataset.labeler.tokenizer
-        self.batch_size = check_number("batch_size", batch_size, whole=True, at_least=1)
-        self.num_workers = check_number("num_workers", num_workers, **SHARED_NUMBERS["num_workers"])
+        self.batch_size = check_rule("batch_size", batch_size)
+        self.num_workers = check_rule("num_workers", num_workers)
         self.sampler = torch.utils.data.DistributedSampler(
             dataset, context.world_size, context.rank, shuffle=check_flag("shuffle", shuffle), seed=seed
         )

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from conftest import pack_small, write_kaldi_dir
-from seqshard import keep_if, make_loader, make_token_loader
+from seqshard import make_loader, make_token_loader
+from seqshard.extend import keep_if
 from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.protocol import Loader
 from seqshard.scp_dataset import MapStyleLoader, ScpDataset

@@ -15,11 +15,12 @@ from trainer_probe import SCENARIOS
 
 from conftest import pack_small
 from gloo_ranks import start_script, wait_for
-from seqshard import build_loaders, make_loader, split_batch
+from seqshard import build_loaders, make_loader
 from seqshard.app.ctc_model import SmallCTC
 from seqshard.app.train_memory import MemoryGuard, StepRunner, largest_part
 from seqshard.cli import main
 from seqshard.errors import ConfigError, InputError
+from seqshard.extend import split_batch
 
 PROBE = Path(__file__).parent / "trainer_probe.py"
 LIMIT = 40_000  # B x T^2 a step takes before it runs out of memory

@@ -250,7 +250,7 @@ def test_a_mix_resumes_elastically_with_other_workers(sources):
 
 
 def test_a_recipe_of_the_users_works_with_a_mix(sources):
-    from seqshard import default_recipe
+    from seqshard.extend import default_recipe
 
     seen = []
 

@@ -16,7 +16,7 @@ from seqshard.errors import ConfigError
 from seqshard.features.fbank import FbankOptions
 from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.formats.tar import ShardWriter
-from seqshard.options import NUMBERS, LoaderOptions
+from seqshard.options import NUMBERS, Batching, LoaderOptions, Workers
 from seqshard.tools.index import rebuild_index
 
 NAN, INF = float("nan"), float("inf")
@@ -94,6 +94,7 @@ def test_a_bad_number_for_a_loader_option_is_named(name, value):
         ("resample_to", 500, r"resample_to must be a sample rate in Hz \(a whole number >= 1000\), got 500\."),
         ("channel", -1, r"channel must be >= 0, got -1\."),
         ("num_mel_bins", 2, r"num_mel_bins must be >= 3, got 2\."),
+        ("seed", -1, r"seed must be >= 0, got -1\."),
     ],
 )
 def test_an_option_of_pack_and_loader_has_one_rule_and_one_message(tmp_path, name, value, message):
@@ -183,8 +184,26 @@ TOKEN_OPTIONS = {
     [(name, value) for name, bad in TOKEN_OPTIONS.items() for value in ["3", True, NAN, INF, *bad]],
 )
 def test_a_bad_number_for_a_token_loader_option_is_named(tokens, name, value):
-    with pytest.raises(ConfigError, match=rf"^{name}\b|max_tokens and max_positions"):
+    with pytest.raises(ConfigError, match=rf"^{name}\b"):
         make_token_loader(tokens, **{name: value})
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("max_tokens", 0, r"^max_tokens must be >= 1, got 0\.$"),
+        ("seed", 1.5, r"^seed must be a whole number, got 1\.5\.$"),
+        ("num_workers", -1, r"^num_workers must be >= 0 and <= 1024, got -1\.$"),
+    ],
+)
+def test_an_option_of_both_loaders_has_one_rule_and_one_message(tokens, name, value, message):
+    """The token loader said ">= 1" where the shard loader said "> 0" (three option systems)."""
+    with pytest.raises(ConfigError, match=message):
+        make_loader("no/such/*.tar", batch_size=4, **{name: value})
+    with pytest.raises(ConfigError, match=message):
+        make_token_loader(tokens, **{name: value})
+    with pytest.raises(ConfigError, match=r"^max_positions must be >= 1, got 0\.$"):
+        make_token_loader(tokens, max_positions=0)
 
 
 def test_max_sentences_caps_batches_and_nan_is_not_taken_for_no_cap(tokens):
@@ -283,3 +302,67 @@ def test_an_epoch_source_without_utterances_is_refused(sources, tmp_path):
     rebuild_index(tmp_path, progress=False)
     with pytest.raises(ConfigError, match="holds no utterances, so every epoch would be empty"):
         make_loader(mux([sources[0], f"{tmp_path}/data-*.tar"], weights=[1, 1]), batch_size=2, epoch_source=1)
+
+
+def test_a_flat_option_and_its_group_give_the_same_options():
+    """Groups are the main spelling; every flat name works through one mapping (GROUP_OF)."""
+    from seqshard.options import Audio, Text
+
+    flat = LoaderOptions(features="fbank", resample_to=16000, num_workers=0, split="char", uneven="join")
+    as_dicts = LoaderOptions(
+        audio={"features": "fbank", "resample_to": 16000},
+        workers={"num_workers": 0},
+        text={"split": "char"},
+        epochs={"uneven": "join"},
+    )
+    as_groups = LoaderOptions(
+        audio=Audio(features="fbank", resample_to=16000), num_workers=0, text=Text(split="char"), uneven="join"
+    )
+    assert flat == as_dicts == as_groups and flat.text.split == "char"
+    with pytest.deprecated_call(match="Text"):
+        from seqshard.options import Labels
+    assert (
+        LoaderOptions(labels=Labels(split="char"), features="fbank", resample_to=16000, num_workers=0, uneven="join")
+        == flat
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(featurs="fbank"), r"unknown loader option\(s\): featurs\. Did you mean features\?"),
+        (dict(audio={"featurs": "fbank"}), r"unknown option\(s\) of audio=: featurs\. Did you mean features\?"),
+        (dict(audio={"features": "fbank"}, features="fbank"), r"give features once: alone, or inside audio="),
+        (dict(workers=dict(num_workers=0), num_workers=1), r"give num_workers once: alone, or inside workers="),
+        (dict(workers=Workers(), num_workers=1), r"give num_workers inside workers=, or workers= not at all"),
+        (dict(audio=5), r"audio= takes Audio\(\.\.\.\) or a dict of its options, got 5"),
+    ],
+)
+def test_a_misspelt_or_doubled_option_is_named(options, message):
+    with pytest.raises(ConfigError, match=message):
+        make_loader("no/such/*.tar", **options)
+
+
+def test_make_loader_takes_the_groups_and_the_options_most_runs_set():
+    import inspect
+
+    from seqshard.options import GROUPS
+
+    parameters = inspect.signature(make_loader).parameters
+    assert len(parameters) <= 24 and set(GROUPS) <= set(parameters)
+
+
+def test_make_loader_takes_a_flat_name_and_its_group_alike(sources):
+    flat = make_loader(sources[0], batch_size=2, num_workers=0, sort_window=4, min_frames=1, skip_bad=True)
+    grouped = make_loader(
+        sources[0],
+        batch_size=2,
+        workers={"num_workers": 0},
+        batching={"sort_window": 4},
+        limits={"min_frames": 1},
+        bad_data={"skip_bad": True},
+    )
+    assert flat.options == grouped.options and flat.options.batching.batch_size == 2
+    assert [b["keys"] for b in flat] == [b["keys"] for b in grouped]
+    with pytest.raises(ConfigError, match=r"give batch_size inside batching=, or batching= not at all"):
+        make_loader(sources[0], batch_size=2, batching=Batching(sort_window=4))

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from conftest import pack_small
-from seqshard import Reader, Sample, Stage, default_recipe, keep_if, make_loader
+from seqshard import make_loader
 from seqshard.errors import ConfigError, StateMismatchError
+from seqshard.extend import Reader, Sample, Stage, default_recipe, keep_if
 from seqshard.formats.fields import ABSENT, AudioBytes, decode_field, split_suffix
 from seqshard.pipeline.stages.batching import Batch, LengthBudget, SortBatch
 from seqshard.pipeline.stages.collate import Collator, FieldRule, speech_rules

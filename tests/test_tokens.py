@@ -317,5 +317,5 @@ def test_bad_pairs(pairs, tmp_path):
     _, short = pairs["fr"]
     with pytest.raises(ConfigError, match=r"holds 600 sequences but .* 150: a translation pair needs one target"):
         make_token_loader(src, short)
-    with pytest.raises(ConfigError, match="max_tokens and max_positions must be >= 1"):
+    with pytest.raises(ConfigError, match=r"^max_tokens must be >= 1, got 0\.$"):
         make_token_loader(src, max_tokens=0)

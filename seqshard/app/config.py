@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 from ..errors import ConfigError, InputError, counted
 from ..mix import mux
-from ..options import LoaderOptions
+from ..options import DEFAULT_BATCH_FRAMES, LoaderOptions
 from ..scp_dataset import MapStyleLoader
 
 
@@ -129,7 +129,7 @@ def load_config(source: str | Path | dict[str, Any], *, name: str = "the config"
     if config.data["large_dataset"]:
         options = dict(config.loader)
         if not {"batch_size", "batch_frames", "budgets"} & set(options):
-            options["batch_frames"] = 20000  # make_loader's default
+            options["batch_frames"] = DEFAULT_BATCH_FRAMES
         if isinstance(config.data["trset"], dict):  # a mix: make_loader runs it as an endless stream
             _patterns(where, config.data["trset"])
             if all(options.get(n) is None for n in ("epoch_steps", "epoch_hours", "epoch_source")):

@@ -20,7 +20,7 @@ from ..tools.calibrate import free_memory, peak_memory, reset_peak, synthetic_ba
 
 def largest_part(lengths: torch.Tensor, parts: int) -> int:
     """Padded frames (samples x longest) of the largest of ``parts`` parts of a batch whose
-    utterances have ``lengths`` (cut as :func:`seqshard.split_batch` cuts)."""
+    utterances have ``lengths`` (cut as :func:`seqshard.extend.split_batch` cuts)."""
     return max(
         len(part["feat_lens"]) * int(part["feat_lens"].max()) for part in split_batch({"feat_lens": lengths}, parts)
     )

@@ -53,7 +53,7 @@ MAX_SAMPLE_RATE = 655_350  # FLAC's highest rate; a header declaring more (or 0)
 
 
 @dataclass(frozen=True)
-class Audio:
+class DecodedAudio:
     """Decoded audio: ``samples`` (float32, one channel) at ``sample_rate``; ``subtype`` is
     the stored sample format (``PCM_16``, ``PCM_24``, ``FLOAT``, ...)."""
 
@@ -222,8 +222,8 @@ def _run_pipe(location: WavLocation, where: Where, allow_pipes: bool) -> bytes:
     return data
 
 
-def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = None) -> Audio:
-    """Encoded audio -> :class:`Audio` (mixed down, or ``channel``)."""
+def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = None) -> DecodedAudio:
+    """Encoded audio -> :class:`DecodedAudio` (mixed down, or ``channel``)."""
     import soundfile
 
     header = ""  # what the header declares, once it was read: the context of a failure to decode
@@ -284,7 +284,7 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
     if len(mono) == 0:
         raise InputError(where, "zero_length", "the audio has no samples.")
     container = CONTAINERS.get(container, container.lower())
-    return Audio(np.ascontiguousarray(mono), rate, subtype, container, samples.shape[1])
+    return DecodedAudio(np.ascontiguousarray(mono), rate, subtype, container, samples.shape[1])
 
 
 def _read_samples(sound: SoundFile) -> np.ndarray:
@@ -349,7 +349,7 @@ def resample(samples: np.ndarray, rate: float, target: float) -> np.ndarray:
     return soxr.resample(samples, rate, target).astype(np.float32, copy=False)
 
 
-def cut(audio: Audio, start: float, end: float, where: Where) -> Audio:
+def cut(audio: DecodedAudio, start: float, end: float, where: Where) -> DecodedAudio:
     """The part ``[start, end)`` (seconds; ``end`` < 0: to the end, as Kaldi's segments)."""
     total = len(audio.samples)
     first = round(start * audio.sample_rate)
@@ -376,7 +376,7 @@ class Stored:
     how: str
 
 
-def store(audio: Audio, encoding: str, original: bytes | None) -> Stored:
+def store(audio: DecodedAudio, encoding: str, original: bytes | None) -> Stored:
     """``audio`` for a shard; ``original`` is the input's bytes when ``audio`` is all of it,
     unchanged (None when it was cut, resampled or a channel was picked).
 
@@ -401,7 +401,7 @@ def store(audio: Audio, encoding: str, original: bytes | None) -> Stored:
     return Stored(container.lower(), buffer.getvalue(), f"{audio.format} -> {container.lower()}")
 
 
-def _integer_bits(audio: Audio) -> int | None:
+def _integer_bits(audio: DecodedAudio) -> int | None:
     """Bits of integer PCM that hold ``audio``'s samples: its own (PCM), 16 for a lossy codec;
     None for float, 32-bit or unknown sample formats, and for samples beyond full scale."""
     bits = PCM_BITS.get(audio.subtype) or (16 if audio.subtype in LOSSY_SUBTYPES else None)

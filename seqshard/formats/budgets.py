@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..checks import read_number
+from ..checks import MAX_BUCKETS, read_number
 from ..errors import ConfigError
 from .files import read_json, write_json_atomic
 from .index import MAX_COUNT, MAX_LENGTH
 
 FORMAT = "seqshard-budgets"
 VERSION = 1
-MAX_BUCKETS = 1024  # length buckets (of calibrate, of bucket_sync): more is a mistake, and each costs a search
 MAX_FILE_BYTES = 1 << 20  # a budgets file of MAX_BUCKETS buckets takes under 200 kB
 
 

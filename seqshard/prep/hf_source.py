@@ -23,7 +23,7 @@ from pathlib import Path
 
 from ..checks import shown
 from ..errors import ConfigError, InputError, Where, option
-from ..formats.audio import Audio
+from ..formats.audio import DecodedAudio
 from ..formats.files import open_output
 from ..formats.pack_state import STATE_DIR
 from ..formats.peers.hf import (
@@ -209,7 +209,7 @@ class _DatasetReader(_AudioReader):
             raise InputError(Where(f"{table.where}, row {row}", key=where.key), table.reason, table.problem, table.fix)
         return {name: table.column(name)[row].as_py() for name in self.columns}, self.source.dataset.files[file].parent
 
-    def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, Audio]:
+    def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, DecodedAudio]:
         cells, folder = self._cell(value, where)
         original, audio = cell_audio(cells[self.source.audio_column], where, folder, self.options.channel)
         rate = self.source.declared_rate

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import Where
-from ..formats.audio import Audio, WavLocation, cut, decode_audio, read_location
+from ..formats.audio import DecodedAudio, WavLocation, cut, decode_audio, read_location
 from ..formats.peers.nemo import audio_path, parse_entry, parse_keyed, parse_text
 from .plan import PackOptions
 from .sources import AudioSource, Members, Utterance, _AudioReader, check_key, field_members
@@ -48,7 +48,7 @@ class ManifestSource(AudioSource):
 class _ManifestReader(_AudioReader):
     """Reads planned entries' audio (a cut entry's file is decoded once for its next cuts)."""
 
-    def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, Audio]:
+    def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, DecodedAudio]:
         entry = parse_entry(value, where)
         path = audio_path(entry.audio, where.path)
         if entry.segment is None:

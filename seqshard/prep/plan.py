@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..checks import SHARED_NUMBERS, check_number
+from ..checks import check_fields
 from ..errors import ConfigError, Where, option
 from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.keys import escape_key
@@ -152,10 +152,7 @@ class PackOptions:
             raise ConfigError(f"{option('audio_format', self.audio_format)}: store audio as 'flac' or 'keep'.")
         if self.features not in (None, "fbank"):
             raise ConfigError(f"{option('features', self.features)}: the features pack computes are 'fbank'.")
-        if self.utts_per_file < 1:
-            raise ConfigError(f"{option('utts_per_file', self.utts_per_file)}: a shard holds at least 1 utterance.")
-        for name in ("resample_to", "channel", "num_mel_bins"):
-            check_number(name, getattr(self, name), optional=name != "num_mel_bins", **SHARED_NUMBERS[name])
+        check_fields(self)
         for name in self.fields:
             if not FIELD_SET_NAME.fullmatch(name) or name in RESERVED_FIELDS:
                 raise ConfigError(

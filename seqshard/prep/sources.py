@@ -27,7 +27,7 @@ import numpy as np
 from ..checks import read_number, shown
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import (
-    Audio,
+    DecodedAudio,
     cut,
     decode_audio,
     header_seconds,
@@ -396,21 +396,21 @@ class _AudioReader(Closing):
     def __init__(self, source: AudioSource, dim: int):
         self.source, self.dim = source, dim
         self.options = source.options
-        self._last: tuple[str, Audio] | None = None
+        self._last: tuple[str, DecodedAudio] | None = None
 
     def close(self) -> None:
         self._last = None
 
-    def _recording(self, key: str, value: str, where: Where) -> tuple[bytes, Audio]:
+    def _recording(self, key: str, value: str, where: Where) -> tuple[bytes, DecodedAudio]:
         location = parse_wav_location(value, self.source._root())
         data = read_location(location, where, self.options.allow_pipes)
         return data, decode_audio(data, where, self.options.channel)
 
-    def audio(self, key: str, value: str, where: Where) -> Audio:
+    def audio(self, key: str, value: str, where: Where) -> DecodedAudio:
         """The utterance's audio (a whole recording, or its segment)."""
         return self._utterance(key, value, where)[1]
 
-    def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, Audio]:
+    def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, DecodedAudio]:
         if not self.source.segment_files:
             return self._recording(key, value, where)
         segment = _parse_segment(value, where)
@@ -458,7 +458,7 @@ class _AudioReader(Closing):
         stored = store(audio, options.audio_format, original)  # named by what it is, not by its file name
         return [(stored.extension, [stored.data])], frames, stored.how
 
-    def _fbank(self, audio: Audio, where: Where) -> tuple[Members, int, None]:
+    def _fbank(self, audio: DecodedAudio, where: Where) -> tuple[Members, int, None]:
         from ..features.audio import audio_fbank
         from ..features.fbank import FbankOptions
 

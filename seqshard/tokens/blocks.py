@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_flag, check_number
+from ..checks import check_fields, check_rule
 from ..errors import ConfigError
 from ..formats.peers.mmidx import TokenDataset
 from ..seeds import Seed, stage_rng
@@ -60,9 +60,7 @@ class BlockRules:
     style: str = "megatron"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "block_size", check_number("block_size", self.block_size, whole=True, at_least=1))
-        object.__setattr__(self, "seed", check_number("seed", self.seed, whole=True, at_least=0))
-        check_flag("shuffle", self.shuffle)
+        check_fields(self)
         if self.style not in BLOCK_STYLES:
             raise ConfigError(f"block_style must be one of {', '.join(map(repr, BLOCK_STYLES))}, got {self.style!r}.")
 
@@ -78,10 +76,10 @@ def block_rules(
 ) -> BlockRules:
     """The rules of ``make_token_loader(..., block_size=N)``: ``max_tokens // N`` blocks per
     batch (at most ``max_sentences``); ``max_positions``, when given, at least ``N``."""
-    block_size = check_number("block_size", block_size, whole=True, at_least=1)
-    max_tokens = check_number("max_tokens", max_tokens, whole=True, at_least=1)
-    max_sentences = check_number("max_sentences", max_sentences, whole=True, at_least=1, optional=True)
-    max_positions = check_number("max_positions", max_positions, whole=True, at_least=1, optional=True)
+    block_size = check_rule("block_size", block_size)
+    max_tokens = check_rule("max_tokens", max_tokens)
+    max_sentences = check_rule("max_sentences", max_sentences, optional=True)
+    max_positions = check_rule("max_positions", max_positions, optional=True)
     if max_positions is not None and block_size > max_positions:
         raise ConfigError(f"block_size {block_size} is longer than max_positions {max_positions} (the model's).")
     if max_tokens < block_size:

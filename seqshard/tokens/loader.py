@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from ..checks import SHARED_NUMBERS, check_flag, check_number
+from ..checks import check_flag, check_number, check_rule
 from ..device import CudaCopier, check_device, is_cuda, one_ahead, require_device
 from ..dist import Collectives, DistContext, discover
 from ..errors import ConfigError, StateMismatchError
@@ -92,13 +92,11 @@ def make_token_loader(
     ``device="cuda"``: batches come on the GPU, each copied on a side stream while the step
     before it runs (``seqshard/device.py``).
     """
-    check_number("pad_id", pad_id, whole=True, at_least=0, optional=True)
-    check_number("eos_id", eos_id, whole=True, at_least=0, optional=True)
-    check_number("num_workers", num_workers, **SHARED_NUMBERS["num_workers"])
+    check_rule("pad_id", pad_id, optional=True)
+    check_rule("eos_id", eos_id, optional=True)
+    check_rule("num_workers", num_workers)
     device = check_device("device", device)
     require_device(device)
-    check_number("rank", rank, whole=True, at_least=0, optional=True)
-    check_number("world_size", world_size, whole=True, at_least=1, optional=True)
     context = discover(rank, world_size)
     batching: BlockBatching | SentenceBatching
     if block_size is not None:
@@ -158,8 +156,8 @@ def _leaves_of(
         leaves, mixed = [pair], None
     for leaf in leaves:
         for pair in _pairs_of(leaf):
-            check_number("src_lang_id", pair.src_lang_id, whole=True, at_least=0, optional=True)
-            check_number("tgt_lang_id", pair.tgt_lang_id, whole=True, at_least=0, optional=True)
+            check_rule("src_lang_id", pair.src_lang_id, optional=True)
+            check_rule("tgt_lang_id", pair.tgt_lang_id, optional=True)
     return leaves, mixed
 
 

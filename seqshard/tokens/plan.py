@@ -24,8 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checks import check_flag, check_number
-from ..errors import ConfigError
+from ..checks import check_fields
 from ..seeds import Seed, stage_rng
 from .pairs import OpenPair
 
@@ -42,20 +41,7 @@ class BatchRules:
     virtual_size: int | None = None
 
     def __post_init__(self) -> None:
-        checked = {
-            "max_tokens": check_number("max_tokens", self.max_tokens, whole=True),
-            "max_positions": check_number("max_positions", self.max_positions, whole=True),
-            "max_sentences": check_number("max_sentences", self.max_sentences, whole=True, at_least=1, optional=True),
-            "virtual_size": check_number("virtual_size", self.virtual_size, whole=True, at_least=1, optional=True),
-            "seed": check_number("seed", self.seed, whole=True, at_least=0),
-        }
-        if self.max_tokens < 1 or self.max_positions < 1:
-            raise ConfigError(
-                f"max_tokens and max_positions must be >= 1, got {self.max_tokens}, {self.max_positions}."
-            )
-        check_flag("shuffle", self.shuffle)
-        for name, value in checked.items():  # numpy's numbers as Python's: the rules go into JSON states
-            object.__setattr__(self, name, value)
+        check_fields(self)  # numpy's numbers as Python's: the rules go into JSON states
 
 
 @dataclass

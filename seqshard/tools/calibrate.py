@@ -36,10 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..checks import check_number
+from ..checks import MAX_BUCKETS, check_number
 from ..device import check_device, is_cuda, require_device
 from ..errors import ConfigError, option
-from ..formats.budgets import MAX_BUCKETS, Budgets, save_budgets
+from ..formats.budgets import Budgets, save_budgets
 from ..formats.index import MAX_LENGTH, bin_bounds
 from ..formats.patterns import Patterns
 from ..formats.table import ShardTable

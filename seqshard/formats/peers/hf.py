@@ -33,7 +33,7 @@ import numpy as np
 
 from ...checks import NumberError, read_number, shown
 from ...errors import ConfigError, InputError, Where, option
-from ..audio import Audio, decode_audio, read_audio_file
+from ..audio import DecodedAudio, decode_audio, read_audio_file
 from ..files import read_json
 from ..inflation import MAX_INFLATION, MIN_INFLATION_LIMIT, inflation_limit
 from .arrow_ipc import DamagedMessage, batch_sizes
@@ -524,7 +524,7 @@ def _given(name: str, names: Sequence[str], flag: str) -> str:
     return name
 
 
-def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tuple[bytes | None, Audio]:
+def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tuple[bytes | None, DecodedAudio]:
     """An audio cell's encoded bytes (None for a decoded cell) and its audio."""
     if isinstance(cell, dict) and cell.get("bytes") is not None:
         if not isinstance(cell["bytes"], (bytes, bytearray, memoryview)):
@@ -569,7 +569,7 @@ def cell_audio(cell: Any, where: Where, folder: Path, channel: int | None) -> tu
     )
 
 
-def decoded_audio(array: np.ndarray, rate: int, where: Where, channel: int | None) -> Audio:
+def decoded_audio(array: np.ndarray, rate: int, where: Where, channel: int | None) -> DecodedAudio:
     """A decoded cell as :class:`Audio` (one channel); its subtype says which PCM holds its
     samples exactly (``PCM_16`` for audio decoded from 16-bit files), else ``FLOAT``."""
     if array.ndim == 2:  # channels first, as datasets decodes them, when there are fewer channels than samples
@@ -592,4 +592,4 @@ def decoded_audio(array: np.ndarray, rate: int, where: Where, channel: int | Non
             if np.array_equal(scaled, np.round(scaled)):
                 subtype = name
                 break
-    return Audio(array.astype(np.float32), rate, subtype, "array")
+    return DecodedAudio(array.astype(np.float32), rate, subtype, "array")

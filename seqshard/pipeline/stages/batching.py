@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ...checks import check_number
+from ...checks import check_rule
 from ...errors import ConfigError
 from ...formats.budgets import Budgets
 from ...options import BudgetWindow
@@ -64,7 +64,7 @@ class FixedSize(BatchCost):
     monotone = True
 
     def __post_init__(self) -> None:
-        check_number("batch_size", self.size, whole=True, at_least=1)
+        check_rule("batch_size", self.size)
 
     def fits(self, count: int, longest: int) -> bool:
         return count <= self.size
@@ -83,8 +83,8 @@ class LengthBudget(BatchCost):
     monotone = True
 
     def __post_init__(self) -> None:
-        check_number("batch_frames", self.budget, whole=True, at_least=1)
-        check_number("quadratic_frames", self.quadratic, above=0, optional=True)
+        check_rule("batch_frames", self.budget)
+        check_rule("quadratic_frames", self.quadratic, optional=True)
 
     def cost(self, count: int, longest: int) -> float:
         per_item = longest if self.quadratic is None else longest + longest * longest / self.quadratic

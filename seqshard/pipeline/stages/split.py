@@ -1,4 +1,4 @@
-"""Splitting a collated batch into smaller ones (``seqshard.split_batch``), so that a step
+"""Splitting a collated batch into smaller ones (``seqshard.extend.split_batch``), so that a step
 that ran out of memory can run again on parts of its batch with nothing lost.
 
 A part is a run of consecutive samples (a loader's batch is in length order, so each run is

@@ -180,7 +180,7 @@ class Reader:
     # -- built-in stages ------------------------------------------------------------------
     def labels(self, source: Stage[Sample]) -> Stage[Sample]:
         """Labels from the override file and tokens from the tokenizer (when given)."""
-        setup, strip = self.setup, self.options.labels.strip_spaces
+        setup, strip = self.setup, self.options.text.strip_spaces
         if setup.tokenizer is None and setup.override is None and not strip:
             return source
         return Labels(source, Labeler(setup.tokenizer, setup.override, strip), self.skip)
