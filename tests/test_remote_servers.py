@@ -437,8 +437,10 @@ def test_an_answer_larger_or_smaller_than_asked_is_not_believed(packed, monkeypa
     if name == "index.json" and fault in ("chunked", "huge"):
         assert "index.json: larger than the 1048576 bytes an index may hold" in text
     elif fault == "length:10":  # its bytes beyond the 10 are read as the next answer (or not at all)
-        taken = "index.json:1: not JSON" if name == "index.json" else f"the answer says it holds 10 bytes where {size}"
-        assert "the server's answer breaks HTTP" in text or taken in text
+        taken = (
+            r"index\.json:\d+: not JSON" if name == "index.json" else f"the answer says it holds 10 bytes where {size}"
+        )
+        assert "the server's answer breaks HTTP" in text or re.search(taken, text), text
     elif name == "index.json":  # a small file asked for whole: what came is read, and found cut
         assert "index.json: reading failed after 2 attempts: Response payload is not completed" in text
     elif fault == "chunked":
