@@ -259,7 +259,7 @@ class Window:
         return self
 
 
-class ReadAhead:
+class NextWindow:
     """The window after a window stage's current one, read before it is needed: :meth:`prepare`
     (called after an output was handed out) reads the share of it that the outputs handed out
     since the last call stand for, so it is read by the time the current window runs out and a
@@ -317,7 +317,7 @@ class WindowStage(Stage[U]):
     """Reads its source in windows of ``window`` items and emits what :meth:`arrange` makes
     of each window (the items shuffled, or cut into batches).
 
-    The next window is read ahead (:class:`ReadAhead`); counters are reported as they stood
+    The next window is read ahead (:class:`NextWindow`); counters are reported as they stood
     where the current window ended (:meth:`stats`), whatever was read ahead.
 
     ``grow``: a stream's first windows are small and double (:class:`Growth`), so its first
@@ -394,7 +394,7 @@ class WindowStage(Stage[U]):
         self._window_number = -1
         self._emitted = 0
         self._count = 0  # items of the current window
-        self._ahead = ReadAhead(self.source, self.add)  # the next window
+        self._ahead = NextWindow(self.source, self.add)  # the next window
         self._source_stats: dict[str, int] | None = None  # the source's counters where the current window ended
         self._held: Held | None = None  # the current window's outputs by origin (with replay)
         self._window_end: State | None = None  # and the source's state where it ended
