@@ -234,7 +234,7 @@ def run_one(args) -> dict:
     import torch  # noqa: F401  imported before timing: every method pays it once, outside the clock
 
     if args.method.startswith("seqshard"):  # so is each method's own library: a process imports it once
-        import seqshard.pipeline.rank.loader  # noqa: F401
+        import seqshard.pipeline.rank.shard_loader  # noqa: F401
     elif args.method == "webdataset":
         import webdataset  # noqa: F401
 

@@ -146,8 +146,8 @@ PLAN_PROBE = """
 import shutil, sys
 from pathlib import Path
 from seqshard.prep.executors import InlineExecutor
-from seqshard.prep.plan import PackJob, PackOptions
-from seqshard.prep.sources import FeatureSource
+from seqshard.prep.job import PackJob, PackOptions
+from seqshard.prep.inputs import FeatureSource
 from seqshard.prep.waves import Waves, plan_chunks, with_buckets
 from seqshard.progress import Progress
 sys.path.insert(0, sys.argv[4])

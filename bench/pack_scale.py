@@ -109,7 +109,7 @@ def main() -> None:
 def simulate(measured: dict, size: int) -> dict:
     """10^9 utterances through the waves, from per-task figures measured at ``size`` (a
     simulation: each task's work is bounded by its chunk or bucket, not by the corpus)."""
-    from seqshard.prep.buckets import BUCKET_ROWS, bucket_count
+    from seqshard.prep.bucket_wave import BUCKET_ROWS, bucket_count
     from seqshard.prep.chunks import CHUNK_BYTES
 
     billion = 10**9

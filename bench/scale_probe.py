@@ -46,9 +46,9 @@ class _Noted:
 
 def plan(folder: Path, spec: str, before_kb: int) -> dict:
     from seqshard.prep.executors import open_executor
+    from seqshard.prep.inputs import FeatureSource
+    from seqshard.prep.job import PackJob, PackOptions, parse_groups
     from seqshard.prep.layout import group_orders
-    from seqshard.prep.plan import PackJob, PackOptions, parse_groups
-    from seqshard.prep.sources import FeatureSource
     from seqshard.prep.waves import Waves, plan_chunks, with_buckets
     from seqshard.progress import Progress
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import with_quick
 
 from seqshard.formats.table import ShardInfo, ShardTable
-from seqshard.pipeline.plan import Plan, Unit, plan_epoch
+from seqshard.pipeline.epoch_plan import Plan, Unit, plan_epoch
 from seqshard.pipeline.stages.batching import LengthBudget, cut_batches
 
 

@@ -203,7 +203,7 @@ def profiled(function, title: str, show: bool):
 def planning_child(sentences: int, profile: bool = False) -> None:
     """Runs in a fresh process: plans an epoch of ``sentences`` pairs; prints seconds and peak RSS
     (with ``profile``, plans it once more under cProfile afterwards)."""
-    from seqshard.tokens.plan import BatchRules, plan_epoch
+    from seqshard.tokens.token_epochs import BatchRules, plan_epoch
 
     class Sizes:  # the part of OpenPair planning reads
         def __init__(self, rng):

@@ -22,7 +22,7 @@ _EXPORTS = {
     "calibrate": "seqshard.tools.calibrate",
     "make_loader": "seqshard.loader",
     "make_scp_loader": "seqshard.scp_dataset",
-    "make_token_loader": "seqshard.tokens.loader",
+    "make_token_loader": "seqshard.tokens.token_loader",
     "build_loaders": "seqshard.app.config",
     "mux": "seqshard.mix",
     "token_pairs": "seqshard.tokens.databin",
@@ -33,7 +33,7 @@ _EXPORTS = {
     "ShardIndex": "seqshard.formats.index",
     "Loader": "seqshard.protocol",
     "ShardLoader": "seqshard.loader",
-    "TokenLoader": "seqshard.tokens.loader",
+    "TokenLoader": "seqshard.tokens.token_loader",
     "MapStyleLoader": "seqshard.scp_dataset",
     "SeqshardError": "seqshard.errors",
     "ConfigError": "seqshard.errors",
@@ -55,7 +55,7 @@ _MOVED = {
     "Mux": "seqshard.mix",
     "PlannedBatches": "seqshard.protocol",
     "PackReport": "seqshard.prep.report",
-    "UTTS_PER_FILE": "seqshard.prep.plan",
+    "UTTS_PER_FILE": "seqshard.prep.job",
 }
 
 _MODULES = ("testing", "extend", "options", "errors")  # seqshard.extend.Stage after `import seqshard`

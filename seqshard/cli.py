@@ -125,7 +125,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _index(args: argparse.Namespace) -> int:
-    from .tools.index import rebuild_index
+    from .tools.reindex import rebuild_index
 
     written = rebuild_index(args.folder, jobs=args.jobs, progress=not args.quiet, move_sidecars=args.move_sidecars)
     for path in written:

@@ -20,7 +20,7 @@ docs/architecture.md for the tiers and the path of a batch.
 
 from __future__ import annotations
 
-from .pipeline.plan import ShardTable, plan_epoch
+from .pipeline.epoch_plan import ShardTable, plan_epoch
 from .pipeline.stages.base import Stage
 from .pipeline.stages.sample import Sample
 from .pipeline.stages.split import split_batch

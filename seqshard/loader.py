@@ -1,7 +1,7 @@
 """The public entries: ``make_loader`` (shards -> batches, on one GPU or many) and the
 :class:`~seqshard.protocol.Loader` shape every loader follows.
 
-A shard loader (``pipeline/rank/loader.py``) runs a reader pipeline in each worker process
+A shard loader (``pipeline/rank/shard_loader.py``) runs a reader pipeline in each worker process
 (``pipeline/workers/``, composed by a recipe from the stages of ``pipeline/stages/``), merges
 the workers' batches into one deterministic stream, ends epochs as its options say, and keeps a
 small position that ``state_dict()``/``load_state_dict()`` save and restore exactly.
@@ -18,10 +18,10 @@ from .dist import discover
 from .formats.patterns import Patterns
 from .mix import Mux
 from .options import GROUP_OF, GROUPS, LoaderOptions
-from .pipeline.rank.loader import ShardLoader
-from .pipeline.sources import open_sources
+from .pipeline.loader_sources import open_sources
+from .pipeline.rank.shard_loader import ShardLoader
 from .protocol import Loader, PlannedBatches
-from .text.labels import LabelOverride
+from .text.label_override import LabelOverride
 from .text.tokenizers import Tokenizer, make_tokenizer
 
 __all__ = ["Loader", "PlannedBatches", "ShardLoader", "make_loader"]

@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 from .checks import RULES, check_fields, check_number
 from .device import check_device, same_device
 from .errors import ConfigError, counted, option
-from .features.audio import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.fbank import FbankOptions
+from .features.frontend import AudioOptions, Cmvn, SpecAugmentOptions
 from .features.speaker_cmvn import SpeakerCmvn
 from .formats.budgets import budgets_from
 from .formats.remote.access import RemoteAccess

@@ -22,7 +22,7 @@ from .pipeline.stages.collate import Collator, speech_rules, to_tensors
 from .pipeline.stages.labels import Labeler
 from .pipeline.stages.sample import Sample
 from .protocol import PlannedBatches
-from .text.labels import LabelOverride
+from .text.label_override import LabelOverride
 from .text.tokenizers import Tokenizer, make_tokenizer
 
 

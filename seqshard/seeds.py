@@ -20,7 +20,7 @@ USER_IDS = 100  # ids of stages written by users start here
 class Seed(IntEnum):
     """The stage ids of seqshard's own random choices."""
 
-    PLAN = 1  # the epoch's shard order (pipeline/plan.py)
+    PLAN = 1  # the epoch's shard order (pipeline/epoch_plan.py)
     SHUFFLE = 2  # the shuffle window's order
     BATCH_ORDER = 3  # the order of a sort window's batches
     SAMPLE = 4  # per-sample generators (Reader.sample_rng), followed by the stage's own id
@@ -35,7 +35,7 @@ class Seed(IntEnum):
     MIX_PASS = 14  # a mixed source's shard order in each pass (after PLAN)
     TOKEN_BLOCKS = 15  # the order of a language-model epoch's blocks (tokens/blocks.py)
     ESTIMATE = 16  # lengths drawn from the index to estimate an epoch's batches (rank/counts.py)
-    PACK_BUCKET = 17  # the pack-time order of a length group's utterances in one bucket (prep/buckets.py)
+    PACK_BUCKET = 17  # the pack-time order of a length group's utterances in one bucket (prep/bucket_wave.py)
     BUCKET_ORDER = 18  # the length bucket of each reader's k-th batch with bucket_sync (stages/buckets.py)
     MIX_ORDER = 0x6D7578  # which source each position of a mixed stream takes (seqshard.mix)
 

@@ -104,7 +104,7 @@ _PRELOAD = [
     "torch._dynamo",
     "seqshard",
     "seqshard.loader",
-    "seqshard.pipeline.rank.loader",
+    "seqshard.pipeline.rank.shard_loader",
     "seqshard.app.trainer",
 ]
 

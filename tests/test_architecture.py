@@ -159,12 +159,12 @@ def test_a_climbing_import_is_caught():
     source = (
         "from ..errors import ConfigError\n"
         "from seqshard import make_loader\n"
-        "def later():\n    from ..pipeline.rank import loader\n"
+        "def later():\n    from ..pipeline.rank import shard_loader\n"
     )
     upward = upward_imports(table, {probe: source})
     assert upward == [
         "seqshard/formats/probe.py (tier 2) imports seqshard/loader.py (tier 9)",
-        "seqshard/formats/probe.py (tier 2) imports seqshard/pipeline/rank/loader.py (tier 8)",
+        "seqshard/formats/probe.py (tier 2) imports seqshard/pipeline/rank/shard_loader.py (tier 8)",
     ]
 
 

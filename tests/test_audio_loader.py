@@ -15,11 +15,11 @@ from conftest import REALDATA, write_audio_dir
 from seqshard import make_loader, pack_data
 from seqshard.cli import main
 from seqshard.errors import ConfigError, InputError
-from seqshard.features.audio import SpecAugmentOptions, spec_augment
 from seqshard.features.fbank import FbankOptions, fbank
+from seqshard.features.frontend import SpecAugmentOptions, spec_augment
 from seqshard.formats.audio import resample
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.stages.audio import mix
+from seqshard.pipeline.stages.audio_chain import mix
 
 SMALL = dict(shuffle_window=8, sort_window=4, interleave=2)
 

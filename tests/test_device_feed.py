@@ -260,7 +260,7 @@ class _RecordingCopier:
 
 def test_the_rank_copies_the_next_turns_batch_before_handing_one_over_and_keeps_ends_and_errors_for_their_turn():
     from seqshard.pipeline.rank.delivery import CopiesAhead
-    from seqshard.pipeline.workers.protocol import BatchItem, EndItem
+    from seqshard.pipeline.workers.wire import BatchItem, EndItem
 
     log = []
     sent = {0: ["a0", "a1", "end"], 1: ["b0", "end"], 2: ["c0", "c1", "error"]}

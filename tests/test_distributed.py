@@ -12,8 +12,8 @@ from seqshard import make_loader
 from seqshard.formats.npy import npy_parts
 from seqshard.formats.table import ShardTable
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.plan import plan_epoch, planned_utts
-from seqshard.tools.index import rebuild_index
+from seqshard.pipeline.epoch_plan import plan_epoch, planned_utts
+from seqshard.tools.reindex import rebuild_index
 
 pytestmark = pytest.mark.distributed
 DIM = 4

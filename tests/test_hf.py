@@ -197,7 +197,7 @@ def test_ids_and_texts_that_are_lists_or_bytes_are_refused_not_their_str(tmp_pat
 def test_number_ids_and_texts_pack_as_their_strings_and_fields_refuse_what_json_cannot_hold(tmp_path):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     from seqshard.errors import Where
-    from seqshard.prep.sources import field_members
+    from seqshard.prep.inputs import field_members
 
     audio = [{"bytes": _wav(1600), "path": "a.wav"}] * 2
     pq.write_table(pa.table({"id": [7, 8], "audio": audio, "text": [12, 13]}), tmp_path / "x.parquet")

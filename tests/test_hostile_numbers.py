@@ -15,11 +15,11 @@ import pytest
 from conftest import pack_small
 from seqshard import make_loader, pack_data
 from seqshard.errors import InputError, SeqshardError, ShardError
-from seqshard.features.audio import Cmvn
+from seqshard.features.frontend import Cmvn
 from seqshard.formats.index import ShardIndex
 from seqshard.formats.peers.mmidx import TokenDataset, TokenDatasetWriter, TokenMeta, data_fingerprint
 from seqshard.formats.peers.shar import shar_index
-from seqshard.tools.index import rebuild_index
+from seqshard.tools.reindex import rebuild_index
 
 TEN = 10  # utterances in the shard of the index tests
 
@@ -258,7 +258,7 @@ def test_a_hostile_index_list_units_or_run_file_is_named(one_shard, tmp_path):
     from seqshard.errors import ConfigError
     from seqshard.formats.peers.lists import shard_list
     from seqshard.text.tokenizers import UnitsTokenizer
-    from seqshard.tools.index import rebuild_index
+    from seqshard.tools.reindex import rebuild_index
 
     copy = tmp_path / "copy"
     shutil.copytree(one_shard, copy)

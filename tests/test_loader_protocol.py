@@ -178,7 +178,7 @@ def test_the_bounds_of_budget_batches_read_every_shard_s_lengths_at_once_as_one_
     from collections import Counter
 
     from seqshard.formats.shard_lengths import bin_range
-    from seqshard.pipeline.plan import Unit
+    from seqshard.pipeline.epoch_plan import Unit
     from seqshard.pipeline.rank import counts
 
     loader = make_loader(sixty["bare"], batch_frames=400, num_workers=2, **limits)

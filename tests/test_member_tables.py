@@ -18,7 +18,7 @@ from seqshard.formats.members import TABLE_DIR, TableBuilder, load_table, table_
 from seqshard.formats.sliced import SlicedSampleStream
 from seqshard.formats.streams import open_samples, skip_samples
 from seqshard.formats.tar import SampleStream, member_table
-from seqshard.tools.index import rebuild_index
+from seqshard.tools.reindex import rebuild_index
 from seqshard.tools.verify import verify
 
 OPTIONS = dict(batch_frames=100, num_workers=0, seed=3, shuffle_window=12, sort_window=8, interleave=2)

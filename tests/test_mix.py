@@ -227,7 +227,7 @@ def _keys_of_units(table, units):
 def test_a_mix_resumes_elastically_with_other_workers(sources):
     """What the saved readers held of each source's pass is read once by the new readers,
     before the stream goes on (issue 18: mixes resume elastically as single sources do)."""
-    from seqshard.pipeline.plan import Unit
+    from seqshard.pipeline.epoch_plan import Unit
 
     mixed = mux([sources["a"], sources["c"]], weights=[0.5, 0.5])
     options = dict(batch_size=4, epoch_steps=100, num_workers=2, seed=1, **SMALL)

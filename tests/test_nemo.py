@@ -20,7 +20,7 @@ from seqshard.errors import ConfigError, InputError, ShardError
 from seqshard.formats.peers.nemo_tarred import NemoTarStream, nemo_shard_of
 from seqshard.formats.streams import open_samples
 from seqshard.prep.pack import pack_data
-from seqshard.tools.index import rebuild_index
+from seqshard.tools.reindex import rebuild_index
 
 REALDATA = Path(__file__).parent / "realdata"
 MANIFEST = REALDATA / "nemo" / "train_manifest.json"

@@ -76,7 +76,7 @@ def test_check_finite_drops_and_counts_samples_with_non_finite_features(shard):
 @pytest.mark.parametrize("mean, std", [([0.0, float("nan")], [1.0, 1.0]), ([0.0, 0.0], [1.0, float("inf")])])
 def test_a_cmvn_file_with_non_finite_statistics_is_refused(tmp_path, mean, std):
     from seqshard.errors import ConfigError
-    from seqshard.features.audio import Cmvn
+    from seqshard.features.frontend import Cmvn
 
     (tmp_path / "cmvn.json").write_text(json.dumps({"mean": mean, "std": std}))
     with pytest.raises(ConfigError, match=r"cmvn\.json': mean and std must be vectors of one length, finite"):

@@ -17,7 +17,7 @@ from seqshard.features.fbank import FbankOptions
 from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.formats.tar import ShardWriter
 from seqshard.options import NUMBERS, Batching, LoaderOptions, Workers
-from seqshard.tools.index import rebuild_index
+from seqshard.tools.reindex import rebuild_index
 
 NAN, INF = float("nan"), float("inf")
 NOT_NUMBERS = ["3", True, None, [1]]

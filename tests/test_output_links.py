@@ -17,7 +17,7 @@ from seqshard.formats.tar import ShardWriter
 from seqshard.prep.binarize import binarize
 from seqshard.prep.journal import Journal
 from seqshard.tools.cmvn import CmvnStats, write_cmvn
-from seqshard.tools.index import rebuild_index
+from seqshard.tools.reindex import rebuild_index
 
 USERS = b"the user's own file\n"
 

@@ -15,7 +15,7 @@ from conftest import read_shards, write_kaldi_dir
 from seqshard import ShardIndex, pack_data
 from seqshard.cli import main
 from seqshard.errors import ConfigError, InputError, SeqshardError
-from seqshard.prep import buckets, chunks
+from seqshard.prep import bucket_wave, chunks
 from seqshard.prep.executors import RayExecutor
 
 COMMON = dict(utts_per_file=7, filter_group=["5:30", "30:60"], progress=False)
@@ -25,7 +25,7 @@ COMMON = dict(utts_per_file=7, filter_group=["5:30", "30:60"], progress=False)
 def small_waves(monkeypatch):
     """Chunks of ~300 bytes and buckets of ~16 utterances: a corpus of 60 lines runs as many tasks."""
     monkeypatch.setattr(chunks, "CHUNK_BYTES", 300)
-    monkeypatch.setattr(buckets, "BUCKET_ROWS", 16)
+    monkeypatch.setattr(bucket_wave, "BUCKET_ROWS", 16)
 
 
 @pytest.fixture

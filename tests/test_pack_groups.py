@@ -4,7 +4,7 @@ refused naming the option, before anything is written."""
 import pytest
 
 from seqshard.errors import ConfigError
-from seqshard.prep.plan import parse_groups
+from seqshard.prep.job import parse_groups
 
 
 @pytest.mark.parametrize("spec", ["nan:5", "0:inf", "1e400:1e401", "-inf:3"])

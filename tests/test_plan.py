@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from seqshard.formats.table import ShardInfo, ShardTable
-from seqshard.pipeline.plan import plan_epoch, planned_utts
+from seqshard.pipeline.epoch_plan import plan_epoch, planned_utts
 
 
 def coverage(sizes, plan):
@@ -72,7 +72,7 @@ def test_plans_cut_in_bulk_are_the_plans_cut_unit_by_unit(shards, world_size, wo
     unit by unit, which is how resumed remainders are still cut."""
     import pickle
 
-    from seqshard.pipeline.plan import Unit, spread_shards, spread_units
+    from seqshard.pipeline.epoch_plan import Unit, spread_shards, spread_units
     from seqshard.seeds import Seed, stage_rng
 
     table = ShardTable(tuple(ShardInfo(f"s{i}", 1000 * n + 1, n, n * f) for i, (n, f) in enumerate(shards)))

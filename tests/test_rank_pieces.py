@@ -18,16 +18,16 @@ from seqshard.errors import ConfigError, SeqshardError, StateMismatchError
 from seqshard.formats.remote.access import RemoteAccess
 from seqshard.formats.table import ShardTable
 from seqshard.options import LoaderOptions
-from seqshard.pipeline.plan import planned_utts
+from seqshard.pipeline.epoch_plan import planned_utts
 from seqshard.pipeline.rank import checkpoint
 from seqshard.pipeline.rank.cursor import EpochCursor
 from seqshard.pipeline.rank.elastic import remainder_plan
 from seqshard.pipeline.rank.epochs import EpochLength, EpochRules, HoursLimit, RepeatStream, StepLimit, StopTogether
 from seqshard.pipeline.rank.merge import MergedStream, RankPosition
 from seqshard.pipeline.workers.pool import WorkerPool
-from seqshard.pipeline.workers.protocol import BatchItem, EndItem
 from seqshard.pipeline.workers.setup import make_setup
 from seqshard.pipeline.workers.transfer import BatchSlots
+from seqshard.pipeline.workers.wire import BatchItem, EndItem
 from seqshard.pipeline.workers.worker import build_pipeline
 
 ONE = Collectives(DistContext())

@@ -210,8 +210,8 @@ def test_s3_through_moto(packed, tmp_path, monkeypatch):
 
 
 def test_inspect_and_verify_read_urls_and_index_says_it_needs_a_folder(packed, tmp_path):
-    from seqshard.tools.index import rebuild_index
     from seqshard.tools.inspect import summarize
+    from seqshard.tools.reindex import rebuild_index
     from seqshard.tools.verify import verify
 
     names = shard_names(packed)

@@ -134,7 +134,7 @@ def test_a_dangling_link_named_like_a_shard_is_a_missing_shard(tmp_path, pattern
 def test_index_refuses_a_folder_with_a_dangling_link_named_like_a_shard(tmp_path):
     """An index of the other shards would hide the linked one for good."""
     from seqshard.errors import ConfigError
-    from seqshard.tools.index import rebuild_index
+    from seqshard.tools.reindex import rebuild_index
 
     folder = tmp_path / "foreign"
     folder.mkdir()

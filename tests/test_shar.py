@@ -29,7 +29,7 @@ from seqshard.formats.npy import npy_parts
 from seqshard.formats.selection import select_shards
 from seqshard.formats.table import ShardInfo, ShardTable
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.plan import Unit
+from seqshard.pipeline.epoch_plan import Unit
 from seqshard.pipeline.stages.fieldplan import plan_fields
 from seqshard.pipeline.stages.reader import ShardReader
 from seqshard.testing import assert_resumes_everywhere

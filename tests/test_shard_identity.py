@@ -16,9 +16,9 @@ from seqshard.formats.index import ShardIndex
 from seqshard.formats.members import TABLE_DIR
 from seqshard.formats.table import ShardTable
 from seqshard.formats.tar import ShardWriter
-from seqshard.pipeline.plan import Unit
+from seqshard.pipeline.epoch_plan import Unit
 from seqshard.pipeline.stages.reader import ShardReader
-from seqshard.tools.index import rebuild_index
+from seqshard.tools.reindex import rebuild_index
 
 OPTIONS = dict(batch_size=4, num_workers=0, shuffle_window=8, sort_window=4, interleave=2)
 

@@ -9,7 +9,7 @@ from conftest import assert_resumes_everywhere
 from seqshard.errors import SkipCounter
 from seqshard.formats.table import ShardTable
 from seqshard.options import Limits as LengthLimits
-from seqshard.pipeline.plan import Unit
+from seqshard.pipeline.epoch_plan import Unit
 from seqshard.pipeline.stages.base import Map, Stage
 from seqshard.pipeline.stages.batching import FixedSize, LengthBudget, SortBatch, cut_batches
 from seqshard.pipeline.stages.decode import Decoder

@@ -1,4 +1,4 @@
-"""The token loader's epoch plan (``seqshard/tokens/plan.py``) against the algorithm its
+"""The token loader's epoch plan (``seqshard/tokens/token_epochs.py``) against the algorithm its
 docstring defines, written out here one sentence at a time in plain Python: the same batches,
 in the same order, on every rank, for the same seed; and its vectorised pieces (the packed sort,
 the run-wise greedy cut) against what they stand for."""
@@ -9,7 +9,7 @@ import pytest
 from seqshard import TokenPair, make_token_loader, mux
 from seqshard.formats.peers.mmidx import TokenDataset, TokenDatasetWriter
 from seqshard.seeds import Seed, stage_rng
-from seqshard.tokens.plan import cut_batches, lexsorted
+from seqshard.tokens.token_epochs import cut_batches, lexsorted
 
 
 def _dataset(path, lengths, seed):

@@ -13,7 +13,7 @@ from seqshard import TokenDataset, TokenPair, binarize, make_token_loader, mux
 from seqshard.cli import main
 from seqshard.errors import ConfigError, InputError, ShardError, StateMismatchError
 from seqshard.formats.peers.mmidx import TokenDatasetWriter
-from seqshard.tokens.collate import CollateRules, collate_pairs
+from seqshard.tokens.pair_collate import CollateRules, collate_pairs
 
 BPE = REALDATA / "tokenizers/librispeech.train_960_unigram5000.bpemodel"
 MEGATRON = REALDATA / "megatron"

@@ -15,7 +15,7 @@ from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.formats.tar import ShardWriter
 from seqshard.options import LoaderOptions
 from seqshard.pipeline.rank.accounts import unread_warning
-from seqshard.tools.index import rebuild_index
+from seqshard.tools.reindex import rebuild_index
 
 
 def write_shards(folder: Path, sizes: list[int]) -> str:

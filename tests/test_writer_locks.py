@@ -17,7 +17,7 @@ import pytest
 from conftest import write_kaldi_dir
 from seqshard import ShardIndex, add_field, pack_data
 from seqshard.formats.lock import FolderBusyError
-from seqshard.tools.index import rebuild_index
+from seqshard.tools.reindex import rebuild_index
 
 
 def _start(code: str) -> subprocess.Popen:

@@ -139,7 +139,7 @@ def install_probes(window: Window) -> None:
 
     dist.all_reduce = counted_all_reduce
 
-    from seqshard.pipeline.rank.loader import ShardLoader
+    from seqshard.pipeline.rank.shard_loader import ShardLoader
 
     planned = ShardLoader.planned_batches
 

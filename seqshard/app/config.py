@@ -277,7 +277,7 @@ def check_shards(config: TrainConfig, key: str) -> None:
     """Every local pattern of the shard set ``key`` (each source of a mix) selects at least one
     shard, and none of the shards it selects is missing (unless ``skip_bad`` lets the train
     loader skip them). Only local shards are checked: URLs are left to the loader."""
-    from ..formats.remote.selection import split_patterns
+    from ..formats.remote.url_selection import split_patterns
     from ..formats.selection import select_shards
 
     local, _ = split_patterns(_leaf_patterns(config.data[key]))
@@ -297,7 +297,7 @@ def check_shards(config: TrainConfig, key: str) -> None:
     spec = config.loader.get("epoch_source")
     if key == "trset" and spec is not None and len(local) == len(_leaf_patterns(config.data[key])):
         from ..formats.remote.access import RemoteAccess
-        from ..pipeline.sources import check_epoch_source, mixed_table
+        from ..pipeline.loader_sources import check_epoch_source, mixed_table
 
         try:  # the loader's own check, on the same tables
             _, mix = mixed_table(_patterns(config.source, config.data[key]), RemoteAccess(), skipped)

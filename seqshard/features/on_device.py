@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from .audio import KALDI_SCALE, AudioOptions
 from .fbank import num_frames
+from .frontend import KALDI_SCALE, AudioOptions
 from .torch_fbank import fbank_batch
 
 MASKS = "spec_augment_masks"  # per sample: (start, width) rows, freq masks then time masks

@@ -28,7 +28,7 @@ from .peers.nemo import scan_manifest
 from .peers.shar import is_shar_table
 from .remote import access as remote
 from .remote.access import RemoteAccess, is_pipe, is_remote
-from .remote.selection import RemoteSelection, split_patterns
+from .remote.url_selection import RemoteSelection, split_patterns
 from .selection import MissingShard, ShardSelection, select_shards
 from .shard_lengths import ShardLengths
 from .streams import first_sample_fields, open_samples

@@ -37,8 +37,8 @@ from ..formats.peers.hf import (
     id_column,
     text_column,
 )
-from .plan import PackOptions
-from .sources import AudioSource, Members, Utterance, _AudioReader, check_key, field_members
+from .inputs import AudioSource, Members, Utterance, _AudioReader, check_key, field_members
+from .job import PackOptions
 
 _LOG = logging.getLogger("seqshard")
 

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from .buckets import BUCKETS, bucket_name
+from .bucket_wave import BUCKETS, bucket_name
 from .chunks import Chunk
+from .job import PackJob, ShardTask
 from .journal import Journal
-from .plan import PackJob, ShardTask
 from .rows import MINOR_BITS, PLANNED_ROW, TableLines, WaveFiles, order_of
 from .write import Resume, ShardRows, write_shards
 

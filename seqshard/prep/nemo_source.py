@@ -16,8 +16,8 @@ from pathlib import Path
 from ..errors import Where
 from ..formats.audio import DecodedAudio, WavLocation, cut, decode_audio, read_location
 from ..formats.peers.nemo import audio_path, parse_entry, parse_keyed, parse_text
-from .plan import PackOptions
-from .sources import AudioSource, Members, Utterance, _AudioReader, check_key, field_members
+from .inputs import AudioSource, Members, Utterance, _AudioReader, check_key, field_members
+from .job import PackOptions
 
 
 class ManifestSource(AudioSource):

@@ -30,14 +30,14 @@ from ..formats.peers.nemo import manifest_files
 from ..progress import Progress
 from .chunks import Chunk
 from .executors import open_executor
+from .inputs import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource, Utterance
+from .job import UTTS_PER_FILE, PackJob, PackOptions, PackSource, ShardTask, parse_groups
 from .journal import finished_shards, shard_written
 from .layout import GroupOrder, group_orders
 from .nemo_source import ManifestSource
 from .owned import describe_foreign, foreign_entries, in_the_way, recorded, remove_previous_pack
-from .plan import UTTS_PER_FILE, PackJob, PackOptions, PackSource, ShardTask, parse_groups
 from .report import GroupTotals, PackReport, summarize_records
 from .rows import TableLines
-from .sources import DURATIONS_FILE, NUM_FRAMES_FILE, AudioSource, FeatureSource, Utterance
 from .waves import Totals, Waves, plan_chunks, totals_of, with_buckets
 from .write import DEFAULT_MAX_OPEN
 

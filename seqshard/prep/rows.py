@@ -28,11 +28,11 @@ from ..formats.files import inside, open_input, read_json, write_atomic, write_j
 from ..formats.pack_state import STATE_DIR
 from ..formats.peers.kaldi import parse_line, parse_location
 from ..formats.peers.keytable import line_at
-from .sources import Utterance
+from .inputs import Utterance
 
 if TYPE_CHECKING:
     from .chunks import Chunk
-    from .plan import PackJob
+    from .job import PackJob
 
 WAVES_DIR = "waves"
 BAD = 1  # a scan row flag: the line was dropped (its key was read)

@@ -25,16 +25,16 @@ from typing import Any
 from ..errors import SeqshardError, counted
 from ..progress import Progress
 from . import chunks as chunking
-from .buckets import BUCKETS, bucket_count, bucket_name, bucket_task
+from .bucket_wave import BUCKETS, bucket_count, bucket_name, bucket_task
 from .chunks import Chunk, line_chunks
 from .claims import Claims
 from .executors import Call, run_calls
+from .job import PackJob, ShardTask
 from .journal import finished_shards
 from .layout import GroupOrder, WriteTask, write_task, write_tasks
 from .owned import remove_tree
-from .plan import PackJob, ShardTask
 from .rows import WAVES_DIR, WaveFiles
-from .scan import SCAN, chunk_name, scan_task
+from .scan_wave import SCAN, chunk_name, scan_task
 
 _LOG = logging.getLogger("seqshard")
 TABLES = ("utts", "labels", "lengths", "speakers")

@@ -33,10 +33,10 @@ from ..errors import InputError, ShardError, SkipCounter
 from ..formats.files import writing
 from ..formats.index import length_bin
 from ..formats.tar import ShardWriter, WrittenPart, temporary_path
+from .inputs import LABEL_MEMBER
+from .job import PackJob, ShardTask
 from .journal import Journal, forget_partial, partial_states, save_partial
-from .plan import PackJob, ShardTask
 from .rows import TableLines
-from .sources import LABEL_MEMBER
 
 _LOG = logging.getLogger("seqshard")
 DEFAULT_MAX_OPEN = 256

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..formats.peers.mmidx import TokenDataset
-from .collate import Rows
+from .pair_collate import Rows
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from .collate import CollateRules, collate_group
 from .ids import SpecialIds
+from .pair_collate import CollateRules, collate_group
+from .pair_sources import EpochSources
 from .pairs import OpenPair
-from .plan import BatchRules, EpochPlan, plan_epoch
-from .sources import EpochSources
+from .token_epochs import BatchRules, EpochPlan, plan_epoch
 
 UNREAD_WARN_SHARE = 0.01  # of an epoch's sentences dropped or left out before a warning
 

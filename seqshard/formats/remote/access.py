@@ -50,7 +50,7 @@ from urllib.parse import urlsplit
 from ...checks import parse_json
 from ...errors import ConfigError, ShardError, counted, option, redact, redact_libraries
 from ..prefetch import ReadAhead
-from .transfer import (
+from .fetching import (
     LISTING_BYTES,
     BodyError,
     HttpStream,

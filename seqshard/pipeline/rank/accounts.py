@@ -25,7 +25,7 @@ from ...formats.remote.access import RemoteAccess
 from ...formats.streams import count_samples
 from ...options import LoaderOptions
 from ...text.tokenizers import UNKNOWN_WARN_AFTER, unknown_tokens_warning
-from ..plan import Unit, planned_utts
+from ..epoch_plan import Unit, planned_utts
 from ..stages.reader import DAMAGED, DAMAGED_TABLE
 from ..workers.setup import WorkerSetup
 from .epochs import EpochEnd

@@ -22,9 +22,9 @@ from ...dist import Collectives, spare_cores
 from ...formats.remote.access import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
-from ...text.labels import LabelOverride
+from ...text.label_override import LabelOverride
 from ...text.tokenizers import Tokenizer
-from ..sources import MixSetup
+from ..loader_sources import MixSetup
 from ..workers.runtime import WorkerRuntime
 from ..workers.setup import make_setup
 from ..workers.worker import Made, ReaderRun

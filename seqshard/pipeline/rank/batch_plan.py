@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..workers.planned import NotPlannable, planned_pipeline, planned_setup
-from ..workers.protocol import BatchItem, EndItem, Item
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
+from ..workers.wire import BatchItem, EndItem, Item
 from .merge import MergedStream, RankPosition
 
 

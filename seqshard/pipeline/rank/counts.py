@@ -43,7 +43,7 @@ from ...formats.index import MAX_LENGTH, bin_length
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng
-from ..plan import Unit, plan_epoch, planned_utts, unit_counts
+from ..epoch_plan import Unit, plan_epoch, planned_utts, unit_counts
 from ..stages.base import Growth
 from ..stages.batching import BatchCost, BucketBudgets, count_sorted_batches, window_closes, window_limits, window_size
 from ..workers.recipe import batch_cost, sort_growth, window_samples

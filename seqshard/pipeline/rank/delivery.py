@@ -13,10 +13,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...device import CudaCopier, is_cuda, require_device
-from ...features.audio import AudioOptions
+from ...features.frontend import AudioOptions
 from ...features.on_device import BatchFeatures
 from ...options import LoaderOptions
-from ..workers.protocol import BatchItem, EndItem, Item, Take
+from ..workers.wire import BatchItem, EndItem, Item, Take
 
 
 class Delivery:

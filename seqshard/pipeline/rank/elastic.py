@@ -25,7 +25,7 @@ from ...errors import StateMismatchError
 from ...formats.remote.access import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
-from ..plan import Plan, Unit, spread_units
+from ..epoch_plan import Plan, Unit, spread_units
 from ..stages.base import Stage, merge_counts
 from ..stages.passes import Passes
 from ..stages.reader import ShardReader

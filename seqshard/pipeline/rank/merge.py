@@ -17,10 +17,10 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from ...errors import SeqshardError
-from ..plan import Unit
+from ..epoch_plan import Unit
 from ..stages.base import merge_counts
 from ..stages.held import trimmed
-from ..workers.protocol import BatchItem, EndItem, Take, unpack
+from ..workers.wire import BatchItem, EndItem, Take, unpack
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The label stage: labels from an override file (``text/labels.py``) and tokens from a
+"""The label stage: labels from an override file (``text/label_override.py``) and tokens from a
 tokenizer (``text/tokenizers.py``), on the fly: changing the tokenizer never needs a repack."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import InputError, SkipCounter, Where
-from ...text.labels import LabelOverride
+from ...text.label_override import LabelOverride
 from ...text.tokenizers import Tokenizer
 from .base import Map, Stage
 from .decode import LABEL_FIELD

@@ -33,7 +33,7 @@ from ...formats.remote.access import RemoteAccess, is_remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
 from ...formats.table import MAIN, ShardInfo, ShardTable, size_problem
 from ...formats.tar import SampleStream, TarRecord
-from ..plan import Unit
+from ..epoch_plan import Unit
 from .base import Stage, State
 from .held import Origin
 from .sample import Sample

@@ -34,7 +34,7 @@ from ...errors import ConfigError
 from ...formats.fields import field_name
 from ...formats.members import MemberTable, has_table_format, load_table
 from ...formats.table import MAIN, ShardTable
-from ..plan import Unit
+from ..epoch_plan import Unit
 from ..stages.base import Stage, State, merge_counts
 from ..stages.decode import LEGACY_FEATURE_FIELDS
 from ..stages.lengths import Length

@@ -17,10 +17,10 @@ from ...formats.index import bin_bounds
 from ...formats.remote.access import RemoteAccess
 from ..stages.collate import to_tensors
 from .process import WorkerLink
-from .protocol import BATCH, PLACES, SLOT, STATE, BatchItem, ErrorItem, Item, Take, from_wire
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import BatchSlots, current_stream_event
+from .wire import BATCH, PLACES, SLOT, STATE, BatchItem, ErrorItem, Item, Take, from_wire
 from .worker import iterate_worker
 
 MAX_SLOT_BYTES = 64 << 20

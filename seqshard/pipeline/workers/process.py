@@ -47,10 +47,10 @@ from pickle import loads
 from typing import Any
 
 from ...errors import SeqshardError
-from .protocol import BatchItem, EndItem, ErrorItem, Item, pack
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import SharedMemoryError, shm_problem
+from .wire import BatchItem, EndItem, ErrorItem, Item, pack
 from .worker import Made, ReaderRun
 
 WATCH_S = 5.0  # how often a waiting worker checks that its parent is alive

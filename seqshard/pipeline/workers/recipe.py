@@ -44,8 +44,8 @@ from ...formats.keys import key_hash
 from ...formats.remote.access import RemoteAccess
 from ...options import Batching, BudgetWindow
 from ...seeds import Seed, stage_rng
-from ..plan import Unit, planned_utts
-from ..stages.audio import decode, signal_stages
+from ..epoch_plan import Unit, planned_utts
+from ..stages.audio_chain import decode, signal_stages
 from ..stages.base import Filter, Growth, Map, Stage
 from ..stages.batching import BatchCost, BucketBudgets, FixedSize, LengthBudget, SortBatch
 from ..stages.buckets import BucketDraws, BucketSortBatch, bucket_weights

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, SeqshardError, counted, listed
-from ...features.audio import AudioOptions
+from ...features.frontend import AudioOptions
 from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
 from ...formats.budgets import LengthBuckets
 from ...formats.fields import field_name
@@ -24,10 +24,10 @@ from ...formats.remote.access import RemoteAccess
 from ...formats.streams import open_samples
 from ...formats.table import ShardTable
 from ...options import BudgetWindow, LoaderOptions
-from ...text.labels import LabelOverride
+from ...text.label_override import LabelOverride
 from ...text.tokenizers import Tokenizer
-from ..plan import Unit, plan_epoch, source_plan
-from ..sources import MixSetup
+from ..epoch_plan import Unit, plan_epoch, source_plan
+from ..loader_sources import MixSetup
 from ..stages.collate import Collator, speech_rules
 from ..stages.fieldplan import FieldPlan, plan_fields
 from ..stages.lengths import Duration, FbankFrames, Length, Measure

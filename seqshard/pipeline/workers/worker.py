@@ -29,19 +29,19 @@ import numpy as np
 
 from ...errors import SeqshardError
 from ...formats.remote.access import RemoteAccess
-from ..plan import Unit
+from ..epoch_plan import Unit
 from ..stages.base import Stage, State
 from ..stages.batching import Batch
 from ..stages.collate import Collator, aligned, array_bytes
 from ..stages.mixing import per_source_counts
 from ..stages.passes import Passes
 from ..stages.reader import DAMAGED
-from .protocol import BatchItem, EndItem, ErrorItem, Item, pack
 from .recipe import Carry, Reader, default_recipe
 from .replay import attach as attach_replay
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .transfer import ALIGN
+from .wire import BatchItem, EndItem, ErrorItem, Item, pack
 
 WAITS_KEPT = 4  # a run reads ahead for half the shortest of its last waits for the consumer (not one long pause)
 

@@ -22,12 +22,12 @@ from ...formats.remote.access import RemoteAccess
 from ...formats.table import ShardTable
 from ...options import LoaderOptions
 from ...protocol import PlannedBatches, length_of
-from ...text.labels import LabelOverride
+from ...text.label_override import LabelOverride
 from ...text.tokenizers import Tokenizer
-from ..sources import MixSetup
+from ..loader_sources import MixSetup
 from ..workers.pool import WorkerPool
-from ..workers.protocol import Take
 from ..workers.setup import WorkerSetup, make_setup
+from ..workers.wire import Take
 from . import batch_plan, checkpoint
 from .accounts import EpochAccounts
 from .auto import auto_workers

@@ -45,7 +45,7 @@ from ..formats.peers.keytable import KeyTable
 from ..protocol import Closing
 
 if TYPE_CHECKING:
-    from .plan import PackOptions
+    from .job import PackOptions
 
 _LOG = logging.getLogger("seqshard")
 
@@ -459,8 +459,8 @@ class _AudioReader(Closing):
         return [(stored.extension, [stored.data])], frames, stored.how
 
     def _fbank(self, audio: DecodedAudio, where: Where) -> tuple[Members, int, None]:
-        from ..features.audio import audio_fbank
         from ..features.fbank import FbankOptions
+        from ..features.frontend import audio_fbank
 
         options = self.options
         rate = options.resample_to or audio.sample_rate

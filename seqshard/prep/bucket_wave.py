@@ -22,9 +22,9 @@ import numpy as np
 from ..errors import InputError, SkipCounter, Where
 from ..seeds import Seed, stage_rng
 from .chunks import Chunk
-from .plan import PackJob, PackOptions
+from .job import PackJob, PackOptions
 from .rows import BAD, PLANNED_ROW, SCAN_ROW, TableLines, WaveFiles, order_of
-from .scan import SCAN, chunk_name
+from .scan_wave import SCAN, chunk_name
 
 _LOG = logging.getLogger("seqshard")
 BUCKETS = "buckets"

@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from ...errors import InputError, SkipCounter, option
-from ...features.audio import AudioOptions, audio_fbank, check_rate, draw_masks, spec_augment
 from ...features.fbank import FbankOptions, num_frames
+from ...features.frontend import AudioOptions, audio_fbank, check_rate, draw_masks, spec_augment
 from ...features.on_device import MASKS, NOISE_SEED
 from ...features.speaker_cmvn import SPEAKER_FIELD, STATS_FIELD, FlooredVariances, SpeakerCmvn
 from ...formats.audio import cut, decode_audio, resample

@@ -37,8 +37,8 @@ from ..formats.peers.nemo_tarred import nemo_index
 from ..formats.peers.shar import is_shar_folder
 from ..formats.selection import dangling_shard_links, is_sidecar
 from ..formats.tar import member_table
+from ..prep.inputs import FEATURE_MEMBER, LABEL_MEMBER
 from ..prep.journal import finished_shards
-from ..prep.sources import FEATURE_MEMBER, LABEL_MEMBER
 from .parallel import map_shards
 from .scan import scan_shard
 

@@ -20,9 +20,9 @@ from ..formats.keys import key_hash
 from ..formats.peers.kaldi import parse_line
 from ..formats.peers.keytable import parse_count, parse_milliseconds, table_lines
 from .chunks import Chunk
-from .plan import PackJob
+from .inputs import ArkPositions
+from .job import PackJob
 from .rows import BAD, SCAN_ROW, WaveFiles
-from .sources import ArkPositions
 
 SCAN = "scan"
 AUDIO_SHIFT_MS = 10

@@ -1,7 +1,7 @@
 """``make_token_loader``: batches of token sequences by a token budget (translation), or
 fixed blocks of a token stream (language models).
 
-Each epoch's plan (``tokens/plan.py`` for sentences, ``tokens/blocks.py`` for blocks) is a pure
+Each epoch's plan (``tokens/token_epochs.py`` for sentences, ``tokens/blocks.py`` for blocks) is a pure
 function of (seed, epoch, world size), so every rank computes it alone and the loader's state
 is how many batches each rank took. Batches are built GROUP_BATCHES at a time (one gather per
 source for all of them: ``collate.py``), in DataLoader workers with ``num_workers``, in the
@@ -29,13 +29,13 @@ from ..protocol import PlannedBatches, length_of
 from ..seeds import Seed, stage_rng
 from ..text.fairseq_dict import FairseqDictionary
 from .blocks import BlockBatching, BlockRules, block_rules, separator_warning
-from .collate import CollateRules, as_tensors, with_net_input
 from .databin import DataBin, Direction
 from .ids import SpecialIds, special_ids
+from .pair_collate import CollateRules, as_tensors, with_net_input
+from .pair_sources import EpochSources
 from .pairs import OpenPair, TokenPair, as_pair
-from .plan import BatchRules
 from .sentences import SentenceBatching
-from .sources import EpochSources
+from .token_epochs import BatchRules
 
 _LOG = logging.getLogger("seqshard")
 STATE_VERSION = 1
