@@ -32,7 +32,7 @@ from pathlib import Path
 
 import soundfile
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
 from common import speech_corpus as make_corpus
 from common import with_quick

@@ -40,6 +40,13 @@ class Corpus:
     hours: float
 
 
+def code_path(tree: str | Path) -> str:
+    """What to put on PYTHONPATH for the seqshard of checkout ``tree``: its ``src/`` (older
+    checkouts, before the src layout, hold the package at their root)."""
+    source = Path(tree) / "src"
+    return str(source if (source / "seqshard").is_dir() else Path(tree))
+
+
 def utterance_frames(rng, size: int | None = None):
     """Lengths in 10 ms frames as read speech has them: log-normal (median 7 s, sigma 0.55),
     clipped to 1-20 s. One draw, or an array of ``size``."""

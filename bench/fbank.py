@@ -35,7 +35,7 @@ from pathlib import Path
 import kaldi_native_fbank as knf
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
 from common import with_quick
 

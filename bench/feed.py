@@ -49,7 +49,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))  # not the checkout: a measure imports the seqshard on PYTHONPATH
-from common import demo_corpus, speech_corpus, with_quick
+from common import code_path, demo_corpus, speech_corpus, with_quick
 
 ROOT = Path(__file__).parent.parent
 BATCH_FRAMES = 20_000
@@ -160,7 +160,7 @@ def measure(code: str | None, pattern: str, tokenizer: str | None, step: float, 
     pause = options.pop("resume", None)
     command += ["--resume", str(pause)] if pause is not None else []
     command += ["--options", json.dumps(options)] + (["--tokenizer", tokenizer] if tokenizer else [])
-    env = {**os.environ, "PYTHONPATH": code or str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": code_path(code or ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"measure failed: {' '.join(command)}\n{done.stderr[-2000:]}")
@@ -170,7 +170,7 @@ def measure(code: str | None, pattern: str, tokenizer: str | None, step: float, 
 def bare(step: float, steps: int) -> float:
     command = [sys.executable, __file__, "one", "--bare", "--step", str(step), "--steps-hint", str(steps)]
     done = subprocess.run(
-        command, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        command, capture_output=True, text=True, check=True, env={**os.environ, "PYTHONPATH": code_path(ROOT)}
     )
     return json.loads(done.stdout.strip().splitlines()[-1])["cpu_ms"]
 
@@ -218,7 +218,7 @@ def main() -> None:
     if sys.argv[1:2] == ["one"]:
         print(json.dumps(run_one(parser.parse_args())))
         return
-    sys.path.insert(0, str(ROOT))  # the driver makes the corpora with this checkout
+    sys.path.insert(0, code_path(ROOT))  # the driver makes the corpora with this checkout
     args = with_quick(
         parser, utts=600, steps=[5], workers=[0, 1], rounds=1, audio_minutes=1.0, out=ROOT / "bench" / "out" / "quick"
     )

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import PeakPss, evict, expected_speakers, packed_corpus, pss_kb, vm_kb, with_quick
+from common import PeakPss, code_path, evict, expected_speakers, packed_corpus, pss_kb, vm_kb, with_quick
 
 HERE = Path(__file__).parent
 SEEK_SECONDS = 0.008
@@ -355,7 +355,7 @@ def measure(
         + (["--memory"] if memory else [])
         + (["--profile", str(profile)] if profile else [])
     )
-    env = {**os.environ, "PYTHONPATH": code} if code else None
+    env = {**os.environ, "PYTHONPATH": code_path(code)} if code else None
     output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
     return json.loads(output.strip().splitlines()[-1])
 

@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import small_kaldi_dir, with_quick
+from common import code_path, small_kaldi_dir, with_quick
 
 HERE = Path(__file__).resolve().parent
 LINKS = 50_000
@@ -109,7 +109,7 @@ def make_folder(seed_shard: Path, seed_index: dict, folder: Path, shards: int) -
 
 def probe(code: Path, folder: Path, ranks: int) -> dict:
     """The probe's figures, run with the seqshard of ``code``."""
-    env = {**os.environ, "PYTHONPATH": str(code)}
+    env = {**os.environ, "PYTHONPATH": code_path(code)}
     found = subprocess.run(  # in the tree's folder: `python -c` puts the current folder first on the path
         [
             sys.executable,

@@ -38,10 +38,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).parent))
-from common import packed_corpus, with_quick
+from common import code_path, packed_corpus, with_quick
 
 ROOT = Path(__file__).parent.parent
 
@@ -101,7 +101,7 @@ print(time.perf_counter() - started, time.process_time() - cpu)
 def code_epoch_seconds(code: Path, url: str) -> tuple[float, float]:
     """One http epoch (num_workers=0) in a fresh process importing seqshard from ``code``:
     its seconds and the CPU seconds of the process (all its threads) meanwhile."""
-    env = {**os.environ, "PYTHONPATH": str(code), "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "PYTHONPATH": code_path(code), "PYTHONWARNINGS": "ignore"}
     run = subprocess.run([sys.executable, "-c", _EPOCH, url], cwd=code, env=env, capture_output=True, text=True)
     if run.returncode:
         raise SystemExit(f"{code}: {run.stderr[-2000:]}")

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 import kaldiio
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
+sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
 import pack
 from common import pss_kb, run_measured, vm_kb

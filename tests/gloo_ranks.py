@@ -44,7 +44,7 @@ def start_script(
     port = free_port()
     processes = []
     for rank in range(world_size or 1):
-        env = {"PYTHONPATH": str(Path(__file__).parent.parent)}
+        env = {"PYTHONPATH": str(Path(__file__).parent.parent / "src")}
         if world_size is not None:
             env.update(
                 RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size)

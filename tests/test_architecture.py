@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import ast
 import importlib
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +16,8 @@ import pytest
 import seqshard
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "seqshard"
+SOURCE = ROOT / "src"
+PACKAGE = SOURCE / "seqshard"
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 DOCUMENTS = sorted((ROOT / "docs").glob("*.md")) + [
     ROOT / "DEVELOPERS.md",
@@ -41,7 +45,7 @@ def exists(path: str) -> bool:
     row about ``formats/``) anywhere in the package."""
     if "/" not in path:
         return any(PACKAGE.rglob(path))
-    return (ROOT / path).is_file() or (PACKAGE / path).is_file()
+    return any((folder / path).is_file() for folder in (ROOT, SOURCE, PACKAGE))
 
 
 @pytest.mark.parametrize("document", DOCUMENTS, ids=[d.name for d in DOCUMENTS])
@@ -89,7 +93,7 @@ def place_of(file: Path, table: dict[str, int]) -> str:
 
 
 def module_file(name: str) -> Path | None:
-    path = ROOT.joinpath(*name.split("."))
+    path = SOURCE.joinpath(*name.split("."))
     for candidate in (path.with_suffix(".py"), path / "__init__.py"):
         if candidate.is_file():
             return candidate
@@ -98,7 +102,7 @@ def module_file(name: str) -> Path | None:
 
 def package_of(file: Path) -> str:
     """The dotted package a file's relative imports start from."""
-    name = ".".join(file.relative_to(ROOT).with_suffix("").parts)
+    name = ".".join(file.relative_to(SOURCE).with_suffix("").parts)
     return name[: -len(".__init__")] if file.name == "__init__.py" else name.rsplit(".", 1)[0]
 
 
@@ -137,8 +141,8 @@ def upward_imports(table: dict[str, int], modules: dict[Path, str]) -> list[str]
         for target in sorted(imports_of(source, package_of(file))):
             there = place_of(target, table)
             if there != place and table[there] >= table[place]:
-                upward.append(f"{file.relative_to(ROOT)} (tier {table[place]}) imports "
-                              f"{target.relative_to(ROOT)} (tier {table[there]})")  # fmt: skip
+                upward.append(f"{file.relative_to(SOURCE)} (tier {table[place]}) imports "
+                              f"{target.relative_to(SOURCE)} (tier {table[there]})")  # fmt: skip
     return upward
 
 
@@ -204,3 +208,22 @@ def test_a_small_surface_and_one_module_to_extend_from():
         module = re.search(r"from (\S+) import", str(caught[0].message)).group(1)
         assert getattr(importlib.import_module(module), name) is moved
     assert {"Stage", "keep_if", "default_recipe", "stage_rng"} <= set(seqshard.extend.__all__)
+
+
+def test_python_started_beside_a_clone_folder_named_seqshard_imports_the_package(tmp_path):
+    """The src layout: a folder named ``seqshard`` in the current folder (a clone's root, which
+    holds no ``__init__.py``) is not imported as an empty namespace package in place of the
+    installed one."""
+    clone = tmp_path / "seqshard"
+    (clone / "docs").mkdir(parents=True)
+    (clone / "README.md").write_text("a clone's root\n")
+    found = subprocess.run(
+        [sys.executable, "-c", "import seqshard; print(seqshard.make_loader.__module__, seqshard.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={key: value for key, value in os.environ.items() if key != "PYTHONPATH"},
+    )
+    assert found.returncode == 0, found.stderr
+    module, where = found.stdout.split()
+    assert module == "seqshard.loader" and Path(where).parent.name == "seqshard" and Path(where).parent != clone

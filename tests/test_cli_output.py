@@ -25,7 +25,7 @@ def test_a_closed_pipe_ends_a_command_quietly(packed):
             [sys.executable, "-m", "seqshard", "inspect", str(packed.out), "--json", "--quiet"],
             stdout=write,
             stderr=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
             timeout=60,
         )
     finally:

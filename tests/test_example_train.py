@@ -50,7 +50,7 @@ PREEMPTED = re.compile(r"^rank (\d+): SIGTERM: stopped after step (\d+), checkpo
 RESUMED = re.compile(r"^resumed from .*: epoch (\d+), after step (\d+)$")
 FINISHED = re.compile(r"^finished: 2 epochs, (\d+) steps$")
 DEV = re.compile(r"^epoch (\d+) dev loss (\S+)$")
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src"), "PYTHONUNBUFFERED": "1"}
 
 
 def command(*args: str, ranks: int = 1) -> list[str]:

@@ -79,7 +79,7 @@ def run_guide_process(guide: Path, out: Path, timeout: float = 120) -> subproces
         os.environ,
         GUIDE_OUT=str(out),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-        PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH")))),
+        PYTHONPATH=os.pathsep.join(filter(None, (str(ROOT / "src"), os.environ.get("PYTHONPATH")))),
     )
     env.pop("OUT", None)
     return subprocess.run(

@@ -149,7 +149,7 @@ def test_a_full_or_read_only_disk_is_a_clear_error_on_the_command_line(tmp_path,
         f"{sys.executable} -m seqshard pack --scp {data.scp} --text {data.text} --out {disk}/out --utts-per-file 20 --quiet; "
         f"echo exit=$?; find {disk} -name '*.partial'"
     )
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent / "src")}
     result = subprocess.run(["unshare", "-rm", "sh", "-c", command], capture_output=True, text=True, env=env)
     assert "exit=1" in result.stdout, result.stdout + result.stderr
     assert "Traceback" not in result.stderr

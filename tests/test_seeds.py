@@ -8,7 +8,7 @@ from pathlib import Path
 
 from seqshard.seeds import USER_IDS, Seed, stage_rng
 
-PACKAGE = Path(__file__).parent.parent / "seqshard"
+PACKAGE = Path(__file__).parent.parent / "src" / "seqshard"
 
 
 def test_stage_ids_are_unique_and_below_the_users():

@@ -38,7 +38,7 @@ def test_a_caught_worker_error_leaves_no_exception_behind(packed, tmp_path):
     second.write_bytes(bytes(data))
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(damaged), str(packed.out / "data-00000.tar")],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=120,
@@ -75,7 +75,7 @@ def test_shared_memory_that_cannot_be_allocated_is_said_with_the_options_that_ne
     allocated, for real, in a process whose files may not exceed 16 kB."""
     done = subprocess.run(
         [sys.executable, "-c", SHM_SCRIPT, str(packed.out)],
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
         timeout=120,
