@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
 from common import expected_speakers, utterance_frames, with_quick
 
-from seqshard.formats.index import length_bin
+from seqshard.formats.index_entries import length_bin
 from seqshard.options import Batching
 from seqshard.pipeline.stages.batching import BudgetWindow, LengthBudget, SortBatch
 from seqshard.pipeline.stages.sample import Sample

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from conftest import assert_resumes_everywhere
 from seqshard.errors import ConfigError, StateMismatchError
-from seqshard.formats.index import length_bin
+from seqshard.formats.index_entries import length_bin
 from seqshard.options import Batching
 from seqshard.pipeline.stages.base import Growth
 from seqshard.pipeline.stages.batching import (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from seqshard.formats.index import length_bin
+from seqshard.formats.index_entries import length_bin
 from seqshard.tools.inspect import length_ticks, plot_lengths
 
 ROOT = Path(__file__).parent.parent

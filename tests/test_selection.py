@@ -303,7 +303,8 @@ def test_a_folder_of_many_shards_is_read_with_a_listing_not_calls_or_objects_a_s
 def test_the_table_beside_index_json_gives_what_index_json_gives(many, tmp_path):
     """The same shards, facts, lengths, plans and counts from index.npz as from index.json
     (read in bulk), and as index.json read entry by entry."""
-    from seqshard.formats.index import ShardEntry, ShardIndex
+    from seqshard.formats.index import ShardIndex
+    from seqshard.formats.index_entries import ShardEntry
     from seqshard.formats.table import ShardTable
 
     def described(pattern):

@@ -8,18 +8,14 @@ import hashlib
 import json
 import pickle
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..checks import NumberError, read_number
 from ..errors import ConfigError, StateMismatchError
 from ..text.tokenizers import Tokenizer, UnitsTokenizer
-
-if TYPE_CHECKING:
-    from .train_epoch import Run
 
 #: sections of a checkpoint's recorded settings whose change a resume refuses (the saved weights
 #: cannot take it); changes of the others (schedule, run) are applied with a note
@@ -134,24 +130,8 @@ def restore(path: Path, checkpoint: dict[str, Any], model: nn.Module, optimizer:
             ) from None
 
 
-def save_checkpoint(run: Run, next_epoch: int) -> None:
-    """The run's state saved (by rank 0, under the final name only when complete; every rank
-    calls it at the same step); ``next_epoch``: the epoch a resume runs (the current one, or
-    the next when it is done)."""
-    run.records.write()
-    with run.meter.paused():
-        loader_state = run.loader.state_dict()  # a collective: every rank calls it at the same step
-        memory = run.guard.state(run.device)  # a collective too
-        if dist.get_rank() == 0:
-            temporary = run.checkpoint_path.with_name(run.checkpoint_path.name + ".partial")
-            state = {
-                "model": run.model.module.state_dict(),
-                "optimizer": run.optimizer.state_dict(),
-                "settings": run.recorded,
-                "loader": loader_state,
-                "epoch": next_epoch,
-                "step": run.step,
-                "memory": memory,
-            }
-            torch.save(state, temporary)
-            temporary.replace(run.checkpoint_path)
+def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
+    """``state`` saved at ``path``, under that name only once complete (rank 0 writes it)."""
+    temporary = path.with_name(path.name + ".partial")
+    torch.save(state, temporary)
+    temporary.replace(path)

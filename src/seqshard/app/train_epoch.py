@@ -22,7 +22,7 @@ from torch import nn
 
 from ..errors import counted
 from ..progress import Progress
-from .train_checkpoint import save_checkpoint
+from .train_checkpoint import write_checkpoint
 from .train_memory import MemoryGuard, StepRunner, memory_line
 from .train_stops import Preemption, SkipRanges
 
@@ -221,7 +221,7 @@ class Run:
                 loss = evaluate(self.model, self.dev, self.loss_of, self.epoch, self.device)
                 say(f"epoch {self.epoch} dev loss {loss:.3f}")
         self.epoch += 1
-        save_checkpoint(self, self.epoch)  # the epoch is done: a resume starts the next one
+        self.save_checkpoint(self.epoch)  # the epoch is done: a resume starts the next one
         say(f"epoch {self.epoch - 1} done at step {self.step}, checkpoint saved")
         return True
 
@@ -238,6 +238,19 @@ class Run:
         self.meter.add(waited, len(batch["keys"]), batch["feat_lens"].sum(), loss)
         self.records.add(self.step, batch["keys"], loss, rate)
 
+    def save_checkpoint(self, next_epoch: int) -> None:
+        """The run's state saved (by rank 0; every rank calls it at the same step: the loader's
+        and the memory guard's states are collectives); ``next_epoch``: the epoch a resume runs
+        (the current one, or the next when it is done)."""
+        self.records.write()
+        with self.meter.paused():
+            loader_state = self.loader.state_dict()
+            memory = self.guard.state(self.device)
+            if dist.get_rank() == 0:
+                state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+                state |= {"settings": self.recorded, "loader": loader_state, "epoch": next_epoch, "step": self.step}
+                write_checkpoint(self.checkpoint_path, state | {"memory": memory})
+
     def stops(self, preemption: Preemption) -> bool:
         """After a step: its log line and checkpoint when due; True when the run stops here
         (``--stop-after-steps``, or a signal the ranks agreed on), its checkpoint saved."""
@@ -247,7 +260,7 @@ class Run:
         if self.step % self.settings["log_every"] == 0:
             self.log()
         if self.step % self.settings["save_every"] == 0 or stopping or signalled:
-            save_checkpoint(self, self.epoch)
+            self.save_checkpoint(self.epoch)
             say(f"epoch {self.epoch} step {self.step} checkpoint saved")
         if signalled:
             line(f"rank {dist.get_rank()}: {signalled}: stopped after step {self.step}, checkpoint saved")

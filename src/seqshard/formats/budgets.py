@@ -25,7 +25,7 @@ from typing import Any
 from ..checks import MAX_BUCKETS, read_number
 from ..errors import ConfigError
 from .files import read_json, write_json_atomic
-from .index import MAX_COUNT, MAX_LENGTH
+from .index_entries import MAX_COUNT, MAX_LENGTH
 
 FORMAT = "seqshard-budgets"
 VERSION = 1

@@ -29,6 +29,7 @@ from ..errors import InputError, OutputError, Where
 
 TEMPORARY_SUFFIX = ".partial"
 STALE_SECONDS = 600.0  # a JSON temporary this old belongs to a killed run (writes take milliseconds)
+MAX_JSON_BYTES = 1 << 30  # a JSON file seqshard reads (the index.json of 500,000 shards: 170 MB)
 
 
 @lru_cache(maxsize=1)
@@ -213,13 +214,11 @@ def read_json(
     path: str | Path, fix: str, missing: Any = _REQUIRED, limit: int | None = None, kind: type = object
 ) -> Any:
     """The JSON file ``path`` (a regular file of at most ``limit`` bytes, by default
-    ``inflation.MAX_INFLATED_BYTES``): InputError naming it, the line and ``fix`` when it is
+    ``MAX_JSON_BYTES``): InputError naming it, the line and ``fix`` when it is
     damaged, unreadable or not of ``kind`` (:func:`~seqshard.checks.parse_json`), or missing
     unless ``missing`` is given (then returned instead)."""
-    from .inflation import MAX_INFLATED_BYTES
-
     try:
-        return parse_json(read_input(path, limit or MAX_INFLATED_BYTES, what="JSON"), path, fix, kind)
+        return parse_json(read_input(path, limit or MAX_JSON_BYTES, what="JSON"), path, fix, kind)
     except FileNotFoundError:
         if missing is not _REQUIRED:
             return missing

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from .index import (
+from .index_entries import (
     MAX_BIN,
     MAX_BYTES,
     MAX_COUNT,

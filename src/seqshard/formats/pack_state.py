@@ -13,7 +13,7 @@ from pathlib import Path
 from ..checks import NumberError, read_number, shown
 from ..errors import SeqshardError
 from .files import read_json
-from .index import MAX_COUNT, check_name
+from .index_entries import MAX_COUNT, check_name
 
 STATE_DIR = ".seqshard-pack"
 PLANNED_NAME = "planned.json"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .index import bin_bounds, length_bin
+from .index_entries import bin_bounds, length_bin
 
 if TYPE_CHECKING:
     from .index_table import ShardColumns

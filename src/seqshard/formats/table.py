@@ -20,7 +20,8 @@ from typing import Any, overload
 import numpy as np
 
 from ..errors import ConfigError, ShardError, counted
-from .index import ShardIndex, merge_histograms
+from .index import ShardIndex
+from .index_entries import merge_histograms
 from .index_table import ShardColumns, Texts
 from .patterns import LIST_SUFFIXES, Patterns, is_list_name, is_manifest_name
 from .peers.lists import scan_list

@@ -27,7 +27,8 @@ from typing import Any
 
 from ..errors import ConfigError, InputError, SeqshardError, SkipCounter, Where, option
 from ..formats.files import inside, remove_stale_temporaries, writing
-from ..formats.index import FieldSet, ShardIndex, SidecarEntry, sidecar_name
+from ..formats.index import ShardIndex
+from ..formats.index_entries import FieldSet, SidecarEntry, sidecar_name
 from ..formats.keys import unescape_key
 from ..formats.lock import FolderLocks
 from ..formats.npy import decode_npy, npy_parts

@@ -23,7 +23,8 @@ from pathlib import Path
 
 from ..errors import SeqshardError, counted, listed
 from ..formats.files import TEMPORARY_SUFFIX, leads_out
-from ..formats.index import INDEX_NAME, ShardIndex, check_name, old_sidecar_name
+from ..formats.index import INDEX_NAME, ShardIndex
+from ..formats.index_entries import check_name, old_sidecar_name
 from ..formats.lock import LOCK_NAME
 from ..formats.members import TABLE_DIR, table_path
 from ..formats.pack_state import REPORT_NAME, STATE_DIR, planned_shards

@@ -23,7 +23,8 @@ from typing import Any
 from .. import __version__
 from ..errors import ConfigError, InputError, SeqshardError, Where, counted, listed, option
 from ..formats.files import inside, read_json, remove_stale_temporaries, write_json_atomic, writing
-from ..formats.index import ShardEntry, ShardIndex
+from ..formats.index import ShardIndex
+from ..formats.index_entries import ShardEntry
 from ..formats.lock import FolderLock
 from ..formats.pack_state import PLANNED_NAME, REPORT_NAME, STATE_DIR, planned_record
 from ..formats.peers.nemo import manifest_files

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import counted
-from ..formats.index import merge_histograms
+from ..formats.index_entries import merge_histograms
 from .journal import shard_written
 
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..errors import InputError, ShardError, SkipCounter
 from ..formats.files import writing
-from ..formats.index import length_bin
+from ..formats.index_entries import length_bin
 from ..formats.tar import ShardWriter, WrittenPart, temporary_path
 from .inputs import LABEL_MEMBER
 from .job import PackJob, ShardTask

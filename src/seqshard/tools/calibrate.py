@@ -40,7 +40,7 @@ from ..checks import MAX_BUCKETS, check_number
 from ..device import check_device, is_cuda, require_device
 from ..errors import ConfigError, option
 from ..formats.budgets import Budgets, save_budgets
-from ..formats.index import MAX_LENGTH, bin_bounds
+from ..formats.index_entries import MAX_LENGTH, bin_bounds
 from ..formats.patterns import Patterns
 from ..formats.table import ShardTable
 from ..options import BudgetWindow

@@ -9,7 +9,8 @@ from typing import Any
 
 from ..errors import counted, redact
 from ..formats.fields import field_name
-from ..formats.index import ShardEntry, ShardIndex, bin_bounds, histogram_percentile, merge_histograms
+from ..formats.index import ShardIndex
+from ..formats.index_entries import ShardEntry, bin_bounds, histogram_percentile, merge_histograms
 from ..formats.peers.shar import is_shar_index
 from ..formats.selection import MissingShard
 from ..formats.table import select_folders, size_problem

@@ -22,7 +22,8 @@ from pathlib import Path
 from .. import __version__
 from ..errors import ConfigError, SeqshardError, ShardError, counted, listed
 from ..formats.files import inside, read_json, remove_stale_temporaries, writing
-from ..formats.index import FieldSet, ShardEntry, ShardIndex, SidecarEntry, sidecar_name
+from ..formats.index import ShardIndex
+from ..formats.index_entries import FieldSet, ShardEntry, SidecarEntry, sidecar_name
 from ..formats.lock import FolderLocks
 from ..formats.members import load_table
 from ..formats.pack_state import STATE_DIR, pack_root, planned_shards

@@ -10,7 +10,7 @@ from ..errors import ShardError
 from ..formats.audio import audio_seconds
 from ..formats.fields import AUDIO_EXTENSIONS
 from ..formats.files import crc32_of
-from ..formats.index import ShardEntry, length_bin
+from ..formats.index_entries import ShardEntry, length_bin
 from ..formats.members import MemberTable, TableBuilder, has_table_format
 from ..formats.npy import decode_npy
 from ..formats.peers.lists import SEGMENT_FIELD

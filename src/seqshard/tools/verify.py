@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ShardError, counted, redact
-from ..formats.index import SidecarEntry
+from ..formats.index_entries import SidecarEntry
 from ..formats.members import load_table, table_path
 from ..formats.remote import access as remote
 from ..formats.table import select_folders

@@ -19,7 +19,7 @@ import numpy as np
 
 from ...errors import InputError, SkipCounter, Where
 from ..files import NotAFileError, open_input
-from ..index import MAX_LENGTH  # utterance lengths are held as int32 (frames, or 10 ms of audio)
+from ..index_entries import MAX_LENGTH  # utterance lengths are held as int32 (frames, or 10 ms of audio)
 from ..keys import key_hash
 from .kaldi import ASCII_WHITESPACE, iter_lines, long_line, parse_line
 

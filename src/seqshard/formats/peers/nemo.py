@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError, InputError, Where, option
-from ..index import MAX_LENGTH
+from ..index_entries import MAX_LENGTH
 from ..patterns import FIELD_SET_NAME, expand_braces, kinds_in_folder, nemo_braces
 from .lists import ListSampleStream, first_line, scan_list
 

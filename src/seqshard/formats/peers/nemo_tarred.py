@@ -41,7 +41,8 @@ from typing import Any
 
 from ...errors import InputError, ShardError, Where, counted
 from ...protocol import Closing
-from ..index import ShardEntry, ShardIndex, length_bin
+from ..index import ShardIndex
+from ..index_entries import ShardEntry, length_bin
 from ..inflation import MAX_LINE_BYTES, numbered_lines
 from ..patterns import shards_in_folder
 from ..tar import BLOCK, TarRecord, TarStream

@@ -32,7 +32,8 @@ from ...checks import NumberError, read_number
 from ...errors import ConfigError, InputError, ShardError, Where, redact
 from ...protocol import Closing
 from ..fields import NODATA
-from ..index import MAX_LENGTH, FieldSet, ShardEntry, ShardIndex, SidecarEntry, length_bin
+from ..index import ShardIndex
+from ..index_entries import MAX_LENGTH, FieldSet, ShardEntry, SidecarEntry, length_bin
 from ..inflation import BoundedLines, InflationError
 from ..patterns import SHAR_CUTS
 from ..remote.access import is_remote

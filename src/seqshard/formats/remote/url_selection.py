@@ -19,7 +19,8 @@ from pathlib import Path
 
 from ...checks import parse_json
 from ...errors import ConfigError
-from ..index import ShardEntry, ShardIndex
+from ..index import ShardIndex
+from ..index_entries import ShardEntry
 from ..patterns import expand_braces, is_list_name, is_shard_name, pattern_list
 from ..peers.lists import shard_list
 from ..selection import MissingShard

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from ...errors import SeqshardError
-from ...formats.index import MAX_LENGTH, bin_length
+from ...formats.index_entries import MAX_LENGTH, bin_length
 from ...options import BudgetWindow
 from ...protocol import PlannedBatches
 from ...seeds import Seed, stage_rng

@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 from ...dist import Collectives
 from ...errors import ConfigError, SeqshardError
-from ...formats.index import bin_length
+from ...formats.index_entries import bin_length
 from ...options import Epochs
 from ..stages.batching import BucketBudgets, FixedSize
 from ..workers.recipe import batch_cost

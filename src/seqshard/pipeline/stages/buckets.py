@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...formats.budgets import LengthBuckets
-from ...formats.index import bin_length
+from ...formats.index_entries import bin_length
 from ...seeds import Seed, stage_rng
 from .base import State
 from .batching import Batch, BatchCost, SortBatch

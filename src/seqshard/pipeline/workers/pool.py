@@ -13,7 +13,7 @@ import multiprocessing
 from typing import Any
 
 from ...device import is_cuda
-from ...formats.index import bin_bounds
+from ...formats.index_entries import bin_bounds
 from ...formats.remote.access import RemoteAccess
 from ..stages.collate import to_tensors
 from .process import WorkerLink

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import ConfigError, SkipCounter
-from ...formats.index import bin_length
+from ...formats.index_entries import bin_length
 from ...formats.keys import key_hash
 from ...formats.remote.access import RemoteAccess
 from ...options import Batching, BudgetWindow

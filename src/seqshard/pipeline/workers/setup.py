@@ -19,7 +19,7 @@ from ...features.frontend import AudioOptions
 from ...features.speaker_cmvn import STATS_FIELD, SpeakerCmvn
 from ...formats.budgets import LengthBuckets
 from ...formats.fields import field_name
-from ...formats.index import bin_bounds, histogram_percentile
+from ...formats.index_entries import bin_bounds, histogram_percentile
 from ...formats.remote.access import RemoteAccess
 from ...formats.streams import open_samples
 from ...formats.table import ShardTable
