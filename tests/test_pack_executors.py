@@ -194,7 +194,9 @@ def test_repeated_keys_across_files_are_found_in_any_bucket(tmp_path, small_wave
         assert (array == first.arrays[key]).all()  # the first file's entry is kept
 
 
-def test_shards_of_a_speaker_sorted_corpus_sample_every_speaker_across_buckets(tmp_path, small_waves):
+def test_shards_of_a_speaker_sorted_corpus_sample_every_speaker_across_buckets(tmp_path, monkeypatch):
+    monkeypatch.setattr(chunks, "CHUNK_BYTES", 2000)  # ~10 chunks of each table
+    monkeypatch.setattr(bucket_wave, "BUCKET_ROWS", 64)  # ~10 buckets
     data = write_kaldi_dir(tmp_path / "d", speakers=20, per_speaker=30, dim=2, frames=(2, 4))
     report = pack_data(data.scp, data.text, tmp_path / "out", utts_per_file=60, progress=False)
     assert report.packed == 600
