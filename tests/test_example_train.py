@@ -155,7 +155,7 @@ def test_learns_is_killed_resumes_exactly_and_says_when_finished(tmp_path: Path)
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses  # features come from the labels: it learns
 
     # the same run killed with SIGKILL after its second checkpoint
-    out = ["--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "run.jsonl")]
+    out = ["--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "run" / "steps.jsonl")]  # in --out, not yet made
     [process] = forked(*out, cwd=tmp_path, logs=tmp_path / "killed")
     killed = follow(process, saved_at_least(10))
     kill([process])
@@ -167,7 +167,7 @@ def test_learns_is_killed_resumes_exactly_and_says_when_finished(tmp_path: Path)
     lines = run_forked(*out, cwd=tmp_path, logs=tmp_path / "resumed")
     _, step = resumed_at(lines)
     assert step >= 10, lines
-    assert_same_steps(records(tmp_path / "run.jsonl"), expected)
+    assert_same_steps(records(tmp_path / "run" / "steps.jsonl"), expected)
     assert FINISHED.match(lines[-1]) and int(FINISHED.match(lines[-1])[1]) == total, lines
 
     # run again once finished: it says so and exits 0

@@ -54,7 +54,6 @@ def load_settings(args: argparse.Namespace, rank: int) -> tuple[dict[str, Any], 
         config = read_json(Path(args.config))
     else:
         name = "the made-up corpus's config"
-        args.out.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             demo_config(args.out / "data", args.demo_utts)
         dist.barrier()
@@ -79,6 +78,7 @@ def check_outputs(args: argparse.Namespace, rank: int) -> Any:
     check_number("--stop-after-steps", args.stop_after_steps, whole=True, at_least=1, optional=True)
     if args.out.exists() and not args.out.is_dir():
         raise ConfigError(f"--out {args.out} is a file: give a folder for the checkpoint (and the made-up corpus).")
+    args.out.mkdir(parents=True, exist_ok=True)  # before the steps file, which may lie in it
     if args.steps_file is None or rank != 0:
         return None
     try:
@@ -139,7 +139,6 @@ def set_up(args: argparse.Namespace, cuda: bool) -> Run | None:
         )
         return None
     changes = changes_since(checkpoint_path, checkpoint.get("settings"), recorded) if checkpoint is not None else None
-    args.out.mkdir(parents=True, exist_ok=True)
 
     torch.manual_seed(int(option.get("seed", 0)))
     model = nn.parallel.DistributedDataParallel(
