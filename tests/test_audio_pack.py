@@ -183,6 +183,13 @@ def test_bad_audio_is_an_error_naming_the_key_or_a_counted_skip(tmp_path):
         ("seg a 1.0 9.0", "bad_segment", "runs past the end of its recording"),
         ("seg a 0.5 0.5", "bad_segment", "empty or negative"),
         ("seg a 0.8 0.2", "bad_segment", "empty or negative"),
+        # NaN, infinity or seconds past any utterance's length failed the write task (ValueError,
+        # OverflowError), reported as a task to run again
+        ("seg a nan 1", "bad_segment", "its start is nan, not a finite number"),
+        ("seg a 0 nan", "bad_segment", "its end is nan, not a finite number"),
+        ("seg a 0 1e308", "bad_segment", "its end is 1e\\+308, not <= "),
+        ("seg a 0 inf", "bad_segment", "its end is inf, not a finite number"),
+        ("seg a 0 -inf", "bad_segment", "its end is -inf, not a finite number"),
         ("seg nosuch 0.0 0.5", "no_recording", "nosuch"),
     ],
 )

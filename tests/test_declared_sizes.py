@@ -56,7 +56,7 @@ def test_a_wav_in_ark_whose_riff_size_says_2_gb_is_refused_before_reading(tmp_pa
     ark = tmp_path / "wav.ark"
     ark.write_bytes(b"utt1 " + wav[:4] + struct.pack("<I", 0x7FFFFFFF) + wav[8:])
     where = Where(tmp_path / "wav.scp", 1, "utt1")
-    error, peak = peak_bytes(lambda: read_location(parse_wav_location(f"{ark}:5"), where))
+    error, peak = peak_bytes(lambda: read_location(parse_wav_location(f"{ark}:5", where), where))
     assert isinstance(error, InputError) and error.reason == "unreadable_audio", error
     assert f"{ark}:5 declares 2147483647 bytes" in str(error) and "wav.scp:1" in str(error)
     assert peak < 16 * MB
@@ -194,5 +194,7 @@ def test_lengths_beyond_int32_in_length_files_are_malformed_lines_not_wrapped(tm
 
     audio = write_audio_dir(tmp_path / "a", utts=2)
     (audio.root / "utt2dur").write_text(f"utt000 {'9' * 400}\nutt001 1.0\n")  # float: inf
-    with pytest.raises(InputError, match=r"utt2dur:1 \(key 'utt000'\): the duration 9999.* is beyond any"):
+    with pytest.raises(
+        InputError, match=r"utt2dur:1 \(key 'utt000'\): the duration \(seconds\) is inf, not a finite number"
+    ):
         pack_data(None, audio.text, tmp_path / "a_out", wav_scp=audio.wav_scp, filter_group=["0:100"], progress=False)

@@ -87,6 +87,54 @@ def test_missing_ark_and_bad_offset(tmp_path, kaldi_dir):
     assert report.dropped == {"bad_offset": 1, "missing_ark": 1}
 
 
+HUGE = "9" * 20  # past any ark (and past a seek's int64); 5000 digits are past int()'s 4300
+MANY = "9" * 5000
+
+
+@pytest.mark.parametrize(
+    ("location", "reason"),
+    [
+        (f"ark:{HUGE}", "bad_offset"),
+        (f"{{ark}}:{HUGE}", "bad_offset"),
+        (f"{{ark}}:{MANY}", "bad_offset"),
+        (f"{{ark}}:{{offset}}[0:{MANY}]", "bad_range"),
+    ],
+)
+def test_an_scp_number_no_ark_can_hold_is_named_not_a_failed_task(tmp_path, kaldi_dir, location, reason):
+    """Such a number failed the scan task (OverflowError, or int()'s ValueError past 4300
+    digits), reported as a task to run again."""
+    lines = kaldi_dir.scp.read_text().splitlines()
+    key, value = lines[3].split()
+    ark, offset = value.rsplit(":", 1)
+    lines[3] = f"{key} {location.format(ark=ark, offset=offset)}"
+    kaldi_dir.scp.write_text("\n".join(lines) + "\n")
+    error, report = pack_both_ways(kaldi_dir, tmp_path)
+    assert error.reason == reason and f"feats.scp:4 (key '{key}')" in str(error) and "Fix:" in str(error)
+    assert "no ark is that large" in str(error) or "no matrix is that large" in str(error)
+    assert report.dropped == {reason: 1} and report.packed == 47
+
+
+@pytest.mark.parametrize("offset", [HUGE, MANY])
+def test_a_wav_scp_offset_no_ark_can_hold_is_named_not_a_failed_task(tmp_path, offset):
+    """It failed the write task (``cannot fit 'int' into an offset-sized integer``) or the scan
+    task (int() past 4300 digits)."""
+    from conftest import write_audio_dir
+
+    audio = write_audio_dir(tmp_path / "audio", utts=3, seconds=(0.2, 0.3))
+    lines = audio.wav_scp.read_text().splitlines()
+    key = lines[1].split()[0]
+    lines[1] = f"{key} {tmp_path / 'audio' / 'w.ark'}:{offset}"
+    audio.wav_scp.write_text("\n".join(lines) + "\n")
+    text = tmp_path / "text"
+    text.write_text("".join(f"{line.split()[0]} words\n" for line in lines))
+    with pytest.raises(InputError) as error:
+        pack_data(None, text, tmp_path / "strict", wav_scp=audio.wav_scp, progress=False)
+    assert error.value.reason == "bad_offset" and f"wav.scp:2 (key '{key}')" in str(error.value)
+    assert "no ark is that large" in str(error.value) and "wav-copy" in str(error.value)
+    report = pack_data(None, text, tmp_path / "skip", wav_scp=audio.wav_scp, skip_bad=True, progress=False)
+    assert (report.input_utts, report.packed, report.dropped) == (3, 2, {"bad_offset": 1})
+
+
 def test_nan_inf_and_zero_length_matrices(tmp_path):
     root = tmp_path / "d"
     root.mkdir()
@@ -151,13 +199,14 @@ def test_malformed_utt2num_frames_line_is_counted_and_the_header_used(tmp_path, 
     lines[2] = "spk000-utt002 twelve\n"
     n = lengths["spk000-utt005"]
     lines[5] = f"spk000-utt005 {n // 10}_{n % 10}\n"  # Python's int() reads "3_4" as 34; Kaldi does not
+    lines[7] = f"spk000-utt007 {'9' * 5000}\n"  # int() refuses past 4300 digits: it failed the scan task
     frames_file = kaldi_dir.root / "utt2num_frames"
     frames_file.write_text("".join(lines))
     error, report = pack_both_ways(kaldi_dir, tmp_path, filter_group=["1:1000"])
     assert error.reason == "malformed_line" and f"{frames_file}:3" in str(error) and "'twelve'" in str(error)
     # the utterances are packed all the same, their lengths read from their matrix headers
     assert report.packed == 48 and report.dropped == {} and report.label_issues == {}
-    assert report.frames_file_issues == {"malformed_line": 2}
+    assert report.frames_file_issues == {"malformed_line": 3}
     found = read_shards(sorted((tmp_path / "skip").rglob("*.tar")))
     assert found["spk000-utt002"][0].shape[0] == lengths["spk000-utt002"]
     index = ShardIndex.load(tmp_path / "skip" / "1_1000")

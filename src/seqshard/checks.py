@@ -135,6 +135,16 @@ def read_number(field: str, value: Any, **rule: Any) -> int | float | None:
     return _plain(value)
 
 
+def read_digits(field: str, text: str, at_most: int) -> int:
+    """``text`` (ASCII digits, as Kaldi writes a count or a byte offset) as a whole number from
+    0 to ``at_most``, else NumberError ``"FIELD is 'TEXT', not ..."``: never ``int``'s
+    ValueError past 4300 digits, its ``1_000`` or Unicode digits, nor a number too large to
+    seek to or count further on."""
+    if not (text.isascii() and text.isdigit() and len(text) <= len(str(at_most)) and int(text) <= at_most):
+        raise NumberError(f"{field} is {shown(text)}, not a whole number from 0 to {at_most}")
+    return int(text)
+
+
 def shown(value: Any) -> str:
     """``repr(value)``, cut short past 40 characters (for messages about values read from files)."""
     text = repr(value)

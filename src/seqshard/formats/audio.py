@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ..checks import NumberError, read_digits
 from ..errors import InputError, Where, counted, option
 from .fields import AUDIO_EXTENSIONS
 from .files import NotAFileError, open_input, read_bounded, read_input
+from .index_entries import MAX_BYTES
 
 if TYPE_CHECKING:
     from soundfile import SoundFile
@@ -85,14 +87,23 @@ class WavLocation:
         return Path(self.path).suffix.lstrip(".").lower() or "wav"
 
 
-def parse_wav_location(value: str, root: Path | None = None) -> WavLocation:
-    """A ``wav.scp`` value: ``path``, ``command |`` or ``ark_path:offset``."""
+def parse_wav_location(value: str, where: Where, root: Path | None = None) -> WavLocation:
+    """A ``wav.scp`` value: ``path``, ``command |`` or ``ark_path:offset`` (an offset no ark
+    can reach: InputError ``bad_offset`` naming ``where``)."""
     value = value.strip(" \t\r\n")
     if value.endswith("|"):
         return WavLocation(value[:-1].strip(), is_pipe=True)
     head, sep, tail = value.rpartition(":")
     if sep and tail.isascii() and tail.isdigit() and head.endswith(".ark"):
-        path, offset = head, int(tail)
+        try:
+            path, offset = head, read_digits("its byte offset", tail, MAX_BYTES)
+        except NumberError as error:
+            raise InputError(
+                where,
+                "bad_offset",
+                f"{error}: no ark is that large.",
+                "regenerate the wav.scp with the ark (wav-copy).",
+            ) from None
     else:
         path, offset = value, None
     if root is not None and not Path(path).is_absolute():

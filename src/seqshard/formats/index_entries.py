@@ -229,6 +229,7 @@ class ShardEntry:
 MAX_BYTES = 1 << 56  # a size in bytes beyond this is not a file's
 MAX_COUNT = 1 << 53  # counts of utterances and frames beyond this are not a dataset's
 MAX_LENGTH = (1 << 31) - 1  # an utterance's length and a shard's utterance count are int32 wherever they are kept
+MAX_SECONDS = MAX_LENGTH // 100  # an utterance's seconds: its length in 10 ms frames fits int32 (about 248 days)
 MAX_BIN = 31 * BINS_PER_OCTAVE - 1  # the bin of a length of MAX_LENGTH frames
 
 

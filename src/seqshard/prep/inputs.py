@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checks import read_number, shown
+from ..checks import NumberError, read_number, shown
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import (
     DecodedAudio,
@@ -38,6 +38,7 @@ from ..formats.audio import (
 )
 from ..formats.fields import NODATA
 from ..formats.files import NotAFileError, read_input
+from ..formats.index_entries import MAX_SECONDS
 from ..formats.keys import key_problem
 from ..formats.npy import npy_parts
 from ..formats.peers.kaldi import MatrixReader, parse_line
@@ -303,7 +304,7 @@ class AudioSource:
             self._check_recording(value, where)
 
     def _check_recording(self, value: str, where: Where) -> None:
-        location = parse_wav_location(value, self._root())
+        location = parse_wav_location(value, where, self._root())
         if location.is_pipe and not self.options.allow_pipes:
             raise InputError(
                 where,
@@ -340,7 +341,7 @@ class AudioSource:
             if segment.end >= 0:
                 return round((segment.end - segment.start) * 100)
         else:
-            seconds = header_seconds(parse_wav_location(value, self._root()), where)
+            seconds = header_seconds(parse_wav_location(value, where, self._root()), where)
             if seconds is not None:
                 return round(seconds * 100)
         return round(reader.audio(key, value, where).seconds * 100)
@@ -375,16 +376,23 @@ class AudioSource:
 
 
 def _parse_segment(value: str, where: Where) -> _Segment:
+    """A segments line's value; its times finite seconds that an utterance's length can
+    count (the end negative: to the end of the recording, as in Kaldi), else InputError."""
     parts = value.split()
     try:
         recording, start, end = parts[0], float(parts[1]), float(parts[2])
     except (IndexError, ValueError):
-        raise InputError(
-            where, "malformed_line", f"expected 'RECORDING START END' (seconds), found {value!r}."
-        ) from None
-    if len(parts) > 3:
+        parts = []
+    if len(parts) != 3:
         raise InputError(where, "malformed_line", f"expected 'RECORDING START END' (seconds), found {value!r}.")
-    if start < 0 or (end >= 0 and end <= start):
+    try:
+        read_number("its start", start, at_least=0, at_most=MAX_SECONDS)
+        read_number("its end", end, at_most=MAX_SECONDS)
+    except NumberError as error:
+        raise InputError(
+            where, "bad_segment", f"{error} (seconds).", "fix the segments file (its times are in seconds)."
+        ) from None
+    if end >= 0 and end <= start:
         raise InputError(where, "bad_segment", f"the segment {start:g} .. {end:g} s is empty or negative.")
     return _Segment(recording, start, end)
 
@@ -402,7 +410,7 @@ class _AudioReader(Closing):
         self._last = None
 
     def _recording(self, key: str, value: str, where: Where) -> tuple[bytes, DecodedAudio]:
-        location = parse_wav_location(value, self.source._root())
+        location = parse_wav_location(value, where, self.source._root())
         data = read_location(location, where, self.options.allow_pipes)
         return data, decode_audio(data, where, self.options.channel)
 

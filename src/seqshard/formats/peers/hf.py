@@ -33,7 +33,7 @@ import numpy as np
 
 from ...checks import NumberError, read_number, shown
 from ...errors import ConfigError, InputError, Where, option
-from ..audio import DecodedAudio, decode_audio, read_audio_file
+from ..audio import MAX_SAMPLE_RATE, DecodedAudio, decode_audio, read_audio_file
 from ..files import read_json
 from ..inflation import MAX_INFLATION, MIN_INFLATION_LIMIT, inflation_limit
 from .arrow_ipc import DamagedMessage, batch_sizes
@@ -44,7 +44,6 @@ if TYPE_CHECKING:
 TEXT_COLUMNS = ("text", "sentence", "transcript", "transcription", "normalized_text")
 ID_COLUMN = "id"
 ENCODED_CELL, DECODED_CELL = {"bytes", "path"}, {"array", "sampling_rate"}
-MAX_SAMPLE_RATE = 655350  # FLAC's highest rate (libsndfile's); no recording is sampled faster
 FILE_KINDS = {"parquet": "a parquet", "arrow": "an Arrow"}
 SUFFIXES = (".parquet", ".arrow")
 REFETCH = "download or save the file again."

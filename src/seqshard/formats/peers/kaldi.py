@@ -23,8 +23,10 @@ from typing import BinaryIO
 
 import numpy as np
 
+from ...checks import NumberError, read_digits
 from ...errors import InputError, Where, option
 from ..files import NotAFileError, open_input
+from ..index_entries import MAX_BYTES, MAX_LENGTH
 from ..inflation import LineTooLong, numbered_lines
 
 _LOG = logging.getLogger("seqshard")
@@ -184,10 +186,15 @@ def _parse_range(text: str, where: Where) -> tuple[int, int] | None:
     first, sep, last = (part.strip(ASCII_WHITESPACE) for part in text.partition(":"))
     if not _ASCII_DIGITS.fullmatch(first) or (sep and not _ASCII_DIGITS.fullmatch(last)):
         raise InputError(where, "malformed_line", f"bad range {text!r} in the scp entry.")
-    bounds = (int(first), int(last)) if sep else (int(first), int(first))
-    if bounds[0] < 0 or bounds[1] < bounds[0]:
+    try:
+        low, high = (read_digits("a row or column of the range", n, MAX_LENGTH) for n in (first, last or first))
+    except NumberError as error:
+        raise InputError(
+            where, "bad_range", f"{error}: no matrix is that large.", "fix the range in the scp."
+        ) from None
+    if high < low:
         raise InputError(where, "malformed_line", f"empty or negative range {text!r} in the scp entry.")
-    return bounds
+    return low, high
 
 
 def parse_location(
@@ -211,7 +218,10 @@ def parse_location(
     path, offset = value, None
     head, sep, tail = value.rpartition(":")
     if sep and _ASCII_DIGITS.fullmatch(tail):
-        path, offset = head, int(tail)
+        try:
+            path, offset = head, read_digits("its byte offset", tail, MAX_BYTES)
+        except NumberError as error:
+            raise InputError(where, "bad_offset", f"{error}: no ark is that large.", _OFFSET_FIX) from None
     for old, new in path_map:
         if path.startswith(old):
             path = new + path[len(old) :]
@@ -404,9 +414,14 @@ def _bad_offset(location: ArkLocation, where: Where, why: str) -> InputError:
         where,
         "bad_offset",
         f"byte offset {location.offset} in {location.path!r} is not the start of a value: {why}.",
-        "the scp does not match the ark (damaged or re-written ark, or an offset off by a few bytes); "
-        f"regenerate the scp with the ark. If the ark went through git, {_GIT_HINT}.",
+        _OFFSET_FIX,
     )
+
+
+_OFFSET_FIX = (
+    "the scp does not match the ark (damaged or re-written ark, or an offset off by a few bytes); "
+    f"regenerate the scp with the ark. If the ark went through git, {_GIT_HINT}."
+)
 
 
 def _damaged(location: ArkLocation, where: Where, why: str) -> InputError:

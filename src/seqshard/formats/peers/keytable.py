@@ -17,15 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
+from ...checks import NumberError, read_digits, read_number
 from ...errors import InputError, SkipCounter, Where
 from ..files import NotAFileError, open_input
-from ..index_entries import MAX_LENGTH  # utterance lengths are held as int32 (frames, or 10 ms of audio)
+from ..index_entries import MAX_LENGTH, MAX_SECONDS  # utterance lengths are held as int32 (frames, or 10 ms of audio)
 from ..keys import key_hash
 from .kaldi import ASCII_WHITESPACE, iter_lines, long_line, parse_line
 
 Parser = Callable[[bytes, Where, bool], tuple[str, str]]
-
-_COUNT = re.compile(r"[+-]?[0-9]+")
 
 
 class KeyTable:
@@ -302,16 +301,13 @@ def _count_lines(path: Path) -> int:
 
 def parse_count(value: str, where: Where) -> int:
     """A count as Kaldi writes it: ASCII digits (``int`` would also take ``1_000``, Unicode
-    digits and Unicode spaces)."""
+    digits and Unicode spaces, and refuse more than 4300 digits), at most an utterance's
+    length."""
     text = value.strip(ASCII_WHITESPACE)
-    if not _COUNT.fullmatch(text):
-        raise InputError(where, "malformed_line", f"expected a whole number, found {value!r}.")
-    count = int(text)
-    if count < 0:
-        raise InputError(where, "malformed_line", f"negative count {count}.")
-    if count > MAX_LENGTH:
-        raise InputError(where, "malformed_line", f"the count {text[:40]} is beyond any utterance's length.")
-    return count
+    try:
+        return read_digits("the count", text.removeprefix("+"), MAX_LENGTH)
+    except NumberError as error:
+        raise InputError(where, "malformed_line", f"{error}.") from None
 
 
 _SECONDS = re.compile(r"[0-9]+(\.[0-9]*)?|\.[0-9]+")
@@ -322,7 +318,7 @@ def parse_milliseconds(value: str, where: Where) -> int:
     text = value.strip(ASCII_WHITESPACE)
     if not _SECONDS.fullmatch(text):
         raise InputError(where, "malformed_line", f"expected a duration in seconds, found {value!r}.")
-    milliseconds = float(text) * 1000
-    if milliseconds > MAX_LENGTH * 10:  # lengths are counted in 10 ms frames
-        raise InputError(where, "malformed_line", f"the duration {text[:40]} s is beyond any utterance's length.")
-    return round(milliseconds)
+    try:
+        return round(float(read_number("the duration (seconds)", float(text), at_most=MAX_SECONDS)) * 1000)  # type: ignore[arg-type]
+    except NumberError as error:
+        raise InputError(where, "malformed_line", f"{error}.") from None

@@ -217,10 +217,13 @@ class ListSampleStream(Closing):
 
     def _audio(self, record: dict) -> dict[str, bytes]:
         """The audio's bytes under its extension, or why they cannot be read."""
-        location = parse_wav_location(str(record["wav"]))
+        where = Where(self.path, self.ordinal + 1, str(record["key"]))
+        try:
+            location = parse_wav_location(str(record["wav"]), where)
+        except InputError as error:  # an offset no ark reaches
+            return {READ_ERROR_FIELD: carried_problem(error)}
         if not location.is_pipe:
             location = WavLocation(str(resolve(location.path, Path(self.path), self.path_root)), location.offset)
-        where = Where(self.path, self.ordinal + 1, str(record["key"]))
         if location.is_pipe:
             raise InputError(
                 where,

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import ConfigError, InputError, Where, option
-from ..index_entries import MAX_LENGTH
+from ..index_entries import MAX_SECONDS
 from ..patterns import FIELD_SET_NAME, expand_braces, kinds_in_folder, nemo_braces
 from .lists import ListSampleStream, first_line, scan_list
 
@@ -41,7 +41,6 @@ TEXT_KEYS = ("text", "normalized_text")
 ID_KEY = "id"
 SHARD_KEY = "shard_id"  # the tar of a tarred set's entry (nemo_tarred.py)
 READ_KEYS = frozenset({*AUDIO_KEYS, *TEXT_KEYS, ID_KEY, SHARD_KEY, "duration", "offset"})  # not extra fields
-MAX_SECONDS = MAX_LENGTH // 100  # lengths are kept as int32 counts of 10 ms frames (about 248 days)
 MANIFEST_FIX = 'each line is a JSON object with "audio_filepath" and "duration" (NeMo\'s manifest format).'
 
 
