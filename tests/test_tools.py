@@ -10,6 +10,7 @@ import soundfile
 from conftest import REALDATA, write_audio_dir, write_kaldi_dir
 from seqshard import ShardIndex, make_loader, pack_data
 from seqshard.cli import main
+from seqshard.errors import ShardError
 from seqshard.formats.tar import ShardWriter
 
 
@@ -61,6 +62,22 @@ def test_verify_names_each_damaged_shard_and_exits_non_zero(packed, capsys):
     assert f"DAMAGED {flipped}" in report and "checksum" in report
     assert f"DAMAGED {cut}" in report and "utterances, index says" in report
     assert f"MISSING {out / '40_80' / 'data-00002.tar'}" in report and "file is missing" in report
+
+
+@pytest.mark.parametrize("name", ["first_key", "last_key"])
+def test_verify_checks_the_keys_a_loader_checks(packed, capsys, name):
+    _, out = packed
+    written = json.loads((out / "5_40" / "index.json").read_text())
+    written["shards"][1][name] = "zzz"
+    (out / "5_40" / "index.json").write_text(json.dumps(written))
+    shard = out / "5_40" / written["shards"][1]["name"]
+    with pytest.raises(ShardError, match=r"where its index\.json says 'zzz'"):
+        list(make_loader(out / "5_40", batch_size=1, num_workers=0))
+    assert main(["verify", "--quiet", str(out)]) == 1
+    report = capsys.readouterr().out
+    assert "1 damaged" in report and f"DAMAGED {shard}" in report
+    assert f"{name} '" in report and "index.json says 'zzz'" in report and "`seqshard index`" in report
+    assert main(["index", "--quiet", str(out)]) == 0 and main(["verify", "--quiet", str(out)]) == 0
 
 
 def test_index_rebuilds_a_pack_and_indexes_foreign_shards(packed, tmp_path, capsys):
