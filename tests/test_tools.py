@@ -7,9 +7,10 @@ import tarfile
 import pytest
 import soundfile
 
-from conftest import REALDATA, write_kaldi_dir
-from seqshard import ShardIndex, pack_data
+from conftest import REALDATA, write_audio_dir, write_kaldi_dir
+from seqshard import ShardIndex, make_loader, pack_data
 from seqshard.cli import main
+from seqshard.errors import ShardError
 from seqshard.formats.tar import ShardWriter
 
 
@@ -63,6 +64,22 @@ def test_verify_names_each_damaged_shard_and_exits_non_zero(packed, capsys):
     assert f"MISSING {out / '40_80' / 'data-00002.tar'}" in report and "file is missing" in report
 
 
+@pytest.mark.parametrize("name", ["first_key", "last_key"])
+def test_verify_checks_the_keys_a_loader_checks(packed, capsys, name):
+    _, out = packed
+    written = json.loads((out / "5_40" / "index.json").read_text())
+    written["shards"][1][name] = "zzz"
+    (out / "5_40" / "index.json").write_text(json.dumps(written))
+    shard = out / "5_40" / written["shards"][1]["name"]
+    with pytest.raises(ShardError, match=r"where its index\.json says 'zzz'"):
+        list(make_loader(out / "5_40", batch_size=1, num_workers=0))
+    assert main(["verify", "--quiet", str(out)]) == 1
+    report = capsys.readouterr().out
+    assert "1 damaged" in report and f"DAMAGED {shard}" in report
+    assert f"{name} '" in report and "index.json says 'zzz'" in report and "`seqshard index`" in report
+    assert main(["index", "--quiet", str(out)]) == 0 and main(["verify", "--quiet", str(out)]) == 0
+
+
 def test_index_rebuilds_a_pack_and_indexes_foreign_shards(packed, tmp_path, capsys):
     _, out = packed
     before = ShardIndex.load(out / "5_40")
@@ -78,6 +95,68 @@ def test_index_rebuilds_a_pack_and_indexes_foreign_shards(packed, tmp_path, caps
     index = ShardIndex.load(foreign)
     assert index.num_utts == 2 and index.shards[0].checksum.startswith("crc32:")
     assert main(["verify", "--quiet", str(foreign)]) == 0
+
+
+def _pack_of_kind(kind, root):
+    """A pack of ``kind`` in two length groups (``root/out``), from data made here."""
+    groups = dict(filter_group=["0:1", "1:20"], progress=False)  # seconds of audio, frames of features
+    if kind == "features":
+        data = write_kaldi_dir(root / "d", speakers=2, per_speaker=5, frames=(1, 20))
+        groups["filter_group"] = ["0:10", "10:20"]
+        pack_data(data.scp, data.text, root / "out", **groups)
+        return root / "out"
+    data = write_audio_dir(root / "d", utts=6, seconds=(1.4, 1.6) if kind == "segments" else (0.5, 1.6))
+    options = {"keep": dict(audio_format="keep"), "fbank": dict(features="fbank", num_mel_bins=23)}.get(kind, {})
+    wav_scp = data.wav_scp
+    if kind == "segments":
+        ends = dict(zip(data.keys[:4], (0.45, 1.3, 0.45, 1.3)))
+        (root / "segments").write_text("".join(f"{key}-a {key} 0.1 {end}\n" for key, end in ends.items()))
+        (root / "text").write_text("".join(f"{key}-a words of {key}\n" for key in ends))
+        pack_data(None, root / "text", root / "out", wav_scp=wav_scp, segments=root / "segments", **groups)
+        return root / "out"
+    if kind == "wav_in_ark":
+        wav_scp, lines = root / "wav_ark.scp", []
+        with open(root / "wav.ark", "wb") as ark:  # as wav-copy writes: "KEY " and the wav file's bytes
+            for key in data.keys:
+                ark.write(f"{key} ".encode())
+                lines.append(f"{key} {root / 'wav.ark'}:{ark.tell()}\n")
+                ark.write((data.root / f"{key}.wav").read_bytes())
+        wav_scp.write_text("".join(lines))
+    pack_data(None, data.text, root / "out", wav_scp=wav_scp, **options, **groups)
+    return root / "out"
+
+
+def _batches(folder):
+    loader = make_loader(folder, batch_size=2, num_workers=0, shuffle_window=4, sort_window=4)
+    return [{k: v.tolist() if hasattr(v, "tolist") else v for k, v in batch.items()} for batch in loader]
+
+
+@pytest.mark.parametrize("kind", ["features", "flac", "keep", "fbank", "segments", "wav_in_ark"])
+def test_index_of_a_pack_writes_the_facts_the_pack_wrote(tmp_path, kind, capsys):
+    out = _pack_of_kind(kind, tmp_path)
+    folders = sorted(p.parent for p in out.glob("*/index.json"))
+    assert len(folders) == 2
+    before = {f: json.loads((f / "index.json").read_text()) for f in folders}
+    batches = {f: _batches(f) for f in folders}
+    for _ in range(2):  # and again on the index it wrote
+        assert main(["index", "--quiet", str(out)]) == 0
+        for folder in folders:
+            after = json.loads((folder / "index.json").read_text())
+            for name in ("feature", "fields", "keys", "totals", "shards"):
+                assert after[name] == before[folder][name], (folder, name)
+            assert _batches(folder) == batches[folder]
+    assert main(["verify", "--quiet", str(out)]) == 0 and main(["inspect", "--quiet", str(out)]) == 0
+    capsys.readouterr()
+
+    damaged = folders[0] / "index.json"  # as `seqshard index` of 0.1.0 left an audio pack: index repairs it
+    written = json.loads(damaged.read_text())
+    written["feature"].setdefault("dim", 0)
+    written["fields"].append("feats.npy")
+    damaged.write_text(json.dumps(written))
+    assert main(["index", "--quiet", str(out)]) == 0
+    repaired = json.loads(damaged.read_text())
+    assert repaired["feature"] == before[folders[0]]["feature"] and repaired["fields"] == before[folders[0]]["fields"]
+    assert _batches(folders[0]) == batches[folders[0]]
 
 
 def test_pack_command_line_reports_and_fails_cleanly(tmp_path, capsys):

@@ -534,6 +534,12 @@ class ShardTable:
         return self.shards.numbers["bytes"].astype(np.float64)
 
 
+REPLACED = (  # what a reader and `seqshard verify` say of a file whose keys are not those its index records
+    "the file was replaced (by a copy of another shard?). Fix: restore it; if it was replaced on purpose, "
+    "rebuild the index with `seqshard index`"
+)
+
+
 def size_problem(path: str, indexed_bytes: int) -> str | None:
     """What is wrong when the local shard ``path`` does not have the size its index records
     (cut short or replaced since it was indexed); None when it has, or cannot be looked at

@@ -18,7 +18,7 @@ import json
 import logging
 from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -142,14 +142,7 @@ class FeatureSource:
 
     def facts(self, dim: int) -> tuple[dict[str, Any], list[str]]:
         """The index's dataset facts and member fields."""
-        facts = {
-            "field": FEATURE_MEMBER,
-            "label_field": LABEL_MEMBER,
-            "dim": dim,
-            "dtype": self.options.dtype,
-            "frame_shift_ms": _frame_shift_ms(self.files),
-        }
-        return facts, [FEATURE_MEMBER, LABEL_MEMBER]
+        return pack_facts(dim, asdict(self.options), _frame_shift_ms(self.files))
 
 
 class _FeatureReader(Closing):
@@ -353,26 +346,32 @@ class AudioSource:
         return _AudioReader(self, dim)
 
     def facts(self, dim: int) -> tuple[dict[str, Any], list[str]]:
-        options = self.options
-        if options.features == "fbank":
-            facts = {
-                "field": FEATURE_MEMBER,
-                "label_field": LABEL_MEMBER,
-                "dim": dim,
-                "dtype": options.dtype,
-                "frame_shift_ms": 10.0,
-                "made_from": "audio (Kaldi-compatible fbank at pack time)",
-                "sample_rate": options.resample_to,
-            }
-            return facts, [FEATURE_MEMBER, LABEL_MEMBER]
+        return pack_facts(dim, asdict(self.options))
+
+
+def pack_facts(dim: int, options: Mapping[str, Any], frame_shift_ms: float = 10.0) -> tuple[dict[str, Any], list[str]]:
+    """The index's dataset facts and member fields of a pack with ``options`` (its PackOptions
+    as a dict, or their record in run.json, which ``seqshard index`` reads): features of ``dim``
+    (read from arks, or fbank computed at pack time) or, when ``dim`` is 0, the audio stored."""
+    if not dim:
         facts = {
             "field": "audio",
             "kind": "audio",
-            "encoding": options.audio_format,
+            "encoding": options["audio_format"],
             "label_field": LABEL_MEMBER,
             "frame_shift_ms": AUDIO_SHIFT_MS,
         }
         return facts, []  # the members' extensions are recorded per shard (they vary with "keep")
+    facts = {
+        "field": FEATURE_MEMBER,
+        "label_field": LABEL_MEMBER,
+        "dim": dim,
+        "dtype": options["dtype"],
+        "frame_shift_ms": frame_shift_ms,
+    }
+    if options.get("features") == "fbank":
+        facts.update(made_from="audio (Kaldi-compatible fbank at pack time)", sample_rate=options.get("resample_to"))
+    return facts, [FEATURE_MEMBER, LABEL_MEMBER]
 
 
 def _parse_segment(value: str, where: Where) -> _Segment:

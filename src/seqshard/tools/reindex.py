@@ -17,13 +17,15 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
+from ..checks import read_number, shown
 from ..errors import ConfigError, SeqshardError, ShardError, counted, listed
 from ..formats.files import inside, read_json, remove_stale_temporaries, writing
 from ..formats.index import ShardIndex
-from ..formats.index_entries import FieldSet, ShardEntry, SidecarEntry, sidecar_name
+from ..formats.index_entries import MAX_COUNT, FieldSet, ShardEntry, SidecarEntry, sidecar_name
 from ..formats.lock import FolderLocks
 from ..formats.members import load_table
 from ..formats.pack_state import STATE_DIR, pack_root, planned_shards
@@ -38,13 +40,13 @@ from ..formats.peers.nemo_tarred import nemo_index
 from ..formats.peers.shar import is_shar_folder
 from ..formats.selection import dangling_shard_links, is_sidecar
 from ..formats.tar import member_table
-from ..prep.inputs import FEATURE_MEMBER, LABEL_MEMBER
+from ..prep.inputs import FEATURE_MEMBER, pack_facts
+from ..prep.job import PackOptions
 from ..prep.journal import finished_shards
 from .parallel import map_shards
 from .scan import scan_shard
 
 _LOG = logging.getLogger("seqshard")
-PACKED_FIELDS = (FEATURE_MEMBER, LABEL_MEMBER)  # the members `seqshard pack` writes
 
 
 def shard_folders(root: Path) -> list[Path]:
@@ -135,7 +137,7 @@ def _index_folder(
         if s.name not in found_old and (old_layout_sidecar(s) is not None or not is_sidecar(s, previous, listed))
     ]
     prefix = "" if folder == root else f"{folder.name}/"
-    entries, feature, fields = _described(folder, shards, journal, prefix, previous, jobs, progress)
+    entries, feature, fields = _described(folder, shards, journal, run, prefix, previous, jobs, progress)
     feature.setdefault("field", FEATURE_MEMBER if journal else None)
     feature.setdefault("frame_shift_ms", 10.0)
     if feature["field"] is None:
@@ -166,7 +168,14 @@ def _index_folder(
 
 
 def _described(
-    folder: Path, shards: list[Path], journal: dict, prefix: str, previous: ShardIndex | None, jobs: int, progress: bool
+    folder: Path,
+    shards: list[Path],
+    journal: dict,
+    run: dict | None,
+    prefix: str,
+    previous: ShardIndex | None,
+    jobs: int,
+    progress: bool,
 ) -> tuple[dict[str, ShardEntry], dict, dict[str, None]]:
     """Each shard's entry (the journal's record, else a scan of it), the feature and the
     fields they hold (added to the previous index's)."""
@@ -179,9 +188,10 @@ def _described(
         if record is not None:
             _ensure_table(shard)
             entries[shard.name] = ShardEntry.from_json(record)
-            feature.setdefault("dim", record.get("dim"))
-            feature.setdefault("dtype", record.get("dtype"))
-            fields.update(dict.fromkeys(PACKED_FIELDS))
+            facts, packed = _packed_facts(record, run)
+            for name, value in facts.items():
+                feature.setdefault(name, value)
+            fields.update(dict.fromkeys([*packed, *record.get("members", ())]))
         else:
             to_scan.append(shard)
     for shard, scan in zip(to_scan, map_shards(scan_shard, to_scan, jobs, f"index {folder}", progress)):
@@ -199,6 +209,22 @@ def _described(
             feature.setdefault("dim", scan.dim)
             feature.setdefault("dtype", scan.dtype)
     return entries, feature, fields
+
+
+def _packed_facts(record: dict, run: dict | None) -> tuple[dict, list[str]]:
+    """The dataset facts and fields ``seqshard pack`` wrote for the shard of a journal record:
+    features of its dim, or (dim 0) the audio stored as its options say."""
+    try:
+        dim = read_number("its feature dim", record.get("dim"), whole=True, at_least=0, at_most=MAX_COUNT)
+        members = record.get("members", [])
+        if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
+            raise ValueError(f"its members are {shown(members)}, not a list of names")
+    except ValueError as error:
+        raise ConfigError(
+            f"{record.get('name')!r} in the pack journal: {error}: the journal was not written by seqshard, or was "
+            "altered. Fix: pack again into a new folder."
+        ) from None
+    return pack_facts(int(dim or 0), {**asdict(PackOptions()), "dtype": record.get("dtype"), **(run or {})})
 
 
 def _ensure_table(shard: Path) -> None:
@@ -316,9 +342,19 @@ def _pack_run(root: Path) -> dict | None:
         options = read_json(run_file, "restore it, or pack again into a new folder.", kind=dict).get("options")
         if not isinstance(options, dict) or not isinstance(options.get("escape_keys", False), bool):
             raise ValueError("its options are not the pack's")
+        _check_fact_options(options)
     except (OSError, ValueError, RecursionError, AttributeError) as error:
         raise ConfigError(
             f"{run_file}: unreadable ({str(error)[:200]}): it says how the pack stored keys, which the index must "
             "record. Fix: restore it, or pack again into a new folder."
         ) from None
     return options
+
+
+def _check_fact_options(options: dict) -> None:
+    """ValueError unless the options that index.json records (``pack_facts``) are a pack's."""
+    try:
+        PackOptions(**{name: options[name] for name in ("dtype", "audio_format", "features") if name in options})
+    except ConfigError as error:
+        raise ValueError(str(error)) from None
+    read_number("its resample_to", options.get("resample_to"), optional=True, whole=True, above=0)

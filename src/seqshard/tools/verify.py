@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ShardError, counted, redact
-from ..formats.index_entries import SidecarEntry
+from ..formats.index_entries import ShardEntry, SidecarEntry
 from ..formats.members import load_table, table_path
 from ..formats.remote import access as remote
-from ..formats.table import select_folders
+from ..formats.table import REPLACED, select_folders
 from .parallel import map_shards
 from .scan import ShardScan, scan_shard
 
@@ -48,6 +48,7 @@ def verify(patterns: str | list[str], jobs: int = 1, progress: bool = True) -> V
                     problems.append(f"checksum {scan.entry.checksum}, index says {entry.checksum}")
                 if scan.entry.num_utts != entry.num_utts:
                     problems.append(f"{scan.entry.num_utts} utterances, index says {entry.num_utts}")
+                problems.extend(_key_problems("", scan.entry, entry))
                 for name, car in entry.sidecars.items():
                     problems.extend(_sidecar_problems(f"{folder.name}/{car.name}", name, car, scan))
             problems.extend(_table_problems(shard, scan))
@@ -66,6 +67,7 @@ def _sidecar_problems(path: str, name: str, expected: SidecarEntry, shard: Shard
     problems = [f"field set {name!r}: {problem}" for problem in scan.problems + _table_problems(path, scan)]
     if scan.entry.bytes != expected.bytes or (expected.checksum and scan.entry.checksum != expected.checksum):
         problems.append(f"field set {name!r}: {base} differs from its index entry (size or checksum)")
+    problems.extend(_key_problems(f"field set {name!r}: {base} ", scan.entry, expected))
     if scan.keys != shard.keys:
         first = next(
             (i for i, (a, b) in enumerate(zip(scan.keys, shard.keys)) if a != b), min(len(scan.keys), len(shard.keys))
@@ -75,6 +77,16 @@ def _sidecar_problems(path: str, name: str, expected: SidecarEntry, shard: Shard
             f"they first differ at sample {first}"
         )
     return problems
+
+
+def _key_problems(label: str, found: ShardEntry, expected: ShardEntry | SidecarEntry) -> list[str]:
+    """How the first and last keys of a file differ from those its index records (a loader
+    refuses such a file)."""
+    return [
+        f"{label}{name} {getattr(found, name)!r}, index.json says {getattr(expected, name)!r}: {REPLACED}"
+        for name in ("first_key", "last_key")
+        if getattr(expected, name) is not None and getattr(found, name) != getattr(expected, name)
+    ]
 
 
 def _table_problems(path: str, scan: ShardScan) -> list[str]:

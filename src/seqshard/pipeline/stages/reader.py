@@ -31,7 +31,7 @@ import numpy as np
 from ...errors import ShardError, SkipCounter
 from ...formats.remote.access import RemoteAccess, is_remote
 from ...formats.streams import AnyStream, open_samples, skip_samples
-from ...formats.table import MAIN, ShardInfo, ShardTable, size_problem
+from ...formats.table import MAIN, REPLACED, ShardInfo, ShardTable, size_problem
 from ...formats.tar import SampleStream, TarRecord
 from ..epoch_plan import Unit
 from .base import Stage, State
@@ -43,10 +43,6 @@ DAMAGED = "damaged."  # counter prefix: one counter per damaged shard, by its nu
 DAMAGED_TABLE = "damaged_table."  # and per shard whose member table disagreed with it (read by its headers)
 DUPLICATE_KEYS = "duplicate_keys"
 ADD_FIELD_AGAIN = "add the field again with `seqshard add-field`"  # a stream's out_of_step_fix may say otherwise
-REPLACED = (
-    "the file was replaced (by a copy of another shard?). Fix: restore it; if it was replaced on purpose, "
-    "rebuild the index with `seqshard index`"
-)
 
 
 class KeyRepeats:
