@@ -155,7 +155,12 @@ def test_learns_is_killed_resumes_exactly_and_says_when_finished(tmp_path: Path)
     assert sum(losses[-5:]) < 0.8 * sum(losses[:5]), losses  # features come from the labels: it learns
 
     # the same run killed with SIGKILL after its second checkpoint
-    out = ["--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "run" / "steps.jsonl")]  # in --out, not yet made
+    out = [
+        "--out",
+        str(tmp_path / "run"),
+        "--steps-file",
+        str(tmp_path / "run" / "steps.jsonl"),
+    ]  # in --out, not yet made
     [process] = forked(*out, cwd=tmp_path, logs=tmp_path / "killed")
     killed = follow(process, saved_at_least(10))
     kill([process])
