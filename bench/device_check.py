@@ -37,6 +37,7 @@ from common import demo_corpus, speech_corpus
 
 from seqshard import make_loader, make_token_loader, pack_data
 from seqshard.pipeline.workers.transfer import LEASED
+from seqshard.testing import batch_slots
 
 RESULTS: dict[str, bool] = {}
 
@@ -81,7 +82,7 @@ def feature_checks(shards: Path, device: torch.device, weight: torch.Tensor) -> 
     on_gpu = all(
         b["feats"].device.type == "cuda" and b["feat_lens"].device.type == "cuda" for e in gpu_batches for b in e
     )
-    slots = loader._pool.runtime.slots
+    slots = batch_slots(loader)
     check(
         "registered once",
         slots.registrations == 1 and slots._buffer.is_pinned() and on_gpu,
@@ -93,7 +94,7 @@ def feature_checks(shards: Path, device: torch.device, weight: torch.Tensor) -> 
 
     # workers started anew each epoch: the second epoch's are forked after the ring was registered
     pinned = make_loader(f"{shards}/data-*.tar", pin_memory=True, **{**options, "persistent_workers": False})
-    ring = pinned._pool.runtime.slots._buffer
+    ring = batch_slots(pinned)._buffer
     base, end = ring.data_ptr(), ring.data_ptr() + ring.numel()
     inside = pinned_ok = count = 0
     for epoch in (0, 1):
@@ -105,9 +106,9 @@ def feature_checks(shards: Path, device: torch.device, weight: torch.Tensor) -> 
             moved = batch["feats"].to(device, non_blocking=True)  # the user's own copy, fenced
             del batch, moved
     torch.cuda.synchronize()
-    pinned_slots = pinned._pool.runtime.slots
+    pinned_slots = batch_slots(pinned)
     pinned_slots.reclaim()
-    leased = sum(pinned_slots._marks[i] == LEASED for i in range(len(pinned_slots._marks)))
+    leased = sum(pinned_slots.mark(i) == LEASED for i in range(pinned_slots.workers * pinned_slots.per_worker))
     check(
         "pinned, no copy",
         pinned_ok == count > 0 and inside >= 0.95 * count and leased == 0 and pinned_slots.registrations == 1,
@@ -119,7 +120,7 @@ def feature_checks(shards: Path, device: torch.device, weight: torch.Tensor) -> 
     loader.set_epoch(2)
     iterator = iter(loader)
     first = next(iterator)  # the copier exists from the first batch on
-    loader._delivery.copier.timeline = copier_timeline
+    loader._runner.delivery.copier.timeline = copier_timeline
     steps = []
     waits = 0.0
     started = time.perf_counter()
@@ -156,7 +157,7 @@ def feature_checks(shards: Path, device: torch.device, weight: torch.Tensor) -> 
     info(
         "copy and step", f"median copy {copy_ms:.3f} ms, median step {step_ms:.2f} ms, data-wait {waits / seconds:.1%}"
     )
-    loader._delivery.copier.timeline = None
+    loader._runner.delivery.copier.timeline = None
 
     allocated = []
     for epoch in (3, 4, 5):
@@ -168,8 +169,8 @@ def feature_checks(shards: Path, device: torch.device, weight: torch.Tensor) -> 
         torch.cuda.synchronize()
         allocated.append(torch.cuda.memory_allocated())
     slots.reclaim()
-    leased = sum(slots._marks[i] == LEASED for i in range(len(slots._marks)))
-    held = len(loader._delivery.copier.in_flight)
+    leased = sum(slots.mark(i) == LEASED for i in range(slots.workers * slots.per_worker))
+    held = len(loader._runner.delivery.copier.in_flight)
     check(
         "no leak",
         allocated[1] == allocated[2] and held == 0 and leased == 0 and slots.registrations == 1,
