@@ -302,16 +302,14 @@ def _cut_whole(weights: list[float], piece_of: Callable[[int], _Piece], parts: i
             out[part].append(piece)
             done, at, piece = done + piece.weight, at + 1, None
             continue
-        assert piece.count is not None
-        head_count = round((boundary - done) / piece.weight * piece.count) if piece.weight else 0
-        if head_count >= piece.count:
-            out[part].append(piece)
-            done, at, piece = done + piece.weight, at + 1, None
-            continue
-        if head_count > 0:
-            head, piece = piece.split(head_count)
+        head, rest = _split_for(piece, boundary - done)
+        if head is not None:
             out[part].append(head)
             done += head.weight
+        if rest is None:
+            at, piece = at + 1, None
+            continue
+        piece = rest
         part += 1
     return out
 
@@ -328,18 +326,27 @@ def _cut(pieces: Sequence[_Piece], parts: int) -> list[list[_Piece]]:
                 out[part].append(piece)
                 done += piece.weight
                 break
-            assert piece.count is not None
-            head_count = round((boundary - done) / piece.weight * piece.count) if piece.weight else 0
-            if head_count >= piece.count:
-                out[part].append(piece)
-                done += piece.weight
-                break
-            if head_count > 0:
-                head, piece = piece.split(head_count)
+            head, rest = _split_for(piece, boundary - done)
+            if head is not None:
                 out[part].append(head)
                 done += head.weight
+            if rest is None:
+                break
+            piece = rest
             part += 1
     return out
+
+
+def _split_for(piece: _Piece, room: float) -> tuple[_Piece | None, _Piece | None]:
+    """``piece`` cut where ``room`` of its weight is used up, at an utterance: the head that
+    fits (None: none of it) and the rest (None: all of it fits)."""
+    assert piece.count is not None
+    head_count = round(room / piece.weight * piece.count) if piece.weight else 0
+    if head_count >= piece.count:
+        return piece, None
+    if head_count > 0:
+        return piece.split(head_count)
+    return None, piece
 
 
 def _fitting(weights: np.ndarray, at: int, done: float, bound: float, chunk: int) -> tuple[int, float]:
