@@ -57,6 +57,7 @@ def set_entry(field, value):
         (set_entry("num_utts", "10"), r"num_utts is '10', not a whole number"),
         (set_entry("num_frames", float("nan")), r"num_frames is nan, not a whole number"),
         (set_entry("bytes", "x"), r"bytes is 'x', not a whole number"),
+        (set_entry("bytes", 1), r"num_utts is 10 but bytes is 1: a shard holds at most one sample per 512 bytes"),
         (set_entry("max_frames", 1), r"num_frames \d+, min_frames \d+ and max_frames 1 do not fit 10 utterances"),
         (set_entry("max_frames", 2**40), r"max_frames is 1099511627776, not >= 0 and <= 2147483647"),
         (set_entry("length_hist", {"320": 10}), r"length_hist has a bin '320', not a number from 0 to 247"),
@@ -298,7 +299,7 @@ def test_a_hostile_kaldi_frame_shift_file_is_named_not_written_into_the_index(tm
     "field, value, message",
     [
         ("bytes", "x", r"bytes is 'x', not a whole number"),
-        ("num_utts", 10**9, r"num_utts is 1000000000, not >= 0 and <= \d+"),
+        ("num_utts", 10**9, r"num_utts is 1000000000 but bytes is \d+: a shard holds at most one sample per 512"),
         ("name", "../data-01234.tar", r"is named '\.\./data-01234\.tar', not a plain file name"),
         ("length_hist", "zero-padded", None),  # bins not as seqshard writes them ("07"), still numbers: read
     ],

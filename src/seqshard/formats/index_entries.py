@@ -173,8 +173,11 @@ class ShardEntry:
         entry = as_mapping(entry, "a shard entry")
         name = entry.get("name")
         size = count_field("bytes", entry.get("bytes"), MAX_BYTES)
-        most = min(MAX_LENGTH, max_samples(name if isinstance(name, str) else "", size))
-        utts = count_field("num_utts", entry.get("num_utts"), most)
+        utts = count_field("num_utts", entry.get("num_utts"), MAX_LENGTH)
+        if utts > max_samples(name if isinstance(name, str) else "", size):
+            raise ValueError(
+                f"num_utts is {utts} but bytes is {size}: a shard holds at most one sample per 512 bytes"
+            )
         frames = count_field("num_frames", entry.get("num_frames"))
         shortest, longest = (
             None if entry.get(f) is None else count_field(f, entry[f], MAX_LENGTH) for f in ("min_frames", "max_frames")
