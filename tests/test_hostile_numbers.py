@@ -9,10 +9,11 @@ import shutil
 import tracemalloc
 from pathlib import Path
 
+import kaldiio
 import numpy as np
 import pytest
 
-from conftest import pack_small
+from conftest import pack_small, write_kaldi_dir
 from seqshard import make_loader, pack_data
 from seqshard.errors import InputError, SeqshardError, ShardError
 from seqshard.features.frontend import Cmvn
@@ -65,6 +66,10 @@ def set_entry(field, value):
         (set_entry("length_hist", {"20": 11}), r"length_hist\['20'\] is 11, not >= 0 and <= 10"),
         (set_entry("checksum", 7), r"checksum is 7, not a string"),
         (lambda index: index["feature"].__setitem__("dim", "3"), r"feature dim is '3', not a whole number"),
+        (
+            lambda index: index["feature"].__setitem__("dim", 10**12),
+            r"feature dim is 1000000000000, not >= 1 and <= 1048576",
+        ),
         (lambda index: index["feature"].__setitem__("frame_shift_ms", 0), r"feature frame_shift_ms is 0, not > 0"),
         (lambda index: index.__setitem__("version", "x"), r"not a seqshard index of version"),
     ],
@@ -375,3 +380,14 @@ def test_a_damaged_json_file_is_named_with_its_line_and_the_fix(one_pack, tokens
     with pytest.raises(InputError, match=rf"{Path(name).name}:2: not JSON \(.*, column 2\)\. Fix: \w") as error:
         route(copy, one_pack, tokens)
     assert error.value.reason == "bad_json" and not error.value.skippable
+
+
+def test_a_matrix_too_wide_to_be_a_feature_vector_is_refused_by_pack(tmp_path):
+    """feature dim is checked where pack learns it, so pack never writes an index it would refuse."""
+    data = write_kaldi_dir(tmp_path / "k", speakers=1, per_speaker=2, dim=2, frames=(2, 4))
+    with kaldiio.WriteHelper(f"ark,scp:{tmp_path / 'wide.ark'},{tmp_path / 'wide.scp'}") as writer:
+        for key in data.arrays:
+            writer[key] = np.zeros((1, (1 << 20) + 1), dtype=np.float32)
+    with pytest.raises(InputError, match=r"wide\.scp:1 .*1048577 columns, more than the 1048576 .* Fix: check"):
+        pack_data(tmp_path / "wide.scp", data.text, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out" / "index.json").exists()

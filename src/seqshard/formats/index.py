@@ -32,7 +32,7 @@ from ..checks import number_problem, read_number
 from ..errors import SeqshardError
 from .files import json_bytes, read_json, write_atomic, writing
 from .index_entries import (
-    MAX_COUNT,
+    MAX_DIM,
     FieldSet,
     ShardEntry,
     as_mapping,
@@ -244,7 +244,7 @@ def _feature_facts(feature: dict[str, Any]) -> dict[str, Any]:
     """An index's ``feature`` facts with the numbers loaders use checked: ``dim`` (a whole
     number >= 1) and ``frame_shift_ms`` (a number > 0), each or None; names are strings."""
     checked = dict(feature)
-    rules = {"dim": dict(whole=True, at_least=1, at_most=MAX_COUNT), "frame_shift_ms": dict(above=0, at_most=1e6)}
+    rules = {"dim": dict(whole=True, at_least=1, at_most=MAX_DIM), "frame_shift_ms": dict(above=0, at_most=1e6)}
     for name, rule in rules.items():
         if name in feature:
             checked[name] = read_number(f"feature {name}", feature[name], optional=True, **rule)  # type: ignore[arg-type]

@@ -175,9 +175,7 @@ class ShardEntry:
         size = count_field("bytes", entry.get("bytes"), MAX_BYTES)
         utts = count_field("num_utts", entry.get("num_utts"), MAX_LENGTH)
         if utts > max_samples(name if isinstance(name, str) else "", size):
-            raise ValueError(
-                f"num_utts is {utts} but bytes is {size}: a shard holds at most one sample per 512 bytes"
-            )
+            raise ValueError(f"num_utts is {utts} but bytes is {size}: a shard holds at most one sample per 512 bytes")
         frames = count_field("num_frames", entry.get("num_frames"))
         shortest, longest = (
             None if entry.get(f) is None else count_field(f, entry[f], MAX_LENGTH) for f in ("min_frames", "max_frames")
@@ -231,6 +229,7 @@ class ShardEntry:
 
 MAX_BYTES = 1 << 56  # a size in bytes beyond this is not a file's
 MAX_COUNT = 1 << 53  # counts of utterances and frames beyond this are not a dataset's
+MAX_DIM = 1 << 20  # a frame of more values is not a feature vector (a model's input layer would not fit)
 MAX_LENGTH = (1 << 31) - 1  # an utterance's length and a shard's utterance count are int32 wherever they are kept
 MAX_SECONDS = MAX_LENGTH // 100  # an utterance's seconds: its length in 10 ms frames fits int32 (about 248 days)
 MAX_BIN = 31 * BINS_PER_OCTAVE - 1  # the bin of a length of MAX_LENGTH frames

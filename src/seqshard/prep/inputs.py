@@ -38,7 +38,7 @@ from ..formats.audio import (
 )
 from ..formats.fields import NODATA
 from ..formats.files import NotAFileError, read_input
-from ..formats.index_entries import MAX_SECONDS
+from ..formats.index_entries import MAX_DIM, MAX_SECONDS
 from ..formats.keys import key_problem
 from ..formats.npy import npy_parts
 from ..formats.peers.kaldi import MatrixReader, parse_line
@@ -129,12 +129,20 @@ class FeatureSource:
         with self.measurer() as reader:
             for utterance in utterances:
                 try:
-                    return int(
-                        reader.shape(self.options.location(utterance.value, utterance.where), utterance.where)[1]
-                    )
+                    dim = int(reader.shape(self.options.location(utterance.value, utterance.where), utterance.where)[1])
                 except InputError:
                     if not self.options.skip_bad:
                         raise
+                    continue
+                if dim > MAX_DIM:
+                    raise InputError(
+                        utterance.where,
+                        "bad_dim",
+                        f"its matrix has {dim} columns, more than the {MAX_DIM} a feature vector may have.",
+                        "check that feats.scp points at feature matrices (one row a frame).",
+                        skippable=False,
+                    )
+                return dim
         return 0
 
     def reader(self, dim: int) -> _FeatureReader:

@@ -40,7 +40,7 @@ from ..checks import MAX_BUCKETS, check_number
 from ..device import check_device, is_cuda, require_device
 from ..errors import ConfigError, option
 from ..formats.budgets import Budgets, save_budgets
-from ..formats.index_entries import MAX_LENGTH, bin_bounds
+from ..formats.index_entries import MAX_DIM, MAX_LENGTH, bin_bounds
 from ..formats.patterns import Patterns
 from ..formats.table import ShardTable
 from ..options import BudgetWindow
@@ -340,7 +340,7 @@ def calibrate(
 
 ARGUMENT_RULES: dict[str, dict[str, Any]] = {
     "buckets": dict(whole=True, at_least=1, at_most=MAX_BUCKETS),
-    "dim": dict(whole=True, at_least=1, at_most=MAX_LENGTH, optional=True),
+    "dim": dict(whole=True, at_least=1, at_most=MAX_DIM, optional=True),
     "vocab_size": dict(
         whole=True,
         at_least=2,

@@ -25,7 +25,7 @@ from ..checks import read_number, shown
 from ..errors import ConfigError, SeqshardError, ShardError, counted, listed
 from ..formats.files import inside, read_json, remove_stale_temporaries, writing
 from ..formats.index import ShardIndex
-from ..formats.index_entries import MAX_COUNT, FieldSet, ShardEntry, SidecarEntry, sidecar_name
+from ..formats.index_entries import MAX_DIM, FieldSet, ShardEntry, SidecarEntry, sidecar_name
 from ..formats.lock import FolderLocks
 from ..formats.members import load_table
 from ..formats.pack_state import STATE_DIR, pack_root, planned_shards
@@ -215,7 +215,7 @@ def _packed_facts(record: dict, run: dict | None) -> tuple[dict, list[str]]:
     """The dataset facts and fields ``seqshard pack`` wrote for the shard of a journal record:
     features of its dim, or (dim 0) the audio stored as its options say."""
     try:
-        dim = read_number("its feature dim", record.get("dim"), whole=True, at_least=0, at_most=MAX_COUNT)
+        dim = read_number("its feature dim", record.get("dim"), whole=True, at_least=0, at_most=MAX_DIM)
         members = record.get("members", [])
         if not isinstance(members, list) or not all(isinstance(m, str) for m in members):
             raise ValueError(f"its members are {shown(members)}, not a list of names")
