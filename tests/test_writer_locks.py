@@ -139,3 +139,27 @@ def test_binarize_holds_its_output_prefix_and_not_the_folder(tmp_path):
             binarize(tmp_path / "lines.txt", tmp_path / "train", tmp_path / "units", **options)
         assert binarize(tmp_path / "lines.txt", tmp_path / "valid", tmp_path / "units", **options).sequences == 2
     assert not (tmp_path / "train.bin").exists() and not (tmp_path / ".valid.lock").exists()
+
+
+def test_index_and_add_field_name_a_pack_that_has_not_written_a_shard_yet(tmp_path):
+    """Before its first shard a running pack's folder holds no shards: the other writers name
+    the pack rather than saying there is nothing to index."""
+    data = write_kaldi_dir(tmp_path / "d", speakers=1, per_speaker=3)
+    lines = data.scp.read_text().splitlines()
+    first = lines[0].split()[0]
+    fifo = tmp_path / "first.fifo"
+    os.mkfifo(fifo)
+    data.scp.write_text("\n".join([f"{first} cat {fifo} |", *lines[1:]]) + "\n")
+    out = tmp_path / "out"
+    pack = _start(
+        f"from seqshard import pack_data; pack_data({str(data.scp)!r}, {str(data.text)!r}, {str(out)!r}, allow_pipes=True, progress=False)"
+    )
+    held = _hold_reader(fifo, pack)
+    with pytest.raises(FolderBusyError, match=rf"pid {pack.pid} .*seqshard pack.*seqshard index does not start"):
+        rebuild_index(out, progress=False)
+    with pytest.raises(FolderBusyError, match=rf"pid {pack.pid} .*seqshard add-field does not start"):
+        add_field(out, "more", data.text, progress=False)
+    pack.kill()
+    pack.wait(timeout=60)
+    os.close(held)
+    assert not list(out.glob("*.tar")), "the pack was stopped before its first shard"

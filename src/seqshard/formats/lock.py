@@ -189,3 +189,12 @@ class FolderLocks:
     ) -> None:
         for lock in self.locks:
             lock.release()
+
+
+def refuse_if_held(folder: Path, command: str) -> None:
+    """FolderBusyError naming the writer that holds ``folder``'s lock, if one does; nothing is
+    created where no writer has been (called before saying a folder holds nothing to work on:
+    a pack that has not written its first shard yet is the likelier cause)."""
+    if (folder / LOCK_NAME).is_file():
+        with FolderLock(folder, command):
+            pass

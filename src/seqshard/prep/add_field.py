@@ -30,7 +30,7 @@ from ..formats.files import inside, remove_stale_temporaries, writing
 from ..formats.index import ShardIndex
 from ..formats.index_entries import FieldSet, SidecarEntry, sidecar_name
 from ..formats.keys import unescape_key
-from ..formats.lock import FolderLocks
+from ..formats.lock import FolderLocks, refuse_if_held
 from ..formats.npy import decode_npy, npy_parts
 from ..formats.pack_state import STATE_DIR, pack_root
 from ..formats.patterns import FIELD_SET_NAME, FIELDS_DIR, old_layout_sidecar, shard_subfolders
@@ -257,6 +257,7 @@ def _indexed_folders(root: Path) -> list[Path]:
         raise ConfigError(f"{root} is not a folder.")
     folders = [f for f in [root, *shard_subfolders(root)] if (f / "index.json").is_file()]
     if not folders:
+        refuse_if_held(root, "seqshard add-field")
         raise ConfigError(
             f"{root} and its sub-folders have no index.json: add-field needs the shards' index (run `seqshard index {root}`)."
         )

@@ -26,7 +26,7 @@ from ..errors import ConfigError, SeqshardError, ShardError, counted, listed
 from ..formats.files import inside, read_json, remove_stale_temporaries, writing
 from ..formats.index import ShardIndex
 from ..formats.index_entries import MAX_DIM, FieldSet, ShardEntry, SidecarEntry, sidecar_name
-from ..formats.lock import FolderLocks
+from ..formats.lock import FolderLocks, refuse_if_held
 from ..formats.members import load_table
 from ..formats.pack_state import STATE_DIR, pack_root, planned_shards
 from ..formats.patterns import (
@@ -85,6 +85,7 @@ def rebuild_index(root: str | Path, jobs: int = 1, progress: bool = True, move_s
             return [nemo.save(root)]
     folders = shard_folders(root)
     if not folders:
+        refuse_if_held(root, "seqshard index")
         raise ConfigError(f"{root} holds no shard files ({', '.join(SHARD_SUFFIXES)}), nor do its sub-folders.")
     for folder in folders:
         inside(root, folder)  # nothing is written through a link out of the folder
