@@ -127,6 +127,7 @@ def open_own(path: Path, flags: int) -> int:
                 path,
                 f"a file with {found.st_nlink} names (hard links)",
                 "writing it would change that file under its other names too",
+                "remove this name (the file's other names keep their content)",
             )
         os.set_blocking(descriptor, True)
         if flags & os.O_TRUNC:
@@ -137,11 +138,11 @@ def open_own(path: Path, flags: int) -> int:
     return descriptor
 
 
-def _not_own(path: Path, what: str, why: str = "it is not a file to write") -> OutputError:
+def _not_own(path: Path, what: str, why: str = "it is not a file to write", remove: str = "remove it") -> OutputError:
     return OutputError(
         path,
         f"is {what}: seqshard writes only regular files of its own here ({why}).",
-        "remove it (a hard link's other names keep their content); seqshard then makes a file of its own.",
+        f"{remove}; seqshard then makes a file of its own.",
     )
 
 
