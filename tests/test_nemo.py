@@ -446,3 +446,21 @@ def test_add_field_refuses_a_tarred_set_whose_fields_are_its_manifests_keys(tmp_
     with pytest.raises(ConfigError, match=r"set is a NeMo tarred set: .*add the field to the entries of its manifests"):
         add_field(copy, "spk", source, progress=False)
     assert not (copy / "fields").exists()
+
+
+def test_an_entry_past_the_end_of_its_recording_points_at_the_manifest(tmp_path):
+    """A manifest entry whose offset + duration runs past its file: the fix names the manifest's
+    offset and duration (it said 'fix the segments file'); skipped and counted under skip_bad."""
+    shutil.copy(AMI, tmp_path / "rec.wav")
+    lines = [
+        {"audio_filepath": "rec.wav", "offset": 1.0, "duration": 1.0, "text": "fits"},
+        {"audio_filepath": "rec.wav", "offset": 1.0, "duration": 3600.0, "text": "past the end"},
+    ]
+    manifest = tmp_path / "m.json"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    with pytest.raises(
+        InputError, match=r"m\.json:2 .*runs past the end of its recording.* Fix: fix the entry's offset"
+    ):
+        pack_data(None, None, tmp_path / "out", manifest=str(manifest), progress=False)
+    report = pack_data(None, None, tmp_path / "kept", manifest=str(manifest), skip_bad=True, progress=False)
+    assert (report.packed, report.dropped) == (1, {"bad_segment": 1})

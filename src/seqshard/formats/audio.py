@@ -360,8 +360,12 @@ def resample(samples: np.ndarray, rate: float, target: float) -> np.ndarray:
     return soxr.resample(samples, rate, target).astype(np.float32, copy=False)
 
 
-def cut(audio: DecodedAudio, start: float, end: float, where: Where) -> DecodedAudio:
-    """The part ``[start, end)`` (seconds; ``end`` < 0: to the end, as Kaldi's segments)."""
+SEGMENTS_FIX = "fix the segments file (its times are in seconds)."
+
+
+def cut(audio: DecodedAudio, start: float, end: float, where: Where, fix: str = SEGMENTS_FIX) -> DecodedAudio:
+    """The part ``[start, end)`` (seconds; ``end`` < 0: to the end, as Kaldi's segments); an
+    InputError with ``fix`` (how to mend where the times came from) when it runs past the end."""
     total = len(audio.samples)
     first = round(start * audio.sample_rate)
     last = total if end < 0 else round(end * audio.sample_rate)
@@ -372,7 +376,7 @@ def cut(audio: DecodedAudio, start: float, end: float, where: Where) -> DecodedA
             where,
             "bad_segment",
             f"the segment {start:g} .. {end:g} s runs past the end of its recording ({audio.seconds:.3f} s).",
-            "fix the segments file (its times are in seconds).",
+            fix,
         )
     return replace(audio, samples=audio.samples[first : min(last, total)])
 

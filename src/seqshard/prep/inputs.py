@@ -27,6 +27,7 @@ import numpy as np
 from ..checks import NumberError, read_number, shown
 from ..errors import ConfigError, InputError, SkipCounter, Where, option
 from ..formats.audio import (
+    SEGMENTS_FIX,
     DecodedAudio,
     cut,
     decode_audio,
@@ -396,9 +397,7 @@ def _parse_segment(value: str, where: Where) -> _Segment:
         read_number("its start", start, at_least=0, at_most=MAX_SECONDS)
         read_number("its end", end, at_most=MAX_SECONDS)
     except NumberError as error:
-        raise InputError(
-            where, "bad_segment", f"{error} (seconds).", "fix the segments file (its times are in seconds)."
-        ) from None
+        raise InputError(where, "bad_segment", f"{error} (seconds).", SEGMENTS_FIX) from None
     if end >= 0 and end <= start:
         raise InputError(where, "bad_segment", f"the segment {start:g} .. {end:g} s is empty or negative.")
     return _Segment(recording, start, end)

@@ -45,6 +45,9 @@ class ManifestSource(AudioSource):
         return _ManifestReader(self, dim)
 
 
+MANIFEST_FIX = "fix the entry's offset and duration (seconds) in the manifest."
+
+
 class _ManifestReader(_AudioReader):
     """Reads planned entries' audio (a cut entry's file is decoded once for its next cuts)."""
 
@@ -57,7 +60,7 @@ class _ManifestReader(_AudioReader):
         if self._last is None or self._last[0] != path:
             data = read_location(WavLocation(path), where)
             self._last = (path, decode_audio(data, where, self.options.channel))
-        return None, cut(self._last[1], *entry.segment, where)
+        return None, cut(self._last[1], *entry.segment, where, MANIFEST_FIX)
 
     def read(self, utterance: Utterance) -> tuple[Members, int, str | None]:
         members, frames, how = super().read(utterance)
