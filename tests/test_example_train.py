@@ -27,6 +27,8 @@ import pytest
 import torch
 
 from gloo_ranks import RankProcess, kill, start_script, wait_for
+from seqshard.app.train_checkpoint import write_checkpoint
+from seqshard.errors import OutputError
 
 ROOT = Path(__file__).parent.parent
 SCRIPT = ROOT / "examples" / "train_ddp.py"
@@ -334,3 +336,17 @@ def test_a_step_waits_for_no_read_ddp_averages_in_backward_and_memory_running_ou
     found = records(out / "steps.jsonl")
     assert sorted(found) == list(range(1, stopped[0] + 1))
     assert_same_steps(found, {step: expected[step] for step in found})  # the updates of the run without either
+
+
+def test_a_checkpoint_is_never_written_through_a_hard_link_to_another_file(tmp_path: Path):
+    """A stale ``ckpt.pt.partial`` that is another name of the user's file is refused (it was
+    overwritten with the checkpoint), and a later save in a clean folder still works."""
+    users = tmp_path / "users-file"
+    users.write_bytes(b"the user's data")
+    os.link(users, tmp_path / "ckpt.pt.partial")
+    with pytest.raises(OutputError, match=r"ckpt\.pt\.partial: is a file with 2 names"):
+        write_checkpoint(tmp_path / "ckpt.pt", {"step": 1})
+    assert users.read_bytes() == b"the user's data" and not (tmp_path / "ckpt.pt").exists()
+    (tmp_path / "ckpt.pt.partial").unlink()
+    write_checkpoint(tmp_path / "ckpt.pt", {"step": 2})
+    assert torch.load(tmp_path / "ckpt.pt")["step"] == 2 and not (tmp_path / "ckpt.pt.partial").exists()

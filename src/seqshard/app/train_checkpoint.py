@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from torch import nn
 
 from ..checks import NumberError, read_number
 from ..errors import ConfigError, StateMismatchError
+from ..formats.files import open_output, writing
 from ..text.tokenizers import Tokenizer, UnitsTokenizer
 
 #: sections of a checkpoint's recorded settings whose change a resume refuses (the saved weights
@@ -131,7 +133,9 @@ def restore(path: Path, checkpoint: dict[str, Any], model: nn.Module, optimizer:
 
 
 def write_checkpoint(path: Path, state: dict[str, Any]) -> None:
-    """``state`` saved at ``path``, under that name only once complete (rank 0 writes it)."""
+    """``state`` saved at ``path``, under that name only once complete (rank 0 writes it); the
+    temporary is a file of its own (a hard link or FIFO at its name is refused, not written)."""
     temporary = path.with_name(path.name + ".partial")
-    torch.save(state, temporary)
+    with writing(temporary), os.fdopen(open_output(temporary), "wb") as stream:
+        torch.save(state, stream)
     temporary.replace(path)
