@@ -157,3 +157,20 @@ def test_budgets_found_on_another_device_are_named():
     assert note.startswith(
         "note: the budgets were calibrated on cuda:0 (NVIDIA H100 80GB HBM3) and this run trains on cpu"
     )
+
+
+def test_a_setting_only_rank_0_refuses_stops_every_rank_with_a_message(tmp_path):
+    """``--steps-file`` (opened by rank 0 alone) naming a folder: rank 1 stops at once naming
+    rank 0, rather than dying later in gloo when rank 0 has gone."""
+    (tmp_path / "a-folder").mkdir()
+    command = [*OPTIONS, "--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "a-folder")]
+    processes = start_script(
+        ROOT / "examples" / "train_ddp.py", command, tmp_path / "logs", world_size=2, stderr_apart=True
+    )
+    if any(process.wait(120) is None for process in processes):
+        kill(processes)
+        pytest.fail("a rank still ran after 120 s")
+    errors = [(tmp_path / "logs" / f"rank{rank}.err").read_text() for rank in (0, 1)]
+    assert [process.returncode for process in processes] == [1, 1], errors
+    assert "error: --steps-file" in errors[0] and "cannot be written" in errors[0], errors[0]
+    assert errors[1].strip() == "error: rank 0 could not set up (its error says why); this rank stops too.", errors[1]

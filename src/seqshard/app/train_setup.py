@@ -6,15 +6,16 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..checks import check_number
-from ..errors import ConfigError, counted
+from ..errors import ConfigError, SeqshardError, counted
 from ..text.tokenizers import make_tokenizer
 from ..tools.calibrate import device_name
 from .config import apply_overrides, build_loaders, load_config, read_json
@@ -38,6 +39,28 @@ def demo_config(folder: Path, num_utts: int) -> dict[str, Any]:
     return {"train": {"option": option}}
 
 
+T = TypeVar("T")
+CPU = torch.device("cpu")
+
+
+def together(work: Callable[[], T], device: torch.device) -> T:
+    """``work()`` on every rank, then one all-reduce: where it failed on some rank (a
+    SeqshardError, e.g. a file only rank 0 writes), every rank stops with a message, the
+    others naming that rank, instead of dying later in a collective whose peer has gone."""
+    failure: SeqshardError | None = None
+    try:
+        result = work()
+    except SeqshardError as error:
+        failure = error
+    failed = torch.tensor([0 if failure is None else dist.get_rank() + 1], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise ConfigError(f"rank {int(failed.item()) - 1} could not set up (its error says why); this rank stops too.")
+    return result
+
+
 def init_distributed(cuda: bool) -> None:
     backend = "nccl" if cuda else "gloo"
     if "WORLD_SIZE" in os.environ:  # torchrun (or any launcher setting RANK, WORLD_SIZE, MASTER_*)
@@ -46,17 +69,15 @@ def init_distributed(cuda: bool) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
-def load_settings(args: argparse.Namespace, rank: int) -> tuple[dict[str, Any], str]:
-    """The config (a file, or the made-up corpus's) with ``--set`` overrides applied, checked
-    as the file is; and how messages name it."""
+def load_settings(args: argparse.Namespace, rank: int, device: torch.device = CPU) -> tuple[dict[str, Any], str]:
+    """The config (a file, or the made-up corpus's, made by rank 0 on ``device``'s group) with
+    ``--set`` overrides applied, checked as the file is; and how messages name it."""
     if args.config is not None:
         name = str(args.config)
         config = read_json(Path(args.config))
     else:
         name = "the made-up corpus's config"
-        if rank == 0:
-            demo_config(args.out / "data", args.demo_utts)
-        dist.barrier()
+        together(lambda: demo_config(args.out / "data", args.demo_utts) if rank == 0 else None, device)
         config = demo_config(args.out / "data", args.demo_utts)  # made by rank 0: paths only
     return apply_overrides(config, name, args.set), name + (" with --set" if args.set else "")
 
@@ -112,9 +133,9 @@ def set_up(args: argparse.Namespace, cuda: bool) -> Run | None:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    steps_file = check_outputs(args, rank)
+    steps_file = together(lambda: check_outputs(args, rank), device)
     checkpoint_path = args.out / "ckpt.pt"
-    config, name = load_settings(args, rank)
+    config, name = load_settings(args, rank, device)
     option = config["train"]["option"]
     if cuda and option.get("large_dataset"):  # shards: batches handed over on this GPU (unless the config says)
         option.setdefault("device", str(device))
