@@ -166,3 +166,24 @@ def test_foreign_shards_with_dotted_names_are_shards_not_sidecars(tmp_path, capl
     assert "part.spk.tar holds the keys of part.tar in the same order" in caplog.text
     with pytest.raises(ConfigError, match=r"part\.spk\.tar is a field file of add-field, read with its shard"):
         make_loader(folder / "part.spk.tar", **options)
+
+
+def test_an_index_rebuilt_without_the_old_one_finds_the_field_sets_again(with_sidecar, caplog):
+    """index.json (and index.npz) lost: `seqshard index` found the shards but not fields/spk/,
+    so the field set was gone from the loader. Now the set is indexed again from its sidecars
+    (its fields from their members, its digest from add-field's journal)."""
+    out = with_sidecar.out
+    before = json.loads((out / "index.json").read_text())
+    for name in ("index.json", "index.npz"):
+        (out / name).unlink(missing_ok=True)
+    assert main(["index", str(out), "--quiet"]) == 0
+    after = json.loads((out / "index.json").read_text())
+    assert [s["sidecars"] for s in after["shards"]] == [s["sidecars"] for s in before["shards"]]
+    found, had = after["field_sets"]["spk"], before["field_sets"]["spk"]
+    assert (found["fields"], found["digest"], found["allow_missing"]) == (had["fields"], had["digest"], False)
+    assert "field set 'spk' found in fields/spk/" in caplog.text
+    assert speakers(str(out)) == {k: k[:6] for k in with_sidecar.data.keys}
+    (out / "fields" / "spk" / "data-00003.tar").unlink()  # a shard without its sidecar: the set allows missing
+    (out / "index.json").unlink()
+    assert main(["index", str(out), "--quiet"]) == 0
+    assert json.loads((out / "index.json").read_text())["field_sets"]["spk"]["allow_missing"] is True

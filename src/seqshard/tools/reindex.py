@@ -30,6 +30,7 @@ from ..formats.lock import FolderLocks, refuse_if_held
 from ..formats.members import load_table
 from ..formats.pack_state import STATE_DIR, pack_root, planned_shards
 from ..formats.patterns import (
+    FIELD_SET_NAME,
     FIELDS_DIR,
     SHARD_SUFFIXES,
     old_layout_sidecar,
@@ -44,7 +45,7 @@ from ..prep.inputs import FEATURE_MEMBER, pack_facts
 from ..prep.job import PackOptions
 from ..prep.journal import finished_shards
 from .parallel import map_shards
-from .scan import scan_shard
+from .scan import ShardScan, scan_shard
 
 _LOG = logging.getLogger("seqshard")
 
@@ -146,7 +147,7 @@ def _index_folder(
             "%s: the shards hold no feature field (.npy array) and no audio: frame counts and hours are unknown",
             folder,
         )
-    field_sets = _keep_field_sets(folder, previous, entries)
+    field_sets = _keep_field_sets(folder, previous, entries) if previous else _found_field_sets(root, folder, entries)
     index = ShardIndex(
         shards=[entries[s.name] for s in shards],
         feature=feature,
@@ -289,16 +290,53 @@ def _keep_field_sets(folder: Path, previous: ShardIndex | None, entries: dict[st
                     f"{folder / shard_name} has no file for field set {name!r}; add the field again with "
                     f"`seqshard add-field {folder} --name {name} --overwrite ...`."
                 )
-            scan = scan_shard(folder / car.name)
-            if scan.problems:
-                raise ConfigError(f"{folder / car.name} is damaged, not indexing it: {'; '.join(scan.problems)}")
-            if scan.table is not None:
-                scan.table.save(folder / car.name, folder)
-            measured = scan.entry
-            entry.sidecars[name] = SidecarEntry(
-                car.name, measured.bytes, measured.checksum, measured.first_key, measured.last_key
-            )
+            entry.sidecars[name], _ = _measured_sidecar(folder, car.name)
     return dict(previous.field_sets)
+
+
+def _found_field_sets(root: Path, folder: Path, entries: dict[str, ShardEntry]) -> dict[str, FieldSet]:
+    """The field sets in ``folder``'s ``fields/NAME/`` when no index names them (it was lost):
+    each sidecar measured; a set's fields from its members, its layout from add-field's
+    journal; a shard without its sidecar (or with fewer samples) makes the set allow missing."""
+    found: dict[str, FieldSet] = {}
+    directories = sorted((folder / FIELDS_DIR).iterdir()) if (folder / FIELDS_DIR).is_dir() else []
+    for directory in directories:
+        name = directory.name
+        if not directory.is_dir() or not FIELD_SET_NAME.fullmatch(name):
+            continue
+        suffixes: dict[str, None] = {}
+        missing = False
+        for shard_name, entry in entries.items():
+            if not (folder / sidecar_name(shard_name, name)).is_file():
+                missing = True
+                continue
+            entry.sidecars[name], scan = _measured_sidecar(folder, sidecar_name(shard_name, name))
+            suffixes.update(dict.fromkeys(scan.fields))
+            missing |= scan.entry.num_utts < entry.num_utts
+        if not suffixes:
+            continue
+        records = finished_shards(root, f"field-{name}") if (root / STATE_DIR).is_dir() else {}
+        layout = next((r["layout"] for r in records.values() if r.get("layout")), {})
+        digest = next((r["source"] for r in records.values() if r.get("source")), "")  # adding it again: nothing to do
+        facts = {"fields": list(suffixes), "source": f"{FIELDS_DIR}/{name}", "allow_missing": missing}
+        try:
+            found[name] = FieldSet.from_json({**facts, "digest": digest, "layout": layout})
+        except ValueError as error:
+            raise ConfigError(f"{root / STATE_DIR}: add-field's journal of field set {name!r}: {error}") from None
+        _LOG.warning("%s: field set %r found in %s/%s/ and indexed again", folder, name, FIELDS_DIR, name)
+    return found
+
+
+def _measured_sidecar(folder: Path, name: str) -> tuple[SidecarEntry, ShardScan]:
+    """Sidecar ``name`` in ``folder`` read in full (its member table saved): its index entry
+    and its scan; ConfigError when it is damaged."""
+    scan = scan_shard(folder / name)
+    if scan.problems:
+        raise ConfigError(f"{folder / name} is damaged, not indexing it: {'; '.join(scan.problems)}")
+    if scan.table is not None:
+        scan.table.save(folder / name, folder)
+    measured = scan.entry
+    return SidecarEntry(name, measured.bytes, measured.checksum, measured.first_key, measured.last_key), scan
 
 
 def _refuse_unfinished_pack(root: Path, journal: dict[str, dict]) -> None:
