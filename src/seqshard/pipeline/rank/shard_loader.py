@@ -67,9 +67,11 @@ class ShardLoader:
         self._access = access
         self._made_from = (tokenizer, override)
         self._auto = options.workers.num_workers == "auto"  # chosen now, or taken from a loaded state
+        resolved = options  # the options given, with the worker count measured for "auto"
         if self._auto:
             chosen = auto_workers(table, options, self.collectives, tokenizer, override, mix, access)
-        self._build(options.replace(num_workers=chosen) if self._auto else options)
+            resolved = options.replace(num_workers=chosen)
+        self._build(resolved)
 
     def _build(self, options: LoaderOptions) -> None:
         """The loader's parts for ``options`` (again when a loaded state chose the workers)."""
