@@ -31,7 +31,6 @@ from .index_entries import MAX_BYTES
 if TYPE_CHECKING:
     from soundfile import SoundFile
 
-ENCODINGS = ("flac", "keep")
 CONTAINERS = {
     "WAV": "wav",
     "WAVEX": "wav",

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..checks import NumberError, read_number
 from ..errors import SeqshardError, Where
 from ..formats.files import inside, open_input, read_json, write_atomic, write_json_atomic, writing
 from ..formats.pack_state import STATE_DIR
@@ -124,17 +123,6 @@ class WaveFiles:
                 f"{path}: not rows of this version of seqshard ({rows.dtype}). Fix: delete it and its .done.json."
             )
         return rows
-
-
-def counts_of(record: dict[str, Any], field: str, path: str) -> list[int]:
-    """A list of whole numbers from a task's record (a damaged record is a named error)."""
-    values = record.get(field)
-    if not isinstance(values, list):
-        raise SeqshardError(f"{path}: {field!r} is not a list. Fix: delete the record; the task is run again.")
-    try:
-        return [int(read_number(field, value, whole=True, at_least=0)) for value in values]  # type: ignore[arg-type]
-    except NumberError as error:
-        raise SeqshardError(f"{path}: {error}. Fix: delete the record; the task is run again.") from None
 
 
 class TableLines:

@@ -105,12 +105,6 @@ class KeyTable:
     def __len__(self) -> int:
         return len(self.lines)
 
-    def forget_lookups(self) -> None:
-        """Free what finding rows by key takes (20 bytes a row), keeping what re-reading a
-        row needs: a pack's tables once its plan is made."""
-        empty = np.zeros(0, dtype=np.uint64)
-        self.hashes, self._sorted, self._order = empty, empty, empty.astype(np.int32)
-
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_files"] = {}

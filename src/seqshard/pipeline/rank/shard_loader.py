@@ -67,11 +67,11 @@ class ShardLoader:
         self._access = access
         self._made_from = (tokenizer, override)
         self._auto = options.workers.num_workers == "auto"  # chosen now, or taken from a loaded state
+        resolved = options  # the options given, with the worker count measured for "auto"
         if self._auto:
-            options = options.replace(
-                num_workers=auto_workers(table, options, self.collectives, tokenizer, override, mix, access)
-            )
-        self._build(options)
+            chosen = auto_workers(table, options, self.collectives, tokenizer, override, mix, access)
+            resolved = options.replace(num_workers=chosen)
+        self._build(resolved)
 
     def _build(self, options: LoaderOptions) -> None:
         """The loader's parts for ``options`` (again when a loaded state chose the workers)."""
@@ -80,7 +80,6 @@ class ShardLoader:
         self._planned: tuple[str, PlannedBatches] | None = None  # the last count and the start it is of
         self._setup = make_setup(table, options, context.rank, context.world_size, *self._made_from, mix, access)
         self._pool = WorkerPool(self._setup, access)
-        delivery = Delivery(options, self._setup.audio)
         source = (
             mix.epoch_source(options.epochs.epoch_source) if mix and options.epochs.epoch_source is not None else None
         )
@@ -88,7 +87,7 @@ class ShardLoader:
         readers = self._setup.readers_per_rank
         self._cursor = EpochCursor(lambda e: RankPosition.fresh(e, readers), self._rules.end.continues_stream)
         self._accounts = EpochAccounts(self._setup, self._rules.end, self.collectives, access)
-        self._runner = EpochRunner(self._setup, self._pool, delivery, self._rules, self._accounts, self._identity)
+        self._runner = EpochRunner(self._setup, self._pool, self._rules, self._accounts, self._identity)
 
     # -- epochs and their size -----------------------------------------------------------
     @property
@@ -233,12 +232,11 @@ class EpochRunner:
         self,
         setup: WorkerSetup,
         pool: WorkerPool,
-        delivery: Delivery,
         rules: EpochRules,
         accounts: EpochAccounts,
         identity: Callable[[], dict[str, Any]],
     ):
-        self.setup, self.pool, self.delivery, self.rules, self.accounts = setup, pool, delivery, rules, accounts
+        self.setup, self.pool, self.rules, self.accounts = setup, pool, rules, accounts
         self.identity = identity  # the loader's, which the ranks check they share
         self.collectives = accounts.collectives
         self.meter = FeedMeter(setup.options.workers, setup.rank)
@@ -247,6 +245,7 @@ class EpochRunner:
         self._ranks_agree = False
         self._active: weakref.ref | None = None
         self._primed: tuple[RankPosition, Take] | None = None  # workers started on a loaded position
+        self.delivery = Delivery(setup.options, setup.audio)
 
     def start(self, position: RankPosition) -> Iterator[dict[str, Any]]:
         """An iteration from ``position`` (ending one still running: its slots are reused)."""

@@ -43,7 +43,10 @@ def plan_fields(
 ) -> FieldPlan:
     """The field plan for ``fields`` (None: the shards' own fields); ``needs_text`` adds the
     label field (a tokenizer needs it unless labels come from a file)."""
-    available = {name: tuple(field_name(s) for s in suffixes) for name, suffixes in table.field_sets}
+    rows = [
+        (set_name, suffix, *split_suffix(suffix)[:2]) for set_name, suffixes in table.field_sets for suffix in suffixes
+    ]
+    available = {set_name: tuple(map(field_name, suffixes)) for set_name, suffixes in table.field_sets}
     main = available.get(MAIN, ())
     shar = table.shar
     default_features = FEATURES if shar else next((f for f in LEGACY_FEATURE_FIELDS if f in main), None)
@@ -56,8 +59,11 @@ def plan_fields(
             f"feature_field {feature_field!r}: the shards have no such field (they have: {', '.join(everywhere)})."
         )
     if fields is not None:  # names or member suffixes, as `seqshard inspect` lists them
-        fields = [field_name(f) if f in _suffixes(table) else f for f in fields]
-    audio = _audio_field(table, None if fields is None else set(fields))
+        suffixes = {suffix for _, suffix, _, _ in rows}
+        fields = [field_name(f) if f in suffixes else f for f in fields]
+    audio = next(  # the first field of encoded audio among the main fields (or the wanted ones)
+        (n for s, _, n, e in rows if e in AUDIO_EXTENSIONS and (n in fields if fields is not None else s == MAIN)), None
+    )
     if fields is None:
         return FieldPlan((MAIN,), None, features if features in main or not main else None, audio)
     wanted = dict.fromkeys(fields)
@@ -79,24 +85,5 @@ def plan_fields(
                 )
     ordered = tuple(s for s in (MAIN, *sorted(sets.keys() - {MAIN})) if s in sets)  # each set opened once
     layouts = {name: (dtype, shape) for name, dtype, shape in table.layouts}
-    batched = tuple(
-        (name, BATCHED_AS[extension], layouts.get(name))
-        for _, suffixes in table.field_sets
-        for name, extension, _ in map(split_suffix, suffixes)
-        if name in wanted and extension in BATCHED_AS
-    )
+    batched = tuple((n, BATCHED_AS[e], layouts.get(n)) for _, _, n, e in rows if n in wanted and e in BATCHED_AS)
     return FieldPlan(ordered, frozenset(wanted), features if features in wanted else None, audio, batched)
-
-
-def _suffixes(table: ShardTable) -> set[str]:
-    return {suffix for _, suffixes in table.field_sets for suffix in suffixes}
-
-
-def _audio_field(table: ShardTable, wanted: set[str] | None) -> str | None:
-    """The first field holding encoded audio among the main fields (or the wanted ones)."""
-    for set_name, suffixes in table.field_sets:
-        for suffix in suffixes:
-            name, extension, _ = split_suffix(suffix)
-            if extension in AUDIO_EXTENSIONS and (name in wanted if wanted is not None else set_name == MAIN):
-                return name
-    return None
