@@ -538,7 +538,30 @@ class TarRecord:
     members: list[tuple[str, int, int, int]] | None = None  # (suffix, header at, data at, size), when asked
 
 
-class SampleStream(Closing):
+class OverTar(Closing):
+    """What the sample streams read through a :class:`TarStream` (``_tar``) share: the tar's
+    path, whether its end marker was reached, where the next sample starts, closing it."""
+
+    _tar: TarStream
+
+    @property
+    def path(self) -> str:
+        return self._tar.path
+
+    @property
+    def ended_cleanly(self) -> bool:
+        """Whether the tar end marker was reached (False for a shard cut at a member boundary)."""
+        return self._tar.ended_cleanly
+
+    @property
+    def resume_offset(self) -> int:
+        return self._tar.position
+
+    def close(self) -> None:
+        self._tar.close()
+
+
+class SampleStream(OverTar):
     """Groups a :class:`TarStream`'s members into samples by key.
 
     ``resume_offset`` is where the next sample's first member starts and ``ordinal`` its
@@ -565,20 +588,8 @@ class SampleStream(Closing):
         self.ordinal = ordinal
 
     @property
-    def path(self) -> str:
-        return self._tar.path
-
-    @property
-    def ended_cleanly(self) -> bool:
-        """Whether the tar end marker was reached (False for a shard cut at a member boundary)."""
-        return self._tar.ended_cleanly
-
-    @property
     def resume_offset(self) -> int:
         return self._pending.offset if self._pending is not None else self._tar.position
-
-    def close(self) -> None:
-        self._tar.close()
 
     def seek(self, offset: int, ordinal: int) -> None:
         """Go on from the sample whose first member's header is at ``offset`` (number

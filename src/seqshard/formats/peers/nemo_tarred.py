@@ -40,12 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from ...errors import InputError, ShardError, Where, counted
-from ...protocol import Closing
 from ..index import ShardIndex
 from ..index_entries import ShardEntry, length_bin
 from ..inflation import MAX_LINE_BYTES, numbered_lines
 from ..patterns import shards_in_folder
-from ..tar import BLOCK, TarRecord, TarStream
+from ..tar import BLOCK, OverTar, TarRecord, TarStream
 from .lists import SEGMENT_FIELD
 from .nemo import SHARD_KEY, Entry, parse_entry
 
@@ -220,7 +219,7 @@ def _line_at(manifest: Path, offset: int) -> bytes:
 MANIFESTS = _Manifests()
 
 
-class NemoTarStream(Closing):
+class NemoTarStream(OverTar):
     """The samples of one tar of a NeMo tarred set (see the module docstring), from
     ``start`` (sample ``ordinal``): the interface of :class:`~.tar.SampleStream`."""
 
@@ -234,7 +233,6 @@ class NemoTarStream(Closing):
         read_data: bool = True,
         read_ahead: bool = True,
     ):
-        self.path = str(path)
         self.manifest = manifest
         self.ordinal = ordinal
         self._read_data = read_data
@@ -247,7 +245,7 @@ class NemoTarStream(Closing):
                 raise ShardError(
                     manifest,
                     None,
-                    f"{len(entries)} entries cut member {name} of {self.path}; seqshard reads at most "
+                    f"{len(entries)} entries cut member {name} of {path}; seqshard reads at most "
                     f"{MAX_ENTRIES_PER_MEMBER} cuts of one file (tar it again with --slice_with_offset)",
                 )
         self._tar = TarStream(path, start - start % BLOCK, read_ahead=read_ahead and read_data)
@@ -261,17 +259,13 @@ class NemoTarStream(Closing):
             self._next = start % BLOCK
 
     @property
-    def ended_cleanly(self) -> bool:
-        return self._tar.ended_cleanly
-
-    @property
     def resume_offset(self) -> int:
         if self._next < len(self._pending):
             return self._member.offset + self._next
         return self._tar.position
 
     def close(self) -> None:
-        self._tar.close()
+        super().close()
         if self._unlisted:
             _LOG.warning(
                 "%s: %s without an entry in %s passed over (a manifest filtered after tarring?)",

@@ -37,7 +37,7 @@ from ..index_entries import MAX_LENGTH, FieldSet, ShardEntry, SidecarEntry, leng
 from ..inflation import BoundedLines, InflationError
 from ..patterns import SHAR_CUTS
 from ..remote.access import is_remote
-from ..tar import TarRecord, TarStream
+from ..tar import OverTar, TarRecord, TarStream
 from .lists import READ_ERROR_FIELD, carried_problem
 
 CUTS = "cuts"  # what lhotse calls the cuts "field"; their files name the shards
@@ -211,7 +211,7 @@ class JsonlFieldStream(_JsonLines):
         return {f"{self.field}.json": json.dumps(line.record[self.field]).encode("utf-8")}
 
 
-class FieldTarStream(Closing):
+class FieldTarStream(OverTar):
     """A Shar field file ``NAME.K.tar``: per cut its data member ``CUTID.EXT`` then its
     manifest ``CUTID.json`` (or ``.nodata`` then ``.nometa``), as one sample ``CUTID`` with
     fields ``NAME.EXT`` and ``NAME_meta.json`` (``.nodata`` for absent ones). The interface of
@@ -232,21 +232,6 @@ class FieldTarStream(Closing):
         self.field = field
         self.ordinal = ordinal
         self._read_data = read_data
-
-    @property
-    def path(self) -> str:
-        return self._tar.path
-
-    @property
-    def ended_cleanly(self) -> bool:
-        return self._tar.ended_cleanly
-
-    @property
-    def resume_offset(self) -> int:
-        return self._tar.position
-
-    def close(self) -> None:
-        self._tar.close()
 
     def next_sample(self) -> TarRecord | None:
         data = self._tar.next_member(self._read_data)
