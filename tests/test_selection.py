@@ -354,3 +354,16 @@ def test_a_table_that_does_not_go_with_its_index_json_is_not_read(many, tmp_path
     index.shards = index.shards[:3]  # an index of few shards: no table, and the stale one goes
     index.save(folder)
     assert not (folder / "index.npz").exists() and ShardIndex.load(folder).num_utts == 3 * PER_SHARD
+
+
+def test_a_pattern_naming_a_fifo_or_a_device_says_what_it_is(tmp_path):
+    """It said the FIFO 'does not exist' (it is there, and no shard)."""
+    os.mkfifo(tmp_path / "data-00000.tar")
+    with pytest.raises(
+        ShardError, match=r"data-00000\.tar \(named in the pattern, but it is a FIFO \(named pipe\), not a shard"
+    ):
+        make_loader(str(tmp_path / "data-00000.tar"), batch_size=4, num_workers=0)
+    with pytest.raises(
+        ShardError, match=r"zero \(named in the pattern, but it is a character device, not a shard file\)"
+    ):
+        make_loader("/dev/zero", batch_size=4, num_workers=0)

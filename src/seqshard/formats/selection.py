@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, ShardError, counted, listed, option
+from .files import file_kind
 from .index import ShardIndex
 from .pack_state import REPORT_NAME, pack_root, planned_in_folder
 from .patterns import (
@@ -292,11 +293,17 @@ def _absent(alternative: Alternative, selection: ShardSelection) -> list[Missing
         folder = alternative.folders[0]
         found = set(alternative.files.get(folder, ())) | {m.path.name for m in absent if isinstance(m.path, Path)}
         absent.extend(
-            MissingShard(folder / name, "named in the pattern, but it does not exist")
-            for name in alternative.names
-            if name not in found
+            MissingShard(folder / name, _not_there(folder / name)) for name in alternative.names if name not in found
         )
     return absent
+
+
+def _not_there(path: Path) -> str:
+    """Why a file a pattern names is not a shard: it does not exist, or it is no regular file."""
+    try:
+        return f"named in the pattern, but it is {file_kind(os.stat(path).st_mode)}, not a shard file"
+    except OSError:
+        return "named in the pattern, but it does not exist"
 
 
 def dangling_shard_links(folder: Path) -> list[Path]:
