@@ -133,3 +133,26 @@ def test_a_partial_shard_that_lost_its_checkpointed_bytes_is_written_again(tmp_p
     assert report.complete and report.packed == 16 and report.shards_written_now == 1
     assert report.resumed_utts == 0
     _same_as_an_uninterrupted_pack(data, out, tmp_path / "clean", **options)
+
+
+def test_a_damaged_journal_is_passed_over_line_by_line_and_a_fifo_in_its_place_is_named(tmp_path):
+    """A journal line of 70 MB is passed over (its shard written again) without being held; a
+    FIFO named like a journal held the rerun forever, and is now refused by name."""
+    from seqshard.errors import SeqshardError
+
+    data = write_kaldi_dir(tmp_path / "d", speakers=1, per_speaker=6, dim=2, frames=(2, 4))
+    out = tmp_path / "out"
+    first = pack_data(data.scp, data.text, out, utts_per_file=3, shuffle=False, progress=False)
+    journal = next((out / ".seqshard-pack").glob("journal-*.jsonl"))
+    lines = journal.read_bytes().splitlines(keepends=True)
+    with open(journal, "wb") as damaged:
+        damaged.write(lines[0] + b'{"name": "')
+        damaged.seek(70 << 20, io.SEEK_CUR)
+        damaged.write(b'"}\n' + b"".join(lines[1:]))
+    before = {p.name: p.read_bytes() for p in out.glob("*.tar")}
+    again = pack_data(data.scp, data.text, out, utts_per_file=3, shuffle=False, progress=False)
+    assert again.packed == first.packed == 6
+    assert {p.name: p.read_bytes() for p in out.glob("*.tar")} == before
+    os.mkfifo(out / ".seqshard-pack" / "journal-fifo.jsonl")
+    with pytest.raises(SeqshardError, match=r"journal-fifo\.jsonl: not a regular file.* Fix: remove it"):
+        pack_data(data.scp, data.text, out, utts_per_file=3, shuffle=False, progress=False)

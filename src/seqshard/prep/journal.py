@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ..errors import SeqshardError
 from ..formats.files import inside, open_output, write_json_atomic, writing
+from ..formats.inflation import numbered_lines
 from ..formats.pack_state import STATE_DIR
 
 
@@ -61,16 +63,21 @@ def finished_shards(d_out: Path, kind: str = "journal") -> dict[str, dict[str, A
 
 
 def journal_records(d_out: Path, kind: str = "journal") -> Iterator[tuple[Path, dict[str, Any]]]:
-    """``(journal file, record)`` of every whole line of the journals of ``kind``."""
+    """``(journal file, record)`` of every whole line of the journals of ``kind``; a line
+    that is no JSON object (cut short by a crash, or damaged; one too long is never held) is
+    passed over: its shard is written again."""
     for journal in sorted((Path(d_out) / STATE_DIR).glob(f"{kind}-*.jsonl")):
-        with open(journal, encoding="utf-8") as stream:
-            for line in stream:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:
-                    continue  # a line cut short by a crash: its shard is redone
-                if isinstance(record, dict):
-                    yield journal, record
+        if not journal.is_file():  # a FIFO would hold the reader forever
+            raise SeqshardError(
+                f"{journal}: not a regular file, so not a journal seqshard wrote. Fix: remove it, then run the command again."
+            )
+        for _, _, line in numbered_lines(journal):
+            try:
+                record = json.loads(line) if isinstance(line, bytes) else None
+            except ValueError:
+                continue
+            if isinstance(record, dict):
+                yield journal, record
 
 
 def _on_disk_as_recorded(path: Path, record: dict[str, Any]) -> bool:
