@@ -137,7 +137,8 @@ def test_a_partial_shard_that_lost_its_checkpointed_bytes_is_written_again(tmp_p
 
 def test_a_damaged_journal_is_passed_over_line_by_line_and_a_fifo_in_its_place_is_named(tmp_path):
     """A journal line of 70 MB is passed over (its shard written again) without being held; a
-    FIFO named like a journal held the rerun forever, and is now refused by name."""
+    FIFO named like a shard's checkpoint is passed over; one named like a journal held the
+    rerun forever, and is now refused by name."""
     from seqshard.errors import SeqshardError
 
     data = write_kaldi_dir(tmp_path / "d", speakers=1, per_speaker=6, dim=2, frames=(2, 4))
@@ -148,8 +149,9 @@ def test_a_damaged_journal_is_passed_over_line_by_line_and_a_fifo_in_its_place_i
     with open(journal, "wb") as damaged:
         damaged.write(lines[0] + b'{"name": "')
         damaged.seek(70 << 20, io.SEEK_CUR)
-        damaged.write(b'"}\n' + b"".join(lines[1:]))
+        damaged.write(b'"}\n' + b"".join(lines[2:]))  # in place of the second shard's line
     before = {p.name: p.read_bytes() for p in out.glob("*.tar")}
+    os.mkfifo(out / ".seqshard-pack" / "partial-1.json")  # read as a shard's checkpoint: passed over
     again = pack_data(data.scp, data.text, out, utts_per_file=3, shuffle=False, progress=False)
     assert again.packed == first.packed == 6
     assert {p.name: p.read_bytes() for p in out.glob("*.tar")} == before

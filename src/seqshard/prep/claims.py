@@ -19,8 +19,8 @@ import threading
 import time
 from pathlib import Path
 
-from ..errors import OutputError
-from ..formats.files import inside, writing
+from ..errors import InputError, OutputError
+from ..formats.files import inside, read_json, writing
 
 HEARTBEAT_SECONDS = 30.0
 LEASE_SECONDS = 600.0
@@ -87,11 +87,13 @@ class Claims:
     def _stale(self, path: Path) -> bool:
         try:
             age = time.time() - path.stat().st_mtime
-            holder = json.loads(path.read_text(encoding="utf-8"))
+            holder = read_json(path, "", missing=None)  # a regular file of bounded size only
         except FileNotFoundError:
             return True
-        except (OSError, ValueError):
+        except InputError:
             holder = {}
+        if holder is None:  # gone since the stat
+            return True
         if age > LEASE_SECONDS:
             return True
         if isinstance(holder, dict) and holder.get("host") == self._host and isinstance(holder.get("pid"), int):

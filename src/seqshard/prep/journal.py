@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import SeqshardError
-from ..formats.files import inside, open_output, write_json_atomic, writing
+from ..errors import InputError, SeqshardError
+from ..formats.files import inside, open_output, read_json, write_json_atomic, writing
 from ..formats.inflation import numbered_lines
 from ..formats.pack_state import STATE_DIR
 
@@ -110,9 +110,9 @@ def partial_states(d_out: Path) -> dict[int, dict[str, Any]]:
     states = {}
     for path in (Path(d_out) / STATE_DIR).glob("partial-*.json"):
         try:
-            states[int(path.stem.split("-")[1])] = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue  # cut short by a lost machine: its shard starts over
+            states[int(path.stem.split("-")[1])] = read_json(path, "", kind=dict)
+        except (InputError, ValueError):
+            continue  # cut short by a lost machine, or no file of seqshard's: its shard starts over
     return states
 
 
