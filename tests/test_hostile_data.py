@@ -268,3 +268,28 @@ def test_a_device_or_a_fifo_as_an_ark_or_a_frame_shift_is_refused_never_read(tmp
         (data.root / "frame_shift").symlink_to(target)
         with pytest.raises(ConfigError, match=r"frame_shift: it is a .*Fix: make it a file holding the frame shift"):
             pack_data(data.scp, data.text, tmp_path / "o3", progress=False)
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a device", "a folder"])
+@pytest.mark.parametrize("reader", ["cmvn", "fairseq dict", "units file", "trainer config"])
+def test_a_small_file_read_whole_is_a_regular_file_or_a_named_error(tmp_path, kind, reader):
+    """CMVN statistics, a fairseq dict.txt, a units file and the trainer's config were read
+    whole with read_bytes/read_text: /dev/zero filled memory, a FIFO held the reader forever."""
+    from seqshard.app.config import read_json
+    from seqshard.errors import ConfigError
+    from seqshard.features.frontend import Cmvn
+    from seqshard.text.fairseq_dict import FairseqDictionary
+    from seqshard.text.tokenizers import UnitsTokenizer
+
+    path = {"a FIFO": tmp_path / "fifo", "a device": Path("/dev/zero"), "a folder": tmp_path}[kind]
+    if kind == "a FIFO":
+        os.mkfifo(path)
+    read = {
+        "cmvn": Cmvn.load,
+        "fairseq dict": FairseqDictionary,
+        "units file": UnitsTokenizer,
+        "trainer config": read_json,
+    }
+    what = {"a FIFO": r"a FIFO \(named pipe\)", "a device": "a character device", "a folder": "a folder"}[kind]
+    with pytest.raises(ConfigError, match=rf"{re.escape(str(path))}.*it is {what}, not a regular file"):
+        read[reader](Path(path))

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from ..errors import ConfigError, InputError, counted
+from ..formats.files import MAX_JSON_BYTES, read_input
 from ..mix import mux
 from ..options import DEFAULT_BATCH_FRAMES, LoaderOptions
 from ..scp_dataset import MapStyleLoader
@@ -566,9 +567,11 @@ def _too_deep(where: str) -> str:
 def read_json(path: Path) -> Any:
     """A config file, read by :func:`parse_json`."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_input(path, MAX_JSON_BYTES, what="a config").decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file.") from None
+    except OSError as error:  # a FIFO, a device, a folder, a file beyond any config
+        raise ConfigError(f"{path}: {error.strerror}; give a JSON config file.") from None
     except UnicodeDecodeError as error:
         raise ConfigError(f"{path}: not UTF-8 text (byte {error.start}); is it a JSON config?") from None
     return parse_json(text, str(path))

@@ -13,6 +13,7 @@ import numpy as np
 
 from ..checks import parse_json
 from ..errors import ConfigError, InputError, Where, option
+from ..formats.files import MAX_JSON_BYTES, read_input
 from .fbank import FbankOptions, fbank
 from .speaker_cmvn import SpeakerCmvn
 
@@ -65,7 +66,9 @@ class Cmvn:
     @classmethod
     def load(cls, path: str | Path) -> Cmvn:
         try:
-            data = parse_json(Path(path).read_bytes(), path, "make it again with `seqshard cmvn`.", kind=dict)
+            data = parse_json(
+                read_input(path, MAX_JSON_BYTES, what="JSON"), path, "make it again with `seqshard cmvn`.", kind=dict
+            )
             mean = np.asarray(data["mean"], dtype=np.float32)
             std = np.asarray(data["std"], dtype=np.float32)
         except (OSError, ValueError, KeyError) as error:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..formats.files import MAX_JSON_BYTES, read_input
 from .tokenizers import SentencePieceTokenizer
 
 SPECIALS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0-3, before the file's lines
@@ -35,11 +36,14 @@ class FairseqDictionary:
         self.ids: dict[str, int] = {piece: number for number, piece in enumerate(SPECIALS)}
         self.size = len(SPECIALS)
         try:
-            lines = Path(path).read_text(encoding="utf-8").split("\n")  # \r\n and \r read as \n, as fairseq reads
+            text = read_input(path, MAX_JSON_BYTES, what="a dictionary").decode("utf-8")
+            lines = text.split("\n")  # \r\n and \r read as \n, as fairseq reads
         except FileNotFoundError:
             raise ConfigError(
                 f"dictionary {self.path} does not exist (a fairseq dict.txt: 'PIECE COUNT' per line)."
             ) from None
+        except OSError as error:  # a FIFO, a device, a folder, a file beyond any dictionary
+            raise ConfigError(f"dictionary {self.path}: {error.strerror}; give a fairseq dict.txt.") from None
         except UnicodeDecodeError as error:
             raise ConfigError(f"{self.path}: not UTF-8 text (byte {error.start}); is it a fairseq dict.txt?") from None
         if lines[-1] == "":

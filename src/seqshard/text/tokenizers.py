@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from ..errors import ConfigError, option
+from ..formats.files import MAX_JSON_BYTES, read_input
 
 EOS_UNITS = ("</s>", "<eos>", "<sos/eos>")
 SPACE_UNITS = ("▁", "<space>")
@@ -111,7 +112,9 @@ class UnitsTokenizer:
         self.pieces = SentencePieceTokenizer(pieces) if pieces is not None else None
         self.units = str(units)
         try:
-            lines = Path(units).read_text(encoding="utf-8").splitlines()
+            lines = read_input(units, MAX_JSON_BYTES, what="a units file").decode("utf-8").splitlines()
+        except OSError as error:  # missing, a FIFO, a device, a folder, too large
+            raise ConfigError(f"units file {units}: {error.strerror}.") from None
         except UnicodeDecodeError as error:
             raise ConfigError(f"{units}: not UTF-8 text (byte {error.start}); is it a units file?") from None
         first = next((line.split() for line in lines if line.split()), [])
