@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 from urllib.parse import urlsplit
 
-from ...errors import ConfigError, ShardError
-from ..files import crc32_of, inside, open_output
+from ...errors import ConfigError, OutputError, ShardError
+from ..files import crc32_of, inside, open_output, read_input
 
 _LOG = logging.getLogger("seqshard")
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12}
@@ -141,14 +141,13 @@ class ShardCache:
         mark = f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {checksum}"
         marker = self.root / ".locks" / f"{name}.ok"
         with contextlib.suppress(OSError):
-            if marker.read_text() == mark:
+            if read_input(marker, 4096) == mark.encode():  # a regular file only: a FIFO there would hold us
                 return True
         file.seek(0)
         if f"crc32:{crc32_of(file.read)[0]:08x}" != checksum:
             return False
         file.seek(0)
-        with contextlib.suppress(OSError):
-            _write_text(marker, mark)
+        _write_marker(marker, mark)
         return True
 
     def _touch(self, path: Path) -> Path:
@@ -192,7 +191,7 @@ class ShardCache:
                 opened = open(final, "rb")  # noqa: SIM115 (returned open)
             if expected is not None and expected[1] is not None:
                 marker = self.root / ".locks" / f"{final.name}.ok"
-                _write_text(marker, f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {expected[1]}")
+                _write_marker(marker, f"{info.st_ino} {info.st_size} {info.st_mtime_ns} {expected[1]}")
             return opened
         except OSError as error:
             raise ShardError(url, None, f"cannot write the cache file {partial}: {error.strerror or error}") from None
@@ -249,3 +248,10 @@ def _write_text(path: Path, text: str) -> None:
     """A small file of the cache's own, never written through a link at its name."""
     with os.fdopen(open_output(path), "w") as file:
         file.write(text)
+
+
+def _write_marker(path: Path, text: str) -> None:
+    """A marker that spares a cached shard its CRC check; one that cannot be written (a link,
+    a FIFO at its name, a full disk) is passed over: the shard is checked again next time."""
+    with contextlib.suppress(OSError, OutputError):
+        _write_text(path, text)
