@@ -172,6 +172,9 @@ def test_a_hostile_cell_is_a_counted_skip_never_garbage_or_a_traceback(tmp_path,
     )
     assert report.dropped == {reason: 1} and report.packed == 1 and report.input_utts == 2
     assert list(packed(tmp_path / "out")) == ["b"]
+    if reason != "bad_key":  # named by the dataset's file, batch and row (it was rows.jsonl's line)
+        with pytest.raises(InputError, match=r"x\.parquet, batch 0, row 0 \(key 'a'\): "):
+            pack_data(None, None, tmp_path / "again", hf=str(tmp_path / "x.parquet"), fields=["score"], progress=False)
 
 
 @pytest.mark.parametrize(

@@ -246,7 +246,7 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
                     "unreadable_audio",
                     f"the {sound.format} header declares {sound.frames} frames, more than {len(data)} bytes of audio "
                     "can hold (a damaged header).",
-                    "check the file, or remove its line.",
+                    "check the file, or remove its entry.",
                 )
             if not 0 < sound.samplerate <= MAX_SAMPLE_RATE:
                 raise InputError(
@@ -254,7 +254,7 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
                     "unreadable_audio",
                     f"the {sound.format} header declares {sound.samplerate} Hz, no rate audio is recorded at (FLAC "
                     f"holds at most {MAX_SAMPLE_RATE} Hz): a damaged header.",
-                    "check the file, or remove its line.",
+                    "check the file, or remove its entry.",
                 )
             samples = _read_samples(sound)
             rate, subtype, declared, container = sound.samplerate, sound.subtype, sound.frames, sound.format
@@ -263,7 +263,7 @@ def decode_audio(data: bytes | memoryview, where: Where, channel: int | None = N
     except (RuntimeError, soundfile.LibsndfileError, ValueError) as error:
         why = "the file is empty (0 bytes)" if len(data) == 0 else _without_repr(str(error)) + header
         raise InputError(
-            where, "unreadable_audio", f"the audio cannot be decoded: {why}.", "check the file, or remove its line."
+            where, "unreadable_audio", f"the audio cannot be decoded: {why}.", "check the file, or remove its entry."
         ) from None
     missing = _missing_wav_bytes(data)
     if missing:

@@ -196,9 +196,15 @@ class _DatasetReader(_AudioReader):
         self.columns = [source.audio_column, *(f for f in self.options.fields if f != source.audio_column)]
         self._batch: tuple[tuple[int, int], object] | None = None
 
-    def _cell(self, value: str, where: Where) -> tuple[dict, Path]:
-        """The row's cells (the audio column's and the asked fields') and its file's folder."""
-        file, batch, row = json.loads(value)["at"]
+    def _place(self, value: str, key: str | None) -> tuple[list[int], Where]:
+        """A row's (file, batch, row) and its place as messages name it: the dataset's file,
+        batch and row, not the line of rows.jsonl (which the user never wrote)."""
+        file, batch, row = at = json.loads(value)["at"]
+        return at, Where(f"{self.source.dataset.files[file]}, batch {batch}, row {row}", key=key)
+
+    def _cell(self, value: str, where: Where) -> tuple[dict, Path, Where]:
+        """The row's cells (the audio column's and the asked fields'), its file's folder and place."""
+        (file, batch, row), place = self._place(value, where.key)
         if self._batch is None or self._batch[0] != (file, batch):
             try:
                 self._batch = (file, batch), self.batches.batch(file, batch, self.columns)
@@ -207,10 +213,11 @@ class _DatasetReader(_AudioReader):
         table = self._batch[1]
         if isinstance(table, InputError):
             raise InputError(Where(f"{table.where}, row {row}", key=where.key), table.reason, table.problem, table.fix)
-        return {name: table.column(name)[row].as_py() for name in self.columns}, self.source.dataset.files[file].parent
+        cells = {name: table.column(name)[row].as_py() for name in self.columns}
+        return cells, self.source.dataset.files[file].parent, place
 
     def _utterance(self, key: str, value: str, where: Where) -> tuple[bytes | None, DecodedAudio]:
-        cells, folder = self._cell(value, where)
+        cells, folder, where = self._cell(value, where)
         original, audio = cell_audio(cells[self.source.audio_column], where, folder, self.options.channel)
         rate = self.source.declared_rate
         if rate and audio.sample_rate != rate and self.options.resample_to is None:  # --audio-format keep
@@ -225,9 +232,8 @@ class _DatasetReader(_AudioReader):
         return original, audio
 
     def read(self, utterance: Utterance) -> tuple[Members, int, str | None]:
-        members, frames, how = super().read(utterance)
+        at_row = replace(utterance, where=self._place(utterance.value, utterance.key)[1])
+        members, frames, how = super().read(at_row)
         if self.options.fields:
-            members += field_members(
-                self._cell(utterance.value, utterance.where)[0], self.options.fields, utterance.where
-            )
+            members += field_members(self._cell(utterance.value, at_row.where)[0], self.options.fields, at_row.where)
         return members, frames, how
