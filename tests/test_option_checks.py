@@ -4,13 +4,14 @@ ValueError from Python or torch later on; and an epoch that could never end is r
 (issue 17, item 12)."""
 
 import json
+import shutil
 from dataclasses import fields
 
 import numpy as np
 import pytest
 
-from conftest import pack_small
-from seqshard import make_loader, make_scp_loader, make_token_loader, mux
+from conftest import pack_small, write_kaldi_dir
+from seqshard import make_loader, make_scp_loader, make_token_loader, mux, pack_data
 from seqshard.checks import check_number
 from seqshard.errors import ConfigError
 from seqshard.features.fbank import FbankOptions
@@ -366,3 +367,22 @@ def test_make_loader_takes_a_flat_name_and_its_group_alike(sources):
     assert [b["keys"] for b in flat] == [b["keys"] for b in grouped]
     with pytest.raises(ConfigError, match=r"give batch_size inside batching=, or batching= not at all"):
         make_loader(sources[0], batch_size=2, batching=Batching(sort_window=4))
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        (dict(jobs=5000), r"jobs must be >= 1 and <= 1024, got 5000"),
+        (dict(executor="dask-local:100000"), r"expected a number of workers from 1 to 1024 after ':'"),
+        (dict(executor="processes:100000"), r"expected a number of workers from 1 to 1024 after ':'"),
+        (dict(executor="slurm"), r"executor='slurm'"),  # no Slurm here: named, not submitit's RuntimeError
+    ],
+)
+def test_pack_refuses_a_machine_it_cannot_have_before_starting_it(tmp_path, setting, message):
+    """dask-local:100000 started a hundred thousand processes; slurm without srun raised a raw
+    RuntimeError from submitit."""
+    data = write_kaldi_dir(tmp_path / "k", speakers=1, per_speaker=2, dim=2, frames=(2, 4))
+    if setting.get("executor") == "slurm" and shutil.which("srun"):
+        pytest.skip("this machine has Slurm")
+    with pytest.raises(ConfigError, match=message):
+        pack_data(data.scp, data.text, tmp_path / "out", progress=False, **setting)

@@ -47,6 +47,7 @@ RULES: dict[str, dict[str, Any]] = {
     "resample_to": dict(whole=True, at_least=1000, what="a sample rate in Hz (a whole number >= 1000)"),
     "num_mel_bins": dict(whole=True, at_least=3),  # as Kaldi (upper bound: FbankOptions)
     "num_workers": dict(INDEX, at_most=MAX_WORKERS),
+    "jobs": dict(COUNT, at_most=MAX_WORKERS),  # pack's processes (and an executor's local workers)
 }
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checks import MAX_WORKERS
 from ..errors import ConfigError, SeqshardError, option
 
 _LOG = logging.getLogger("seqshard")
@@ -143,8 +144,11 @@ def open_executor(
 
 
 def _count(spec: str, text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"{option('executor', spec)}: expected a number of workers >= 1 after ':' ({_FORMS}).")
+    """The number of local workers after ``processes:``/``dask-local:`` (as ``jobs``: 1 to MAX_WORKERS)."""
+    if not text.isdigit() or not 1 <= int(text) <= MAX_WORKERS:
+        raise ConfigError(
+            f"{option('executor', spec)}: expected a number of workers from 1 to {MAX_WORKERS} after ':' ({_FORMS})."
+        )
     return int(text)
 
 
@@ -194,8 +198,15 @@ def _ray(spec: str, settings: dict[str, str]) -> Iterator[Any]:
 
 def _slurm(settings: dict[str, str], folder: Path | None) -> Any:
     submitit = _needs("submitit", "slurm", "slurm")
-    executor = submitit.AutoExecutor(folder=str(folder or "submitit"), cluster="slurm")
-    executor.update_parameters(**{k: _value(v) for k, v in settings.items()})
+    try:
+        executor = submitit.AutoExecutor(folder=str(folder or "submitit"), cluster="slurm")
+        executor.update_parameters(**{k: _value(v) for k, v in settings.items()})
+    except (RuntimeError, ValueError) as error:  # no Slurm here (no srun), or a setting submitit does not take
+        raise ConfigError(
+            f"{option('executor', 'slurm')}: {str(error).strip()} Run the pack where Slurm's commands are (a login "
+            f"node), with settings submitit takes (slurm_partition=..., timeout_min=...); or give another executor "
+            f"({_FORMS})."
+        ) from None
     return executor
 
 

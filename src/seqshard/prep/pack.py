@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import __version__
+from ..checks import check_rule
 from ..errors import ConfigError, InputError, SeqshardError, Where, counted, listed, option
 from ..formats.files import inside, read_json, remove_stale_temporaries, write_json_atomic, writing
 from ..formats.index import ShardIndex
@@ -201,6 +202,7 @@ def _text_files(inputs: Mapping[str, Any], f_labels: str | Path | Sequence[str |
 
 def _check_running(jobs: int, executor: Any, num_parts: int, part: int, max_open: int, overwrite: bool) -> None:
     """ConfigError when where and in how many parts the pack runs do not go together."""
+    check_rule("jobs", jobs)
     if overwrite and num_parts > 1:
         raise ConfigError(
             f"{option('overwrite')} cannot be combined with {option('num_parts', num_parts)} (each part would delete "
