@@ -475,12 +475,13 @@ def test_a_stream_cut_into_epochs_goes_on_without_reading_its_windows_again(pack
 def test_a_batch_crosses_the_pipe_as_it_was(values):
     """Texts travel joined into one string (one to unpickle, not one per sample); anything a
     join would change (a NUL of their own, bytes, None) travels as it is."""
-    from seqshard.pipeline.workers.wire import BatchItem, from_wire, pack
+    from seqshard.pipeline.transport.delivery import made
+    from seqshard.pipeline.transport.wire import BatchItem, pack
 
     item = BatchItem(
         0, 1, {"texts": values, "feats": (64, (2, 3), "<f4")}, b"", b"", 2, 4, 6, slot=0, places=("feats",)
     )
-    again = from_wire(*pickle.loads(pack(item.wire())))
+    again = made(*pickle.loads(pack(item.wire())))
     assert again.batch == item.batch and again.slot == 0 and again.places == ("feats",)
 
 
