@@ -16,6 +16,12 @@ it, and a resume makes it again.
 from __future__ import annotations
 
 import functools
+import os
+import select
+import struct
+from collections.abc import Callable
+from os import read, write
+from pickle import loads
 from typing import Any
 
 from ...device import CudaCopier, is_cuda, require_device
@@ -24,7 +30,42 @@ from ...features.on_device import BatchFeatures
 from ...options import LoaderOptions
 from ..stages.collate import to_tensors
 from .slots import BatchSlots, current_stream_event
-from .wire import BATCH, PLACES, SLOT, STATE, BatchItem, EndItem, ErrorItem, Inbox, Item, Take
+from .wire import BATCH, PLACES, SLOT, STATE, BatchItem, EndItem, ErrorItem, Item, Take
+
+
+class Inbox:
+    """The training process's end of one worker's items pipe, and of the credits pipe back
+    (one byte for each item taken: a worker sends while it has credits). Messages are
+    ``Connection.send_bytes``'s (a 4-byte length, then the bytes), read from the pipe's
+    descriptor: one read brings what has come, often more than one message, kept in ``buffer``
+    for the next takes (``Connection.recv_bytes`` reads each length and each message apart).
+    ``gone()`` says why the pipe closed (the worker's exit)."""
+
+    def __init__(self, worker: int, items: Any, credits: Any, gone: Callable[[], str]):
+        self.worker = worker
+        self.items_fd = items.fileno()
+        self.credit_fd = credits.fileno()
+        os.set_blocking(self.credit_fd, False)
+        self.buffer = bytearray()  # what came on the items pipe and was not taken yet
+        self.gone = gone
+
+    def wait(self, timeout: float) -> bytes:
+        """What has come on the items pipe, waiting for it at most ``timeout`` seconds (without
+        a timeout the read blocks: no thread of the loader's runs and nothing polls)."""
+        try:
+            if not select.select([self.items_fd], [], [], timeout)[0]:
+                raise TimeoutError
+            data = os.read(self.items_fd, 1 << 16)
+            if not data:
+                raise EOFError("the worker's pipe closed")
+        except TimeoutError:
+            raise RuntimeError(
+                f"seqshard worker {self.worker} sent no batch for {timeout} s (the loader's timeout option): "
+                "a slow disk or server, or a stuck transform?"
+            ) from None
+        except (EOFError, OSError):
+            raise RuntimeError(self.gone()) from None
+        return data
 
 
 class Arrivals:
@@ -39,23 +80,54 @@ class Arrivals:
         self._pin: bool | None = None  # decided at the first batch (CUDA is asked for once workers exist)
 
     def taker(self, inboxes: list[Inbox], iteration: int, timeout: float) -> Take:
-        """The take of ``iteration``: a worker's next message (``Inbox.take``) made an item, a
-        batch's arrays tensors; an error a worker reported is raised. The work of each batch,
-        kept to a few calls."""
-        slots, pin, other = self.slots, self.pins(), self.receive
+        """The take of ``iteration``: a worker's next message of ``iteration`` (those of an
+        abandoned iteration still in the pipe are dropped; waiting at most ``timeout`` seconds, 0:
+        no limit) made an item, a batch's arrays tensors, and one credit sent back; an error a
+        worker reported is raised. The work of each batch, in one function with a few calls of C."""
+        slots, pin, other, split = self.slots, self.pins(), self.receive, str.split
         fence = None if self._on_device else current_stream_event
+        receive = slots.receive if slots is not None else None
 
         def take(worker: int) -> Item:
-            fields, joined = inboxes[worker].take(iteration, timeout)
+            inbox = inboxes[worker]
+            buffer = inbox.buffer
+            while True:
+                size = len(buffer)
+                if size >= 4:
+                    end = 4 + _length(buffer)[0]
+                    if size >= end:
+                        sent, fields, joined = loads(buffer[4:end])
+                        del buffer[:end]
+                        if sent == iteration:
+                            break
+                        continue
+                if timeout:
+                    buffer += inbox.wait(timeout)
+                    continue
+                try:
+                    data = read(inbox.items_fd, 1 << 16)  # blocks until the worker sends
+                except OSError:
+                    data = b""
+                if not data:
+                    raise RuntimeError(inbox.gone())
+                buffer += data
+            try:  # noqa: SIM105 (contextlib.suppress costs three calls a batch)
+                write(inbox.credit_fd, b"\1")
+            except BlockingIOError:  # the pipe is full of credits the worker has not needed yet
+                pass
             if joined is None:  # not a batch
                 return other(fields)
             slot = fields[SLOT]
             if slot is None:
-                item = made(fields, joined)
+                item = _new_item(fields)
                 self._tensors(item.batch, pin)
-                return item
-            state = slots.receive(slot, fields[BATCH], pin, fence, fields[PLACES], fields[STATE])  # type: ignore[union-attr]
-            return made((*fields[:STATE], state, *fields[STATE + 1 :]), joined)
+            else:
+                state = receive(slot, fields[BATCH], pin, fence, fields[PLACES], fields[STATE])  # type: ignore[misc]
+                item = _new_item((*fields[:STATE], state, *fields[STATE + 1 :]))
+            batch = item.batch
+            for name in joined:
+                batch[name] = split(batch[name], "\0")
+            return item
 
         return take
 
@@ -95,16 +167,8 @@ class Arrivals:
             batch[name] = value.pin_memory() if pin and not self._on_device and hasattr(value, "pin_memory") else value
 
 
-def made(fields: tuple, joined: tuple[str, ...]) -> BatchItem:
-    """The item :meth:`BatchItem.wire` sent (made in C from its fields; its joined texts split)."""
-    item = _new_item(fields)
-    batch = item.batch
-    for name in joined:
-        batch[name] = batch[name].split("\0")
-    return item
-
-
-_new_item = functools.partial(tuple.__new__, BatchItem)
+_new_item = functools.partial(tuple.__new__, BatchItem)  # an item from its fields, made in C
+_length = struct.Struct(">i").unpack_from  # a message's length, before it (Connection.send_bytes)
 
 
 def _cuda_available() -> bool:

@@ -15,26 +15,20 @@ those bytes, not a copy (``slots.py``); the pipe carries a few hundred bytes a b
 
 A message on a worker's items pipe is ``(iteration, fields, joined)`` pickled (:func:`encode`):
 a batch's fields as a plain tuple (:meth:`BatchItem.wire`), or ``(iteration, item, None)`` for
-an end or an error. The training process reads a worker's pipe only when the merged stream
-takes that worker's next item (:class:`Inbox`): one blocking read, one unpickling of a small
-message, one byte written back on the credits pipe (a worker sends while it has credits).
+an end or an error; ``Connection.send_bytes`` puts its length before it. The training process
+reads it as ``delivery.Inbox`` says.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
-import select
-import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pickle import loads
 from typing import Any, NamedTuple
 
 from .slots import SharedMemoryError, shm_problem
 
 State = dict[str, Any]
-_LENGTH = struct.Struct(">i").unpack_from  # a message's length, before it (Connection.send_bytes)
 
 
 def pack(value: Any) -> bytes:
@@ -53,7 +47,7 @@ class BatchItem(NamedTuple):
     ``slot`` is set) :class:`~.slots.SlotArray` places in that shared slot, under the names
     ``places`` lists. ``state`` and ``stats`` are dicts, or their :func:`pack`ed bytes from a
     worker process. A tuple: the training process makes one from what the pipe brings without
-    a call of Python's (``delivery.Arrivals``); the ``batch`` dict is changed in place."""
+    a call of Python's (``delivery.Arrivals.taker``); the ``batch`` dict is changed in place."""
 
     worker: int
     seq: int
@@ -137,60 +131,3 @@ def encode(iteration: int, item: Item) -> bytes:
         return bytes(ForkingPickler.dumps(message))
     except (RuntimeError, OSError) as error:  # the tensors' shared memory could not be allocated
         raise SharedMemoryError(shm_problem("a batch too large for its slot (or with no slot free)", error)) from None
-
-
-class Inbox:
-    """The training process's end of one worker's items pipe, and of the credits pipe back:
-    ``take`` reads the next message of an iteration and sends one credit. ``gone()`` says why
-    the pipe closed (the worker's exit)."""
-
-    def __init__(self, worker: int, items: Any, credits: Any, gone: Callable[[], str]):
-        self.worker = worker
-        self.items_fd = items.fileno()
-        self.credit_fd = credits.fileno()
-        os.set_blocking(self.credit_fd, False)
-        self.buffer = bytearray()  # what came on the items pipe and was not taken yet
-        self.gone = gone
-
-    def take(self, iteration: int, timeout: float) -> tuple[Any, tuple[str, ...] | None]:
-        """The worker's next message of ``iteration`` (those of an abandoned iteration still in
-        the pipe are dropped), waiting at most ``timeout`` seconds (0: no limit), and one
-        credit back: ``(fields, joined)`` of a batch (``BatchItem.wire``), or ``(item, None)``.
-
-        Messages are ``Connection.send_bytes``'s (a 4-byte length, then the bytes), read from the
-        pipe's descriptor: one read brings what has come, often more than one message, kept for
-        the next calls (``Connection.recv_bytes`` reads each length and each message apart)."""
-        buffer = self.buffer
-        while True:
-            size = len(buffer)
-            if size >= 4:
-                end = 4 + _LENGTH(buffer)[0]
-                if size >= end:
-                    sent, fields, joined = loads(buffer[4:end])
-                    del buffer[:end]
-                    if sent == iteration:
-                        break
-                    continue
-            buffer += self.more(timeout)
-        try:  # noqa: SIM105 (contextlib.suppress costs three calls a batch)
-            os.write(self.credit_fd, b"\1")
-        except BlockingIOError:  # the pipe is full of credits the worker has not needed yet
-            pass
-        return fields, joined
-
-    def more(self, timeout: float) -> bytes:
-        """What has come on the items pipe, waiting for it at most ``timeout`` seconds (0: no limit)."""
-        try:
-            if timeout and not select.select([self.items_fd], [], [], timeout)[0]:
-                raise TimeoutError
-            data = os.read(self.items_fd, 1 << 16)
-            if not data:
-                raise EOFError("the worker's pipe closed")
-        except TimeoutError:
-            raise RuntimeError(
-                f"seqshard worker {self.worker} sent no batch for {timeout} s (the loader's timeout option): "
-                "a slow disk or server, or a stuck transform?"
-            ) from None
-        except (EOFError, OSError):
-            raise RuntimeError(self.gone()) from None
-        return data

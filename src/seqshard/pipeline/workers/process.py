@@ -46,8 +46,9 @@ from collections import deque
 from typing import Any
 
 from ...errors import SeqshardError
+from ..transport.delivery import Inbox
 from ..transport.slots import shm_problem
-from ..transport.wire import BatchItem, EndItem, ErrorItem, Inbox, Item, encode, pack
+from ..transport.wire import BatchItem, EndItem, ErrorItem, Item, encode, pack
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
 from .worker import Made, ReaderRun
