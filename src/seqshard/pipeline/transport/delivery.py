@@ -50,8 +50,8 @@ class Inbox:
         self.gone = gone
 
     def wait(self, timeout: float) -> bytes:
-        """What has come on the items pipe, waiting for it at most ``timeout`` seconds (without
-        a timeout the read blocks: no thread of the loader's runs and nothing polls)."""
+        """What has come on the items pipe, waiting for it at most ``timeout`` seconds (a take
+        without a timeout reads the pipe itself: the read blocks, nothing polls)."""
         try:
             if not select.select([self.items_fd], [], [], timeout)[0]:
                 raise TimeoutError
