@@ -9,7 +9,7 @@ A worker process and the training process share three pipes:
   has at most ``ahead`` items sent and not taken, and waits for credits blocked on the pipe;
 - items (worker -> training): the transport's messages (``transport/wire.py``: a batch's
   arrays lie in a shared slot, ``transport/slots.py``; its state and counters are bytes the
-  training process keeps unread), read by the training process with ``wire.Inbox``.
+  training process keeps unread), read by the training process (``transport/delivery.py``).
 
 The training process reads a worker's pipe only when the merged stream takes that worker's
 next item: one blocking read (no thread of the loader's in the training process, no polling
