@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import demo_corpus, speech_corpus
 
 from seqshard import make_loader, make_token_loader, pack_data
-from seqshard.pipeline.workers.transfer import LEASED
+from seqshard.pipeline.transport.slots import LEASED
 from seqshard.testing import batch_slots
 
 RESULTS: dict[str, bool] = {}

@@ -167,8 +167,8 @@ def test_a_climbing_import_is_caught():
     )
     upward = upward_imports(table, {probe: source})
     assert upward == [
-        "seqshard/formats/probe.py (tier 2) imports seqshard/loader.py (tier 9)",
-        "seqshard/formats/probe.py (tier 2) imports seqshard/pipeline/rank/shard_loader.py (tier 8)",
+        "seqshard/formats/probe.py (tier 2) imports seqshard/loader.py (tier 10)",
+        "seqshard/formats/probe.py (tier 2) imports seqshard/pipeline/rank/shard_loader.py (tier 9)",
     ]
 
 

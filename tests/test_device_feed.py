@@ -22,9 +22,9 @@ from seqshard.formats.peers.mmidx import TokenDatasetWriter
 from seqshard.formats.remote.access import RemoteAccess
 from seqshard.formats.table import ShardTable
 from seqshard.options import LoaderOptions
+from seqshard.pipeline.transport.slots import FREE, LEASED, BatchSlots
 from seqshard.pipeline.workers.pool import WorkerPool
 from seqshard.pipeline.workers.setup import make_setup
-from seqshard.pipeline.workers.transfer import FREE, LEASED, BatchSlots
 
 SMALL = dict(shuffle_window=8, sort_window=4, interleave=2, num_workers=0)
 
@@ -259,8 +259,8 @@ class _RecordingCopier:
 
 
 def test_the_rank_copies_the_next_turns_batch_before_handing_one_over_and_keeps_ends_and_errors_for_their_turn():
-    from seqshard.pipeline.rank.delivery import CopiesAhead
-    from seqshard.pipeline.workers.wire import BatchItem, EndItem
+    from seqshard.pipeline.transport.delivery import CopiesAhead
+    from seqshard.pipeline.transport.wire import BatchItem, EndItem
 
     log = []
     sent = {0: ["a0", "a1", "end"], 1: ["b0", "end"], 2: ["c0", "c1", "error"]}

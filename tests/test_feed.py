@@ -474,14 +474,23 @@ def test_a_stream_cut_into_epochs_goes_on_without_reading_its_windows_again(pack
 @pytest.mark.parametrize("values", [["a", "b"], ["a\0x", "b"], [b"x", "y"], [None, "z"], [""], ["", ""], []])
 def test_a_batch_crosses_the_pipe_as_it_was(values):
     """Texts travel joined into one string (one to unpickle, not one per sample); anything a
-    join would change (a NUL of their own, bytes, None) travels as it is."""
-    from seqshard.pipeline.workers.wire import BatchItem, from_wire, pack
+    join would change (a NUL of their own, bytes, None) travels as it is. A message of an
+    abandoned iteration still in the pipe is dropped."""
+    import multiprocessing
 
-    item = BatchItem(
-        0, 1, {"texts": values, "feats": (64, (2, 3), "<f4")}, b"", b"", 2, 4, 6, slot=0, places=("feats",)
-    )
-    again = from_wire(*pickle.loads(pack(item.wire())))
-    assert again.batch == item.batch and again.slot == 0 and again.places == ("feats",)
+    from seqshard.pipeline.transport.delivery import Arrivals, Inbox
+    from seqshard.pipeline.transport.wire import BatchItem, encode
+
+    items, sending = multiprocessing.Pipe(duplex=False)
+    credits_in, credits = multiprocessing.Pipe(duplex=False)
+    feats = np.arange(6, dtype=np.float32).reshape(2, 3)
+    item = BatchItem(0, 1, {"texts": values, "feats": feats}, b"", b"", 2, 4, 6)
+    sending.send_bytes(encode(1, item._replace(seq=7)))  # the iteration before
+    sending.send_bytes(encode(2, item))
+    take = Arrivals(None, pin_memory=False, on_device=False).taker([Inbox(0, items, credits, str)], 2, 0)
+    again = take(0)
+    assert again.batch["texts"] == values and again.seq == 1 and again.batch["feats"].tolist() == feats.tolist()
+    assert os.read(credits_in.fileno(), 16) == b"\1"  # one credit for the item taken
 
 
 def test_an_epochs_start_neither_walks_the_plan_nor_draws_orders_and_len_still_counts(five_hundred, monkeypatch):
@@ -514,25 +523,32 @@ def test_a_batch_from_a_worker_costs_the_training_process_a_few_calls(five_hundr
     """Taking a worker's batch is one read of its pipe, one unpickling, one credit written back
     and two calls per array of the slot (a numpy array over the slot's lease, its tensor), with
     the merged stream's and the epoch's bookkeeping: a few Python calls, not a chain of takes
-    (issue 32, item 4: 55-58 calls a batch before, the loop's own included)."""
+    (issue 32, item 4: 55-58 calls a batch before, the loop's own included). Of the transport's
+    own Python functions, three a batch: the take, the slot's receive, the lease let go (five
+    before: a take handed on through the pool, the link, the slot and the item's making)."""
     calls = 0
+    transport: list[str] = []
+    folders = tuple(str(Path(worker.__file__).parent.parent / name) for name in ("transport", "workers"))
 
     def count(frame, event, arg):
         nonlocal calls
         calls += event in ("call", "c_call")
+        if event == "call" and frame.f_code.co_filename.startswith(folders):
+            transport.append(frame.f_code.co_name)
 
     for workers in (1, 2):
         loader = make_loader(five_hundred.pattern, batch_size=4, num_workers=workers, **WINDOWS)
         batches = iter(loader)
         for _ in range(20):
             next(batches)
-        calls = 0
+        calls, transport = 0, []
         sys.setprofile(count)
         for _ in range(60):
             next(batches)
         sys.setprofile(None)
         loader.close()
         assert calls / 60 <= 32, (workers, calls / 60)
+        assert len(transport) <= 3 * 60, (workers, sorted(set(transport)))
 
 
 def slower(sample):

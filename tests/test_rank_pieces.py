@@ -24,10 +24,10 @@ from seqshard.pipeline.rank.cursor import EpochCursor
 from seqshard.pipeline.rank.elastic import remainder_plan
 from seqshard.pipeline.rank.epochs import EpochLength, EpochRules, HoursLimit, RepeatStream, StepLimit, StopTogether
 from seqshard.pipeline.rank.merge import MergedStream, RankPosition
+from seqshard.pipeline.transport.slots import BatchSlots
+from seqshard.pipeline.transport.wire import BatchItem, EndItem
 from seqshard.pipeline.workers.pool import WorkerPool
 from seqshard.pipeline.workers.setup import make_setup
-from seqshard.pipeline.workers.transfer import BatchSlots
-from seqshard.pipeline.workers.wire import BatchItem, EndItem
 from seqshard.pipeline.workers.worker import build_pipeline
 
 ONE = Collectives(DistContext())

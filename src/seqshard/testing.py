@@ -125,5 +125,5 @@ def worker_setup(loader: Any) -> Any:
 
 def batch_slots(loader: Any) -> Any:
     """The shared memory a shard loader's workers write batches into
-    (``pipeline/workers/transfer.py``'s ``BatchSlots``); None without shared slots."""
+    (``pipeline/transport/slots.py``'s ``BatchSlots``); None without shared slots."""
     return loader._pool.runtime.slots

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..transport.wire import BatchItem, EndItem, Item
 from ..workers.planned import NotPlannable, planned_pipeline, planned_setup
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
-from ..workers.wire import BatchItem, EndItem, Item
 from .merge import MergedStream, RankPosition
 
 

@@ -20,7 +20,7 @@ from ...errors import SeqshardError
 from ..epoch_plan import Unit
 from ..stages.base import merge_counts
 from ..stages.held import trimmed
-from ..workers.wire import BatchItem, EndItem, Take, unpack
+from ..transport.wire import BatchItem, EndItem, Take, unpack
 
 
 @dataclass

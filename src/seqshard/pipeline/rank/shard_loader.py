@@ -25,16 +25,16 @@ from ...protocol import PlannedBatches, length_of
 from ...text.label_override import LabelOverride
 from ...text.tokenizers import Tokenizer
 from ..loader_sources import MixSetup
+from ..transport.delivery import Delivery
+from ..transport.wire import Take
 from ..workers.pool import WorkerPool
 from ..workers.setup import WorkerSetup, make_setup
-from ..workers.wire import Take
 from . import batch_plan, checkpoint
 from .accounts import EpochAccounts
 from .auto import auto_workers
 from .batch_plan import PlannedBatch
 from .counts import certain_lengths, planned_batches, surely_left
 from .cursor import EpochCursor
-from .delivery import Delivery
 from .epochs import EpochRules, epoch_rules
 from .feed import WAIT_WARN_AFTER, FeedMeter
 from .merge import MergedStream, RankPosition

@@ -1,6 +1,5 @@
 """The readers of one rank: worker processes (``process.py``), or reader 0 in this process
-without them, and the conversion of what they send into tensors (shared slots are received
-without a copy).
+without them; what they send is made tensors by the transport (``transport/delivery.py``).
 
 Batches are taken one worker at a time, in the merged stream's turn (``rank/merge.py``): a
 take reads that worker's next item, blocking until it comes; nothing of the loader's runs in
@@ -15,12 +14,12 @@ from typing import Any
 from ...device import is_cuda
 from ...formats.index_entries import bin_bounds
 from ...formats.remote.access import RemoteAccess
-from ..stages.collate import to_tensors
+from ..transport.delivery import Arrivals
+from ..transport.slots import BatchSlots
+from ..transport.wire import Take
 from .process import WorkerLink
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
-from .transfer import BatchSlots, current_stream_event
-from .wire import BATCH, PLACES, SLOT, STATE, BatchItem, ErrorItem, Item, Take, from_wire
 from .worker import iterate_worker
 
 MAX_SLOT_BYTES = 64 << 20
@@ -37,8 +36,7 @@ class WorkerPool:
         self._setup = setup
         self._iteration = 0
         self._links: list[WorkerLink] = []
-        self._on_device = is_cuda(options.device)  # copied on by seqshard/device.py, which waits for its copies
-        self._pin: bool | None = None  # decided at the first batch (CUDA is asked for once workers exist)
+        self.arrivals = Arrivals(self.runtime.slots, options.pin_memory, is_cuda(options.device))
 
     def start(self, epoch: int, requests: list[dict[str, Any]]) -> Take:
         """Start an iteration (``requests``: where each reader starts); returns the function
@@ -47,7 +45,7 @@ class WorkerPool:
         iteration = self._iteration
         if self.options.num_workers == 0:
             items = iterate_worker(self._setup, self.runtime, 0, epoch, iteration, requests[0])
-            return lambda worker: self.receive(next(items))
+            return lambda worker: self.arrivals.receive(next(items))
         if self._links and not all(link.alive for link in self._links):  # a persistent worker died (its
             self.close()  # error was raised in the iteration it broke): the next one starts afresh
         if not self._links:
@@ -58,69 +56,12 @@ class WorkerPool:
             ]
         for link, spec in zip(self._links, requests):
             link.run(iteration, epoch, spec)
-        return self._taker(iteration)
+        return self.arrivals.taker([link.inbox for link in self._links], iteration, self.options.timeout)
 
     def finish(self) -> None:
         """An iteration ended (or was abandoned): workers that do not persist are stopped."""
         if not self.options.persistent_workers:
             self.close()
-
-    def _taker(self, iteration: int) -> Take:
-        """The take of ``iteration``: a worker's next message (``WorkerLink.take``) made an
-        item, a batch's arrays tensors (those in a shared slot are that memory, not a copy); an
-        error a worker reported is raised. The work of each batch, kept to a few calls."""
-        links, timeout, slots, pin = self._links, self.options.timeout, self.runtime.slots, self._pins()
-        fence = None if self._on_device else current_stream_event
-        other = self.receive
-
-        def take(worker: int) -> Item:
-            fields, joined = links[worker].take(iteration, timeout)
-            if joined is None:  # not a batch
-                return other(fields)
-            slot = fields[SLOT]
-            if slot is None:
-                item = from_wire(fields, joined)
-                self._tensors(item.batch, pin)
-                return item
-            state = slots.receive(slot, fields[BATCH], pin, fence, fields[PLACES], fields[STATE])  # type: ignore[union-attr]
-            return from_wire((*fields[:STATE], state, *fields[STATE + 1 :]), joined)
-
-        return take
-
-    def receive(self, item: Item) -> Item:
-        """Turn an item's arrays into tensors (those in a shared slot are that memory, not a
-        copy); raise the error a worker reported."""
-        if isinstance(item, ErrorItem):
-            # Raised without a reference cycle (error -> traceback -> this frame -> item -> error),
-            # which would keep the iteration alive until a garbage collection (one that ran in a
-            # worker forked later stopped workers not its own). Freed with the error, the
-            # iteration ends and stops its workers.
-            error, item.error = item.error, None
-            try:
-                raise error
-            finally:
-                del error
-        if not isinstance(item, BatchItem):
-            return item
-        pin = self._pins()
-        if item.slot is None:
-            self._tensors(item.batch, pin)
-            return item
-        fence = None if self._on_device else current_stream_event
-        state = self.runtime.slots.receive(item.slot, item.batch, pin, fence, item.places, item.state)  # type: ignore[union-attr]
-        return item if state is item.state else item._replace(state=state)
-
-    def _pins(self) -> bool:
-        """Whether batches are handed over in pinned memory (decided at the first batch: CUDA
-        is asked for once workers exist)."""
-        if self._pin is None:
-            self._pin = (self.options.pin_memory or self._on_device) and _cuda_available()
-        return self._pin
-
-    def _tensors(self, batch: dict[str, Any], pin: bool) -> None:
-        """A batch that came without a slot: its arrays as tensors (pinned with ``pin``), in place."""
-        for name, value in to_tensors(batch).items():
-            batch[name] = value.pin_memory() if pin and not self._on_device and hasattr(value, "pin_memory") else value
 
     def close(self) -> None:
         """Stop the worker processes (the next iteration starts them anew; a copy of the pool
@@ -160,9 +101,3 @@ def _slots(setup: WorkerSetup, context: Any) -> BatchSlots | None:
     # beyond the batches prefetched: those training holds, and pinned ones still being copied
     spare = 5 if workers.pin_memory or is_cuda(workers.device) else 3
     return BatchSlots(workers.num_workers, workers.prefetch_factor + spare, slot_bytes, context)
-
-
-def _cuda_available() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

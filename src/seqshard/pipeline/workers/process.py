@@ -7,8 +7,9 @@ A worker process and the training process share three pipes:
   still running is abandoned), ``("stop",)`` ends the process;
 - credits (training -> worker): one byte for each item the training process took; a worker
   has at most ``ahead`` items sent and not taken, and waits for credits blocked on the pipe;
-- items (worker -> training): ``(iteration, item)`` pickled; a batch's arrays lie in a shared
-  slot (``transfer.py``), its state and counters are bytes the training process keeps unread.
+- items (worker -> training): the transport's messages (``transport/wire.py``: a batch's
+  arrays lie in a shared slot, ``transport/slots.py``; its state and counters are bytes the
+  training process keeps unread), read by the training process (``transport/delivery.py``).
 
 The training process reads a worker's pipe only when the merged stream takes that worker's
 next item: one blocking read (no thread of the loader's in the training process, no polling
@@ -32,31 +33,29 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import gc
 import multiprocessing.connection
 import os
 import pickle
 import random
-import select
 import signal
-import struct
 import traceback
 import weakref
 from collections import deque
-from pickle import loads
 from typing import Any
 
 from ...errors import SeqshardError
+from ..transport.delivery import Inbox
+from ..transport.slots import shm_problem
+from ..transport.wire import BatchItem, EndItem, ErrorItem, Item, encode, pack
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
-from .transfer import SharedMemoryError, shm_problem
-from .wire import BatchItem, EndItem, ErrorItem, Item, pack
 from .worker import Made, ReaderRun
 
 WATCH_S = 5.0  # how often a waiting worker checks that its parent is alive
 AHEAD_OF_EPOCH = 16  # batches of the next epoch a persistent worker makes before it is asked
 FRESH = {"state": None, "seq": 0, "units": None, "carry": None}  # an epoch from its beginning
-_LENGTH = struct.Struct(">i").unpack_from  # a message's length, before it (Connection.send_bytes)
 _LIVE: weakref.WeakSet[WorkerLink] = weakref.WeakSet()  # links not stopped yet (of this process or a parent)
 
 
@@ -77,67 +76,12 @@ class WorkerLink:
         self.process.start()
         for end in (commands, credits, items):  # the worker's ends: its own now
             end.close()
-        self._credit_fd = self._credits.fileno()
-        os.set_blocking(self._credit_fd, False)
-        self._items_fd = self._items.fileno()
-        self._buffer = bytearray()  # what came on the items pipe and was not taken yet
+        self.inbox = Inbox(worker, self._items, self._credits, functools.partial(_gone, self.process, worker))
         _LIVE.add(self)
 
     def run(self, iteration: int, epoch: int, spec: dict[str, Any]) -> None:
         """Start an iteration (the worker abandons one it is running)."""
         self._commands.send(("run", iteration, epoch, spec))
-
-    def take(self, iteration: int, timeout: float) -> tuple[Any, tuple[str, ...] | None]:
-        """The worker's next message of ``iteration`` (those of an abandoned iteration still in
-        the pipe are dropped), waiting at most ``timeout`` seconds (0: no limit), and one
-        credit back: ``(fields, joined)`` of a batch (``BatchItem.wire``), or ``(item, None)``.
-
-        Messages are ``Connection.send_bytes``'s (a 4-byte length, then the bytes), read from the
-        pipe's descriptor: one read brings what has come, often more than one message, kept for
-        the next calls (``Connection.recv_bytes`` reads each length and each message apart)."""
-        buffer = self._buffer
-        while True:
-            size = len(buffer)
-            if size >= 4:
-                end = 4 + _LENGTH(buffer)[0]
-                if size >= end:
-                    sent, fields, joined = loads(buffer[4:end])
-                    del buffer[:end]
-                    if sent == iteration:
-                        break
-                    continue
-            if timeout:
-                buffer += self._more(timeout)
-                continue
-            try:
-                data = os.read(self._items_fd, 1 << 16)  # blocks until the worker sends
-            except OSError:
-                data = b""
-            if not data:
-                raise RuntimeError(self._gone())
-            buffer += data
-        try:  # noqa: SIM105 (contextlib.suppress costs three calls a batch)
-            os.write(self._credit_fd, b"\1")
-        except BlockingIOError:  # the pipe is full of credits the worker has not needed yet
-            pass
-        return fields, joined
-
-    def _more(self, timeout: float) -> bytes:
-        """What has come on the items pipe, waiting for it at most ``timeout`` seconds."""
-        try:
-            if not select.select([self._items_fd], [], [], timeout)[0]:
-                raise TimeoutError
-            data = os.read(self._items_fd, 1 << 16)
-            if not data:
-                raise EOFError("the worker's pipe closed")
-        except TimeoutError:
-            raise RuntimeError(
-                f"seqshard worker {self.worker} sent no batch for {timeout} s (the loader's timeout option): "
-                "a slow disk or server, or a stuck transform?"
-            ) from None
-        except (EOFError, OSError):
-            raise RuntimeError(self._gone()) from None
-        return data
 
     @property
     def alive(self) -> bool:
@@ -159,14 +103,16 @@ class WorkerLink:
             self.process.kill()
             self.process.join(timeout)
 
-    def _gone(self) -> str:
-        self.process.join(1.0)
-        code = self.process.exitcode
-        how = "is still running" if code is None else f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-        gone = f"seqshard worker {self.worker} (pid {self.process.pid}) stopped unexpectedly ({how})"
-        if code == -signal.SIGBUS:  # what touching shared memory that /dev/shm has no room for does
-            return f"{gone}: a bus error, most often a full /dev/shm. " + shm_problem("its batches", "SIGBUS")
-        return f"{gone}; if it was killed for memory (signal 9), try fewer num_workers or smaller windows."
+
+def _gone(process: Any, worker: int) -> str:
+    """Why worker ``worker``'s pipe closed: how its process ended."""
+    process.join(1.0)
+    code = process.exitcode
+    how = "is still running" if code is None else f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    gone = f"seqshard worker {worker} (pid {process.pid}) stopped unexpectedly ({how})"
+    if code == -signal.SIGBUS:  # what touching shared memory that /dev/shm has no room for does
+        return f"{gone}: a bus error, most often a full /dev/shm. " + shm_problem("its batches", "SIGBUS")
+    return f"{gone}; if it was killed for memory (signal 9), try fewer num_workers or smaller windows."
 
 
 @atexit.register  # after multiprocessing's own exit function was registered: runs before it
@@ -256,10 +202,10 @@ class WorkerLoop:
         self._next: _NextEpoch | None = None
         self._epoch = -1  # the epoch of the last request
         self._iteration = 0  # the iteration of the last request
-        # the last batches sent: (seq, packed state, what was sent, slot), kept only where they
-        # may be sent again (``_sent_again``: a stream that goes on across epochs, batches in slots)
+        # the last batches sent: (seq, packed state, the item, slot), kept only where they may be
+        # sent again (``_sent_again``: a stream that goes on across epochs, batches in slots)
         self._resends = setup.options.epochs.continues_stream and runtime.slots is not None
-        self._sent: deque[tuple[int, bytes, tuple, int | None]] = deque(
+        self._sent: deque[tuple[int, bytes, BatchItem, int | None]] = deque(
             maxlen=runtime.slots.per_worker if runtime.slots else 1
         )
 
@@ -347,7 +293,7 @@ class WorkerLoop:
         for slot in held:
             slots.claim(slot, iteration)
         last_seq, last_state, _, _ = later[-1]
-        messages = [pack((iteration, *wire)) for _, _, wire, _ in later]
+        messages = [encode(iteration, item) for _, _, item, _ in later]
         self._sent.extend(later)
         return messages, {**spec, "seq": last_seq, "state": pickle.loads(last_state)}
 
@@ -365,13 +311,12 @@ class WorkerLoop:
     # -- pipes -------------------------------------------------------------------------------
     def _send(self, iteration: int, item: Item, state: Any = None) -> None:
         """Send ``item`` (``state``: a batch's packed state, which may travel in its slot)."""
-        message = (iteration, *item.wire()) if isinstance(item, BatchItem) else (iteration, item, None)
         if self._resends and isinstance(item, BatchItem) and isinstance(state, bytes):
-            self._sent.append((item.seq, state, message[1:], item.slot))
+            self._sent.append((item.seq, state, item, item.slot))
         try:
-            data = pack(message) if not _holds_tensors(item) else _forking_dumps(message)
-        except Exception as error:  # an item that does not pickle (an exotic error)
-            data = pack((iteration, ErrorItem(self.worker, item.seq, _portable(error, self.worker)), None))
+            data = encode(iteration, item)
+        except Exception as error:  # an item that does not pickle (an exotic error), no room in /dev/shm
+            data = encode(iteration, ErrorItem(self.worker, item.seq, _portable(error, self.worker)))
         self._items.send_bytes(data)
         self._credits -= 1
 
@@ -391,27 +336,6 @@ class WorkerLoop:
     def _wait_command(self) -> tuple:
         self._wait([self._commands])
         return self._commands.recv()
-
-
-def _holds_tensors(item: Item) -> bool:
-    """Whether a batch travels as torch tensors of their own (no slot was free or large enough)."""
-    return (
-        isinstance(item, BatchItem)
-        and item.slot is None
-        and any(hasattr(v, "untyped_storage") for v in item.batch.values())
-    )
-
-
-def _forking_dumps(value: Any) -> bytes:
-    """Pickled with torch's reductions: tensors are moved to shared memory, not copied."""
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401 (it registers the reductions)
-
-    try:
-        return bytes(ForkingPickler.dumps(value))
-    except (RuntimeError, OSError) as error:  # the tensors' shared memory could not be allocated
-        raise SharedMemoryError(shm_problem("a batch too large for its slot (or with no slot free)", error)) from None
 
 
 def _portable(error: BaseException, worker: int) -> BaseException:

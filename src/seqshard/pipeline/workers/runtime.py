@@ -10,7 +10,7 @@ from typing import Any
 
 from ...formats.remote.access import RemoteAccess
 from ..stages.base import Stage, State
-from .transfer import BatchSlots
+from ..transport.slots import BatchSlots
 
 
 class LivePipelines:

@@ -36,12 +36,12 @@ from ..stages.collate import Collator, aligned, array_bytes
 from ..stages.mixing import per_source_counts
 from ..stages.passes import Passes
 from ..stages.reader import DAMAGED
+from ..transport.slots import ALIGN
+from ..transport.wire import BatchItem, EndItem, ErrorItem, Item, pack
 from .recipe import Carry, Reader, default_recipe
 from .replay import attach as attach_replay
 from .runtime import WorkerRuntime
 from .setup import WorkerSetup
-from .transfer import ALIGN
-from .wire import BatchItem, EndItem, ErrorItem, Item, pack
 
 WAITS_KEPT = 4  # a run reads ahead for half the shortest of its last waits for the consumer (not one long pause)
 

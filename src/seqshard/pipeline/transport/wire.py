@@ -1,26 +1,32 @@
-"""What a reader sends the training process: typed items, in sequence per reader.
+"""What a reader sends the training process, and the pipe it travels on.
 
-Each batch carries the reader's pipeline state right after it (the training process keeps
-the state of the last batch it handed out: all it needs to resume), the reader's counters and
-the seconds the reader spent making it. After its last batch a reader sends an
-:class:`EndItem`; a reader that hits an error sends an :class:`ErrorItem`, so that the
-training process raises the error itself (with its type).
+Items are typed and come in sequence per reader. Each batch carries the reader's pipeline
+state right after it (the training process keeps the state of the last batch it handed out:
+all it needs to resume), the reader's counters and the seconds the reader spent making it.
+After its last batch a reader sends an :class:`EndItem`; a reader that hits an error sends an
+:class:`ErrorItem`, so that the training process raises the error itself (with its type).
 
 From a worker process, states and counters travel as pickled bytes (:func:`pack`) and stay so
 in the training process until something reads them (:func:`unpack`): a state is read when a
 position is saved or an iteration starts, counters when stats are asked for, not at every
 batch. A state holds what its windows hold (tens of kB: ``stages/held.py``), so a batch's state
 travels in the batch's shared slot, as its place there, and the training process keeps a view of
-those bytes, not a copy (``transfer.py``); the pipe carries a few hundred bytes a batch.
+those bytes, not a copy (``slots.py``); the pipe carries a few hundred bytes a batch.
+
+A message on a worker's items pipe is ``(iteration, fields, joined)`` pickled (:func:`encode`):
+a batch's fields as a plain tuple (:meth:`BatchItem.wire`), or ``(iteration, item, None)`` for
+an end or an error; ``Connection.send_bytes`` puts its length before it. The training process
+reads it as ``delivery.Inbox`` says.
 """
 
 from __future__ import annotations
 
-import functools
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
+
+from .slots import SharedMemoryError, shm_problem
 
 State = dict[str, Any]
 
@@ -38,10 +44,10 @@ def unpack(value: Any) -> Any:
 
 class BatchItem(NamedTuple):
     """One collated batch. Arrays in ``batch`` are numpy arrays, torch tensors, or (when
-    ``slot`` is set) :class:`~.transfer.SlotArray` places in that shared slot, under the names
+    ``slot`` is set) :class:`~.slots.SlotArray` places in that shared slot, under the names
     ``places`` lists. ``state`` and ``stats`` are dicts, or their :func:`pack`ed bytes from a
     worker process. A tuple: the training process makes one from what the pipe brings without
-    a call of Python's (:meth:`wire`); the ``batch`` dict is changed in place."""
+    a call of Python's (``delivery.Arrivals.taker``); the ``batch`` dict is changed in place."""
 
     worker: int
     seq: int
@@ -58,10 +64,9 @@ class BatchItem(NamedTuple):
     damaged: int = 0  # damaged shards the reader has met (its counters say which)
 
     def wire(self) -> tuple[tuple, tuple[str, ...]]:
-        """What crosses the pipe: the fields as a plain tuple (:func:`from_wire` makes
-        the item again), and the names of the lists of texts
-        (keys, labels) sent as one text joined with NUL (one string to unpickle, not one per
-        sample); slot places as plain tuples."""
+        """What crosses the pipe: the fields as a plain tuple, and the names of the lists of
+        texts (keys, labels) sent as one text joined with NUL (one string to unpickle, not one
+        per sample; split again where the item is made); slot places as plain tuples."""
         batch, joined = {}, []
         for name, value in self.batch.items():
             batch[name] = _wired(value)
@@ -70,16 +75,6 @@ class BatchItem(NamedTuple):
         return (*self[:2], batch, *self[3:]), tuple(joined)
 
 
-def from_wire(fields: tuple, joined: tuple[str, ...]) -> BatchItem:
-    """The item :meth:`BatchItem.wire` sent (made in C from its fields; its joined texts split)."""
-    item = _new_item(fields)
-    batch = item.batch
-    for name in joined:
-        batch[name] = batch[name].split("\0")
-    return item
-
-
-_new_item = functools.partial(tuple.__new__, BatchItem)
 BATCH, STATE, SLOT, PLACES = (BatchItem._fields.index(name) for name in ("batch", "state", "slot", "places"))
 
 
@@ -117,3 +112,22 @@ class ErrorItem:
 
 Item = BatchItem | EndItem | ErrorItem
 Take = Callable[[int], Item]  # take(worker): that worker's next item, received
+
+
+def encode(iteration: int, item: Item) -> bytes:
+    """The message a worker process sends for ``item`` of ``iteration``. A batch that found no
+    slot travels as torch tensors of its own, in shared memory torch allocates for them
+    (SharedMemoryError where ``/dev/shm`` has no room)."""
+    message = (iteration, *item.wire()) if isinstance(item, BatchItem) else (iteration, item, None)
+    if not isinstance(item, BatchItem) or item.slot is not None:
+        return pack(message)
+    if not any(hasattr(value, "untyped_storage") for value in item.batch.values()):
+        return pack(message)
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401 (it registers the reductions: tensors moved to shared memory)
+
+    try:
+        return bytes(ForkingPickler.dumps(message))
+    except (RuntimeError, OSError) as error:  # the tensors' shared memory could not be allocated
+        raise SharedMemoryError(shm_problem("a batch too large for its slot (or with no slot free)", error)) from None

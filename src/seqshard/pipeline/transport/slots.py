@@ -124,6 +124,7 @@ class BatchSlots:
         self._memory: np.ndarray | None = None
         self._leases: list[type] | None = None  # per slot, the class of its leases (made where batches are received)
         self._from_numpy: Any = None  # torch.from_numpy, there
+        self._base = 0  # the address of the ring's first byte, there
         self.registrations = 0  # times the ring was registered as pinned memory (once at most)
         self.pinned: bool | None = None  # whether the ring is registered as pinned memory (None: not tried yet)
         # (slot, event): slots training let go, freed once the event has completed
@@ -135,6 +136,7 @@ class BatchSlots:
             "_memory": None,
             "_leases": None,
             "_from_numpy": None,
+            "_base": 0,
             "pinned": None,
             "_fenced": deque(),
             "registrations": 0,
@@ -199,7 +201,7 @@ class BatchSlots:
         self._marks[slot] = LEASED
         if self._leases is None:
             self._leases = _lease_classes(self)
-        lease = self._leases[slot].from_buffer(self._memory, slot * self.slot_bytes)  # one per batch: see _Lease
+        lease = self._leases[slot].from_address(self._base + slot * self.slot_bytes)  # one per batch: see _Lease
         if pinned and fence is not None:
             lease.fence = fence
         for name in arrays if names is None else names:
@@ -237,12 +239,13 @@ class BatchSlots:
 
 def _lease_classes(slots: BatchSlots) -> list[type]:
     """Per slot of ``slots``, the class of its leases: a ctypes array the size of a slot, made
-    over the slot's memory, that frees the slot when it is collected (:class:`_Lease`). Made
-    where batches are received, with what receiving needs at hand."""
+    at the slot's address, that frees the slot when it is collected (:class:`_Lease`; the ring
+    lives as long as a lease: its class holds ``slots``). Made where batches are received, with
+    what receiving needs at hand."""
     import torch
 
-    slots._ring()
     slots._from_numpy = torch.from_numpy
+    slots._base = slots._buffer.data_ptr()
     over = ctypes.c_ubyte * slots.slot_bytes
     kind = type("_SlotLease", (_Lease, over), {})
     return [type("_SlotLease", (kind,), {"slot": slot, "slots": slots}) for slot in range(len(slots._marks))]
