@@ -14,7 +14,7 @@ from conftest import pack_small
 from seqshard import make_loader
 from seqshard.formats.members import load_table, table_path
 from seqshard.formats.tar import member_table
-from seqshard.pipeline.workers.planned import NotPlannable
+from seqshard.pipeline.rank.planned import NotPlannable
 from seqshard.tools.reindex import rebuild_index
 
 OPTIONS = dict(batch_frames=200, shuffle_window=20, sort_window=30, seed=3)

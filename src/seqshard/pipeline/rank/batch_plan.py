@@ -1,6 +1,6 @@
 """A rank's batches known before reading (``loader.heaviest_batches``, ``loader.skip_batches``).
 
-Each reader's planned pipeline (``workers/planned.py``: the loader's recipe over keys and
+Each reader's planned pipeline (``planned.py``: the loader's recipe over keys and
 lengths from member tables) gives the batches that reader will make and its state after each;
 :class:`PlannedStream` takes them in the merged stream's turn (it is a
 :class:`~.merge.MergedStream` whose workers are planned pipelines), so the rank's batches come in
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..transport.wire import BatchItem, EndItem, Item
-from ..workers.planned import NotPlannable, planned_pipeline, planned_setup
 from ..workers.recipe import batch_cost
 from ..workers.setup import WorkerSetup
 from .merge import MergedStream, RankPosition
+from .planned import NotPlannable, planned_pipeline, planned_setup
 
 
 @dataclass(frozen=True)

@@ -40,9 +40,9 @@ from ..stages.decode import LEGACY_FEATURE_FIELDS
 from ..stages.lengths import Length
 from ..stages.reader import ShardReader
 from ..stages.sample import Sample
-from .recipe import Reader
-from .setup import WorkerSetup
-from .worker import build_pipeline
+from ..workers.recipe import Reader
+from ..workers.setup import WorkerSetup
+from ..workers.worker import build_pipeline
 
 PLANNED = "planned length"  # the field a planned sample carries its length in
 
