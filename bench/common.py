@@ -350,3 +350,30 @@ def speech_corpus(root: Path, minutes: float, seed: int = 0, rate: int = 16000) 
     (root / "wav.scp").write_text("".join(scp))
     (root / "text").write_text("".join(text))
     return root / "wav.scp", root / "text", total
+
+
+RESULTS: dict[str, bool] = {}  # a check script's checks: name -> passed
+
+
+def check(name: str, passed: bool, detail: str) -> None:
+    """One PASS/FAIL line of a check script (bench/selfcheck.py, bench/device_check.py)."""
+    RESULTS[name] = bool(passed)
+    print(f"{'PASS' if passed else 'FAIL'}  {name:16s} {detail}", flush=True)
+
+
+def info(name: str, detail: str) -> None:
+    print(f"INFO  {name:16s} {detail}", flush=True)
+
+
+def run_checks(parts, began: float) -> None:
+    """Each ``(name, run)`` of ``parts`` (a crash fails its check, and the others still run),
+    then the summary line; exits 1 when any check failed."""
+    for name, run in parts:
+        try:
+            run()
+        except Exception as error:
+            check(name, False, f"raised {type(error).__name__}: {error}")
+    failed = [name for name, ok in RESULTS.items() if not ok]
+    print(f"{'FAIL' if failed else 'PASS'}  all: {len(RESULTS) - len(failed)}/{len(RESULTS)} passed in "
+          f"{time.perf_counter() - began:.0f} s{': failed ' + ', '.join(failed) if failed else ''}")  # fmt: skip
+    sys.exit(1 if failed else 0)

@@ -33,22 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
-from common import demo_corpus, speech_corpus
+from common import check, demo_corpus, info, run_checks, speech_corpus
 
 from seqshard import make_loader, make_token_loader, pack_data
 from seqshard.pipeline.transport.slots import LEASED
 from seqshard.testing import batch_slots
-
-RESULTS: dict[str, bool] = {}
-
-
-def check(name: str, passed: bool, detail: str) -> None:
-    RESULTS[name] = bool(passed)
-    print(f"{'PASS' if passed else 'FAIL'}  {name:16s} {detail}", flush=True)
-
-
-def info(name: str, detail: str) -> None:
-    print(f"INFO  {name:16s} {detail}", flush=True)
 
 
 def step(batch: dict, weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -252,19 +241,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     shards, _ = demo_corpus(args.out / "features", args.utts)  # made again when --utts differs
     weight = torch.randn(4096, 4096, device=device) / 64
-    for name, run in (
+    parts = (
         ("features", lambda: feature_checks(shards, device, weight)),
         ("fbank", lambda: fbank_checks(args.out, args.minutes, device)),
         ("tokens", lambda: token_checks(args.out, device)),
-    ):
-        try:
-            run()
-        except Exception as error:  # a crash fails its checks, and the others still run
-            check(name, False, f"raised {type(error).__name__}: {error}")
-    failed = [name for name, ok in RESULTS.items() if not ok]
-    print(f"{'FAIL' if failed else 'PASS'}  all: {len(RESULTS) - len(failed)}/{len(RESULTS)} passed in "
-          f"{time.perf_counter() - began:.0f} s{': failed ' + ', '.join(failed) if failed else ''}")  # fmt: skip
-    sys.exit(1 if failed else 0)
+    )
+    run_checks(parts, began)
 
 
 if __name__ == "__main__":

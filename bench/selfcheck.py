@@ -30,9 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent.parent / "src"))
 sys.path.insert(0, str(Path(__file__).parent))
 import pack
-from common import pss_kb, run_measured, vm_kb
-
-RESULTS: dict[str, bool] = {}
+from common import check, pss_kb, run_checks, run_measured, vm_kb
 
 TOUCH = """
 import mmap, sys
@@ -41,11 +39,6 @@ with open(sys.argv[1], "rb") as stream, mmap.mmap(stream.fileno(), 0, access=mma
     print(flush=True)
     sys.stdin.read()
 """
-
-
-def check(name: str, passed: bool, detail: str) -> None:
-    RESULTS[name] = bool(passed)
-    print(f"{'PASS' if passed else 'FAIL'}  {name:16s} {detail}", flush=True)
 
 
 def own_peak() -> None:
@@ -86,19 +79,12 @@ def planning_probe(folder: Path) -> None:
 def main() -> None:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        for name, run in (
+        parts = (
             ("own peak", own_peak),
             ("pss shared", lambda: pss_shared(Path(folder))),
             ("planning probe", lambda: planning_probe(Path(folder))),
-        ):
-            try:
-                run()
-            except Exception as error:  # a crash fails its check, and the others still run
-                check(name, False, f"raised {type(error).__name__}: {error}")
-    failed = [name for name, ok in RESULTS.items() if not ok]
-    print(f"{'FAIL' if failed else 'PASS'}  all: {len(RESULTS) - len(failed)}/{len(RESULTS)} passed in "
-          f"{time.perf_counter() - began:.0f} s{': failed ' + ', '.join(failed) if failed else ''}")  # fmt: skip
-    sys.exit(1 if failed else 0)
+        )
+        run_checks(parts, began)
 
 
 if __name__ == "__main__":
