@@ -220,3 +220,16 @@ def pytest_collection_modifyitems(config, items):
     """Slow end-to-end tests first: with `pytest -n 2` they start at once and the quick tests
     fill the other process, instead of one long test running alone at the end."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`pytest -n N` (xdist's "load") hands each process a first run of a quarter of its share
+    of the tests in a row: the slow tests, all first, went to one process. Work stealing
+    (`--dist worksteal`) splits the tests in N runs and an idle process takes half of what
+    another has left, so the two stay busy to the end. An explicit `--dist` is kept."""
+    if config.getvalue("dist") != "load" or any(a.startswith("--dist") for a in config.invocation_params.args):
+        return None
+    from xdist.scheduler import WorkStealingScheduling
+
+    return WorkStealingScheduling(config, log)
