@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import contextlib
+import shlex
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -224,11 +225,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """`pytest -n N` (xdist's "load") hands each process a first run of a quarter of its share
-    of the tests in a row: the slow tests, all first, went to one process. Work stealing
-    (`--dist worksteal`) splits the tests in N runs and an idle process takes half of what
-    another has left, so the two stay busy to the end. An explicit `--dist` is kept."""
-    if config.getvalue("dist") != "load" or any(a.startswith("--dist") for a in config.invocation_params.args):
+    """With `pytest -n N`, xdist's "load" hands each process a first quarter of its share in a
+    row: every slow test (sorted first) went to one process, which ends last once they are near
+    half of the suite's time. Work stealing instead: an idle process takes half of what another
+    has left. An explicit `--dist` (or `-d`) is kept."""
+    given = [
+        *config.invocation_params.args,
+        *shlex.split(os.environ.get("PYTEST_ADDOPTS", "")),
+        *config.getini("addopts"),
+    ]
+    if config.getvalue("dist") != "load" or any(a.startswith("--dist") or a == "-d" for a in given):
         return None
     from xdist.scheduler import WorkStealingScheduling
 
