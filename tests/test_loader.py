@@ -491,3 +491,16 @@ def test_texts_come_as_stored_and_tokens_from_the_stripped_text(tmp_path):
     assert dict(zip(batch["keys"], batch["texts"])) == stored and all(t.endswith("\n") for t in stored.values())
     for key, row in zip(batch["keys"], batch["labels"].tolist()):
         assert [t for t in row if t != -1] == [2 + "deghiloprwz".index(c) for c in stored[key].strip()]
+
+
+def test_loaders_made_again_and_again_share_one_read_ahead_thread(packed):
+    """A dev loader made each epoch left a read-ahead thread and its 8 MiB buffer behind each
+    time (22 threads after 21 loaders): the process has one, whatever it makes."""
+    import threading
+
+    for _ in range(6):
+        loader = make_loader(packed.pattern, batch_size=8, num_workers=0, shuffle=False)
+        assert sum(len(batch["keys"]) for batch in loader) == len(packed.data.keys)
+        del loader
+    names = [thread.name for thread in threading.enumerate()]
+    assert names.count("seqshard-prefetch") == 1, names

@@ -19,8 +19,8 @@ _PAGE = 4096
 
 
 class ReadAhead:
-    """One thread of this process reading file ranges ahead of their readers (see the module
-    docstring); made by the process that reads (threads do not survive a fork)."""
+    """A thread reading file ranges ahead of their readers (see the module docstring); each
+    process has one, :func:`read_ahead`."""
 
     def __init__(self) -> None:
         self._jobs: queue.SimpleQueue[tuple[int, int, int]] = queue.SimpleQueue()
@@ -47,6 +47,18 @@ class ReadAhead:
                 pass  # prefetching is an optimisation: the reader reports real errors itself
             finally:
                 os.close(fd)
+
+
+_MADE: tuple[int, ReadAhead] | None = None  # this process's, with the pid it was made in
+
+
+def read_ahead() -> ReadAhead:
+    """This process's one :class:`ReadAhead`, shared by every loader in it (made on first use,
+    and again in a forked child, where the parent's thread does not run)."""
+    global _MADE
+    if _MADE is None or _MADE[0] != os.getpid():
+        _MADE = (os.getpid(), ReadAhead())
+    return _MADE[1]
 
 
 def _cached(fd: int, offset: int, length: int, buffer: memoryview) -> bool:

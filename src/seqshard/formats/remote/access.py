@@ -49,7 +49,7 @@ from urllib.parse import urlsplit
 
 from ...checks import parse_json
 from ...errors import ConfigError, ShardError, counted, option, redact, redact_libraries
-from ..prefetch import ReadAhead
+from ..prefetch import ReadAhead, read_ahead
 from .fetching import (
     LISTING_BYTES,
     BodyError,
@@ -272,12 +272,9 @@ class RemoteAccess:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")}  # no file systems or threads
 
     def read_ahead(self) -> ReadAhead:
-        """This process's thread reading local shards ahead of their readers (made on first use
-        in each process: threads do not survive a fork)."""
-        made = self.__dict__.get("_read_ahead")
-        if made is None or made[0] != os.getpid():
-            made = self.__dict__["_read_ahead"] = (os.getpid(), ReadAhead())
-        return made[1]
+        """This process's thread reading local shards ahead of their readers (one a process,
+        whatever number of loaders it makes: each had left a thread and 8 MiB behind)."""
+        return read_ahead()
 
     # -- file systems --------------------------------------------------------------------
     def filesystem(self, url: str) -> tuple[Any, str]:
