@@ -409,6 +409,7 @@ class SortBatch(WindowStage[Batch]):
     """
 
     legacy_growth = Growth(1 / 16)  # every stream's, before growth followed the epoch's size
+    arranges_ahead = True
 
     def __init__(
         self,
@@ -476,12 +477,15 @@ class SortBatch(WindowStage[Batch]):
         batches = [Batch([samples[i] for i in batch], [lengths[i] for i in batch]) for batch in indices]
         if self.oversize == "alone":
             batches.extend(Batch([samples[i]], [lengths[i]]) for i in oversize)
-        elif fresh and oversize:  # a restored window was counted when first formed
-            self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + len(oversize)
         if self.shuffle:
             order = stage_rng(self.seed, Seed.BATCH_ORDER, *self.position, number).permutation(len(batches))
             batches = [batches[i] for i in order]
         return batches
+
+    def formed(self, items: int, outputs: list[Batch]) -> None:
+        dropped = items - sum(len(batch) for batch in outputs)  # "drop": the samples over the budget
+        if dropped:  # counted once: a restored window was counted when first formed
+            self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + dropped
 
     def held(self, output: Batch) -> list[Sample]:
         return output.samples
