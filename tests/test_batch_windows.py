@@ -325,10 +325,11 @@ def test_a_state_keeps_the_growth_of_its_windows():
 
 
 @pytest.mark.parametrize("oversize", ["alone", "drop"])
-def test_windows_arranged_ahead_in_spare_time_give_the_same_batches_states_and_counts(oversize):
-    """A worker with time to spare reads the next window and arranges it before the current one
-    runs out (``read_further``): a window's boundary then arranges nothing, and the batches,
-    the state after each and the counters are those of a reader that arranges at the boundary."""
+def test_windows_arranged_ahead_give_the_same_batches_states_and_counts(oversize):
+    """A reader reads the next window a share per output and arranges it, a piece per output,
+    over the current window's last outputs (``prepare``), or in its spare time
+    (``read_further``): a window's boundary then arranges nothing, and the batches, the state
+    after each and the counters are those of a reader that reads and arranges at the boundary."""
     lengths = np.random.default_rng(8).integers(1, 90, 700)
 
     def make():
@@ -337,7 +338,7 @@ def test_windows_arranged_ahead_in_spare_time_give_the_same_batches_states_and_c
             shuffle, BudgetWindow(6, min_samples=20), LengthBudget(80), 3, 1, oversize=oversize, grow=Growth(0.25)
         )
 
-    def run(stage, spare):
+    def run(stage, ahead):
         arranged, arrange = [], stage.arrange
         stage.arrange = lambda *args: arranged.append(1) or arrange(*args)
         found, at_boundaries = [], []
@@ -349,13 +350,16 @@ def test_windows_arranged_ahead_in_spare_time_give_the_same_batches_states_and_c
                 return found, at_boundaries
             at_boundaries.append(len(arranged) - before)
             found.append(([s.key for s in batch.samples], stage.get_state(), stage.stats()))
-            stage.prepare()
-            if spare:
+            if ahead:
+                stage.prepare()
+            if ahead == "spare":
                 stage.read_further(math.inf)
 
-    plain, arranged_then = run(make(), spare=False)
-    ahead, arranged_at_boundaries = run(make(), spare=True)
-    assert ahead == plain
-    assert sum(arranged_then) > 5 and sum(arranged_at_boundaries[1:]) == 0  # all but the first window's, ahead
-    dropped = plain[-1][2].get("dropped.oversize", 0)
+    at_boundary, arranged_then = run(make(), ahead=None)
+    assert sum(arranged_then) > 5
+    for ahead in ("prepare", "spare"):
+        found, arranged_at_boundaries = run(make(), ahead)
+        assert found == at_boundary
+        assert sum(arranged_at_boundaries[1:]) == 0  # all but the first window's, ahead
+    dropped = at_boundary[-1][2].get("dropped.oversize", 0)
     assert dropped == (0 if oversize == "alone" else sum(lengths > 80))

@@ -222,6 +222,7 @@ class Growth:
 
 _UNREAD = object()  # an output of a window restored from its record, not read again yet
 REPLAY_BATCH = 64  # items read again at once, at least one output's
+ARRANGE_PIECES = 3  # a window's arrangement made ahead: its outputs, their record, the record's text
 
 
 class Window:
@@ -262,13 +263,13 @@ class Window:
 class NextWindow:
     """The window after a window stage's current one, read before it is needed: :meth:`prepare`
     (called after an output was handed out) reads the share of it that the outputs handed out
-    since the last call stand for, so it is read by the time the current window runs out;
-    :meth:`further` reads more of it while time allows, so that it is read long before, and
-    then arranges it (``arranging``: a generator of the arrangement's pieces, one piece a call,
-    its value the arranged window), so that the window's boundary costs no more than any other
-    output. Without either it is read (and arranged) when the current window runs out
-    (:meth:`take`). Its items are the same either way: what ends a window depends on its items
-    alone, and what it is arranged into on them and its number."""
+    since the last call stand for, so it is read a few outputs before the current window runs
+    out, and the calls left arrange it a piece each (``arranging``: a generator of the
+    arrangement's pieces, its value the arranged window), so that a window's boundary costs no
+    more than any other output; :meth:`further` reads and arranges it while time allows, so
+    that this is done long before. Without either it is read (and arranged) when the current
+    window runs out (:meth:`take`). Its items are the same either way: what ends a window
+    depends on its items alone, and what it is arranged into on them and its number."""
 
     def __init__(
         self,
@@ -311,19 +312,30 @@ class NextWindow:
     def prepare(self, number: int, emitted: int, outputs: int, expected: Callable[[int], int]) -> None:
         """Read the share of the window after window ``number`` for the outputs handed out
         since the last call (``emitted`` of its ``outputs`` so far; ``expected``: about how
-        many items a window of a number holds)."""
+        many items a window of a number holds); once it is read, make the next piece of its
+        arrangement. The reading ends ``ARRANGE_PIECES`` calls early, left to the pieces."""
         if emitted <= self.prepared or number < 0:
             return
         ahead = self.after(number)
+        # before the first call, outputs went out with nothing read ahead
+        handed = emitted - self.prepared if self.primed else 1
         if not ahead.closed:
             # the reading left, spread over the outputs left (those handed out since the last
-            # call included; before the first call, outputs went out with nothing read ahead)
-            handed = emitted - self.prepared if self.primed else 1
+            # call included) but those whose calls arrange it
+            later = outputs - emitted - (ARRANGE_PIECES * handed if self.arranging is not None else 0)
             left = expected(ahead.number) - len(ahead.items)
             ahead.read_from(
-                self.source, self.add, len(ahead.items) + math.ceil(left * handed / (handed + outputs - emitted))
+                self.source, self.add, len(ahead.items) + math.ceil(left * handed / (handed + max(0, later)))
             )
+        elif self.arranging is not None and self.arranged is None:
+            self._next_piece(ahead)
         self.prepared, self.primed = emitted, True
+
+    def _next_piece(self, ahead: Window) -> bool:
+        """The next piece of the arrangement of ``ahead`` (read to its end); True once it is made."""
+        if self._pieces is None:
+            self._pieces = self.arranging(ahead)  # type: ignore[misc]
+        return not self._arrange_piece()
 
     def further(self, number: int, until: float) -> bool:
         """Read the window after window ``number`` an item at a time, the source reading its share
@@ -336,11 +348,7 @@ class NextWindow:
         self.source.read_further(until)
         if not ahead.closed or self.arranging is None or self.arranged is not None:
             return ahead.closed
-        if time.perf_counter() < until:
-            if self._pieces is None:
-                self._pieces = self.arranging(ahead)
-            return not self._arrange_piece()
-        return False
+        return time.perf_counter() < until and self._next_piece(ahead)
 
 
 class WindowStage(Stage[U]):
