@@ -331,24 +331,25 @@ class NextWindow:
             self._next_piece(ahead)
         self.prepared, self.primed = emitted, True
 
-    def _next_piece(self, ahead: Window) -> bool:
-        """The next piece of the arrangement of ``ahead`` (read to its end); True once it is made."""
+    def _next_piece(self, ahead: Window) -> None:
+        """The next piece of the arrangement of ``ahead`` (read to its end)."""
         if self._pieces is None:
             self._pieces = self.arranging(ahead)  # type: ignore[misc]
-        return not self._arrange_piece()
+        self._arrange_piece()
 
     def further(self, number: int, until: float) -> bool:
         """Read the window after window ``number`` an item at a time, the source reading its share
         ahead for each, until it closes or ``until`` comes (``Stage.read_further``); then, if time
-        is left, the next piece of its arrangement. True once it is read and arranged."""
+        is left, the next piece of its arrangement. True once it is read (what is left of its
+        arrangement is made by later calls, or where it is taken)."""
         ahead = self.after(number)
         while not ahead.closed and time.perf_counter() < until:
             ahead.read_from(self.source, self.add, len(ahead.items) + 1)
             self.source.prepare()
         self.source.read_further(until)
-        if not ahead.closed or self.arranging is None or self.arranged is not None:
-            return ahead.closed
-        return time.perf_counter() < until and self._next_piece(ahead)
+        if ahead.closed and self.arranging is not None and self.arranged is None and time.perf_counter() < until:
+            self._next_piece(ahead)
+        return ahead.closed
 
 
 class WindowStage(Stage[U]):
