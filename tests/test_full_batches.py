@@ -170,7 +170,7 @@ def test_copies_apart_makes_the_batches_worked_out_afresh_for_each(utterances, c
 def test_many_copies_of_few_keys_are_batched_in_few_steps():
     """A folder that repeats one shard's 8 keys: each key 400 times in a window, batches of
     one copy of each. The batcher tried each sample against the cost once per batch
-    (3,200 x 400 tests); now a few per batch."""
+    (650,000 tests here); now a few per batch (9,400)."""
     tests = []
 
     class Counted(LengthBudget):
