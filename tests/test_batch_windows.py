@@ -1,6 +1,7 @@
 """Sort windows that follow the budget (issue 19, item 5): a window holds a number of batches,
 so padding stays low at large budgets, with resume, seeds and a memory bound kept."""
 
+import math
 import random
 from collections import Counter
 
@@ -321,3 +322,44 @@ def test_a_state_keeps_the_growth_of_its_windows():
     for damaged in (3, [2.0, 2.0], [0.5, 1.0], "[0.5, 2]", [0.5]):
         with pytest.raises(StateMismatchError, match="the state is damaged"):
             growing_sort(lengths, Growth(1 / 4, 4)).reset({**state, "grow": damaged})
+
+
+@pytest.mark.parametrize("oversize", ["alone", "drop"])
+def test_windows_arranged_ahead_give_the_same_batches_states_and_counts(oversize):
+    """A reader reads the next window a share per output and arranges it, a piece per output,
+    over the current window's last outputs (``prepare``), or in its spare time
+    (``read_further``): a window's boundary then arranges nothing, and the batches, the state
+    after each and the counters are those of a reader that reads and arranges at the boundary."""
+    lengths = np.random.default_rng(8).integers(1, 90, 700)
+
+    def make():
+        shuffle = WindowShuffle(ListSource(samples(lengths)), 150, 3, 1, grow=Growth(0.25))
+        return SortBatch(
+            shuffle, BudgetWindow(6, min_samples=20), LengthBudget(80), 3, 1, oversize=oversize, grow=Growth(0.25)
+        )
+
+    def run(stage, ahead):
+        arranged, arrange = [], stage.arrange
+        stage.arrange = lambda *args: arranged.append(1) or arrange(*args)
+        found, at_boundaries = [], []
+        while True:
+            before = len(arranged)
+            try:
+                batch = stage.next()
+            except StopIteration:
+                return found, at_boundaries
+            at_boundaries.append(len(arranged) - before)
+            found.append(([s.key for s in batch.samples], stage.get_state(), stage.stats()))
+            if ahead:
+                stage.prepare()
+            if ahead == "spare":
+                stage.read_further(math.inf)
+
+    at_boundary, arranged_then = run(make(), ahead=None)
+    assert sum(arranged_then) > 5
+    for ahead in ("prepare", "spare"):
+        found, arranged_at_boundaries = run(make(), ahead)
+        assert found == at_boundary
+        assert sum(arranged_at_boundaries[1:]) == 0  # all but the first window's, ahead
+    dropped = at_boundary[-1][2].get("dropped.oversize", 0)
+    assert dropped == (0 if oversize == "alone" else sum(lengths > 80))

@@ -1,6 +1,7 @@
 """Mixed windows hold copies of a small source's utterances: they go to different batches and
 still leave every batch of a fixed size full (issue 17, item 5)."""
 
+import math
 from collections import Counter
 
 import numpy as np
@@ -10,7 +11,14 @@ from hypothesis import strategies as st
 
 from conftest import assert_resumes_everywhere, write_kaldi_dir
 from seqshard import make_loader, mux, pack_data
-from seqshard.pipeline.stages.batching import FixedSize, LengthBudget, SortBatch, cut_batches
+from seqshard.pipeline.stages.batching import (
+    FixedSize,
+    LengthBudget,
+    SortBatch,
+    _cut_in_order,
+    _most_per_batch,
+    cut_batches,
+)
 from seqshard.pipeline.stages.sample import Sample
 from seqshard.testing import ListSource
 
@@ -102,3 +110,75 @@ def test_sort_batch_with_copies_resumes_everywhere(cost):
     batches = assert_resumes_everywhere(make)
     assert sorted(k for batch in batches for k in batch) == sorted(stream)
     assert all(len(set(batch)) == len(batch) for batch in batches)
+
+
+def _fits(cost, lengths, batch):
+    return len(batch) == 1 or cost.fits(len(batch), max(lengths[i] for i in batch))
+
+
+def _copies_apart_by_hand(lengths, cost, keys):
+    """What the batcher that keeps copies apart makes, worked out afresh for every batch from
+    the samples left (a reference: quadratic, and plain)."""
+    left = [i for i, length in enumerate(lengths) if cost.fits(1, length)]
+    lower = sum(1 / _most_per_batch(cost, lengths[i]) for i in left)
+    batches = []
+    while left:
+        copies = Counter(keys[i] for i in left)
+        first = {}
+        for i in left:
+            first.setdefault(keys[i], i)
+        due = []
+        if max(copies.values()) >= 2 and max(copies.values()) + 1 >= math.ceil(lower - 1e-6):
+            cut = _cut_in_order(lengths, cost, left)
+            if len(cut) >= 2:
+                must = [key for key in copies if copies[key] >= len(cut)]
+                tight = sorted((key for key in copies if copies[key] == len(cut) - 1), key=first.get)
+                due = sorted(must + tight[: max(0, len(must) + len(tight) - len(cut[-1]))], key=first.get)
+        batch = []
+        for key in due:  # one that does not fit waits for the next batch
+            if _fits(cost, lengths, batch + [first[key]]):
+                batch.append(first[key])
+        for i in left:  # then each key's first copy left, in order, while they fit
+            if first[keys[i]] != i or i in batch:
+                continue
+            if len(batch) == len(copies) or not _fits(cost, lengths, batch + [i]):
+                break
+            batch.append(i)
+        left = [i for i in left if i not in batch]
+        lower -= sum(1 / _most_per_batch(cost, lengths[i]) for i in batch)
+        batches.append(sorted(batch))
+    return batches
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 9), st.integers(1, 12), st.integers(1, 30)), min_size=1, max_size=30),
+    st.sampled_from([FixedSize(1), FixedSize(3), FixedSize(8), LengthBudget(60), LengthBudget(200, 50.0)]),
+    st.booleans(),
+)
+def test_copies_apart_makes_the_batches_worked_out_afresh_for_each(utterances, cost, ascending):
+    """``utterances``: (key, copies, length); sorted by length or in the order drawn."""
+    stream = [(f"k{key}", length) for key, copies, length in utterances for _ in range(copies)]
+    if ascending:
+        stream.sort(key=lambda item: (item[1], item[0]))
+    lengths, keys = [length for _, length in stream], [key for key, _ in stream]
+    batches, oversize = cut_batches(lengths, cost, keys, ascending=ascending)
+    assert batches == _copies_apart_by_hand(lengths, cost, keys)
+    assert oversize == [i for i, length in enumerate(lengths) if not cost.fits(1, length)]
+
+
+def test_many_copies_of_few_keys_are_batched_in_few_steps():
+    """A folder that repeats one shard's 8 keys: each key 400 times in a window, batches of
+    one copy of each. The batcher tried each sample against the cost once per batch
+    (650,000 tests here); now a few per batch (9,400)."""
+    tests = []
+
+    class Counted(LengthBudget):
+        def fits(self, count, longest):
+            tests.append(1)
+            return super().fits(count, longest)
+
+    lengths, keys = _window([(f"u{k}", 5 + 2 * k) for k in range(8) for _ in range(400)])
+    batches, _ = cut_batches(lengths, Counted(20_000), keys, ascending=True)
+    assert len(batches) == 400 and all(sorted(keys[i] for i in batch) == sorted(set(keys)) for batch in batches)
+    assert len(tests) < 20 * len(lengths)

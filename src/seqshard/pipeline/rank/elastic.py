@@ -31,7 +31,7 @@ from ..stages.passes import Passes
 from ..stages.reader import ShardReader
 from ..stages.sample import Sample
 from ..workers.setup import WorkerSetup, make_setup
-from ..workers.worker import build_pipeline, carry_from_json
+from ..workers.worker import build_pipeline, carry_from_json, carry_to_json
 from .merge import RankPosition, WorkerPosition
 
 _LOG = logging.getLogger("seqshard")
@@ -106,26 +106,18 @@ def remainder_plan(
         for worker, spot in enumerate(position.workers)
     ]
     mine = range(rank, len(readers), world_size) if gather is not None else range(len(readers))
-    found = {number: _to_json(reader_remainder(*readers[number])) for number in mine}
+    found = {number: carry_to_json(reader_remainder(*readers[number])) for number in mine}
     if gather is not None:
         found = {number: part for parts in gather(found) for number, part in parts.items()}
     by_source: dict[int, tuple[int, list[Unit]]] = {}
     for number in range(len(readers)):
-        for source, (at, units) in _from_json(found[number]).items():
+        for source, (at, units) in carry_from_json(found[number]).items():
             latest, gathered = by_source.get(source, (at, []))
             by_source[source] = (max(latest, at), gathered + units)
     return {
         source: (at, spread_units(table, units, world_size, workers))
         for source, (at, units) in sorted(by_source.items())
     }
-
-
-def _to_json(remainder: Remainder) -> list:
-    return [[source, at, [u.to_json() for u in units]] for source, (at, units) in remainder.items()]
-
-
-def _from_json(data: list) -> Remainder:
-    return {int(source): (int(at), [Unit.from_json(u) for u in units]) for source, at, units in data}
 
 
 def elastic_position(

@@ -222,6 +222,7 @@ class Growth:
 
 _UNREAD = object()  # an output of a window restored from its record, not read again yet
 REPLAY_BATCH = 64  # items read again at once, at least one output's
+ARRANGE_PIECES = 3  # a window's arrangement made ahead: its outputs, their record, the record's text
 
 
 class Window:
@@ -262,17 +263,26 @@ class Window:
 class NextWindow:
     """The window after a window stage's current one, read before it is needed: :meth:`prepare`
     (called after an output was handed out) reads the share of it that the outputs handed out
-    since the last call stand for, so it is read by the time the current window runs out and a
-    window's boundary costs no more than any other output; :meth:`further` reads more of it
-    while time allows, so that it is read long before. Without either it is read when the
-    current window runs out (:meth:`take`). Its items are the same either way: what ends a
-    window depends on its items alone."""
+    since the last call stand for, so it is read a few outputs before the current window runs
+    out, and the calls left arrange it a piece each (``arranging``: a generator of the
+    arrangement's pieces, its value the arranged window), so that a window's boundary costs no
+    more than any other output; :meth:`further` reads and arranges it while time allows, so
+    that this is done long before. Without either it is read (and arranged) when the current
+    window runs out (:meth:`take`). Its items are the same either way: what ends a window
+    depends on its items alone, and what it is arranged into on them and its number."""
 
-    def __init__(self, source: Stage, add: Callable[[Window, Any], bool]):
-        self.source, self.add = source, add
+    def __init__(
+        self,
+        source: Stage,
+        add: Callable[[Window, Any], bool],
+        arranging: Callable[[Window], Iterator[None]] | None = None,
+    ):
+        self.source, self.add, self.arranging = source, add, arranging
         self.window: Window | None = None
         self.prepared = 0  # outputs of the current window whose share of this one was read
         self.primed = False  # prepare() was called since the stream started or was restored
+        self._pieces: Iterator[None] | None = None  # the window's arrangement under way
+        self.arranged: Any = None  # and its value once made
 
     def after(self, number: int) -> Window:
         """Window ``number + 1``, begun where the source stands unless it was already."""
@@ -280,36 +290,65 @@ class NextWindow:
             self.window = Window(number + 1, self.source.get_state())
         return self.window
 
-    def take(self, number: int) -> Window:
-        """Window ``number + 1`` read to its end, no longer ahead."""
+    def take(self, number: int) -> tuple[Window, Any]:
+        """Window ``number + 1`` read to its end, no longer ahead, and its arrangement where
+        :meth:`further` began it (the rest of it made now), else None."""
         window, self.window = self.after(number), None
-        return window.read_from(self.source, self.add)
+        if self._pieces is not None:
+            while self._arrange_piece():
+                pass
+        arranged, self.arranged, self._pieces = self.arranged, None, None
+        return window.read_from(self.source, self.add), arranged
+
+    def _arrange_piece(self) -> bool:
+        """One more piece of the arrangement under way; False once it is made."""
+        try:
+            next(self._pieces)  # type: ignore[arg-type]
+            return True
+        except StopIteration as done:
+            self.arranged, self._pieces = done.value, None
+            return False
 
     def prepare(self, number: int, emitted: int, outputs: int, expected: Callable[[int], int]) -> None:
         """Read the share of the window after window ``number`` for the outputs handed out
         since the last call (``emitted`` of its ``outputs`` so far; ``expected``: about how
-        many items a window of a number holds)."""
+        many items a window of a number holds); once it is read, make the next piece of its
+        arrangement. The reading ends ``ARRANGE_PIECES`` calls early, left to the pieces."""
         if emitted <= self.prepared or number < 0:
             return
         ahead = self.after(number)
+        # before the first call, outputs went out with nothing read ahead
+        handed = emitted - self.prepared if self.primed else 1
         if not ahead.closed:
             # the reading left, spread over the outputs left (those handed out since the last
-            # call included; before the first call, outputs went out with nothing read ahead)
-            handed = emitted - self.prepared if self.primed else 1
+            # call included) but those whose calls arrange it
+            later = outputs - emitted - (ARRANGE_PIECES * handed if self.arranging is not None else 0)
             left = expected(ahead.number) - len(ahead.items)
             ahead.read_from(
-                self.source, self.add, len(ahead.items) + math.ceil(left * handed / (handed + outputs - emitted))
+                self.source, self.add, len(ahead.items) + math.ceil(left * handed / (handed + max(0, later)))
             )
+        elif self.arranging is not None and self.arranged is None:
+            self._next_piece(ahead)
         self.prepared, self.primed = emitted, True
+
+    def _next_piece(self, ahead: Window) -> None:
+        """The next piece of the arrangement of ``ahead`` (read to its end)."""
+        if self._pieces is None:
+            self._pieces = self.arranging(ahead)  # type: ignore[misc]
+        self._arrange_piece()
 
     def further(self, number: int, until: float) -> bool:
         """Read the window after window ``number`` an item at a time, the source reading its share
-        ahead for each, until it closes or ``until`` comes (``Stage.read_further``)."""
+        ahead for each, until it closes or ``until`` comes (``Stage.read_further``); then, if time
+        is left, the next piece of its arrangement. True once it is read (what is left of its
+        arrangement is made by later calls, or where it is taken)."""
         ahead = self.after(number)
         while not ahead.closed and time.perf_counter() < until:
             ahead.read_from(self.source, self.add, len(ahead.items) + 1)
             self.source.prepare()
         self.source.read_further(until)
+        if ahead.closed and self.arranging is not None and self.arranged is None and time.perf_counter() < until:
+            self._next_piece(ahead)
         return ahead.closed
 
 
@@ -335,6 +374,7 @@ class WindowStage(Stage[U]):
 
     legacy_growth: Growth | None = None
     replay: Callable[[list[Origin]], list[Any]] | None = None
+    arranges_ahead = False  # arrange() depends on a window's items and number alone: it may run ahead
 
     def __init__(self, source: Stage, window: int, what: str, grow: Growth | None = None):
         super().__init__(source)
@@ -348,6 +388,10 @@ class WindowStage(Stage[U]):
     def arrange(self, items: list[Any], number: int, fresh: bool) -> list[U]:
         """The outputs of window ``number``; ``fresh`` is False when a restore re-reads it."""
         raise NotImplementedError
+
+    def formed(self, items: int, outputs: list[U]) -> None:
+        """A window of ``items`` read for the first time became the current one, arranged into
+        ``outputs``: a subclass counts what it left out."""
 
     def add(self, window: Window, item: Any) -> bool:
         """Put ``item`` into ``window``; set ``window.full`` (and return it) when its items
@@ -394,7 +438,7 @@ class WindowStage(Stage[U]):
         self._window_number = -1
         self._emitted = 0
         self._count = 0  # items of the current window
-        self._ahead = NextWindow(self.source, self.add)  # the next window
+        self._ahead = NextWindow(self.source, self.add, self._arranging if self.arranges_ahead else None)
         self._source_stats: dict[str, int] | None = None  # the source's counters where the current window ended
         self._held: Held | None = None  # the current window's outputs by origin (with replay)
         self._window_end: State | None = None  # and the source's state where it ended
@@ -431,25 +475,47 @@ class WindowStage(Stage[U]):
         assert self._held is not None and self.replay is not None
         read_again(self._held, self._outputs, index, self.replay, self.rebuild)
 
-    def _arrange(self, window: Window, fresh: bool) -> None:
+    def _arrange(self, window: Window, fresh: bool, arranged: tuple[list[U], Held | None] | None = None) -> None:
+        """Make ``window`` the current one (``arranged``: its outputs and their record, made ahead)."""
         self._source_stats = self.source.stats()
         self._window_start = window.start
         self._window_number = window.number
         self._count = len(window.items)
-        self._outputs = list(self.arrange(window.items, window.number, fresh))
+        self._outputs = list(self.arrange(window.items, window.number, fresh)) if arranged is None else arranged[0]
+        if fresh:
+            self.formed(self._count, self._outputs)  # type: ignore[arg-type]
         self._emitted = self._ahead.prepared = 0
         if self.replay is not None:
             self._window_start = without_held(window.start)
             self._window_end = self.source.get_state()
-            items_of = self.held if type(self).held is not WindowStage.held else None  # None: an output is an item
-            numbers_of = self.numbers if type(self).numbers is not WindowStage.numbers else None
-            self._held = Held.describe(self._outputs, items_of, numbers_of, window.ended)
+            self._held = self._describe(self._outputs, window.ended) if arranged is None else arranged[1]
         if window.ended:  # nothing follows: an empty window ends the stream
             self._ahead.window = Window(window.number + 1, self.source.get_state(), ended=True)
 
+    def _describe(self, outputs: list, ended: bool) -> Held | None:
+        """The record of a window's ``outputs`` (``Held.describe``)."""
+        items_of = self.held if type(self).held is not WindowStage.held else None  # None: an output is an item
+        numbers_of = self.numbers if type(self).numbers is not WindowStage.numbers else None
+        return Held.describe(outputs, items_of, numbers_of, ended)
+
+    def _arranging(self, window: Window) -> Iterator[None]:
+        """The arrangement of the next ``window`` made ahead, in pieces (``NextWindow.further``):
+        its outputs; then, with replay, their record; then the record's text, which the state
+        of its first output carries packed. Its value: the outputs and the record."""
+        outputs = list(self.arrange(window.items, window.number, True))
+        if self.replay is None:
+            return outputs, None
+        yield
+        held = self._describe(outputs, window.ended)
+        if held is not None:
+            yield
+            held.encode()
+        return outputs, held
+
     def next(self) -> U:
         if self._emitted >= len(self._outputs):
-            self._arrange(self._ahead.take(self._window_number), fresh=True)
+            window, arranged = self._ahead.take(self._window_number)
+            self._arrange(window, True, arranged)
             if not self._outputs:
                 raise StopIteration
         output = self._outputs[self._emitted]

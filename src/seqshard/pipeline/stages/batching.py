@@ -20,9 +20,10 @@ batches were emitted; a restore re-reads the window and skips those.
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
-from collections import Counter, deque
-from collections.abc import Container, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -239,6 +240,10 @@ class _CopiesApart:
     last batch to hold the rest of them. Copies never pile up at the end as a run of short
     batches: with a fixed batch size every batch but the last is full whenever any
     arrangement allows it (no key with more copies than batches).
+
+    The work is ``n log n`` however often keys repeat: a batch draws from a heap of each key's
+    first copy left (not a scan past the copies of the keys it holds), and the batches left are
+    counted over runs of one length (:class:`_Runs`), not sample by sample.
     """
 
     def __init__(self, lengths: Sequence[int], cost: BatchCost, keys: Sequence[str], order: list[int]):
@@ -246,83 +251,137 @@ class _CopiesApart:
         self.cost = cost
         self.keys = keys
         self.order = order
-        self.copies: dict[str, deque[int]] = {}  # each key's copies not yet placed, in order
-        for index in order:
-            self.copies.setdefault(keys[index], deque()).append(index)
-        self.keys_with = Counter(map(len, self.copies.values()))  # copies left -> keys with as many
-        self.most_copies = max(self.keys_with)
-        self.placed = [False] * len(lengths)
-        self.front = 0  # order[:front] is placed
+        self.copies: dict[str, deque[int]] = {}  # each key's copies not yet placed: positions in order
+        for position, index in enumerate(order):
+            self.copies.setdefault(keys[index], deque()).append(position)
+        self.with_copies: dict[int, set[str]] = {}  # copies left -> the keys with as many (none: no entry)
+        for key, waiting in self.copies.items():
+            self.with_copies.setdefault(len(waiting), set()).add(key)
+        self.most_copies = max(self.with_copies)
+        self.heads = [waiting[0] for waiting in self.copies.values()]  # each key's first copy left (and stale ones)
+        heapq.heapify(self.heads)
         self.left = len(order)
+        most = {length: _most_per_batch(cost, length) for length in {lengths[i] for i in order}}
+        self.runs = _Runs([lengths[index] for index in order], most)
         # a lower bound of the batches left: each sample takes at least 1 / (the most samples
         # of its length a batch holds) of one
-        self._share = {length: 1 / _most_per_batch(cost, length) for length in {lengths[i] for i in order}}
+        self._share = {length: 1 / count for length, count in most.items()}
         self.lower = sum(self._share[lengths[index]] for index in order)
 
     def cut(self) -> list[list[int]]:
         batches = []
         while self.left:
-            while self.placed[self.order[self.front]]:
-                self.front += 1
             batches.append(self._next_batch())
         return batches
 
     def _next_batch(self) -> list[int]:
-        batch: list[int] = []
+        batch: list[int] = []  # positions in order
         taken: set[str] = set()
         longest = 0
         keys_left = len(self.copies)
 
-        def add(index: int) -> bool:
+        def add(position: int) -> bool:
             nonlocal longest
-            if batch and not self.cost.fits(len(batch) + 1, max(longest, self.lengths[index])):
+            length = self.lengths[self.order[position]]
+            if batch and not self.cost.fits(len(batch) + 1, max(longest, length)):
                 return False
-            batch.append(index)
-            longest = max(longest, self.lengths[index])
-            taken.add(self.keys[index])
+            batch.append(position)
+            longest = max(longest, length)
+            taken.add(self.keys[self.order[position]])
             return True
 
         for key in self._due_keys():
             add(self.copies[key][0])  # one that does not fit is due again for the next batch
-        for index in self._unplaced(taken):
-            if len(taken) == keys_left or not add(index):
+        while self.heads and len(taken) < keys_left:
+            position = self.heads[0]
+            key = self.keys[self.order[position]]
+            placed = key in taken or self.copies.get(key, (None,))[0] != position  # in this batch or before
+            if not placed and not add(position):
                 break
-        for index in batch:
-            key = self.keys[index]
-            self.copies[key].popleft()
-            count = len(self.copies[key])
-            self.keys_with[count + 1] -= 1
-            self.keys_with[count] += 1
-            if not count:
-                del self.copies[key]
-            self.placed[index] = True
-            self.lower -= self._share[self.lengths[index]]
+            heapq.heappop(self.heads)
+        for position in batch:
+            self._place(position)
         self.left -= len(batch)
-        while self.most_copies > 1 and not self.keys_with[self.most_copies]:
+        while self.most_copies > 1 and self.most_copies not in self.with_copies:
             self.most_copies -= 1
-        return sorted(batch)
+        return sorted(self.order[position] for position in batch)
 
-    def _unplaced(self, taken: Container[str] = ()) -> Iterator[int]:
-        """The samples not yet placed whose keys are not ``taken``, in order."""
-        for position in range(self.front, len(self.order)):
-            index = self.order[position]
-            if not self.placed[index] and self.keys[index] not in taken:
-                yield index
+    def _place(self, position: int) -> None:
+        key = self.keys[self.order[position]]
+        waiting = self.copies[key]
+        waiting.popleft()
+        count = len(waiting)
+        had = self.with_copies[count + 1]
+        had.discard(key)
+        if not had:
+            del self.with_copies[count + 1]
+        if count:
+            self.with_copies.setdefault(count, set()).add(key)
+            heapq.heappush(self.heads, waiting[0])
+        else:
+            del self.copies[key]
+        self.runs.take(position)
+        self.lower -= self._share[self.lengths[self.order[position]]]
 
     def _due_keys(self) -> list[str]:
         """The keys that must go into the next batch for the batches left to hold every key's
         copies apart, earliest first."""
         if self.most_copies < 2 or self.most_copies + 1 < math.ceil(self.lower - 1e-6):
             return []  # fewer copies of any key than batches left, by far
-        rest = [self.lengths[index] for index in self._unplaced()]
-        cut = _cut_in_order(rest, self.cost, range(len(rest)))
-        batches_left, last_size = len(cut), len(cut[-1])
+        batches_left, last_size = self.runs.cut(self.cost)
         if batches_left < 2:
             return []
-        first = {key: waiting[0] for key, waiting in self.copies.items()}
-        must = [key for key, waiting in self.copies.items() if len(waiting) >= batches_left]
-        tight = sorted((key for key, waiting in self.copies.items() if len(waiting) == batches_left - 1), key=first.get)
-        return sorted(must + tight[: max(0, len(must) + len(tight) - last_size)], key=first.get)
+        first = {
+            key: self.copies[key][0]
+            for count, keys in self.with_copies.items()
+            if count >= batches_left - 1
+            for key in keys
+        }
+        must = [key for key in first if len(self.copies[key]) >= batches_left]
+        tight = sorted((key for key in first if len(self.copies[key]) == batches_left - 1), key=first.__getitem__)
+        return sorted(must + tight[: max(0, len(must) + len(tight) - last_size)], key=first.__getitem__)
+
+
+class _Runs:
+    """The samples not yet placed, as runs of one length along the order: the greedy batches of
+    what is left (:func:`_cut_in_order`'s) counted a run at a time, not a sample at a time."""
+
+    def __init__(self, lengths: Sequence[int], most: dict[int, int]):
+        self.most = most  # the most samples of a length one batch holds
+        self.run_of: list[int] = []
+        self.lengths: list[int] = []  # a run's length
+        self.counts: list[int] = []  # its samples not yet placed
+        for length in lengths:
+            if not self.lengths or self.lengths[-1] != length:
+                self.lengths.append(length)
+                self.counts.append(0)
+            self.run_of.append(len(self.lengths) - 1)
+            self.counts[-1] += 1
+        self.alive = list(range(len(self.lengths)))
+
+    def take(self, position: int) -> None:
+        self.counts[self.run_of[position]] -= 1
+
+    def cut(self, cost: BatchCost) -> tuple[int, int]:
+        """How many greedy batches the samples left make, and the last one's size. Within a run
+        a batch takes samples up to the most its longest allows (a cost that, at one length, only
+        gets harder with more samples: every cost here)."""
+        self.alive = [run for run in self.alive if self.counts[run]]
+        batches = size = longest = 0
+        for run in self.alive:
+            left, length = self.counts[run], self.lengths[run]
+            if size:
+                most = self.most[max(longest, length)]
+                if size < most:
+                    took = min(left, most - size)
+                    size, left, longest = size + took, left - took, max(longest, length)
+                if left:
+                    batches, size = batches + 1, 0
+            if left:
+                most = self.most[length]
+                full = (left - 1) // most
+                batches, size, longest = batches + full, left - full * most, length
+        return batches + 1, size
 
 
 def _most_per_batch(cost: BatchCost, length: int) -> int:
@@ -350,6 +409,7 @@ class SortBatch(WindowStage[Batch]):
     """
 
     legacy_growth = Growth(1 / 16)  # every stream's, before growth followed the epoch's size
+    arranges_ahead = True
 
     def __init__(
         self,
@@ -417,12 +477,15 @@ class SortBatch(WindowStage[Batch]):
         batches = [Batch([samples[i] for i in batch], [lengths[i] for i in batch]) for batch in indices]
         if self.oversize == "alone":
             batches.extend(Batch([samples[i]], [lengths[i]]) for i in oversize)
-        elif fresh and oversize:  # a restored window was counted when first formed
-            self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + len(oversize)
         if self.shuffle:
             order = stage_rng(self.seed, Seed.BATCH_ORDER, *self.position, number).permutation(len(batches))
             batches = [batches[i] for i in order]
         return batches
+
+    def formed(self, items: int, outputs: list[Batch]) -> None:
+        dropped = items - sum(len(batch) for batch in outputs)  # "drop": the samples over the budget
+        if dropped:  # counted once: a restored window was counted when first formed
+            self._counts["dropped.oversize"] = self._counts.get("dropped.oversize", 0) + dropped
 
     def held(self, output: Batch) -> list[Sample]:
         return output.samples

@@ -97,6 +97,8 @@ class BucketSortBatch(SortBatch):
     module docstring); ``before``: the batches this reader handed out before this stage's first
     (earlier passes of an endless stream), so that the draws go on where they stood."""
 
+    arranges_ahead = False  # a window's order follows the batches handed out before it
+
     def __init__(self, *args, draws: BucketDraws, before: int = 0, **options):
         super().__init__(*args, **options)
         self.draws = draws

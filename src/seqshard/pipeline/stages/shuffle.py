@@ -21,6 +21,8 @@ class WindowShuffle(WindowStage[T]):
     """Emits each window of ``window`` items in the order drawn from (seed, *position, window);
     with ``grow``, a stream's first windows are that share of ``window``, doubling."""
 
+    arranges_ahead = True
+
     def __init__(self, source: Stage[T], window: int, seed: int, *position: int, grow: Growth | None = None):
         super().__init__(source, window, "shuffle window", grow)
         self.seed = seed
