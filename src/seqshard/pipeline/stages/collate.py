@@ -10,7 +10,7 @@ field the loader was asked for is in every batch, also where no sample has it (`
 the field's index records, else as the field was last seen), or a list of None.
 
 The arrays are allocated by the caller's ``allocate(shape, dtype)`` (numpy, or views of a
-shared-memory slot: see ``transfer.py``); only the batch crosses to the training process.
+shared-memory slot: see ``pipeline/transport/slots.py``); only the batch crosses to the training process.
 """
 
 from __future__ import annotations
