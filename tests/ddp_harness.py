@@ -8,6 +8,7 @@ each epoch made, to OUT/rank<r>.json.
 """
 
 import datetime
+import faulthandler
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from pathlib import Path
 
 def main() -> None:
     config = json.loads(Path(sys.argv[1]).read_text())
+    faulthandler.dump_traceback_later(100)  # a job that hangs says where (the test gives up at 120 s)
     import torch
     import torch.distributed as dist
 

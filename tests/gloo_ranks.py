@@ -158,7 +158,7 @@ def wait_for(processes: list[RankProcess], timeout: float = 120) -> None:
         time.sleep(0.05)
     if any(p.poll() is None for p in processes):
         kill(processes)
-        logs = "\n".join(p.stdout.read().decode(errors="replace")[-3000:] for p in processes)
+        logs = "\n".join(p.stdout.read().decode(errors="replace")[-8000:] for p in processes)
         pytest.fail(f"distributed job hung (still running after {timeout} s):\n{logs}")
     for rank, process in enumerate(processes):
         if process.returncode != 0:
