@@ -102,10 +102,12 @@ def test_every_executor_writes_the_same_bytes(tmp_path, corpus, small_waves):
     assert written(tmp_path / "dask-cli") == reference
 
 
-def test_a_local_dask_cluster_from_the_command_line(tmp_path, corpus):
+def test_a_local_dask_cluster_from_the_command_line(tmp_path, corpus, caplog):
     argv = ["pack", "--scp", str(corpus.scp), "--text", str(corpus.text), "--utts-per-file", "7", "--quiet"]
     assert main([*argv, "--out", str(tmp_path / "one")]) == 0
     assert main([*argv, "--out", str(tmp_path / "dask"), "--executor", "dask-local:2"]) == 0
+    chatter = [r.getMessage() for r in caplog.records if r.name.startswith("distributed") and r.levelno < 30]
+    assert not chatter, chatter  # dask's ~30 INFO lines (its scheduler, nannies, workers) only with --verbose
     one, dask = (sorted((tmp_path / n).glob("data-*.tar")) for n in ("one", "dask"))
     assert [p.read_bytes() for p in one] == [p.read_bytes() for p in dask] and len(one) == 9
 

@@ -170,6 +170,8 @@ def _needs(module: str, extra: str, spec: str) -> Any:
 @contextlib.contextmanager
 def _dask(spec: str, kind: str, rest: str, settings: dict[str, str]) -> Iterator[Any]:
     distributed = _needs("dask.distributed", "dask", spec)
+    if not logging.getLogger().isEnabledFor(logging.INFO):  # dask's own INFO lines only with --verbose
+        logging.getLogger("distributed").setLevel(logging.WARNING)
     if kind == "dask-local":
         workers = _count(spec, rest)
         with (
