@@ -438,7 +438,8 @@ class WindowStage(Stage[U]):
         self._window_number = -1
         self._emitted = 0
         self._count = 0  # items of the current window
-        self._ahead = NextWindow(self.source, self.add, self._arranging if self.arranges_ahead else None)
+        arranging = (lambda window: _arranged_ahead(self, window)) if self.arranges_ahead else None
+        self._ahead = NextWindow(self.source, self.add, arranging)
         self._source_stats: dict[str, int] | None = None  # the source's counters where the current window ended
         self._held: Held | None = None  # the current window's outputs by origin (with replay)
         self._window_end: State | None = None  # and the source's state where it ended
@@ -488,29 +489,9 @@ class WindowStage(Stage[U]):
         if self.replay is not None:
             self._window_start = without_held(window.start)
             self._window_end = self.source.get_state()
-            self._held = self._describe(self._outputs, window.ended) if arranged is None else arranged[1]
+            self._held = _record(self, self._outputs, window.ended) if arranged is None else arranged[1]
         if window.ended:  # nothing follows: an empty window ends the stream
             self._ahead.window = Window(window.number + 1, self.source.get_state(), ended=True)
-
-    def _describe(self, outputs: list, ended: bool) -> Held | None:
-        """The record of a window's ``outputs`` (``Held.describe``)."""
-        items_of = self.held if type(self).held is not WindowStage.held else None  # None: an output is an item
-        numbers_of = self.numbers if type(self).numbers is not WindowStage.numbers else None
-        return Held.describe(outputs, items_of, numbers_of, ended)
-
-    def _arranging(self, window: Window) -> Iterator[None]:
-        """The arrangement of the next ``window`` made ahead, in pieces (``NextWindow.further``):
-        its outputs; then, with replay, their record; then the record's text, which the state
-        of its first output carries packed. Its value: the outputs and the record."""
-        outputs = list(self.arrange(window.items, window.number, True))
-        if self.replay is None:
-            return outputs, None
-        yield
-        held = self._describe(outputs, window.ended)
-        if held is not None:
-            yield
-            held.encode()
-        return outputs, held
 
     def next(self) -> U:
         if self._emitted >= len(self._outputs):
@@ -569,6 +550,28 @@ class WindowStage(Stage[U]):
         if self._held is not None:
             state["end"], state["held"] = self._window_end, self._held
         return state
+
+
+def _record(stage: WindowStage, outputs: list, ended: bool) -> Held | None:
+    """The record of a window's ``outputs`` (``Held.describe``) by ``stage``."""
+    items_of = stage.held if type(stage).held is not WindowStage.held else None  # None: an output is an item
+    numbers_of = stage.numbers if type(stage).numbers is not WindowStage.numbers else None
+    return Held.describe(outputs, items_of, numbers_of, ended)
+
+
+def _arranged_ahead(stage: WindowStage, window: Window) -> Iterator[None]:
+    """``stage``'s arrangement of its next ``window`` made ahead, in pieces (``NextWindow``):
+    its outputs; then, with replay, their record; then the record's text, which the state of
+    its first output carries packed. Its value: the outputs and the record."""
+    outputs = list(stage.arrange(window.items, window.number, True))
+    if stage.replay is None:
+        return outputs, None
+    yield
+    held = _record(stage, outputs, window.ended)
+    if held is not None:
+        yield
+        held.encode()
+    return outputs, held
 
 
 def read_again(
