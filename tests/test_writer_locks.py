@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import kaldiio
 import numpy as np
@@ -163,3 +164,39 @@ def test_index_and_add_field_name_a_pack_that_has_not_written_a_shard_yet(tmp_pa
     pack.wait(timeout=60)
     os.close(held)
     assert not list(out.glob("*.tar")), "the pack was stopped before its first shard"
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def test_a_killed_pack_driver_takes_its_pool_workers_and_the_lock_with_it(tmp_path):
+    """SIGKILL to `pack --jobs 2`: its pool workers went on under pid 1 holding the folder's
+    lock (inherited), and the rerun was refused naming the dead driver."""
+    data = write_kaldi_dir(tmp_path / "d", speakers=2, per_speaker=6)
+    lines = data.scp.read_text().splitlines()
+    first = lines[0].split()[0]
+    fifo = tmp_path / "first.fifo"
+    os.mkfifo(fifo)
+    data.scp.write_text("\n".join([f"{first} cat {fifo} |", *lines[1:]]) + "\n")
+    out = tmp_path / "out"
+    code = f"from seqshard import pack_data; pack_data({str(data.scp)!r}, {str(data.text)!r}, {str(out)!r}, jobs=2, allow_pipes=True, progress=False)"
+    driver = _start(code)
+    held = _hold_reader(fifo, driver)  # a pool worker reads the FIFO
+    workers = _children(driver.pid)
+    assert workers, "the driver has no pool workers"
+    driver.kill()
+    driver.wait(timeout=30)
+    os.close(held)  # the worker's read ends (an empty matrix: its task fails, nobody waits for it)
+    deadline = time.monotonic() + 30
+    while any(
+        Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text() for pid in workers
+    ):
+        assert time.monotonic() < deadline, f"pool workers {workers} outlived their driver"
+        time.sleep(0.1)
+    data.scp.write_text("\n".join(lines) + "\n")  # the rerun, as the README advises after a crash
+    report = pack_data(data.scp, data.text, out, progress=False)
+    assert report.packed == len(lines)

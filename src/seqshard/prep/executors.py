@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -113,6 +115,7 @@ def _finished(future: Any) -> bool:
     return done is not None and bool(done())
 
 
+PARENT_WATCH_S = 1.0  # how often a pool worker checks that its driver is alive
 _FORMS = "processes:N, dask://HOST:PORT, dask-local:N, ray, ray://HOST:PORT or slurm"
 
 
@@ -129,7 +132,10 @@ def open_executor(
     if kind == "inline":
         yield InlineExecutor()
     elif kind == "processes":
-        with ProcessPoolExecutor(_count(spec, rest), mp_context=_context()) as pool:
+        workers = _count(spec, rest)
+        with ProcessPoolExecutor(
+            workers, mp_context=_context(), initializer=_end_with, initargs=(os.getpid(),)
+        ) as pool:
             yield pool
     elif kind == "dask" or kind == "dask-local":
         with _dask(spec, kind, rest, settings) as executor:
@@ -150,6 +156,19 @@ def _count(spec: str, text: str) -> int:
             f"{option('executor', spec)}: expected a number of workers from 1 to {MAX_WORKERS} after ':' ({_FORMS})."
         )
     return int(text)
+
+
+def _end_with(parent: int) -> None:
+    """A pool worker's watch: it ends once the driver that started it is gone, however that
+    ended (SIGKILL included). An orphan went on holding the folder's lock, which it inherited,
+    and the rerun the README advises was refused, naming the dead driver."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_WATCH_S)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="seqshard-parent-watch", daemon=True).start()
 
 
 def _context() -> Any:
