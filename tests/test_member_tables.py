@@ -4,6 +4,7 @@ parsing the headers, and checked against the file they describe."""
 
 import json
 import logging
+import os
 import re
 import shutil
 import tarfile
@@ -307,9 +308,18 @@ def test_a_truncated_shard_with_a_table_fails_as_it_does_without(packed_with_wor
     assert errors[0] == errors[1] and "data-00001.tar" in errors[0]
 
 
-def test_an_unreadable_table_is_a_damaged_shard_naming_it(packed_with_words, caplog):
+@pytest.mark.parametrize("kind", ["damaged", "a FIFO", "a device"])
+def test_an_unreadable_table_is_a_damaged_shard_naming_it(packed_with_words, caplog, kind):
+    """A FIFO or /dev/zero at a table's name held the loader, verify and index (zipfile read it)."""
     out = packed_with_words.out
-    table_path(out / "data-00003.tar").write_bytes(b"not a table")
+    table = table_path(out / "data-00003.tar")
+    table.unlink()
+    if kind == "damaged":
+        table.write_bytes(b"not a table")
+    elif kind == "a FIFO":
+        os.mkfifo(table)
+    else:
+        table.symlink_to("/dev/zero")
     with pytest.raises(ShardError, match=r"data-00003\.tar: its member table .* cannot be read"):
         batches(make_loader(out, **OPTIONS))
     with caplog.at_level(logging.WARNING, logger="seqshard"):

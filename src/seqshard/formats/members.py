@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ShardError
-from .files import default_file_mode, inside, writing
+from .files import default_file_mode, inside, open_input, writing
 from .inflation import MIN_INFLATION_LIMIT, InflationError, inflation_limit, limits_text
 from .npy import npy_header_size, npy_layout
 
@@ -273,7 +273,8 @@ def _read_arrays(path: Path, shard_bytes: int) -> dict[str, np.ndarray]:
     inflating within the rule of ``inflation.py``, and no array larger than the shard itself
     (a table holds a few numbers per 512-byte tar header). ValueError naming what is wrong."""
     arrays = {}
-    with zipfile.ZipFile(path) as archive:
+    # a regular file only: a FIFO or a device at its name held the reader (NotAFileError says what it is)
+    with os.fdopen(open_input(path), "rb") as file, zipfile.ZipFile(file) as archive:
         entries = {info.filename: info for info in archive.infolist()}
         for name in (*_NUMBERS, *_BLOBS, *_ARRAYS, *_OPTIONAL):
             info = entries.get(f"{name}.npy")
