@@ -364,7 +364,8 @@ def test_the_consumers_waits_are_measured_and_explained_once_an_epoch(packed, ca
         (2, 0.5, 0.5, 0.0, "prefetch_factor=8"),
     ],
 )
-def test_the_advice_names_what_to_change(workers, waited, busy, first, says):
+def test_the_advice_names_what_to_change(workers, waited, busy, first, says, monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)  # a machine of 16 cores
     meter = FeedMeter(Workers(num_workers=workers), rank=0)
     meter.steps, meter.waited, meter.busy, meter.first = 100, waited, busy, first
     meter.started = time.perf_counter() - (1.0 + waited)  # 100 steps of 10 ms of the consumer's own
@@ -682,3 +683,13 @@ def test_a_sample_read_in_one_process_costs_fewer_calls(five_hundred):
     samples = sum(len(batch["keys"]) for batch in loader)
     sys.setprofile(None)
     assert samples == 500 and calls / samples <= 100, calls / samples
+
+
+def test_the_wait_advice_never_asks_for_more_workers_than_the_rank_has_cores(monkeypatch):
+    """On a 2-core machine the advice asked for num_workers=14: more workers than cores."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    meter = FeedMeter(Workers(num_workers=1), rank=0)
+    meter.steps, meter.waited, meter.busy = 100, 0.5, 3.0  # a batch takes a worker 30 ms, a step 10 ms: 5 workers
+    meter.started = time.perf_counter() - 1.5
+    advice = meter.advice(meter.share())
+    assert "more than the 2 cores this rank may use" in advice and "num_workers=" not in advice, advice

@@ -13,6 +13,7 @@ import logging
 import math
 import time
 
+from ...dist import cores_per_rank
 from ...errors import option
 from ...options import Workers
 
@@ -79,6 +80,13 @@ class FeedMeter:
                 f"{option('num_workers', 'auto')} moves them to worker processes."
             )
         needed = math.ceil(1.5 * batch_ms / step_ms) if step_ms > 0 else workers + 1
+        cores = cores_per_rank()
+        if needed > max(workers, cores):  # more workers would only share the same cores
+            return said + (
+                f"{workers} worker(s) cannot keep up, and the {needed} it would take are more than the {cores} "
+                "cores this rank may use: cheaper work per sample in the workers (features made at pack time, a "
+                "smaller sort window), or more CPU cores for each training process."
+            )
         if needed > workers:
             return said + (
                 f"{workers} worker(s) cannot keep up: {option('num_workers', needed)} or more (each makes a batch in "
