@@ -159,18 +159,33 @@ def test_budgets_found_on_another_device_are_named():
     )
 
 
-def test_a_setting_only_rank_0_refuses_stops_every_rank_with_a_message(tmp_path):
-    """``--steps-file`` (opened by rank 0 alone) naming a folder: rank 1 stops at once naming
-    rank 0, rather than dying later in gloo when rank 0 has gone."""
+@pytest.mark.parametrize("where", ["steps file", "checkpoint"])
+def test_what_only_rank_0_writes_failing_stops_every_rank_with_a_message(tmp_path, where):
+    """``--steps-file`` (opened by rank 0 alone) naming a folder, or a checkpoint rank 0 cannot
+    write (a hard link at its temporary's name): rank 1 stops naming rank 0, rather than dying
+    in gloo with a C++ trace when rank 0 has gone."""
     (tmp_path / "a-folder").mkdir()
-    command = [*OPTIONS, "--out", str(tmp_path / "run"), "--steps-file", str(tmp_path / "a-folder")]
+    command = [*OPTIONS, "--out", str(tmp_path / "run"), "--stop-after-steps", "2"]
+    if where == "steps file":
+        command += ["--steps-file", str(tmp_path / "a-folder")]
+    else:
+        (tmp_path / "run").mkdir()
+        (tmp_path / "users-file").write_text("the user's")
+        os.link(tmp_path / "users-file", tmp_path / "run" / "ckpt.pt.partial")
     processes = start_script(
         ROOT / "examples" / "train_ddp.py", command, tmp_path / "logs", world_size=2, stderr_apart=True
     )
-    if any(process.wait(120) is None for process in processes):
+    if any(process.wait(150) is None for process in processes):
         kill(processes)
-        pytest.fail("a rank still ran after 120 s")
+        pytest.fail("a rank still ran after 150 s")
     errors = [(tmp_path / "logs" / f"rank{rank}.err").read_text() for rank in (0, 1)]
     assert [process.returncode for process in processes] == [1, 1], errors
-    assert "error: --steps-file" in errors[0] and "cannot be written" in errors[0], errors[0]
-    assert errors[1].strip() == "error: rank 0 could not set up (its error says why); this rank stops too.", errors[1]
+    said, doing = {
+        "steps file": ("cannot be written", "set up"),
+        "checkpoint": ("is a file with 2 names", "save the checkpoint"),
+    }[where]
+    assert said in errors[0], errors[0]
+    assert errors[1].strip().endswith(f"error: rank 0 could not {doing} (its error says why); this rank stops too."), (
+        errors[1]
+    )
+    assert (tmp_path / "users-file").read_text() == "the user's" if where == "checkpoint" else True

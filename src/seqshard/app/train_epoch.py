@@ -24,7 +24,7 @@ from ..errors import counted
 from ..progress import Progress
 from .train_checkpoint import write_checkpoint
 from .train_memory import MemoryGuard, StepRunner, memory_line
-from .train_stops import Preemption, SkipRanges
+from .train_stops import Preemption, SkipRanges, together
 
 
 def line(text: str) -> None:
@@ -241,15 +241,20 @@ class Run:
     def save_checkpoint(self, next_epoch: int) -> None:
         """The run's state saved (by rank 0; every rank calls it at the same step: the loader's
         and the memory guard's states are collectives); ``next_epoch``: the epoch a resume runs
-        (the current one, or the next when it is done)."""
+        (the current one, or the next when it is done). One all-reduce a save besides: a
+        checkpoint rank 0 cannot write stops every rank with a message."""
         self.records.write()
         with self.meter.paused():
             loader_state = self.loader.state_dict()
             memory = self.guard.state(self.device)
-            if dist.get_rank() == 0:
-                state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()}
-                state |= {"settings": self.recorded, "loader": loader_state, "epoch": next_epoch, "step": self.step}
-                write_checkpoint(self.checkpoint_path, state | {"memory": memory})
+
+            def write() -> None:
+                if dist.get_rank() == 0:
+                    state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+                    state |= {"settings": self.recorded, "loader": loader_state, "epoch": next_epoch}
+                    write_checkpoint(self.checkpoint_path, state | {"step": self.step, "memory": memory})
+
+            together(write, self.device, "save the checkpoint")
 
     def stops(self, preemption: Preemption) -> bool:
         """After a step: its log line and checkpoint when due; True when the run stops here

@@ -6,16 +6,15 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from ..checks import check_number
-from ..errors import ConfigError, SeqshardError, counted
+from ..errors import ConfigError, counted
 from ..text.tokenizers import make_tokenizer
 from ..tools.calibrate import device_name
 from .config import apply_overrides, build_loaders, load_config, read_json
@@ -23,6 +22,7 @@ from .ctc_model import SmallCTC
 from .train_checkpoint import changes_since, read_checkpoint, restore, run_settings
 from .train_epoch import Run, StepRecords, say
 from .train_memory import MemoryGuard, length_buckets
+from .train_stops import together
 
 
 def demo_config(folder: Path, num_utts: int) -> dict[str, Any]:
@@ -39,34 +39,15 @@ def demo_config(folder: Path, num_utts: int) -> dict[str, Any]:
     return {"train": {"option": option}}
 
 
-T = TypeVar("T")
-CPU = torch.device("cpu")
-
-
-def together(work: Callable[[], T], device: torch.device) -> T:
-    """``work()`` on every rank, then one all-reduce: where it failed on some rank (a
-    SeqshardError, e.g. a file only rank 0 writes), every rank stops with a message, the
-    others naming that rank, instead of dying later in a collective whose peer has gone."""
-    failure: SeqshardError | None = None
-    try:
-        result = work()
-    except SeqshardError as error:
-        failure = error
-    failed = torch.tensor([0 if failure is None else dist.get_rank() + 1], device=device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
-    if failure is not None:
-        raise failure
-    if failed.item():
-        raise ConfigError(f"rank {int(failed.item()) - 1} could not set up (its error says why); this rank stops too.")
-    return result
-
-
 def init_distributed(cuda: bool) -> None:
     backend = "nccl" if cuda else "gloo"
     if "WORLD_SIZE" in os.environ:  # torchrun (or any launcher setting RANK, WORLD_SIZE, MASTER_*)
         dist.init_process_group(backend)
     else:  # one process, no launcher
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+CPU = torch.device("cpu")
 
 
 def load_settings(args: argparse.Namespace, rank: int, device: torch.device = CPU) -> tuple[dict[str, Any], str]:

@@ -1,17 +1,17 @@
 """Where a run stops or skips: a scheduler's signal, agreed across the ranks (``Preemption``),
-and ``--skip-steps`` (``SkipRanges``)."""
+``--skip-steps`` (``SkipRanges``), and an error on one rank that stops them all (``together``)."""
 
 from __future__ import annotations
 
 import argparse
 import signal
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from ..errors import ConfigError, counted
+from ..errors import ConfigError, SeqshardError, counted
 
 
 class Preemption:
@@ -137,3 +137,24 @@ class SkipRanges:
                 f"skipped steps {step + 1}-{step + skipped} (--skip-steps): {counted(skipped, 'step')}, batches not read"
             )
         return step + skipped
+
+
+T = TypeVar("T")
+
+
+def together(work: Callable[[], T], device: torch.device, what: str = "set up") -> T:
+    """``work()`` on every rank, then one all-reduce: where it failed on some rank (a
+    SeqshardError, e.g. a file only rank 0 writes), every rank stops with a message, the
+    others naming that rank, instead of dying later in a collective whose peer has gone."""
+    failure: SeqshardError | None = None
+    try:
+        result = work()
+    except SeqshardError as error:
+        failure = error
+    failed = torch.tensor([0 if failure is None else dist.get_rank() + 1], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failure is not None:
+        raise failure
+    if failed.item():
+        raise ConfigError(f"rank {int(failed.item()) - 1} could not {what} (its error says why); this rank stops too.")
+    return result
