@@ -142,15 +142,21 @@ def test_binarize_holds_its_output_prefix_and_not_the_folder(tmp_path):
     assert not (tmp_path / "train.bin").exists() and not (tmp_path / ".valid.lock").exists()
 
 
+def _first_from_a_fifo(tmp_path, **sizes):
+    """A Kaldi dir whose first utterance is piped from a FIFO (a pack reading it waits there);
+    the dir, its scp's lines as written, and the FIFO."""
+    data = write_kaldi_dir(tmp_path / "d", **sizes)
+    lines = data.scp.read_text().splitlines()
+    fifo = tmp_path / "first.fifo"
+    os.mkfifo(fifo)
+    data.scp.write_text("\n".join([f"{lines[0].split()[0]} cat {fifo} |", *lines[1:]]) + "\n")
+    return data, lines, fifo
+
+
 def test_index_and_add_field_name_a_pack_that_has_not_written_a_shard_yet(tmp_path):
     """Before its first shard a running pack's folder holds no shards: the other writers name
     the pack rather than saying there is nothing to index."""
-    data = write_kaldi_dir(tmp_path / "d", speakers=1, per_speaker=3)
-    lines = data.scp.read_text().splitlines()
-    first = lines[0].split()[0]
-    fifo = tmp_path / "first.fifo"
-    os.mkfifo(fifo)
-    data.scp.write_text("\n".join([f"{first} cat {fifo} |", *lines[1:]]) + "\n")
+    data, _, fifo = _first_from_a_fifo(tmp_path, speakers=1, per_speaker=3)
     out = tmp_path / "out"
     pack = _start(
         f"from seqshard import pack_data; pack_data({str(data.scp)!r}, {str(data.text)!r}, {str(out)!r}, allow_pipes=True, progress=False)"
@@ -176,12 +182,7 @@ def _children(pid: int) -> list[int]:
 def test_a_killed_pack_driver_takes_its_pool_workers_and_the_lock_with_it(tmp_path):
     """SIGKILL to `pack --jobs 2`: its pool workers went on under pid 1 holding the folder's
     lock (inherited), and the rerun was refused naming the dead driver."""
-    data = write_kaldi_dir(tmp_path / "d", speakers=2, per_speaker=6)
-    lines = data.scp.read_text().splitlines()
-    first = lines[0].split()[0]
-    fifo = tmp_path / "first.fifo"
-    os.mkfifo(fifo)
-    data.scp.write_text("\n".join([f"{first} cat {fifo} |", *lines[1:]]) + "\n")
+    data, lines, fifo = _first_from_a_fifo(tmp_path, speakers=2, per_speaker=6)
     out = tmp_path / "out"
     code = f"from seqshard import pack_data; pack_data({str(data.scp)!r}, {str(data.text)!r}, {str(out)!r}, jobs=2, allow_pipes=True, progress=False)"
     driver = _start(code)
