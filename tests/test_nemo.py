@@ -16,7 +16,7 @@ import soundfile
 
 from conftest import read_audio_shards
 from seqshard import make_loader
-from seqshard.errors import ConfigError, InputError, ShardError
+from seqshard.errors import ConfigError, InputError, SeqshardError, ShardError
 from seqshard.formats.peers.nemo_tarred import NemoTarStream, nemo_shard_of
 from seqshard.formats.streams import open_samples
 from seqshard.prep.pack import pack_data
@@ -464,3 +464,7 @@ def test_an_entry_past_the_end_of_its_recording_points_at_the_manifest(tmp_path)
         pack_data(None, None, tmp_path / "out", manifest=str(manifest), progress=False)
     report = pack_data(None, None, tmp_path / "kept", manifest=str(manifest), skip_bad=True, progress=False)
     assert (report.packed, report.dropped) == (1, {"bad_segment": 1})
+    with pytest.raises(
+        SeqshardError, match=r"runs past the end of its recording.* a manifest entry's offset and duration"
+    ):
+        read_all(str(manifest))  # the loader reading the manifest itself

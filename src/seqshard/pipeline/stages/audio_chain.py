@@ -30,6 +30,8 @@ from .base import Map, Stage, State
 from .sample import Sample
 
 _LOG = logging.getLogger("seqshard")
+# a sample's cut comes from a Kaldi segments file or a NeMo manifest's offset and duration
+CUT_FIX = "fix the times that cut it (a segments line, or a manifest entry's offset and duration; in seconds)."
 
 SampleRng = Callable[[int, Sample], np.random.Generator]  # (stage id, sample) -> its generator for that stage
 
@@ -54,7 +56,7 @@ def decode(sample: Sample, channel: int | None = None) -> Sample:
     audio = decode_audio(sample.fields.pop(name).data, sample.where(), channel)
     segment = sample.fields.pop(SEGMENT, None)
     if segment is not None:
-        audio = cut(audio, float(segment["start"]), float(segment["end"]), sample.where())
+        audio = cut(audio, float(segment["start"]), float(segment["end"]), sample.where(), CUT_FIX)
     sample.fields[AUDIO] = audio.samples
     sample.fields[SAMPLE_RATE] = audio.sample_rate
     return sample
